@@ -1,0 +1,150 @@
+"""Process groups: one ``init_parallel`` for CPU (gloo) and GPU (NCCL), and read-only helpers.
+
+Megatron keeps its parallel state in module globals; fnppo reads it in one place,
+:func:`current_layout`, and passes groups explicitly to everything below it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero"]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A snapshot of the parallel layout of this process (sizes, ranks and groups)."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any
+    backend: str
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def _default_backend(device: str | None) -> str:
+    if device == "cpu":
+        return "gloo"
+    if device == "cuda":
+        return "nccl"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    vpp: int | None = None,
+    seed: int = 1234,
+    device: str | None = None,
+    timeout_s: float = 300.0,
+) -> ParallelLayout:
+    """Set up torch.distributed and Megatron's model-parallel groups; seed Megatron's RNG trackers.
+
+    Works the same on CPU (gloo) and GPU (NCCL). When ``torch.distributed`` is not initialized yet,
+    it is initialized from the usual environment variables (``torchrun`` sets them); with none set,
+    a single process group of size 1 is created on a free local port. ``timeout_s`` bounds every
+    collective: a rank that fails makes the others fail after at most that long instead of hanging.
+
+    On CPU, call this inside :func:`fnppo.testing.megatron_on_cpu` (it redirects Megatron's
+    CUDA-only calls).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
+    if vpp is not None and (vpp < 1 or pp < 2):
+        raise ValueError(f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}")
+    backend = _default_backend(device)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}, received {world}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=backend == "gloo",
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
+
+
+def current_layout() -> ParallelLayout:
+    """Read Megatron's parallel state (the one place fnppo does so)."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        backend=dist.get_backend(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank_zero() -> bool:
+    """True on global rank 0, or when torch.distributed is not initialized (logging goes here only)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

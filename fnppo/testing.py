@@ -1,0 +1,224 @@
+"""Real megatron-core on CPU: a context manager and an N-rank launcher for tests.
+
+Megatron-core is written for CUDA, but its models, DDP, distributed optimizer, gradient finalizer
+and pipeline schedules run on CPU over gloo once a handful of CUDA-only calls are redirected.
+:func:`megatron_on_cpu` does that redirection for the duration of a ``with`` block:
+
+* a ``TorchFunctionMode`` maps ``device="cuda"`` / ``device=<int>`` arguments to the CPU, makes
+  ``Tensor.cuda()`` the identity and makes ``Tensor.type()`` report ``torch.cuda.*`` names (Megatron
+  asserts on them);
+* ``torch.cuda.current_device``, ``synchronize``, ``get_rng_state``, ``set_rng_state`` and
+  ``manual_seed`` and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU
+  generator.
+
+Build models with ``use_cpu_initialization=True`` and call :func:`fnppo.init_parallel` inside the
+block (it seeds Megatron's RNG trackers with ``model_parallel_cuda_manual_seed``).
+
+:func:`run_ranks` runs a picklable function on N gloo ranks in separate processes (started with
+``spawn``; each call gets its own free port), each inside :func:`megatron_on_cpu` with the requested
+TP/PP layout, and returns every rank's result. If any rank raises, all ranks are stopped and the
+first error is re-raised with its remote traceback.
+
+Limits: no sequence parallelism (it needs Transformer Engine or Apex norms), no Transformer Engine
+layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off), no context
+parallelism. Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
+distributed optimizer) is the real Megatron code path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fnppo.parallel import free_port
+
+__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "tiny_gpt_config"]
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, int):
+        return True
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA device arguments to the CPU (see module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to,) and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[None]:
+    """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = None, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    patches = [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
+        (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
+        (mrandom, "_get_cuda_rng_state", get_state),
+        (mrandom, "_set_cuda_rng_state", set_state),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    mode = _CudaToCpuMode()
+    try:
+        with mode:
+            yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`run_ranks` raised; the message holds its rank and remote traceback."""
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    seed: int,
+    timeout_s: float,
+    results: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        from fnppo.parallel import destroy_parallel, init_parallel
+
+        with megatron_on_cpu():
+            init_parallel(tp, pp, vpp=vpp, seed=seed, device="cpu", timeout_s=timeout_s)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                with contextlib.suppress(Exception):
+                    destroy_parallel()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    seed: int = 1234,
+    timeout_s: float = 300.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (real Megatron on CPU).
+
+    Each rank is a fresh process (``spawn``) with ``torch.distributed`` and Megatron's model-parallel
+    groups initialized for ``tp`` x ``pp`` (data parallel fills the rest) and RNG trackers seeded with
+    ``seed``. ``fn`` must be importable (a module-level function). Returns the list of per-rank
+    return values (tensors are passed back by pickling). If a rank raises, all ranks are killed and
+    :class:`RankError` carries the first failing rank's traceback; a rank that neither returns nor
+    raises within ``timeout_s`` seconds is reported the same way.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 60.0
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankError(f"run_ranks: ranks {sorted(set(range(world_size)) - set(out))} timed out")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in out]
+                if dead:
+                    raise RankError(f"run_ranks: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise RankError(f"run_ranks: rank {rank} of {world_size} raised:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5.0 if len(out) == world_size else 0.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
+
+
+def tiny_gpt_config(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for a tiny fp32 GPT that runs fast on CPU (see :func:`fnppo.model.gpt_config`)."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, max_seq_len=64)
+    base.update(overrides)
+    return base
