@@ -1,0 +1,782 @@
+"""Micro-batches: the :class:`Sample` and :class:`Microbatch` pytrees, collation and splitting.
+
+Plain torch + optree; nothing here imports Megatron. A policy-gradient step sees a batch of
+:class:`Sample` (prompt ids, response ids and per-response-token values) and runs it as a number
+of micro-batches:
+
+* :func:`split_batch` decides which samples go into which micro-batch (a fixed number, a fixed size,
+  or a hard token budget), agrees on the number of micro-batches over the data-parallel group and
+  returns a :class:`SplitPlan` with the inverse permutation;
+* :func:`collate_microbatch` turns the samples of one micro-batch into a :class:`Microbatch`, padded
+  ``[batch, seq]`` or packed (THD) ``[1, total]`` with ``cu_seqlens``;
+* :func:`unpack_per_sample` maps a per-position tensor (log-probs, entropies, ...) back to one
+  per-response-token tensor per sample.
+
+Alignment (both layouts). Position ``t`` holds the input token ``input_ids[b, t]`` and predicts
+``labels[b, t] = input_ids[b, t + 1]`` of the same sample (0 where there is none). Response token
+``j`` of a sample with prompt length ``P`` is the label at position ``P - 1 + j``; ``loss_mask``,
+``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``rollout_logprobs`` carry that token's value
+at that position and 0 everywhere else. ``position_ids`` restart at 0 for every sample and are 0 on
+padding; ``seq_ids`` is the sample's index within the micro-batch, -1 on padding.
+
+Megatron's ``PackedSeqParams`` is built from ``cu_seqlens``/``max_seqlen`` in :mod:`fnppo.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import optree
+import torch
+import torch.distributed as dist
+from optree.registry import __GLOBAL_NAMESPACE as _OPTREE_GLOBAL  # noqa: PLC2701 - see _register
+
+from fnppo.typing import (
+    Bool,
+    Float,
+    Int,
+    Int32,
+    Shaped,
+    ShapeError,
+    Tensor,
+    check_finite,
+    check_mask01,
+    check_range,
+    describe,
+    input_error,
+    typechecked,
+)
+
+__all__ = [
+    "Sample",
+    "Microbatch",
+    "SplitPlan",
+    "collate_microbatch",
+    "split_batch",
+    "unpack_per_sample",
+    "padding_multiple",
+    "LAYOUTS",
+]
+
+LAYOUTS = ("packed", "padded")
+"""The two micro-batch layouts: ``"packed"`` (THD, ``[1, total]``) and ``"padded"`` (``[batch, seq]``)."""
+
+_C = TypeVar("_C")
+
+
+def _register(cls: type[_C], leaves: tuple[str, ...], static: tuple[str, ...]) -> type[_C]:
+    """Register a frozen dataclass with optree: ``leaves`` are children, ``static`` is metadata.
+
+    Registered in optree's global namespace, so the plain ``optree.tree_map(f, x)`` (no
+    ``namespace=`` argument) walks into it. Unflattening bypasses ``__init__``/``__post_init__``:
+    a tree of shapes or of meta tensors is a valid result of ``tree_map`` and is not validated.
+    """
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        return (
+            tuple(getattr(obj, f) for f in leaves),
+            tuple(getattr(obj, f) for f in static),
+            leaves,
+        )
+
+    def unflatten(meta: tuple[Any, ...], children: Any) -> Any:
+        obj = object.__new__(cls)
+        for name, value in zip(leaves, children, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(static, meta, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    optree.register_pytree_node(
+        cls,  # type: ignore[arg-type]
+        flatten,
+        unflatten,
+        path_entry_type=optree.GetAttrEntry,
+        namespace=_OPTREE_GLOBAL,
+    )
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample
+# ---------------------------------------------------------------------------------------------
+_PER_TOKEN_FLOAT = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sample:
+    """One prompt and its response, with per-response-token training values (an optree pytree).
+
+    Fields (``p`` = prompt length >= 1, ``r`` = response length >= 0):
+
+    * ``prompt_ids: Int[Tensor, "p"]``, ``response_ids: Int[Tensor, "r"]`` (any integer dtype);
+    * ``advantages``, ``old_logprobs``: ``Float[Tensor, "r"]`` or None (None -> zeros; the training
+      step computes old log-probs itself when they are not given);
+    * ``ref_logprobs``, ``rollout_logprobs``: ``Float[Tensor, "r"]`` or None (in one micro-batch
+      either every sample has them or none);
+    * ``response_mask``: a 0/1 tensor ``[r]`` (bool, int or float) or None (all ones); 0 removes a
+      response token from the loss, e.g. tool output inside a multi-turn response;
+    * ``multi_modal``: ``Mapping[str, Tensor]`` (default empty); dim 0 of each tensor indexes items
+      (images, patches, ...) of this sample.
+
+    Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
+    happen in :func:`collate_microbatch`. :meth:`from_lists` builds one from Python lists.
+    """
+
+    prompt_ids: Int[Tensor, " p"]
+    response_ids: Int[Tensor, " r"]
+    advantages: Float[Tensor, " r"] | None = None
+    old_logprobs: Float[Tensor, " r"] | None = None
+    ref_logprobs: Float[Tensor, " r"] | None = None
+    rollout_logprobs: Float[Tensor, " r"] | None = None
+    response_mask: Shaped[Tensor, " r"] | None = None
+    multi_modal: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        fn = "Sample"
+        for name in ("prompt_ids", "response_ids"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                raise input_error(fn, name, "a 1-D integer tensor", _describe_any(t))
+        if self.prompt_ids.numel() == 0:
+            raise input_error(fn, "prompt_ids", "a non-empty prompt (length >= 1)", describe(self.prompt_ids))
+        r = self.response_ids.shape[0]
+        for name in (*_PER_TOKEN_FLOAT, "response_mask"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.ndim != 1:
+                raise input_error(fn, name, f"None or a 1-D tensor of length {r}", _describe_any(t))
+            if name != "response_mask" and not t.is_floating_point():
+                raise input_error(fn, name, f"a floating tensor of length {r}", describe(t))
+            if t.shape[0] != r:
+                raise input_error(fn, name, f"length {r} (the response length)", describe(t))
+        if not isinstance(self.multi_modal, Mapping):
+            raise input_error(fn, "multi_modal", "a mapping from str to tensors", _describe_any(self.multi_modal))
+        for key, t in self.multi_modal.items():
+            if not isinstance(key, str):
+                raise input_error(fn, "multi_modal", "str keys", repr(key))
+            if not isinstance(t, torch.Tensor) or t.ndim < 1:
+                raise input_error(fn, f"multi_modal[{key!r}]", "a tensor with dim 0 indexing items", _describe_any(t))
+        object.__setattr__(self, "multi_modal", dict(self.multi_modal))
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    @property
+    def response_len(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    def __len__(self) -> int:
+        """Token count ``len(prompt) + len(response)`` (without padding)."""
+        return self.prompt_len + self.response_len
+
+    @classmethod
+    def from_lists(
+        cls,
+        prompt_ids: Sequence[int] | Tensor,
+        response_ids: Sequence[int] | Tensor,
+        *,
+        advantages: float | Sequence[float] | Tensor | None = None,
+        old_logprobs: Sequence[float] | Tensor | None = None,
+        ref_logprobs: Sequence[float] | Tensor | None = None,
+        rollout_logprobs: Sequence[float] | Tensor | None = None,
+        response_mask: Sequence[float] | Tensor | None = None,
+        multi_modal: Mapping[str, Any] | None = None,
+    ) -> Sample:
+        """Build a :class:`Sample` from lists: ids become int64, values float32, the mask float32.
+
+        A scalar ``advantages`` (one advantage per sequence, as in GRPO) is broadcast to every
+        response token.
+        """
+        p = torch.as_tensor(prompt_ids, dtype=torch.int64)
+        r = torch.as_tensor(response_ids, dtype=torch.int64)
+
+        def floats(v: Any) -> Tensor | None:
+            return None if v is None else torch.as_tensor(v, dtype=torch.float32)
+
+        adv = floats(advantages)
+        if adv is not None and adv.ndim == 0:
+            adv = adv.expand(r.shape[0]).clone()
+        mm = {k: torch.as_tensor(v) for k, v in (multi_modal or {}).items()}
+        return cls(
+            prompt_ids=p,
+            response_ids=r,
+            advantages=adv,
+            old_logprobs=floats(old_logprobs),
+            ref_logprobs=floats(ref_logprobs),
+            rollout_logprobs=floats(rollout_logprobs),
+            response_mask=floats(response_mask),
+            multi_modal=mm,
+        )
+
+
+_register(
+    Sample,
+    leaves=("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask", "multi_modal"),
+    static=(),
+)
+
+
+def _describe_any(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return describe(x)
+    return f"{type(x).__name__} {x!r}"[:200]
+
+
+# ---------------------------------------------------------------------------------------------
+# Microbatch
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class Microbatch:
+    """One micro-batch, ready for the forward pass (an immutable optree pytree).
+
+    Per-token tensors have shape ``[batch, seq]`` (padded layout) or ``[1, total]`` (packed THD
+    layout); see the module docstring for the alignment of labels and per-token values.
+
+    Leaves (moved by ``optree.tree_map(lambda x: x.to(device), mb)``; None stays None):
+    ``input_ids``, ``position_ids``, ``labels``, ``seq_ids`` (int64), ``loss_mask``,
+    ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs`` (float32),
+    ``attention_mask`` (bool, padded layout only, True on real tokens), ``cu_seqlens`` (int32
+    ``[n + 1]`` over the padded segment lengths, packed layout only), ``sample_index`` (int64 ``[n]``,
+    indices of the samples into the original batch), ``multi_modal`` (dict: per key, the items of all
+    samples concatenated on dim 0 in sample order) and ``multi_modal_counts`` (dict: per key, int64
+    ``[n]`` items per sample).
+
+    Static (treedef metadata): ``layout``, ``max_seqlen`` (longest padded segment, packed layout;
+    None when padded), ``prompt_lens``, ``response_lens`` and ``pad_to_multiple_of``.
+    """
+
+    input_ids: Int[Tensor, "batch seq"]
+    position_ids: Int[Tensor, "batch seq"]
+    labels: Int[Tensor, "batch seq"]
+    loss_mask: Float[Tensor, "batch seq"]
+    old_logprobs: Float[Tensor, "batch seq"]
+    advantages: Float[Tensor, "batch seq"]
+    ref_logprobs: Float[Tensor, "batch seq"] | None
+    rollout_logprobs: Float[Tensor, "batch seq"] | None
+    seq_ids: Int[Tensor, "batch seq"]
+    attention_mask: Bool[Tensor, "batch seq"] | None
+    cu_seqlens: Int32[Tensor, " n_plus_1"] | None
+    sample_index: Int[Tensor, " n"]
+    multi_modal: dict[str, Tensor]
+    multi_modal_counts: dict[str, Int[Tensor, " n"]]
+    layout: str
+    max_seqlen: int | None
+    prompt_lens: tuple[int, ...]
+    response_lens: tuple[int, ...]
+    pad_to_multiple_of: int
+
+    @property
+    def num_samples(self) -> int:
+        """Number of samples ``n`` in the micro-batch."""
+        return len(self.prompt_lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """Real length ``prompt + response`` of every sample (without padding)."""
+        return tuple(p + r for p, r in zip(self.prompt_lens, self.response_lens, strict=True))
+
+    @property
+    def segment_lens(self) -> tuple[int, ...]:
+        """Length of every sample padded to ``pad_to_multiple_of`` (the packed segment lengths)."""
+        return tuple(_round_up(n, self.pad_to_multiple_of) for n in self.seq_lens)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.layout == "packed"
+
+
+_MB_LEAVES = (
+    "input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages", "ref_logprobs",
+    "rollout_logprobs", "seq_ids", "attention_mask", "cu_seqlens", "sample_index", "multi_modal",
+    "multi_modal_counts",
+)
+_MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
+_register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padding_multiple(tp_size: int = 1, cp_size: int = 1) -> int:
+    """The ``pad_to_multiple_of`` Megatron needs: ``tp`` without context parallelism, else ``2*cp*tp``.
+
+    Sequence parallelism splits a sequence over the ``tp`` ranks; context parallelism with load
+    balancing splits it into ``2*cp`` chunks (Megatron-LM, arXiv 2205.05198 and its CP docs).
+    """
+    for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise input_error("padding_multiple", name, "an int >= 1", repr(v))
+    return tp_size if cp_size == 1 else 2 * cp_size * tp_size
+
+
+# ---------------------------------------------------------------------------------------------
+# collate_microbatch
+# ---------------------------------------------------------------------------------------------
+def _check_positive_int(fn: str, name: str, v: Any, allow_none: bool = False) -> None:
+    if allow_none and v is None:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise input_error(fn, name, "an int >= 1" + (" or None" if allow_none else ""), repr(v))
+
+
+def _validate_values(fn: str, i: int, s: Sample, vocab_size: int | None) -> None:
+    check_range(fn, f"samples[{i}].prompt_ids", s.prompt_ids, 0, vocab_size if vocab_size is not None else 2**63 - 1)
+    check_range(fn, f"samples[{i}].response_ids", s.response_ids, 0, vocab_size if vocab_size is not None else 2**63 - 1)
+    if s.response_mask is not None:
+        check_mask01(fn, f"samples[{i}].response_mask", s.response_mask)
+    for name in _PER_TOKEN_FLOAT:
+        check_finite(fn, f"samples[{i}].{name}", getattr(s, name))
+
+
+@typechecked
+def collate_microbatch(
+    samples: Sequence[Sample],
+    *,
+    layout: str = "packed",
+    pad_to_multiple_of: int = 1,
+    pad_token_id: int = 0,
+    max_seq_len: int | None = None,
+    vocab_size: int | None = None,
+    sample_index: Sequence[int] | None = None,
+) -> Microbatch:
+    """Collate samples into one :class:`Microbatch` (padded ``[n, S]`` or packed THD ``[1, T]``).
+
+    For sample ``i`` with prompt ``x`` (length ``P``), response ``y`` (length ``R``) and
+    ``L = P + R``, the tokens are ``z = x ++ y`` and, for ``t < L``::
+
+        input_ids[t] = z[t]          labels[t] = z[t+1]  (0 at t = L-1)     position_ids[t] = t
+        loss_mask[P-1+j] = response_mask[j],  old_logprobs[P-1+j] = old_logprobs[j], ...  (0 elsewhere)
+
+    Padded layout: ``S = round_up(max_i L_i, m)`` with ``m = pad_to_multiple_of``, right padding,
+    ``attention_mask`` True on real tokens. Packed layout: each sample padded to
+    ``round_up(L_i, m)`` (the padding stays inside its own segment), concatenated;
+    ``cu_seqlens = [0, cumsum(round_up(L_i, m))]`` (int32), ``max_seqlen = max_i round_up(L_i, m)``.
+    Padding has token ``pad_token_id``, label 0, position 0, ``seq_ids`` -1 and every value 0.
+    Packing without cross-contamination: Krell et al., arXiv 2107.02027.
+
+    Multi-modal keys are the union over the samples; per key, the items of the samples that have it
+    are concatenated on dim 0 in sample order and ``multi_modal_counts[key][i]`` is sample ``i``'s
+    item count (0 where it has none). ``sample_index`` (default ``0..n-1``) records where the samples
+    came from (:attr:`SplitPlan.microbatches` entries). Use :func:`padding_multiple` for ``m``.
+
+    Errors (:class:`fnppo.typing.InputError`): empty ``samples``, unknown ``layout``, a sample longer
+    than ``max_seq_len``, token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a
+    log-prob or advantage, ref/rollout log-probs given for some samples only, mismatched
+    multi-modal items.
+    """
+    fn = "collate_microbatch"
+    if layout not in LAYOUTS:
+        raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+    _check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
+    _check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
+    _check_positive_int(fn, "vocab_size", vocab_size, allow_none=True)
+    samples = list(samples)
+    n = len(samples)
+    if n == 0:
+        raise input_error(fn, "samples", "a non-empty sequence of Sample", "an empty sequence")
+    if sample_index is None:
+        sample_index = range(n)
+    elif len(sample_index) != n:
+        raise input_error(fn, "sample_index", f"{n} indices (one per sample)", f"{len(sample_index)} indices")
+    device = samples[0].prompt_ids.device
+    for i, s in enumerate(samples):
+        for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask"):
+            t = getattr(s, name)
+            if t is not None and t.device != device:
+                raise input_error(fn, f"samples[{i}].{name}", f"a tensor on {device} (the device of samples[0])", f"{describe(t)} on {t.device}")
+        if max_seq_len is not None and len(s) > max_seq_len:
+            raise input_error(fn, f"samples[{i}]", f"at most max_seq_len={max_seq_len} tokens", f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})")
+        _validate_values(fn, i, s, vocab_size)
+    optional: dict[str, bool] = {}
+    for name in ("ref_logprobs", "rollout_logprobs"):
+        have = [getattr(s, name) is not None for s in samples]
+        if any(have) and not all(have):
+            missing = [i for i, h in enumerate(have) if not h]
+            raise input_error(fn, f"samples[{missing[0]}].{name}", f"a tensor (samples[{have.index(True)}] has {name}; all samples or none)", "None")
+        optional[name] = all(have)
+
+    m = pad_to_multiple_of
+    i64, f32 = torch.int64, torch.float32
+
+    def zeros(k: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(k, dtype=dtype, device=device)
+
+    rows: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")}
+    seg_lens: list[int] = []
+    for i, s in enumerate(samples):
+        p, r = s.prompt_len, s.response_len
+        length = p + r
+        seg = _round_up(length, m)
+        pad = seg - length
+        seg_lens.append(seg)
+        z = torch.cat([s.prompt_ids.to(i64), s.response_ids.to(i64)])
+        rows["input_ids"].append(torch.cat([z, torch.full((pad,), pad_token_id, dtype=i64, device=device)]))
+        rows["labels"].append(torch.cat([z[1:], zeros(1 + pad, i64)]))
+        rows["position_ids"].append(torch.cat([torch.arange(length, dtype=i64, device=device), zeros(pad, i64)]))
+        rows["seq_ids"].append(torch.cat([torch.full((length,), i, dtype=i64, device=device), torch.full((pad,), -1, dtype=i64, device=device)]))
+
+        def place(v: Tensor | None) -> Tensor:
+            body = zeros(r, f32) if v is None else v.to(f32)
+            return torch.cat([zeros(p - 1, f32), body, zeros(1 + pad, f32)])
+
+        mask = s.response_mask
+        rows["loss_mask"].append(place(torch.ones(r, dtype=f32, device=device) if mask is None else mask))
+        for name in _PER_TOKEN_FLOAT:
+            if name in optional and not optional[name]:
+                continue
+            rows[name].append(place(getattr(s, name)))
+
+    fill = {"input_ids": pad_token_id, "seq_ids": -1}
+    out: dict[str, Tensor | None] = {}
+    for name, parts in rows.items():
+        if not parts:
+            out[name] = None
+        elif layout == "packed":
+            out[name] = torch.cat(parts).unsqueeze(0)
+        else:
+            out[name] = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=fill.get(name, 0))
+
+    seq_ids = out["seq_ids"]
+    assert seq_ids is not None
+    if layout == "packed":
+        cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+        attention_mask, max_seqlen = None, max(seg_lens)
+    else:
+        cu, attention_mask, max_seqlen = None, seq_ids >= 0, None
+
+    mm, counts = _collate_multi_modal(fn, samples, device)
+    return Microbatch(
+        input_ids=out["input_ids"],  # type: ignore[arg-type]
+        position_ids=out["position_ids"],  # type: ignore[arg-type]
+        labels=out["labels"],  # type: ignore[arg-type]
+        loss_mask=out["loss_mask"],  # type: ignore[arg-type]
+        old_logprobs=out["old_logprobs"],  # type: ignore[arg-type]
+        advantages=out["advantages"],  # type: ignore[arg-type]
+        ref_logprobs=out["ref_logprobs"],
+        rollout_logprobs=out["rollout_logprobs"],
+        seq_ids=seq_ids,
+        attention_mask=attention_mask,
+        cu_seqlens=cu,
+        sample_index=torch.tensor(list(sample_index), dtype=i64, device=device),
+        multi_modal=mm,
+        multi_modal_counts=counts,
+        layout=layout,
+        max_seqlen=max_seqlen,
+        prompt_lens=tuple(s.prompt_len for s in samples),
+        response_lens=tuple(s.response_len for s in samples),
+        pad_to_multiple_of=m,
+    )
+
+
+def _collate_multi_modal(fn: str, samples: list[Sample], device: torch.device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Union of keys; per key, items concatenated on dim 0 in sample order, plus per-sample counts."""
+    keys = sorted({k for s in samples for k in s.multi_modal})
+    mm: dict[str, Tensor] = {}
+    counts: dict[str, Tensor] = {}
+    for key in keys:
+        parts: list[Tensor] = []
+        first: tuple[int, Tensor] | None = None
+        per_sample: list[int] = []
+        for i, s in enumerate(samples):
+            t = s.multi_modal.get(key)
+            if t is None:
+                per_sample.append(0)
+                continue
+            if first is None:
+                first = (i, t)
+            else:
+                j, t0 = first
+                if t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype or t.device != t0.device:
+                    raise input_error(
+                        fn, f"samples[{i}].multi_modal[{key!r}]",
+                        f"items like samples[{j}]'s: trailing shape {tuple(t0.shape[1:])}, {t0.dtype}, on {t0.device}",
+                        f"{describe(t)} on {t.device}",
+                    )
+            parts.append(t)
+            per_sample.append(int(t.shape[0]))
+        mm[key] = torch.cat(parts, dim=0)  # parts is non-empty: key came from some sample
+        counts[key] = torch.tensor(per_sample, dtype=torch.int64, device=device)
+    return mm, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# unpack_per_sample
+# ---------------------------------------------------------------------------------------------
+@typechecked
+def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> list[Tensor]:
+    """Per-response-token values of every sample: the inverse of :func:`collate_microbatch`'s placement.
+
+    ``out[i] = values[row_i, off_i + P_i - 1 : off_i + P_i - 1 + R_i]`` (length ``R_i``), where
+    padded: ``row_i = i, off_i = 0``; packed: ``row_i = 0, off_i = cu_seqlens[i]``. Slices are views
+    (autograd flows through them). Uses only the static lengths of ``mb`` (no device sync).
+    """
+    if tuple(values.shape) != tuple(mb.input_ids.shape):
+        raise ShapeError(
+            f"fnppo.batch.unpack_per_sample: argument 'values' expected shape {tuple(mb.input_ids.shape)} "
+            f"(that of mb.input_ids), received {describe(values)}"
+        )
+    out: list[Tensor] = []
+    offset = 0
+    for i, (p, r) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True)):
+        if mb.layout == "packed":
+            out.append(values[0, offset + p - 1 : offset + p - 1 + r])
+            offset += _round_up(p + r, mb.pad_to_multiple_of)
+        else:
+            out.append(values[i, p - 1 : p - 1 + r])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# split_batch
+# ---------------------------------------------------------------------------------------------
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """Which samples go into which micro-batch.
+
+    ``microbatches[k]`` are the indices (into the original batch, ascending) of micro-batch ``k``;
+    every index appears exactly once and no micro-batch is empty. ``inverse[i]`` is the position of
+    sample ``i`` in the concatenation ``order = microbatches[0] + microbatches[1] + ...``, so results
+    concatenated in micro-batch order are put back in the original order with ``flat[inverse]``
+    (:meth:`restore` does it for lists).
+    """
+
+    microbatches: tuple[tuple[int, ...], ...]
+    inverse: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        order = [i for mb in self.microbatches for i in mb]
+        n = len(order)
+        if sorted(order) != list(range(n)) or any(len(mb) == 0 for mb in self.microbatches):
+            raise input_error("SplitPlan", "microbatches", f"non-empty groups partitioning range({n})", repr(self.microbatches)[:200])
+        expected = [0] * n
+        for pos, i in enumerate(order):
+            expected[i] = pos
+        if list(self.inverse) != expected:
+            raise input_error("SplitPlan", "inverse", f"the inverse of the concatenated order {expected}"[:200], repr(self.inverse)[:200])
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[Sequence[int]]) -> SplitPlan:
+        """A plan from index groups; the inverse permutation is computed."""
+        mbs = tuple(tuple(int(i) for i in g) for g in groups)
+        order = [i for g in mbs for i in g]
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            if 0 <= i < len(order):
+                inverse[i] = pos
+        return cls(microbatches=mbs, inverse=tuple(inverse))
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """Original indices in micro-batch (concatenation) order."""
+        return tuple(i for mb in self.microbatches for i in mb)
+
+    def apply(self, samples: Sequence[_T]) -> list[list[_T]]:
+        """The samples grouped by micro-batch."""
+        if len(samples) != len(self.inverse):
+            raise input_error("SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)", f"{len(samples)}")
+        return [[samples[i] for i in mb] for mb in self.microbatches]
+
+    def restore(self, per_microbatch: Sequence[Sequence[_T]]) -> list[_T]:
+        """Per-micro-batch results (one entry per sample, in micro-batch order) back in original order."""
+        flat = [x for group in per_microbatch for x in group]
+        if [len(g) for g in per_microbatch] != [len(mb) for mb in self.microbatches]:
+            raise input_error(
+                "SplitPlan.restore", "per_microbatch", f"group sizes {[len(mb) for mb in self.microbatches]}", f"{[len(g) for g in per_microbatch]}"
+            )
+        return [flat[j] for j in self.inverse]
+
+
+def _cost_fn(layout: str) -> Callable[[int, int, int], int]:
+    """Collated token count of a group from (count, sum of lengths, max length)."""
+    if layout == "packed":
+        return lambda count, total, longest: total
+    return lambda count, total, longest: count * longest
+
+
+def _first_fit_decreasing(lengths: list[int], budget: int, layout: str) -> list[list[int]]:
+    """First-fit decreasing bin packing (Johnson 1973; at most 11/9 OPT + 6/9 bins, Dosa 2007)."""
+    cost = _cost_fn(layout)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    stats: list[list[int]] = []  # count, total, longest
+    for i in order:
+        ln = lengths[i]
+        for b, (c, t, mx) in enumerate(stats):
+            if cost(c + 1, t + ln, max(mx, ln)) <= budget:
+                bins[b].append(i)
+                stats[b] = [c + 1, t + ln, max(mx, ln)]
+                break
+        else:
+            bins.append([i])
+            stats.append([1, ln, ln])
+    return bins
+
+
+def _balanced(lengths: list[int], k: int, budget: int, layout: str) -> list[list[int]] | None:
+    """Longest-processing-time-first onto exactly ``k`` groups under the cap (Graham 1969).
+
+    Each sample (longest first) goes to the group whose collated token count after adding it is
+    smallest among those that stay within ``budget``. Returns None if some sample fits nowhere.
+    """
+    cost = _cost_fn(layout)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = [[] for _ in range(k)]
+    stats = [[0, 0, 0] for _ in range(k)]
+    for i in order:
+        ln = lengths[i]
+        best, best_cost = -1, None
+        for b, (c, t, mx) in enumerate(stats):
+            new = cost(c + 1, t + ln, max(mx, ln))
+            if new <= budget and (best_cost is None or new < best_cost):
+                best, best_cost = b, new
+        if best < 0:
+            return None
+        bins[best].append(i)
+        c, t, mx = stats[best]
+        stats[best] = [c + 1, t + ln, max(mx, ln)]
+    return bins
+
+
+def _split_to(bins: list[list[int]], k: int) -> list[list[int]]:
+    """Grow to ``k`` groups by moving the shortest sample of the fullest group into a new group."""
+    bins = [list(b) for b in bins]
+    while len(bins) < k:
+        b = max(range(len(bins)), key=lambda j: (len(bins[j]), -j))
+        bins.append([bins[b].pop()])  # groups are longest-first: pop() is the shortest sample
+    return bins
+
+
+def _contiguous(n: int, k: int) -> list[list[int]]:
+    """``range(n)`` in ``k`` contiguous groups whose sizes differ by at most one (the first are larger)."""
+    q, rem = divmod(n, k)
+    groups, start = [], 0
+    for j in range(k):
+        size = q + (1 if j < rem else 0)
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
+    """All-reduce ``(k, -n)`` with MAX over ``dp_group``: the group's largest count, smallest batch."""
+    if dp_group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return k, n
+    backend = dist.get_backend(dp_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([k, -n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(t[0].item()), -int(t[1].item())
+
+
+@typechecked
+def split_batch(
+    samples: Sequence[Sample],
+    *,
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    dp_group: Any = None,
+    max_seq_len: int | None = None,
+    pad_to_multiple_of: int = 1,
+    layout: str = "packed",
+) -> SplitPlan:
+    """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
+
+    Exactly one mode:
+
+    * ``num_microbatches=k``: ``k`` contiguous groups, sizes differing by at most one;
+    * ``microbatch_size=b``: ``ceil(n / b)`` contiguous groups of at most ``b`` samples (sizes
+      differing by at most one);
+    * ``max_tokens_per_microbatch=B``: a hard cap on the collated token count of every micro-batch.
+      A sample counts ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens; a
+      micro-batch counts the sum of those (``layout="packed"``) or ``count * max`` of them
+      (``layout="padded"``), i.e. exactly ``mb.input_ids.numel()`` of :func:`collate_microbatch` with
+      the same ``layout`` and ``pad_to_multiple_of``. The number of micro-batches is the one of
+      first-fit decreasing (Johnson 1973, at most ``11/9 OPT + 6/9``); the samples are then spread
+      over that many micro-batches longest-first, each onto the micro-batch with the smallest
+      collated token count after adding it (Graham's LPT, 1969), which balances the token count
+      (linear cost: MLP, logits and loss dominate at RL lengths) under the cap. Where LPT cannot
+      respect the cap, the first-fit-decreasing groups are used as they are.
+
+    With ``dp_group`` (a ``torch.distributed`` group, e.g. Megatron's data-parallel group) the
+    number of micro-batches is all-reduced with MAX, so every rank runs the same count; ranks that
+    needed fewer split further (still under the cap). A rank with fewer samples than the agreed
+    count cannot do that: then *every* rank raises (the group's smallest batch size is reduced
+    along), so no rank is left waiting in a collective. Empty micro-batches are not produced.
+
+    Within a micro-batch indices are ascending; micro-batches are ordered by their first index. The
+    plan is deterministic (ties are broken by index). Errors (:class:`fnppo.typing.InputError`):
+    empty ``samples``, not exactly one mode, non-positive sizes, ``num_microbatches`` above the batch
+    size, a sample longer than ``max_seq_len`` or (padded) longer than the token budget.
+    """
+    fn = "split_batch"
+    samples = list(samples)
+    n = len(samples)
+    if n == 0:
+        raise input_error(fn, "samples", "a non-empty sequence of Sample", "an empty sequence")
+    modes = {"num_microbatches": num_microbatches, "microbatch_size": microbatch_size, "max_tokens_per_microbatch": max_tokens_per_microbatch}
+    given = [k for k, v in modes.items() if v is not None]
+    if len(given) != 1:
+        raise input_error(fn, "num_microbatches/microbatch_size/max_tokens_per_microbatch", "exactly one of them", f"{given or 'none'}")
+    mode = given[0]
+    _check_positive_int(fn, mode, modes[mode])
+    _check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
+    _check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
+    if layout not in LAYOUTS:
+        raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
+
+    raw = [len(s) for s in samples]
+    if max_seq_len is not None:
+        for i, ln in enumerate(raw):
+            if ln > max_seq_len:
+                raise input_error(fn, f"samples[{i}]", f"at most max_seq_len={max_seq_len} tokens", f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len})")
+    lengths = [_round_up(ln, pad_to_multiple_of) for ln in raw]
+
+    if mode == "num_microbatches":
+        k = int(num_microbatches)  # type: ignore[arg-type]
+        if k > n:
+            raise input_error(fn, "num_microbatches", f"at most the batch size {n} (no empty micro-batches)", str(k))
+        local: list[list[int]] | None = None
+    elif mode == "microbatch_size":
+        k = -(-n // int(microbatch_size))  # type: ignore[operator]
+        local = None
+    else:
+        budget = int(max_tokens_per_microbatch)  # type: ignore[arg-type]
+        for i, ln in enumerate(lengths):
+            if ln > budget:
+                raise input_error(
+                    fn, f"samples[{i}]",
+                    f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget cannot be split)",
+                    f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}" + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
+                )
+        local = _first_fit_decreasing(lengths, budget, layout)
+        k = len(local)
+
+    agreed, smallest = _agree(k, n, dp_group)
+    if agreed > smallest:
+        raise input_error(
+            fn, "samples",
+            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of micro-batches; empty micro-batches are not supported)",
+            f"{smallest} samples on some rank ({n} here)",
+        )
+
+    if local is None:
+        groups = _contiguous(n, agreed)
+    else:
+        budget = int(max_tokens_per_microbatch)  # type: ignore[arg-type]
+        groups = _balanced(lengths, agreed, budget, layout) or _split_to(local, agreed)
+    groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
+    return SplitPlan.from_groups(groups)

@@ -1,0 +1,237 @@
+"""Atomic, layout-checked checkpoints of a :class:`~fnppo.step.TrainState` (torch files per rank).
+
+Layout of a checkpoint directory::
+
+    <dir>/rank00000.pt ... rank<N-1>.pt   model chunks, optimizer (incl. this DP rank's shard of the
+                                          distributed optimizer state), RNG states, user extras
+    <dir>/manifest.json                   written last: layout, model shape, step, file sizes + sha256
+
+Every file is written to a temporary name and renamed into place; the manifest is renamed last,
+after a barrier, so a directory without a manifest is an incomplete checkpoint and is refused.
+Loading checks the manifest (layout, model shape, sizes, checksums) before touching any state, so
+a truncated file, another TP/PP/DP layout or another model shape is refused with a clear message
+and nothing is loaded partially.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fnppo.model import unwrap_model
+from fnppo.parallel import current_layout
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the current run."""
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    try:
+        from megatron.core import tensor_parallel
+
+        out["megatron"] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    except Exception:  # noqa: BLE001 - tracker not initialized
+        pass
+    return out
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "megatron" in state:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron"]))
+
+
+def _layout_dict() -> dict[str, int]:
+    lay = current_layout()
+    return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp or 0}
+
+
+def _model_shapes(state) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for i, chunk in enumerate(state.model):
+        for name, p in unwrap_model(chunk).named_parameters():
+            shapes[f"{i}.{name}"] = list(p.shape)
+    return shapes
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write_bytes(path: Path, write) -> None:  # noqa: ANN001
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _optimizer_state(optimizer: Any) -> dict[str, Any]:
+    out = {"state_dict": optimizer.state_dict()}
+    if hasattr(optimizer, "get_parameter_state_dp_reshardable"):
+        out["param_state"] = optimizer.get_parameter_state_dp_reshardable()
+    return out
+
+
+def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
+    optimizer.load_state_dict(saved["state_dict"])
+    if "param_state" in saved:
+        param_state = saved["param_state"]
+        for gbuf_idx, by_dtype in param_state.items():
+            if not isinstance(gbuf_idx, int):
+                continue
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem.setdefault("padding", False)
+        optimizer.load_parameter_state_from_dp_reshardable(param_state)
+
+
+def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, Any] | None = None) -> Path:
+    """Save ``state`` (model chunks, optimizer, step) plus RNG states and ``extra`` to ``directory``.
+
+    Collective: every rank writes its own file; rank 0 writes the manifest last. Returns the path.
+    """
+    path = Path(directory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    path.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "step": state.step,
+        "model": [unwrap_model(c).state_dict() for c in state.model],
+        "optimizer": _optimizer_state(state.optimizer),
+        "rng": _rng_state(),
+        "extra": dict(extra or {}),
+    }
+    fname = path / f"rank{rank:05d}.pt"
+    _atomic_write_bytes(fname, lambda f: torch.save(payload, f))
+    info = {"file": fname.name, "size": fname.stat().st_size, "sha256": _sha256(fname), "shapes": _shapes_digest(state)}
+    infos: list[Any] = [info]
+    if dist.is_initialized() and world > 1:
+        infos = [None] * world
+        dist.all_gather_object(infos, info)
+    if rank == 0:
+        manifest = {
+            "format": "fnppo-checkpoint-1",
+            "step": state.step,
+            "layout": _layout_dict(),
+            "files": infos,
+        }
+        _atomic_write_bytes(path / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    if dist.is_initialized() and world > 1:
+        dist.barrier()
+    return path
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint (one with a manifest) with the highest step under ``root``, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for d in root.iterdir():
+        m = d / "manifest.json"
+        if d.is_dir() and m.is_file():
+            try:
+                step = int(json.loads(m.read_text())["step"])
+            except (ValueError, KeyError, json.JSONDecodeError):
+                continue
+            if best is None or step > best[0]:
+                best = (step, d)
+    return None if best is None else best[1]
+
+
+def _validate(path: Path, rank: int, state) -> str | None:
+    """Why this rank cannot load ``path`` (None if it can). Reads no state into the model."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        return f"{path} has no manifest.json (incomplete or not a checkpoint)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        return f"{manifest_path} is not valid JSON ({err})"
+    layout = _layout_dict()
+    if manifest.get("layout") != layout:
+        return (
+            f"checkpoint layout {manifest.get('layout')} differs from this run's {layout}; "
+            "convert it first (gather_full_weights, then load_full_weights in the new layout)"
+        )
+    files = manifest.get("files", [])
+    if rank >= len(files):
+        return f"checkpoint has {len(files)} rank files, this is rank {rank}"
+    info = files[rank]
+    ours = _shapes_digest(state)
+    if info.get("shapes") != ours:
+        return f"model shape of rank {rank} differs from the checkpoint's (parameter names/shapes digest {info.get('shapes')} vs {ours})"
+    fname = path / info["file"]
+    if not fname.is_file():
+        return f"{fname} is missing"
+    if fname.stat().st_size != info["size"]:
+        return f"{fname} is truncated or altered: {fname.stat().st_size} bytes, manifest says {info['size']}"
+    if _sha256(fname) != info["sha256"]:
+        return f"{fname} is altered: sha256 differs from the manifest"
+    return None
+
+
+def _shapes_digest(state) -> str:
+    return hashlib.sha256(json.dumps(_model_shapes(state), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_checkpoint(directory: str | os.PathLike, state):
+    """Restore model, optimizer, RNG states and step from ``directory`` into ``state``'s objects.
+
+    Returns ``(state, extra)``. Raises :class:`CheckpointError` (nothing loaded) when the manifest is
+    missing, the layout or the model shapes differ from the current run, or a file is truncated or
+    altered.
+    """
+    import dataclasses
+
+    path = Path(directory)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = _validate(path, rank, state)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(f"load_checkpoint: {problem}")
+    manifest = json.loads((path / "manifest.json").read_text())
+    fname = path / manifest["files"][rank]["file"]
+    payload = torch.load(fname, map_location="cpu", weights_only=False)
+    for chunk, sd in zip(state.model, payload["model"]):
+        core = unwrap_model(chunk)
+        missing, unexpected = core.load_state_dict(sd, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise CheckpointError(f"load_checkpoint: model state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _load_optimizer_state(state.optimizer, payload["optimizer"])
+    _set_rng_state(payload["rng"])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return dataclasses.replace(state, step=int(payload["step"])), payload["extra"]

@@ -1,0 +1,456 @@
+"""Megatron GPT models: configuration, builders, full-weight loading, and ``forward_logits``.
+
+This is one of the three modules that touch Megatron (with ``grads`` and ``step``). Everything here
+is a function of its arguments: the model chunks are passed in and returned; Megatron's parallel
+state is read through :func:`fnppo.parallel.current_layout`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fnppo.batch import Microbatch
+from fnppo.parallel import ParallelLayout, current_layout
+from fnppo.typing import Float, Tensor, input_error, typechecked
+
+__all__ = [
+    "ModelConfig",
+    "transformer_config",
+    "build_gpt",
+    "wrap_ddp",
+    "build_optimizer",
+    "unwrap_model",
+    "forward_logits",
+    "packed_seq_params",
+    "load_full_weights",
+    "gather_full_weights",
+    "snapshot_params",
+    "layout_invariant_init",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only GPT (Llama/Qwen2 family by default).
+
+    ``dtype`` is the parameter/compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half precision
+    models are wrapped in Megatron's ``Float16Module``; logits stay in that dtype).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    tie_embeddings: bool = True
+    init_method_std: float = 0.02
+    dtype: str = "fp32"
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    make_vocab_size_divisible_by: int = 1
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        fn = "ModelConfig"
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise input_error(fn, name, "an int >= 1", repr(v))
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise input_error(fn, "hidden_size", f"a multiple of num_attention_heads={self.num_attention_heads}", repr(self.hidden_size))
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise input_error(fn, "num_query_groups", f"a divisor of num_attention_heads={self.num_attention_heads}", repr(groups))
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+
+def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, **overrides: Any):
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``layout`` (fusions off: they need CUDA).
+
+    ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
+    (packed micro-batches differ in length).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    layout = layout or current_layout()
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", groups)):
+        if n % layout.tp:
+            raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
+    if cfg.padded_vocab_size % layout.tp:
+        raise input_error("transformer_config", "vocab_size", f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)", repr(cfg.vocab_size))
+    if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
+        raise input_error("transformer_config", "num_layers", f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}", repr(cfg.num_layers))
+    dtype = cfg.torch_dtype
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.kv_channels,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        init_method_std=cfg.init_method_std,
+        attention_dropout=cfg.attention_dropout,
+        hidden_dropout=cfg.hidden_dropout,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available() or layout.backend == "gloo",
+        variable_seq_lengths=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    kwargs.update(dict(cfg.extra))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayout | None = None, **config_overrides: Any) -> list[nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) of a Megatron ``GPTModel``.
+
+    ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
+    when installed, else the local spec with packed-sequence attention). Half-precision models are
+    wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from fnppo.attention import default_layer_spec
+
+    layout = layout or current_layout()
+    tcfg = transformer_config(cfg, layout, **config_overrides)
+    spec = layer_spec if layer_spec is not None else default_layer_spec(cfg)
+    chunks: list[nn.Module] = []
+    stages = range(layout.vpp) if layout.vpp else [None]
+    from megatron.core import parallel_state as ps
+
+    for vp in stages:
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.padded_vocab_size,
+            max_sequence_length=cfg.max_seq_len,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=cfg.tie_embeddings,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_percent=cfg.rotary_percent,
+            rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
+            rope_scaling=cfg.rope_scaling,
+            rope_scaling_factor=cfg.rope_scaling_factor,
+            vp_stage=vp,
+        )
+        if tcfg.fp16 or tcfg.bf16:
+            model = Float16Module(tcfg, model)
+        if torch.cuda.is_available() and layout.backend == "nccl":
+            model = model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, **ddp_kwargs: Any) -> list[nn.Module]:
+    """Wrap model chunks in Megatron's ``DistributedDataParallel`` (fp32 grad buffers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_grad_reduce,
+        **ddp_kwargs,
+    )
+    out = []
+    for i, chunk in enumerate(chunks):
+        out.append(
+            DistributedDataParallel(
+                unwrap_model(chunk).config,
+                ddp_cfg,
+                chunk,
+                disable_bucketing=i > 0,
+            )
+        )
+    return out
+
+
+def build_optimizer(chunks: Sequence[nn.Module], *, lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8, **kwargs: Any):
+    """Megatron's optimizer (Adam; distributed when the chunks' DDP config says so)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    core = unwrap_model(chunks[0])
+    ddp_cfg = getattr(chunks[0], "ddp_config", None)
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        bf16=core.config.bf16,
+        fp16=core.config.fp16,
+        params_dtype=core.config.params_dtype,
+        use_distributed_optimizer=bool(ddp_cfg and ddp_cfg.use_distributed_optimizer),
+        **kwargs,
+    )
+    return get_megatron_optimizer(ocfg, list(chunks))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
+    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module):
+        model = model.module
+    return model
+
+
+def _call_target(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module to call (DDP stripped: its forward only forwards) and the prefix to the GPTModel."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    prefix = ""
+    inner = model
+    while hasattr(inner, "module") and isinstance(getattr(inner, "module"), nn.Module):
+        inner = inner.module
+        prefix += "module."
+    return model, prefix
+
+
+def packed_seq_params(mb: Microbatch):
+    """Megatron ``PackedSeqParams`` (THD) for a packed micro-batch, ``None`` for a padded one."""
+    if mb.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=int(mb.max_seqlen),
+        max_seqlen_kv=int(mb.max_seqlen),
+    )
+
+
+def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Tensor:
+    """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
+
+    Returns ``[batch, seq, vocab_shard]`` logits in the model's dtype (no fp32 upcast copy) on the
+    last stage, and Megatron's hidden state ``[seq, batch, hidden]`` on other stages (the schedule
+    sends it on). Packed micro-batches get ``PackedSeqParams`` (THD); padded ones use causal
+    attention with right padding, so padding never influences real tokens.
+
+    ``params``: optional parameters (names as in the unwrapped ``GPTModel``'s ``named_parameters``)
+    used instead of the module's own through ``torch.func.functional_call``, so one module skeleton
+    evaluates several parameter sets (e.g. the reference policy). Missing names fall back to the
+    module's own tensors.
+    """
+    from megatron.core.transformer.module import Float16Module
+
+    target, prefix = _call_target(model)
+    args = (microbatch.input_ids, microbatch.position_ids, None)
+    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(microbatch)}
+    if isinstance(target, Float16Module):
+        kwargs["fp32_output"] = False
+    if params is None:
+        return target(*args, **kwargs)
+    named = {prefix + k: v for k, v in params.items()}
+    return torch.func.functional_call(target, named, args, kwargs, strict=False)
+
+
+def snapshot_params(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:
+    """Detached copies of every chunk's parameters (names of the unwrapped ``GPTModel``).
+
+    Use as ``params`` of :func:`forward_logits` / ``compute_logprobs`` (e.g. a frozen reference).
+    """
+    return [{k: v.detach().clone() for k, v in unwrap_model(c).named_parameters()} for c in model_chunks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Full (unsharded) weights <-> this rank's shard. Full names are those of a 1-rank GPTModel:
+# ``decoder.layers.<global index>.…``; ``output_layer.weight`` is absent when embeddings are tied.
+# ---------------------------------------------------------------------------------------------
+def _global_name(core: nn.Module, name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        layer = core.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+    return ".".join(parts)
+
+
+def _is_gated_fc1(core: nn.Module, name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias") if core.config.gated_linear_unit else False
+
+
+def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_rank: int) -> Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim = param.partition_dim
+    if _is_gated_fc1(core, name):
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[tp_rank], up.chunk(tp, dim=dim)[tp_rank]], dim=dim)
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True) -> None:
+    """Copy this rank's TP/PP shard of full (1-rank) weights into the model chunks' parameters.
+
+    Every parameter of every chunk must be found in ``full`` with a shape that shards to it; with
+    ``strict`` no tensor of ``full`` may be left unused by the whole world (checked per rank for the
+    layers it holds). Validation happens before anything is written, so a mismatch loads nothing.
+    """
+    layout = current_layout()
+    plan: list[tuple[Tensor, Tensor]] = []
+    for chunk in model_chunks:
+        core = unwrap_model(chunk)
+        for name, param in core.named_parameters():
+            gname = _global_name(core, name)
+            if gname == "output_layer.weight" and gname not in full and "embedding.word_embeddings.weight" in full:
+                src = full["embedding.word_embeddings.weight"]
+            elif gname not in full:
+                raise input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor")
+            else:
+                src = full[gname]
+            shard = _shard(core, name, param, src, layout.tp, layout.tp_rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise input_error(
+                    "load_full_weights", f"full[{gname!r}]",
+                    f"shape {tuple(param.shape)} for tp_rank {layout.tp_rank} of {layout.tp}",
+                    f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
+                )
+            plan.append((param, shard))
+    with torch.no_grad():
+        for param, shard in plan:
+            param.copy_(shard.to(dtype=param.dtype, device=param.device))
+    # DDP keeps fp32 main params for half precision in the optimizer; callers build the optimizer after loading.
+
+
+def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
+    """All ranks' shards assembled into full (1-rank) weights, returned on every rank (CPU fp32 copies).
+
+    The inverse of :func:`load_full_weights`. Collective over the whole world.
+    """
+    import torch.distributed as dist
+
+    layout = current_layout()
+    local: dict[str, Tensor] = {}
+    for chunk in model_chunks:
+        core = unwrap_model(chunk)
+        for name, param in core.named_parameters():
+            gname = _global_name(core, name)
+            t = param.detach().float()
+            if getattr(param, "tensor_model_parallel", False) and layout.tp > 1:
+                parts = [torch.empty_like(t) for _ in range(layout.tp)]
+                dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
+                dim = param.partition_dim
+                if _is_gated_fc1(core, name):
+                    gates = [p.chunk(2, dim=dim)[0] for p in parts]
+                    ups = [p.chunk(2, dim=dim)[1] for p in parts]
+                    t = torch.cat(gates + ups, dim=dim)
+                else:
+                    t = torch.cat(parts, dim=dim)
+            if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
+                continue
+            local[gname] = t.cpu()
+    if layout.pp == 1:
+        return local
+    gathered: list[Any] = [None] * layout.pp
+    dist.all_gather_object(gathered, local if layout.tp_rank == 0 else local, group=layout.pp_group)
+    out: dict[str, Tensor] = {}
+    for part in gathered:
+        out.update(part)
+    return out
+
+
+def _full_shape(core: nn.Module, name: str, param: Tensor, tp: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False) and tp > 1:
+        shape[param.partition_dim] *= tp
+    return tuple(shape)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, std: float | None = None) -> None:
+    """Initialize parameters so that every TP/PP/VPP layout holds the same full model.
+
+    Megatron's own initialization depends on the layout (each rank draws its shard from its own RNG
+    stream). Here every full tensor is drawn from a generator seeded by ``(seed, global name)`` and
+    this rank keeps its shard, so runs with different layouts start from identical weights. Matrices
+    get N(0, std^2) (output projections std/sqrt(2 * num_layers), as in Megatron), norm weights 1,
+    biases 0. Collective-free.
+    """
+    layout = current_layout()
+    with torch.no_grad():
+        for chunk in model_chunks:
+            core = unwrap_model(chunk)
+            cfg = core.config
+            sigma = std if std is not None else cfg.init_method_std
+            for name, param in core.named_parameters():
+                gname = _global_name(core, name)
+                if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
+                    gname = "embedding.word_embeddings.weight"
+                shape = _full_shape(core, name, param, layout.tp)
+                if "norm" in name.split(".")[-2] or name.endswith("layer_norm_weight"):
+                    full = torch.ones(shape)
+                elif name.endswith("bias"):
+                    full = torch.zeros(shape)
+                else:
+                    g = torch.Generator().manual_seed(_name_seed(seed, gname))
+                    s = sigma / math.sqrt(2.0 * cfg.num_layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else sigma
+                    full = torch.randn(shape, generator=g) * s
+                param.copy_(_shard(core, name, param, full, layout.tp, layout.tp_rank).to(param.dtype))

@@ -1,0 +1,435 @@
+"""Tests for fnppo.attention: packed (THD) causal attention for Megatron's local layer spec."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnppo.attention import (
+    PackedDotProductAttention,
+    default_layer_spec,
+    document_causal_mask,
+    local_layer_spec,
+    packed_causal_attention,
+    segment_ids,
+    te_available,
+    thd_packed_seq_params,
+)
+from fnppo.testing import run_ranks
+from fnppo.typing import InputError, ShapeError
+
+warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+BACKENDS = ["sdpa", "flex"]  # flex runs in eager mode on CPU (slow, exact)
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+
+def _qkv(total: int, heads: int, groups: int, dim: int, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, heads, dim, generator=g, dtype=dtype)
+    k = torch.randn(total, groups, dim, generator=g, dtype=dtype)
+    v = torch.randn(total, groups, dim, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, lens, scale=None):
+    """Each sequence on its own: causal SDPA (is_causal) after Megatron's repeat_interleave of k/v."""
+    rep = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in lens:
+        sl = slice(start, start + n)
+        qs = q[sl].transpose(0, 1)
+        ks = k[sl].repeat_interleave(rep, dim=1).transpose(0, 1)
+        vs = v[sl].repeat_interleave(rep, dim=1).transpose(0, 1)
+        if n:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# segment ids and the dense mask
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=5))
+def test_segment_ids_and_mask_match_loops(lens):
+    total = sum(lens)
+    cu = _cu(lens)
+    seg = segment_ids(cu, total)
+    expected = [k for k, n in enumerate(lens) for _ in range(n)]
+    assert seg.tolist() == expected
+    mask = document_causal_mask(cu, total)
+    for i in range(total):
+        for j in range(total):
+            assert bool(mask[i, j]) == (expected[i] == expected[j] and j <= i)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel: equality with per-sequence attention, isolation, GQA
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_segments_match_per_segment_sdpa(backend):
+    lens = [5, 11, 7]
+    q, k, v = _qkv(sum(lens), 4, 4, 8)
+    out = packed_causal_attention(q, k, v, _cu(lens), backend=backend)
+    torch.testing.assert_close(out, _reference(q, k, v, lens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gqa_and_custom_scale(backend):
+    lens = [6, 3, 9]
+    q, k, v = _qkv(sum(lens), 6, 2, 8, seed=1)
+    out = packed_causal_attention(q, k, v, _cu(lens), softmax_scale=0.37, backend=backend)
+    torch.testing.assert_close(out, _reference(q, k, v, lens, scale=0.37), atol=1e-5, rtol=0)
+
+
+def test_hand_computed_two_tokens():
+    # One sequence of two tokens, one head of dim 1: out_0 = v_0; out_1 = softmax(q1 k0, q1 k1) . v.
+    q = torch.tensor([[[1.0]], [[2.0]]])
+    k = torch.tensor([[[0.5]], [[-1.0]]])
+    v = torch.tensor([[[3.0]], [[7.0]]])
+    out = packed_causal_attention(q, k, v, _cu([2]), softmax_scale=1.0)
+    a, b = math.exp(2.0 * 0.5), math.exp(2.0 * -1.0)
+    assert out[0, 0, 0].item() == pytest.approx(3.0, abs=1e-6)
+    assert out[1, 0, 0].item() == pytest.approx((3.0 * a + 7.0 * b) / (a + b), abs=1e-6)
+    # Two sequences of one token each: every token sees only itself.
+    out = packed_causal_attention(q, k, v, _cu([1, 1]), softmax_scale=1.0)
+    torch.testing.assert_close(out, v, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda x: sum(x) > 0),
+    groups=st.sampled_from([1, 2, 4]),
+    rep=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference(lens, groups, rep, seed):
+    q, k, v = _qkv(sum(lens), groups * rep, groups, 4, seed=seed)
+    out = packed_causal_attention(q, k, v, _cu(lens), backend="sdpa")
+    torch.testing.assert_close(out, _reference(q, k, v, lens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_attention_across_sequences(backend):
+    lens = [4, 6, 5]
+    cu = _cu(lens)
+    q, k, v = _qkv(sum(lens), 4, 2, 8, seed=2)
+    mid = slice(4, 10)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[mid] = 100.0 * torch.randn_like(t[mid])
+    out = packed_causal_attention(q, k, v, cu, backend=backend)
+    out2 = packed_causal_attention(q2, k2, v2, cu, backend=backend)
+    keep = torch.ones(sum(lens), dtype=torch.bool)
+    keep[mid] = False
+    torch.testing.assert_close(out2[keep], out[keep], atol=1e-6, rtol=0)
+    assert not torch.allclose(out2[mid], out[mid])
+    if backend == "flex":
+        return  # flex_attention has no backward on CPU
+    # Gradients: the loss on sequences 1 and 3 does not depend on sequence 2's keys and values.
+    kg, vg = k.clone().requires_grad_(), v.clone().requires_grad_()
+    packed_causal_attention(q, kg, vg, cu, backend=backend)[keep].square().sum().backward()
+    assert torch.count_nonzero(kg.grad[mid]) == 0 and torch.count_nonzero(vg.grad[mid]) == 0
+    assert torch.count_nonzero(kg.grad[keep]) > 0 and torch.count_nonzero(vg.grad[keep]) > 0
+
+
+def test_dropout_is_applied_and_stays_within_sequences():
+    lens = [5, 6, 4]
+    cu = _cu(lens)
+    q, k, v = _qkv(sum(lens), 2, 2, 8, seed=3)
+    plain = packed_causal_attention(q, k, v, cu)
+    torch.manual_seed(0)
+    a = packed_causal_attention(q, k, v, cu, dropout_p=0.5)
+    v2 = v.clone()
+    v2[5:11] += 50.0
+    torch.manual_seed(0)
+    b = packed_causal_attention(q, k, v2, cu, dropout_p=0.5)
+    assert not torch.allclose(a, plain)
+    keep = torch.ones(sum(lens), dtype=torch.bool)
+    keep[5:11] = False
+    torch.testing.assert_close(a[keep], b[keep], atol=1e-6, rtol=0)
+    with pytest.raises(InputError, match="dropout"):
+        packed_causal_attention(q, k, v, cu, dropout_p=0.5, backend="flex")
+
+
+def test_inputs_are_not_modified():
+    lens = [3, 4]
+    q, k, v = _qkv(7, 2, 1, 4)
+    cu = _cu(lens)
+    before = [(t._version, t.clone()) for t in (q, k, v, cu)]
+    packed_causal_attention(q, k, v, cu)
+    for t, (ver, val) in zip((q, k, v, cu), before):
+        assert t._version == ver and torch.equal(t, val)
+
+
+def test_mask_memo_follows_in_place_changes():
+    q, k, v = _qkv(6, 2, 2, 4, seed=4)
+    cu = _cu([3, 3])
+    first = packed_causal_attention(q, k, v, cu)
+    cu[1] = 2  # now [2, 4]: must not reuse the memoized mask
+    second = packed_causal_attention(q, k, v, cu)
+    torch.testing.assert_close(second, _reference(q, k, v, [2, 4]), atol=1e-5, rtol=0)
+    assert not torch.allclose(first, second)
+
+
+@pytest.mark.parametrize(
+    "cu, match",
+    [
+        ([1, 4, 7], "from 0"),
+        ([0, 5, 3, 7], "non-decreasing"),
+        ([0, 3, 6], "token count 7"),
+        ([0], "at least 2"),
+    ],
+)
+def test_bad_cu_seqlens_values(cu, match):
+    q, k, v = _qkv(7, 2, 2, 4)
+    with pytest.raises(InputError, match=match) as err:
+        packed_causal_attention(q, k, v, torch.tensor(cu, dtype=torch.int32))
+    assert "packed_causal_attention" in str(err.value) and "cu_seqlens" in str(err.value)
+
+
+def test_bad_types_and_shapes():
+    q, k, v = _qkv(7, 4, 2, 4)
+    with pytest.raises(ShapeError, match="cu_seqlens"):
+        packed_causal_attention(q, k, v, torch.tensor([0, 7]))  # int64
+    with pytest.raises(ShapeError):
+        packed_causal_attention(q, k[:6], v[:6], _cu([7]))  # token counts differ
+    q3, k3, v3 = _qkv(7, 3, 2, 4)
+    with pytest.raises(InputError, match="dividing the 3 query heads"):
+        packed_causal_attention(q3, k3, v3, _cu([7]))
+    with pytest.raises(InputError, match="dropout_p"):
+        packed_causal_attention(q, k, v, _cu([7]), dropout_p=1.0)
+
+
+def test_thd_packed_seq_params():
+    cu = _cu([3, 0, 8, 2])
+    p = thd_packed_seq_params(cu)
+    assert p.qkv_format == "thd" and p.cu_seqlens_q is cu and p.cu_seqlens_kv is cu
+    assert p.max_seqlen_q == p.max_seqlen_kv == 8
+    with pytest.raises(InputError, match="non-decreasing"):
+        thd_packed_seq_params(torch.tensor([0, 4, 2], dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# layer specs
+# ---------------------------------------------------------------------------------------------
+def test_local_layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    megatron = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True)
+    ours = local_layer_spec(normalization="RMSNorm", qk_layernorm=True)
+    assert ours.submodules.self_attention.submodules.core_attention is PackedDotProductAttention
+    assert megatron.submodules.self_attention.submodules.core_attention is DotProductAttention
+    for name in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
+        assert getattr(ours.submodules.self_attention.submodules, name) is getattr(
+            megatron.submodules.self_attention.submodules, name
+        )
+    assert ours.submodules.input_layernorm is megatron.submodules.input_layernorm
+    assert ours.submodules.mlp == megatron.submodules.mlp
+    plain = local_layer_spec(packed_attention=False)
+    assert plain.submodules.self_attention.submodules.core_attention is DotProductAttention
+    with pytest.raises(InputError, match="normalization"):
+        local_layer_spec(normalization="BatchNorm")  # type: ignore[arg-type]
+
+
+def test_spec_options_come_from_a_config():
+    class Cfg:
+        normalization = "RMSNorm"
+        qk_layernorm = True
+
+    from_cfg = local_layer_spec(Cfg())
+    explicit = local_layer_spec(normalization="RMSNorm", qk_layernorm=True)
+    assert from_cfg.submodules.input_layernorm is explicit.submodules.input_layernorm
+    assert from_cfg.submodules.self_attention.submodules.q_layernorm is explicit.submodules.self_attention.submodules.q_layernorm
+    assert local_layer_spec(Cfg(), qk_layernorm=False).submodules.self_attention.submodules.q_layernorm is not (
+        explicit.submodules.self_attention.submodules.q_layernorm
+    )
+
+
+def test_default_layer_spec_picks_te_or_local(monkeypatch):
+    import fnppo.attention as attention
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    monkeypatch.setattr(attention, "te_available", lambda: False)
+    spec = default_layer_spec(normalization="RMSNorm")
+    assert spec.submodules.self_attention.submodules.core_attention is PackedDotProductAttention
+    sentinel = object()
+    monkeypatch.setattr(attention, "te_available", lambda: True)
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: (sentinel, kw))
+    got, kw = default_layer_spec(qk_layernorm=True)
+    assert got is sentinel and kw["qk_layernorm"] is True
+
+
+def test_te_available_agrees_with_import():
+    try:
+        import transformer_engine  # noqa: F401
+
+        importable = True
+    except ImportError:
+        importable = False
+    assert te_available() == importable
+
+
+# ---------------------------------------------------------------------------------------------
+# Real Megatron on CPU: the module and a whole GPTModel, padded vs packed (1 rank and TP=2)
+# ---------------------------------------------------------------------------------------------
+LENS = [5, 11, 7]
+VOCAB = 64
+
+
+def _gpt(tp: int):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
+    )
+    spec = local_layer_spec(cfg)
+    model = GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="rope")
+    return cfg, model
+
+
+def _logits_and_grads(model, input_ids, position_ids, psp, weights):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids, position_ids, None, packed_seq_params=psp)
+    (logits * weights).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _model_check(tp: int) -> dict[str, float]:
+    """Runs on each rank: padded [3, S] vs packed [1, T] through one GPTModel; returns max diffs."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, model = _gpt(tp)
+    n_seq, S, T = len(LENS), max(LENS), sum(LENS)
+    cu = _cu(LENS)
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, VOCAB, (n,), generator=g) for n in LENS]
+    vshard = VOCAB // tp
+    # Random weights per (real) token and vocab entry of this rank's shard; padding weighs 0.
+    w_packed = torch.randn(1, T, vshard, generator=g)
+    padded = torch.zeros(n_seq, S, dtype=torch.long)
+    w_padded = torch.zeros(n_seq, S, vshard)
+    for i, n in enumerate(LENS):
+        padded[i, :n] = tokens[i]
+        w_padded[i, :n] = w_packed[0, cu[i] : cu[i + 1]]
+    pos_padded = torch.arange(S).expand(n_seq, S)
+    pos_packed = torch.cat([torch.arange(n) for n in LENS])[None]
+    lp, gp = _logits_and_grads(model, padded, pos_padded, None, w_padded)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S
+    )
+    lk, gk = _logits_and_grads(model, torch.cat(tokens)[None], pos_packed, psp, w_packed)
+    out = {
+        "logits": max((lp[i, :n] - lk[0, cu[i] : cu[i + 1]]).abs().max().item() for i, n in enumerate(LENS)),
+        "grads": max((gp[n] - gk[n]).abs().max().item() for n in gp),
+        "n_grads": float(len(gp)),
+        "grads_same_names": float(set(gp) == set(gk)),
+        "min_grad_norm": min(g.norm().item() for g in gp.values()),
+    }
+    # RoPE positions restart per sequence only with the true max_seqlen: overstating it to T puts
+    # Megatron's THD RoPE in absolute-offset mode, which changes sequences 2 and 3.
+    with torch.no_grad():
+        wrong = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=T, max_seqlen_kv=T)
+        lw = model(torch.cat(tokens)[None], pos_packed, None, packed_seq_params=wrong)
+    out["rope_offset_mode_diff"] = (lw[0, cu[1] :] - lk[0, cu[1] :]).abs().max().item()
+    out["rope_offset_mode_first"] = (lw[0, : cu[1]] - lk[0, : cu[1]]).abs().max().item()
+    if tp == 1:
+        out.update(_module_check())
+    return out
+
+
+def _module_check() -> dict[str, float]:
+    """PackedDotProductAttention itself: delegation when unpacked, THD layouts, errors."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cfg, _ = _gpt(1)
+    kwargs = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    ours, megatron = PackedDotProductAttention(**kwargs), DotProductAttention(**kwargs)
+    g = torch.Generator().manual_seed(3)
+    hn = cfg.kv_channels
+    q = torch.randn(9, 2, 4, hn, generator=g)
+    k = torch.randn(9, 2, 2, hn, generator=g)
+    v = torch.randn(9, 2, 2, hn, generator=g)
+    out = {"delegate": (ours(q, k, v, None) - megatron(q, k, v, None)).abs().max().item()}
+    # THD: [T, np, hn] as Megatron's Attention passes it, and [T, 1, np, hn].
+    T = sum(LENS)
+    q, k, v = _qkv(T, 4, 2, hn, seed=5)
+    psp = thd_packed_seq_params(_cu(LENS))
+    got3 = ours(q, k, v, None, packed_seq_params=psp)
+    got4 = ours(q[:, None], k[:, None], v[:, None], None, packed_seq_params=psp)
+    ref = _reference(q, k, v, LENS).reshape(T, -1)
+    out["thd_3d"] = (got3 - ref).abs().max().item()
+    out["thd_4d"] = (got4.reshape(T, -1) - ref).abs().max().item()
+    out["thd_shapes_ok"] = float(got3.shape == (T, 4 * hn) and got4.shape == (T, 1, 4 * hn))
+    errors = 0
+    for bad in (
+        dict(attention_mask=torch.zeros(1, 1, T, T, dtype=torch.bool)),
+        dict(packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=_cu(LENS))),
+        dict(packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(LENS), cu_seqlens_kv=_cu([T]))),
+        dict(attn_mask_type=AttnMaskType.no_mask),
+    ):
+        call = dict(attention_mask=None, packed_seq_params=psp)
+        call.update(bad)
+        try:
+            ours(q, k, v, call.pop("attention_mask"), **call)
+        except InputError as err:
+            errors += "PackedDotProductAttention.forward" in str(err)
+    out["errors_raised"] = float(errors)
+    return out
+
+
+def _assert_model_results(res: dict[str, float]) -> None:
+    assert res["logits"] < 1e-5, res
+    assert res["grads"] < 1e-5, res
+    assert res["grads_same_names"] == 1.0 and res["n_grads"] >= 10, res
+    assert res["min_grad_norm"] > 0, res
+    assert res["rope_offset_mode_diff"] > 1e-3, res
+    assert res["rope_offset_mode_first"] < 1e-5, res
+
+
+def test_gpt_packed_equals_padded_one_rank():
+    (res,) = run_ranks(_model_check, 1, 1)
+    _assert_model_results(res)
+    assert res["delegate"] < 1e-6, res
+    assert res["thd_3d"] < 1e-5 and res["thd_4d"] < 1e-5 and res["thd_shapes_ok"] == 1.0, res
+    assert res["errors_raised"] == 4.0, res
+
+
+def test_gpt_packed_equals_padded_tp2():
+    for res in run_ranks(_model_check, 2, 2, tp=2):
+        _assert_model_results(res)

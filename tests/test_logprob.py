@@ -1,0 +1,492 @@
+"""Tests of fnppo.logprob.logprob_and_entropy against an fp64 autograd reference."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnppo.logprob import _chunk_rows, logprob_and_entropy
+from fnppo.typing import InputError, ShapeError, typechecking
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent reference: fp64 log_softmax and autograd.
+# ---------------------------------------------------------------------------------------------
+def reference(x, labels, temperature, g_lp=None, g_h=None):
+    """fp64 (logprobs, entropy, dL/dx) with L = sum(g_lp * logprobs + g_h * entropy)."""
+    xr = x.detach().double()
+    # -inf entries: a very negative finite value has p = 0 exactly in fp64 and keeps p log p = 0.
+    xr = torch.where(torch.isneginf(xr), torch.full_like(xr, -1e6), xr).requires_grad_()
+    logp = (xr / temperature).log_softmax(-1)
+    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss = torch.zeros((), dtype=torch.float64)
+    if g_lp is not None:
+        loss = loss + (lp * g_lp.double()).sum()
+    if g_h is not None:
+        loss = loss + (ent * g_h.double()).sum()
+    (grad,) = torch.autograd.grad(loss, xr) if loss.requires_grad else (torch.zeros_like(xr),)
+    return lp.detach(), ent.detach(), grad
+
+
+def run_ours(x, labels, temperature, g_lp, g_h, **kw):
+    xg = x.detach().clone().requires_grad_()
+    lp, ent = logprob_and_entropy(xg, labels, temperature=temperature, **kw)
+    loss = (lp * g_lp).sum() + (ent * g_h).sum()
+    loss.backward()
+    return lp, ent, xg.grad
+
+
+def assert_grad_close(grad, ref, dtype, scale=1.0):
+    """Our gradient is the exact one rounded to ``dtype``: allow that rounding plus fp32 error."""
+    assert grad.dtype == dtype
+    eps = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    tol = eps * ref.abs() + 1e-6 * scale * max(1.0, ref.abs().max().item())
+    err = (grad.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}"
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
+def test_values_and_grads_match_fp64(dtype, temperature):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 7, 53, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, 53, (3, 7), generator=g)
+    g_lp, g_h = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    lp, ent, grad = run_ours(x, labels, temperature, g_lp, g_h, chunk_tokens=4)
+    rlp, rent, rgrad = reference(x, labels, temperature, g_lp, g_h)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    assert lp.shape == (3, 7) and ent.shape == (3, 7) and grad.shape == x.shape
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=2e-5)
+    assert_grad_close(grad, rgrad, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_magnitude_logits_no_overflow(dtype):
+    g = torch.Generator().manual_seed(2)
+    # Spread of 1e4 (essentially one-hot distributions) and an offset of 1e4 with O(1) spread.
+    for x in ((torch.randn(6, 40, generator=g) * 1e4), 1e4 + torch.randn(6, 40, generator=g) * 2):
+        x = x.to(dtype)
+        labels = torch.randint(0, 40, (6,), generator=g)
+        g_lp, g_h = torch.randn(6, generator=g), torch.randn(6, generator=g)
+        for t in (1.0, 0.5):
+            lp, ent, grad = run_ours(x, labels, t, g_lp, g_h)
+            rlp, rent, rgrad = reference(x, labels, t, g_lp, g_h)
+            assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(grad).all()
+            # An fp32 logsumexp of values near 1e4 carries an absolute rounding of ~5e-4.
+            torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=2e-3)
+            torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=2e-3)
+            err = (grad.double() - rgrad).abs().max().item()
+            assert err <= 3e-3 * max(1.0, rgrad.abs().max().item()), err
+
+
+def test_masked_positions_get_zero_gradient():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 9, 31, generator=g)
+    labels = torch.randint(0, 31, (4, 9), generator=g)
+    mask = (torch.rand(4, 9, generator=g) > 0.4).float()
+    g_lp, g_h = torch.randn(4, 9, generator=g) * mask, torch.randn(4, 9, generator=g) * mask
+    lp, ent, grad = run_ours(x, labels, 1.3, g_lp, g_h)
+    rlp, rent, rgrad = reference(x, labels, 1.3, g_lp, g_h)
+    assert bool((grad[mask == 0] == 0).all())
+    assert bool((grad[mask == 1] != 0).any())
+    assert_grad_close(grad, rgrad, torch.float32)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5)
+
+
+def test_neg_inf_logits_are_masked_vocabulary():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 30, generator=g)
+    x[:, 20:] = float("-inf")  # e.g. padded vocabulary
+    x[1, :19] = float("-inf")  # a row with a single finite entry: p = one-hot, H = 0
+    labels = torch.randint(0, 20, (5,), generator=g)
+    labels[1] = 19
+    g_lp, g_h = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    lp, ent, grad = run_ours(x, labels, 0.8, g_lp, g_h, chunk_tokens=2)
+    rlp, rent, rgrad = reference(x, labels, 0.8, g_lp, g_h)
+    assert torch.isfinite(grad).all()
+    assert bool((grad[:, 20:] == 0).all())
+    assert ent[1].item() == 0.0 and lp[1].item() == 0.0
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=1e-5)
+    assert_grad_close(grad, rgrad, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_never_written(dtype):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(8, 3, 64, generator=g, requires_grad=True)
+    logits = (base * 2.0).to(dtype)  # a non-leaf, like a model's output
+    labels = torch.randint(0, 64, (8, 3), generator=g)
+    before_x, before_l = logits.detach().clone(), labels.clone()
+    vx, vl = logits._version, labels._version
+    lp, ent = logprob_and_entropy(logits, labels, temperature=0.9)
+    # Something else that saved the logits (here a plain softmax) must still backpropagate.
+    other = torch.softmax(logits.float(), -1)[..., 0].sum()
+    (lp.sum() + 0.1 * ent.sum() + other).backward()
+    assert logits._version == vx and labels._version == vl
+    assert torch.equal(logits.detach(), before_x) and torch.equal(labels, before_l)
+    assert base.grad is not None and torch.isfinite(base.grad).all()
+
+
+def test_without_entropy_returns_none_and_same_logprobs():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 11, 45, generator=g, dtype=torch.float64).float()
+    labels = torch.randint(0, 45, (2, 11), generator=g)
+    g_lp = torch.randn(2, 11, generator=g)
+    xg = x.clone().requires_grad_()
+    lp, ent = logprob_and_entropy(xg, labels, temperature=1.7, with_entropy=False)
+    assert ent is None
+    (lp * g_lp).sum().backward()
+    lp2, _ = logprob_and_entropy(x, labels, temperature=1.7)
+    assert torch.equal(lp, lp2)
+    rlp, _, rgrad = reference(x, labels, 1.7, g_lp, None)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5)
+    assert_grad_close(xg.grad, rgrad, torch.float32)
+
+
+@pytest.mark.parametrize("which", ["logprobs", "entropy"])
+def test_one_output_used(which):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 25, generator=g)
+    labels = torch.randint(0, 25, (6,), generator=g)
+    up = torch.randn(6, generator=g)
+    xg = x.clone().requires_grad_()
+    lp, ent = logprob_and_entropy(xg, labels)
+    ((lp if which == "logprobs" else ent) * up).sum().backward()
+    _, _, rgrad = reference(x, labels, 1.0, up if which == "logprobs" else None, up if which == "entropy" else None)
+    assert_grad_close(xg.grad, rgrad, torch.float32)
+
+
+def test_chunking_does_not_change_results():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 19, generator=g).bfloat16()
+    labels = torch.randint(0, 19, (37,), generator=g)
+    g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    outs = [run_ours(x, labels, 0.7, g_lp, g_h, chunk_tokens=c) for c in (1, 5, 37, None)]
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_default_chunk_keeps_fp32_temporaries_small():
+    for n, v, dtype in ((16384, 151936, torch.bfloat16), (4096, 32000, torch.float32), (4, 10, torch.bfloat16)):
+        x = torch.empty((n, v), dtype=dtype, device="meta")
+        rows = _chunk_rows(x, None)
+        if n >= 4096:  # two fp32 [rows, v] temporaries within 1/8 of the logits
+            assert 2 * rows * v * 4 <= n * v * x.element_size() / 8
+        assert rows >= 16
+
+
+def test_flat_and_leading_dims_agree():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 3, 4, 17, generator=g)
+    labels = torch.randint(0, 17, (2, 3, 4), generator=g)
+    lp, ent = logprob_and_entropy(x, labels)
+    lp2, ent2 = logprob_and_entropy(x.reshape(-1, 17), labels.reshape(-1))
+    assert torch.equal(lp.reshape(-1), lp2) and torch.equal(ent.reshape(-1), ent2)
+    lp0, ent0 = logprob_and_entropy(x[:0], labels[:0])
+    assert lp0.shape == (0, 3, 4) and ent0.shape == (0, 3, 4)
+
+
+def test_non_contiguous_logits():
+    g = torch.Generator().manual_seed(10)
+    full = torch.randn(6, 40, generator=g)
+    x = full[:, 10:30]  # row stride 40
+    labels = torch.randint(0, 20, (6,), generator=g)
+    g_lp, g_h = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    lp, ent, grad = run_ours(x, labels, 1.0, g_lp, g_h)
+    rlp, rent, rgrad = reference(x, labels, 1.0, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5)
+    assert_grad_close(grad, rgrad, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _x_l():
+    return torch.randn(4, 50), torch.randint(0, 50, (4,))
+
+
+@pytest.mark.parametrize("bad", [50, -1, 1000])
+def test_label_out_of_range_raises(bad):
+    x, labels = _x_l()
+    labels[2] = bad
+    with pytest.raises(InputError, match=r"logprob_and_entropy: argument 'labels' expected token ids in \[0, 50\)"):
+        logprob_and_entropy(x, labels)
+
+
+def test_label_out_of_range_without_checking_is_nan_not_wrong():
+    x, labels = _x_l()
+    labels[1] = 50
+    with typechecking(False):
+        lp, ent = logprob_and_entropy(x, labels)
+    assert math.isnan(lp[1].item()) and torch.isfinite(lp[[0, 2, 3]]).all() and torch.isfinite(ent).all()
+
+
+def test_shape_mismatch_raises():
+    x, _ = _x_l()
+    labels = torch.randint(0, 50, (5,))
+    with pytest.raises(ShapeError, match="labels"):
+        logprob_and_entropy(x, labels)
+    with typechecking(False), pytest.raises(InputError, match=r"argument 'labels' expected shape \(4,\)"):
+        logprob_and_entropy(x, labels)
+
+
+def test_vocab_size_mismatch_raises():
+    x, labels = _x_l()
+    logprob_and_entropy(x, labels, vocab_size=50)  # consistent: fine
+    with pytest.raises(InputError, match=r"argument 'logits' expected a vocab dimension of vocab_size / tp_size = 64 / 1"):
+        logprob_and_entropy(x, labels, vocab_size=64)
+
+
+def test_non_floating_logits_raise():
+    _, labels = _x_l()
+    xi = torch.randint(0, 5, (4, 50))
+    with pytest.raises(ShapeError, match="logits"):
+        logprob_and_entropy(xi, labels)
+    with typechecking(False), pytest.raises(InputError, match="argument 'logits' expected a floating tensor"):
+        logprob_and_entropy(xi, labels)
+
+
+@pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_temperature_raises(t):
+    x, labels = _x_l()
+    with pytest.raises(InputError, match="argument 'temperature' expected a finite float > 0"):
+        logprob_and_entropy(x, labels, temperature=t)
+
+
+def test_bad_impl_raises(monkeypatch):
+    x, labels = _x_l()
+    with pytest.raises(InputError, match="argument 'impl'"):
+        logprob_and_entropy(x, labels, impl="cuda")
+    monkeypatch.setenv("FNPPO_LOGPROB_IMPL", "fast")
+    with pytest.raises(InputError, match="argument 'impl'"):
+        logprob_and_entropy(x, labels)
+    monkeypatch.delenv("FNPPO_LOGPROB_IMPL")
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(InputError, match="argument 'impl'"):
+            logprob_and_entropy(x, labels, impl="triton")  # CPU tensors, no interpreter
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    vocab=st.integers(1, 40),
+    temperature=st.floats(0.2, 5.0),
+    scale=st.sampled_from([0.1, 3.0, 30.0]),
+    chunk=st.one_of(st.none(), st.integers(1, 7)),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_reference_and_shift_invariance(lead, vocab, temperature, scale, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, vocab, generator=g) * scale
+    labels = torch.randint(0, vocab, tuple(lead), generator=g)
+    g_lp, g_h = torch.randn(tuple(lead), generator=g), torch.randn(tuple(lead), generator=g)
+    lp, ent, grad = run_ours(x, labels, temperature, g_lp, g_h, chunk_tokens=chunk)
+    rlp, rent, rgrad = reference(x, labels, temperature, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=1e-5 * max(1.0, scale / temperature))
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=1e-5 * max(1.0, scale / temperature))
+    assert_grad_close(grad, rgrad, torch.float32, scale=max(1.0, scale / temperature))
+    # Entropy lies in [0, log V]; a per-token constant added to the logits changes nothing.
+    assert bool((ent >= -1e-5).all()) and bool((ent <= math.log(vocab) + 1e-5).all())
+    shift = torch.randn((*lead, 1), generator=g).round()
+    lp2, ent2 = logprob_and_entropy(x + shift, labels, temperature=temperature, chunk_tokens=chunk)
+    torch.testing.assert_close(lp2, lp, rtol=1e-5, atol=1e-4 * max(1.0, scale / temperature))
+    torch.testing.assert_close(ent2, ent, rtol=1e-5, atol=1e-4 * max(1.0, scale / temperature))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels, through Triton's CPU interpreter (skipped where Triton is not installed)
+# ---------------------------------------------------------------------------------------------
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fnppo.logprob import logprob_and_entropy
+    from tests.test_logprob import reference
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        for ent_on in (True, False):
+            x = (torch.randn(9, 150, generator=g) * 3).to(dtype)
+            x[0, 3] = float("-inf"); x[4, :140] = float("-inf")
+            labels = torch.randint(140, 150, (9,), generator=g)
+            g_lp, g_h = torch.randn(9, generator=g), torch.randn(9, generator=g)
+            xg = x.clone().requires_grad_()
+            lp, ent = logprob_and_entropy(xg, labels, temperature=0.7, with_entropy=ent_on, impl="triton")
+            ((lp * g_lp).sum() + ((ent * g_h).sum() if ent_on else 0)).backward()
+            rlp, rent, rgrad = reference(x, labels, 0.7, g_lp, g_h if ent_on else None)
+            assert (lp.double() - rlp).abs().max() < 1e-5
+            assert ent is None or (ent.double() - rent).abs().max() < 1e-5
+            tol = (2e-6 if dtype == torch.float32 else 2**-8) * rgrad.abs() + 1e-6
+            assert bool(((xg.grad.double() - rgrad).abs() <= tol).all()), (xg.grad.double() - rgrad).abs().max()
+    print("interpreter ok")
+    """
+)
+
+
+def test_triton_kernels_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (gloo ranks, real Megatron process groups)
+# ---------------------------------------------------------------------------------------------
+TP_SHAPE = (3, 5, 48)
+
+
+def _full_problem():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(*TP_SHAPE, generator=g) * 3
+    labels = torch.randint(0, TP_SHAPE[-1], TP_SHAPE[:-1], generator=g)
+    g_lp, g_h = torch.randn(*TP_SHAPE[:-1], generator=g), torch.randn(*TP_SHAPE[:-1], generator=g)
+    return x, labels, g_lp, g_h
+
+
+def tp_worker(dtype_name: str):
+    """Each rank takes its shard of the same full logits; returns values, grad shard, collective log."""
+    import torch.distributed as dist
+
+    from fnppo.parallel import current_layout
+
+    layout = current_layout()
+    dtype = getattr(torch, dtype_name)
+    x, labels, g_lp, g_h = _full_problem()
+    shard = TP_SHAPE[-1] // layout.tp
+    xs = x[..., layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(dtype).clone().requires_grad_()
+    before = xs.detach().clone()
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=0.8,
+                                      vocab_size=TP_SHAPE[-1], chunk_tokens=4)
+        n_forward = list(calls)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        n_backward = calls[len(n_forward):]
+    finally:
+        dist.all_reduce = real_all_reduce
+    errors = []
+    for kwargs in (dict(vocab_size=TP_SHAPE[-1]), {}):  # gathered logits; an out-of-range label
+        try:
+            if kwargs:
+                logprob_and_entropy(x, labels, tp_group=layout.tp_group, **kwargs)
+            else:
+                bad = labels.clone()
+                bad[0, 0] = TP_SHAPE[-1]
+                logprob_and_entropy(xs.detach(), bad, tp_group=layout.tp_group)
+        except InputError as err:
+            errors.append(str(err))
+    # numpy arrays, not tensors: a tensor sent through the result queue is shared through a file
+    # descriptor of the rank process, which may have exited before the parent reads it.
+    return dict(lp=_np(lp), ent=_np(ent), grad=_np(xs.grad), unchanged=torch.equal(xs.detach(), before),
+                n_forward=n_forward, n_backward=n_backward, errors=errors)
+
+
+def _np(t):
+    return t.detach().float().numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_equals_tp1(tp):
+    from fnppo.testing import run_ranks
+
+    dtype = torch.float32 if tp == 2 else torch.bfloat16
+    outs = run_ranks(tp_worker, tp, dtype.__repr__().split(".")[-1], tp=tp)
+    x, labels, g_lp, g_h = _full_problem()
+    lp1, ent1, grad1 = run_ours(x.to(dtype), labels, 0.8, g_lp, g_h)
+    rlp, rent, rgrad = reference(x.to(dtype), labels, 0.8, g_lp, g_h)
+    grad_tp = torch.cat([torch.from_numpy(o["grad"]).to(dtype) for o in outs], dim=-1)  # exact round trip
+    for o in outs:
+        torch.testing.assert_close(torch.from_numpy(o["lp"]), lp1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(o["ent"]), ent1, rtol=1e-5, atol=1e-5)
+        assert o["unchanged"]
+        # Two collectives in the forward, each O(tokens): a max, then [tokens, 3] sums. None backward.
+        assert o["n_forward"] == [15, 45] and o["n_backward"] == []
+        assert len(o["errors"]) == 2
+        assert "already gathered over tensor parallelism" in o["errors"][0]
+        assert "argument 'labels' expected token ids in [0, 48)" in o["errors"][1]
+    torch.testing.assert_close(grad_tp.float(), grad1.float(), rtol=2.0**-7, atol=1e-6)
+    assert_grad_close(grad_tp, rgrad, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The original bug: Megatron's cross-entropy writes into fp32 logits
+# ---------------------------------------------------------------------------------------------
+def megatron_bug_worker():
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(16, 40, generator=g, requires_grad=True)
+    h = torch.randn(2, 6, 16, generator=g)
+    labels = torch.randint(0, 40, (2, 6), generator=g)
+
+    def entropy(logits):
+        p = torch.softmax(logits, -1)
+        return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+    out = {}
+    # 1) entropy first, then Megatron CE on the same fp32 logits: backward fails.
+    logits = h @ w
+    ent = entropy(logits)
+    lp = -vocab_parallel_cross_entropy(logits, labels)
+    try:
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        out["entropy_first"] = "no error"
+    except RuntimeError as err:
+        out["entropy_first"] = str(err)
+    # 2) Megatron CE first: no error, but the caller's logits now hold something else.
+    logits = h @ w
+    before = logits.detach().clone()
+    lp_megatron = -vocab_parallel_cross_entropy(logits, labels)
+    out["ce_changed_logits"] = not torch.equal(logits.detach(), before)
+    # 3) fnppo on the same kind of logits: works, leaves them unchanged, same log-probs.
+    w.grad = None
+    logits = h @ w
+    before, version = logits.detach().clone(), logits._version
+    ent = entropy(logits)
+    lp, ent2 = logprob_and_entropy(logits, labels)
+    (lp.sum() + 0.1 * ent.sum() + 0.1 * ent2.sum()).backward()
+    out["ours_unchanged"] = torch.equal(logits.detach(), before) and logits._version == version
+    out["ours_lp"], out["megatron_lp"] = _np(lp), _np(lp_megatron)
+    out["ours_ent"], out["ref_ent"] = _np(ent2), _np(ent)
+    out["grad_finite"] = bool(torch.isfinite(w.grad).all())
+    return out
+
+
+@pytest.mark.slow
+def test_megatron_inplace_bug_is_avoided():
+    from fnppo.testing import run_ranks
+
+    (out,) = run_ranks(megatron_bug_worker, 1)
+    assert "modified by an inplace operation" in out["entropy_first"]
+    assert out["ce_changed_logits"]
+    assert out["ours_unchanged"] and out["grad_finite"]
+    for a, b in (("ours_lp", "megatron_lp"), ("ours_ent", "ref_ent")):
+        torch.testing.assert_close(torch.from_numpy(out[a]), torch.from_numpy(out[b]), rtol=1e-5, atol=1e-5)
