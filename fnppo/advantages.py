@@ -150,7 +150,7 @@ def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
     ``A_i = (s_i - mean_g) / (std_g + eps)`` over the group g of i (std with Bessel's correction,
     as in the reference GRPO implementations), or ``A_i = s_i - mean_g`` with
     ``normalize_std=False`` (Dr. GRPO, arXiv:2503.20783). A group of size 1 has no baseline: its
-    advantage is defined as 0.
+    advantage is defined as 0 (as is every advantage of a group with ``std + eps == 0``).
 
     Groups are the rows of ``scores [n_groups, group_size]``, or given by ``group_ids [n]`` (any
     integers) for ``scores [n]``. Use :func:`broadcast_to_tokens` to spread the result over the
@@ -166,8 +166,8 @@ def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
     count, total, sq = _group_stats(x, index, g)
     centered = x - total / count
     if normalize_std:
-        std = torch.sqrt(sq / torch.clamp(count - 1, min=1))
-        centered = centered / (std + eps)
+        denom = torch.sqrt(sq / torch.clamp(count - 1, min=1)) + eps
+        centered = torch.where(denom > 0, centered / torch.where(denom > 0, denom, 1.0), 0.0)
     adv = torch.where(count > 1, centered, torch.zeros_like(centered))
     return adv.reshape(scores.shape)
 

@@ -2,8 +2,8 @@
 
 Megatron-core's local ``DotProductAttention`` refuses packed sequences (``packed_seq_params``);
 only Transformer Engine's attention reads the THD layout. :class:`PackedDotProductAttention` is a
-drop-in ``core_attention`` for the local spec that does: without ``packed_seq_params`` it *is*
-Megatron's ``DotProductAttention`` (it calls it); with ``packed_seq_params.qkv_format == "thd"``
+drop-in ``core_attention`` for the local spec that does: without ``packed_seq_params`` it runs
+Megatron's ``DotProductAttention`` unchanged (it calls it); with ``packed_seq_params.qkv_format == "thd"``
 it computes document-causal attention over the packed tokens,
 
     out_i = sum_j softmax_j(scale * q_i . k_j + M_ij) v_j,
@@ -16,12 +16,15 @@ equal those of the padded layout ``[b, s]`` with a causal mask (Megatron's defau
 Kernels (:func:`packed_causal_attention`):
 
 * CUDA: ``torch.nn.attention.flex_attention.flex_attention`` compiled with ``torch.compile``
-  (compiled once per process) and a document-causal ``BlockMask``: fully masked blocks are skipped,
-  so the cost grows with ``sum_i len_i^2``, not ``T^2``.
+  (compiled once per process; the first call compiles for ~10-20 s and a new pack length
+  triggers one more, dynamic-shape, compilation) and a document-causal ``BlockMask``: fully masked
+  blocks are skipped, so the cost grows with ``sum_i len_i^2``, not ``T^2``. Measured on one H200,
+  bf16, 32 heads / 8 groups of 128, forward + backward: 6.7 ms for 32k tokens in 32 sequences
+  (SDPA with a dense mask: 207 ms); 2.1 ms vs 3.4 ms for 4k tokens in 4 sequences.
 * CPU, and any device when attention dropout is active: ``scaled_dot_product_attention`` with an
-  explicit ``[T, T]`` boolean mask. On CPU it is the fastest of the exact options (measured
-  for 1k-4k tokens, 8 heads of 64: about 4x faster than flex_attention in eager mode and 2-3x
-  faster than the plain matmul-softmax-matmul).
+  explicit ``[T, T]`` boolean mask. On CPU it is the fastest of the exact options (measured for
+  1k-4k tokens, 8 heads of 64, forward: 4-8x faster than flex_attention in eager mode, which also
+  has no CPU backward, and 1.6-6x faster than a plain matmul-softmax-matmul).
 
 GQA (``num_query_groups < num_attention_heads``) is passed to the kernels (``enable_gqa``), not
 expanded. Softmax statistics are kept in fp32 by both kernels whatever the input dtype (as
@@ -33,12 +36,15 @@ attention has no dropout, so that case uses the SDPA path (it materializes the `
 The dropout pattern is a different random draw from Megatron's (same distribution, not the same
 bits).
 
-RoPE with THD: Megatron 0.16 applies rotary embeddings per sequence from ``cu_seqlens`` (positions
-restart at 0 in each sequence) when the rotary table is shorter than the pack, i.e. when
-``max_seqlen_q``/``max_seqlen_kv`` are the true maximum sequence length. If they are overstated
-to exactly the pack length ``T`` with several sequences, Megatron switches to "absolute offset"
-mode and positions no longer restart. :func:`thd_packed_seq_params` builds the parameters with the
-exact maximum. Position ids passed to ``GPTModel.forward`` are not used by RoPE models.
+RoPE with THD: Megatron 0.16 (unfused path, used on CPU and without TE) rotates each packed
+sequence with positions restarting at 0, from ``cu_seqlens`` (tested against a closed-form
+rotation), as long as the rotary table is shorter than the pack, i.e. ``max_seqlen_q`` /
+``max_seqlen_kv`` below the pack length ``T`` (true whenever there are two non-empty sequences and
+the maxima are exact). With ``max_seqlen == T`` Megatron switches to an "absolute offset" mode
+(sequence ``k`` starts at position ``cu[k]``); since RoPE scores depend only on position
+differences, attention is the same up to rounding. :func:`thd_packed_seq_params` builds the
+parameters with the exact maxima. Position ids passed to ``GPTModel.forward`` are not used by
+RoPE models.
 
 Not supported in the packed path (a clear error, never a silent wrong answer): attention bias, an
 explicit ``attention_mask`` (segments come from ``cu_seqlens``), ``softmax_type`` other than
@@ -247,7 +253,8 @@ def thd_packed_seq_params(cu_seqlens: CuSeqlens) -> PackedSeqParams:
     """Megatron ``PackedSeqParams`` for self-attention over a packed batch (``qkv_format="thd"``).
 
     ``cu_seqlens_q = cu_seqlens_kv = cu_seqlens`` and ``max_seqlen_q = max_seqlen_kv = max_k l_k``
-    (exact, so Megatron's RoPE restarts positions in every sequence; see the module docstring).
+    (exact: Megatron sizes its rotary table from it, and RoPE positions restart in every sequence;
+    see the module docstring).
     """
     fn = "fnppo.attention.thd_packed_seq_params"
     values = cu_seqlens.tolist()

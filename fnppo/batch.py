@@ -780,3 +780,45 @@ def split_batch(
         groups = _balanced(lengths, agreed, budget, layout) or _split_to(local, agreed)
     groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
     return SplitPlan.from_groups(groups)
+
+
+def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Microbatch:
+    """Pad a micro-batch along the sequence dimension to ``length`` tokens (pure).
+
+    Packed layout: the extra tokens form one more segment at the end (its own document in the
+    attention, ``seq_ids`` -1, ``loss_mask`` 0), so ``cu_seqlens`` gains an entry. Padded layout:
+    columns are appended on the right (``attention_mask`` False). Real tokens, their positions and
+    :func:`unpack_per_sample` are unchanged. Used to give every micro-batch of a step the same shape
+    (e.g. for the interleaved pipeline schedule).
+    """
+    fn = "fnppo.pad_microbatch"
+    cur = int(mb.input_ids.shape[1])
+    if not isinstance(length, int) or length < cur:
+        raise input_error(fn, "length", f"an int >= the current length {cur}", repr(length))
+    extra = length - cur
+    if extra == 0:
+        return mb
+    rows = int(mb.input_ids.shape[0])
+
+    def pad(t: Tensor | None, value: float | int) -> Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, t.new_full((rows, extra), value)], dim=1)
+
+    changes: dict[str, Any] = dict(
+        input_ids=pad(mb.input_ids, pad_token_id),
+        position_ids=pad(mb.position_ids, 0),
+        labels=pad(mb.labels, 0),
+        loss_mask=pad(mb.loss_mask, 0.0),
+        old_logprobs=pad(mb.old_logprobs, 0.0),
+        advantages=pad(mb.advantages, 0.0),
+        ref_logprobs=pad(mb.ref_logprobs, 0.0),
+        rollout_logprobs=pad(mb.rollout_logprobs, 0.0),
+        seq_ids=pad(mb.seq_ids, -1),
+        attention_mask=pad(mb.attention_mask, False),
+    )
+    if mb.cu_seqlens is not None:
+        tail = mb.cu_seqlens.new_full((1,), length)
+        changes["cu_seqlens"] = torch.cat([mb.cu_seqlens, tail])
+        changes["max_seqlen"] = max(int(mb.max_seqlen or 0), extra)
+    return dataclasses.replace(mb, **changes)

@@ -67,22 +67,26 @@ def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
             )
         distributed = distributed or ddp_cfg.use_distributed_optimizer
         for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            # Shard bounds per bucket (buffer coordinates); param positions from the buffer's own
+            # index map (it includes the alignment padding that bucket-local offsets ignore).
+            bounds = []
             for bucket in buffer.buckets:
                 n = bucket.grad_data.numel()
                 if ddp_cfg.use_distributed_optimizer:
                     size = buffer.data_parallel_world_size
                     rank = dist.get_rank(buffer.data_parallel_group)
-                    lo, hi = rank * (n // size), (rank + 1) * (n // size)
+                    bounds.append((bucket.offset + rank * (n // size), bucket.offset + (rank + 1) * (n // size)))
                 else:
-                    lo, hi = 0, n
-                for param, (a, b) in bucket.param_to_index.items():
-                    if not _param_is_unique(param, tp_rank):
-                        continue
-                    a2, b2 = max(a, lo), min(b, hi)
-                    if a2 >= b2:
-                        continue
-                    sq = bucket.grad_data[a2:b2].float().square().sum()
-                    total = sq if total is None else total + sq
+                    bounds.append((bucket.offset, bucket.offset + n))
+            for param, (a, b, bucket_id) in buffer.param_index_map.items():
+                if not _param_is_unique(param, tp_rank):
+                    continue
+                lo, hi = bounds[bucket_id]
+                a2, b2 = max(a, lo), min(b, hi)
+                if a2 >= b2:
+                    continue
+                sq = buffer.grad_data[a2:b2].float().square().sum()
+                total = sq if total is None else total + sq
     device = model_chunks[0].buffers[0].grad_data.device if model_chunks and model_chunks[0].buffers else "cpu"
     if total is None:
         total = torch.zeros((), dtype=torch.float32, device=device)

@@ -48,7 +48,6 @@ from typing import Any, NamedTuple
 import torch
 
 from fnppo.typing import (
-    InputError,
     Integer,
     PaddedFloat,
     PaddedMask,
@@ -778,8 +777,14 @@ def loss_normalizer(loss_mask: PaddedMask, config: PolicyLossConfig | str, *,
     return _agg_weights(mf, _segments(loss_mask.shape, seq_ids), mode, scale)[1].float()
 
 
-def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tensor:
-    n = local if normalizer is None else torch.as_tensor(normalizer, dtype=local.dtype, device=local.device)
+def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tensor | float:
+    """The divisor: ``normalizer`` (or the local count), with 0 replaced by 1 (no host sync)."""
+    if normalizer is None:
+        n = local
+    elif isinstance(normalizer, Tensor):
+        n = normalizer.to(device=local.device, dtype=local.dtype)
+    else:
+        return float(normalizer) if normalizer > 0 else 1.0
     return torch.where(n > 0, n, torch.ones_like(n))
 
 
@@ -927,12 +932,13 @@ def ppo_loss(
     metrics["pg_loss"] = _pair(pg_num, local_den)
     term_w = agg_w * keep
     if entropy is not None:
-        ent_num = (clean(entropy, detach=False) * term_w).sum()
+        ent_num = (clean(entropy, detach=config.entropy_coeff == 0) * term_w).sum()
         metrics["entropy"] = _pair(ent_num, local_den)
         if config.entropy_coeff != 0:
             total_num = total_num - config.entropy_coeff * ent_num
     if ref_logprobs is not None:
-        kl_tok = kl_penalty(lp, clean(ref_logprobs, detach=True), config.kl_estimator,
+        kl_tok = kl_penalty(lp if config.kl_coef != 0 else lp.detach(), clean(ref_logprobs, detach=True),
+                            config.kl_estimator,
                             log_ratio_clamp=config.log_ratio_clamp)
         kl_num = (torch.where(m, kl_tok, zero) * term_w).sum()
         metrics["kl_loss"] = _pair(kl_num, local_den)

@@ -139,14 +139,18 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available() or layout.backend == "gloo",
-        variable_seq_lengths=True,
+        variable_seq_lengths=True,  # one shape per step under vpp: fnppo pads (see step._collate_all)
+        moe_token_dispatcher_type="alltoall",
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
-        deallocate_pipeline_outputs=True,
+        deallocate_pipeline_outputs=layout.backend != "gloo",
+        # gloo mismatches concurrent batched p2p messages between the same pair of ranks
+        # (seen with the interleaved schedule: later micro-batches got wrong activations).
+        batch_p2p_comm=layout.backend != "gloo",
     )
     kwargs.update(dict(cfg.extra))
     kwargs.update(overrides)
@@ -222,14 +226,17 @@ def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = T
     return out
 
 
-def build_optimizer(chunks: Sequence[nn.Module], *, lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8, **kwargs: Any):
-    """Megatron's optimizer (Adam; distributed when the chunks' DDP config says so)."""
+def build_optimizer(chunks: Sequence[nn.Module], *, optimizer: str = "adam", lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8, **kwargs: Any):
+    """Megatron's optimizer (``"adam"`` or ``"sgd"``; distributed when the chunks' DDP config says so).
+
+    ``clip_grad`` > 0 clips the global grad norm (Megatron's own clipping); 0 disables it.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     core = unwrap_model(chunks[0])
     ddp_cfg = getattr(chunks[0], "ddp_config", None)
     ocfg = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optimizer,
         lr=lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,

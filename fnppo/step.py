@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.batch import Microbatch, Sample, collate_microbatch, split_batch, unpack_per_sample
+from fnppo.batch import Microbatch, Sample, collate_microbatch, pad_microbatch, split_batch, unpack_per_sample
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
 from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import PolicyLossConfig, finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
@@ -151,6 +151,11 @@ def _collate_all(samples: Sequence[Sample], config: StepConfig, layout: Parallel
         _to_device(config.fns.collate(group, layout=config.layout, pad_to_multiple_of=_pad_multiple(config, layout), sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
     ]
+    if layout.vpp:
+        # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
+        # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
+        longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
+        mbs = [pad_microbatch(mb, longest) for mb in mbs]
     return plan, mbs
 
 

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from fnppo.parallel import free_port
 
-__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "tiny_gpt_config"]
+__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "synthetic_samples"]
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -116,6 +116,21 @@ def megatron_on_cpu() -> Iterator[None]:
             setattr(obj, name, value)
 
 
+def _dumps(obj: Any) -> bytes:
+    """Serialize a rank's result by value (tensors too: no shared-memory handles that die with the rank)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 class RankError(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds its rank and remote traceback."""
 
@@ -152,7 +167,7 @@ def _rank_main(
             finally:
                 with contextlib.suppress(Exception):
                     destroy_parallel()
-        results.put((rank, True, out))
+        results.put((rank, True, _dumps(out)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -206,7 +221,7 @@ def run_ranks(
                 continue
             if not ok:
                 raise RankError(f"run_ranks: rank {rank} of {world_size} raised:\n{value}")
-            out[rank] = value
+            out[rank] = _loads(value)
     finally:
         for p in procs:
             if p.is_alive():
@@ -217,8 +232,49 @@ def run_ranks(
     return [out[r] for r in range(world_size)]
 
 
-def tiny_gpt_config(**overrides: Any) -> dict[str, Any]:
-    """Keyword arguments for a tiny fp32 GPT that runs fast on CPU (see :func:`fnppo.model.gpt_config`)."""
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, max_seq_len=64)
-    base.update(overrides)
-    return base
+def synthetic_samples(
+    n: int,
+    *,
+    vocab_size: int = 64,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (2, 6),
+    response_len: tuple[int, int] = (1, 8),
+    with_ref: bool = True,
+    with_rollout: bool = False,
+    masked_tokens: bool = True,
+    multi_modal_every: int = 0,
+):
+    """``n`` random :class:`~fnppo.batch.Sample` s with varied lengths, for tests and demos.
+
+    Old/ref/rollout log-probs are drawn around -2 (plausible values), advantages are standard
+    normal, and with ``masked_tokens`` some response tokens are masked out (tool output in a
+    multi-turn response). With ``multi_modal_every=k``, every k-th sample carries an ``"images"``
+    tensor. Deterministic in ``seed``.
+    """
+    from fnppo.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (), generator=g))
+        r = int(torch.randint(response_len[0], response_len[1] + 1, (), generator=g))
+        mask = None
+        if masked_tokens and r > 2 and i % 3 == 0:
+            mask = torch.ones(r)
+            mask[1] = 0.0
+        mm = {}
+        if multi_modal_every and i % multi_modal_every == 0:
+            mm = {"images": torch.randn(1 + i % 2, 3, 4, 4, generator=g)}
+        out.append(
+            Sample(
+                prompt_ids=torch.randint(0, vocab_size, (p,), generator=g),
+                response_ids=torch.randint(0, vocab_size, (r,), generator=g),
+                advantages=torch.randn(r, generator=g),
+                old_logprobs=-2.0 + 0.3 * torch.randn(r, generator=g),
+                ref_logprobs=(-2.0 + 0.3 * torch.randn(r, generator=g)) if with_ref else None,
+                rollout_logprobs=(-2.0 + 0.3 * torch.randn(r, generator=g)) if with_rollout else None,
+                response_mask=mask,
+                multi_modal=mm,
+            )
+        )
+    return out

@@ -1,0 +1,717 @@
+"""Hugging Face checkpoints of the Llama / Qwen2 / Qwen3 families <-> Megatron ``GPTModel``.
+
+* :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.model.ModelConfig`;
+* :func:`build_gpt_from_hf` builds this rank's model chunks from it;
+* :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard;
+* :func:`export_hf_weights` writes the inverse (HF names, safetensors shards, ``config.json``), so
+  a trained policy can be served by an inference engine.
+
+Name and layout conversion (per layer ``i``; ``G`` key/value groups, ``h = heads / G`` query heads
+per group, ``d`` the head dimension)::
+
+    model.embed_tokens.weight                      -> embedding.word_embeddings.weight
+    model.layers.i.input_layernorm.weight          -> decoder.layers.i.input_layernorm.weight
+    model.layers.i.self_attn.{q,k,v}_proj.{weight,bias}
+                                                   -> decoder.layers.i.self_attention.linear_qkv.*
+    model.layers.i.self_attn.o_proj.weight         -> decoder.layers.i.self_attention.linear_proj.weight
+    model.layers.i.self_attn.{q,k}_norm.weight     -> decoder.layers.i.self_attention.{q,k}_layernorm.weight
+    model.layers.i.post_attention_layernorm.weight -> decoder.layers.i.pre_mlp_layernorm.weight
+    model.layers.i.mlp.{gate,up}_proj.weight       -> decoder.layers.i.mlp.linear_fc1.weight
+    model.layers.i.mlp.down_proj.weight            -> decoder.layers.i.mlp.linear_fc2.weight
+    model.norm.weight                              -> decoder.final_layernorm.weight
+    lm_head.weight                                 -> output_layer.weight (model.embed_tokens.weight when tied)
+
+(with Transformer Engine's layer spec the two layer norms are ``linear_qkv.layer_norm_weight`` and
+``linear_fc1.layer_norm_weight``). Megatron's fused QKV stacks, for every group ``g`` in order, the
+``h * d`` query rows of the group's heads, then its ``d`` key rows and ``d`` value rows:
+``qkv = concat_g [q[g*h*d : (g+1)*h*d]; k[g*d : (g+1)*d]; v[g*d : (g+1)*d]]``. Query head ``j``
+belongs to group ``j // h``, as Hugging Face's ``repeat_kv`` (arXiv:2305.13245). The fused MLP input
+projection is ``[gate; up]`` (SwiGLU, arXiv:2002.05202); under tensor parallelism each rank holds
+``[gate_r; up_r]``. Column-parallel weights (QKV, fc1, embedding, output layer) are split on their
+output rows, row-parallel ones (``o_proj``, ``down_proj``) on their input columns (Megatron-LM,
+arXiv:1909.08053); a QKV shard is a contiguous range of whole groups.
+
+Loading reads only the safetensors metadata first and validates every name and shape of the
+whole checkpoint on every rank (so all ranks fail alike, before anything is written); it then reads,
+one parameter at a time, only the rows/columns this rank holds (``safe_open(...).get_slice``), so
+host memory never holds more than one parameter beyond the model itself.
+
+Families: Llama (arXiv:2302.13971; RoPE theta and Llama 3 ``"llama3"`` rope scaling), Qwen2
+(arXiv:2407.10671; bias on q/k/v) and Qwen3 (arXiv:2505.09388; RMSNorm on queries and keys per head,
+``head_dim`` independent of ``hidden_size``). All use RMSNorm, SwiGLU, RoPE (arXiv:2104.09864) and
+grouped-query attention, tied or untied embeddings. Refused with a clear error: other
+architectures, other activations, rope types other than ``"default"``/``"llama3"`` (and ``"llama3"``
+parameters other than the ones Megatron implements), sliding-window attention, biases other than
+Qwen2's q/k/v bias.
+
+Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fnppo.model import ModelConfig, _global_name, _is_gated_fc1, build_gpt, unwrap_model
+from fnppo.parallel import ParallelLayout, current_layout
+from fnppo.typing import Tensor, input_error
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "model_config_from_hf",
+    "build_gpt_from_hf",
+    "load_hf_weights",
+    "export_hf_weights",
+    "hf_tensor_shapes",
+]
+
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""``model_type`` -> ``architectures`` entry of the supported Hugging Face families."""
+
+# Megatron 0.16's llama3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+# ---------------------------------------------------------------------------------------------
+def _read_hf_config(fn: str, arg: str, config_or_path: Any) -> dict[str, Any]:
+    """A Hugging Face config as a plain dict: a mapping, a ``PretrainedConfig``, or a local path."""
+    if isinstance(config_or_path, Mapping):
+        return dict(config_or_path)
+    if isinstance(config_or_path, (str, os.PathLike)):
+        p = Path(config_or_path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise input_error(fn, arg, "a config.json file or a local directory holding one", repr(str(p)))
+        with open(p, encoding="utf-8") as fh:
+            return json.load(fh)
+    if hasattr(config_or_path, "to_dict"):
+        return dict(config_or_path.to_dict())
+    raise input_error(fn, arg, "a dict, a transformers PretrainedConfig or a path", type(config_or_path).__name__)
+
+
+def _family(fn: str, hf: Mapping[str, Any]) -> str:
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or []
+    supported = ", ".join(f"{a} (model_type {t!r})" for t, a in SUPPORTED_ARCHITECTURES.items())
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise input_error(fn, "config.model_type", f"one of: {supported}", f"model_type={model_type!r}, architectures={list(archs)!r}")
+    bad = [a for a in archs if a != SUPPORTED_ARCHITECTURES[model_type]]
+    if bad:
+        raise input_error(fn, "config.architectures", f"[{SUPPORTED_ARCHITECTURES[model_type]!r}] for model_type {model_type!r}", repr(list(archs)))
+    return model_type
+
+
+def _rope(fn: str, hf: Mapping[str, Any]) -> tuple[float, bool, float]:
+    """``(theta, llama3_scaling, factor)`` from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        scaling: Mapping[str, Any] = params
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        scaling = hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    partial = hf.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0) if scaling else 1.0)
+    if float(partial) != 1.0:
+        raise input_error(fn, "config.partial_rotary_factor", "1.0", repr(partial))
+    if rope_type in (None, "default"):
+        return float(theta), False, 8.0
+    if rope_type == "llama3":
+        for key, value in _LLAMA3_FIXED.items():
+            got = scaling.get(key, value)
+            if float(got) != value:
+                raise input_error(fn, f"config.rope_scaling[{key!r}]", f"{value:g} (the llama3 scaling Megatron implements)", repr(got))
+        if "factor" not in scaling:
+            raise input_error(fn, "config.rope_scaling['factor']", "a number", "no such key")
+        return float(theta), True, float(scaling["factor"])
+    raise input_error(fn, "config.rope_scaling", "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", repr(rope_type))
+
+
+def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
+    """A :class:`ModelConfig` equivalent to a Hugging Face Llama / Qwen2 / Qwen3 ``config.json``.
+
+    ``config_or_path``: a dict, a ``transformers`` config object, a ``config.json`` path or a local
+    checkpoint directory. Maps ``num_hidden_layers``, ``hidden_size``, ``intermediate_size``,
+    ``num_attention_heads``, ``num_key_value_heads`` (grouped-query attention, arXiv:2305.13245),
+    ``head_dim`` (``kv_channels``), ``vocab_size``, ``max_position_embeddings``, ``rms_norm_eps``,
+    RoPE theta and Llama 3 scaling (arXiv:2104.09864), ``tie_word_embeddings``, Qwen2's q/k/v bias
+    and Qwen3's q/k RMSNorm; RMSNorm + SwiGLU always. ``dtype`` is the checkpoint's ``dtype`` /
+    ``torch_dtype`` (fp32 if absent). ``overrides`` replace any :class:`ModelConfig` field.
+
+    Raises ``InputError`` naming the offending key for anything Megatron would compute differently
+    (see the module docstring).
+    """
+    fn = "fnppo.hf.model_config_from_hf"
+    hf = _read_hf_config(fn, "config_or_path", config_or_path)
+    family = _family(fn, hf)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(hf.get(key), int):
+            raise input_error(fn, f"config.{key}", "an int", repr(hf.get(key)))
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise input_error(fn, "config.hidden_act", "'silu' (SwiGLU)", repr(act))
+    if hf.get("mlp_bias", False):
+        raise input_error(fn, "config.mlp_bias", "False", repr(hf.get("mlp_bias")))
+    if family != "qwen2" and hf.get("attention_bias", False):
+        raise input_error(fn, "config.attention_bias", f"False (o_proj bias without MLP bias has no Megatron equivalent) for {family}", repr(hf.get("attention_bias")))
+    if hf.get("use_sliding_window", False):
+        raise input_error(fn, "config.use_sliding_window", "False (sliding-window attention is not supported)", repr(hf.get("use_sliding_window")))
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise input_error(fn, "config.layer_types", "only 'full_attention'", repr(sorted(set(layer_types))))
+    theta, scaling, factor = _rope(fn, hf)
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    raw_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    raw_dtype = str(raw_dtype).replace("torch.", "")
+    if raw_dtype not in _DTYPES:
+        raise input_error(fn, "config.dtype", f"one of {sorted(_DTYPES)}", repr(raw_dtype))
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=int(head_dim),
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=int(hf.get("max_position_embeddings") or 4096),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling=scaling,
+        rope_scaling_factor=factor,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        dtype=_DTYPES[raw_dtype],
+        attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
+        hidden_dropout=0.0,
+    )
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise input_error(fn, "overrides", f"ModelConfig fields ({', '.join(sorted(fields))})", repr(unknown))
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs)
+
+
+def build_gpt_from_hf(
+    config_or_path: Any,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    dtype: str | None = None,
+    layer_spec: Any = None,
+    **overrides: Any,
+) -> list[nn.Module]:
+    """This rank's chunks of a Megatron ``GPTModel`` configured like a Hugging Face checkpoint.
+
+    ``model_config_from_hf(config_or_path, **overrides)`` (``dtype``: ``"fp32"``/``"bf16"``/``"fp16"``,
+    default the checkpoint's) built with :func:`fnppo.model.build_gpt` for the current Megatron
+    layout (call inside :func:`fnppo.init_parallel`). ``tp``/``pp``, if given, must equal the
+    current layout's sizes. ``layer_spec`` defaults to
+    ``fnppo.attention.default_layer_spec(qk_layernorm=..., normalization="RMSNorm")`` (Transformer
+    Engine's spec when installed, else the local spec). Weights are random: load them with
+    :func:`load_hf_weights`.
+    """
+    fn = "fnppo.hf.build_gpt_from_hf"
+    layout = current_layout()
+    for name, want, have in (("tp", tp, layout.tp), ("pp", pp, layout.pp)):
+        if want is not None and want != have:
+            raise input_error(fn, name, f"{have} (the current Megatron layout; set it with fnppo.init_parallel)", repr(want))
+    if dtype is not None:
+        overrides["dtype"] = dtype
+    cfg = model_config_from_hf(config_or_path, **overrides)
+    if layer_spec is None:
+        from fnppo.attention import default_layer_spec
+
+        layer_spec = default_layer_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
+    return build_gpt(cfg, layer_spec=layer_spec, layout=layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The architecture of a built model, and the HF tensors it corresponds to
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    padded_vocab: int
+    qkv_bias: bool
+    qk_norm: bool
+    tied: bool
+
+
+def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
+    if not model_chunks:
+        raise input_error(fn, "model_chunks", "a non-empty list of model chunks", "an empty list")
+    core = unwrap_model(model_chunks[0])
+    c = getattr(core, "config", None)
+    if c is None or not hasattr(core, "decoder"):
+        raise input_error(fn, "model_chunks", "Megatron GPTModel chunks", type(core).__name__)
+    checks = (
+        ("config.gated_linear_unit", c.gated_linear_unit, True),
+        ("config.normalization", c.normalization, "RMSNorm"),
+        ("config.add_bias_linear", c.add_bias_linear, False),
+        ("config.num_moe_experts", c.num_moe_experts, None),
+        ("config.multi_latent_attention", c.multi_latent_attention, False),
+        ("position_embedding_type", getattr(core, "position_embedding_type", "rope"), "rope"),
+    )
+    for name, have, want in checks:
+        if have != want:
+            raise input_error(fn, f"model_chunks[0].{name}", f"{want!r} (Llama/Qwen layout)", repr(have))
+    groups = c.num_query_groups or c.num_attention_heads
+    return _Arch(
+        num_layers=c.num_layers,
+        hidden=c.hidden_size,
+        heads=c.num_attention_heads,
+        groups=groups,
+        head_dim=c.kv_channels,
+        ffn=c.ffn_hidden_size,
+        padded_vocab=core.vocab_size,
+        qkv_bias=bool(c.add_qkv_bias),
+        qk_norm=bool(c.qk_layernorm),
+        tied=bool(core.share_embeddings_and_output_weights),
+    )
+
+
+def _expected_hf(a: _Arch, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint of architecture ``a``."""
+    H, d = a.hidden, a.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, H), "model.norm.weight": (H,)}
+    if not a.tied:
+        out["lm_head.weight"] = (vocab, H)
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+        out[p + "self_attn.q_proj.weight"] = (a.heads * d, H)
+        out[p + "self_attn.k_proj.weight"] = (a.groups * d, H)
+        out[p + "self_attn.v_proj.weight"] = (a.groups * d, H)
+        if a.qkv_bias:
+            out[p + "self_attn.q_proj.bias"] = (a.heads * d,)
+            out[p + "self_attn.k_proj.bias"] = (a.groups * d,)
+            out[p + "self_attn.v_proj.bias"] = (a.groups * d,)
+        out[p + "self_attn.o_proj.weight"] = (H, a.heads * d)
+        if a.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d,)
+            out[p + "self_attn.k_norm.weight"] = (d,)
+        out[p + "mlp.gate_proj.weight"] = (a.ffn, H)
+        out[p + "mlp.up_proj.weight"] = (a.ffn, H)
+        out[p + "mlp.down_proj.weight"] = (H, a.ffn)
+    return out
+
+
+def hf_tensor_shapes(model_chunks: Sequence[nn.Module], vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the Hugging Face tensors of the whole model (all ranks' shards together).
+
+    ``vocab_size``: the checkpoint's vocabulary (defaults to the model's padded vocabulary).
+    """
+    a = _arch("fnppo.hf.hf_tensor_shapes", model_chunks)
+    return _expected_hf(a, a.padded_vocab if vocab_size is None else vocab_size)
+
+
+# Megatron parameter (layer-relative, or top-level) -> (kind, HF names (layer-relative or absolute)).
+_LAYER_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("copy", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("copy", ("input_layernorm.weight",)),
+    "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("copy", ("post_attention_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",)),
+    "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",)),
+    "mlp.linear_fc1.weight": ("gated", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("copy", ("mlp.down_proj.weight",)),
+}
+_TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",)),
+    "output_layer.weight": ("vocab", ("lm_head.weight",)),
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _rule(fn: str, a: _Arch, gname: str) -> tuple[str, tuple[str, ...]]:
+    """How the (global) Megatron parameter ``gname`` is made of HF tensors."""
+    m = _LAYER_RE.match(gname)
+    if m:
+        rule = _LAYER_RULES.get(m.group(2))
+        if rule is not None:
+            prefix = f"model.layers.{m.group(1)}."
+            return rule[0], tuple(prefix + s for s in rule[1])
+    elif gname in _TOP_RULES:
+        kind, names = _TOP_RULES[gname]
+        if gname == "output_layer.weight" and a.tied:
+            names = ("model.embed_tokens.weight",)
+        return kind, names
+    raise input_error(fn, "model_chunks", "parameters of a Llama/Qwen2/Qwen3 GPTModel", f"a parameter {gname!r} with no Hugging Face counterpart")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading this rank's shard from HF tensors
+# ---------------------------------------------------------------------------------------------
+def _split(param: Tensor, tp: int) -> tuple[int | None, int]:
+    """(partition dim or None, tp) for a parameter."""
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim), tp
+    return None, 1
+
+
+def _take(read: Any, name: str, dim: int | None, lo: int, hi: int, ndim: int) -> Tensor:
+    if dim is None:
+        return read(name, None)
+    idx = [slice(None)] * ndim
+    idx[dim] = slice(lo, hi)
+    return read(name, tuple(idx))
+
+
+def _read_shard(read: Any, a: _Arch, kind: str, names: tuple[str, ...], param: Tensor, tp: int, tp_rank: int, vocab: int) -> Tensor:
+    """This rank's shard of one Megatron parameter, reading only the needed HF slices."""
+    dim, n = _split(param, tp)
+    r = tp_rank if n > 1 else 0
+    if kind == "copy":
+        if dim is None:
+            return read(names[0], None)
+        size = param.shape[dim]
+        return _take(read, names[0], dim, r * size, (r + 1) * size, param.dim())
+    if kind == "vocab":  # rows [r*s, (r+1)*s) of the padded vocabulary; padding rows are zero
+        size = param.shape[0]
+        lo, hi = r * size, (r + 1) * size
+        part = read(names[0], (slice(lo, min(hi, vocab)), slice(None))) if lo < vocab else param.new_zeros(0, a.hidden)
+        if part.shape[0] < size:
+            part = torch.cat([part, part.new_zeros(size - part.shape[0], a.hidden)], 0)
+        return part
+    if kind == "gated":
+        size = param.shape[0] // 2
+        lo, hi = (r * size, (r + 1) * size) if dim is not None else (0, size)
+        return torch.cat([_take(read, nm, 0, lo, hi, param.dim()) for nm in names], 0)
+    if kind == "qkv":
+        d, per = a.head_dim, a.heads // a.groups
+        local_groups = a.groups // n
+        g0 = r * local_groups
+        q = _take(read, names[0], 0, g0 * per * d, (g0 + local_groups) * per * d, param.dim())
+        k = _take(read, names[1], 0, g0 * d, (g0 + local_groups) * d, param.dim())
+        v = _take(read, names[2], 0, g0 * d, (g0 + local_groups) * d, param.dim())
+        rest = tuple(q.shape[1:])
+        fused = torch.cat(
+            [q.reshape(local_groups, per * d, *rest), k.reshape(local_groups, d, *rest), v.reshape(local_groups, d, *rest)], 1
+        )
+        return fused.reshape(local_groups * (per + 2) * d, *rest)
+    raise AssertionError(kind)
+
+
+def _shard_files(fn: str, path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise input_error(fn, "path", "a local checkpoint directory or a .safetensors file", repr(str(path)))
+    index = path / _INDEX
+    if index.is_file():
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise input_error(fn, "path", f"the shard {f!r} listed in {_INDEX}", "no such file")
+        return [path / f for f in files]
+    if (path / _SINGLE).is_file():
+        return [path / _SINGLE]
+    raise input_error(fn, "path", f"a directory holding {_SINGLE} or {_INDEX}", f"{str(path)!r} without them")
+
+
+def _checkpoint_vocab(path: Path, shapes: Mapping[str, Sequence[int]]) -> int:
+    cfg = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    if cfg.is_file():
+        with open(cfg, encoding="utf-8") as fh:
+            v = json.load(fh).get("vocab_size")
+        if isinstance(v, int):
+            return v
+    emb = shapes.get("model.embed_tokens.weight")
+    return int(emb[0]) if emb else -1
+
+
+def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) -> None:
+    """Load a Hugging Face safetensors checkpoint into this rank's TP/PP shard of the model.
+
+    ``path``: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
+    its shards (or one ``.safetensors`` file). Names and layouts are converted as in the module
+    docstring (fused QKV in Megatron's per-group order, fused ``[gate; up]``).
+
+    First every tensor name, shape and dtype of the checkpoint is checked against the whole model
+    (all layers, all ranks) from the safetensors headers alone: a missing tensor, an unexpected one
+    (``lm_head.weight`` of a tied model and ``*.rotary_emb.inv_freq`` buffers are tolerated and
+    ignored), a wrong shape, a non-floating dtype raise ``InputError`` naming the tensor, and
+    nothing is loaded. Then each parameter of each chunk is filled from only the rows/columns this
+    rank holds (one parameter in host memory at a time), cast to the parameter's dtype. Vocabulary
+    rows beyond the checkpoint's ``vocab_size`` (``make_vocab_size_divisible_by`` padding) are zero.
+    Not a collective: every rank reads on its own. Build the optimizer after loading (half-precision
+    optimizers keep fp32 copies of the parameters).
+    """
+    from safetensors import safe_open
+
+    fn = "fnppo.hf.load_hf_weights"
+    a = _arch(fn, model_chunks)
+    layout = current_layout()
+    root = Path(path)
+    files = _shard_files(fn, root)
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            for name in handle.keys():
+                if name in where:
+                    raise input_error(fn, "path", "each tensor stored once", f"{name!r} in two shards")
+                sl = handle.get_slice(name)
+                dtype = sl.get_dtype()
+                if dtype not in _FLOAT_DTYPES:
+                    raise input_error(fn, f"checkpoint[{name!r}]", f"a floating dtype ({', '.join(sorted(_FLOAT_DTYPES))})", dtype)
+                where[name] = handle
+                shapes[name] = tuple(int(s) for s in sl.get_shape())
+
+        vocab = _checkpoint_vocab(root, shapes)
+        if vocab > a.padded_vocab or vocab < 1:
+            raise input_error(fn, "checkpoint['model.embed_tokens.weight']", f"at most {a.padded_vocab} rows (the model's vocabulary)", f"vocab_size {vocab}")
+        expected = _expected_hf(a, vocab)
+        for name in sorted(expected):
+            if name not in shapes:
+                raise input_error(fn, "path", f"a tensor named {name!r}", f"a checkpoint without it ({len(shapes)} tensors in {str(root)!r})")
+            if shapes[name] != expected[name]:
+                raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}", f"shape {shapes[name]}")
+        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}
+        for name in sorted(shapes):
+            if name in expected or name.endswith(".rotary_emb.inv_freq"):
+                continue
+            if name in tolerated and shapes[name] == tolerated[name]:
+                continue
+            raise input_error(fn, "path", "only the tensors of the model's architecture", f"an unexpected tensor {name!r} of shape {shapes[name]}")
+
+        plan: list[tuple[Tensor, str, tuple[str, ...]]] = []
+        for chunk in model_chunks:
+            core = unwrap_model(chunk)
+            for name, param in core.named_parameters():
+                kind, names = _rule(fn, a, _global_name(core, name))
+                plan.append((param, kind, names))
+
+        def read(name: str, index: tuple[slice, ...] | None) -> Tensor:
+            sl = where[name].get_slice(name)
+            return sl[:] if index is None else sl[index]
+
+        with torch.no_grad():
+            for param, kind, names in plan:
+                shard = _read_shard(read, a, kind, names, param, layout.tp, layout.tp_rank, vocab)
+                if tuple(shard.shape) != tuple(param.shape):  # cannot happen after the checks above
+                    raise AssertionError(f"{fn}: shard of {names} has shape {tuple(shard.shape)}, parameter {tuple(param.shape)}")
+                param.copy_(shard.to(dtype=param.dtype, device=param.device))
+                del shard
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+def _gather_tp(core: nn.Module, name: str, param: Tensor, layout: ParallelLayout) -> Tensor:
+    """The full (1-rank) Megatron tensor of ``param``: all-gathered over the TP group (collective)."""
+    import torch.distributed as dist
+
+    t = param.detach()
+    dim, n = _split(param, layout.tp)
+    if dim is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
+    if _is_gated_fc1(core, name):
+        halves = [p.chunk(2, dim=dim) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+def _to_hf(a: _Arch, kind: str, names: tuple[str, ...], full: Tensor, vocab: int) -> dict[str, Tensor]:
+    """HF tensors of one full Megatron tensor (the inverse of :func:`_read_shard` with tp=1)."""
+    if kind == "copy":
+        return {names[0]: full}
+    if kind == "vocab":
+        return {names[0]: full[:vocab]}
+    if kind == "gated":
+        gate, up = full.chunk(2, dim=0)
+        return {names[0]: gate, names[1]: up}
+    d, per = a.head_dim, a.heads // a.groups
+    rest = tuple(full.shape[1:])
+    grouped = full.reshape(a.groups, per + 2, d, *rest)
+    return {
+        names[0]: grouped[:, :per].reshape(a.heads * d, *rest),
+        names[1]: grouped[:, per].reshape(a.groups * d, *rest),
+        names[2]: grouped[:, per + 1].reshape(a.groups * d, *rest),
+    }
+
+
+def _write_hf_config(path: Path, hf_config: Any) -> None:
+    if hasattr(hf_config, "save_pretrained"):
+        hf_config.save_pretrained(str(path))
+        return
+    cfg = _read_hf_config("fnppo.hf.export_hf_weights", "hf_config", hf_config)
+    with open(path / "config.json", "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+
+
+def _check_config_matches(fn: str, a: _Arch, hf_config: Any) -> int:
+    """Check that ``hf_config`` describes the model; returns its vocabulary size."""
+    cfg = model_config_from_hf(hf_config)
+    pairs = (
+        ("num_hidden_layers", cfg.num_layers, a.num_layers),
+        ("hidden_size", cfg.hidden_size, a.hidden),
+        ("num_attention_heads", cfg.num_attention_heads, a.heads),
+        ("num_key_value_heads", cfg.num_query_groups, a.groups),
+        ("head_dim", cfg.kv_channels, a.head_dim),
+        ("intermediate_size", cfg.ffn_hidden_size, a.ffn),
+        ("tie_word_embeddings", cfg.tie_embeddings, a.tied),
+        ("attention_bias (q/k/v)", cfg.add_qkv_bias, a.qkv_bias),
+        ("q/k norm (qwen3)", cfg.qk_layernorm, a.qk_norm),
+    )
+    for key, have, want in pairs:
+        if have != want:
+            raise input_error(fn, f"hf_config.{key}", f"{want!r} (the model's)", repr(have))
+    if cfg.vocab_size > a.padded_vocab:
+        raise input_error(fn, "hf_config.vocab_size", f"at most {a.padded_vocab} (the model's)", repr(cfg.vocab_size))
+    return cfg.vocab_size
+
+
+def export_hf_weights(
+    model_chunks: Sequence[nn.Module],
+    path: str | os.PathLike,
+    *,
+    hf_config: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write the model as a Hugging Face safetensors checkpoint (the inverse of :func:`load_hf_weights`).
+
+    Collective over the whole world (call on every rank). Each tensor is all-gathered over its
+    tensor-parallel group and converted to HF names and layouts (QKV split per group, ``[gate; up]``
+    split, vocabulary padding dropped); the first data-parallel replica's tensor-parallel rank 0 of
+    every pipeline stage writes its stage's tensors (at most one shard of ``max_shard_bytes`` in host
+    memory). Rank 0 then names the shards ``model.safetensors`` (one file) or
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, removes stale shards
+    of that naming, and writes ``config.json`` from ``hf_config`` (a dict, a transformers config, or
+    a ``config.json`` path / directory; checked against the model) if given. ``path`` must be on a
+    file system all writing ranks see. ``dtype``: the stored dtype (default: the parameters').
+    Tied embeddings store only ``model.embed_tokens.weight``.
+    """
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    fn = "fnppo.hf.export_hf_weights"
+    a = _arch(fn, model_chunks)
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise input_error(fn, "max_shard_bytes", "an int >= 1", repr(max_shard_bytes))
+    vocab = a.padded_vocab if hf_config is None else _check_config_matches(fn, a, hf_config)
+    layout = current_layout()
+    out = Path(path)
+    gathers = layout.dp_rank == 0
+    writer = gathers and layout.tp_rank == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+
+    written: list[tuple[str, list[str], int]] = []
+    buffer: dict[str, Tensor] = {}
+    buffered = 0
+
+    def flush() -> None:
+        nonlocal buffer, buffered
+        if not buffer:
+            return
+        name = f".fnppo-export-pp{layout.pp_rank:04d}-{len(written):05d}.safetensors"
+        save_file(buffer, str(out / name), metadata={"format": "pt"})
+        written.append((name, sorted(buffer), buffered))
+        buffer, buffered = {}, 0
+
+    if gathers:
+        for chunk in model_chunks:
+            core = unwrap_model(chunk)
+            for name, param in core.named_parameters():
+                gname = _global_name(core, name)
+                kind, names = _rule(fn, a, gname)
+                if gname == "output_layer.weight" and a.tied:
+                    continue
+                full = _gather_tp(core, name, param, layout)
+                if not writer:
+                    continue
+                for hf_name, t in _to_hf(a, kind, names, full, vocab).items():
+                    t = t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
+                    size = t.numel() * t.element_size()
+                    if buffer and buffered + size > max_shard_bytes:
+                        flush()
+                    buffer[hf_name] = t
+                    buffered += size
+                del full
+        if writer:
+            flush()
+
+    everyone: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(everyone, (layout.pp_rank, written) if writer else None)
+    parts = [f for item in sorted((x for x in everyone if x is not None), key=lambda x: x[0]) for f in item[1]]
+    names = [n for _, ns, _ in parts for n in ns]
+    expected = _expected_hf(a, vocab)
+    if sorted(names) != sorted(expected):  # every tensor exactly once (checked alike on every rank)
+        dup = sorted(n for n, c in Counter(names).items() if c > 1)
+        raise AssertionError(f"{fn}: exported {len(names)} tensors, expected {len(expected)} (duplicates: {dup[:4]})")
+    error: list[str | None] = [None]
+    if layout.rank == 0:
+        try:
+            _finalize_export(out, parts, hf_config)
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            error[0] = f"{type(err).__name__}: {err}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(f"{fn}: rank 0 failed to write {str(out)!r}: {error[0]}")
+
+
+def _finalize_export(out: Path, parts: list[tuple[str, list[str], int]], hf_config: Any) -> None:
+    """Rank 0: final shard names, the index, stale shards removed, config.json."""
+    final = [_SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    stale = [p for p in out.glob("model*.safetensors*") if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", p.name)]
+    for p in stale:
+        p.unlink()
+    weight_map: dict[str, str] = {}
+    for (tmp, ns, _), dst in zip(parts, final):
+        os.replace(out / tmp, out / dst)
+        weight_map.update({n: dst for n in ns})
+    if len(parts) > 1:
+        index = {"metadata": {"total_size": sum(b for _, _, b in parts)}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(out / _INDEX, "w", encoding="utf-8") as fh:
+            json.dump(index, fh, indent=2)
+            fh.write("\n")
+    if hf_config is not None:
+        _write_hf_config(out, hf_config)

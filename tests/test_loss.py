@@ -1,0 +1,778 @@
+"""Tests of fnppo.loss: closed forms, a loop-based reference, split invariance, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnppo.loss import (
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    PolicyLossConfig,
+    PolicyLossInputs,
+    compute_tis_weights,
+    finalize_metrics,
+    get_policy_loss,
+    kl_penalty,
+    loss_normalizer,
+    merge_metrics,
+    ppo_loss,
+    register_policy_loss,
+    registered_policy_losses,
+    value_loss,
+    weighted_metric,
+)
+from fnppo.typing import InputError, ShapeError
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo")
+BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
+
+
+def cfg_for(name: str = "ppo", mode: str = "token-mean", **kw) -> PolicyLossConfig:
+    if mode == "seq-mean-token-sum-norm":
+        kw.setdefault("loss_scale_factor", 4.0)
+    return PolicyLossConfig(policy_loss=name, loss_agg_mode=mode, **kw)
+
+
+def t(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.clone().requires_grad_(True)
+
+
+def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return torch.zeros_like(x) if g is None else g
+
+
+LN = math.log
+
+
+# =============================================================================================
+# Config
+# =============================================================================================
+def test_config_defaults_and_frozen():
+    cfg = PolicyLossConfig()
+    assert cfg.policy_loss == "ppo" and cfg.clip_ratio_low == cfg.clip_ratio_high == 0.2
+    assert cfg.clip_ratio_c == 3.0 and cfg.loss_agg_mode == "token-mean" and cfg.tis_cap is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.clip_ratio_low = 0.3  # type: ignore[misc]
+    assert set(BUILTIN) <= set(registered_policy_losses())
+
+
+@pytest.mark.parametrize("kw, arg", [
+    (dict(policy_loss="nope"), "policy_loss"),
+    (dict(clip_ratio_low=-0.1), "clip_ratio_low"),
+    (dict(clip_ratio_high=float("nan")), "clip_ratio_high"),
+    (dict(clip_ratio_c=1.0), "clip_ratio_c"),
+    (dict(clip_ratio_c=0.5), "clip_ratio_c"),
+    (dict(loss_agg_mode="mean"), "loss_agg_mode"),
+    (dict(loss_agg_mode="seq-mean-token-sum-norm"), "loss_scale_factor"),
+    (dict(loss_scale_factor=3.0), "loss_scale_factor"),
+    (dict(kl_estimator="k4"), "kl_estimator"),
+    (dict(tis_cap=0.0), "tis_cap"),
+    (dict(tis_level="batch"), "tis_level"),
+    (dict(tis_reject_low=2.0, tis_reject_high=1.0), "tis_reject_high"),
+    (dict(tis_reject_level="word"), "tis_reject_level"),
+    (dict(sapo_tau_neg=0.0), "sapo_tau_neg"),
+    (dict(cispo_clip_low=1.5), "cispo_clip_low"),
+    (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_ub"),
+    (dict(kl_cov_ratio=2.0), "kl_cov_ratio"),
+    (dict(entropy_coeff=True), "entropy_coeff"),
+    (dict(log_ratio_clamp=0.0), "log_ratio_clamp"),
+])
+def test_config_rejects_bad_values(kw, arg):
+    with pytest.raises(InputError, match=f"PolicyLossConfig: argument '{arg}' expected"):
+        PolicyLossConfig(**kw)
+
+
+def test_config_replace_is_validated():
+    with pytest.raises(InputError, match="clip_ratio_c"):
+        dataclasses.replace(PolicyLossConfig(), clip_ratio_c=0.9)
+    assert PolicyLossConfig(clip_ratio_c=None).clip_ratio_c is None
+
+
+def test_unknown_loss_lists_names():
+    with pytest.raises(InputError, match="ppo") as err:
+        get_policy_loss("nope")
+    assert "gspo" in str(err.value) and "'nope'" in str(err.value)
+
+
+# =============================================================================================
+# Closed forms, one per policy loss
+# =============================================================================================
+def test_ppo_closed_form_asymmetric_and_dual_clip():
+    # ratios 1.5, 0.5, 0.5, 5 with A = 1, 1, -1, -2; eps = 0.2, c = 3:
+    #  t0: max(-1.5, -1.2) = -1.2 (clipped)      t1: max(-0.5, -0.8) = -0.5
+    #  t2: max(0.5, 0.8) = 0.8 (clipped)         t3: max(10, 2.4) = 10 -> dual min(10, 6) = 6
+    old = t([0.0, 0.0, 0.0, 0.0])
+    lp = leaf(old + t([LN(1.5), LN(0.5), LN(0.5), LN(5.0)]))
+    adv = t([1.0, 1.0, -1.0, -2.0])
+    loss, metrics = ppo_loss(lp, old, adv, torch.ones(1, 4), cfg_for("ppo"))
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 6.0) / 4)
+    fin = finalize_metrics(metrics)
+    assert fin["pg_clipfrac"] == pytest.approx(0.5) and fin["pg_clipfrac_lower"] == pytest.approx(0.25)
+    # only t1 is unclipped: d(-A r)/dlogp = -A r = -0.5, over 4 tokens
+    torch.testing.assert_close(grad_of(loss, lp), t([0.0, -0.125, 0.0, 0.0]))
+    # without dual clip t3 contributes 10
+    loss_nodual, m2 = ppo_loss(lp, old, adv, torch.ones(1, 4), cfg_for("ppo", clip_ratio_c=None))
+    assert loss_nodual.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 10.0) / 4)
+    assert finalize_metrics(m2)["pg_clipfrac_lower"] == 0.0
+    # asymmetric bounds [0.6, 1.6]: r = 1.5 (A > 0) is no longer clipped, r = 0.5 (A < 0) clips at 0.6
+    loss_asym, _ = ppo_loss(lp, old, adv, torch.ones(1, 4), cfg_for("ppo", clip_ratio_low=0.4, clip_ratio_high=0.6))
+    # t0: -1.5, t1: max(-0.5, -0.6) = -0.5, t2: max(0.5, 0.6) = 0.6, t3: min(max(10, 3.2), 6) = 6
+    assert loss_asym.item() == pytest.approx((-1.5 - 0.5 + 0.6 + 6.0) / 4)
+    # ppo_kl = mean(old - new)
+    assert fin["ppo_kl"] == pytest.approx(-(LN(1.5) + 2 * LN(0.5) + LN(5.0)) / 4)
+
+
+def test_gspo_closed_form():
+    # one sequence, log-ratios log 2 and 0: s = exp(log(2)/2) = sqrt(2); wide clip -> unclipped.
+    old = t([-1.0, -2.0, -3.0])
+    lp = leaf(old + t([LN(2.0), 0.0, 5.0]))
+    mask = t([1.0, 1.0, 0.0])
+    adv = t([1.0, 1.0, 1.0])
+    cfg = cfg_for("gspo", "seq-mean-token-mean", clip_ratio_high=1.0)
+    loss, _ = ppo_loss(lp, old, adv, mask, cfg)
+    assert loss.item() == pytest.approx(-math.sqrt(2))
+    # gradient of each token: -A s / |y|
+    torch.testing.assert_close(grad_of(loss, lp), t([-math.sqrt(2) / 2, -math.sqrt(2) / 2, 0.0]))
+    # default clip (0.2): s clipped at 1.2 for A > 0, no gradient
+    loss_c, m = ppo_loss(lp, old, adv, mask, cfg_for("gspo", "seq-mean-token-mean"))
+    assert loss_c.item() == pytest.approx(-1.2)
+    assert finalize_metrics(m)["pg_clipfrac"] == 1.0
+    torch.testing.assert_close(grad_of(loss_c, lp), torch.zeros(1, 3))
+
+
+def test_cispo_closed_form():
+    # r = 2, 0.5; weights clip(r, 0, 1.28) = 1.28, 0.5 (stopped); loss -w A logp
+    lp = leaf(t([-1.0, -2.0]))
+    old = lp.detach() - t([LN(2.0), LN(0.5)])
+    loss, m = ppo_loss(lp, old, t([1.0, 1.0]), torch.ones(1, 2), cfg_for("cispo"))
+    assert loss.item() == pytest.approx((1.28 * 1.0 + 0.5 * 2.0) / 2)
+    torch.testing.assert_close(grad_of(loss, lp), t([-1.28 / 2, -0.5 / 2]))
+    assert finalize_metrics(m)["pg_clipfrac"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["gpg", "reinforce"])
+def test_reinforce_closed_form(name):
+    lp = leaf(t([-1.0, -2.0]))
+    loss, _ = ppo_loss(lp, t([5.0, 5.0]), t([1.0, -1.0]), torch.ones(1, 2), cfg_for(name))
+    assert loss.item() == pytest.approx((1.0 - 2.0) / 2)
+    torch.testing.assert_close(grad_of(loss, lp), t([-0.5, 0.5]))
+
+
+def test_gmpo_closed_form():
+    # log-ratios 0.5, -0.1, log-space clip 0.4: A > 0 -> u = (0.4, -0.1), mean 0.15
+    old = t([0.0, 0.0])
+    lp = leaf(t([0.5, -0.1]))
+    cfg = cfg_for("gmpo", "seq-mean-token-mean", clip_ratio_low=0.4, clip_ratio_high=0.4)
+    loss, m = ppo_loss(lp, old, t([1.0, 1.0]), torch.ones(1, 2), cfg)
+    assert loss.item() == pytest.approx(-math.exp(0.15))
+    torch.testing.assert_close(grad_of(loss, lp), t([0.0, -math.exp(0.15) / 2]))
+    assert finalize_metrics(m)["pg_clipfrac"] == 0.5
+    # A < 0 -> u = max(lr, clip(lr)) = (0.5, -0.1), mean 0.2, both tokens keep their gradient
+    loss_n, m = ppo_loss(lp, old, t([-1.0, -1.0]), torch.ones(1, 2), cfg)
+    assert loss_n.item() == pytest.approx(math.exp(0.2))
+    torch.testing.assert_close(grad_of(loss_n, lp), t([math.exp(0.2) / 2, math.exp(0.2) / 2]))
+    assert finalize_metrics(m)["pg_clipfrac"] == 0.0
+
+
+def test_sapo_closed_form():
+    sig = 1 / (1 + math.exp(-0.5))  # sigmoid(tau (r - 1)) with tau = 1, r = 1.5
+    lp = leaf(t([LN(1.5), 0.0]))
+    loss, _ = ppo_loss(lp, t([0.0, 0.0]), t([1.0, -2.0]), torch.ones(1, 2), cfg_for("sapo"))
+    # token 1 is on-policy: f(1) = 4 / tau_neg * 1/2
+    assert loss.item() == pytest.approx((-4 * sig + 2.0 * 2.0 / 1.05) / 2)
+    # gradient: -A f'(r) r with f'(r) = 4 s (1 - s); at r = 1 it is the plain policy gradient -A
+    torch.testing.assert_close(grad_of(loss, lp), t([-4 * sig * (1 - sig) * 1.5 / 2, 2.0 / 2]))
+
+
+def test_clip_cov_detaches_the_selected_token():
+    # A - mean A = (3, -1, -1, -1); logp - mean logp = (1.5, -.5, -.5, -.5); cov = (4.5, .5, .5, .5):
+    # only token 0 lies in (1, 5); n = 4 -> k = 1. Ratios are 1 (nothing clipped).
+    lp = leaf(t([0.0, -2.0, -2.0, -2.0]))
+    adv = t([3.0, -1.0, -1.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    loss, m = ppo_loss(lp, lp.detach(), adv, torch.ones(1, 4), cfg_for("clip_cov"), generator=gen)
+    assert loss.item() == pytest.approx(0.0)  # value kept: mean(-A)
+    torch.testing.assert_close(grad_of(loss, lp), t([0.0, 0.25, 0.25, 0.25]))
+    assert finalize_metrics(m)["clip_cov_frac"] == 0.25
+
+
+def test_clip_cov_random_selection_count_and_reproducibility():
+    # 8 tokens, all with cov = 4 (in the band), ratio 0.5 -> k = 4 detached tokens.
+    lp = leaf(t([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]))
+    adv = t([2.0, 2.0, 2.0, 2.0, -2.0, -2.0, -2.0, -2.0])
+    cfg = cfg_for("clip_cov", clip_cov_ratio=0.5)
+    grads = []
+    for seed in (1, 1, 2):
+        loss, m = ppo_loss(lp, lp.detach(), adv, torch.ones(1, 8), cfg, generator=torch.Generator().manual_seed(seed))
+        grads.append(grad_of(loss, lp))
+        assert finalize_metrics(m)["clip_cov_frac"] == 0.5
+        assert int((grads[-1] == 0).sum()) == 4
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_kl_cov_penalizes_top_covariance_token():
+    lp = leaf(t([0.0, -2.0, -2.0, -2.0]))
+    old = lp.detach() - 0.1
+    adv = t([3.0, -1.0, -1.0, -1.0])
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 4), cfg_for("kl_cov", kl_cov_coef=1.0))
+    r = math.exp(0.1)
+    assert loss.item() == pytest.approx((-3 * r + 3 * r + 0.1) / 4)
+    torch.testing.assert_close(grad_of(loss, lp), t([(-3 * r + 1.0) / 4, r / 4, r / 4, r / 4]))
+    assert finalize_metrics(m)["kl_cov_frac"] == 0.25
+
+
+# =============================================================================================
+# Aggregation modes
+# =============================================================================================
+AGG_CASES = {
+    # per-token loss = A (gpg with logp = -1): rows (1,2,3 | 4 | empty)
+    "token-mean": (1 + 2 + 3 + 4) / 4,
+    "seq-mean-token-sum": (6 + 4) / 2,
+    "seq-mean-token-mean": (2 + 4) / 2,
+    "seq-mean-token-sum-norm": (6 + 4) / (2 * 4.0),
+}
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_aggregation_modes_closed_form(mode):
+    adv = t([1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0])
+    mask = t([1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0])
+    lp = leaf(-torch.ones(3, 4))
+    cfg = cfg_for("gpg", mode)
+    loss, metrics = ppo_loss(lp, lp.detach(), adv, mask, cfg)
+    assert loss.item() == pytest.approx(AGG_CASES[mode])
+    expected_norm = 4.0 if mode == "token-mean" else 2.0
+    assert loss_normalizer(mask, cfg).item() == expected_norm
+    assert loss_normalizer(mask, mode).item() == expected_norm
+    assert finalize_metrics(metrics)["loss"] == pytest.approx(AGG_CASES[mode])
+    # with a global normalizer twice as large the loss halves
+    loss2, _ = ppo_loss(lp, lp.detach(), adv, mask, cfg, normalizer=2 * expected_norm)
+    assert loss2.item() == pytest.approx(AGG_CASES[mode] / 2)
+    loss3, _ = ppo_loss(lp, lp.detach(), adv, mask, cfg, normalizer=torch.tensor(2 * expected_norm))
+    assert loss3.item() == pytest.approx(AGG_CASES[mode] / 2)
+
+
+# =============================================================================================
+# KL estimators
+# =============================================================================================
+D = LN(2.0)
+KL_VALUES = {  # d = logp - ref = +log 2 and -log 2
+    "k1": (D, -D), "k2": (D * D / 2, D * D / 2), "mse": (D * D / 2, D * D / 2),
+    "k3": (0.5 - 1 + D, 2 - 1 - D), "low_var_kl": (0.5 - 1 + D, 2 - 1 - D), "abs": (D, D),
+}
+KL_GRADS = {  # d/dlogp
+    "k1": (1.0, 1.0), "k2": (D, -D), "mse": (D, -D), "k3": (1 - 0.5, 1 - 2.0), "low_var_kl": (0.5, -1.0),
+    "abs": (1.0, -1.0),
+}
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimators_closed_form(estimator):
+    base = estimator.rstrip("+")
+    lp = leaf(t([0.0, -D]))
+    ref = t([-D, 0.0])
+    kl = kl_penalty(lp, ref, estimator)
+    torch.testing.assert_close(kl, t(list(KL_VALUES[base])))
+    g = grad_of(kl.sum(), lp)
+    expected = (D, -D) if estimator.endswith("+") else KL_GRADS[base]
+    torch.testing.assert_close(g, t(list(expected)))
+
+
+def test_kl_estimator_errors_and_clamp():
+    with pytest.raises(InputError, match="estimator"):
+        kl_penalty(torch.zeros(3), torch.zeros(3), "k9")
+    kl = kl_penalty(t([0.0]), t([1e4]), "k3")
+    assert torch.isfinite(kl).all()
+
+
+@pytest.mark.parametrize("estimator", ["k3+", "k1+", "abs+", "low_var_kl+"])
+def test_straight_through_kl_in_ppo_loss(estimator):
+    lp = leaf(t([0.0, -D]))
+    ref = t([-D, 0.0])
+    cfg = cfg_for("gpg", kl_coef=0.5, kl_estimator=estimator)
+    adv = torch.zeros(1, 2)
+    loss, m = ppo_loss(lp, lp.detach(), adv, torch.ones(1, 2), cfg, ref_logprobs=ref)
+    base = estimator.rstrip("+")
+    assert loss.item() == pytest.approx(0.5 * sum(KL_VALUES[base]) / 2)
+    torch.testing.assert_close(grad_of(loss, lp), t([0.5 * D / 2, -0.5 * D / 2]))
+    assert finalize_metrics(m)["kl_loss"] == pytest.approx(sum(KL_VALUES[base]) / 2)
+
+
+def test_entropy_and_kl_terms_compose():
+    lp = leaf(t([-1.0, -2.0, -0.5]))
+    ent = leaf(t([0.7, 0.1, 0.3]))
+    ref = t([-1.5, -2.0, 0.0])
+    adv = t([1.0, -1.0, 2.0])
+    mask = t([1.0, 1.0, 0.0])
+    cfg = cfg_for("gpg", entropy_coeff=0.1, kl_coef=0.2, kl_estimator="k1")
+    loss, m = ppo_loss(lp, lp.detach(), adv, mask, cfg, entropy=ent, ref_logprobs=ref)
+    pg = (1.0 - 2.0) / 2
+    ent_mean = (0.7 + 0.1) / 2
+    kl = (0.5 + 0.0) / 2
+    assert loss.item() == pytest.approx(pg - 0.1 * ent_mean + 0.2 * kl)
+    fin = finalize_metrics(m)
+    assert fin["pg_loss"] == pytest.approx(pg) and fin["entropy"] == pytest.approx(ent_mean)
+    assert fin["kl_loss"] == pytest.approx(kl)
+    assert fin["loss"] == pytest.approx(fin["pg_loss"] - 0.1 * fin["entropy"] + 0.2 * fin["kl_loss"])
+    g_lp, g_ent = torch.autograd.grad(loss, [lp, ent])
+    torch.testing.assert_close(g_ent, t([-0.05, -0.05, 0.0]))
+    torch.testing.assert_close(g_lp, t([(-1.0 + 0.2) / 2, (1.0 + 0.2) / 2, 0.0]))
+
+
+def test_missing_optional_inputs_raise():
+    x = torch.zeros(1, 2)
+    with pytest.raises(InputError, match="entropy"):
+        ppo_loss(x, x, x, x, cfg_for(entropy_coeff=0.1))
+    with pytest.raises(InputError, match="ref_logprobs"):
+        ppo_loss(x, x, x, x, cfg_for(kl_coef=0.1))
+    with pytest.raises(InputError, match="rollout_logprobs"):
+        ppo_loss(x, x, x, x, cfg_for(tis_cap=2.0))
+
+
+# =============================================================================================
+# Truncated importance sampling
+# =============================================================================================
+def test_tis_token_level_closed_form():
+    old = t([LN(3.0), LN(0.5), 0.0, 7.0])
+    rollout = t([0.0, 0.0, 0.0, 0.0])
+    mask = t([1.0, 1.0, 1.0, 0.0])
+    res = compute_tis_weights(old, rollout, mask, cap=2.0)
+    torch.testing.assert_close(res.weights, t([2.0, 0.5, 1.0, 0.0]))
+    torch.testing.assert_close(res.keep, t([1.0, 1.0, 1.0, 0.0]))
+    fin = finalize_metrics(res.metrics)
+    assert fin["tis_weight"] == pytest.approx(3.5 / 3)
+    assert fin["tis_truncated_frac"] == pytest.approx(1 / 3)
+    assert fin["tis_ess"] == pytest.approx((3.5 / 3) ** 2 / ((4 + 0.25 + 1) / 3))
+    # rejection outside [0.6, 2.5] (untruncated): tokens 0 and 1 go
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, reject_low=0.6, reject_high=2.5)
+    torch.testing.assert_close(res.weights, t([0.0, 0.0, 1.0, 0.0]))
+    torch.testing.assert_close(res.keep, t([0.0, 0.0, 1.0, 0.0]))
+    assert finalize_metrics(res.metrics)["tis_rejected_frac"] == pytest.approx(2 / 3)
+    # rejection only (cap None): weight 1 where kept
+    res = compute_tis_weights(old, rollout, mask, cap=None, reject_high=2.5)
+    torch.testing.assert_close(res.weights, t([0.0, 1.0, 1.0, 0.0]))
+
+
+def test_tis_sequence_level_closed_form():
+    old = t([LN(3.0), LN(0.5), 0.0], [LN(4.0), 0.0, 0.0])
+    rollout = torch.zeros(2, 3)
+    mask = t([1.0, 1.0, 0.0], [1.0, 1.0, 1.0])
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, level="sequence")
+    # sequence weights 1.5 and 4 -> truncated 1.5, 2
+    torch.testing.assert_close(res.weights, t([1.5, 1.5, 0.0], [2.0, 2.0, 2.0]))
+    fin = finalize_metrics(res.metrics)
+    assert fin["tis_weight"] == pytest.approx(3.5 / 2) and fin["tis_truncated_frac"] == pytest.approx(0.5)
+    # sequence rejection with token-level weights: sequence 1 (w = 4) rejected
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, level="token", reject_high=3.0, reject_level="sequence")
+    torch.testing.assert_close(res.weights, t([2.0, 0.5, 0.0], [0.0, 0.0, 0.0]))
+    assert finalize_metrics(res.metrics)["tis_rejected_frac"] == pytest.approx(0.5)
+
+
+def test_tis_in_ppo_loss():
+    # gpg with logp = -1: per-token pg loss = A; weights (2, 0.5, 1)
+    lp = leaf(-torch.ones(1, 3))
+    old = t([LN(3.0), LN(0.5), 0.0])
+    adv = t([1.0, 2.0, 3.0])
+    ent = t([1.0, 1.0, 1.0])
+    cfg = cfg_for("gpg", tis_cap=2.0, entropy_coeff=0.5)
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3), entropy=ent)
+    assert loss.item() == pytest.approx((2.0 * 1 + 0.5 * 2 + 1.0 * 3) / 3 - 0.5 * 1.0)
+    torch.testing.assert_close(grad_of(loss, lp), t([-2.0 / 3, -1.0 / 3, -3.0 / 3]))
+    fin = finalize_metrics(m)
+    assert fin["tis_weight"] == pytest.approx(3.5 / 3)
+    assert fin["rollout_kl"] == pytest.approx(-(LN(3.0) + LN(0.5)) / 3)
+    # rejected tokens leave every term but stay in the denominator
+    cfg = cfg_for("gpg", tis_cap=2.0, tis_reject_high=2.5, entropy_coeff=0.5)
+    loss, _ = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3), entropy=ent)
+    assert loss.item() == pytest.approx((0.5 * 2 + 1.0 * 3) / 3 - 0.5 * 2 / 3)
+
+
+# =============================================================================================
+# Loop-based reference: loss value and gradients for every deterministic loss and mode
+# =============================================================================================
+def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None):
+    """A straightforward per-sequence, per-token implementation of the documented formulas."""
+    lo, hi, c = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high, cfg.clip_ratio_c
+    name = cfg.policy_loss
+    seqs = []
+    for b in range(lp.shape[0]):
+        idx = [j for j in range(lp.shape[1]) if mask[b, j] != 0]
+        if not idx:
+            continue
+        n = len(idx)
+        seq_w = None
+        if cfg.tis_cap is not None and cfg.tis_level == "sequence":
+            seq_w = min(math.exp(sum(float(old[b, j] - rollout[b, j]) for j in idx)), cfg.tis_cap)
+        if name == "gspo":
+            seq_lr = sum(float(lp[b, j].detach() - old[b, j]) for j in idx) / n
+        if name == "gmpo":
+            us = []
+            for j in idx:
+                lr, a = lp[b, j] - old[b, j], float(adv[b, j])
+                clipped = torch.clamp(lr, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+                us.append(torch.minimum(lr, clipped) if a > 0 else (torch.maximum(lr, clipped) if a < 0 else lr * 0))
+            a_seq = sum(float(adv[b, j]) for j in idx) / n
+            gmpo_loss = -a_seq * torch.exp(sum(us) / n)
+        terms = []
+        for j in idx:
+            a = float(adv[b, j])
+            lr = lp[b, j] - old[b, j]
+            r = torch.exp(lr)
+            if name == "ppo":
+                pg = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
+                if c is not None and a < 0:
+                    pg = torch.minimum(pg, torch.tensor(-a * c))
+            elif name == "gspo":
+                s = math.exp(seq_lr) * torch.exp(lp[b, j] - lp[b, j].detach())
+                pg = torch.maximum(-a * s, -a * torch.clamp(s, lo, hi))
+            elif name == "cispo":
+                w = min(max(float(r.detach()), 1 - cfg.cispo_clip_low), 1 + cfg.cispo_clip_high)
+                pg = -w * a * lp[b, j]
+            elif name in ("gpg", "reinforce"):
+                pg = -a * lp[b, j]
+            elif name == "gmpo":
+                pg = gmpo_loss
+            elif name == "sapo":
+                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+                pg = -a * (4 / tau) * torch.sigmoid(tau * (r - 1))
+            if cfg.tis_cap is not None:
+                pg = pg * (seq_w if seq_w is not None else min(math.exp(float(old[b, j] - rollout[b, j])), cfg.tis_cap))
+            term = pg
+            if entropy is not None and cfg.entropy_coeff:
+                term = term - cfg.entropy_coeff * entropy[b, j]
+            if ref is not None and cfg.kl_coef:
+                d = lp[b, j] - ref[b, j]
+                term = term + cfg.kl_coef * (torch.exp(-d) - 1 + d)  # k3
+            terms.append(term)
+        seqs.append(terms)
+    if not seqs:
+        return lp.sum() * 0
+    mode = cfg.loss_agg_mode
+    if mode == "token-mean":
+        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(s) for s in seqs) / len(seqs)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
+    return sum(sum(s) / cfg.loss_scale_factor for s in seqs) / len(seqs)
+
+
+def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=g) * 3
+    lp = old + 0.4 * torch.randn(b, s, generator=g)
+    adv = torch.randn(b, s, generator=g)
+    mask = (torch.rand(b, s, generator=g) < p_mask).double()
+    ent = torch.rand(b, s, generator=g)
+    ref = old + 0.3 * torch.randn(b, s, generator=g)
+    rollout = old + 0.3 * torch.randn(b, s, generator=g)
+    return lp, old, adv, mask, ent, ref, rollout
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_matches_loop_reference(name, mode):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(hash((name, mode)) % 1000, 4, 6)
+    for extra in (dict(), dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
+                  dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2)):
+        cfg = cfg_for(name, mode, **extra)
+        lp = leaf(lp0)
+        ent_l = leaf(ent)
+        kw = dict(entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout)
+        loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
+        expected = reference_loss(lp, old, adv, mask, cfg, ent_l, ref, rollout)
+        torch.testing.assert_close(loss, expected)
+        g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
+        ge = torch.autograd.grad(expected, [lp, ent_l], allow_unused=True)
+        for a, e, x in zip(g, ge, (lp, ent_l)):
+            torch.testing.assert_close(torch.zeros_like(x) if a is None else a, torch.zeros_like(x) if e is None else e)
+
+
+# =============================================================================================
+# Split invariance, packed layout
+# =============================================================================================
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 6), s=st.integers(1, 5),
+       name=st.sampled_from(DETERMINISTIC), mode=st.sampled_from(LOSS_AGG_MODES),
+       cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]),
+       extras=st.booleans())
+def test_split_invariance(seed, b, s, name, mode, cuts, p, extras):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, b, s, p)
+    kw = dict(entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", tis_reject_low=0.2) if extras else {}
+    cfg = cfg_for(name, mode, **kw)
+    others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
+    lp = leaf(lp0)
+    full, full_m = ppo_loss(lp, old, adv, mask, cfg, **others)
+    g_full = grad_of(full, lp)
+    bounds = sorted({0, b, *[c for c in cuts if c < b]})
+    parts = list(zip(bounds[:-1], bounds[1:]))
+    n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
+    lp2 = leaf(lp0)
+    losses, metrics = [], []
+    for i, j in parts:
+        loss_i, m_i = ppo_loss(lp2[i:j], old[i:j], adv[i:j], mask[i:j], cfg, normalizer=n,
+                               **{k: v[i:j] for k, v in others.items()})
+        losses.append(loss_i)
+        metrics.append(m_i)
+    total = sum(losses)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(grad_of(total, lp2), g_full)
+    merged, whole = finalize_metrics(merge_metrics(metrics)), finalize_metrics(full_m)
+    assert merged.keys() == whole.keys()
+    for key in whole:
+        assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key  # fp32 metrics
+    assert torch.isfinite(g_full).all()
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_packed_layout_matches_padded(name, mode):
+    b, s = 3, 5
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(7, b, s)
+    mask[1] = 0.0  # an empty sequence
+    cfg = cfg_for(name, mode, entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence")
+    others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
+    lp = leaf(lp0)
+    padded, pm = ppo_loss(lp, old, adv, mask, cfg, generator=torch.Generator().manual_seed(3), **others)
+    g_padded = grad_of(padded, lp)
+    # pack: sequences renamed (2, 0, 1), two padding tokens appended (seq id -1)
+    names = torch.tensor([2, 0, 1])
+    seq_ids = torch.cat([names.repeat_interleave(s), torch.tensor([-1, -1])])[None]
+
+    def pack(x, fill=0.0):
+        return torch.cat([x.reshape(-1), torch.full((2,), fill)])[None]
+
+    lp_p = leaf(pack(lp0))
+    packed, qm = ppo_loss(lp_p, pack(old, float("nan")), pack(adv), pack(mask), cfg, seq_ids=seq_ids,
+                          generator=torch.Generator().manual_seed(3),
+                          **{k: pack(v) for k, v in others.items()})
+    if name in ("clip_cov",):  # random draw order differs with the layout; compare shapes of the result only
+        assert torch.isfinite(packed)
+        return
+    torch.testing.assert_close(packed, padded)
+    torch.testing.assert_close(grad_of(packed, lp_p)[0, :-2].reshape(b, s), g_padded)
+    assert loss_normalizer(pack(mask), cfg, seq_ids=seq_ids).item() == loss_normalizer(mask, cfg).item()
+    fp, fq = finalize_metrics(pm), finalize_metrics(qm)
+    for key in fp:
+        assert fq[key] == pytest.approx(fp[key], rel=1e-5, abs=1e-6), key
+
+
+# =============================================================================================
+# Empty masks, garbage at masked-out positions, no in-place changes
+# =============================================================================================
+@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_empty_mask_gives_exact_zero(name, mode):
+    lp0, old, adv, _, ent, ref, rollout = random_batch(1, 2, 3)
+    cfg = cfg_for(name, mode, entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0)
+    for normalizer in (None, 0.0, 5.0):
+        lp, ent_l = leaf(lp0), leaf(ent)
+        loss, m = ppo_loss(lp, old, adv, torch.zeros(2, 3), cfg, entropy=ent_l, ref_logprobs=ref,
+                           rollout_logprobs=rollout, normalizer=normalizer)
+        assert loss.item() == 0.0
+        g = torch.autograd.grad(loss, [lp, ent_l])
+        for x in g:
+            assert torch.equal(x, torch.zeros_like(x))
+        assert all(v == 0.0 for v in finalize_metrics(m).values())
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_garbage_at_masked_positions_is_ignored(name):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(2, 3, 4)
+    mask[0, 0] = 0.0
+    cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0, tis_level="sequence")
+    kw = dict(generator=torch.Generator().manual_seed(0))
+    lp = leaf(lp0)
+    clean, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout, **kw)
+    g_clean = grad_of(clean, lp)
+
+    def dirty(x, v):
+        return torch.where(mask == 0, torch.full_like(x, v), x)
+
+    lp2 = leaf(dirty(lp0, -math.inf))
+    kw = dict(generator=torch.Generator().manual_seed(0))
+    loss, m = ppo_loss(lp2, dirty(old, math.nan), dirty(adv, math.inf), mask, cfg, entropy=dirty(ent, math.nan),
+                       ref_logprobs=dirty(ref, math.inf), rollout_logprobs=dirty(rollout, math.nan), **kw)
+    torch.testing.assert_close(loss, clean)
+    torch.testing.assert_close(grad_of(loss, lp2), g_clean)
+    assert all(math.isfinite(v) for v in finalize_metrics(m).values())
+
+
+def test_extreme_log_ratios_stay_finite():
+    lp = leaf(t([80.0, -80.0, 0.0]))
+    for name in BUILTIN:
+        for adv in (t([1.0, -1.0, 1.0]), t([-1.0, 1.0, -1.0])):
+            loss, _ = ppo_loss(lp, torch.zeros(1, 3), adv, torch.ones(1, 3),
+                               cfg_for(name, kl_coef=0.1, tis_cap=2.0), ref_logprobs=t([-80.0, 80.0, 0.0]),
+                               rollout_logprobs=t([100.0, -100.0, 0.0]))
+            assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, lp)).all(), name
+
+
+def test_inputs_not_modified():
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
+    lp, ent = leaf(lp0), leaf(ent)
+    inputs = dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout)
+    versions = {k: v._version for k, v in inputs.items()}
+    copies = {k: v.detach().clone() for k, v in inputs.items()}
+    for name in BUILTIN:
+        cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0, tis_reject_low=0.1)
+        loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
+        loss.backward()
+    value_loss(lp, old, adv, mask, 0.2)[0].backward()
+    compute_tis_weights(old, rollout, mask, cap=2.0)
+    for k, v in inputs.items():
+        assert v._version == versions[k], k
+        assert torch.equal(v.detach(), copies[k]), k
+
+
+# =============================================================================================
+# Validation
+# =============================================================================================
+def test_shape_mismatch_raises_shape_error():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ShapeError, match="advantages"):
+        ppo_loss(x, x, torch.zeros(2, 4), x, cfg_for())
+    with pytest.raises(ShapeError, match="ref_logprobs"):
+        ppo_loss(x, x, x, x, cfg_for(), ref_logprobs=torch.zeros(3, 3))
+    with pytest.raises(ShapeError):
+        ppo_loss(torch.zeros(6), torch.zeros(6), torch.zeros(6), torch.zeros(6), cfg_for())
+    with pytest.raises(ShapeError, match="normalizer"):
+        ppo_loss(x, x, x, x, cfg_for(), normalizer=torch.ones(2))
+    with pytest.raises(ShapeError, match="seq_ids"):
+        ppo_loss(x, x, x, x, cfg_for(), seq_ids=torch.zeros(2, 3))  # not integer
+
+
+def test_bad_values_raise_input_error():
+    x = torch.zeros(2, 3)
+    mask = torch.ones(2, 3)
+    with pytest.raises(InputError, match="loss_mask.*0/1"):
+        ppo_loss(x, x, x, torch.full((2, 3), 2.0), cfg_for())
+    bad = x.clone()
+    bad[1, 2] = math.nan
+    for kw in ("advantages", "old_logprobs"):
+        args = dict(logprobs=x, old_logprobs=x, advantages=x, loss_mask=mask)
+        args[kw] = bad
+        with pytest.raises(InputError, match=f"'{kw}' expected finite"):
+            ppo_loss(config=cfg_for(), **args)
+    with pytest.raises(InputError, match="'ref_logprobs' expected finite"):
+        ppo_loss(x, x, x, mask, cfg_for(kl_coef=0.1), ref_logprobs=bad)
+    with pytest.raises(InputError, match="'rollout_logprobs' expected finite"):
+        ppo_loss(x, x, x, mask, cfg_for(tis_cap=2.0), rollout_logprobs=bad)
+    with pytest.raises(InputError, match="normalizer"):
+        ppo_loss(x, x, x, mask, cfg_for(), normalizer=-1.0)
+    with pytest.raises(InputError, match="normalizer"):
+        ppo_loss(x, x, x, mask, cfg_for(), normalizer=torch.tensor(math.nan))
+    with pytest.raises(InputError, match="seq_ids"):
+        ppo_loss(x, x, x, mask, cfg_for(), seq_ids=torch.full((2, 3), 6))
+    with pytest.raises(InputError, match="seq_ids"):
+        ppo_loss(x, x, x, mask, cfg_for(), seq_ids=torch.full((2, 3), -1))  # masked-in token without sequence
+    # NaN where the mask is 0 is fine
+    ppo_loss(x, x, bad, torch.where(torch.isnan(bad), 0.0, 1.0), cfg_for())
+
+
+def test_validation_skipped_when_typechecking_off():
+    from fnppo.typing import typechecking
+
+    x = torch.zeros(1, 2)
+    with typechecking(False):
+        loss, _ = ppo_loss(x, x, x, torch.ones(1, 2), cfg_for(), normalizer=-1.0)
+    assert loss.item() == 0.0
+
+
+def test_bad_custom_loss_output_raises():
+    @register_policy_loss("test_bad_shape", override=True)
+    def bad(x: PolicyLossInputs):
+        return x.logprobs.sum(), {}
+
+    with pytest.raises(InputError, match="per-token loss"):
+        ppo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), cfg_for("test_bad_shape"))
+
+
+def test_register_custom_loss_and_use_it():
+    @register_policy_loss("test_scaled_reinforce", override=True)
+    def scaled(x: PolicyLossInputs):
+        return -3.0 * x.advantages * x.logprobs, {"my_metric": x.token_metric(x.advantages)}
+
+    with pytest.raises(InputError, match="already|not registered"):
+        register_policy_loss("test_scaled_reinforce")(scaled)
+    lp = leaf(t([-1.0, -2.0]))
+    loss, m = ppo_loss(lp, lp.detach(), t([1.0, 3.0]), t([1.0, 0.0]), cfg_for("test_scaled_reinforce"))
+    assert loss.item() == pytest.approx(3.0)
+    torch.testing.assert_close(grad_of(loss, lp), t([-3.0, 0.0]))
+    fin = finalize_metrics(m)
+    assert fin["my_metric"] == 1.0 and fin["pg_clipfrac"] == 0.0
+    assert "test_scaled_reinforce" in registered_policy_losses()
+
+
+# =============================================================================================
+# Metrics helpers, value loss
+# =============================================================================================
+def test_merge_and_finalize_metrics():
+    a = {"x": torch.tensor([2.0, 4.0]), "y": torch.tensor([1.0, 0.0])}
+    b = {"x": torch.tensor([4.0, 2.0]), "z": torch.tensor([3.0, 1.0])}
+    merged = merge_metrics([a, b])
+    assert torch.equal(a["x"], torch.tensor([2.0, 4.0]))  # inputs untouched
+    assert finalize_metrics(merged) == {"x": 1.0, "y": 0.0, "z": 3.0}
+    assert finalize_metrics({}) == {}
+    w = weighted_metric(t([1.0, math.nan, 3.0]), t([1.0, 0.0, 1.0]))
+    assert w.dtype == torch.float32 and w.tolist() == [4.0, 2.0]
+
+
+def test_value_loss_closed_form():
+    # t0: V=1, R=2, V_clip = 0.8 + 0.1 = 0.9 -> max(1, 1.21) = 1.21 (clipped, no gradient)
+    # t1: V=2, old=2.05, R=1: V_clip = V -> 1; t2 masked
+    v = leaf(t([1.0, 2.0, 5.0]))
+    old, ret, mask = t([0.8, 2.05, 0.0]), t([2.0, 1.0, 0.0]), t([1.0, 1.0, 0.0])
+    loss, m = value_loss(v, old, ret, mask, 0.1)
+    assert loss.item() == pytest.approx(0.5 * (1.21 + 1.0) / 2)
+    torch.testing.assert_close(grad_of(loss, v), t([0.0, 0.5, 0.0]))
+    fin = finalize_metrics(m)
+    assert fin["vf_clipfrac"] == 0.5 and fin["vf_loss"] == pytest.approx(loss.item())
+    loss_u, _ = value_loss(v, old, ret, mask, None)
+    assert loss_u.item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
+    loss_s, _ = value_loss(v, old, ret, mask, 0.1, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=2.0,
+                           normalizer=4)
+    assert loss_s.item() == pytest.approx(0.5 * (1.21 + 1.0) / 2.0 / 4)
+    with pytest.raises(InputError, match="clip_range"):
+        value_loss(v, old, ret, mask, -1.0)
+    with pytest.raises(InputError, match="loss_agg_mode"):
+        value_loss(v, old, ret, mask, 0.1, loss_agg_mode="nope")
+    empty, _ = value_loss(v, old, ret, torch.zeros(1, 3), 0.1)
+    assert empty.item() == 0.0 and torch.equal(grad_of(empty, v), torch.zeros(1, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), b=st.integers(1, 5), cut=st.integers(1, 4), mode=st.sampled_from(LOSS_AGG_MODES))
+def test_value_loss_split_invariance(seed, b, cut, mode):
+    g = torch.Generator().manual_seed(seed)
+    v, old, ret = (torch.randn(b, 4, generator=g) for _ in range(3))
+    mask = (torch.rand(b, 4, generator=g) < 0.6).double()
+    scale = 3.0 if mode.endswith("norm") else None
+    kw = dict(loss_agg_mode=mode, loss_scale_factor=scale)
+    full, _ = value_loss(v, old, ret, mask, 0.3, **kw)
+    cut = min(cut, b)
+    n = loss_normalizer(mask[:cut], mode) + loss_normalizer(mask[cut:], mode)
+    parts = [value_loss(v[i:j], old[i:j], ret[i:j], mask[i:j], 0.3, normalizer=n, **kw)[0]
+             for i, j in ((0, cut), (cut, b)) if j > i]
+    torch.testing.assert_close(sum(parts), full)

@@ -1,0 +1,218 @@
+"""train_step / compute_logprobs / finalize_grads over real Megatron on CPU (gloo ranks).
+
+The acceptance test is invariance: with the same global batch and the same full initial weights
+(``layout_invariant_init``), every layout and every micro-batch split gives the same loss, grad norm
+and updated parameters as one process with one micro-batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fnppo
+from fnppo.testing import run_ranks, synthetic_samples
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+N_SAMPLES = 8
+REL = 1e-5
+
+
+def _model_cfg(layers: int = 4) -> fnppo.ModelConfig:
+    return fnppo.ModelConfig(
+        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=True,
+    )
+
+
+def _loss_cfg(mode: str) -> fnppo.PolicyLossConfig:
+    return fnppo.PolicyLossConfig(
+        policy_loss="ppo", loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3",
+        loss_scale_factor=8.0 if mode == "seq-mean-token-sum-norm" else None,
+    )
+
+
+def _build_state(lr: float = 10.0):
+    # Adam with a large eps makes the first update ~ lr * g / eps: linear in the gradient, so
+    # comparing updated parameters compares gradients (the distributed optimizer is Adam-only).
+    chunks = fnppo.build_gpt(_model_cfg())
+    fnppo.layout_invariant_init(chunks, seed=3)
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    opt = fnppo.build_optimizer(ddp, lr=lr, adam_eps=10.0, clip_grad=0.0)
+    return fnppo.TrainState(model=ddp, optimizer=opt)
+
+
+def _one_update(split: dict, mode: str, layout_name: str) -> dict:
+    """One SGD update on this rank's DP share; full weights after it (rank 0 only)."""
+    layout = fnppo.current_layout()
+    state = _build_state()
+    samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=7, multi_modal_every=3), layout)
+    cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
+    logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+    state, metrics = fnppo.train_step(state, samples, cfg)
+    megatron_norm = float(state.optimizer.get_grad_norm())
+    full = fnppo.gather_full_weights(state.model)
+    if layout.rank != 0:
+        return {}
+    return {"metrics": metrics, "weights": full, "megatron_norm": megatron_norm, "logprobs": logprobs, "entropy": entropy, "step": state.step}
+
+
+SPLITS = {
+    "1mb": {},
+    "4mb": {"num_microbatches": 4},
+    "budget": {"max_tokens_per_microbatch": 24},
+}
+
+
+def _all_modes(splits: tuple[str, ...], layout_name: str) -> dict:
+    return {(mode, s): _one_update(SPLITS[s], mode, layout_name) for mode in MODES for s in splits}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_ranks(_all_modes, 1, ("1mb", "4mb", "budget"), "1proc")[0]
+
+
+def _compare(ref: dict, got: dict, what: str) -> float:
+    worst = 0.0
+    for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"):
+        r, g = ref["metrics"][key], got["metrics"][key]
+        err = abs(g - r) / max(abs(r), 1e-12)
+        assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
+        worst = max(worst, err)
+    assert set(ref["weights"]) == set(got["weights"])
+    for name, w in ref["weights"].items():
+        err = _rel(got["weights"][name], w)
+        assert err <= REL, f"{what}: parameter {name} rel err {err:.2e}"
+        worst = max(worst, err)
+    for a, b in zip(got["logprobs"], ref["logprobs"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs differs"
+    return worst
+
+
+def test_single_process_splits_are_invariant(reference):
+    for mode in MODES:
+        base = reference[(mode, "1mb")]
+        assert base["metrics"]["skipped"] == 0.0 and base["step"] == 1
+        # the update is real: parameters moved and grads are non-zero
+        assert base["metrics"]["grad_norm"] > 1e-4
+        # fnppo's grad norm equals Megatron's optimizer's own norm
+        assert abs(base["megatron_norm"] - base["metrics"]["grad_norm"]) <= 1e-5 * base["megatron_norm"]
+        for split in ("4mb", "budget"):
+            _compare(base, reference[(mode, split)], f"{mode}/{split}")
+
+
+def test_modes_differ(reference):
+    """Sanity: the four aggregation modes are actually different losses here."""
+    losses = {m: reference[(m, "1mb")]["metrics"]["loss"] for m in MODES}
+    assert len({round(v, 6) for v in losses.values()}) == len(MODES), losses
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,vpp",
+    [(2, 1, 1, None), (2, 2, 1, None), (2, 1, 2, None), (2, 1, 2, 2), (4, 2, 1, None)],
+    ids=["dp2", "tp2", "pp2", "pp2-vpp2", "dp2xtp2"],
+)
+def test_layouts_match_single_process(reference, world, tp, pp, vpp):
+    name = f"tp{tp}-pp{pp}-vpp{vpp}-ws{world}"
+    splits = ("4mb",) if world == 4 else ("1mb", "budget") if vpp is None else ("4mb",)
+    results = run_ranks(_all_modes, world, splits, name, tp=tp, pp=pp, vpp=vpp)[0]
+    worst = 0.0
+    for (mode, split), got in results.items():
+        worst = max(worst, _compare(reference[(mode, "1mb")], got, f"{name}/{mode}/{split}"))
+    print(f"{name}: max relative difference {worst:.2e}")
+
+
+# --------------------------------------------------------------------------------------------
+# finalize is never skipped silently
+# --------------------------------------------------------------------------------------------
+def _train_with_schedule_that_skips_finalize() -> str:
+    import megatron.core.pipeline_parallel as mpp
+
+    real = mpp.get_forward_backward_func
+
+    def dropping_finalize():
+        fb = real()
+
+        def run(**kw):
+            for m in kw["model"]:
+                fnppo.model.unwrap_model(m).config.finalize_model_grads_func = None
+            return fb(**kw)
+
+        return run
+
+    mpp.get_forward_backward_func = dropping_finalize
+    try:
+        state = _build_state()
+        fnppo.train_step(state, synthetic_samples(4, seed=1), fnppo.StepConfig(loss=_loss_cfg("token-mean")))
+    except fnppo.FinalizeNotCalledError as err:
+        return str(err)
+    finally:
+        mpp.get_forward_backward_func = real
+    return "no error"
+
+
+def test_dropped_finalize_is_detected():
+    msg = run_ranks(_train_with_schedule_that_skips_finalize, 1)[0]
+    assert "finalize_model_grads" in msg and "not reduced" in msg
+
+
+# --------------------------------------------------------------------------------------------
+# non-finite steps are skipped and leave everything bit-identical
+# --------------------------------------------------------------------------------------------
+def _nan_step() -> dict:
+    state = _build_state()
+    opt_cfg = dict(optimizer="adam", lr=1e-2, clip_grad=1.0)
+    state = fnppo.TrainState(model=state.model, optimizer=fnppo.build_optimizer(state.model, **opt_cfg))
+    good = synthetic_samples(4, seed=2)
+    cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"))
+    state, m1 = fnppo.train_step(state, good, cfg)  # a real step so Adam has state
+    before = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
+    opt_before = state.optimizer.state_dict()
+    # a custom loss returning NaN on one micro-batch
+    def nan_loss(*args, **kwargs):
+        loss, metrics = fnppo.ppo_loss(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    bad_cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_microbatches=2, fns=fnppo.StepFns(loss=nan_loss))
+    state, m2 = fnppo.train_step(state, good, bad_cfg)
+    after = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
+    same = all(torch.equal(before[k], after[k]) for k in before)
+    opt_after = state.optimizer.state_dict()
+    state, m3 = fnppo.train_step(state, good, cfg)
+    moved = any(not torch.equal(after[k], v) for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters())
+    return {"m1": m1, "m2": m2, "m3": m3, "same": same, "opt_same": repr(opt_before) == repr(opt_after), "moved": moved}
+
+
+def test_non_finite_step_is_skipped_and_state_untouched():
+    r = run_ranks(_nan_step, 1)[0]
+    assert r["m1"]["skipped"] == 0.0
+    assert r["m2"]["skipped"] == 1.0 and r["m2"]["updates"] == 0.0
+    assert r["same"] and r["opt_same"]
+    assert r["m3"]["skipped"] == 0.0 and r["moved"]
+
+
+# --------------------------------------------------------------------------------------------
+# custom stages: a user-registered loss through train_step
+# --------------------------------------------------------------------------------------------
+def _custom_loss_step() -> dict:
+    from fnppo.loss import registered_policy_losses
+
+    if "test_reinforce_sign" not in registered_policy_losses():
+        @fnppo.register_policy_loss("test_reinforce_sign")
+        def _sign_loss(x):
+            return -x.logprobs * torch.sign(x.advantages), {}
+
+    state = _build_state()
+    cfg = fnppo.StepConfig(loss=fnppo.PolicyLossConfig(policy_loss="test_reinforce_sign"))
+    state, metrics = fnppo.train_step(state, synthetic_samples(4, seed=5), cfg)
+    return metrics
+
+
+def test_custom_registered_loss_runs_in_train_step():
+    m = run_ranks(_custom_loss_step, 1)[0]
+    assert m["skipped"] == 0.0 and m["grad_norm"] > 0
