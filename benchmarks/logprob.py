@@ -68,23 +68,22 @@ def megatron_ce(x, labels, g_lp, g_h):
 
 
 def vocab_parallel_entropy(logits, group=None):
-    """Entropy over the full vocabulary from vocab-parallel logits, through autograd (keeps softmax)."""
+    """Entropy over the full vocabulary from vocab-parallel logits, as RL actors write it: the
+    softmax of the logits, ``entropy = logsumexp - sum(p * x)``, autograd through it (the softmax
+    and the fp32 logits are kept for backward)."""
     x = logits.float()
+    if group is None:
+        p = torch.softmax(x, dim=-1)
+        lse = torch.logsumexp(x, dim=-1)
+        return lse - (p * x).sum(-1)
+    from torch.distributed.nn.functional import all_reduce
+
     m = x.detach().amax(-1, keepdim=True)
-    if group is not None:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     e = torch.exp(x - m)
-    s = e.sum(-1, keepdim=True)
-    if group is not None:
-        from torch.distributed.nn.functional import all_reduce
-
-        s = all_reduce(s, group=group)
+    s = all_reduce(e.sum(-1, keepdim=True), group=group)
     p = e / s
-    pz = (p * x).sum(-1)
-    if group is not None:
-        from torch.distributed.nn.functional import all_reduce
-
-        pz = all_reduce(pz, group=group)
+    pz = all_reduce((p * x).sum(-1), group=group)
     return (torch.log(s) + m).squeeze(-1) - pz
 
 
@@ -268,8 +267,8 @@ def device_checks(device):
             ok = (lp.double() - rlp).abs().max().item() <= vtol
             ok &= ent is None or (ent.double() - rent).abs().max().item() <= vtol
             err = (xg.grad.double() - rg).abs()
-            if kind == "large":
-                ok &= err.max().item() <= 3e-3 * max(1.0, rg.abs().max().item())
+            if kind == "large":  # fp32 logsumexp near 1e4 rounds by ~5e-4, plus the dtype's rounding
+                ok &= bool((err <= eps[dtype] * rg.abs() + 3e-3 * max(1.0, rg.abs().max().item())).all())
             else:
                 ok &= bool((err <= eps[dtype] * rg.abs() + 1e-6 * max(1.0, rg.abs().max().item())).all())
             ok &= bool(torch.isfinite(xg.grad).all()) and xg.grad.dtype == dtype

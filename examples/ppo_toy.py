@@ -1,8 +1,9 @@
 """A complete PPO/GRPO run that a tiny Megatron GPT learns from scratch on a laptop CPU.
 
-Task ("echo the pattern"): the prompt is ``BOS a b`` with two random symbols out of 8; the ideal
-response is ``a b a b a b``. The reward is the fraction of response positions that are right, so a
-random policy (over 16 tokens) scores about 1/16 and a perfect one 1.0.
+Task ("count on"): the prompt is ``BOS a`` with a random symbol ``a`` out of 8 (ordered cyclically);
+the ideal response is the 4 symbols that follow it, ``a+1 a+2 a+3 a+4`` (mod 8). The reward is the
+fraction of response positions that are right, so a random policy (over 16 tokens) scores about
+1/16 and a perfect one 1.0.
 
 Each step: prompts -> responses sampled from the current policy (temperature sampling through
 Megatron's forward-only schedule) -> rewards -> GRPO group-normalized advantages -> old and
@@ -38,12 +39,12 @@ from fnppo.testing import megatron_on_cpu
 PAD, BOS = 0, 1
 FIRST_SYMBOL, NUM_SYMBOLS = 2, 8
 VOCAB = 16
-PROMPT_LEN, RESPONSE_LEN = 3, 6
+PROMPT_LEN, RESPONSE_LEN = 2, 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40, help="training steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -78,15 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # the task
 # ---------------------------------------------------------------------------------------------
 def make_prompts(seed: int, step: int, n: int) -> torch.Tensor:
-    """``[n, PROMPT_LEN]`` prompts ``BOS a b``; a function of (seed, step) only."""
+    """``[n, PROMPT_LEN]`` prompts ``BOS a``; a function of (seed, step) only."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    sym = torch.randint(FIRST_SYMBOL, FIRST_SYMBOL + NUM_SYMBOLS, (n, 2), generator=g)
+    sym = torch.randint(FIRST_SYMBOL, FIRST_SYMBOL + NUM_SYMBOLS, (n, 1), generator=g)
     return torch.cat([torch.full((n, 1), BOS), sym], dim=1)
 
 
 def reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
-    """Fraction of response positions equal to the pattern ``a b a b ...``."""
-    target = prompt[1:3].repeat(RESPONSE_LEN // 2 + 1)[: response.numel()]
+    """Fraction of response positions equal to ``a+1, a+2, ...`` (mod NUM_SYMBOLS)."""
+    a = int(prompt[1]) - FIRST_SYMBOL
+    target = FIRST_SYMBOL + (a + 1 + torch.arange(response.numel())) % NUM_SYMBOLS
     return float((response == target).float().mean()) if response.numel() else 0.0
 
 

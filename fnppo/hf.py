@@ -236,9 +236,9 @@ def build_gpt_from_hf(
     default the checkpoint's) built with :func:`fnppo.model.build_gpt` for the current Megatron
     layout (call inside :func:`fnppo.init_parallel`). ``tp``/``pp``, if given, must equal the
     current layout's sizes. ``layer_spec`` defaults to
-    ``fnppo.attention.default_layer_spec(qk_layernorm=..., normalization="RMSNorm")`` (Transformer
-    Engine's spec when installed, else the local spec). Weights are random: load them with
-    :func:`load_hf_weights`.
+    ``fnppo.attention.default_layer_spec(cfg)`` (Transformer Engine's spec when installed, else the
+    local spec; RMSNorm, and q/k norms for Qwen3, from the config). Weights are random: load them
+    with :func:`load_hf_weights`.
     """
     fn = "fnppo.hf.build_gpt_from_hf"
     layout = current_layout()
@@ -248,10 +248,6 @@ def build_gpt_from_hf(
     if dtype is not None:
         overrides["dtype"] = dtype
     cfg = model_config_from_hf(config_or_path, **overrides)
-    if layer_spec is None:
-        from fnppo.attention import default_layer_spec
-
-        layer_spec = default_layer_spec(qk_layernorm=cfg.qk_layernorm, normalization=cfg.normalization)
     return build_gpt(cfg, layer_spec=layer_spec, layout=layout)
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from safetensors.torch import load_file, save_file
 
 from fnppo.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
@@ -23,7 +22,6 @@ from fnppo.typing import InputError
 
 SEQ = 12
 TOL = 1e-4
-_BUILD: dict = {}  # extra ModelConfig overrides for build_gpt_from_hf in the tests (none needed)
 
 _COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -131,10 +129,10 @@ def _layout_worker(
     layout = current_layout()
     res: dict = {}
     for family, (path, ids, _) in ckpts.items():
-        chunks = build_gpt_from_hf(path, tp=layout.tp, pp=layout.pp, dtype="fp32", **_BUILD)
+        chunks = build_gpt_from_hf(path, tp=layout.tp, pp=layout.pp, dtype="fp32")
         load_hf_weights(chunks, path)
         if family == "qwen3" and bad is not None:  # bf16 model (Float16Module): the same values, cast
-            half = build_gpt_from_hf(path, dtype="bf16", **_BUILD)
+            half = build_gpt_from_hf(path, dtype="bf16")
             load_hf_weights(half, path)
             full = dict(unwrap_model(chunks[0]).named_parameters())
             res["bf16"] = all(
@@ -151,7 +149,7 @@ def _layout_worker(
             res[family + "/logprobs"] = lp
     if pad_vocab:  # vocabulary padded 128 -> 192: zero rows on load, dropped on export
         path, ids, _ = ckpts["qwen2"]
-        chunks = build_gpt_from_hf(path, dtype="fp32", make_vocab_size_divisible_by=96, **_BUILD)
+        chunks = build_gpt_from_hf(path, dtype="fp32", make_vocab_size_divisible_by=96)
         load_hf_weights(chunks, path)
         res["qwen2-padded"] = _megatron_logits(chunks, ids)
         export_hf_weights(chunks, f"{export_root}/qwen2-padded", hf_config=path, max_shard_bytes=20_000)
@@ -165,7 +163,7 @@ def _error_checks(ckpts: dict, bad: dict) -> dict:
     from fnppo.model import unwrap_model
 
     path = ckpts["llama"][0]
-    chunks = build_gpt_from_hf(path, dtype="fp32", **_BUILD)
+    chunks = build_gpt_from_hf(path, dtype="fp32")
     before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
     res: dict = {}
     for case, bad_path in bad.items():
@@ -176,7 +174,7 @@ def _error_checks(ckpts: dict, bad: dict) -> dict:
             params = dict(unwrap_model(chunks[0]).named_parameters())
             res[case] = (str(err), all(torch.equal(before[k], params[k]) for k in before))
     for case, call in (
-        ("tp mismatch", lambda: build_gpt_from_hf(path, tp=2, **_BUILD)),
+        ("tp mismatch", lambda: build_gpt_from_hf(path, tp=2)),
         ("export config mismatch", lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0])),
     ):
         try:

@@ -91,8 +91,10 @@ def test_large_magnitude_logits_no_overflow(dtype):
             # An fp32 logsumexp of values near 1e4 carries an absolute rounding of ~5e-4.
             torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=2e-3)
             torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=2e-3)
-            err = (grad.double() - rgrad).abs().max().item()
-            assert err <= 3e-3 * max(1.0, rgrad.abs().max().item()), err
+            # Plus the rounding of the result to the logits' dtype.
+            eps = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+            err = (grad.double() - rgrad).abs()
+            assert bool((err <= eps * rgrad.abs() + 3e-3 * max(1.0, rgrad.abs().max().item())).all()), err.max()
 
 
 def test_masked_positions_get_zero_gradient():

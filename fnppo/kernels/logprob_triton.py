@@ -23,6 +23,8 @@ is taken as 0). Row offsets are 64-bit (a 16k x 152k tensor has more than 2^31 e
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,12 +34,21 @@ from fnppo.kernels import triton_interpreting
 __all__ = ["forward_stats", "backward_grad"]
 
 
-def _configs() -> list[triton.Config]:
+def _bwd_configs() -> list[triton.Config]:
     # Few configs: each is compiled and timed once per vocabulary size (autotuning at first call).
     return [
         triton.Config({"BLOCK": 4096}, num_warps=8),
         triton.Config({"BLOCK": 8192}, num_warps=8),
         triton.Config({"BLOCK": 8192}, num_warps=16),
+    ]
+
+
+def _fwd_configs() -> list[triton.Config]:
+    # LANE_ACC keeps per-lane partial sums (one block reduction per step, for the max, instead of three).
+    return [
+        triton.Config({"BLOCK": block, "LANE_ACC": lane}, num_warps=warps)
+        for block, warps in ((4096, 8), (8192, 8), (8192, 16))
+        for lane in (False, True)
     ]
 
 
@@ -48,37 +59,54 @@ _INTERP_BLOCK = 64  # the interpreter runs on CPU: small blocks exercise the mul
 def _fwd_kernel(
     x_ptr, stride_x, labels_ptr, m_ptr, s_ptr, w_ptr, zl_ptr,
     n_cols, vocab_start, inv_t,
-    WITH_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    WITH_ENT: tl.constexpr, BLOCK: tl.constexpr, LANE_ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    w = tl.zeros([], tl.float32)
+    if LANE_ACC:
+        s = tl.zeros([BLOCK], tl.float32)
+        w = tl.zeros([BLOCK], tl.float32)
+    else:
+        s = tl.zeros([], tl.float32)
+        w = tl.zeros([], tl.float32)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         z = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m, tl.max(z, 0))
-        # A row that is -inf so far keeps the shift at 0 (avoids -inf - -inf).
+        # A row that is -inf so far keeps the shift at 0 (avoids -inf - -inf); while m is -inf the
+        # sums are 0, so the correction term s (m - m') is taken as 0 then.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        delta = tl.where(m == float("-inf"), 0.0, m - shift)
+        a = tl.exp(m - shift)
         d = z - shift
         e = tl.exp(d)
-        a = tl.exp(m - shift)
-        if WITH_ENT:
-            corr = tl.where(s > 0, s * (m - shift), 0.0)
-            w = a * (w + corr) + tl.sum(tl.where(e > 0, e * d, 0.0), 0)
-        s = s * a + tl.sum(e, 0)
+        ed = tl.where(e > 0, e * d, 0.0)  # 0 log 0 = 0 for -inf entries and padding lanes
+        if LANE_ACC:
+            if WITH_ENT:
+                w = a * (w + s * delta) + ed
+            s = s * a + e
+        else:
+            if WITH_ENT:
+                w = a * (w + s * delta) + tl.sum(ed, 0)
+            s = s * a + tl.sum(e, 0)
         m = m_new
+    if LANE_ACC:
+        s_row = tl.sum(s, 0)
+        w_row = tl.sum(w, 0)
+    else:
+        s_row = s
+        w_row = w
     lab = tl.load(labels_ptr + row).to(tl.int64) - vocab_start
     inside = (lab >= 0) & (lab < n_cols)
     safe = tl.where(inside, lab, 0)
     zl = tl.load(base + safe, mask=inside, other=0.0).to(tl.float32) * inv_t
     tl.store(m_ptr + row, m)
-    tl.store(s_ptr + row, s)
+    tl.store(s_ptr + row, s_row)
     tl.store(zl_ptr + row, tl.where(inside, zl, 0.0))
     if WITH_ENT:
-        tl.store(w_ptr + row, w)
+        tl.store(w_ptr + row, w_row)
 
 
 @triton.jit
@@ -123,8 +151,8 @@ if triton_interpreting():
     _fwd_tuned = None
     _bwd_tuned = None
 else:
-    _fwd_tuned = triton.autotune(configs=_configs(), key=["n_cols", "WITH_ENT"])(_fwd_kernel)
-    _bwd_tuned = triton.autotune(configs=_configs(), key=["n_cols", "HAS_GLP", "HAS_GH"])(_bwd_kernel)
+    _fwd_tuned = triton.autotune(configs=_fwd_configs(), key=["n_cols", "WITH_ENT"])(_fwd_kernel)
+    _bwd_tuned = triton.autotune(configs=_bwd_configs(), key=["n_cols", "HAS_GLP", "HAS_GH"])(_bwd_kernel)
 
 
 def _rows(x2: torch.Tensor) -> torch.Tensor:
@@ -147,7 +175,8 @@ def forward_stats(
         return m, s, (w if with_entropy else None), zl
     args = (x2, x2.stride(0), labels, m, s, w, zl, v, vocab_start, inv_t)
     if _fwd_tuned is None:
-        _fwd_kernel[(n,)](*args, WITH_ENT=with_entropy, BLOCK=_INTERP_BLOCK)
+        lane = os.environ.get("FNPPO_INTERP_LANE_ACC", "0") == "1"  # to check both variants
+        _fwd_kernel[(n,)](*args, WITH_ENT=with_entropy, BLOCK=_INTERP_BLOCK, LANE_ACC=lane)
     else:
         _fwd_tuned[(n,)](*args, WITH_ENT=with_entropy)
     return m, s, (w if with_entropy else None), zl
