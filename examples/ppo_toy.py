@@ -95,10 +95,13 @@ def reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # sampling through Megatron's forward-only schedule (works for any TP/PP layout)
 # ---------------------------------------------------------------------------------------------
-def sample_responses(chunks, prompts: torch.Tensor, *, seed: int, step: int, temperature: float, layout, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Autoregressive sampling; returns tokens ``[n, RESPONSE_LEN]`` and their log-probs (fp32)."""
+def sample_responses(chunks, prompts: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, layout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autoregressive sampling by inverse CDF with given uniforms ``[n, RESPONSE_LEN]``.
+
+    Returns tokens ``[n, RESPONSE_LEN]`` and their log-probs (fp32). The uniforms are drawn for the
+    global batch from (seed, step), so every layout samples the same tokens.
+    """
     n = prompts.shape[0]
-    g = torch.Generator(device="cpu").manual_seed((seed * 7_919 + step) * 131 + layout.dp_rank)
     seqs = prompts.clone()
     logps = torch.zeros(n, RESPONSE_LEN)
     for t in range(RESPONSE_LEN):
@@ -117,10 +120,11 @@ def sample_responses(chunks, prompts: torch.Tensor, *, seed: int, step: int, tem
         out = fnppo.forward_only(chunks, [mb], last_logits)
         pick = torch.zeros(2, n)
         if out is not None:
-            logp = torch.log_softmax(out[0].cpu() / temperature, dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=g).squeeze(1)
+            logp = torch.log_softmax(out[0].cpu().double() / temperature, dim=-1)
+            cdf = logp.exp().cumsum(-1)
+            tok = (cdf < uniforms[:, t : t + 1].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1)
             pick[0] = tok.float()
-            pick[1] = logp.gather(1, tok[:, None]).squeeze(1)
+            pick[1] = logp.gather(1, tok[:, None]).squeeze(1).float()
         if layout.pp > 1:
             buf = pick.to(device)
             dist.broadcast(buf, src=dist.get_global_rank(layout.pp_group, layout.pp - 1), group=layout.pp_group)
@@ -149,7 +153,7 @@ def build(args: argparse.Namespace, layout):
         load_hf_weights(chunks, args.hf_checkpoint)
     else:
         cfg = fnppo.ModelConfig(
-            num_layers=args.layers * args.pp,
+            num_layers=args.layers,
             hidden_size=args.hidden,
             num_attention_heads=4,
             num_query_groups=2,
@@ -188,7 +192,11 @@ def rollout(state, ref_params, args, layout, device, step: int):
     n_prompts = args.prompts // layout.dp
     prompts = make_prompts(args.seed, step, args.prompts)[layout.dp_rank * n_prompts : (layout.dp_rank + 1) * n_prompts]
     prompts = prompts.repeat_interleave(args.group_size, dim=0)
-    responses, rollout_lp = sample_responses(state.model, prompts, seed=args.seed, step=step, temperature=args.temperature, layout=layout, device=device)
+    g = torch.Generator().manual_seed(args.seed * 7_919 + step)
+    uniforms = torch.rand(args.prompts * args.group_size, RESPONSE_LEN, generator=g)
+    per = n_prompts * args.group_size
+    uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
+    responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses)])
     grouped = rewards.view(-1, args.group_size)
     if args.advantage == "rloo":
@@ -314,8 +322,11 @@ def run(args: argparse.Namespace, layout, device: torch.device) -> int:
         print(f"metrics: {metrics_path}")
         if not args.no_plot and rows:
             plot = out_dir / "ppo_toy.png"
-            write_plot(rows, plot)
-            print(f"plot: {plot}")
+            try:
+                write_plot(rows, plot)
+                print(f"plot: {plot}")
+            except ImportError:
+                print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
         ok = final >= args.target_reward
         print(f"final reward (mean of last 3 steps): {final:.3f} -> {'reached' if ok else 'did NOT reach'} the target {args.target_reward}")
         return 0 if ok or args.steps < 10 else 1

@@ -57,8 +57,9 @@ class StepConfig:
 
     Exactly one of ``num_microbatches``, ``microbatch_size`` and ``max_tokens_per_microbatch``
     chooses the split (default: one micro-batch). ``num_minibatches`` optimizer steps are taken per
-    epoch, ``ppo_epochs`` passes over the batch per call. ``pad_to_multiple_of`` defaults to the TP
-    size.
+    epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
+    makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
+    batch per call. ``pad_to_multiple_of`` defaults to the TP size.
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -309,7 +310,6 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         raise input_error("train_step", "batch", "a non-empty list of samples", "an empty list")
     if len(samples) % config.num_minibatches:
         raise input_error("train_step", "batch", f"a length divisible by num_minibatches={config.num_minibatches}", str(len(samples)))
-    per = len(samples) // config.num_minibatches
     step = state.step
     totals: dict[str, torch.Tensor] = {}
     grad_norms: list[float] = []
@@ -317,7 +317,9 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     updates = 0
     for _epoch in range(config.ppo_epochs):
         for k in range(config.num_minibatches):
-            minibatch = samples[k * per : (k + 1) * per]
+            # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
+            # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
+            minibatch = samples[k :: config.num_minibatches]
             _plan, mbs = _collate_all(minibatch, config, layout, device)
             normalizer = _global_normalizer(mbs, config.loss, layout, device)
             for c in chunks:
