@@ -99,7 +99,7 @@ def init_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
-        create_gloo_process_groups=backend == "gloo",
+        create_gloo_process_groups=True,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout()
