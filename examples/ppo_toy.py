@@ -44,14 +44,14 @@ PROMPT_LEN, RESPONSE_LEN = 2, 4
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
-    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO group)")
+    p.add_argument("--group-size", type=int, default=16, help="responses per prompt (GRPO group)")
     p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per mini-batch")
     p.add_argument("--max-tokens-per-microbatch", type=int, default=None, help="token budget per micro-batch")
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
@@ -230,6 +230,12 @@ def rollout(state, ref_params, args, layout, device, step: int):
     return samples, float(total[0] / total[1])
 
 
+def set_lr(optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group of a Megatron optimizer."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def write_plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -299,6 +305,7 @@ def run(args: argparse.Namespace, layout, device: torch.device) -> int:
     while state.step // args.minibatches < args.steps:
         step = state.step // args.minibatches
         samples, mean_reward = rollout(state, ref_params, args, layout, device, step)
+        set_lr(state.optimizer, args.lr * (1.0 - 0.9 * step / max(1, args.steps)))  # linear decay to 10%
         state, metrics = fnppo.train_step(state, samples, cfg)
         row = {"step": step + 1, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
         if args.layout_check and step == 0 and rank0:
