@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT_DIR/checkpoints")
+    p.add_argument("--exit-after", type=int, default=None, help="stop after this many steps of this invocation (simulates a preempted job)")
     p.add_argument("--target-reward", type=float, default=0.9)
     p.add_argument("--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision")
     p.add_argument("--no-plot", action="store_true")
@@ -292,7 +293,7 @@ def run(args: argparse.Namespace, layout, device: torch.device) -> int:
     if rank0:
         if args.resume and metrics_path.exists():
             rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if r["step"] <= state.step]
+            rows = [r for r in rows if r["step"] <= state.step // args.minibatches]
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = step_config(args)
     progress = None
@@ -304,6 +305,10 @@ def run(args: argparse.Namespace, layout, device: torch.device) -> int:
     start_step = state.step
     while state.step // args.minibatches < args.steps:
         step = state.step // args.minibatches
+        if args.exit_after is not None and step - start_step // args.minibatches >= args.exit_after:
+            if rank0:
+                print(f"exiting after {args.exit_after} steps (--exit-after)")
+            return 0
         samples, mean_reward = rollout(state, ref_params, args, layout, device, step)
         set_lr(state.optimizer, args.lr * (1.0 - 0.9 * step / max(1, args.steps)))  # linear decay to 10%
         state, metrics = fnppo.train_step(state, samples, cfg)

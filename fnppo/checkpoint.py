@@ -92,17 +92,30 @@ def _atomic_write_bytes(path: Path, write) -> None:  # noqa: ANN001
     os.replace(tmp, path)
 
 
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    """Megatron wraps its optimizers in a ChainedOptimizer; the state lives in the parts."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
 def _optimizer_state(optimizer: Any) -> dict[str, Any]:
-    out = {"state_dict": optimizer.state_dict()}
-    if hasattr(optimizer, "get_parameter_state_dp_reshardable"):
-        out["param_state"] = optimizer.get_parameter_state_dp_reshardable()
+    """``state_dict()`` plus, for each distributed optimizer, this DP rank's parameter-state shard."""
+    out: dict[str, Any] = {"state_dict": optimizer.state_dict(), "param_state": []}
+    for sub in _sub_optimizers(optimizer):
+        has = hasattr(sub, "get_parameter_state_dp_reshardable")
+        out["param_state"].append(sub.get_parameter_state_dp_reshardable() if has else None)
     return out
 
 
 def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
     optimizer.load_state_dict(saved["state_dict"])
-    if "param_state" in saved:
-        param_state = saved["param_state"]
+    subs = _sub_optimizers(optimizer)
+    if len(saved["param_state"]) != len(subs):
+        raise CheckpointError(
+            f"load_checkpoint: optimizer has {len(subs)} parts, checkpoint {len(saved['param_state'])}"
+        )
+    for sub, param_state in zip(subs, saved["param_state"]):
+        if param_state is None:
+            continue
         for gbuf_idx, by_dtype in param_state.items():
             if not isinstance(gbuf_idx, int):
                 continue
@@ -110,7 +123,15 @@ def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
                 for bucket in buckets:
                     for elem in bucket:
                         elem.setdefault("padding", False)
-        optimizer.load_parameter_state_from_dp_reshardable(param_state)
+        with torch.no_grad():  # main params may be views of the model's (fp32 models)
+            sub.load_parameter_state_from_dp_reshardable(param_state)
+    # Megatron's load gives every parameter the *same* Adam 'step' tensor; torch's Adam increments
+    # each parameter's step in place, so a shared tensor would advance once per parameter.
+    for sub in subs:
+        inner = getattr(sub, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
 
 
 def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, Any] | None = None) -> Path:

@@ -117,8 +117,9 @@ class PolicyLossConfig:
         loss_scale_factor: the constant ``C`` of ``seq-mean-token-sum-norm`` (Dr. GRPO,
             arXiv:2503.20783; e.g. the maximum response length). Required for that mode, must be
             ``None`` otherwise. Being a constant, it keeps the loss split-invariant.
-        entropy_coeff: weight of the entropy bonus (the loss gets ``- entropy_coeff * entropy``).
-        kl_coef: weight of the KL penalty ``KL(policy || ref)`` (needs ``ref_logprobs``).
+        entropy_coeff: weight of the entropy bonus (the loss gets ``- entropy_coeff * entropy``),
+            ``>= 0`` (a negative value would silently turn the bonus into a penalty).
+        kl_coef: weight of the KL penalty ``KL(policy || ref)`` (needs ``ref_logprobs``), ``>= 0``.
         kl_estimator: one of :data:`KL_ESTIMATORS` (see :func:`kl_penalty`).
         tis_cap: truncation cap of the importance weight against the rollout engine's log-probs
             (Yao et al. 2025); ``None``: no reweighting. Must be > 0.
@@ -189,7 +190,7 @@ class PolicyLossConfig:
             need(self.loss_scale_factor is None, "loss_scale_factor",
                  "None unless loss_agg_mode='seq-mean-token-sum-norm'")
         for arg in ("entropy_coeff", "kl_coef"):
-            need(num(arg), arg, "a finite number")
+            need(num(arg) and getattr(self, arg) >= 0, arg, "a finite number >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {list(KL_ESTIMATORS)}")
         need(self.tis_cap is None or (num("tis_cap") and self.tis_cap > 0), "tis_cap", "a number > 0 or None")
         need(self.tis_level in _TIS_LEVELS, "tis_level", f"one of {list(_TIS_LEVELS)}")
@@ -857,7 +858,9 @@ def ppo_loss(
 
     ``N`` is ``normalizer`` when given (the step-wide sum of :func:`loss_normalizer`, which makes
     the sum of micro-batch losses equal the full-batch loss), else the local count. ``N = 0`` (no
-    valid token anywhere) gives a loss of exactly 0 with zero gradient.
+    valid token anywhere) gives a loss of exactly 0 with zero gradient; an empty tensor (a batch
+    or sequence dimension of size 0) is refused. ``logprobs`` itself is not checked for NaN/inf: it
+    is the model's output, and a non-finite loss makes :func:`fnppo.train_step` skip the update.
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the current policy (carries the gradient).
@@ -880,6 +883,8 @@ def ppo_loss(
         metrics, plus whatever the policy loss reports.
     """
     fn = "fnppo.ppo_loss"
+    if logprobs.numel() == 0:
+        raise input_error(fn, "logprobs", "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(logprobs))
     loss_fn = get_policy_loss(config.policy_loss)
     if config.entropy_coeff != 0 and entropy is None:
         raise input_error(fn, "entropy", f"a tensor since entropy_coeff={config.entropy_coeff!r}", "None")
@@ -982,6 +987,8 @@ def value_loss(
     Reference: PPO, arXiv:1707.06347 (value clipping as in the OpenAI baselines implementation).
     """
     fn = "fnppo.value_loss"
+    if values.numel() == 0:
+        raise input_error(fn, "values", "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(values))
     if clip_range is not None and not (_is_number(clip_range) and clip_range >= 0):
         raise input_error(fn, "clip_range", "a number >= 0 or None", repr(clip_range))
     mode, scale = _mode_and_scale(loss_agg_mode, loss_scale_factor, fn)

@@ -395,7 +395,7 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
         core = unwrap_model(chunk)
         for name, param in core.named_parameters():
             gname = _global_name(core, name)
-            t = param.detach().float()
+            t = param.detach().to(torch.float32, copy=True)  # a copy even when already fp32
             if getattr(param, "tensor_model_parallel", False) and layout.tp > 1:
                 parts = [torch.empty_like(t) for _ in range(layout.tp)]
                 dist.all_gather(parts, t.contiguous(), group=layout.tp_group)

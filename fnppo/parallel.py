@@ -76,6 +76,8 @@ def init_parallel(
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
+        raise ValueError(f"init_parallel: argument 'timeout_s' expected a finite number of seconds > 0, received {timeout_s!r}")
     if vpp is not None and (vpp < 1 or pp < 2):
         raise ValueError(f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}")
     backend = _default_backend(device)
@@ -98,7 +100,7 @@ def init_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60.0,  # a float: Megatron's groups get timeout_s exactly
         create_gloo_process_groups=True,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -29,7 +29,7 @@ from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import PolicyLossConfig, finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
 from fnppo.model import forward_logits, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import input_error
+from fnppo.typing import check_range, describe, input_error, typechecking_enabled
 
 __all__ = ["StepFns", "StepConfig", "TrainState", "train_step", "compute_logprobs", "forward_only", "shard_for_data_parallel"]
 
@@ -59,7 +59,9 @@ class StepConfig:
     chooses the split (default: one micro-batch). ``num_minibatches`` optimizer steps are taken per
     epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
     makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
-    batch per call. ``pad_to_multiple_of`` defaults to the TP size.
+    batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
+    length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
+    the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -124,7 +126,7 @@ def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
     return next(unwrap_model(chunks[0]).parameters()).device
 
 
-def _split(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout):
+def _split(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout, max_seq_len: int | None = None):
     kw: dict[str, Any] = {}
     if config.max_tokens_per_microbatch is not None:
         kw["max_tokens_per_microbatch"] = config.max_tokens_per_microbatch
@@ -135,7 +137,7 @@ def _split(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout
     return split_batch(
         list(samples),
         dp_group=layout.dp_group if layout.dp > 1 else None,
-        max_seq_len=config.max_seq_len,
+        max_seq_len=max_seq_len if max_seq_len is not None else config.max_seq_len,
         pad_to_multiple_of=_pad_multiple(config, layout),
         layout=config.layout,
         **kw,
@@ -146,8 +148,53 @@ def _pad_multiple(config: StepConfig, layout: ParallelLayout) -> int:
     return config.pad_to_multiple_of or layout.tp
 
 
-def _collate_all(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout, device: torch.device) -> tuple[Any, list[Microbatch]]:
-    plan = _split(samples, config, layout)
+def _model_limits(chunks: Sequence[nn.Module]) -> tuple[int | None, int | None]:
+    """The model's (padded) vocabulary size and ``max_sequence_length`` (None where unknown)."""
+    core = unwrap_model(chunks[0])
+    return getattr(core, "vocab_size", None), getattr(core, "max_sequence_length", None)
+
+
+def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks: Sequence[nn.Module]) -> int | None:
+    """Refuse samples the model cannot take; returns the sequence-length limit in force.
+
+    The limit is ``config.max_seq_len``, else the model's ``max_sequence_length``. Token ids must lie
+    in ``[0, vocab_size)`` of the model (checked while call-time checking is on: one host sync).
+    """
+    vocab, model_max = _model_limits(chunks)
+    limit = config.max_seq_len if config.max_seq_len is not None else model_max
+    source = "StepConfig.max_seq_len" if config.max_seq_len is not None else "the model's max_sequence_length"
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise input_error(fn, f"batch[{i}]", "a fnppo.Sample", type(s).__name__)
+        if limit is not None and len(s) > limit:
+            raise input_error(
+                fn, f"batch[{i}]", f"at most {limit} tokens ({source})",
+                f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})",
+            )
+    if vocab is not None and typechecking_enabled():
+        ids = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
+        if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+            for i, s in enumerate(samples):
+                for name in ("prompt_ids", "response_ids"):
+                    check_range(fn, f"batch[{i}].{name}", getattr(s, name), 0, vocab)
+    return limit
+
+
+def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
+    """The forward must return this rank's vocab shard: ``[..., vocab_size / tp]``."""
+    if vocab is None or not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        return
+    shard = vocab // layout.tp
+    if logits.shape[-1] != shard:
+        hint = " (logits already gathered over tensor parallelism; return this rank's shard)" if logits.shape[-1] == vocab and layout.tp > 1 else ""
+        raise input_error(
+            fn, "logits", f"a last dimension of vocab_size / tp = {vocab} / {layout.tp} = {shard} (this rank's vocab shard)",
+            f"{describe(logits)}{hint}",
+        )
+
+
+def _collate_all(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout, device: torch.device, max_seq_len: int | None = None) -> tuple[Any, list[Microbatch]]:
+    plan = _split(samples, config, layout, max_seq_len)
     mbs = [
         _to_device(config.fns.collate(group, layout=config.layout, pad_to_multiple_of=_pad_multiple(config, layout), sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
@@ -233,6 +280,7 @@ def _forward_step_fn(
     normalizer: torch.Tensor | None,
     loss_scale: float,
     with_entropy: bool,
+    vocab_size: int | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     fns = config.fns
     loss_cfg = config.loss
@@ -242,6 +290,7 @@ def _forward_step_fn(
         out = fns.forward(model, mb)
 
         def loss_func(logits: torch.Tensor):
+            _check_logits("train_step", logits, vocab_size, layout)
             lp, ent = fns.logprob(logits, mb.labels, tp_group=layout.tp_group if layout.tp > 1 else None, temperature=config.temperature, with_entropy=with_entropy)
             loss, metrics = fns.loss(
                 lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
@@ -300,6 +349,13 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
 
     Returns the new state (same objects, ``step`` advanced by the number of optimizer updates) and
     metrics reduced exactly over micro-batches and DP ranks, identical on every rank.
+
+    Refused before anything runs (:class:`~fnppo.typing.InputError`, nothing changed): an empty
+    batch, a batch length not divisible by ``num_minibatches``, a sample longer than
+    ``config.max_seq_len`` (default: the model's ``max_sequence_length``), token ids outside the
+    model's vocabulary (while call-time checking is on). Inside the schedule: logits from
+    ``config.fns.forward`` whose last dimension is not this rank's vocab shard (e.g. logits already
+    gathered over tensor parallelism). ``docs/errors.md`` lists every error.
     """
     chunks = state.model
     optimizer = state.optimizer
@@ -310,6 +366,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         raise input_error("train_step", "batch", "a non-empty list of samples", "an empty list")
     if len(samples) % config.num_minibatches:
         raise input_error("train_step", "batch", f"a length divisible by num_minibatches={config.num_minibatches}", str(len(samples)))
+    max_seq_len = _check_batch("train_step", samples, config, chunks)
+    vocab_size, _ = _model_limits(chunks)
     step = state.step
     totals: dict[str, torch.Tensor] = {}
     grad_norms: list[float] = []
@@ -320,7 +378,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
             # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
             minibatch = samples[k :: config.num_minibatches]
-            _plan, mbs = _collate_all(minibatch, config, layout, device)
+            _plan, mbs = _collate_all(minibatch, config, layout, device, max_seq_len)
             normalizer = _global_normalizer(mbs, config.loss, layout, device)
             for c in chunks:
                 c.zero_grad_buffer()
@@ -328,7 +386,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             mconfig, record = _install_finalize(chunks)
             fwd = _forward_step_fn(
                 mbs, config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                with_entropy=_needs_entropy(config.loss),
+                with_entropy=_needs_entropy(config.loss), vocab_size=vocab_size,
             )
             try:
                 store = _run_schedule(chunks, mbs, fwd, forward_only=False)
@@ -432,10 +490,13 @@ def compute_logprobs(
     samples = list(batch)
     if not samples:
         raise input_error("compute_logprobs", "batch", "a non-empty list of samples", "an empty list")
-    plan, mbs = _collate_all(samples, config, layout, device)
+    max_seq_len = _check_batch("compute_logprobs", samples, config, chunks)
+    vocab_size, _ = _model_limits(chunks)
+    plan, mbs = _collate_all(samples, config, layout, device, max_seq_len)
     tp_group = layout.tp_group if layout.tp > 1 else None
 
     def per_token(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        _check_logits("compute_logprobs", logits, vocab_size, layout)
         lp, ent = config.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
         return lp, ent
 

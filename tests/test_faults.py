@@ -1,0 +1,508 @@
+"""Faults: non-finite steps, a rank failing inside the schedule, checkpoints, determinism.
+
+Everything runs real Megatron on CPU (gloo ranks through :func:`fnppo.testing.run_ranks`). Each
+``run_ranks`` call checks several things and returns a dict; the tests below read the dicts.
+
+* A non-finite gradient in one micro-batch skips the optimizer step, leaves parameters and
+  optimizer state bit-identical, is reported in the metrics, and the next good step proceeds (the
+  NaN-*loss* case is ``tests/test_step.py::test_non_finite_step_is_skipped_and_state_untouched``).
+* A rank that raises inside Megatron's schedule: its error reaches the caller unchanged, and a
+  rank left waiting in a collective raises after the documented timeout instead of hanging.
+* Checkpoints: resume is bit-identical (model, optimizer, RNG, step, data order) with one rank and
+  with DP=2 (the distributed optimizer's per-rank shards); an interrupted save, a missing manifest,
+  a truncated or altered file, another model shape and another TP layout are refused and load
+  nothing.
+* Determinism: two runs with the same seed and layout give bit-identical metrics and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import fnppo
+from fnppo.model import unwrap_model
+from fnppo.testing import RankError, run_ranks, synthetic_samples
+
+N_STEPS = 4  # uninterrupted run length
+SAVE_AT = 2  # the interrupted run saves here, a fresh process state resumes from it
+GLOBAL_BATCH = 8
+FAIL_TIMEOUT_S = 15.0  # init_parallel(timeout_s=...) for the fail-fast test
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (run inside the ranks)
+# ---------------------------------------------------------------------------------------------
+def _model_cfg(hidden: int = 32, dropout: float = 0.0) -> fnppo.ModelConfig:
+    return fnppo.ModelConfig(
+        num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        vocab_size=64, max_seq_len=32, hidden_dropout=dropout, attention_dropout=dropout,
+    )
+
+
+def _build(init_seed: int = 3, hidden: int = 32, dropout: float = 0.0, lr: float = 1e-2) -> fnppo.TrainState:
+    chunks = fnppo.build_gpt(_model_cfg(hidden, dropout))
+    fnppo.layout_invariant_init(chunks, seed=init_seed)
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=lr, clip_grad=1.0))
+
+
+def _seed_everything(seed: int) -> None:
+    """What a fresh process does: every RNG (torch, Python, NumPy, Megatron's trackers) from ``seed``."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _step_cfg(**kw) -> fnppo.StepConfig:
+    loss = fnppo.PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05)
+    return fnppo.StepConfig(loss=loss, **kw)
+
+
+def _clone_tree(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone_tree(v) for v in x)
+    return x
+
+
+def _bit_diff(a, b, path: str = "") -> list[str]:
+    """Paths where two nested structures differ; tensors are compared byte for byte (dtype too)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [path]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [path]
+        ab = a.detach().contiguous().reshape(-1).view(torch.uint8)
+        bb = b.detach().contiguous().reshape(-1).view(torch.uint8)
+        return [] if torch.equal(ab, bb) else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path}{{keys}}"]
+        return [d for k in a for d in _bit_diff(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path}[len]"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _bit_diff(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if struct.pack("<d", a) == struct.pack("<d", b) else [path]
+    return [] if a == b else [path]
+
+
+def _params(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": v.detach().clone() for i, c in enumerate(state.model) for k, v in unwrap_model(c).named_parameters()}
+
+
+def _opt_state(state: fnppo.TrainState):
+    """Everything a checkpoint keeps of the optimizer (this rank's distributed-optimizer shard too)."""
+    from fnppo.checkpoint import _optimizer_state
+
+    return _clone_tree(_optimizer_state(state.optimizer))
+
+
+def _snapshot(state: fnppo.TrainState) -> dict:
+    return {"params": _params(state), "opt": _opt_state(state), "step": state.step}
+
+
+def _batch(data_rng: torch.Generator) -> list[fnppo.Sample]:
+    """This DP rank's share of a global batch whose content comes from ``data_rng`` and whose order
+    comes from Python's global RNG (both must be restored on resume)."""
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=data_rng))
+    samples = synthetic_samples(GLOBAL_BATCH, seed=seed, multi_modal_every=3)
+    random.shuffle(samples)
+    return fnppo.shard_for_data_parallel(samples)
+
+
+def _train(state: fnppo.TrainState, data_rng: torch.Generator, steps: range, cfg: fnppo.StepConfig) -> tuple[fnppo.TrainState, list[dict]]:
+    rows = []
+    for _ in steps:
+        state, metrics = fnppo.train_step(state, _batch(data_rng), cfg)
+        rows.append(metrics)
+    return state, rows
+
+
+def _uninterrupted(cfg: fnppo.StepConfig) -> dict:
+    """``N_STEPS`` steps from seed 0 with dropout on (so the RNG matters)."""
+    _seed_everything(0)
+    state = _build(dropout=0.1)
+    data_rng = torch.Generator().manual_seed(11)
+    state, rows = _train(state, data_rng, range(N_STEPS), cfg)
+    return {"metrics": rows, **_snapshot(state)}
+
+
+def _resumed(cfg: fnppo.StepConfig, ckpt: Path) -> dict:
+    """``SAVE_AT`` steps, save; then a fresh process state (other seeds, other weights) loads and
+    continues to ``N_STEPS``."""
+    _seed_everything(0)
+    state = _build(dropout=0.1)
+    data_rng = torch.Generator().manual_seed(11)
+    state, rows = _train(state, data_rng, range(SAVE_AT), cfg)
+    fnppo.save_checkpoint(ckpt, state, extra={"data_rng": data_rng.get_state(), "metrics": rows})
+    del state
+    # "restart": nothing of the first run survives but the directory
+    _seed_everything(12345)
+    state = _build(init_seed=99, dropout=0.1)
+    state, extra = fnppo.load_checkpoint(ckpt, state)
+    data_rng = torch.Generator()
+    data_rng.set_state(extra["data_rng"])
+    state, more = _train(state, data_rng, range(state.step, N_STEPS), cfg)
+    return {"metrics": list(extra["metrics"]) + more, **_snapshot(state)}
+
+
+def _compare_runs(a: dict, b: dict) -> list[str]:
+    return _bit_diff(a["metrics"], b["metrics"], "metrics") + _bit_diff(a["params"], b["params"], "params") + \
+        _bit_diff(a["opt"], b["opt"], "optimizer") + _bit_diff(a["step"], b["step"], "step")
+
+
+def _trained(state: fnppo.TrainState) -> fnppo.TrainState:
+    """One step, so that the optimizer has state to lose."""
+    return fnppo.train_step(state, fnppo.shard_for_data_parallel(synthetic_samples(4, seed=8)), _step_cfg())[0]
+
+
+def _quiet() -> None:
+    # With dropout on CPU, Megatron's RNG tracker (whose "CUDA" generator is the CPU one here) logs a
+    # warning per forked region; it is expected and only noise.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+def _refusal(ckpt: Path, state: fnppo.TrainState) -> str:
+    """Try to load ``ckpt`` into ``state``; return the error message, and check nothing was loaded."""
+    before = _snapshot(state)
+    rng_before = torch.get_rng_state()
+    try:
+        fnppo.load_checkpoint(ckpt, state)
+    except fnppo.CheckpointError as err:
+        changed = _bit_diff(before, _snapshot(state)) + _bit_diff(rng_before, torch.get_rng_state(), "rng")
+        return f"{err}" + (f" [BUT STATE CHANGED: {changed}]" if changed else "")
+    return "loaded without error"
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite gradient in one micro-batch
+# ---------------------------------------------------------------------------------------------
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward (the loss stays finite), NaN backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        return torch.full_like(g, float("nan"))
+
+
+def _logprob_poisoning(call: int, rank: int | None):
+    """A ``StepFns.logprob`` whose ``call``-th micro-batch (on ``rank``, or every rank) gets NaN grads."""
+    calls = [0]
+
+    def logprob(logits, labels, **kw):  # noqa: ANN001
+        i = calls[0]
+        calls[0] += 1
+        if i == call and (rank is None or dist.get_rank() == rank):
+            logits = _NaNGradient.apply(logits)
+        return fnppo.logprob_and_entropy(logits, labels, **kw)
+
+    return logprob
+
+
+def _nan_gradient_case(poison_rank: int | None) -> dict:
+    """good step, poisoned step (2nd of 2 micro-batches), good step; vs. good, good on a twin."""
+    _seed_everything(0)
+    good = _step_cfg(num_microbatches=2)
+    bad = _step_cfg(num_microbatches=2, fns=fnppo.StepFns(logprob=_logprob_poisoning(1, poison_rank)))
+    batch = fnppo.shard_for_data_parallel(synthetic_samples(GLOBAL_BATCH, seed=5))
+    state = _build()
+    state, m1 = fnppo.train_step(state, batch, good)
+    before = _snapshot(state)
+    state, m2 = fnppo.train_step(state, batch, bad)
+    after = _snapshot(state)
+    state, m3 = fnppo.train_step(state, batch, good)
+    final = _params(state)
+    twin = _build()  # the same run without the poisoned step
+    twin, _ = fnppo.train_step(twin, batch, good)
+    twin, t3 = fnppo.train_step(twin, batch, good)
+    return {
+        "m1": m1, "m2": m2, "m3": m3, "t3": t3,
+        "untouched": _bit_diff(before["params"], after["params"], "params") + _bit_diff(before["opt"], after["opt"], "optimizer"),
+        "moved": any(not torch.equal(final[k], after["params"][k]) for k in final),
+        "same_as_twin": _bit_diff(final, _params(twin), "params"),
+        "step": state.step,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the world-1 and DP=2 runs
+# ---------------------------------------------------------------------------------------------
+def _one_rank_run(root: str) -> dict:
+    root = Path(root)
+    _quiet()
+    cfg = _step_cfg(num_microbatches=2)
+    out: dict = {"nan_grad": _nan_gradient_case(None)}
+    straight = _uninterrupted(cfg)
+    resumed = _resumed(cfg, root / "step2")
+    out["straight_metrics"] = straight["metrics"]
+    out["straight_params"] = straight["params"]
+    out["resume_diff"] = _compare_runs(straight, resumed)
+
+    # --- refusals; each loads into a mid-run state that must stay bit-identical ----------------
+    state = _trained(_build(init_seed=7))
+    good = root / "step2"
+
+    def variant(name: str, damage) -> str:  # noqa: ANN001
+        d = root / name
+        shutil.copytree(good, d)
+        damage(d)
+        return _refusal(d, state)
+
+    rank_file = "rank00000.pt"
+    out["no_manifest"] = variant("no_manifest", lambda d: (d / "manifest.json").unlink())
+
+    def truncate(d: Path) -> None:
+        f = d / rank_file
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    out["truncated"] = variant("truncated", truncate)
+
+    def flip(d: Path) -> None:
+        f = d / rank_file
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+    out["altered"] = variant("altered", flip)
+    out["missing_file"] = variant("missing_file", lambda d: (d / rank_file).unlink())
+    out["not_json"] = variant("not_json", lambda d: (d / "manifest.json").write_text("{half a manif"))
+    out["other_shape"] = _refusal(good, _trained(_build(hidden=48)))
+
+    # --- a save that "crashes" between writing and renaming ------------------------------------
+    real_replace = os.replace
+
+    def crash_on(target: str):
+        def replace(src, dst):  # noqa: ANN001
+            if Path(dst).name == target:
+                raise OSError(f"simulated crash before renaming {target}")
+            return real_replace(src, dst)
+
+        return replace
+
+    crashes = {}
+    runs = root / "runs"  # a complete step-2 checkpoint and two interrupted step-9 saves
+    shutil.copytree(good, runs / "step2")
+    for target in ("manifest.json", rank_file):
+        d = runs / f"step9_crash_{target}"
+        os.replace = crash_on(target)
+        try:
+            fnppo.save_checkpoint(d, fnppo.TrainState(model=state.model, optimizer=state.optimizer, step=9))
+            crashes[target] = {"save": "no error"}
+        except OSError as err:
+            crashes[target] = {"save": str(err)}
+        finally:
+            os.replace = real_replace
+        crashes[target]["files"] = sorted(p.name for p in d.iterdir())
+        crashes[target]["load"] = _refusal(d, state)
+    out["crashes"] = crashes
+    latest = fnppo.latest_checkpoint(runs)
+    out["latest"] = None if latest is None else latest.name
+    return out
+
+
+def _two_rank_run(root: str) -> dict:
+    """DP=2 with the distributed optimizer: NaN gradient on rank 1 only, resume, then TP=2 refusal."""
+    root = Path(root)
+    lay = fnppo.current_layout()
+    _quiet()
+    cfg = _step_cfg(num_microbatches=2)
+    out: dict = {"dp": lay.dp, "nan_grad": _nan_gradient_case(1)}
+    straight = _uninterrupted(cfg)
+    resumed = _resumed(cfg, root / "dp2_step2")
+    out["resume_diff"] = _compare_runs(straight, resumed)
+    out["straight_metrics"] = straight["metrics"]
+    with open(root / "dp2_step2" / "manifest.json") as f:
+        out["manifest_files"] = [x["file"] for x in json.load(f)["files"]]
+    # the same world re-initialized as TP=2: the DP=2 checkpoint must be refused on every rank
+    fnppo.init_parallel(2, 1, seed=1234, device="cpu", timeout_s=120.0)
+    out["tp"] = fnppo.current_layout().tp
+    out["other_layout"] = _refusal(root / "dp2_step2", _trained(_build()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return run_ranks(_one_rank_run, 1, str(tmp_path_factory.mktemp("ckpt1")))[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_rank_run, 2, str(tmp_path_factory.mktemp("ckpt2")))
+
+
+# ---------------------------------------------------------------------------------------------
+# tests: non-finite gradients
+# ---------------------------------------------------------------------------------------------
+def _check_nan_gradient(r: dict) -> None:
+    assert r["m1"]["skipped"] == 0.0 and r["m1"]["updates"] == 1.0
+    # the poisoned step: the loss is finite, the gradient is not; skipped and reported
+    assert r["m2"]["skipped"] == 1.0 and r["m2"]["updates"] == 0.0
+    assert np.isfinite(r["m2"]["loss"]) and not np.isfinite(r["m2"]["grad_norm"])
+    assert r["untouched"] == [], f"parameters / optimizer state changed by a skipped step: {r['untouched'][:5]}"
+    # the next good step proceeds, exactly as if the poisoned step had never happened
+    assert r["m3"]["skipped"] == 0.0 and r["m3"]["updates"] == 1.0 and r["moved"]
+    assert r["same_as_twin"] == [], r["same_as_twin"][:5]
+    assert r["m3"]["loss"] == r["t3"]["loss"] and r["m3"]["grad_norm"] == r["t3"]["grad_norm"]
+    assert r["step"] == 3  # TrainState.step counts skipped steps too
+
+
+def test_non_finite_gradient_in_one_microbatch_skips_step(one_rank):
+    _check_nan_gradient(one_rank["nan_grad"])
+
+
+def test_non_finite_gradient_on_one_dp_rank_skips_step_on_every_rank(two_ranks):
+    for rank, r in enumerate(two_ranks):
+        assert r["dp"] == 2
+        _check_nan_gradient(r["nan_grad"])
+        # metrics are reduced over the DP group: both ranks report the same step
+        assert r["nan_grad"]["m2"]["loss"] == two_ranks[0]["nan_grad"]["m2"]["loss"]
+
+
+# ---------------------------------------------------------------------------------------------
+# tests: checkpoints
+# ---------------------------------------------------------------------------------------------
+def test_resume_is_bit_identical_one_rank(one_rank):
+    assert one_rank["resume_diff"] == [], one_rank["resume_diff"][:10]
+    assert len(one_rank["straight_metrics"]) == N_STEPS
+    # the run really trains: every step updates and the loss changes
+    assert all(m["updates"] == 1.0 for m in one_rank["straight_metrics"])
+    assert len({m["loss"] for m in one_rank["straight_metrics"]}) == N_STEPS
+
+
+def test_resume_is_bit_identical_dp2_distributed_optimizer(two_ranks):
+    for r in two_ranks:
+        assert r["resume_diff"] == [], r["resume_diff"][:10]
+        assert r["manifest_files"] == ["rank00000.pt", "rank00001.pt"]
+    # both DP ranks report the same (globally reduced) metrics
+    assert two_ranks[0]["straight_metrics"] == two_ranks[1]["straight_metrics"]
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("no_manifest", "has no manifest.json"),
+        ("truncated", "is truncated or altered"),
+        ("altered", "sha256 differs from the manifest"),
+        ("missing_file", "rank00000.pt is missing"),
+        ("not_json", "is not valid JSON"),
+        ("other_shape", "model shape of rank 0 differs from the checkpoint's"),
+    ],
+)
+def test_bad_checkpoint_is_refused_and_loads_nothing(one_rank, case, needle):
+    msg = one_rank[case]
+    assert msg.startswith("load_checkpoint: ") and needle in msg, msg
+    assert "BUT STATE CHANGED" not in msg, msg
+
+
+def test_checkpoint_from_other_tp_layout_is_refused_on_every_rank(two_ranks):
+    for r in two_ranks:
+        assert r["tp"] == 2
+        msg = r["other_layout"]
+        assert "checkpoint layout" in msg and "'tp': 1" in msg and "'tp': 2" in msg, msg
+        assert "convert it first" in msg and "BUT STATE CHANGED" not in msg, msg
+
+
+def test_interrupted_save_is_refused_and_skipped_by_latest(one_rank):
+    crashes = one_rank["crashes"]
+    # crash before the manifest is renamed into place: the rank file is there, no manifest
+    c = crashes["manifest.json"]
+    assert "simulated crash" in c["save"]
+    assert "rank00000.pt" in c["files"] and "manifest.json" not in c["files"], c["files"]
+    assert "has no manifest.json" in c["load"] and "BUT STATE CHANGED" not in c["load"]
+    # crash before the rank file is renamed: no file under its final name, no manifest
+    c = crashes["rank00000.pt"]
+    assert "simulated crash" in c["save"]
+    assert "rank00000.pt" not in c["files"] and "manifest.json" not in c["files"], c["files"]
+    assert "has no manifest.json" in c["load"]
+    # the newest *complete* checkpoint is the step-2 one, not the interrupted step-9 saves
+    assert one_rank["latest"] == "step2"
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism
+# ---------------------------------------------------------------------------------------------
+def _straight_only() -> dict:
+    _quiet()
+    r = _uninterrupted(_step_cfg(num_microbatches=2))
+    return {"metrics": r["metrics"], "params": r["params"]}
+
+
+def test_same_seed_same_layout_is_bit_identical_across_runs(one_rank):
+    again = run_ranks(_straight_only, 1)[0]
+    assert _bit_diff(one_rank["straight_metrics"], again["metrics"], "metrics") == []
+    assert _bit_diff(one_rank["straight_params"], again["params"], "params") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank that raises inside the schedule
+# ---------------------------------------------------------------------------------------------
+FAULT = "injected fault in forward on rank 1"
+
+
+def _forward_failing_on_rank1(model, microbatch, *, params=None):  # noqa: ANN001
+    if dist.get_rank() == 1:
+        raise RuntimeError(FAULT)
+    return fnppo.forward_logits(model, microbatch, params=params)
+
+
+def _fail_inside_schedule(verdict: str) -> None:
+    """Rank 1 raises in its forward. Rank 0 is then stuck waiting for rank 1 in the gradient
+    reduction; it must raise by itself within the timeout. Rank 1 stays alive (a hung peer, the
+    worst case) until rank 0 has reported, then re-raises its original error."""
+    rank = dist.get_rank()
+    state = _build()
+    cfg = _step_cfg(fns=fnppo.StepFns(forward=_forward_failing_on_rank1))
+    batch = fnppo.shard_for_data_parallel(synthetic_samples(4, seed=1))
+    t0 = time.monotonic()
+    try:
+        fnppo.train_step(state, batch, cfg)
+    except Exception as err:  # noqa: BLE001
+        if rank == 0:
+            Path(verdict).write_text(json.dumps({"error": type(err).__name__, "message": str(err)[:500], "elapsed": time.monotonic() - t0}))
+            return
+        deadline = time.monotonic() + 3 * FAIL_TIMEOUT_S
+        while not Path(verdict).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        raise
+    if rank == 0:
+        Path(verdict).write_text(json.dumps({"error": None, "elapsed": time.monotonic() - t0}))
+
+
+def test_rank_failing_inside_schedule_fails_all_ranks_fast(tmp_path):
+    verdict = tmp_path / "rank0.json"
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_fail_inside_schedule, 2, str(verdict), timeout_s=FAIL_TIMEOUT_S)
+    wall = time.monotonic() - t0
+    msg = str(info.value)
+    # the caller sees the original error, from the rank that raised it
+    assert "rank 1 of 2 raised" in msg and f"RuntimeError: {FAULT}" in msg, msg[-2000:]
+    # the rank left waiting did not hang: it raised by itself within the timeout
+    r0 = json.loads(verdict.read_text())
+    assert r0["error"] is not None, "rank 0 finished a step whose peer failed"
+    assert r0["elapsed"] <= FAIL_TIMEOUT_S + 10.0, r0
+    assert wall <= FAIL_TIMEOUT_S + 60.0, wall
