@@ -6,10 +6,16 @@ The public API, one name per line. Stages (pure functions): ``collate_microbatch
 """
 
 from fnppo import parallel as parallel
+from fnppo.advantages import broadcast_to_tokens as broadcast_to_tokens
 from fnppo.advantages import gae_advantages as gae_advantages
 from fnppo.advantages import grpo_advantages as grpo_advantages
 from fnppo.advantages import reinforce_pp_advantages as reinforce_pp_advantages
 from fnppo.advantages import rloo_advantages as rloo_advantages
+from fnppo.attention import PackedDotProductAttention as PackedDotProductAttention
+from fnppo.attention import default_layer_spec as default_layer_spec
+from fnppo.attention import local_layer_spec as local_layer_spec
+from fnppo.attention import packed_causal_attention as packed_causal_attention
+from fnppo.attention import te_available as te_available
 from fnppo.batch import Microbatch as Microbatch
 from fnppo.batch import Sample as Sample
 from fnppo.batch import SplitPlan as SplitPlan
@@ -25,8 +31,15 @@ from fnppo.grads import FinalizeNotCalledError as FinalizeNotCalledError
 from fnppo.grads import GradStats as GradStats
 from fnppo.grads import finalize_grads as finalize_grads
 from fnppo.grads import grad_norm as grad_norm
+from fnppo.hf import build_gpt_from_hf as build_gpt_from_hf
+from fnppo.hf import export_hf_weights as export_hf_weights
+from fnppo.hf import load_hf_weights as load_hf_weights
+from fnppo.hf import model_config_from_hf as model_config_from_hf
 from fnppo.logprob import logprob_and_entropy as logprob_and_entropy
 from fnppo.loss import PolicyLossConfig as PolicyLossConfig
+from fnppo.loss import PolicyLossInputs as PolicyLossInputs
+from fnppo.loss import get_policy_loss as get_policy_loss
+from fnppo.loss import registered_policy_losses as registered_policy_losses
 from fnppo.loss import compute_tis_weights as compute_tis_weights
 from fnppo.loss import finalize_metrics as finalize_metrics
 from fnppo.loss import kl_penalty as kl_penalty

@@ -369,10 +369,11 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
             else:
                 src = full[gname]
             shard = _shard(core, name, param, src, layout.tp, layout.tp_rank)
-            if tuple(shard.shape) != tuple(param.shape):
+            full_shape = _full_shape(core, name, param, layout.tp)  # uneven chunks can still fit a shard
+            if tuple(src.shape) != full_shape or tuple(shard.shape) != tuple(param.shape):
                 raise input_error(
                     "load_full_weights", f"full[{gname!r}]",
-                    f"shape {tuple(param.shape)} for tp_rank {layout.tp_rank} of {layout.tp}",
+                    f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {layout.tp_rank} of {layout.tp})",
                     f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
                 )
             plan.append((param, shard))

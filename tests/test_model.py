@@ -217,7 +217,8 @@ def single() -> dict:
 
 @pytest.fixture(scope="module", params=[{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def sharded(request, single) -> tuple[str, list[dict]]:
-    return request.node.callspec.id, run_ranks(_sharded, 2, single["full"], **request.param)
+    name = "tp2" if "tp" in request.param else "pp2"
+    return name, run_ranks(_sharded, 2, single["full"], **request.param)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +384,9 @@ def test_loaded_shards_give_single_process_logits(single, sharded):
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max()), name
 
 
-def test_load_refuses_missing_or_misshaped_tensor_and_loads_nothing(sharded):
+def test_load_refuses_missing_or_misshaped_tensor_and_loads_nothing(single, sharded):
+    # the misshaped tensor has 2 extra rows: under TP=2 the uneven split still gives rank 1 a
+    # shard of the right shape, so the full shape itself must be checked
     name, results = sharded
     for r in results:
         what = f"{name} rank {r['rank']}"
@@ -392,7 +395,8 @@ def test_load_refuses_missing_or_misshaped_tensor_and_loads_nothing(sharded):
         assert repr(t) in r["missing_msg"] and "no such tensor" in r["missing_msg"], what
         assert r["missing_unchanged"], what
         assert r["wrong_msg"].startswith(f"load_full_weights: argument 'full[{t!r}]' expected shape"), what
-        assert "received" in r["wrong_msg"], what
+        assert f"shape {tuple(single['full'][t].shape)}" in r["wrong_msg"], what
+        assert f"received {(single['full'][t].shape[0] + 2, single['full'][t].shape[1])}" in r["wrong_msg"], what
         assert r["wrong_unchanged"], what
 
 
