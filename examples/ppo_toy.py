@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path

@@ -793,7 +793,7 @@ def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tens
 # Validation (one host sync)
 # =============================================================================================
 def _validate(fn: str, mask: Tensor, finite: dict[str, Tensor | None], normalizer: Any,
-              seq_ids: Tensor | None) -> None:
+              seq_ids: Tensor | None, mask_name: str = "loss_mask") -> None:
     m = mask != 0
     flags = []
     if mask.dtype != torch.bool:
@@ -811,14 +811,14 @@ def _validate(fn: str, mask: Tensor, finite: dict[str, Tensor | None], normalize
     if not flags or not bool(torch.stack([f.reshape(()) for f in flags]).any()):
         return
     # Something is wrong: find it (slow path, may sync several times).
-    check_mask01(fn, "loss_mask", mask)
+    check_mask01(fn, mask_name, mask)
     for name, t in finite.items():
         check_finite(fn, name, t, where=mask)
     if isinstance(normalizer, Tensor) and not bool(torch.isfinite(normalizer) & (normalizer >= 0)):
         raise input_error(fn, "normalizer", "a finite number >= 0", f"{describe(normalizer)} = {normalizer.item()!r}")
     if seq_ids is not None:
         lo, hi = int(seq_ids.min()), int(seq_ids.max())
-        raise input_error(fn, "seq_ids", f"values in [-1, {seq_ids.numel()}) and >= 0 wherever loss_mask is 1",
+        raise input_error(fn, "seq_ids", f"values in [-1, {seq_ids.numel()}) and >= 0 wherever {mask_name} is 1",
                           f"{describe(seq_ids)} with values in [{lo}, {hi}]")
 
 
@@ -993,7 +993,8 @@ def value_loss(
         raise input_error(fn, "clip_range", "a number >= 0 or None", repr(clip_range))
     mode, scale = _mode_and_scale(loss_agg_mode, loss_scale_factor, fn)
     if typechecking_enabled():
-        _validate(fn, mask, {"values": values, "old_values": old_values, "returns": returns}, normalizer, seq_ids)
+        _validate(fn, mask, {"values": values, "old_values": old_values, "returns": returns}, normalizer, seq_ids,
+                  mask_name="mask")
     dtype = torch.promote_types(values.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=values.device)
     m = mask != 0

@@ -289,7 +289,8 @@ def packed_seq_params(mb: Microbatch):
     )
 
 
-def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Tensor:
+@typechecked
+def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Float[Tensor, "..."]:
     """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
 
     Returns ``[batch, seq, vocab_shard]`` logits in the model's dtype (no fp32 upcast copy) on the

@@ -12,7 +12,6 @@ counter) lives in :class:`TrainState`, which is passed in and returned.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -159,6 +158,7 @@ def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks:
 
     The limit is ``config.max_seq_len``, else the model's ``max_sequence_length``. Token ids must lie
     in ``[0, vocab_size)`` of the model (checked while call-time checking is on: one host sync).
+    Reference and rollout log-probs must be given for every sample or for none.
     """
     vocab, model_max = _model_limits(chunks)
     limit = config.max_seq_len if config.max_seq_len is not None else model_max
@@ -171,6 +171,12 @@ def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks:
                 fn, f"batch[{i}]", f"at most {limit} tokens ({source})",
                 f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})",
             )
+    for name in ("ref_logprobs", "rollout_logprobs"):
+        # all samples or none: micro-batches that separate them would each look fine on their own
+        have = [getattr(s, name) is not None for s in samples]
+        if any(have) and not all(have):
+            i = have.index(False)
+            raise input_error(fn, f"batch[{i}].{name}", f"a tensor (batch[{have.index(True)}] has {name}; all samples or none)", "None")
     if vocab is not None and typechecking_enabled():
         ids = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
         if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
@@ -321,10 +327,6 @@ def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forwar
     )
 
 
-def _needs_entropy(loss_cfg: PolicyLossConfig) -> bool:
-    return True  # entropy is always reported as a metric; its coefficient may be zero
-
-
 # ---------------------------------------------------------------------------------------------
 # public
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +355,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     Refused before anything runs (:class:`~fnppo.typing.InputError`, nothing changed): an empty
     batch, a batch length not divisible by ``num_minibatches``, a sample longer than
     ``config.max_seq_len`` (default: the model's ``max_sequence_length``), token ids outside the
-    model's vocabulary (while call-time checking is on). Inside the schedule: logits from
+    model's vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
+    given for some samples only. Inside the schedule: logits from
     ``config.fns.forward`` whose last dimension is not this rank's vocab shard (e.g. logits already
     gathered over tensor parallelism). ``docs/errors.md`` lists every error.
     """
@@ -386,7 +389,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             mconfig, record = _install_finalize(chunks)
             fwd = _forward_step_fn(
                 mbs, config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                with_entropy=_needs_entropy(config.loss), vocab_size=vocab_size,
+                with_entropy=True,  # always reported as a metric, whatever its coefficient vocab_size=vocab_size,
             )
             try:
                 store = _run_schedule(chunks, mbs, fwd, forward_only=False)

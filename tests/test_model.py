@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fnppo
 from fnppo.model import transformer_config, unwrap_model
@@ -86,7 +85,6 @@ def _single() -> dict:
         ref = _real_token_logits(base, padded)
         out["packed_vs_padded"] = _max_diff(_real_token_logits(fnppo.forward_logits(model, packed), packed), ref)
         out["packed4_vs_padded"] = _max_diff(_real_token_logits(fnppo.forward_logits(model, packed4), packed4), ref)
-        # a change of a later token must not change earlier logits (causal mask) in either layout
         out["scale"] = float(base.abs().max())
 
     # params=snapshot equals the module call
