@@ -109,6 +109,12 @@ def finalize_grads(model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tenso
     """
     from megatron.core.distributed import finalize_model_grads
 
+    for chunk in model_chunks:
+        if getattr(chunk, "ddp_config", None) is None:
+            raise TypeError(
+                "finalize_grads: argument 'model_chunks' expected Megatron DistributedDataParallel chunks "
+                f"(fnppo.wrap_ddp), received {type(chunk).__name__}"
+            )
     finalize_model_grads(list(model_chunks), num_tokens=num_tokens)
     norm = grad_norm(model_chunks)
     return GradStats(grad_norm=norm, finite=bool(torch.isfinite(norm).item()))

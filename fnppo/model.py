@@ -17,7 +17,7 @@ from torch import nn
 
 from fnppo.batch import Microbatch
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import Float, Tensor, input_error, typechecked
+from fnppo.typing import Float, InputError, Tensor, input_error, typechecked
 
 __all__ = [
     "ModelConfig",
@@ -354,30 +354,49 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
     """Copy this rank's TP/PP shard of full (1-rank) weights into the model chunks' parameters.
 
     Every parameter of every chunk must be found in ``full`` with a shape that shards to it; with
-    ``strict`` no tensor of ``full`` may be left unused by the whole world (checked per rank for the
-    layers it holds). Validation happens before anything is written, so a mismatch loads nothing.
+    ``strict`` no tensor of ``full`` may be left unused by the whole world. Collective: the ranks
+    share their verdicts before anything is written, so a mismatch on any rank loads nothing anywhere
+    and every rank raises the same error.
     """
+    import torch.distributed as dist
+
     layout = current_layout()
     plan: list[tuple[Tensor, Tensor]] = []
+    used: set[str] = set()
+    problem: str | None = None
     for chunk in model_chunks:
         core = unwrap_model(chunk)
         for name, param in core.named_parameters():
             gname = _global_name(core, name)
             if gname == "output_layer.weight" and gname not in full and "embedding.word_embeddings.weight" in full:
-                src = full["embedding.word_embeddings.weight"]
-            elif gname not in full:
-                raise input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor")
-            else:
-                src = full[gname]
+                gname = "embedding.word_embeddings.weight"
+            if gname not in full:
+                problem = problem or str(input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor"))
+                continue
+            used.add(gname)
+            src = full[gname]
             shard = _shard(core, name, param, src, layout.tp, layout.tp_rank)
             full_shape = _full_shape(core, name, param, layout.tp)  # uneven chunks can still fit a shard
             if tuple(src.shape) != full_shape or tuple(shard.shape) != tuple(param.shape):
-                raise input_error(
+                problem = problem or str(input_error(
                     "load_full_weights", f"full[{gname!r}]",
                     f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {layout.tp_rank} of {layout.tp})",
                     f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
-                )
+                ))
+                continue
             plan.append((param, shard))
+    # Every rank learns every rank's verdict before anyone writes: all load or none does.
+    verdicts: list[Any] = [(problem, used)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, (problem, used))
+    first = next((p for p, _ in verdicts if p), None)
+    if first:
+        raise InputError(first)
+    if strict:
+        unused = sorted(set(full) - set().union(*(u for _, u in verdicts)))
+        if unused:
+            raise input_error("load_full_weights", "full", "only tensors of this model (strict=True)", f"unused tensors {unused[:5]}")
     with torch.no_grad():
         for param, shard in plan:
             param.copy_(shard.to(dtype=param.dtype, device=param.device))

@@ -233,7 +233,6 @@ def test_grad_norm_rejects_chunks_without_ddp(layouts):
     assert "received GPTModel" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="finalize_grads passes unwrapped chunks to Megatron (AttributeError 'finish_grad_sync')")
 def test_finalize_grads_rejects_chunks_without_ddp(layouts):
     results = layouts["tp2"]
     msg = results[0]["errors"]["finalize_grads"]
