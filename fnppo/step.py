@@ -389,7 +389,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             mconfig, record = _install_finalize(chunks)
             fwd = _forward_step_fn(
                 mbs, config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                with_entropy=True,  # always reported as a metric, whatever its coefficient vocab_size=vocab_size,
+                with_entropy=True,  # always reported as a metric, whatever its coefficient
+                vocab_size=vocab_size,
             )
             try:
                 store = _run_schedule(chunks, mbs, fwd, forward_only=False)

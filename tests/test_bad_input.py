@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: st
     msg = str(err)
     assert isinstance(err, exc), f"{type(err).__name__} instead of {exc.__name__}: {msg[:500]}"
     if exc is ShapeError:
-        assert msg.startswith(f"fnppo.") and f".{fn}: " in msg.split("\n", 1)[0], msg[:300]
+        assert msg.startswith("fnppo.") and f".{fn}: " in msg.split("\n", 1)[0], msg[:300]
         assert f"parameter '{arg}'" in msg, msg[:500]
         assert re.search(r"Actual value: " + re.escape(received), msg), msg[:500]
         assert "Expected type:" in msg and expected in msg, msg[:800]
@@ -202,7 +203,7 @@ def test_case_ids_are_unique():
 VOCAB, MAX_LEN = 64, 32
 
 
-def _gathered_forward(model, microbatch, *, params=None):  # noqa: ANN001
+def _gathered_forward(model, microbatch, *, params=None):
     """A forward that (wrongly) returns logits gathered over the TP group: [.., full vocab]."""
     logits = fnppo.forward_logits(model, microbatch, params=params)
     lay = fnppo.current_layout()
@@ -318,7 +319,7 @@ def test_every_case_is_in_the_error_table():
     # every test the table points to exists
     for path, name in set(re.findall(r"`(tests/test_\w+\.py)::(test_\w+)", text)):
         src = (ROOT / path).read_text()
-        assert re.search(rf"^def {name}\(", src, re.M), f"{path}::{name} named in {TABLE.name} does not exist"
+        assert re.search(rf"^def {name}\(", src, re.MULTILINE), f"{path}::{name} named in {TABLE.name} does not exist"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,15 +348,15 @@ def fuzz_batches(draw):
             mm["images"] = torch.randn(draw(st.integers(1, 2)), 3, 2, 2, generator=g)
         if draw(st.booleans()):
             mm["audio"] = torch.randn(draw(st.integers(1, 3)), 5, generator=g)
-        samples.append(dict(
-            prompt_ids=torch.randint(0, FUZZ_VOCAB, (p,), generator=g),
-            response_ids=torch.randint(0, FUZZ_VOCAB, (r,), generator=g),
-            advantages=torch.randn(r, generator=g),
-            old_logprobs=-2.0 + 0.5 * torch.randn(r, generator=g),
-            ref_logprobs=(-2.0 + 0.5 * torch.randn(r, generator=g)) if with_ref else None,
-            response_mask=mask,
-            multi_modal=mm,
-        ))
+        samples.append({
+            "prompt_ids": torch.randint(0, FUZZ_VOCAB, (p,), generator=g),
+            "response_ids": torch.randint(0, FUZZ_VOCAB, (r,), generator=g),
+            "advantages": torch.randn(r, generator=g),
+            "old_logprobs": -2.0 + 0.5 * torch.randn(r, generator=g),
+            "ref_logprobs": (-2.0 + 0.5 * torch.randn(r, generator=g)) if with_ref else None,
+            "response_mask": mask,
+            "multi_modal": mm,
+        })
     bad = None
     if samples and draw(st.integers(0, 2)) == 0:
         i = draw(st.integers(0, n - 1))
@@ -400,8 +401,8 @@ def _round_up(n: int, k: int) -> int:
 def test_fuzz_split_collate_loss(batch, layout, m, mode, size, data):
     samples, applied = batch
     cfg = _loss_config(data.draw)
-    kw = {"num": dict(num_microbatches=size % 3 + 1), "size": dict(microbatch_size=size % 3 + 1),
-          "tokens": dict(max_tokens_per_microbatch=size)}[mode]
+    kw = {"num": {"num_microbatches": size % 3 + 1}, "size": {"microbatch_size": size % 3 + 1},
+          "tokens": {"max_tokens_per_microbatch": size}}[mode]
     raised: list[BaseException] = []
     try:
         plan = split_batch(samples, pad_to_multiple_of=m, layout=layout, **kw)

@@ -201,11 +201,11 @@ class _NaNGradient(torch.autograd.Function):
     """Identity forward (the loss stays finite), NaN backward."""
 
     @staticmethod
-    def forward(ctx, x):  # noqa: ANN001
+    def forward(ctx, x):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g):  # noqa: ANN001
+    def backward(ctx, g):
         return torch.full_like(g, float("nan"))
 
 
@@ -213,7 +213,7 @@ def _logprob_poisoning(call: int, rank: int | None):
     """A ``StepFns.logprob`` whose ``call``-th micro-batch (on ``rank``, or every rank) gets NaN grads."""
     calls = [0]
 
-    def logprob(logits, labels, **kw):  # noqa: ANN001
+    def logprob(logits, labels, **kw):
         i = calls[0]
         calls[0] += 1
         if i == call and (rank is None or dist.get_rank() == rank):
@@ -266,7 +266,7 @@ def _one_rank_run(root: str) -> dict:
     state = _trained(_build(init_seed=7))
     good = root / "step2"
 
-    def variant(name: str, damage) -> str:  # noqa: ANN001
+    def variant(name: str, damage) -> str:
         d = root / name
         shutil.copytree(good, d)
         damage(d)
@@ -296,7 +296,7 @@ def _one_rank_run(root: str) -> dict:
     real_replace = os.replace
 
     def crash_on(target: str):
-        def replace(src, dst):  # noqa: ANN001
+        def replace(src, dst):
             if Path(dst).name == target:
                 raise OSError(f"simulated crash before renaming {target}")
             return real_replace(src, dst)
@@ -463,7 +463,7 @@ def test_same_seed_same_layout_is_bit_identical_across_runs(one_rank):
 FAULT = "injected fault in forward on rank 1"
 
 
-def _forward_failing_on_rank1(model, microbatch, *, params=None):  # noqa: ANN001
+def _forward_failing_on_rank1(model, microbatch, *, params=None):
     if dist.get_rank() == 1:
         raise RuntimeError(FAULT)
     return fnppo.forward_logits(model, microbatch, params=params)
@@ -480,7 +480,7 @@ def _fail_inside_schedule(verdict: str) -> None:
     t0 = time.monotonic()
     try:
         fnppo.train_step(state, batch, cfg)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         if rank == 0:
             Path(verdict).write_text(json.dumps({"error": type(err).__name__, "message": str(err)[:500], "elapsed": time.monotonic() - t0}))
             return
