@@ -63,3 +63,18 @@ def test_first_step_agrees_across_layouts(layout, nproc):
     loss, norm = _first_step(layout, nproc)
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (loss, ref_loss)
     assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (norm, ref_norm)
+
+
+def test_starts_from_a_hugging_face_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    _run(["--hf-checkpoint", str(tmp_path / "ckpt"), "--steps", "2", *SMALL, "--out-dir", str(tmp_path / "run")])
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0.0 for r in rows)
