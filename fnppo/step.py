@@ -279,7 +279,6 @@ def _global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, la
 
 
 def _forward_step_fn(
-    mbs: Sequence[Microbatch],
     config: StepConfig,
     layout: ParallelLayout,
     *,
@@ -388,7 +387,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             optimizer.zero_grad()
             mconfig, record = _install_finalize(chunks)
             fwd = _forward_step_fn(
-                mbs, config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
+                config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
                 with_entropy=True,  # always reported as a metric, whatever its coefficient
                 vocab_size=vocab_size,
             )
