@@ -7,42 +7,60 @@ fraction of response positions that are right, so a random policy (over 16 token
 
 Each step: prompts -> responses sampled from the current policy (temperature sampling through
 Megatron's forward-only schedule) -> rewards -> GRPO group-normalized advantages -> old and
-reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, entropy bonus, k3 KL
-to the reference, optional TIS).
+reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, optional entropy bonus,
+k3 KL to the reference, optional TIS).
 
     python examples/ppo_toy.py                                   # 1 process, CPU
     torchrun --nproc-per-node 2 examples/ppo_toy.py --tp 2       # gloo on CPU, or NCCL with --device cuda
-    python examples/ppo_toy.py --steps 5 --layout-check          # print first-step loss/grad norm
+    python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
 
-Metrics go to a JSONL file, a PNG plot is written at the end, checkpoints every ``--save-every``
-steps; ``--resume`` continues from the newest complete checkpoint with the same result as an
-uninterrupted run (data and sampling are functions of (seed, step)).
+Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``):
+``metrics.jsonl``, ``ppo_toy.png`` and, with ``--save-every``, checkpoints. ``--resume`` continues
+the newest run (or ``--out-dir``) from its newest checkpoint, bit-identical to an uninterrupted run
+(data and sampling are functions of (seed, step); the run's settings are stored in the checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-import fnppo
-from fnppo.testing import megatron_on_cpu
+# torch and fnppo are imported after the arguments are parsed, so --help and argument errors are fast.
 
 PAD, BOS = 0, 1
 FIRST_SYMBOL, NUM_SYMBOLS = 2, 8
 VOCAB = 16
 PROMPT_LEN, RESPONSE_LEN = 2, 4
+FINAL_WINDOW = 5  # the final reward is the mean over this many last steps
+RUNS_ROOT = Path("runs/ppo_toy")
+#: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
+RUN_DEFINING = (
+    "seed", "tp", "pp", "dtype", "prompts", "group_size", "num_microbatches", "max_tokens_per_microbatch",
+    "minibatches", "lr", "lr_final", "schedule_steps", "temperature", "entropy_coeff", "kl_coef",
+    "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint",
+)
+
+EPILOG = """\
+exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
+--target-reward (pass --target-reward 0 to skip the check), or it stopped at --exit-after;
+1 when the final reward missed the target; 2 for invalid arguments or a refused --resume.
+"""
+
+
+class ArgumentError(Exception):
+    """An invalid command line: printed as one line on rank 0, exit status 2."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="ppo_toy.py", description=__doc__.splitlines()[0], epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -50,42 +68,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
     p.add_argument("--group-size", type=int, default=16, help="responses per prompt (GRPO group)")
-    p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per mini-batch")
+    p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per mini-batch (default 2)")
     p.add_argument("--max-tokens-per-microbatch", type=int, default=None, help="token budget per micro-batch")
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-final", type=float, default=0.1, help="final lr as a fraction of --lr (linear decay)")
+    p.add_argument("--schedule-steps", type=int, default=None, help="steps over which the lr decays (default: --steps)")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--entropy-coeff", type=float, default=0.001)
+    p.add_argument("--entropy-coeff", type=float, default=0.0)
     p.add_argument("--kl-coef", type=float, default=0.001)
     p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (off by default)")
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hf-checkpoint", type=str, default=None, help="start from a Hugging Face checkpoint directory (Llama/Qwen2/Qwen3)")
-    p.add_argument("--out-dir", type=str, default="runs/ppo_toy")
+    p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/ppo_toy/runNNN)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT_DIR/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue --out-dir (default: the newest run) from its newest checkpoint")
     p.add_argument("--exit-after", type=int, default=None, help="stop after this many steps of this invocation (simulates a preempted job)")
-    p.add_argument("--target-reward", type=float, default=0.9)
+    p.add_argument("--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)")
     p.add_argument("--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.schedule_steps is None:
+        args.schedule_steps = args.steps
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
+    """Raise :class:`ArgumentError` for a command line that cannot run (checked before any set-up)."""
+    for name in ("steps", "prompts", "group_size", "minibatches", "hidden", "layers", "tp", "pp", "schedule_steps"):
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("num_microbatches", "max_tokens_per_microbatch", "exit_after"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.save_every < 0:
+        raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
+    if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
+        raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+    if args.device == "cuda" and not cuda_available:
+        raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+    if world_size % (args.tp * args.pp):
+        raise ArgumentError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes")
+    dp = world_size // (args.tp * args.pp)
+    if args.prompts % dp:
+        raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
+    if args.overwrite and args.resume:
+        raise ArgumentError("--overwrite and --resume exclude each other")
 
 
 # ---------------------------------------------------------------------------------------------
 # the task
 # ---------------------------------------------------------------------------------------------
-def make_prompts(seed: int, step: int, n: int) -> torch.Tensor:
+def make_prompts(seed: int, step: int, n: int):
     """``[n, PROMPT_LEN]`` prompts ``BOS a``; a function of (seed, step) only."""
+    import torch
+
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     sym = torch.randint(FIRST_SYMBOL, FIRST_SYMBOL + NUM_SYMBOLS, (n, 1), generator=g)
     return torch.cat([torch.full((n, 1), BOS), sym], dim=1)
 
 
-def reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
+def reward(prompt, response) -> float:
     """Fraction of response positions equal to ``a+1, a+2, ...`` (mod NUM_SYMBOLS)."""
+    import torch
+
     a = int(prompt[1]) - FIRST_SYMBOL
     target = FIRST_SYMBOL + (a + 1 + torch.arange(response.numel())) % NUM_SYMBOLS
     return float((response == target).float().mean()) if response.numel() else 0.0
@@ -94,12 +145,18 @@ def reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # sampling through Megatron's forward-only schedule (works for any TP/PP layout)
 # ---------------------------------------------------------------------------------------------
-def sample_responses(chunks, prompts: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, layout, device) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, device):
     """Autoregressive sampling by inverse CDF with given uniforms ``[n, RESPONSE_LEN]``.
 
     Returns tokens ``[n, RESPONSE_LEN]`` and their log-probs (fp32). The uniforms are drawn for the
-    global batch from (seed, step), so every layout samples the same tokens.
+    global batch from (seed, step), so every layout samples the same tokens. Only the ``VOCAB`` real
+    columns are sampled from (a padded vocabulary's extra columns are never drawn).
     """
+    import torch
+    import torch.distributed as dist
+
+    import fnppo
+
     n = prompts.shape[0]
     seqs = prompts.clone()
     logps = torch.zeros(n, RESPONSE_LEN)
@@ -108,7 +165,7 @@ def sample_responses(chunks, prompts: torch.Tensor, uniforms: torch.Tensor, *, t
         mb = fnppo.collate_microbatch(samples, layout="padded", pad_to_multiple_of=1)
         mb = _to(mb, device)
 
-        def last_logits(logits: torch.Tensor, mb) -> torch.Tensor:
+        def last_logits(logits, mb):
             last = logits[:, -1, :].float()
             if layout.tp > 1:
                 parts = [torch.empty_like(last) for _ in range(layout.tp)]
@@ -144,7 +201,9 @@ def _to(mb, device):
 # ---------------------------------------------------------------------------------------------
 # setup
 # ---------------------------------------------------------------------------------------------
-def build(args: argparse.Namespace, layout):
+def build(args: argparse.Namespace):
+    import fnppo
+
     if args.hf_checkpoint:
         from fnppo.hf import build_gpt_from_hf, load_hf_weights
 
@@ -169,7 +228,9 @@ def build(args: argparse.Namespace, layout):
     return fnppo.TrainState(model=ddp, optimizer=optimizer, step=0)
 
 
-def step_config(args: argparse.Namespace) -> fnppo.StepConfig:
+def step_config(args: argparse.Namespace):
+    import fnppo
+
     loss = fnppo.PolicyLossConfig(
         policy_loss="ppo",
         loss_agg_mode="token-mean",
@@ -186,8 +247,19 @@ def step_config(args: argparse.Namespace) -> fnppo.StepConfig:
     return fnppo.StepConfig(loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split)
 
 
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear decay from ``--lr`` to ``--lr-final * --lr`` over ``--schedule-steps``, then constant."""
+    frac = min(1.0, step / max(1, args.schedule_steps))
+    return args.lr * (1.0 - (1.0 - args.lr_final) * frac)
+
+
 def rollout(state, ref_params, args, layout, device, step: int):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples."""
+    import torch
+    import torch.distributed as dist
+
+    import fnppo
+
     n_prompts = args.prompts // layout.dp
     prompts = make_prompts(args.seed, step, args.prompts)[layout.dp_rank * n_prompts : (layout.dp_rank + 1) * n_prompts]
     prompts = prompts.repeat_interleave(args.group_size, dim=0)
@@ -196,7 +268,7 @@ def rollout(state, ref_params, args, layout, device, step: int):
     per = n_prompts * args.group_size
     uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
     responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
-    rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses)])
+    rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     grouped = rewards.view(-1, args.group_size)
     if args.advantage == "rloo":
         adv = fnppo.rloo_advantages(grouped).reshape(-1)
@@ -219,7 +291,7 @@ def rollout(state, ref_params, args, layout, device, step: int):
             prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantages=s.advantages,
             old_logprobs=o, ref_logprobs=r, rollout_logprobs=s.rollout_logprobs,
         )
-        for s, o, r in zip(samples, old, ref)
+        for s, o, r in zip(samples, old, ref, strict=True)
     ]
     total = torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64)
     if layout.dp > 1:
@@ -235,83 +307,199 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def write_plot(rows: list[dict], path: Path) -> None:
+# ---------------------------------------------------------------------------------------------
+# the plot
+# ---------------------------------------------------------------------------------------------
+def smooth(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
+    """Trailing moving average over ``window`` steps (fewer at the start)."""
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> None:
+    """Four panels (reward, entropy, KL, grad norm), raw points and a smoothed line, the verdict in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("reward", "mean reward"), ("entropy", "entropy"), ("kl_loss", "KL to reference (k3)"), ("grad_norm", "grad norm")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    panels = [
+        ("reward", "mean reward (fraction of tokens right)"),
+        ("entropy", "entropy (nats / token)"),
+        ("kl_loss", "KL to reference, k3 (nats / token)"),
+        ("grad_norm", "grad norm before clipping (L2)"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     steps = [r["step"] for r in rows]
-    for ax, (key, title) in zip(axes.flat, keys):
-        ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker=".")
-        ax.set_title(title)
-        ax.set_xlabel("step")
+    for ax, (key, label) in zip(axes.flat, panels, strict=True):
+        raw = [float(r.get(key, float("nan"))) for r in rows]
+        ax.plot(steps, raw, ".", color="tab:blue", alpha=0.35, label="per step")
+        ax.plot(steps, smooth(raw), "-", color="tab:blue", label=f"mean of last {FINAL_WINDOW} steps")
+        ax.set_ylabel(label)
+        ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    fig.suptitle("fnppo toy PPO run")
+        if key == "reward":
+            ax.set_ylim(0.0, 1.0)
+            ax.axhline(target, color="tab:green", ls="--", label=f"target {target:g}")
+            ax.axhline(1.0 / VOCAB, color="tab:gray", ls=":", label=f"chance 1/{VOCAB}")
+            ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------
+# run directory, resume
+# ---------------------------------------------------------------------------------------------
+def choose_run_dir(args: argparse.Namespace) -> Path:
+    """The run directory (decided on rank 0 from the file system; see the module docstring)."""
+    if args.out_dir is not None:
+        out = Path(args.out_dir)
+        holds_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
+        if args.resume and not holds_run:
+            raise ArgumentError(f"--resume: {out} holds no run to resume")
+        if holds_run and not (args.resume or args.overwrite):
+            raise ArgumentError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, or another --out-dir")
+        return out
+    runs = sorted(p for p in RUNS_ROOT.glob("run[0-9][0-9][0-9]") if p.is_dir())
+    if args.resume:
+        if not runs:
+            raise ArgumentError(f"--resume: no run under {RUNS_ROOT}; start one without --resume")
+        return runs[-1]
+    return RUNS_ROOT / f"run{int(runs[-1].name[3:]) + 1 if runs else 0:03d}"
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in RUN_DEFINING}
+
+
+def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
+    """Refuse a resume whose run-defining flags differ from the checkpoint's."""
+    now = run_settings(args)
+    diff = [k for k in RUN_DEFINING if stored.get(k) != now[k]]
+    if diff:
+        parts = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)} (now {now[k]})" for k in diff)
+        hint = ""
+        if "schedule_steps" in diff:
+            hint = f"; to train longer on the stored schedule, pass --schedule-steps {stored.get('schedule_steps')}"
+        raise ArgumentError(f"--resume: the checkpoint was written with {parts}; resume with the stored values{hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def _is_rank0_env() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    ctx = megatron_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
-    with ctx:
-        layout = fnppo.init_parallel(args.tp, args.pp, seed=args.seed, device=args.device)
-        try:
-            return run(args, layout, device)
-        finally:
-            fnppo.parallel.destroy_parallel()
+    import torch
+
+    try:
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+    except ArgumentError as err:
+        if _is_rank0_env():
+            print(f"ppo_toy.py: error: {err}", file=sys.stderr)
+        return 2
+    import fnppo
+
+    layout = fnppo.init_parallel(args.tp, args.pp, seed=args.seed, device=args.device)
+    try:
+        return run(args, layout)
+    except ArgumentError as err:
+        if fnppo.parallel.is_rank_zero():
+            print(f"ppo_toy.py: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        fnppo.parallel.destroy_parallel()
 
 
-def run(args: argparse.Namespace, layout, device: torch.device) -> int:
-    torch.manual_seed(args.seed)
-    if args.prompts % layout.dp:
-        raise SystemExit(f"--prompts {args.prompts} must be divisible by the data-parallel size {layout.dp}")
-    out_dir = Path(args.out_dir)
-    metrics_path = Path(args.metrics_out) if args.metrics_out else out_dir / "metrics.jsonl"
-    ckpt_root = out_dir / "checkpoints"
-    rank0 = fnppo.parallel.is_rank_zero()
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    state = build(args, layout)
+def _agree(value, layout):
+    """Rank 0's value on every rank (an error on rank 0 becomes the same error everywhere)."""
+    import torch.distributed as dist
+
+    if layout.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _setup_run(args, layout):
+    """Run directory, state, reference params and earlier metric rows (resume)."""
+    import fnppo
+
+    choice: Path | ArgumentError
+    try:
+        choice = choose_run_dir(args) if layout.rank == 0 else Path()
+    except ArgumentError as err:
+        choice = err
+    choice = _agree(choice, layout)
+    if isinstance(choice, ArgumentError):
+        raise choice
+    out_dir = choice
+    state = build(args)
     ref_params = fnppo.snapshot_params(state.model)
-    if args.resume:
-        latest = fnppo.latest_checkpoint(ckpt_root)
-        if latest is not None:
-            state, extra = fnppo.load_checkpoint(latest, state)
-            ref_params = [{k: v for k, v in p.items()} for p in extra["ref_params"]]
-            if rank0:
-                print(f"resumed from {latest} at step {state.step}")
     rows: list[dict] = []
-    if rank0:
-        if args.resume and metrics_path.exists():
-            rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if r["step"] <= state.step // args.minibatches]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.resume:
+        latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
+        if latest is None:
+            raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
+        state, extra = fnppo.load_checkpoint(latest, state)
+        check_resume_settings(extra.get("settings", {}), args)
+        ref_params = [dict(p) for p in extra["ref_params"]]
+        if layout.rank == 0:
+            print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
+    return out_dir, state, ref_params
+
+
+def _metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
+    """Rank 0: the metrics file, holding exactly the rows of steps ``<= done`` (resume appends after them)."""
+    path = Path(args.metrics_out) if args.metrics_out else out_dir / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.resume and path.exists():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["step"] <= done]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows
+
+
+def run(args: argparse.Namespace, layout) -> int:
+    import torch
+
+    import fnppo
+
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    torch.manual_seed(args.seed)
+    out_dir, state, ref_params = _setup_run(args, layout)
+    rank0 = layout.rank == 0
+    start_step = state.step // args.minibatches
+    metrics_path, rows = _metrics_file(args, out_dir, start_step) if rank0 else (None, [])
     cfg = step_config(args)
     progress = None
     if rank0 and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, initial=state.step, desc="ppo", dynamic_ncols=True)
+        progress = tqdm(total=args.steps, initial=start_step, desc="ppo", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
-    start_step = state.step
-    while state.step // args.minibatches < args.steps:
-        step = state.step // args.minibatches
-        if args.exit_after is not None and step - start_step // args.minibatches >= args.exit_after:
+    step = start_step
+    while step < args.steps:
+        if args.exit_after is not None and step - start_step >= args.exit_after:
             if rank0:
-                print(f"exiting after {args.exit_after} steps (--exit-after)")
+                print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
             return 0
         samples, mean_reward = rollout(state, ref_params, args, layout, device, step)
-        set_lr(state.optimizer, args.lr * (1.0 - 0.9 * step / max(1, args.steps)))  # linear decay to 10%
+        set_lr(state.optimizer, learning_rate(args, step))
         state, metrics = fnppo.train_step(state, samples, cfg)
-        row = {"step": step + 1, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
-        if args.layout_check and step == 0 and rank0:
+        step += 1
+        row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
+        if args.layout_check and step == 1 and rank0:
             print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}", flush=True)
         if rank0:
             rows.append(row)
@@ -320,27 +508,36 @@ def run(args: argparse.Namespace, layout, device: torch.device) -> int:
             if progress is not None:
                 progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}")
                 progress.update(1)
-        if args.save_every and (step + 1) % args.save_every == 0:
-            fnppo.save_checkpoint(ckpt_root / f"step{step + 1:06d}", state, extra={"ref_params": ref_params})
+        if args.save_every and step % args.save_every == 0:
+            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", state, extra={"ref_params": ref_params, "settings": run_settings(args)})
     if progress is not None:
         progress.close()
-    elapsed = time.perf_counter() - start
-    steps_done = state.step // args.minibatches - start_step // args.minibatches
-    if rank0:
-        final = sum(r["reward"] for r in rows[-3:]) / max(1, len(rows[-3:]))
-        print(f"steps: {state.step // args.minibatches}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_done):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
-        print(f"metrics: {metrics_path}")
-        if not args.no_plot and rows:
-            plot = out_dir / "ppo_toy.png"
-            try:
-                write_plot(rows, plot)
-                print(f"plot: {plot}")
-            except ImportError:
-                print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
-        ok = final >= args.target_reward
-        print(f"final reward (mean of last 3 steps): {final:.3f} -> {'reached' if ok else 'did NOT reach'} the target {args.target_reward}")
-        return 0 if ok or args.steps < 10 else 1
-    return 0
+    if not rank0:
+        return 0
+    return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, step - start_step)
+
+
+def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float, steps_done: int) -> int:
+    last = rows[-FINAL_WINDOW:]
+    final = sum(r["reward"] for r in last) / max(1, len(last))
+    ok = final >= args.target_reward
+    print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_done):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+    print(f"metrics: {metrics_path}")
+    verdict = "PASS" if ok else "FAIL"
+    if not args.no_plot and rows:
+        plot = out_dir / "ppo_toy.png"
+        title = (
+            f"fnppo toy GRPO run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"
+            f"seed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, {args.dtype}, lr {args.lr:g} -> {args.lr * args.lr_final:g}, "
+            f"{args.prompts} prompts x {args.group_size}, kl {args.kl_coef:g}, entropy {args.entropy_coeff:g}"
+        )
+        try:
+            write_plot(rows, plot, title=title, target=args.target_reward)
+            print(f"plot: {plot}")
+        except ImportError:
+            print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
+    print(f"final reward (mean of last {len(last)} steps): {final:.3f} -> {verdict}: {'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,11 @@ The public API, one name per line. Stages (pure functions): ``collate_microbatch
 ``train_step`` / ``compute_logprobs`` inside Megatron's own pipeline schedule.
 """
 
-from fnppo import parallel as parallel
+from fnppo.quiet import install_warning_filters as _install_warning_filters
+
+_install_warning_filters()  # before Megatron is imported: see fnppo/quiet.py for the list
+
+from fnppo import parallel as parallel  # noqa: E402
 from fnppo.advantages import broadcast_to_tokens as broadcast_to_tokens
 from fnppo.advantages import gae_advantages as gae_advantages
 from fnppo.advantages import grpo_advantages as grpo_advantages

@@ -141,6 +141,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         use_cpu_initialization=not torch.cuda.is_available() or layout.backend == "gloo",
         variable_seq_lengths=True,  # one shape per step under vpp: fnppo pads (see step._collate_all)
         moe_token_dispatcher_type="alltoall",
+        cuda_graph_scope=[],  # the default ("full") is deprecated and warns on every build
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

@@ -68,8 +68,14 @@ def init_parallel(
     a single process group of size 1 is created on a free local port. ``timeout_s`` bounds every
     collective: a rank that fails makes the others fail after at most that long instead of hanging.
 
-    On CPU, call this inside :func:`fnppo.testing.megatron_on_cpu` (it redirects Megatron's
-    CUDA-only calls).
+    On the gloo backend (``device="cpu"``, or no CUDA device) it enters
+    :func:`fnppo.testing.megatron_on_cpu` for the process (until :func:`destroy_parallel`), which
+    redirects Megatron's CUDA-only calls to the CPU; an explicit ``with megatron_on_cpu():`` block
+    around it works too.
+
+    Raises:
+        ValueError: ``tp``/``pp``/``vpp``/``timeout_s`` out of range, ``device="cuda"`` without a
+            CUDA device, or a world size that ``tp * pp`` does not divide.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -80,7 +86,15 @@ def init_parallel(
         raise ValueError(f"init_parallel: argument 'timeout_s' expected a finite number of seconds > 0, received {timeout_s!r}")
     if vpp is not None and (vpp < 1 or pp < 2):
         raise ValueError(f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"init_parallel: argument 'device' expected None, 'cpu' or 'cuda', received {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("init_parallel: argument 'device' expected 'cpu' or None on this machine (torch.cuda.is_available() is False), received 'cuda'")
     backend = _default_backend(device)
+    if backend == "gloo":
+        from fnppo.testing import enter_cpu_mode_for_process
+
+        enter_cpu_mode_for_process()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -129,13 +143,16 @@ def current_layout() -> ParallelLayout:
 
 
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the default process group."""
+    """Tear down Megatron's groups and the default process group (and the CPU mode init_parallel entered)."""
     from megatron.core import parallel_state
+
+    from fnppo.testing import exit_cpu_mode_for_process
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    exit_cpu_mode_for_process()
 
 
 def is_rank_zero() -> bool:

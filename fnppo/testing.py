@@ -84,6 +84,13 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cpu_synchronize(*args: Any, **kwargs: Any) -> None:
+    """``torch.cuda.synchronize`` inside :func:`megatron_on_cpu`: nothing to wait for."""
+
+
+_cpu_synchronize._fnppo_cpu = True  # type: ignore[attr-defined]  # how cpu_mode_active recognizes it
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
@@ -97,13 +104,16 @@ def megatron_on_cpu() -> Iterator[None]:
 
     patches = [
         (torch.cuda, "current_device", lambda: 0),
-        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "synchronize", _cpu_synchronize),
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
         (torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
         (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
         (mrandom, "_get_cuda_rng_state", get_state),
         (mrandom, "_set_cuda_rng_state", set_state),
     ]
+    if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
+        yield
+        return
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -114,6 +124,36 @@ def megatron_on_cpu() -> Iterator[None]:
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
+
+
+def cpu_mode_active() -> bool:
+    """Whether :func:`megatron_on_cpu` is in effect (entered explicitly or by ``init_parallel``)."""
+    return getattr(torch.cuda.synchronize, "_fnppo_cpu", False)
+
+
+# The block init_parallel entered for this process (like torch.distributed's own process-wide state),
+# closed by destroy_parallel.
+_AUTO_STACK: list[contextlib.ExitStack] = []
+
+
+def enter_cpu_mode_for_process() -> bool:
+    """Enter :func:`megatron_on_cpu` until :func:`exit_cpu_mode_for_process` (used by ``init_parallel``).
+
+    Returns False when it is already in effect (an explicit ``with megatron_on_cpu():`` block or an
+    earlier call), in which case nothing is entered.
+    """
+    if cpu_mode_active():
+        return False
+    stack = contextlib.ExitStack()
+    stack.enter_context(megatron_on_cpu())
+    _AUTO_STACK.append(stack)
+    return True
+
+
+def exit_cpu_mode_for_process() -> None:
+    """Leave the block entered by :func:`enter_cpu_mode_for_process`, if any."""
+    while _AUTO_STACK:
+        _AUTO_STACK.pop().close()
 
 
 def _dumps(obj: Any) -> bytes:

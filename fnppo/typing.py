@@ -145,11 +145,119 @@ def typechecked(fn: F) -> F:
             raise
         except Exception as err:  # jaxtyping.TypeCheckError / beartype violations
             if _is_type_violation(err):
-                raise ShapeError(f"{name}: {err}") from None
+                raise ShapeError(_shape_message(name, fn, args, kwargs, err)) from None
             raise
 
     wrapper.__wrapped_unchecked__ = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+FULL_REPORT_ENV = "FNPPO_FULL_TYPE_ERRORS"
+"""Set to 1 to append the checker's full report (every argument and annotation) to a ShapeError."""
+
+
+def _shape_message(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, err: BaseException) -> str:
+    """First line: the mismatch in words (which dimension, which arguments, both sizes); then the
+    checker's full report if ``FNPPO_FULL_TYPE_ERRORS=1``, else a one-line hint how to get it."""
+    try:
+        first = _diagnose(fn, args, kwargs)
+    except Exception:  # the diagnosis is a convenience: never hide the original error
+        first = None
+    if first is None:
+        first = _summarize_report(str(err))
+    if os.environ.get(FULL_REPORT_ENV, "0").strip().lower() in ("1", "true", "on", "yes"):
+        return f"{name}: {first}\n{err}"
+    return f"{name}: {first}\n(set {FULL_REPORT_ENV}=1 for the full type-check report)"
+
+
+def _summarize_report(report: str) -> str:
+    """One line from jaxtyping's report: ``argument 'x' expected <type>, received <value>``."""
+    import re
+
+    arg = re.search(r"typechecking parameter '([^']+)'", report)
+    got = re.search(r"Actual value: (.+)", report)
+    want = re.search(r"Expected type: <class '(.+)'>\.?$|Expected type: (.+?)\.?$", report, re.MULTILINE)
+    if arg and got and want:
+        expected = (want.group(1) or want.group(2)).replace("jaxtyping.", "")
+        received = got.group(1).strip().removesuffix("(torch)")
+        return f"argument '{arg.group(1)}' expected {expected}, received {received}"
+    lines = [ln for ln in report.strip().splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else "type check failed"
+
+
+def _array_annotation(hint: Any) -> Any:
+    """The jaxtyping array type inside ``hint`` (``X`` or ``X | None``), else None (also for a union
+    of several array types, which the summary of the checker's report describes instead)."""
+    if hasattr(hint, "dim_str") and hasattr(hint, "dims"):
+        return hint
+    members = [m for m in getattr(hint, "__args__", ()) or () if hasattr(m, "dim_str") and hasattr(m, "dims")]
+    return members[0] if len(members) == 1 else None
+
+
+def _split_dims(dims: tuple, shape: tuple[int, ...]) -> list[tuple[str, Any]] | str:
+    """Pair each named dimension with its size(s) in ``shape``; a string describes a rank mismatch."""
+    kinds = [type(d).__name__ for d in dims]
+    n_var = sum(k in ("_NamedVariadicDim", "_AnonymousVariadicDim") for k in kinds)
+    fixed = len(dims) - n_var
+    if (n_var == 0 and len(shape) != fixed) or len(shape) < fixed:
+        return f"{len(shape)} dimension(s), expected {'at least ' if n_var else ''}{fixed}"
+    out: list[tuple[str, Any]] = []
+    i = 0
+    for d, kind in zip(dims, kinds, strict=True):
+        if kind in ("_NamedVariadicDim", "_AnonymousVariadicDim"):
+            take = len(shape) - fixed
+            if kind == "_NamedVariadicDim":
+                out.append(("*" + d.name, tuple(shape[i : i + take])))
+            i += take
+        else:
+            if kind == "_NamedDim":
+                out.append((d.name, shape[i]))
+            elif kind == "_FixedDim" and d.size != shape[i]:
+                return f"size {shape[i]} at dimension {i}, expected {d.size}"
+            i += 1
+    return out
+
+
+def _shape_str(t: torch.Tensor) -> str:
+    return "[" + ",".join(str(int(n)) for n in t.shape) + "]"
+
+
+def _diagnose(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
+    """Walk the tensor arguments in order, binding named dimensions; describe the first conflict."""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(fn)
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    seen: dict[str, tuple[Any, str, torch.Tensor]] = {}  # dim -> (size, argument, tensor)
+    for arg, value in bound.arguments.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        ann = _array_annotation(hints.get(arg))
+        if ann is None:
+            if hasattr(hints.get(arg), "__args__"):
+                return None  # a union of array types: dimensions cannot be bound unambiguously
+            continue
+        tail = f"; expected {getattr(ann, '__name__', ann.dim_str)}, received {describe(value)}"
+        pairs = _split_dims(ann.dims, tuple(value.shape))
+        if isinstance(pairs, str):
+            return f"argument '{arg}' has {pairs} for dims '{ann.dim_str}' (shape {_shape_str(value)}){tail}"
+        for dim, size in pairs:
+            if dim in seen and seen[dim][0] != size:
+                prev_size, prev_arg, prev = seen[dim]
+                return (
+                    f"argument '{arg}' has {dim}={_size_str(size)}, but '{prev_arg}' bound {dim}={_size_str(prev_size)} "
+                    f"(shapes {_shape_str(value)} vs {_shape_str(prev)}){tail}"
+                )
+            seen.setdefault(dim, (size, arg, value))
+        dtypes = getattr(ann, "dtypes", None)
+        if isinstance(dtypes, (list, tuple)) and str(value.dtype).replace("torch.", "") not in dtypes:
+            return f"argument '{arg}' has the wrong dtype{tail}"
+    return None
+
+
+def _size_str(size: Any) -> str:
+    return "[" + ",".join(str(n) for n in size) + "]" if isinstance(size, tuple) else str(size)
 
 
 def _is_type_violation(err: BaseException) -> bool:

@@ -74,33 +74,73 @@ def _checking_on():
 def test_shape_error_names_function_argument_expected_and_received():
     with pytest.raises(ShapeError) as info:
         matmul(torch.zeros(2, 3), torch.zeros(4, 5))
-    msg = str(info.value)
+    first = str(info.value).splitlines()[0]
     assert isinstance(info.value, TypeError)
-    assert msg.startswith(f"{__name__}.matmul: ")
-    assert "parameter 'b'" in msg  # the argument
-    assert "Float[Tensor, 'n m']" in msg  # the expected type
-    assert "f32[4,5]" in msg  # the received value
-    assert "n=3" in msg  # the dimension already bound by 'a'
+    assert first == (
+        f"{__name__}.matmul: argument 'b' has n=4, but 'a' bound n=3 (shapes [4,5] vs [2,3]); "
+        "expected Float[Tensor, 'n m'], received f32[4,5]"
+    )
 
 
 def test_named_dims_are_consistent_across_arguments():
     assert matmul(torch.ones(2, 3), torch.ones(3, 4)).shape == (2, 4)
-    with pytest.raises(ShapeError, match="parameter 'b'"):
+    with pytest.raises(ShapeError, match="argument 'b' has n=2, but 'a' bound n=3"):
         matmul(torch.ones(2, 3), torch.ones(2, 4))  # n = 3 from a, 2 from b
 
 
 def test_rank_mismatch_is_an_error():
-    with pytest.raises(ShapeError, match="parameter 'a'"):
+    with pytest.raises(ShapeError, match=r"argument 'a' has 3 dimension\(s\), expected 2 for dims 'b n'"):
         matmul(torch.ones(2, 3, 1), torch.ones(3, 4))
 
 
 def test_dtype_mismatch_is_an_error():
     with pytest.raises(ShapeError) as info:
         matmul(torch.ones(2, 3, dtype=torch.int64), torch.ones(3, 4))
-    assert "parameter 'a'" in str(info.value) and "i64[2,3]" in str(info.value)
+    assert "argument 'a' has the wrong dtype" in str(info.value) and "received i64[2,3]" in str(info.value)
     with pytest.raises(ShapeError, match="f32\\[3\\]"):
         count_ids(torch.ones(3))  # float where int expected
     assert count_ids(torch.ones(3, dtype=torch.int32)) == 3
+
+
+@pytest.mark.parametrize(
+    "values,ids,expected",
+    [
+        (torch.zeros(5), torch.zeros(4, dtype=torch.long), "argument 'ids' has *tok=[4], but 'values' bound *tok=[5] (shapes [4] vs [5])"),
+        (torch.zeros(2, 5), torch.zeros(2, 4, dtype=torch.long), "argument 'ids' has *tok=[2,4], but 'values' bound *tok=[2,5] (shapes [2,4] vs [2,5])"),
+        (torch.zeros(1, 9), torch.zeros(1, 8, dtype=torch.long), "argument 'ids' has *tok=[1,8], but 'values' bound *tok=[1,9] (shapes [1,8] vs [1,9])"),
+    ],
+    ids=["1d", "2d", "packed"],
+)
+def test_shape_error_first_line_points_at_the_mismatch(values, ids, expected):
+    with pytest.raises(ShapeError) as info:
+        masked_sum(values, ids)
+    first, *rest = str(info.value).splitlines()
+    assert first.startswith(f"{__name__}.masked_sum: {expected}; expected Integer[Tensor, '*tok'], received i64"), first
+    assert rest == ["(set FNPPO_FULL_TYPE_ERRORS=1 for the full type-check report)"]
+
+
+def test_library_shape_error_names_both_arguments_and_sizes():
+    from fnppo.loss import PolicyLossConfig, ppo_loss
+
+    lp, adv, mask = torch.zeros(2, 4), torch.zeros(2, 5), torch.ones(2, 4)
+    with pytest.raises(ShapeError) as info:
+        ppo_loss(lp, lp, adv, mask, PolicyLossConfig())
+    assert str(info.value).splitlines()[0].endswith(
+        "ppo_loss: argument 'advantages' has seq=5, but 'logprobs' bound seq=4 (shapes [2,5] vs [2,4]); "
+        "expected Float[Tensor, 'batch seq'], received f32[2,5]"
+    )
+
+
+def test_full_report_only_when_asked(monkeypatch):
+    with pytest.raises(ShapeError) as info:
+        matmul(torch.zeros(2, 3), torch.zeros(4, 5))
+    assert "Called with parameters" not in str(info.value)
+    monkeypatch.setenv("FNPPO_FULL_TYPE_ERRORS", "1")
+    with pytest.raises(ShapeError) as info:
+        matmul(torch.zeros(2, 3), torch.zeros(4, 5))
+    msg = str(info.value)
+    assert msg.splitlines()[0].startswith(f"{__name__}.matmul: argument 'b' has n=4")
+    assert "Called with parameters" in msg and "Actual value: f32[4,5]" in msg
 
 
 def test_return_value_is_checked():
