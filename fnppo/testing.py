@@ -7,6 +7,7 @@ and pipeline schedules run on CPU over gloo once a handful of CUDA-only calls ar
 * a ``TorchFunctionMode`` maps ``device="cuda"`` / ``device=<int>`` arguments to the CPU, makes
   ``Tensor.cuda()`` the identity and makes ``Tensor.type()`` report ``torch.cuda.*`` names (Megatron
   asserts on them);
+* ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set in the environment (Megatron's TP layers advise it);
 * ``torch.cuda.current_device``, ``synchronize``, ``get_rng_state``, ``set_rng_state`` and
   ``manual_seed`` and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU
   generator.
@@ -117,6 +118,9 @@ def megatron_on_cpu() -> Iterator[None]:
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
+    # Megatron's TP layers advise this CUDA setting (stream concurrency) at build time; no CUDA here.
+    saved_env = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     mode = _CudaToCpuMode()
     try:
         with mode:
@@ -124,6 +128,10 @@ def megatron_on_cpu() -> Iterator[None]:
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
+        if saved_env is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        else:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = saved_env
 
 
 def cpu_mode_active() -> bool:

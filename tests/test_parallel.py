@@ -294,3 +294,59 @@ def test_dp2_schedule_reduces_to_the_full_batch_gradient(reference):
         assert "init_parallel" in r["indivisible"] and "world size 2" in r["indivisible"]
         assert "tp*pp = 3*1" in r["indivisible"]
         assert r["layout_after_error"] == lay  # a rejected call leaves Megatron's state alone
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU without ceremony: init_parallel sets up Megatron-on-CPU by itself
+# ---------------------------------------------------------------------------------------------
+_AUTO_CPU = r"""
+import torch, fnppo
+from fnppo.testing import cpu_mode_active
+assert not cpu_mode_active()
+layout = fnppo.init_parallel()                       # no megatron_on_cpu() block around it
+assert cpu_mode_active() and layout.backend == "gloo"
+chunks = fnppo.build_gpt(fnppo.ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                           ffn_hidden_size=32, vocab_size=8, max_seq_len=8))
+lp, _ = fnppo.compute_logprobs(chunks, [fnppo.Sample.from_lists([1, 2], [3, 4])])
+assert lp[0].shape == (2,) and bool(torch.isfinite(lp[0]).all())
+fnppo.parallel.destroy_parallel()
+assert not cpu_mode_active()                         # destroy_parallel leaves the CPU mode
+with fnppo.testing.megatron_on_cpu():                # explicit use still works, and nests
+    fnppo.init_parallel()
+    fnppo.parallel.destroy_parallel()
+    assert cpu_mode_active()
+assert not cpu_mode_active()
+print("ok")
+"""
+
+
+def test_init_parallel_sets_up_megatron_on_cpu_by_itself():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _AUTO_CPU], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-4000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
+
+
+def test_init_parallel_refuses_cuda_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=r"init_parallel: argument 'device' expected 'cpu' or None on this machine \(torch.cuda.is_available\(\) is False\), received 'cuda'"):
+        fnppo.init_parallel(device="cuda")
+
+
+def test_harmless_warning_filters_are_installed_and_can_be_shown():
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, fnppo\n"
+        "warnings.warn_explicit('Apex is not installed. Falling back to Torch Norm', UserWarning, 'x.py', 1, module='megatron.core.models.backends')\n"
+        "warnings.warn_explicit('something else', UserWarning, 'x.py', 2, module='megatron.core.models.backends')\n"
+    )
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Apex is not installed" not in quiet.stderr and "something else" in quiet.stderr, quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "FNPPO_SHOW_WARNINGS": "1"})
+    assert "Apex is not installed" in loud.stderr, loud.stderr
