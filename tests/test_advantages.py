@@ -214,3 +214,147 @@ def test_broadcast_to_tokens():
         broadcast_to_tokens(t(5.0), t([1.0, 1.0]), seq_ids=torch.tensor([[0, 1]]))
     with pytest.raises(InputError, match="seq_ids"):
         broadcast_to_tokens(t(5.0), t([1.0, 1.0]), seq_ids=torch.tensor([[0, -1]]))
+
+
+# =============================================================================================
+# pass@k, REINFORCE++-baseline, ReMax, OPO, GPG, optimal token baseline
+# =============================================================================================
+import itertools  # noqa: E402
+
+from fnppo.advantages import (  # noqa: E402
+    gpg_advantages,
+    gpg_batch_counts,
+    masked_moments,
+    opo_advantages,
+    optimal_token_baseline_advantages,
+    pass_at_k_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+)
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def close(actual, expected):
+    assert isinstance(expected, torch.Tensor) and expected.dtype == F64, "references are float64 tensors"
+    torch.testing.assert_close(actual, expected.to(actual.dtype), **TOL)
+
+
+def groups_of(ids, valid):
+    """{group id: [row indices of its valid rows]} (plain Python)."""
+    out: dict[int, list[int]] = {}
+    for i, (gid, v) in enumerate(zip(ids, valid)):
+        out.setdefault(int(gid), [])
+        if v:
+            out[int(gid)].append(i)
+    return out
+
+
+def random_groups(seed, n, n_groups, p_valid=0.8, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n, generator=g, dtype=F64)
+    if ties:
+        scores = torch.round(scores)
+    ids = torch.randint(0, n_groups, (n,), generator=g) * 7 - 3  # arbitrary integers
+    valid = (torch.rand(n, generator=g) < p_valid).to(F64)
+    return scores, ids, valid
+
+
+# ---------------------------------------------------------------------------------------------
+# pass@k
+# ---------------------------------------------------------------------------------------------
+def pass_at_k_reference(xs, k, normalize=True, eps=0.0):
+    """Enumerate every k-subset (plain Python floats)."""
+    n = len(xs)
+    subsets = list(itertools.combinations(range(n), k))
+    maxima = [max(xs[j] for j in s) for s in subsets]
+    mean = sum(maxima) / len(maxima)
+    var = max(sum(v * v for v in maxima) / len(maxima) - mean * mean, 0.0)
+    out = []
+    for i in range(n):
+        with_i = [max(xs[j] for j in s) for s in subsets if i in s]
+        a = sum(with_i) / len(with_i) - mean
+        if max(maxima) == min(maxima):  # every subset has the same maximum
+            a = 0.0
+        elif normalize:
+            a = a / (math.sqrt(var) + eps)
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("n,c,k", [(8, 2, 3), (8, 1, 1), (5, 3, 2), (16, 3, 8), (6, 1, 5), (12, 6, 4)])
+def test_pass_at_k_binary_matches_paper_closed_form(n, c, k):
+    # Chen et al. (arXiv:2508.10751), analytical derivation for 0/1 rewards.
+    rows = torch.tensor([[1.0] * c + [0.0] * (n - c)], dtype=F64)
+    adv = pass_at_k_advantages(rows, k=k, eps=0.0)
+    r = 1 - math.comb(n - c, k) / math.comb(n, k)
+    sigma = math.sqrt(r * (1 - r))
+    pos = (1 - r) / sigma
+    neg = (1 - r - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) / sigma
+    close(adv, torch.tensor([[pos] * c + [neg] * (n - c)], dtype=F64))
+    close(pass_at_k_advantages(rows, k=k, normalize_std=False),
+          torch.tensor([[pos * sigma] * c + [neg * sigma] * (n - c)], dtype=F64))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 9), n_groups=st.integers(1, 3), ties=st.booleans(),
+       normalize=st.booleans(), k_pick=st.integers(0, 10))
+def test_pass_at_k_matches_enumeration(seed, n, n_groups, ties, normalize, k_pick):
+    scores, ids, valid = random_groups(seed, n, n_groups, ties=ties)
+    groups = groups_of(ids.tolist(), valid.tolist())
+    sizes = [len(v) for v in groups.values() if v]
+    if not sizes:
+        close(pass_at_k_advantages(scores, ids, k=1, valid=valid), torch.zeros(n, dtype=F64))
+        return
+    k = 1 + k_pick % min(sizes)
+    adv = pass_at_k_advantages(scores, ids, k=k, valid=valid, normalize_std=normalize, eps=1e-3)
+    expected = [0.0] * n
+    for rows in groups.values():
+        if rows:
+            for i, a in zip(rows, pass_at_k_reference([float(scores[i]) for i in rows], k, normalize, 1e-3)):
+                expected[i] = a
+    close(adv, torch.tensor(expected, dtype=F64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), size=st.integers(2, 8), k=st.integers(1, 8))
+def test_pass_at_k_permutation_equivariant_and_zero_sum(seed, size, k):
+    k = min(k, size)
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.round(torch.randn(3, size, generator=g, dtype=F64) * 2)  # ties included
+    perm = torch.randperm(size, generator=g)
+    adv = pass_at_k_advantages(scores, k=k)
+    close(pass_at_k_advantages(scores[:, perm], k=k), adv[:, perm])
+    close(pass_at_k_advantages(scores, k=k, normalize_std=False).sum(1), torch.zeros(3, dtype=F64))
+
+
+def test_pass_at_k_edge_cases():
+    # k = 1 on a group of size 1: no baseline, 0; k >= 2 on it: refused
+    close(pass_at_k_advantages(t([3.0], [4.0]), k=1), t([0.0], [0.0]))
+    with pytest.raises(InputError, match=r"pass_at_k_advantages: argument 'k' expected .*smallest non-empty group: 1.*received 2"):
+        pass_at_k_advantages(t(1.0, 2.0, 3.0), torch.tensor([0, 0, 1]), k=2)
+    # masked rows leave the group: the size-1 group is fine once its only row is masked
+    adv = pass_at_k_advantages(t(1.0, 2.0, 5.0, 3.0), torch.tensor([0, 0, 0, 1]), k=2, valid=t(1.0, 1.0, 1.0, 0.0),
+                               normalize_std=False)
+    # group {1, 2, 5}, k = 2: maxima of {1,2},{1,5},{2,5} = 2, 5, 5 -> R = 4; m = (2+5)/2, (2+5)/2, 5
+    close(adv, t(-0.5, -0.5, 1.0, 0.0))
+    # n = k: the only subset is the whole group, so every advantage is 0
+    close(pass_at_k_advantages(t([1.0, 2.0]), k=2), t([0.0, 0.0]))
+    # 0/1 rewards with fewer than k wrong rows: every k-subset passes, R = 1, sigma = 0, A = 0
+    close(pass_at_k_advantages(t([1.0, 1.0, 1.0, 0.0]), k=2, eps=0.0), t([0.0, 0.0, 0.0, 0.0]))
+    # all rows masked: zeros, no error, whatever k
+    close(pass_at_k_advantages(t([1.0, 2.0]), k=5, valid=t([0.0, 0.0])), t([0.0, 0.0]))
+    # masked NaN is ignored, a valid one refused
+    close(pass_at_k_advantages(t([math.nan, 2.0, 1.0]), k=1, valid=t([0.0, 1.0, 1.0]), normalize_std=False),
+          t([0.0, 0.5, -0.5]))
+    with pytest.raises(InputError, match="'scores' expected finite"):
+        pass_at_k_advantages(t([math.nan, 2.0, 1.0]), k=1)
+    for bad in (0, -1, True):
+        with pytest.raises(InputError, match="pass_at_k_advantages: argument 'k' expected an int >= 1, received"):
+            pass_at_k_advantages(t([1.0, 2.0]), k=bad)
+    with pytest.raises(ShapeError, match="'k'"):
+        pass_at_k_advantages(t([1.0, 2.0]), k=2.0)
+    with pytest.raises(InputError, match="argument 'valid' expected a 0/1 mask of the shape of scores"):
+        pass_at_k_advantages(t([1.0, 2.0]), k=1, valid=t(1.0, 1.0))
+    with pytest.raises(InputError, match="argument 'eps'"):
+        pass_at_k_advantages(t([1.0, 2.0]), k=1, eps=-1.0)
