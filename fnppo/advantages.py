@@ -268,7 +268,8 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
 # Conventions shared by all of them (docs/conventions.md lists where other frameworks differ):
 # * ``valid`` (per sequence) / ``mask`` (per token): rows that are masked out never count in a
 #   group statistic, a batch statistic or a count, and their advantage is exactly 0;
-# * a group with fewer than two valid rows has no baseline: its advantage is exactly 0;
+# * a group estimator gives a group with fewer than two valid rows no baseline: advantage exactly 0
+#   (ReMax has no groups; pass@k refuses groups smaller than k);
 # * results are detached, in ``promote_types(input dtype, float32)`` (float64 stays float64).
 # =============================================================================================
 from fnppo.typing import Shaped, describe  # noqa: E402  (here so that the code above stays untouched)
@@ -377,6 +378,12 @@ def pass_at_k_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | No
     * ``m_i = mean_{S containing i} max(S) = [C(r-1, k-1) x_(r) + sum_{m>r} C(m-2, k-2) x_(m)] / C(n-1, k-1)``;
     * ``sigma^2 = mean_S max(S)^2 - R^2`` (population variance over the subsets);
     * ``A_i = (m_i - R) / (sigma + eps)``, or ``m_i - R`` with ``normalize_std=False``.
+
+    Derivation: ``x_(m)`` is the maximum of the ``C(m-1, k-1)`` subsets whose other members all
+    rank below m. Of the ``C(n-1, k-1)`` subsets containing i, ``C(r-1, k-1)`` have their other
+    members below r (maximum ``x_i``) and ``C(m-2, k-2)`` have their maximum at rank ``m > r`` (the
+    other ``k-2`` members among the ``m-2`` ranks below m other than r). Averaging over all subsets
+    (instead of sampling some) keeps the estimates unbiased with the least variance.
 
     For binary rewards with ``c`` correct rows this is exactly the analytical advantage of Chen et
     al.: ``R = 1 - C(n-c, k)/C(n, k)``, ``sigma = sqrt(R (1 - R))``, ``A = (1 - R) / sigma`` for a
@@ -629,7 +636,7 @@ def opo_advantages(scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tenso
 
 def _gpg_rows(fn: str, scores: Tensor, group_ids: Tensor | None,
               valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(x, keep, informative, centered, sq/count)`` per row for GPG."""
+    """Per row for GPG: ``(x, keep, informative, centered, stack([group count, group sum of squares]))``."""
     x, index, g, keep = _seq_inputs(fn, scores, group_ids, valid)
     count, mean, sq, spread = _masked_group_stats(x, index, g, keep)
     informative = keep & (count > 1) & spread
@@ -660,8 +667,8 @@ def gpg_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = N
     ``normalize_std=True``, ``F = std_g + eps`` (Bessel, as :func:`grpo_advantages`). Groups whose
     valid rewards are all equal (including groups with one valid row) carry no gradient; GPG
     rescales the others by ``alpha = B / B_valid`` with ``B`` the number of valid rows of the batch
-    and ``B_valid`` the number in informative groups, so that the batch-mean gradient is not
-    shrunk by the uninformative rows (the loss's mean still divides by ``B``).
+    and ``B_valid`` the number in informative groups, so that the gradient of a loss averaged over
+    the batch is not shrunk by the rows that carry none.
 
     ``alpha`` aggregates over the whole batch: when the batch is processed in parts (whole groups
     per part, e.g. one part per data-parallel rank), pass the summed :func:`gpg_batch_counts` of

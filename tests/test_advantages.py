@@ -476,7 +476,8 @@ def test_remax_closed_form():
     close(adv, t([-0.5, 0.5], [0.0, 3.0]))
     # one sample per prompt is ReMax's normal case; a masked NaN is ignored
     close(remax_advantages(t(math.nan, 2.0), t(0.0, 1.0), valid=t(0.0, 1.0)), t(0.0, 1.0))
-    with pytest.raises(InputError, match=r"remax_advantages: argument 'greedy_scores' expected a tensor of shape \(2, 2\) or \(2,\), received f64\[3\]"):
+    with pytest.raises(InputError, match=r"remax_advantages: argument 'greedy_scores' expected a tensor of shape "
+                                         r"\(2, 2\) or \(2,\), received f64\[3\]"):
         remax_advantages(t([1.0, 2.0], [0.0, 4.0]), t(1.0, 2.0, 3.0))
     with pytest.raises(InputError, match="'greedy_scores' expected finite"):
         remax_advantages(t(1.0, 2.0), t(1.0, math.inf))
@@ -572,7 +573,8 @@ def test_gpg_split_invariance(seed, n, cut):
 
 
 def test_gpg_validation():
-    with pytest.raises(InputError, match=r"gpg_advantages: argument 'batch_counts' expected finite \(B, B_valid\) with 0 <= B_valid <= B"):
+    with pytest.raises(InputError, match=r"gpg_advantages: argument 'batch_counts' expected finite "
+                                         r"\(B, B_valid\) with 0 <= B_valid <= B, received \[1.0, 2.0\]"):
         gpg_advantages(t([1.0, 0.0]), batch_counts=torch.tensor([1.0, 2.0], dtype=F64))
     with pytest.raises(InputError, match="'scores' expected finite"):
         gpg_advantages(t([1.0, math.nan]))
