@@ -75,5 +75,19 @@ from fnppo.typing import InputError as InputError
 from fnppo.typing import ShapeError as ShapeError
 from fnppo.typing import set_typechecking as set_typechecking
 from fnppo.typing import typechecking as typechecking
+from fnppo.advantages import pass_at_k_advantages as pass_at_k_advantages
+from fnppo.advantages import reinforce_pp_baseline_advantages as reinforce_pp_baseline_advantages
+from fnppo.advantages import masked_moments as masked_moments
+from fnppo.advantages import remax_advantages as remax_advantages
+from fnppo.advantages import opo_advantages as opo_advantages
+from fnppo.advantages import gpg_advantages as gpg_advantages
+from fnppo.advantages import gpg_batch_counts as gpg_batch_counts
+from fnppo.advantages import optimal_token_baseline_advantages as optimal_token_baseline_advantages
+from fnppo.kl_control import KLControllerState as KLControllerState
+from fnppo.kl_control import adaptive_kl_init as adaptive_kl_init
+from fnppo.kl_control import adaptive_kl_update as adaptive_kl_update
+from fnppo.kl_control import fixed_kl_init as fixed_kl_init
+from fnppo.kl_control import fixed_kl_update as fixed_kl_update
+from fnppo.kl_control import with_kl_coef as with_kl_coef
 
 __version__ = "0.1.0"

@@ -1,0 +1,123 @@
+"""Tests of fnppo.kl_control: closed forms, a plain-loop reference, purity, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnppo.kl_control import (
+    KLControllerState,
+    adaptive_kl_init,
+    adaptive_kl_update,
+    fixed_kl_init,
+    fixed_kl_update,
+    with_kl_coef,
+)
+from fnppo.loss import PolicyLossConfig
+from fnppo.typing import InputError
+
+
+def reference_controller(coef, target, horizon, observations):
+    """Ziegler et al. (arXiv:1909.08593, Sec. 2.2), written out as a loop."""
+    out = []
+    for kl, n in observations:
+        error = kl / target - 1.0
+        error = 0.2 if error > 0.2 else (-0.2 if error < -0.2 else error)
+        coef = coef * (1.0 + error * n / horizon)
+        out.append(coef)
+    return out
+
+
+def test_adaptive_closed_form():
+    state = adaptive_kl_init(0.1, target=0.02, horizon=1000)
+    assert state == KLControllerState(0.1, 0.02, 1000.0)
+    # KL = 0.021: error 0.05, 100 samples -> coef * (1 + 0.05 * 0.1) = 0.1005
+    assert adaptive_kl_update(state, 0.021, 100).coef == pytest.approx(0.1005, rel=1e-15, abs=0)
+    # clipped from above (KL = 10 * target) and from below (KL = 0)
+    assert adaptive_kl_update(state, 0.2, 100).coef == pytest.approx(0.1 * 1.02, rel=1e-15, abs=0)
+    assert adaptive_kl_update(state, 0.0, 100).coef == pytest.approx(0.1 * 0.98, rel=1e-15, abs=0)
+    # a k1 estimate can be negative: still clipped at -0.2
+    assert adaptive_kl_update(state, -5.0, 100).coef == pytest.approx(0.1 * 0.98, rel=1e-15, abs=0)
+    # on target, or n_steps = 0: unchanged
+    assert adaptive_kl_update(state, 0.02, 100).coef == 0.1
+    assert adaptive_kl_update(state, 3.0, 0).coef == 0.1
+    # a tensor observation (one element, any float dtype)
+    assert adaptive_kl_update(state, torch.tensor([0.021], dtype=torch.float64), 100).coef == pytest.approx(0.1005, rel=1e-15)
+
+
+@settings(max_examples=50, deadline=None)
+@given(coef=st.floats(0.0, 10.0), target=st.floats(1e-4, 1.0), horizon=st.floats(10.0, 1e5),
+       obs=st.lists(st.tuples(st.floats(-1.0, 5.0), st.integers(0, 9)), max_size=20))
+def test_adaptive_matches_loop(coef, target, horizon, obs):
+    state = adaptive_kl_init(coef, target, horizon)
+    expected = reference_controller(coef, target, horizon, obs)
+    for (kl, n), exp in zip(obs, expected, strict=True):
+        state = adaptive_kl_update(state, kl, n)
+        assert state.coef == pytest.approx(exp, rel=1e-12, abs=1e-300)
+        assert state.target == target and state.horizon == horizon and state.coef >= 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(kl=st.floats(0.0, 5.0), n=st.integers(1, 100))
+def test_adaptive_direction(kl, n):
+    """Above target the coefficient grows, below it shrinks, by at most 0.2 n / horizon."""
+    state = adaptive_kl_init(1.0, target=0.5, horizon=1000)
+    new = adaptive_kl_update(state, kl, n).coef
+    assert (new > 1.0) == (kl > 0.5) or kl == 0.5
+    assert (new < 1.0) == (kl < 0.5)
+    assert abs(new - 1.0) <= 0.2 * n / 1000 + 1e-15
+
+
+def test_pure_and_fixed():
+    state = adaptive_kl_init(0.1, 0.02, 1000)
+    new = adaptive_kl_update(state, 1.0, 10)
+    assert state.coef == 0.1 and new is not state  # the input state is unchanged (immutable)
+    with pytest.raises(AttributeError):
+        state.coef = 1.0  # type: ignore[misc]
+    fixed = fixed_kl_init(0.3)
+    assert fixed == KLControllerState(0.3, None, None)
+    assert fixed_kl_update(fixed, 99.0, 1000) is fixed
+    # the same loop runs either controller
+    for init, update in ((lambda: adaptive_kl_init(0.3, 0.1, 100), adaptive_kl_update),
+                         (lambda: fixed_kl_init(0.3), fixed_kl_update)):
+        s = init()
+        for kl in (0.0, 0.5, 0.1):
+            s = update(s, kl, 5)
+        assert isinstance(s, KLControllerState)
+
+
+def test_with_kl_coef_updates_policy_loss_config():
+    cfg = PolicyLossConfig(kl_coef=0.0, clip_ratio_high=0.28)
+    out = with_kl_coef(cfg, adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 1000), 0.2, 100))
+    assert out == dataclasses.replace(cfg, kl_coef=0.1 * 1.02) and cfg.kl_coef == 0.0
+    assert out.clip_ratio_high == 0.28
+    with pytest.raises(InputError, match="with_kl_coef: argument 'config' expected a dataclass instance with a 'kl_coef' field"):
+        with_kl_coef({"kl_coef": 0.1}, fixed_kl_init(0.1))
+    with pytest.raises(InputError, match="with_kl_coef: argument 'state' expected a KLControllerState"):
+        with_kl_coef(cfg, 0.1)
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda: adaptive_kl_init(-0.1, 0.02, 100), "init_coef"),
+    (lambda: adaptive_kl_init(math.nan, 0.02, 100), "init_coef"),
+    (lambda: adaptive_kl_init(0.1, 0.0, 100), "target"),
+    (lambda: adaptive_kl_init(0.1, 0.02, -1), "horizon"),
+    (lambda: adaptive_kl_init(0.1, True, 100), "target"),
+    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), math.inf, 1), "observed_kl"),
+    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), torch.ones(2), 1), "observed_kl"),
+    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, -1), "n_steps"),
+    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 1.5), "n_steps"),
+    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 500), "n_steps"),
+    (lambda: adaptive_kl_update(fixed_kl_init(0.1), 0.1, 1), "state"),
+    (lambda: fixed_kl_init(-1.0), "coef"),
+    (lambda: fixed_kl_update(fixed_kl_init(0.1), math.nan, 1), "observed_kl"),
+    (lambda: fixed_kl_update((0.1, None, None), 0.1, 1), "state"),
+])
+def test_validation(call, arg):
+    with pytest.raises(InputError, match=rf"fnppo\.\w+_kl_\w+: argument '{arg}' expected .+, received .+"):
+        call()
