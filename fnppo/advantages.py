@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from fnppo.segments import Segments, segments
 from fnppo.typing import (
     Float,
     Integer,
@@ -133,12 +134,13 @@ def _group_index(fn: str, scores: Tensor, group_ids: Tensor | None) -> tuple[Ten
 
 def _group_stats(x: Tensor, index: Tensor, g: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-score group size, group sum and group sum of squared deviations (gathered)."""
-    count = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, torch.ones_like(x))
-    total = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, x)
+    seg = Segments(index, g)
+    count = seg.sum(torch.ones_like(x))
+    total = seg.sum(x)
     mean = total / torch.where(count > 0, count, torch.ones_like(count))
-    dev = x - mean[index]
-    sq = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, dev * dev)
-    return count[index], total[index], sq[index]
+    dev = x - seg.gather(mean, x)
+    sq = seg.sum(dev * dev)
+    return seg.gather(count, x), seg.gather(total, x), seg.gather(sq, x)
 
 
 @typechecked
@@ -252,12 +254,10 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
         if values.shape[0] != mask.shape[0]:
             raise input_error(fn, "values", f"one value per row ([{mask.shape[0]}]) when seq_ids is None",
                               f"[{values.shape[0]}]")
-        return torch.where(m, values[:, None].expand(mask.shape), zero)
+        return torch.where(m, segments(mask.shape, None).gather(values, mask), zero)
     if seq_ids.numel() and (int(seq_ids.min()) < -1 or int(seq_ids.max()) >= values.shape[0]):
         raise input_error(fn, "seq_ids", f"values in [-1, {values.shape[0]})",
                           f"values in [{int(seq_ids.min())}, {int(seq_ids.max())}]")
     if bool((m & (seq_ids < 0)).any()):
         raise input_error(fn, "seq_ids", "a sequence (>= 0) wherever mask is 1", "-1 at a masked-in token")
-    padded = torch.cat([values, values.new_zeros(1)])
-    ids = torch.where(seq_ids >= 0, seq_ids.long(), torch.full_like(seq_ids, values.shape[0], dtype=torch.long))
-    return torch.where(m, padded[ids], zero)
+    return torch.where(m, segments(mask.shape, seq_ids, num=values.shape[0]).gather(values, mask), zero)
