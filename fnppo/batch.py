@@ -312,10 +312,12 @@ def padding_multiple(tp_size: int = 1, cp_size: int = 1) -> int:
 
     Sequence parallelism splits a sequence over the ``tp`` ranks; context parallelism with load
     balancing splits it into ``2*cp`` chunks (Megatron-LM, arXiv 2205.05198 and its CP docs).
+
+    Raises:
+        InputError: a size that is not an int >= 1.
     """
     for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise input_error("padding_multiple", name, "an int >= 1", repr(v))
+        check_positive_int("padding_multiple", name, v)
     return tp_size if cp_size == 1 else 2 * cp_size * tp_size
 
 
@@ -452,34 +454,16 @@ def collate_microbatch(
     samples = list(samples)
     index, present = _check_collate_inputs(fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index)
     device = samples[0].prompt_ids.device
-    rows = _collate_rows(samples, pad_to_multiple_of, pad_token_id, present)
-    out = _stack_rows(rows, layout, pad_token_id)
+    per_token = _stack_rows(_collate_rows(samples, pad_to_multiple_of, pad_token_id, present), layout, pad_token_id)
     seg_lens = [_round_up(len(s), pad_to_multiple_of) for s in samples]
-    seq_ids = out["seq_ids"]
-    assert seq_ids is not None
-    if layout == "packed":
-        cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
-        attention_mask, max_seqlen = None, max(seg_lens)
-    else:
-        cu, attention_mask, max_seqlen = None, seq_ids >= 0, None
     mm, counts = _collate_multi_modal(fn, samples, device)
     return Microbatch(
-        input_ids=out["input_ids"],  # type: ignore[arg-type]
-        position_ids=out["position_ids"],  # type: ignore[arg-type]
-        labels=out["labels"],  # type: ignore[arg-type]
-        loss_mask=out["loss_mask"],  # type: ignore[arg-type]
-        old_logprobs=out["old_logprobs"],  # type: ignore[arg-type]
-        advantages=out["advantages"],  # type: ignore[arg-type]
-        ref_logprobs=out["ref_logprobs"],
-        rollout_logprobs=out["rollout_logprobs"],
-        seq_ids=seq_ids,
-        attention_mask=attention_mask,
-        cu_seqlens=cu,
+        **per_token,  # type: ignore[arg-type]
+        **_layout_fields(layout, per_token["seq_ids"], seg_lens, device),
         sample_index=torch.tensor(list(index), dtype=torch.int64, device=device),
         multi_modal=mm,
         multi_modal_counts=counts,
         layout=layout,
-        max_seqlen=max_seqlen,
         prompt_lens=tuple(s.prompt_len for s in samples),
         response_lens=tuple(s.response_len for s in samples),
         pad_to_multiple_of=pad_to_multiple_of,
@@ -544,6 +528,14 @@ def _collate_rows(samples: list[Sample], m: int, pad_token_id: int, present: dic
     return rows
 
 
+def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: torch.device) -> dict[str, Any]:
+    """``attention_mask`` (padded), ``cu_seqlens`` and ``max_seqlen`` (packed) of a micro-batch."""
+    if layout == "packed":
+        cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+        return {"attention_mask": None, "cu_seqlens": cu, "max_seqlen": max(seg_lens)}
+    return {"attention_mask": seq_ids >= 0, "cu_seqlens": None, "max_seqlen": None}
+
+
 def _stack_rows(rows: dict[str, list[Tensor]], layout: str, pad_token_id: int) -> dict[str, Tensor | None]:
     """Rows concatenated (packed, ``[1, T]``) or right-padded into ``[n, S]`` (padded); None for absent fields."""
     fill = {"input_ids": pad_token_id, "seq_ids": -1}
@@ -599,6 +591,16 @@ def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> li
     ``out[i] = values[row_i, off_i + P_i - 1 : off_i + P_i - 1 + R_i]`` (length ``R_i``), where
     padded: ``row_i = i, off_i = 0``; packed: ``row_i = 0, off_i = cu_seqlens[i]``. Slices are views
     (autograd flows through them). Uses only the static lengths of ``mb`` (no device sync).
+
+    Args:
+        values: a per-position tensor of the shape of ``mb.input_ids`` (log-probs, entropies, ...).
+        mb: the micro-batch it belongs to.
+
+    Returns:
+        One tensor per sample, of its response length, in the order of the micro-batch.
+
+    Raises:
+        ShapeError: ``values`` of another shape than ``mb.input_ids``.
     """
     if tuple(values.shape) != tuple(mb.input_ids.shape):
         raise ShapeError(
@@ -624,6 +626,17 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
     columns are appended on the right (``attention_mask`` False). Real tokens, their positions and
     :func:`unpack_per_sample` are unchanged. Used to give every micro-batch of a step the same shape
     (e.g. for the interleaved pipeline schedule).
+
+    Args:
+        mb: the micro-batch.
+        length: the new sequence length, ``>=`` the current one.
+        pad_token_id: the token id of the padding.
+
+    Returns:
+        A new :class:`Microbatch` (``mb`` itself when it has that length already).
+
+    Raises:
+        InputError: ``length`` shorter than the micro-batch.
     """
     fn = "fnppo.pad_microbatch"
     cur = int(mb.input_ids.shape[1])

@@ -246,6 +246,18 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
     an unbiased gradient of the KL).
 
     Reference: J. Schulman, "Approximating KL divergence" (2020), http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        logprobs: ``[*tok]`` log-probs of the policy (carry the gradient).
+        ref_logprobs: ``[*tok]`` log-probs of the reference policy.
+        estimator: one of :data:`KL_ESTIMATORS`.
+        log_ratio_clamp: bound of ``|d|`` (keeps ``exp`` finite).
+
+    Returns:
+        ``[*tok]`` per-token estimates in the inputs' dtype.
+
+    Raises:
+        InputError: an unknown ``estimator``.
     """
     if estimator not in KL_ESTIMATORS:
         raise input_error("fnppo.kl_penalty", "estimator", f"one of {list(KL_ESTIMATORS)}", repr(estimator))
@@ -304,6 +316,22 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
 
     Reference: F. Yao et al. (2025), "Your efficient RL framework secretly brings you off-policy RL
     training" (truncated importance sampling, TIS).
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[batch, seq]`` log-probs of the trainer's old policy and
+            of the rollout engine.
+        loss_mask: 0/1 mask of the trained tokens.
+        cap, level, reject_low, reject_high, reject_level: see above (``level`` and
+            ``reject_level``: ``"token"`` or ``"sequence"``).
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+        log_ratio_clamp: bound of the log-weights.
+
+    Returns:
+        :class:`TISWeights` ``(weights, keep, metrics)``.
+
+    Raises:
+        InputError: a bad cap, level or bound; with checking on, a mask that is not 0/1, NaN/inf at
+            valid positions, ``seq_ids`` out of range.
     """
     fn = "fnppo.compute_tis_weights"
     if cap is not None and not (_is_number(cap) and cap > 0):
@@ -418,7 +446,19 @@ def loss_normalizer(loss_mask: PaddedMask, config: PolicyLossConfig | str, *,
     ``token-mean``: the number of valid tokens (``loss_mask == 1``); the ``seq-mean-*`` modes: the
     number of valid sequences (sequences with at least one valid token). Sum it over all
     micro-batches and data-parallel ranks of the step and pass the sum as ``normalizer`` to
-    :func:`ppo_loss` / :func:`value_loss`. ``config`` may also be a mode name.
+    :func:`ppo_loss` / :func:`value_loss`, which makes the sum of micro-batch losses the full-batch
+    loss (see :func:`ppo_loss` for the modes and their papers).
+
+    Args:
+        loss_mask: ``[batch, seq]`` 0/1 mask.
+        config: a :class:`PolicyLossConfig` or a mode name of :data:`LOSS_AGG_MODES`.
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+
+    Returns:
+        The 0-dim fp32 count.
+
+    Raises:
+        InputError: an unknown mode name.
     """
     mode, scale = _mode_and_scale(config, 1.0, "fnppo.loss_normalizer")
     mf = (loss_mask != 0).float()

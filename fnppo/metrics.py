@@ -32,6 +32,12 @@ def weighted_metric(values: Tensor, weights: Tensor) -> Tensor:
     """``(sum(values * weights), sum(weights))`` as a detached fp32 ``[2]`` tensor.
 
     Positions with weight 0 are ignored even if ``values`` is NaN/inf there.
+
+    Args:
+        values, weights: tensors of one shape (e.g. a per-token value and the loss mask).
+
+    Returns:
+        The ``[2]`` pair; :func:`finalize_metrics` turns it into the weighted mean.
     """
     v = torch.where(weights != 0, values.detach(), torch.zeros((), dtype=values.dtype, device=values.device))
     w = weights.detach().to(v.dtype)
@@ -48,6 +54,12 @@ def merge_metrics(metrics: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
 
     The result holds the union of the keys; a key missing from some dicts just contributes nothing.
     Inputs are not modified.
+
+    Args:
+        metrics: dicts of ``[2]`` pairs.
+
+    Returns:
+        ``{key: sum of the pairs}`` (detached copies).
     """
     out: dict[str, Tensor] = {}
     for d in metrics:
@@ -96,6 +108,12 @@ def finalize_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
     normalized effective sample size of the importance weights,
     ``ESS / n = mean(w)^2 / mean(w^2)`` in ``(0, 1]`` (computed from the merged sums, so it is the
     exact ESS of the whole step; Kong 1992).
+
+    Args:
+        metrics: ``{key: [2] pair}``, on any device.
+
+    Returns:
+        ``{key: float}`` (one device-to-host copy for all keys).
     """
     if not metrics:
         return {}

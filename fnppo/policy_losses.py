@@ -96,7 +96,7 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
 
     * ``per_token_loss``: ``[batch, seq]``, the loss of each token *before* aggregation (to be
       minimized; a surrogate objective enters with a minus sign). Values where ``inputs.mask`` is 0
-      are ignored. :func:`ppo_loss` multiplies it by the TIS weights and aggregates it with
+      are ignored. :func:`fnppo.loss.ppo_loss` multiplies it by the TIS weights and aggregates it with
       ``loss_agg_mode``; sequence-level losses broadcast their per-sequence value to the tokens
       of the sequence (``inputs.segments.gather``).
     * ``metrics``: ``dict[str, Tensor]`` of ``[2]`` tensors ``(weighted_sum, weight)``, e.g.
@@ -109,7 +109,15 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
         def my_reinforce(x: fnppo.PolicyLossInputs):
             return -x.advantages * x.logprobs, {}
 
-    Re-registering an existing name raises unless ``override=True``.
+    Args:
+        name: the name ``PolicyLossConfig.policy_loss`` refers to.
+        override: replace a loss already registered under ``name``.
+
+    Returns:
+        The decorator (it returns the function unchanged).
+
+    Raises:
+        InputError: an empty name; a name already registered without ``override=True``.
     """
     if not isinstance(name, str) or not name:
         raise input_error("fnppo.register_policy_loss", "name", "a non-empty string", repr(name))
@@ -125,7 +133,11 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered under ``name``; raises :class:`InputError` listing the known names."""
+    """The policy loss registered under ``name``.
+
+    Raises:
+        InputError: an unknown name (the message lists the registered ones).
+    """
     try:
         return _POLICY_LOSSES[name]
     except (KeyError, TypeError):
@@ -285,7 +297,7 @@ def clip_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch. Among
     valid tokens not already clipped by PPO with ``clip_cov_lb < cov_t < clip_cov_ub``,
     ``k = max(floor(clip_cov_ratio * n_valid), 1)`` are drawn uniformly at random (``generator``
-    of :func:`ppo_loss`) and their loss is detached (value kept, gradient 0). The rest is the PPO
+    of :func:`fnppo.loss.ppo_loss`) and their loss is detached (value kept, gradient 0). The rest is the PPO
     loss of ``ppo`` (asymmetric and dual clip). Not split-invariant: statistics are per micro-batch.
 
     Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.

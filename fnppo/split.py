@@ -247,6 +247,16 @@ def split_batch(
     Within a micro-batch indices are ascending; micro-batches are ordered by their first index. The
     plan is deterministic (ties are broken by index).
 
+    Args:
+        samples: the batch.
+        num_microbatches, microbatch_size, max_tokens_per_microbatch: the split mode (exactly one).
+        dp_group: the data-parallel group to agree with, or None.
+        max_seq_len: refuse samples longer than this (None: no limit).
+        pad_to_multiple_of, layout: as in :func:`fnppo.batch.collate_microbatch` (token counts).
+
+    Returns:
+        The :class:`SplitPlan`.
+
     Raises:
         InputError: empty ``samples``, not exactly one mode, non-positive sizes, an unknown
             ``layout``, ``num_microbatches`` above the batch size, a sample longer than

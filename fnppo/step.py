@@ -182,6 +182,16 @@ def shard_for_data_parallel(samples: Sequence[Any], layout: ParallelLayout | Non
 
     ``len(samples)`` must be divisible by the DP size; TP and PP ranks of one DP rank get the same
     share (which is what :func:`train_step` requires).
+
+    Args:
+        samples: the global batch (the same list on every rank).
+        layout: the parallel layout (default: :func:`~fnppo.parallel.current_layout`).
+
+    Returns:
+        ``samples[dp_rank * n / dp : (dp_rank + 1) * n / dp]``.
+
+    Raises:
+        InputError: a length not divisible by the DP size.
     """
     layout = layout or current_layout()
     if len(samples) % layout.dp:
@@ -507,8 +517,18 @@ def forward_only(
     """Run Megatron's schedule forward-only (eval mode, no autograd) over collated micro-batches.
 
     ``output_fn(logits, microbatch)`` is applied on the last pipeline stage to each micro-batch's
-    vocab-parallel logits; the list of its results (in micro-batch order) is returned there, ``None``
-    on other stages. ``params`` as in :func:`compute_logprobs`. Use it for sampling and evaluation.
+    vocab-parallel logits. Use it for sampling and evaluation.
+
+    Args:
+        model_chunks: the (DDP-wrapped) model chunks.
+        microbatches: collated micro-batches on the model's device.
+        output_fn: what to keep of each micro-batch's logits.
+        params: as in :func:`compute_logprobs`.
+        forward: the forward stage (:class:`ForwardFn`).
+
+    Returns:
+        The results of ``output_fn`` in micro-batch order on the last pipeline stage, ``None`` on
+        the other stages.
 
     Raises:
         InputError: no micro-batches; ``params`` not one dict per model chunk.
