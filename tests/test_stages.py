@@ -178,9 +178,28 @@ def _megatron_config(samples) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# compute_logprobs: the fields it needs as keywords, config= still accepted
+# ---------------------------------------------------------------------------------------------
+def _logprob_keywords(samples) -> dict:
+    model = _state().model
+    by_config = fnppo.compute_logprobs(model, samples, with_entropy=True,
+                                       config=fnppo.StepConfig(num_microbatches=2, temperature=2.0, layout="padded"))
+    by_keywords = fnppo.compute_logprobs(model, samples, with_entropy=True, num_microbatches=2, temperature=2.0,
+                                         layout="padded")
+    # a keyword wins over config; a token budget reorders the samples, restored afterwards
+    budget = fnppo.split_batch(samples, max_tokens_per_microbatch=24)
+    mixed = fnppo.compute_logprobs(model, samples, with_entropy=True, max_tokens_per_microbatch=24, temperature=2.0,
+                                   config=fnppo.StepConfig(num_microbatches=2, temperature=1.0))
+    plain = fnppo.compute_logprobs(model, samples)
+    return {"by_config": by_config, "by_keywords": by_keywords, "mixed": mixed, "plain": plain,
+            "budget_order": budget.order, "lengths": [s.response_len for s in samples]}
+
+
 def _all() -> dict:
     samples = synthetic_samples(8, seed=3)
-    return {"stages": _stage_swaps(samples), "epochs": _epochs_vs_loop(samples), "megatron": _megatron_config(samples)}
+    return {"stages": _stage_swaps(samples), "epochs": _epochs_vs_loop(samples), "megatron": _megatron_config(samples),
+            "logprobs": _logprob_keywords(samples)}
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +267,17 @@ def test_megatron_config_is_restored_for_a_user_schedule(results):
     assert r["error"] == "user loss failed"
     assert all(r["restored_after_error"].values()), r["restored_after_error"]
     assert "finalize" in r["calls_in_user_schedule"] and "no_sync" in r["calls_in_user_schedule"]
+
+
+def test_compute_logprobs_takes_its_fields_as_keywords(results):
+    r = results["logprobs"]
+    assert r["budget_order"] != tuple(range(8))  # the budget split does reorder the samples
+    (lp_c, ent_c), (lp_k, ent_k), (lp_m, ent_m) = r["by_config"], r["by_keywords"], r["mixed"]
+    assert [t.numel() for t in lp_c] == r["lengths"]
+    for a, b in zip(lp_c + ent_c, lp_k + ent_k):
+        assert torch.equal(a, b)
+    for a, b in zip(lp_c + ent_c, lp_m + ent_m):  # other split and layout: same values, in sample order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    lp_p, ent_p = r["plain"]
+    assert ent_p is None
+    assert max(float((a - b).abs().max()) for a, b in zip(lp_p, lp_c)) > 1e-3  # the temperature was used
