@@ -291,6 +291,7 @@ class Microbatch:
 
     @property
     def is_packed(self) -> bool:
+        """Whether the layout is packed (THD, ``[1, total]``)."""
         return self.layout == "packed"
 
 
@@ -610,7 +611,7 @@ def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> li
     out: list[Tensor] = []
     offset = 0
     for i, (p, r, seg) in enumerate(zip(mb.prompt_lens, mb.response_lens, mb.segment_lens, strict=True)):
-        if mb.layout == "packed":
+        if mb.is_packed:
             out.append(values[0, offset + p - 1 : offset + p - 1 + r])
             offset += seg
         else:

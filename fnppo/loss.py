@@ -47,13 +47,20 @@ from typing import Any, NamedTuple
 import torch
 
 from fnppo.metrics import finalize_metrics, merge_metrics, pair_metric, weighted_metric
-from fnppo.policy_losses import (
+from fnppo.policy_losses import (  # noqa: F401 - the built-in losses stay importable from here
     _POLICY_LOSSES,
     PolicyLossFn,
     PolicyLossInputs,
+    cispo_loss,
+    clip_cov_loss,
     get_policy_loss,
+    gmpo_loss,
+    gspo_loss,
+    kl_cov_loss,
+    ppo_clip_loss,
     register_policy_loss,
     registered_policy_losses,
+    sapo_loss,
 )
 from fnppo.segments import Segments, segments
 from fnppo.typing import (
