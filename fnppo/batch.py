@@ -455,8 +455,8 @@ def collate_microbatch(
     samples = list(samples)
     index, present = _check_collate_inputs(fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index)
     device = samples[0].prompt_ids.device
-    per_token = _stack_rows(_collate_rows(samples, pad_to_multiple_of, pad_token_id, present), layout, pad_token_id)
     seg_lens = [_round_up(len(s), pad_to_multiple_of) for s in samples]
+    per_token = _stack_rows(_collate_rows(samples, seg_lens, pad_token_id, present), layout, pad_token_id)
     mm, counts = _collate_multi_modal(fn, samples, device)
     return Microbatch(
         **per_token,  # type: ignore[arg-type]
@@ -497,8 +497,8 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
 _ROW_FIELDS = ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")
 
 
-def _collate_rows(samples: list[Sample], m: int, pad_token_id: int, present: dict[str, bool]) -> dict[str, list[Tensor]]:
-    """One row per sample and field, each padded to ``round_up(len(sample), m)`` (see the alignment above)."""
+def _collate_rows(samples: list[Sample], seg_lens: list[int], pad_token_id: int, present: dict[str, bool]) -> dict[str, list[Tensor]]:
+    """One row per sample and field, sample ``i``'s padded to ``seg_lens[i]`` (see the alignment above)."""
     device = samples[0].prompt_ids.device
     i64, f32 = torch.int64, torch.float32
 
@@ -506,10 +506,10 @@ def _collate_rows(samples: list[Sample], m: int, pad_token_id: int, present: dic
         return torch.zeros(k, dtype=dtype, device=device)
 
     rows: dict[str, list[Tensor]] = {k: [] for k in _ROW_FIELDS}
-    for i, s in enumerate(samples):
+    for i, (s, seg) in enumerate(zip(samples, seg_lens, strict=True)):
         p, r = s.prompt_len, s.response_len
         length = p + r
-        pad = _round_up(length, m) - length
+        pad = seg - length
         z = torch.cat([s.prompt_ids.to(i64), s.response_ids.to(i64)])
         rows["input_ids"].append(torch.cat([z, torch.full((pad,), pad_token_id, dtype=i64, device=device)]))
         rows["labels"].append(torch.cat([z[1:], zeros(1 + pad, i64)]))

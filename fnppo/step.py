@@ -227,10 +227,9 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
         limit, source = config.max_seq_len, "StepConfig.max_seq_len"
     else:
         limit, source = model_max, "the model's max_sequence_length"
-    mode = split_mode(config.num_microbatches, config.microbatch_size, config.max_tokens_per_microbatch,
-                      fn="StepConfig", required=False)
+    given = [(name, getattr(config, name)) for name in SPLIT_MODES if getattr(config, name) is not None]
     return _Batching(
-        split=mode or ("num_microbatches", 1),
+        split=given[0] if given else ("num_microbatches", 1),  # StepConfig allows at most one
         layout=config.layout,
         pad_to_multiple_of=config.pad_to_multiple_of or layout.tp,
         max_seq_len=limit,
