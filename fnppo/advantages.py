@@ -19,14 +19,17 @@ import math
 
 import torch
 
+from fnppo.segments import Segments, segments
 from fnppo.typing import (
     Float,
     Integer,
     PaddedFloat,
     PaddedMask,
+    Shaped,
     Tensor,
     check_finite,
     check_mask01,
+    describe,
     input_error,
     typechecked,
 )
@@ -60,6 +63,15 @@ def discounted_scan(coeffs: PaddedFloat, inputs: PaddedFloat) -> PaddedFloat:
     affine maps: ``ceil(log2(seq))`` steps of elementwise work, no Python loop over tokens.
     Setting ``coeffs_t = 1, inputs_t = 0`` passes ``x_{t+1}`` through position ``t`` unchanged
     (how masked positions are skipped).
+
+    Reference: W. D. Hillis and G. L. Steele, Data Parallel Algorithms (1986), the scan of
+    associative operators (here composition of affine maps).
+
+    Args:
+        coeffs, inputs: ``[batch, seq]`` coefficients and inputs of the recursion.
+
+    Returns:
+        ``x``, ``[batch, seq]``.
     """
     a, b = coeffs, inputs
     n = a.shape[-1]
@@ -98,8 +110,17 @@ def gae_advantages(rewards: PaddedFloat, values: PaddedFloat, mask: PaddedMask, 
     Reference: Schulman et al., High-Dimensional Continuous Control Using Generalized Advantage
     Estimation, arXiv:1506.02438.
 
+    Args:
+        rewards, values: ``[batch, seq]`` per-token rewards and critic values.
+        mask: 0/1 mask of the valid tokens.
+        gamma, lam: discount and GAE lambda, in ``[0, 1]``.
+
     Returns:
         ``(advantages, returns)``, both ``[batch, seq]``, detached.
+
+    Raises:
+        InputError: ``gamma`` / ``lam`` outside ``[0, 1]``, a mask that is not 0/1, NaN/inf at
+            valid positions.
     """
     fn = "fnppo.gae_advantages"
     _check_unit(fn, "gamma", gamma)
@@ -133,12 +154,13 @@ def _group_index(fn: str, scores: Tensor, group_ids: Tensor | None) -> tuple[Ten
 
 def _group_stats(x: Tensor, index: Tensor, g: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-score group size, group sum and group sum of squared deviations (gathered)."""
-    count = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, torch.ones_like(x))
-    total = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, x)
+    seg = Segments(index, g)
+    count = seg.sum(torch.ones_like(x))
+    total = seg.sum(x)
     mean = total / torch.where(count > 0, count, torch.ones_like(count))
-    dev = x - mean[index]
-    sq = torch.zeros(g, dtype=x.dtype, device=x.device).index_add(0, index, dev * dev)
-    return count[index], total[index], sq[index]
+    dev = x - seg.gather(mean, x)
+    sq = seg.sum(dev * dev)
+    return seg.gather(count, x), seg.gather(total, x), seg.gather(sq, x)
 
 
 @typechecked
@@ -157,6 +179,18 @@ def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
     response tokens.
 
     Reference: DeepSeekMath (GRPO), arXiv:2402.03300.
+
+    Args:
+        scores: ``[n]`` with ``group_ids``, or ``[n_groups, group_size]``.
+        group_ids: ``[n]`` group of each score (any integers), or None.
+        normalize_std: divide by the group std (GRPO) or not (Dr. GRPO).
+        eps: added to the std, ``>= 0``.
+
+    Returns:
+        Advantages of the shape of ``scores``, detached.
+
+    Raises:
+        InputError: NaN/inf scores, a bad ``eps``, groups given both ways or neither.
     """
     fn = "fnppo.grpo_advantages"
     check_finite(fn, "scores", scores)
@@ -183,6 +217,15 @@ def rloo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
 
     Reference: Ahmadian et al., Back to Basics: Revisiting REINFORCE Style Optimization for
     Learning from Human Feedback in LLMs, arXiv:2402.14740.
+
+    Args:
+        scores, group_ids: as in :func:`grpo_advantages`.
+
+    Returns:
+        Advantages of the shape of ``scores``, detached.
+
+    Raises:
+        InputError: NaN/inf scores, groups given both ways or neither.
     """
     fn = "fnppo.rloo_advantages"
     check_finite(fn, "scores", scores)
@@ -208,8 +251,19 @@ def reinforce_pp_advantages(rewards: PaddedFloat, mask: PaddedMask, *, gamma: fl
     Reference: J. Hu, REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
     Models, arXiv:2501.03262.
 
+    Args:
+        rewards: ``[batch, seq]`` per-token rewards.
+        mask: 0/1 mask of the valid tokens.
+        gamma: discount in ``[0, 1]``.
+        kl, kl_coef: per-token KL and its weight in the shaped reward.
+        eps: added to the variance, ``>= 0``.
+
     Returns:
         ``(advantages, returns)``, detached.
+
+    Raises:
+        InputError: a bad ``gamma`` / ``kl_coef`` / ``eps``, ``kl`` missing while ``kl_coef != 0``,
+            a mask that is not 0/1, NaN/inf at valid positions.
     """
     fn = "fnppo.reinforce_pp_advantages"
     _check_unit(fn, "gamma", gamma)
@@ -242,7 +296,20 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
     """Spread one value per sequence over its tokens: ``out[b, t] = values[seq(b, t)] * mask[b, t]``.
 
     ``seq_ids is None``: sequence ``i`` is row ``i`` (``nseq == batch``). Packed layout: ``seq_ids``
-    gives each token's index into ``values`` (-1: no sequence, output 0).
+    gives each token's index into ``values`` (-1: no sequence, output 0). The grouping is
+    :class:`fnppo.segments.Segments`, shared with the losses.
+
+    Args:
+        values: ``[nseq]`` one value per sequence (e.g. from :func:`grpo_advantages`).
+        mask: ``[batch, seq]`` 0/1 mask of the tokens to fill.
+        seq_ids: packed layout: per-token sequence index, or None.
+
+    Returns:
+        ``[batch, seq]`` per-token values, 0 where ``mask`` is 0.
+
+    Raises:
+        InputError: a mask that is not 0/1, not one value per row, ``seq_ids`` out of range or -1
+            at a masked-in token.
     """
     fn = "fnppo.broadcast_to_tokens"
     check_mask01(fn, "mask", mask)
@@ -252,15 +319,13 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
         if values.shape[0] != mask.shape[0]:
             raise input_error(fn, "values", f"one value per row ([{mask.shape[0]}]) when seq_ids is None",
                               f"[{values.shape[0]}]")
-        return torch.where(m, values[:, None].expand(mask.shape), zero)
+        return torch.where(m, segments(mask.shape, None).gather(values, mask), zero)
     if seq_ids.numel() and (int(seq_ids.min()) < -1 or int(seq_ids.max()) >= values.shape[0]):
         raise input_error(fn, "seq_ids", f"values in [-1, {values.shape[0]})",
                           f"values in [{int(seq_ids.min())}, {int(seq_ids.max())}]")
     if bool((m & (seq_ids < 0)).any()):
         raise input_error(fn, "seq_ids", "a sequence (>= 0) wherever mask is 1", "-1 at a masked-in token")
-    padded = torch.cat([values, values.new_zeros(1)])
-    ids = torch.where(seq_ids >= 0, seq_ids.long(), torch.full_like(seq_ids, values.shape[0], dtype=torch.long))
-    return torch.where(m, padded[ids], zero)
+    return torch.where(m, segments(mask.shape, seq_ids, num=values.shape[0]).gather(values, mask), zero)
 
 
 # =============================================================================================
@@ -272,8 +337,6 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
 #   (ReMax has no groups; pass@k refuses groups smaller than k);
 # * results are detached, in ``promote_types(input dtype, float32)`` (float64 stays float64).
 # =============================================================================================
-from fnppo.typing import Shaped, describe  # noqa: E402  (here so that the code above stays untouched)
-
 __all__ += [
     "pass_at_k_advantages",
     "reinforce_pp_baseline_advantages",

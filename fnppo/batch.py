@@ -1,16 +1,19 @@
-"""Micro-batches: the :class:`Sample` and :class:`Microbatch` pytrees, collation and splitting.
+"""Micro-batches: the :class:`Sample` and :class:`Microbatch` pytrees, collation and unpacking.
 
 Plain torch + optree; nothing here imports Megatron. A policy-gradient step sees a batch of
 :class:`Sample` (prompt ids, response ids and per-response-token values) and runs it as a number
 of micro-batches:
 
-* :func:`split_batch` decides which samples go into which micro-batch (a fixed number, a fixed size,
-  or a hard token budget), agrees on the number of micro-batches over the data-parallel group and
-  returns a :class:`SplitPlan` with the inverse permutation;
+* :func:`fnppo.split.split_batch` decides which samples go into which micro-batch and returns a
+  :class:`~fnppo.split.SplitPlan` (both re-exported here);
 * :func:`collate_microbatch` turns the samples of one micro-batch into a :class:`Microbatch`, padded
   ``[batch, seq]`` or packed (THD) ``[1, total]`` with ``cu_seqlens``;
 * :func:`unpack_per_sample` maps a per-position tensor (log-probs, entropies, ...) back to one
   per-response-token tensor per sample.
+
+The sample checks live here, one function each, called where samples enter (collation, the
+split, the training step): :func:`check_lengths`, :func:`check_same_fields`,
+:func:`check_token_ids`, :func:`check_positive_int`.
 
 Alignment (both layouts). Position ``t`` holds the input token ``input_ids[b, t]`` and predicts
 ``labels[b, t] = input_ids[b, t + 1]`` of the same sample (0 where there is none). Response token
@@ -25,12 +28,11 @@ Megatron's ``PackedSeqParams`` is built from ``cu_seqlens``/``max_seqlen`` in :m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import optree
 import torch
-import torch.distributed as dist
 from optree.registry import __GLOBAL_NAMESPACE as _OPTREE_GLOBAL  # noqa: PLC2701 - see _register
 
 from fnppo.typing import (
@@ -59,6 +61,7 @@ __all__ = [
     "padding_multiple",
     "LAYOUTS",
 ]
+
 
 LAYOUTS = ("packed", "padded")
 """The two micro-batch layouts: ``"packed"`` (THD, ``[1, total]``) and ``"padded"`` (``[batch, seq]``)."""
@@ -242,7 +245,8 @@ class Microbatch:
     ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs`` (float32),
     ``attention_mask`` (bool, padded layout only, True on real tokens), ``cu_seqlens`` (int32
     ``[n + 1]`` over the padded segment lengths, packed layout only), ``sample_index`` (int64 ``[n]``,
-    indices of the samples into the original batch), ``multi_modal`` (dict: per key, the items of all
+    indices of the samples into the original batch: a record for custom stages; results are put back
+    in sample order by :meth:`SplitPlan.restore`), ``multi_modal`` (dict: per key, the items of all
     samples concatenated on dim 0 in sample order) and ``multi_modal_counts`` (dict: per key, int64
     ``[n]`` items per sample).
 
@@ -287,6 +291,7 @@ class Microbatch:
 
     @property
     def is_packed(self) -> bool:
+        """Whether the layout is packed (THD, ``[1, total]``)."""
         return self.layout == "packed"
 
 
@@ -308,32 +313,107 @@ def padding_multiple(tp_size: int = 1, cp_size: int = 1) -> int:
 
     Sequence parallelism splits a sequence over the ``tp`` ranks; context parallelism with load
     balancing splits it into ``2*cp`` chunks (Megatron-LM, arXiv 2205.05198 and its CP docs).
+
+    Raises:
+        InputError: a size that is not an int >= 1.
     """
     for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise input_error("padding_multiple", name, "an int >= 1", repr(v))
+        check_positive_int("padding_multiple", name, v)
     return tp_size if cp_size == 1 else 2 * cp_size * tp_size
 
 
 # ---------------------------------------------------------------------------------------------
-# collate_microbatch
+# Sample checks: one function per check, called where samples enter
 # ---------------------------------------------------------------------------------------------
-def _check_positive_int(fn: str, name: str, v: Any, allow_none: bool = False) -> None:
+def check_positive_int(fn: str, name: str, v: Any, allow_none: bool = False) -> None:
+    """``v`` is an int >= 1 (not a bool), or None when ``allow_none``.
+
+    Raises:
+        InputError: ``"<fn>: argument '<name>' expected an int >= 1 [or None], received <v>"``.
+    """
     if allow_none and v is None:
         return
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise input_error(fn, name, "an int >= 1" + (" or None" if allow_none else ""), repr(v))
 
 
-def _validate_values(fn: str, i: int, s: Sample, vocab_size: int | None) -> None:
-    check_range(fn, f"samples[{i}].prompt_ids", s.prompt_ids, 0, vocab_size if vocab_size is not None else 2**63 - 1)
-    check_range(fn, f"samples[{i}].response_ids", s.response_ids, 0, vocab_size if vocab_size is not None else 2**63 - 1)
-    if s.response_mask is not None:
-        check_mask01(fn, f"samples[{i}].response_mask", s.response_mask)
-    for name in _PER_TOKEN_FLOAT:
-        check_finite(fn, f"samples[{i}].{name}", getattr(s, name))
+def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str, *, arg: str = "samples") -> None:
+    """Every sample has at most ``limit`` tokens (prompt + response); longer ones are refused, never cut.
+
+    Args:
+        fn, arg: the function and argument named in the error (``arg[i]`` is the sample).
+        samples: the samples.
+        limit: the largest allowed ``len(sample)``.
+        expected: the error's "expected" text, e.g. ``"at most max_seq_len=8 tokens"``.
+
+    Raises:
+        InputError: for the first sample longer than ``limit``.
+    """
+    for i, s in enumerate(samples):
+        if len(s) > limit:
+            raise input_error(fn, f"{arg}[{i}]", expected, f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})")
 
 
+def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
+    """``ref_logprobs`` / ``rollout_logprobs`` are given for all samples or for none.
+
+    Returns:
+        ``{name: all samples have it}`` for both names.
+
+    Raises:
+        InputError: naming the first sample without the field and one that has it.
+    """
+    present: dict[str, bool] = {}
+    for name in ("ref_logprobs", "rollout_logprobs"):
+        have = [getattr(s, name) is not None for s in samples]
+        if any(have) and not all(have):
+            missing = have.index(False)
+            raise input_error(fn, f"{arg}[{missing}].{name}", f"a tensor ({arg}[{have.index(True)}] has {name}; all samples or none)", "None")
+        present[name] = all(have)
+    return present
+
+
+def check_token_ids(fn: str, samples: Sequence[Sample], vocab_size: int | None, *, arg: str = "samples") -> None:
+    """Token ids lie in ``[0, vocab_size)`` (``vocab_size=None``: are >= 0).
+
+    One device-to-host sync over all samples; only when something is out of range are the
+    samples checked one by one to name the first offender.
+
+    Raises:
+        InputError: ``"<arg>[i].prompt_ids"`` / ``".response_ids"`` with the range of its values.
+    """
+    high = vocab_size if vocab_size is not None else 2**63 - 1
+    ids = [t.reshape(-1).to(torch.int64) for s in samples for t in (s.prompt_ids, s.response_ids)]
+    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+    if flat.numel() == 0 or not bool(((flat < 0) | (flat >= high)).any()):
+        return
+    for i, s in enumerate(samples):
+        for name in ("prompt_ids", "response_ids"):
+            check_range(fn, f"{arg}[{i}].{name}", getattr(s, name), 0, high)
+
+
+def _check_devices(fn: str, samples: Sequence[Sample]) -> None:
+    """Every tensor of every sample is on the device of ``samples[0]``."""
+    device = samples[0].prompt_ids.device
+    for i, s in enumerate(samples):
+        for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask"):
+            t = getattr(s, name)
+            if t is not None and t.device != device:
+                raise input_error(fn, f"samples[{i}].{name}", f"a tensor on {device} (the device of samples[0])", f"{describe(t)} on {t.device}")
+
+
+def _check_values(fn: str, samples: Sequence[Sample]) -> None:
+    """Response masks are 0/1 and the per-token values finite."""
+    for i, s in enumerate(samples):
+        if s.response_mask is not None:
+            check_mask01(fn, f"samples[{i}].response_mask", s.response_mask)
+        for name in _PER_TOKEN_FLOAT:
+            check_finite(fn, f"samples[{i}].{name}", getattr(s, name))
+
+
+# ---------------------------------------------------------------------------------------------
+# collate_microbatch
+# ---------------------------------------------------------------------------------------------
 @typechecked
 def collate_microbatch(
     samples: Sequence[Sample],
@@ -365,18 +445,40 @@ def collate_microbatch(
     item count (0 where it has none). ``sample_index`` (default ``0..n-1``) records where the samples
     came from (:attr:`SplitPlan.microbatches` entries). Use :func:`padding_multiple` for ``m``.
 
-    Errors (:class:`fnppo.typing.InputError`): empty ``samples``, unknown ``layout``, a sample longer
-    than ``max_seq_len``, token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a
-    log-prob or advantage, ref/rollout log-probs given for some samples only, mismatched
-    multi-modal items.
+    Raises:
+        InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,
+            token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob or
+            advantage, ref/rollout log-probs given for some samples only, mismatched multi-modal
+            items, samples on different devices.
     """
     fn = "collate_microbatch"
+    samples = list(samples)
+    index, present = _check_collate_inputs(fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index)
+    device = samples[0].prompt_ids.device
+    seg_lens = [_round_up(len(s), pad_to_multiple_of) for s in samples]
+    per_token = _stack_rows(_collate_rows(samples, seg_lens, pad_token_id, present), layout, pad_token_id)
+    mm, counts = _collate_multi_modal(fn, samples, device)
+    return Microbatch(
+        **per_token,  # type: ignore[arg-type]
+        **_layout_fields(layout, per_token["seq_ids"], seg_lens, device),
+        sample_index=torch.tensor(list(index), dtype=torch.int64, device=device),
+        multi_modal=mm,
+        multi_modal_counts=counts,
+        layout=layout,
+        prompt_lens=tuple(s.prompt_len for s in samples),
+        response_lens=tuple(s.response_len for s in samples),
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+
+
+def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_multiple_of: int, max_seq_len: int | None,
+                          vocab_size: int | None, sample_index: Sequence[int] | None) -> tuple[Sequence[int], dict[str, bool]]:
+    """Every check of :func:`collate_microbatch`; returns the sample index and the optional fields present."""
     if layout not in LAYOUTS:
         raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
-    _check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
-    _check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
-    _check_positive_int(fn, "vocab_size", vocab_size, allow_none=True)
-    samples = list(samples)
+    check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
+    check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
+    check_positive_int(fn, "vocab_size", vocab_size, allow_none=True)
     n = len(samples)
     if n == 0:
         raise input_error(fn, "samples", "a non-empty sequence of Sample", "an empty sequence")
@@ -384,37 +486,30 @@ def collate_microbatch(
         sample_index = range(n)
     elif len(sample_index) != n:
         raise input_error(fn, "sample_index", f"{n} indices (one per sample)", f"{len(sample_index)} indices")
-    device = samples[0].prompt_ids.device
-    for i, s in enumerate(samples):
-        for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask"):
-            t = getattr(s, name)
-            if t is not None and t.device != device:
-                raise input_error(fn, f"samples[{i}].{name}", f"a tensor on {device} (the device of samples[0])", f"{describe(t)} on {t.device}")
-        if max_seq_len is not None and len(s) > max_seq_len:
-            raise input_error(fn, f"samples[{i}]", f"at most max_seq_len={max_seq_len} tokens", f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})")
-        _validate_values(fn, i, s, vocab_size)
-    optional: dict[str, bool] = {}
-    for name in ("ref_logprobs", "rollout_logprobs"):
-        have = [getattr(s, name) is not None for s in samples]
-        if any(have) and not all(have):
-            missing = [i for i, h in enumerate(have) if not h]
-            raise input_error(fn, f"samples[{missing[0]}].{name}", f"a tensor (samples[{have.index(True)}] has {name}; all samples or none)", "None")
-        optional[name] = all(have)
+    _check_devices(fn, samples)
+    if max_seq_len is not None:
+        check_lengths(fn, samples, max_seq_len, f"at most max_seq_len={max_seq_len} tokens")
+    check_token_ids(fn, samples, vocab_size)
+    _check_values(fn, samples)
+    return sample_index, check_same_fields(fn, samples)
 
-    m = pad_to_multiple_of
+
+_ROW_FIELDS = ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")
+
+
+def _collate_rows(samples: list[Sample], seg_lens: list[int], pad_token_id: int, present: dict[str, bool]) -> dict[str, list[Tensor]]:
+    """One row per sample and field, sample ``i``'s padded to ``seg_lens[i]`` (see the alignment above)."""
+    device = samples[0].prompt_ids.device
     i64, f32 = torch.int64, torch.float32
 
     def zeros(k: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(k, dtype=dtype, device=device)
 
-    rows: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")}
-    seg_lens: list[int] = []
-    for i, s in enumerate(samples):
+    rows: dict[str, list[Tensor]] = {k: [] for k in _ROW_FIELDS}
+    for i, (s, seg) in enumerate(zip(samples, seg_lens, strict=True)):
         p, r = s.prompt_len, s.response_len
         length = p + r
-        seg = _round_up(length, m)
         pad = seg - length
-        seg_lens.append(seg)
         z = torch.cat([s.prompt_ids.to(i64), s.response_ids.to(i64)])
         rows["input_ids"].append(torch.cat([z, torch.full((pad,), pad_token_id, dtype=i64, device=device)]))
         rows["labels"].append(torch.cat([z[1:], zeros(1 + pad, i64)]))
@@ -428,10 +523,22 @@ def collate_microbatch(
         mask = s.response_mask
         rows["loss_mask"].append(place(torch.ones(r, dtype=f32, device=device) if mask is None else mask))
         for name in _PER_TOKEN_FLOAT:
-            if name in optional and not optional[name]:
+            if name in present and not present[name]:
                 continue
             rows[name].append(place(getattr(s, name)))
+    return rows
 
+
+def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: torch.device) -> dict[str, Any]:
+    """``attention_mask`` (padded), ``cu_seqlens`` and ``max_seqlen`` (packed) of a micro-batch."""
+    if layout == "packed":
+        cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
+        return {"attention_mask": None, "cu_seqlens": cu, "max_seqlen": max(seg_lens)}
+    return {"attention_mask": seq_ids >= 0, "cu_seqlens": None, "max_seqlen": None}
+
+
+def _stack_rows(rows: dict[str, list[Tensor]], layout: str, pad_token_id: int) -> dict[str, Tensor | None]:
+    """Rows concatenated (packed, ``[1, T]``) or right-padded into ``[n, S]`` (padded); None for absent fields."""
     fill = {"input_ids": pad_token_id, "seq_ids": -1}
     out: dict[str, Tensor | None] = {}
     for name, parts in rows.items():
@@ -441,37 +548,7 @@ def collate_microbatch(
             out[name] = torch.cat(parts).unsqueeze(0)
         else:
             out[name] = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=fill.get(name, 0))
-
-    seq_ids = out["seq_ids"]
-    assert seq_ids is not None
-    if layout == "packed":
-        cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
-        attention_mask, max_seqlen = None, max(seg_lens)
-    else:
-        cu, attention_mask, max_seqlen = None, seq_ids >= 0, None
-
-    mm, counts = _collate_multi_modal(fn, samples, device)
-    return Microbatch(
-        input_ids=out["input_ids"],  # type: ignore[arg-type]
-        position_ids=out["position_ids"],  # type: ignore[arg-type]
-        labels=out["labels"],  # type: ignore[arg-type]
-        loss_mask=out["loss_mask"],  # type: ignore[arg-type]
-        old_logprobs=out["old_logprobs"],  # type: ignore[arg-type]
-        advantages=out["advantages"],  # type: ignore[arg-type]
-        ref_logprobs=out["ref_logprobs"],
-        rollout_logprobs=out["rollout_logprobs"],
-        seq_ids=seq_ids,
-        attention_mask=attention_mask,
-        cu_seqlens=cu,
-        sample_index=torch.tensor(list(sample_index), dtype=i64, device=device),
-        multi_modal=mm,
-        multi_modal_counts=counts,
-        layout=layout,
-        max_seqlen=max_seqlen,
-        prompt_lens=tuple(s.prompt_len for s in samples),
-        response_lens=tuple(s.response_len for s in samples),
-        pad_to_multiple_of=m,
-    )
+    return out
 
 
 def _collate_multi_modal(fn: str, samples: list[Sample], device: torch.device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -515,6 +592,16 @@ def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> li
     ``out[i] = values[row_i, off_i + P_i - 1 : off_i + P_i - 1 + R_i]`` (length ``R_i``), where
     padded: ``row_i = i, off_i = 0``; packed: ``row_i = 0, off_i = cu_seqlens[i]``. Slices are views
     (autograd flows through them). Uses only the static lengths of ``mb`` (no device sync).
+
+    Args:
+        values: a per-position tensor of the shape of ``mb.input_ids`` (log-probs, entropies, ...).
+        mb: the micro-batch it belongs to.
+
+    Returns:
+        One tensor per sample, of its response length, in the order of the micro-batch.
+
+    Raises:
+        ShapeError: ``values`` of another shape than ``mb.input_ids``.
     """
     if tuple(values.shape) != tuple(mb.input_ids.shape):
         raise ShapeError(
@@ -523,263 +610,13 @@ def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> li
         )
     out: list[Tensor] = []
     offset = 0
-    for i, (p, r) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True)):
-        if mb.layout == "packed":
+    for i, (p, r, seg) in enumerate(zip(mb.prompt_lens, mb.response_lens, mb.segment_lens, strict=True)):
+        if mb.is_packed:
             out.append(values[0, offset + p - 1 : offset + p - 1 + r])
-            offset += _round_up(p + r, mb.pad_to_multiple_of)
+            offset += seg
         else:
             out.append(values[i, p - 1 : p - 1 + r])
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# split_batch
-# ---------------------------------------------------------------------------------------------
-_T = TypeVar("_T")
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitPlan:
-    """Which samples go into which micro-batch.
-
-    ``microbatches[k]`` are the indices (into the original batch, ascending) of micro-batch ``k``;
-    every index appears exactly once and no micro-batch is empty. ``inverse[i]`` is the position of
-    sample ``i`` in the concatenation ``order = microbatches[0] + microbatches[1] + ...``, so results
-    concatenated in micro-batch order are put back in the original order with ``flat[inverse]``
-    (:meth:`restore` does it for lists).
-    """
-
-    microbatches: tuple[tuple[int, ...], ...]
-    inverse: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        order = [i for mb in self.microbatches for i in mb]
-        n = len(order)
-        if sorted(order) != list(range(n)) or any(len(mb) == 0 for mb in self.microbatches):
-            raise input_error("SplitPlan", "microbatches", f"non-empty groups partitioning range({n})", repr(self.microbatches)[:200])
-        expected = [0] * n
-        for pos, i in enumerate(order):
-            expected[i] = pos
-        if list(self.inverse) != expected:
-            raise input_error("SplitPlan", "inverse", f"the inverse of the concatenated order {expected}"[:200], repr(self.inverse)[:200])
-
-    @classmethod
-    def from_groups(cls, groups: Sequence[Sequence[int]]) -> SplitPlan:
-        """A plan from index groups; the inverse permutation is computed."""
-        mbs = tuple(tuple(int(i) for i in g) for g in groups)
-        order = [i for g in mbs for i in g]
-        inverse = [0] * len(order)
-        for pos, i in enumerate(order):
-            if 0 <= i < len(order):
-                inverse[i] = pos
-        return cls(microbatches=mbs, inverse=tuple(inverse))
-
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.microbatches)
-
-    @property
-    def order(self) -> tuple[int, ...]:
-        """Original indices in micro-batch (concatenation) order."""
-        return tuple(i for mb in self.microbatches for i in mb)
-
-    def apply(self, samples: Sequence[_T]) -> list[list[_T]]:
-        """The samples grouped by micro-batch."""
-        if len(samples) != len(self.inverse):
-            raise input_error("SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)", f"{len(samples)}")
-        return [[samples[i] for i in mb] for mb in self.microbatches]
-
-    def restore(self, per_microbatch: Sequence[Sequence[_T]]) -> list[_T]:
-        """Per-micro-batch results (one entry per sample, in micro-batch order) back in original order."""
-        flat = [x for group in per_microbatch for x in group]
-        if [len(g) for g in per_microbatch] != [len(mb) for mb in self.microbatches]:
-            raise input_error(
-                "SplitPlan.restore", "per_microbatch", f"group sizes {[len(mb) for mb in self.microbatches]}", f"{[len(g) for g in per_microbatch]}"
-            )
-        return [flat[j] for j in self.inverse]
-
-
-def _cost_fn(layout: str) -> Callable[[int, int, int], int]:
-    """Collated token count of a group from (count, sum of lengths, max length)."""
-    if layout == "packed":
-        return lambda count, total, longest: total
-    return lambda count, total, longest: count * longest
-
-
-def _first_fit_decreasing(lengths: list[int], budget: int, layout: str) -> list[list[int]]:
-    """First-fit decreasing bin packing (Johnson 1973; at most 11/9 OPT + 6/9 bins, Dosa 2007)."""
-    cost = _cost_fn(layout)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    stats: list[list[int]] = []  # count, total, longest
-    for i in order:
-        ln = lengths[i]
-        for b, (c, t, mx) in enumerate(stats):
-            if cost(c + 1, t + ln, max(mx, ln)) <= budget:
-                bins[b].append(i)
-                stats[b] = [c + 1, t + ln, max(mx, ln)]
-                break
-        else:
-            bins.append([i])
-            stats.append([1, ln, ln])
-    return bins
-
-
-def _balanced(lengths: list[int], k: int, budget: int, layout: str) -> list[list[int]] | None:
-    """Longest-processing-time-first onto exactly ``k`` groups under the cap (Graham 1969).
-
-    Each sample (longest first) goes to the group whose collated token count after adding it is
-    smallest among those that stay within ``budget``. Returns None if some sample fits nowhere.
-    """
-    cost = _cost_fn(layout)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = [[] for _ in range(k)]
-    stats = [[0, 0, 0] for _ in range(k)]
-    for i in order:
-        ln = lengths[i]
-        best, best_cost = -1, None
-        for b, (c, t, mx) in enumerate(stats):
-            new = cost(c + 1, t + ln, max(mx, ln))
-            if new <= budget and (best_cost is None or new < best_cost):
-                best, best_cost = b, new
-        if best < 0:
-            return None
-        bins[best].append(i)
-        c, t, mx = stats[best]
-        stats[best] = [c + 1, t + ln, max(mx, ln)]
-    return bins
-
-
-def _split_to(bins: list[list[int]], k: int) -> list[list[int]]:
-    """Grow to ``k`` groups by moving the shortest sample of the fullest group into a new group."""
-    bins = [list(b) for b in bins]
-    while len(bins) < k:
-        b = max(range(len(bins)), key=lambda j: (len(bins[j]), -j))
-        bins.append([bins[b].pop()])  # groups are longest-first: pop() is the shortest sample
-    return bins
-
-
-def _contiguous(n: int, k: int) -> list[list[int]]:
-    """``range(n)`` in ``k`` contiguous groups whose sizes differ by at most one (the first are larger)."""
-    q, rem = divmod(n, k)
-    groups, start = [], 0
-    for j in range(k):
-        size = q + (1 if j < rem else 0)
-        groups.append(list(range(start, start + size)))
-        start += size
-    return groups
-
-
-def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
-    """All-reduce ``(k, -n)`` with MAX over ``dp_group``: the group's largest count, smallest batch."""
-    if dp_group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
-        return k, n
-    backend = dist.get_backend(dp_group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([k, -n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
-    return int(t[0].item()), -int(t[1].item())
-
-
-@typechecked
-def split_batch(
-    samples: Sequence[Sample],
-    *,
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
-    max_tokens_per_microbatch: int | None = None,
-    dp_group: Any = None,
-    max_seq_len: int | None = None,
-    pad_to_multiple_of: int = 1,
-    layout: str = "packed",
-) -> SplitPlan:
-    """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
-
-    Exactly one mode:
-
-    * ``num_microbatches=k``: ``k`` contiguous groups, sizes differing by at most one;
-    * ``microbatch_size=b``: ``ceil(n / b)`` contiguous groups of at most ``b`` samples (sizes
-      differing by at most one);
-    * ``max_tokens_per_microbatch=B``: a hard cap on the collated token count of every micro-batch.
-      A sample counts ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens; a
-      micro-batch counts the sum of those (``layout="packed"``) or ``count * max`` of them
-      (``layout="padded"``), i.e. exactly ``mb.input_ids.numel()`` of :func:`collate_microbatch` with
-      the same ``layout`` and ``pad_to_multiple_of``. The number of micro-batches is the one of
-      first-fit decreasing (Johnson 1973, at most ``11/9 OPT + 6/9``); the samples are then spread
-      over that many micro-batches longest-first, each onto the micro-batch with the smallest
-      collated token count after adding it (Graham's LPT, 1969), which balances the token count
-      (linear cost: MLP, logits and loss dominate at RL lengths) under the cap. Where LPT cannot
-      respect the cap, the first-fit-decreasing groups are used as they are.
-
-    With ``dp_group`` (a ``torch.distributed`` group, e.g. Megatron's data-parallel group) the
-    number of micro-batches is all-reduced with MAX, so every rank runs the same count; ranks that
-    needed fewer split further (still under the cap). A rank with fewer samples than the agreed
-    count cannot do that: then *every* rank raises (the group's smallest batch size is reduced
-    along), so no rank is left waiting in a collective. Empty micro-batches are not produced.
-
-    Within a micro-batch indices are ascending; micro-batches are ordered by their first index. The
-    plan is deterministic (ties are broken by index). Errors (:class:`fnppo.typing.InputError`):
-    empty ``samples``, not exactly one mode, non-positive sizes, ``num_microbatches`` above the batch
-    size, a sample longer than ``max_seq_len`` or (padded) longer than the token budget.
-    """
-    fn = "split_batch"
-    samples = list(samples)
-    n = len(samples)
-    if n == 0:
-        raise input_error(fn, "samples", "a non-empty sequence of Sample", "an empty sequence")
-    modes = {"num_microbatches": num_microbatches, "microbatch_size": microbatch_size, "max_tokens_per_microbatch": max_tokens_per_microbatch}
-    given = [k for k, v in modes.items() if v is not None]
-    if len(given) != 1:
-        raise input_error(fn, "num_microbatches/microbatch_size/max_tokens_per_microbatch", "exactly one of them", f"{given or 'none'}")
-    mode = given[0]
-    _check_positive_int(fn, mode, modes[mode])
-    _check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
-    _check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
-    if layout not in LAYOUTS:
-        raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
-
-    raw = [len(s) for s in samples]
-    if max_seq_len is not None:
-        for i, ln in enumerate(raw):
-            if ln > max_seq_len:
-                raise input_error(fn, f"samples[{i}]", f"at most max_seq_len={max_seq_len} tokens", f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len})")
-    lengths = [_round_up(ln, pad_to_multiple_of) for ln in raw]
-
-    if mode == "num_microbatches":
-        k = int(num_microbatches)  # type: ignore[arg-type]
-        if k > n:
-            raise input_error(fn, "num_microbatches", f"at most the batch size {n} (no empty micro-batches)", str(k))
-        local: list[list[int]] | None = None
-    elif mode == "microbatch_size":
-        k = -(-n // int(microbatch_size))  # type: ignore[operator]
-        local = None
-    else:
-        budget = int(max_tokens_per_microbatch)  # type: ignore[arg-type]
-        for i, ln in enumerate(lengths):
-            if ln > budget:
-                raise input_error(
-                    fn, f"samples[{i}]",
-                    f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget cannot be split)",
-                    f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}" + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
-                )
-        local = _first_fit_decreasing(lengths, budget, layout)
-        k = len(local)
-
-    agreed, smallest = _agree(k, n, dp_group)
-    if agreed > smallest:
-        raise input_error(
-            fn, "samples",
-            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of micro-batches; empty micro-batches are not supported)",
-            f"{smallest} samples on some rank ({n} here)",
-        )
-
-    if local is None:
-        groups = _contiguous(n, agreed)
-    else:
-        budget = int(max_tokens_per_microbatch)  # type: ignore[arg-type]
-        groups = _balanced(lengths, agreed, budget, layout) or _split_to(local, agreed)
-    groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
-    return SplitPlan.from_groups(groups)
 
 
 def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Microbatch:
@@ -790,6 +627,17 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
     columns are appended on the right (``attention_mask`` False). Real tokens, their positions and
     :func:`unpack_per_sample` are unchanged. Used to give every micro-batch of a step the same shape
     (e.g. for the interleaved pipeline schedule).
+
+    Args:
+        mb: the micro-batch.
+        length: the new sequence length, ``>=`` the current one.
+        pad_token_id: the token id of the padding.
+
+    Returns:
+        A new :class:`Microbatch` (``mb`` itself when it has that length already).
+
+    Raises:
+        InputError: ``length`` shorter than the micro-batch.
     """
     fn = "fnppo.pad_microbatch"
     cur = int(mb.input_ids.shape[1])
@@ -822,3 +670,19 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         changes["cu_seqlens"] = torch.cat([mb.cu_seqlens, tail])
         changes["max_seqlen"] = max(int(mb.max_seqlen or 0), extra)
     return dataclasses.replace(mb, **changes)
+
+
+def to_device(mb: Microbatch, device: torch.device) -> Microbatch:
+    """``mb`` with every tensor leaf moved to ``device`` (non-blocking; None stays None; CPU: ``mb`` itself)."""
+    if device.type == "cpu":
+        return mb
+    return optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, mb, none_is_leaf=False, namespace="fnppo")
+
+
+def __getattr__(name: str) -> Any:
+    """``SplitPlan`` and ``split_batch`` moved to :mod:`fnppo.split`; still importable from here."""
+    if name in ("SplitPlan", "split_batch"):
+        from fnppo import split
+
+        return getattr(split, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

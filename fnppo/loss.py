@@ -10,15 +10,16 @@ The pieces, each usable alone:
 * :class:`PolicyLossConfig` -- every knob, validated when constructed (frozen dataclass).
 * :func:`ppo_loss` -- policy loss (chosen from the registry) + entropy bonus + KL penalty,
   optionally reweighted by truncated importance sampling, aggregated with ``loss_agg_mode``.
-* :func:`register_policy_loss` / :func:`get_policy_loss` -- the policy-loss registry. Built in:
-  ``ppo``, ``gspo``, ``cispo``, ``gpg``, ``reinforce``, ``gmpo``, ``sapo``, ``clip_cov``,
-  ``kl_cov``.
 * :func:`kl_penalty` -- per-token KL estimators k1, k2, k3, abs (and straight-through ``"+"``).
 * :func:`compute_tis_weights` -- truncated importance weights against the rollout engine.
 * :func:`value_loss` -- clipped value loss for PPO with a critic.
 * :func:`loss_normalizer` -- the local denominator of a micro-batch, to be summed over the step.
-* :func:`merge_metrics` / :func:`finalize_metrics` -- exact reduction of metrics over micro-batches
-  and ranks.
+
+Beside it: :mod:`fnppo.policy_losses` (the registry and the built-in policy losses ``ppo``,
+``gspo``, ``cispo``, ``gpg``, ``reinforce``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``),
+:mod:`fnppo.metrics` (metric pairs, their merge and reduction) and :mod:`fnppo.segments` (token ->
+sequence grouping). Their public names are re-exported here, so ``from fnppo.loss import
+register_policy_loss`` keeps working.
 
 Micro-batching. With ``normalizer=N`` (the denominator of the whole step: the sum of
 :func:`loss_normalizer` over all micro-batches and data-parallel ranks), every micro-batch loss is
@@ -26,9 +27,8 @@ Micro-batching. With ``normalizer=N`` (the denominator of the whole step: the su
 the split (sequences are never split across micro-batches). The exceptions are ``clip_cov`` and
 ``kl_cov``, whose token selection uses statistics of the micro-batch they see (as in their paper).
 
-Metrics. Every metric is a detached fp32 tensor of shape ``[2]``: ``(weighted_sum, weight)``. Sum
-them elementwise over micro-batches and ranks (:func:`merge_metrics`, or an all-reduce), then divide
-(:func:`finalize_metrics`). ``loss``, ``pg_loss``, ``entropy`` and ``kl_loss`` carry the aggregation
+Metrics. Every metric is a detached fp32 tensor of shape ``[2]``: ``(weighted_sum, weight)``
+(:mod:`fnppo.metrics`). ``loss``, ``pg_loss``, ``entropy`` and ``kl_loss`` carry the aggregation
 numerator and the local denominator, so the finalized ``loss`` equals the full-batch loss and
 ``loss == pg_loss - entropy_coeff * entropy + kl_coef * kl_loss``. Ratios and fractions
 (``ppo_kl``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ...) are means over valid tokens.
@@ -41,12 +41,28 @@ costs one device-to-host sync; it runs while call-time type checking is on (see
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from fnppo.metrics import finalize_metrics, merge_metrics, pair_metric, weighted_metric
+from fnppo.policy_losses import (  # noqa: F401 - the built-in losses stay importable from here
+    _POLICY_LOSSES,
+    PolicyLossFn,
+    PolicyLossInputs,
+    cispo_loss,
+    clip_cov_loss,
+    get_policy_loss,
+    gmpo_loss,
+    gspo_loss,
+    kl_cov_loss,
+    ppo_clip_loss,
+    register_policy_loss,
+    registered_policy_losses,
+    sapo_loss,
+)
+from fnppo.segments import Segments, segments
 from fnppo.typing import (
     Integer,
     PaddedFloat,
@@ -68,6 +84,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "PolicyLossConfig",
     "PolicyLossInputs",
+    "PolicyLossFn",
     "Segments",
     "TISWeights",
     "ppo_loss",
@@ -182,13 +199,7 @@ class PolicyLossConfig:
             need(num(arg) and getattr(self, arg) >= 0, arg, "a finite number >= 0")
         need(self.clip_ratio_c is None or (num("clip_ratio_c") and self.clip_ratio_c > 1), "clip_ratio_c",
              "a number > 1 or None")
-        need(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"one of {list(LOSS_AGG_MODES)}")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            need(num("loss_scale_factor") and self.loss_scale_factor > 0, "loss_scale_factor",
-                 "a number > 0 (the constant C of 'seq-mean-token-sum-norm', e.g. the max response length)")
-        else:
-            need(self.loss_scale_factor is None, "loss_scale_factor",
-                 "None unless loss_agg_mode='seq-mean-token-sum-norm'")
+        _check_agg_mode(fn, self.loss_agg_mode, self.loss_scale_factor, stray_scale_ok=False)
         for arg in ("entropy_coeff", "kl_coef"):
             need(num(arg) and getattr(self, arg) >= 0, arg, "a finite number >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {list(KL_ESTIMATORS)}")
@@ -221,381 +232,6 @@ class PolicyLossConfig:
         return self.tis_cap is not None or self.tis_reject_low is not None or self.tis_reject_high is not None
 
 
-# =============================================================================================
-# Sequence grouping
-# =============================================================================================
-class Segments(NamedTuple):
-    """Which sequence each token belongs to, for per-sequence sums without Python loops.
-
-    ``ids is None``: each row of ``[batch, seq]`` is one sequence (``num = batch``). Otherwise
-    ``ids[b, t]`` is the sequence slot of the token in ``[0, num)``, or ``num`` (a discard slot)
-    for tokens that belong to no sequence. In the packed layout ``num`` is the number of token
-    positions, an upper bound of the number of sequences that needs no device sync; empty slots
-    simply have zero tokens.
-    """
-
-    ids: Tensor | None
-    num: int
-
-    def sum(self, x: Tensor) -> Tensor:
-        """Per-sequence sums ``[num]`` of a per-token tensor (mask it first)."""
-        if self.ids is None:
-            return x.sum(dim=-1)
-        out = torch.zeros(self.num + 1, dtype=x.dtype, device=x.device)
-        return out.index_add(0, self.ids.reshape(-1), x.reshape(-1))[: self.num]
-
-    def gather(self, v: Tensor, like: Tensor) -> Tensor:
-        """Broadcast per-sequence values ``[num]`` back to tokens (0 for tokens of no sequence)."""
-        if self.ids is None:
-            return v[:, None].expand_as(like)
-        return torch.cat([v, v.new_zeros(1)])[self.ids]
-
-
-def _segments(shape: torch.Size, seq_ids: Tensor | None) -> Segments:
-    if seq_ids is None:
-        return Segments(None, shape[0])
-    num = seq_ids.numel()
-    ids = torch.where(seq_ids >= 0, seq_ids.long(), torch.full_like(seq_ids, num, dtype=torch.long))
-    return Segments(ids, num)
-
-
-# =============================================================================================
-# Metrics
-# =============================================================================================
-def weighted_metric(values: Tensor, weights: Tensor) -> Tensor:
-    """``(sum(values * weights), sum(weights))`` as a detached fp32 ``[2]`` tensor.
-
-    Positions with weight 0 are ignored even if ``values`` is NaN/inf there.
-    """
-    v = torch.where(weights != 0, values.detach(), torch.zeros((), dtype=values.dtype, device=values.device))
-    w = weights.detach().to(v.dtype)
-    return torch.stack([(v * w).sum(), w.sum()]).float()
-
-
-def _pair(num: Tensor, den: Tensor) -> Tensor:
-    return torch.stack([num.detach().float().reshape(()), den.detach().float().reshape(())])
-
-
-def merge_metrics(metrics: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Combine metric dicts of micro-batches (or ranks) by elementwise summing.
-
-    The result holds the union of the keys; a key missing from some dicts just contributes nothing.
-    Inputs are not modified.
-    """
-    out: dict[str, Tensor] = {}
-    for d in metrics:
-        for key, value in d.items():
-            out[key] = value.detach().clone() if key not in out else out[key] + value.detach()
-    return out
-
-
-def finalize_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
-    """Turn ``(weighted_sum, weight)`` pairs into floats ``sum / weight`` (weight 0 -> 0.0).
-
-    Derived entry: when ``tis_weight`` and ``tis_weight_sq`` are present, ``tis_ess`` is the
-    normalized effective sample size of the importance weights,
-    ``ESS / n = mean(w)^2 / mean(w^2)`` in ``(0, 1]`` (computed from the merged sums, so it is the
-    exact ESS of the whole step).
-    """
-    if not metrics:
-        return {}
-    keys = list(metrics)
-    rows = torch.stack([metrics[k].detach().float().reshape(2).cpu() for k in keys]).tolist()
-    out = {k: (s / w if w != 0 else 0.0) for k, (s, w) in zip(keys, rows)}
-    if "tis_weight" in out and "tis_weight_sq" in out:
-        mean_w, mean_w2 = out["tis_weight"], out["tis_weight_sq"]
-        out["tis_ess"] = mean_w * mean_w / mean_w2 if mean_w2 > 0 else 0.0
-    return out
-
-
-# =============================================================================================
-# Policy-loss registry
-# =============================================================================================
-@dataclass(frozen=True)
-class PolicyLossInputs:
-    """What a registered policy loss receives (one object, so new fields never break user code).
-
-    All tensors are ``[batch, seq]`` in the compute dtype (fp32, or fp64 if the inputs are fp64),
-    and are 0 wherever ``mask`` is 0 (so nothing computed there can be inf/NaN).
-
-    Attributes:
-        logprobs: current policy log-probs; carries the gradient.
-        old_logprobs: behaviour-policy log-probs (detached).
-        advantages: per-token advantages (detached).
-        mask: the float 0/1 loss mask.
-        config: the :class:`PolicyLossConfig`.
-        segments: token -> sequence grouping (``segments.sum``, ``segments.gather``).
-        generator: optional ``torch.Generator`` for randomized losses (Clip-Cov).
-    """
-
-    logprobs: Tensor
-    old_logprobs: Tensor
-    advantages: Tensor
-    mask: Tensor
-    config: PolicyLossConfig
-    segments: Segments
-    generator: torch.Generator | None = None
-
-    def log_ratio(self) -> Tensor:
-        """``clamp(logprobs - old_logprobs, -c, c)`` with ``c = config.log_ratio_clamp``."""
-        c = self.config.log_ratio_clamp
-        return torch.clamp(self.logprobs - self.old_logprobs, -c, c)
-
-    def ratio(self) -> Tensor:
-        """``exp`` of :meth:`log_ratio`."""
-        return torch.exp(self.log_ratio())
-
-    def seq_mean(self, x: Tensor) -> Tensor:
-        """Per-sequence mean of ``x`` over valid tokens, broadcast back to tokens ``[batch, seq]``."""
-        seg = self.segments
-        count = seg.sum(self.mask)
-        mean = seg.sum(x * self.mask) / torch.where(count > 0, count, torch.ones_like(count))
-        return seg.gather(mean, x)
-
-    def token_metric(self, values: Tensor) -> Tensor:
-        """:func:`weighted_metric` of ``values`` over the valid tokens."""
-        return weighted_metric(values, self.mask)
-
-
-PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, dict[str, Tensor]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under ``name`` for ``PolicyLossConfig(policy_loss=name)``.
-
-    The function takes one :class:`PolicyLossInputs` and returns ``(per_token_loss, metrics)``:
-
-    * ``per_token_loss``: ``[batch, seq]``, the loss of each token *before* aggregation (to be
-      minimized; a surrogate objective enters with a minus sign). Values where ``inputs.mask`` is 0
-      are ignored. :func:`ppo_loss` multiplies it by the TIS weights and aggregates it with
-      ``loss_agg_mode``; sequence-level losses broadcast their per-sequence value to the tokens
-      of the sequence (``inputs.segments.gather``).
-    * ``metrics``: ``dict[str, Tensor]`` of ``[2]`` tensors ``(weighted_sum, weight)``, e.g.
-      ``{"pg_clipfrac": inputs.token_metric(clipped.float())}``. ``pg_clipfrac`` and
-      ``pg_clipfrac_lower`` default to 0 when not returned.
-
-    Example::
-
-        @fnppo.register_policy_loss("my_reinforce")
-        def my_reinforce(x: fnppo.PolicyLossInputs):
-            return -x.advantages * x.logprobs, {}
-
-    Re-registering an existing name raises unless ``override=True``.
-    """
-    if not isinstance(name, str) or not name:
-        raise input_error("fnppo.register_policy_loss", "name", "a non-empty string", repr(name))
-
-    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES and not override:
-            raise input_error("fnppo.register_policy_loss", "name", "a name not registered yet (or override=True)",
-                              repr(name))
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered under ``name``; raises :class:`InputError` listing the known names."""
-    try:
-        return _POLICY_LOSSES[name]
-    except (KeyError, TypeError):
-        raise input_error("fnppo.get_policy_loss", "name", f"one of {sorted(_POLICY_LOSSES)}", repr(name)) from None
-
-
-def registered_policy_losses() -> tuple[str, ...]:
-    """Names of all registered policy losses, sorted."""
-    return tuple(sorted(_POLICY_LOSSES))
-
-
-# ---------------------------------------------------------------------------------------------
-# Built-in policy losses
-# ---------------------------------------------------------------------------------------------
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig, dual: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO pessimistic surrogate; returns (loss, clipped, dual_clipped) per token."""
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    loss = torch.maximum(l1, l2)
-    clipped = l2 > l1
-    if dual and cfg.clip_ratio_c is not None:
-        l3 = -adv * cfg.clip_ratio_c
-        lower = (adv < 0) & (loss > l3)
-        loss = torch.where(adv < 0, torch.minimum(loss, l3), loss)
-    else:
-        lower = torch.zeros_like(clipped)
-    return loss, clipped, lower
-
-
-@register_policy_loss("ppo")
-def ppo_clip_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with asymmetric and dual clipping.
-
-    ``r = exp(logp - logp_old)``, ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and, for
-    ``A < 0``, ``l = min(l, -A c)`` (dual clip, ``c = clip_ratio_c``).
-
-    References: PPO, arXiv:1707.06347; dual-clip PPO, arXiv:1912.09729; clip-higher (asymmetric
-    bounds), DAPO, arXiv:2503.14476.
-    """
-    loss, clipped, lower = _clipped_surrogate(x.ratio(), x.advantages, x.config, dual=True)
-    return loss, {"pg_clipfrac": x.token_metric(clipped.float()), "pg_clipfrac_lower": x.token_metric(lower.float())}
-
-
-@register_policy_loss("gspo")
-def gspo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO: clipped surrogate on the length-normalized sequence ratio (token-level form GSPO-token).
-
-    ``log s_i = mean_t (logp_t - logp_old_t)`` over the valid tokens of sequence i and, per token,
-    ``s_it = sg(s_i) * exp(logp_t - sg(logp_t))``: its value is ``s_i`` and its gradient is
-    ``s_i * grad logp_t``. Loss ``max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high))``, no dual
-    clip. With ``loss_agg_mode="seq-mean-token-mean"`` this is the paper's objective.
-    Only the stopped part of the log-ratio is clamped, so gradients survive the clamp.
-
-    Reference: Group Sequence Policy Optimization, arXiv:2507.18071.
-    """
-    c = x.config.log_ratio_clamp
-    seq_log_ratio = x.seq_mean(x.logprobs.detach() - x.old_logprobs)
-    log_s = torch.clamp(seq_log_ratio, -c, c) + x.logprobs - x.logprobs.detach()
-    loss, clipped, _ = _clipped_surrogate(torch.exp(log_s), x.advantages, x.config, dual=False)
-    return loss, {"pg_clipfrac": x.token_metric(clipped.float())}
-
-
-@register_policy_loss("cispo")
-def cispo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO: REINFORCE weighted by the clipped, stopped importance ratio.
-
-    ``l = -sg(clip(r, 1 - eps_low^IS, 1 + eps_high^IS)) * A * logp`` with
-    ``eps^IS = (cispo_clip_low, cispo_clip_high)``; every token keeps a gradient
-    ``-clip(r) A grad logp``. (The loss value contains ``logp``; only its gradient is meaningful.)
-
-    Reference: MiniMax-M1, arXiv:2506.13585.
-    """
-    cfg = x.config
-    ratio = x.ratio().detach()
-    weight = torch.clamp(ratio, 1.0 - cfg.cispo_clip_low, 1.0 + cfg.cispo_clip_high)
-    clipped = weight != ratio
-    return -weight * x.advantages * x.logprobs, {"pg_clipfrac": x.token_metric(clipped.float())}
-
-
-def _reinforce(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """Plain policy gradient ``l = -A * logp`` (on-policy; ``old_logprobs`` is not used).
-
-    Registered as ``gpg`` (Group Policy Gradient, arXiv:2504.02546, whose advantage correction is
-    left to the advantage estimator) and ``reinforce`` (Williams 1992).
-    """
-    return -x.advantages * x.logprobs, {}
-
-
-register_policy_loss("gpg")(_reinforce)
-register_policy_loss("reinforce")(_reinforce)
-
-
-@register_policy_loss("gmpo")
-def gmpo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """GMPO: the geometric mean of token ratios, with token-level clipping in log space.
-
-    Per token ``u_t = sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -eps_low, eps_high))``;
-    per sequence ``A_i = mean_t A_t`` and ``l_i = -A_i exp(mean_t u_t)`` (means over valid tokens),
-    broadcast to the tokens of the sequence. With ``loss_agg_mode="seq-mean-token-mean"`` the loss
-    is the paper's mean over sequences. ``clip_ratio_low/high`` are log-space bounds here (the paper
-    uses 0.4).
-
-    Reference: Geometric-Mean Policy Optimization, arXiv:2507.20673.
-    """
-    cfg = x.config
-    log_ratio = x.log_ratio()
-    sign = torch.sign(x.advantages)
-    clipped_lr = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
-    u = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
-    seq_adv = x.seq_mean(x.advantages)
-    loss = -seq_adv * torch.exp(x.seq_mean(u))
-    clipped = sign * log_ratio > sign * clipped_lr
-    return loss, {"pg_clipfrac": x.token_metric(clipped.float())}
-
-
-@register_policy_loss("sapo")
-def sapo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """SAPO: a smooth sigmoid gate instead of the hard clip.
-
-    ``l = -f(r) A`` with ``f(r) = (4 / tau) sigmoid(tau (r - 1))`` and ``tau = sapo_tau_pos`` for
-    ``A > 0``, ``sapo_tau_neg`` otherwise. ``f'(r) = 4 sigmoid(1 - sigmoid)`` equals 1 at ``r = 1``
-    (the on-policy gradient) and decays smoothly off-policy.
-
-    Reference: Soft Adaptive Policy Optimization, arXiv:2511.20347.
-    """
-    cfg = x.config
-    tau = torch.where(x.advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(x.logprobs.dtype)
-    gate = (4.0 / tau) * torch.sigmoid(tau * (x.ratio() - 1.0))
-    return -gate * x.advantages, {}
-
-
-def _select_first_k(keys: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
-    """Boolean mask of the ``k`` eligible entries with the largest ``keys`` (no host sync)."""
-    flat_keys = torch.where(eligible, keys, torch.full_like(keys, -math.inf)).reshape(-1)
-    flat_eligible = eligible.reshape(-1)
-    order = torch.argsort(flat_keys, descending=True)
-    rank_ok = torch.arange(order.numel(), device=keys.device) < k
-    chosen_sorted = rank_ok & flat_eligible[order]
-    chosen = torch.zeros_like(flat_eligible).scatter(0, order, chosen_sorted)
-    return chosen.reshape(keys.shape)
-
-
-def _covariance(x: PolicyLossInputs) -> tuple[Tensor, Tensor]:
-    """Centered token covariance ``(A - mean A)(logp - mean logp)`` over valid tokens; and the count."""
-    n = x.mask.sum()
-    safe_n = torch.where(n > 0, n, torch.ones_like(n))
-    lp = x.logprobs.detach()
-    mean_a = (x.advantages * x.mask).sum() / safe_n
-    mean_lp = (lp * x.mask).sum() / safe_n
-    return (x.advantages - mean_a) * (lp - mean_lp), n
-
-
-@register_policy_loss("clip_cov")
-def clip_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clip-Cov: PPO loss with the gradient of a few high-covariance tokens stopped.
-
-    ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch. Among
-    valid tokens not already clipped by PPO with ``clip_cov_lb < cov_t < clip_cov_ub``,
-    ``k = max(floor(clip_cov_ratio * n_valid), 1)`` are drawn uniformly at random (``generator``
-    of :func:`ppo_loss`) and their loss is detached (value kept, gradient 0). The rest is the PPO
-    loss of ``ppo`` (asymmetric and dual clip). Not split-invariant: statistics are per micro-batch.
-
-    Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
-    """
-    cfg = x.config
-    loss, clipped, lower = _clipped_surrogate(x.ratio(), x.advantages, cfg, dual=True)
-    cov, n = _covariance(x)
-    valid = x.mask > 0
-    eligible = valid & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)
-    k = torch.clamp(torch.floor(cfg.clip_cov_ratio * n), min=1.0)
-    keys = torch.rand(cov.shape, generator=x.generator, device=cov.device, dtype=cov.dtype)
-    chosen = _select_first_k(keys, eligible, k)
-    loss = torch.where(chosen, loss.detach(), loss)
-    return loss, {
-        "pg_clipfrac": x.token_metric(clipped.float()),
-        "pg_clipfrac_lower": x.token_metric(lower.float()),
-        "clip_cov_frac": x.token_metric(chosen.float()),
-    }
-
-
-@register_policy_loss("kl_cov")
-def kl_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """KL-Cov: unclipped surrogate plus a KL penalty on the highest-covariance tokens.
-
-    ``l_t = -A_t r_t + kl_cov_coef * |log r_t| * [t in top-k of cov]`` with
-    ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch and
-    ``k = max(floor(kl_cov_ratio * n_valid), 1)``. Not split-invariant (per micro-batch top-k).
-
-    Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
-    """
-    cfg = x.config
-    log_ratio = x.log_ratio()
-    cov, n = _covariance(x)
-    k = torch.clamp(torch.floor(cfg.kl_cov_ratio * n), min=1.0)
-    chosen = _select_first_k(cov, x.mask > 0, k)
-    loss = -x.advantages * torch.exp(log_ratio) + torch.where(chosen, cfg.kl_cov_coef * log_ratio.abs(), 0.0)
-    return loss, {"kl_cov_frac": x.token_metric(chosen.float())}
-
 
 # =============================================================================================
 # KL estimators
@@ -617,6 +253,18 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
     an unbiased gradient of the KL).
 
     Reference: J. Schulman, "Approximating KL divergence" (2020), http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        logprobs: ``[*tok]`` log-probs of the policy (carry the gradient).
+        ref_logprobs: ``[*tok]`` log-probs of the reference policy.
+        estimator: one of :data:`KL_ESTIMATORS`.
+        log_ratio_clamp: bound of ``|d|`` (keeps ``exp`` finite).
+
+    Returns:
+        ``[*tok]`` per-token estimates in the inputs' dtype.
+
+    Raises:
+        InputError: an unknown ``estimator``.
     """
     if estimator not in KL_ESTIMATORS:
         raise input_error("fnppo.kl_penalty", "estimator", f"one of {list(KL_ESTIMATORS)}", repr(estimator))
@@ -635,6 +283,7 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
         k2 = 0.5 * d * d
         kl = k2 + (kl - k2).detach()
     return kl
+
 
 
 # =============================================================================================
@@ -674,6 +323,22 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
 
     Reference: F. Yao et al. (2025), "Your efficient RL framework secretly brings you off-policy RL
     training" (truncated importance sampling, TIS).
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[batch, seq]`` log-probs of the trainer's old policy and
+            of the rollout engine.
+        loss_mask: 0/1 mask of the trained tokens.
+        cap, level, reject_low, reject_high, reject_level: see above (``level`` and
+            ``reject_level``: ``"token"`` or ``"sequence"``).
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+        log_ratio_clamp: bound of the log-weights.
+
+    Returns:
+        :class:`TISWeights` ``(weights, keep, metrics)``.
+
+    Raises:
+        InputError: a bad cap, level or bound; with checking on, a mask that is not 0/1, NaN/inf at
+            valid positions, ``seq_ids`` out of range.
     """
     fn = "fnppo.compute_tis_weights"
     if cap is not None and not (_is_number(cap) and cap > 0):
@@ -687,7 +352,7 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
     if typechecking_enabled():
         _validate(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None, seq_ids)
     return _tis_weights(old_logprobs, rollout_logprobs, loss_mask != 0, cap, level, reject_low, reject_high,
-                        level if reject_level is None else reject_level, _segments(loss_mask.shape, seq_ids),
+                        level if reject_level is None else reject_level, segments(loss_mask.shape, seq_ids),
                         log_ratio_clamp)
 
 
@@ -733,6 +398,7 @@ def _tis_weights(old: Tensor, rollout: Tensor, m: Tensor, cap: float | None, lev
     return TISWeights((to_tokens(w_applied, level) * keep).detach(), keep.detach(), metrics)
 
 
+
 # =============================================================================================
 # Aggregation
 # =============================================================================================
@@ -748,18 +414,34 @@ def _agg_weights(mf: Tensor, seg: Segments, mode: str, scale: float | None) -> t
     if mode == "seq-mean-token-mean":
         inv = 1.0 / torch.where(count > 0, count, torch.ones_like(count))
         return mf * seg.gather(inv, mf), n_seq
+    return mf / scale, n_seq  # seq-mean-token-sum-norm (modes are checked where they enter)
+
+
+def _check_agg_mode(fn: str, mode: Any, scale: Any, *, stray_scale_ok: bool) -> None:
+    """``mode`` is one of :data:`LOSS_AGG_MODES` and ``scale`` fits it (the one home of this check).
+
+    ``seq-mean-token-sum-norm`` needs a constant ``scale > 0``; the other modes take ``None``
+    (``stray_scale_ok``: a scale given with another mode is ignored instead of refused).
+
+    Raises:
+        InputError: naming ``loss_agg_mode`` or ``loss_scale_factor``.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise input_error(fn, "loss_agg_mode", f"one of {list(LOSS_AGG_MODES)}", repr(mode))
     if mode == "seq-mean-token-sum-norm":
-        return mf / scale, n_seq
-    raise input_error("fnppo.loss", "loss_agg_mode", f"one of {list(LOSS_AGG_MODES)}", repr(mode))
+        if not (_is_number(scale) and scale > 0):
+            raise input_error(fn, "loss_scale_factor",
+                              "a number > 0 (the constant C of 'seq-mean-token-sum-norm', e.g. the max response length)",
+                              repr(scale))
+    elif scale is not None and not stray_scale_ok:
+        raise input_error(fn, "loss_scale_factor", "None unless loss_agg_mode='seq-mean-token-sum-norm'", repr(scale))
 
 
 def _mode_and_scale(config: PolicyLossConfig | str, scale: float | None, fn: str) -> tuple[str, float | None]:
+    """``(loss_agg_mode, loss_scale_factor)`` of a config (validated when built) or a checked mode name."""
     if isinstance(config, PolicyLossConfig):
         return config.loss_agg_mode, config.loss_scale_factor
-    if config not in LOSS_AGG_MODES:
-        raise input_error(fn, "loss_agg_mode", f"one of {list(LOSS_AGG_MODES)}", repr(config))
-    if config == "seq-mean-token-sum-norm" and not (_is_number(scale) and scale > 0):
-        raise input_error(fn, "loss_scale_factor", "a number > 0 for 'seq-mean-token-sum-norm'", repr(scale))
+    _check_agg_mode(fn, config, scale, stray_scale_ok=True)
     return config, scale
 
 
@@ -771,11 +453,23 @@ def loss_normalizer(loss_mask: PaddedMask, config: PolicyLossConfig | str, *,
     ``token-mean``: the number of valid tokens (``loss_mask == 1``); the ``seq-mean-*`` modes: the
     number of valid sequences (sequences with at least one valid token). Sum it over all
     micro-batches and data-parallel ranks of the step and pass the sum as ``normalizer`` to
-    :func:`ppo_loss` / :func:`value_loss`. ``config`` may also be a mode name.
+    :func:`ppo_loss` / :func:`value_loss`, which makes the sum of micro-batch losses the full-batch
+    loss (see :func:`ppo_loss` for the modes and their papers).
+
+    Args:
+        loss_mask: ``[batch, seq]`` 0/1 mask.
+        config: a :class:`PolicyLossConfig` or a mode name of :data:`LOSS_AGG_MODES`.
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+
+    Returns:
+        The 0-dim fp32 count.
+
+    Raises:
+        InputError: an unknown mode name.
     """
     mode, scale = _mode_and_scale(config, 1.0, "fnppo.loss_normalizer")
     mf = (loss_mask != 0).float()
-    return _agg_weights(mf, _segments(loss_mask.shape, seq_ids), mode, scale)[1].float()
+    return _agg_weights(mf, segments(loss_mask.shape, seq_ids), mode, scale)[1].float()
 
 
 def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tensor | float:
@@ -787,6 +481,7 @@ def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tens
     else:
         return float(normalizer) if normalizer > 0 else 1.0
     return torch.where(n > 0, n, torch.ones_like(n))
+
 
 
 # =============================================================================================
@@ -822,9 +517,95 @@ def _validate(fn: str, mask: Tensor, finite: dict[str, Tensor | None], normalize
                           f"{describe(seq_ids)} with values in [{lo}, {hi}]")
 
 
+
 # =============================================================================================
 # The loss
 # =============================================================================================
+class _Tokens(NamedTuple):
+    """The valid tokens of one loss call: masks in the compute dtype and the sequence grouping.
+
+    The compute dtype is fp32, or fp64 when the inputs are fp64 (``promote_types(dtype, fp32)``).
+    """
+
+    m: Tensor  # bool, True on valid tokens
+    mf: Tensor  # the same as 0/1 in the compute dtype
+    zero: Tensor  # 0-dim zero in the compute dtype
+    seg: Segments
+
+    @classmethod
+    def of(cls, like: Tensor, mask: Tensor, seq_ids: Tensor | None) -> _Tokens:
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        m = mask != 0
+        return cls(m, m.to(dtype), torch.zeros((), dtype=dtype, device=like.device), segments(mask.shape, seq_ids))
+
+    def clean(self, t: Tensor, detach: bool) -> Tensor:
+        """``t`` in the compute dtype, 0 wherever the mask is 0 (so NaN/inf there cannot leak)."""
+        t = t.detach() if detach else t
+        return torch.where(self.m, t.to(self.zero.dtype), self.zero)
+
+
+def _check_non_empty(fn: str, arg: str, t: Tensor) -> None:
+    """An empty ``[batch, seq]`` tensor has no loss: refuse it (the one home of this check)."""
+    if t.numel() == 0:
+        raise input_error(fn, arg, "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(t))
+
+
+def _check_loss_inputs(fn: str, config: PolicyLossConfig, entropy: Tensor | None, ref_logprobs: Tensor | None,
+                       rollout_logprobs: Tensor | None) -> None:
+    """The optional inputs that ``config`` needs are given."""
+    if config.entropy_coeff != 0 and entropy is None:
+        raise input_error(fn, "entropy", f"a tensor since entropy_coeff={config.entropy_coeff!r}", "None")
+    if config.kl_coef != 0 and ref_logprobs is None:
+        raise input_error(fn, "ref_logprobs", f"a tensor since kl_coef={config.kl_coef!r}", "None")
+    if config.tis_active and rollout_logprobs is None:
+        raise input_error(fn, "rollout_logprobs", "a tensor since TIS (tis_cap / tis_reject_*) is configured", "None")
+
+
+def _policy_term(fn: str, config: PolicyLossConfig, x: PolicyLossInputs, tok: _Tokens) -> tuple[Tensor, dict[str, Tensor]]:
+    """The registered policy loss per token (0 off the mask) and its metrics; checks its output shape."""
+    pg_tok, extra = get_policy_loss(config.policy_loss)(x)
+    if not isinstance(pg_tok, Tensor) or pg_tok.shape != x.logprobs.shape:
+        raise input_error(fn, f"policy loss {config.policy_loss!r}", f"a per-token loss of shape {tuple(x.logprobs.shape)}",
+                          describe(pg_tok))
+    return torch.where(tok.m, pg_tok.to(tok.zero.dtype), tok.zero), extra
+
+
+def _importance(config: PolicyLossConfig, old: Tensor, rollout_logprobs: Tensor | None, tok: _Tokens,
+                metrics: dict[str, Tensor]) -> tuple[Tensor | None, Tensor]:
+    """TIS weights (None without TIS) and the kept tokens; adds ``rollout_kl`` and the TIS metrics."""
+    if rollout_logprobs is None:
+        return None, tok.mf
+    rollout = tok.clean(rollout_logprobs, detach=True)
+    metrics["rollout_kl"] = weighted_metric(rollout - old, tok.mf)
+    if not config.tis_active:
+        return None, tok.mf
+    tis = _tis_weights(old, rollout, tok.m, config.tis_cap, config.tis_level, config.tis_reject_low,
+                       config.tis_reject_high, config.tis_reject_level or config.tis_level, tok.seg,
+                       config.log_ratio_clamp)
+    metrics.update(tis.metrics)
+    return tis.weights.to(tok.mf.dtype), tis.keep.to(tok.mf.dtype)
+
+
+def _add_regularizers(total_num: Tensor, config: PolicyLossConfig, lp: Tensor, entropy: Tensor | None,
+                      ref_logprobs: Tensor | None, tok: _Tokens, term_w: Tensor, local_den: Tensor,
+                      metrics: dict[str, Tensor]) -> Tensor:
+    """``total_num - entropy_coeff * H + kl_coef * KL`` (numerators); adds ``entropy`` / ``kl_loss``."""
+    if entropy is not None:
+        ent_num = (tok.clean(entropy, detach=config.entropy_coeff == 0) * term_w).sum()
+        metrics["entropy"] = pair_metric(ent_num, local_den)
+        if config.entropy_coeff != 0:
+            total_num = total_num - config.entropy_coeff * ent_num
+    if ref_logprobs is not None:
+        kl_tok = kl_penalty(lp if config.kl_coef != 0 else lp.detach(), tok.clean(ref_logprobs, detach=True),
+                            config.kl_estimator,
+                            log_ratio_clamp=config.log_ratio_clamp)
+        kl_num = (torch.where(tok.m, kl_tok, tok.zero) * term_w).sum()
+        metrics["kl_loss"] = pair_metric(kl_num, local_den)
+        if config.kl_coef != 0:
+            total_num = total_num + config.kl_coef * kl_num
+    return total_num
+
+
 @typechecked
 def ppo_loss(
     logprobs: PaddedFloat,
@@ -858,9 +639,12 @@ def ppo_loss(
 
     ``N`` is ``normalizer`` when given (the step-wide sum of :func:`loss_normalizer`, which makes
     the sum of micro-batch losses equal the full-batch loss), else the local count. ``N = 0`` (no
-    valid token anywhere) gives a loss of exactly 0 with zero gradient; an empty tensor (a batch
-    or sequence dimension of size 0) is refused. ``logprobs`` itself is not checked for NaN/inf: it
-    is the model's output, and a non-finite loss makes :func:`fnppo.train_step` skip the update.
+    valid token anywhere) gives a loss of exactly 0 with zero gradient. ``logprobs`` itself is not
+    checked for NaN/inf: it is the model's output, and a non-finite loss makes
+    :func:`fnppo.train_step` skip the update.
+
+    Reference: PPO, arXiv:1707.06347 (the policy losses cite their own papers, see
+    :mod:`fnppo.policy_losses`).
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the current policy (carries the gradient).
@@ -881,79 +665,37 @@ def ppo_loss(
         (see the module docstring): ``loss``, ``pg_loss``, ``ppo_kl`` (``mean(logp_old - logp)``),
         ``pg_clipfrac``, ``pg_clipfrac_lower``, ``entropy`` / ``kl_loss`` (when given), the TIS
         metrics, plus whatever the policy loss reports.
+
+    Raises:
+        ShapeError: shapes or dtypes that disagree (call-time check).
+        InputError: an empty batch; an input the config needs left out; with checking on, a mask
+            that is not 0/1, NaN/inf at valid positions, ``seq_ids`` out of range, a negative or
+            non-finite ``normalizer``; a policy loss whose output is not per-token.
     """
     fn = "fnppo.ppo_loss"
-    if logprobs.numel() == 0:
-        raise input_error(fn, "logprobs", "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(logprobs))
-    loss_fn = get_policy_loss(config.policy_loss)
-    if config.entropy_coeff != 0 and entropy is None:
-        raise input_error(fn, "entropy", f"a tensor since entropy_coeff={config.entropy_coeff!r}", "None")
-    if config.kl_coef != 0 and ref_logprobs is None:
-        raise input_error(fn, "ref_logprobs", f"a tensor since kl_coef={config.kl_coef!r}", "None")
-    if config.tis_active and rollout_logprobs is None:
-        raise input_error(fn, "rollout_logprobs", "a tensor since TIS (tis_cap / tis_reject_*) is configured", "None")
+    _check_non_empty(fn, "logprobs", logprobs)
+    _check_loss_inputs(fn, config, entropy, ref_logprobs, rollout_logprobs)
     if typechecking_enabled():
         _validate(fn, loss_mask, {"advantages": advantages, "old_logprobs": old_logprobs,
                                   "ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs},
                   normalizer, seq_ids)
-
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    device = logprobs.device
-    zero = torch.zeros((), dtype=dtype, device=device)
-    m = loss_mask != 0
-    mf = m.to(dtype)
-
-    def clean(t: Tensor, detach: bool) -> Tensor:
-        t = t.detach() if detach else t
-        return torch.where(m, t.to(dtype), zero)
-
-    lp = clean(logprobs, detach=False)
-    old = clean(old_logprobs, detach=True)
-    seg = _segments(loss_mask.shape, seq_ids)
-    inputs = PolicyLossInputs(lp, old, clean(advantages, detach=True), mf, config, seg, generator)
-    pg_tok, extra = loss_fn(inputs)
-    if not isinstance(pg_tok, Tensor) or pg_tok.shape != lp.shape:
-        raise input_error(fn, f"policy loss {config.policy_loss!r}", f"a per-token loss of shape {tuple(lp.shape)}",
-                          describe(pg_tok))
-    pg_tok = torch.where(m, pg_tok.to(dtype), zero)
-
+    tok = _Tokens.of(logprobs, loss_mask, seq_ids)
+    lp, old = tok.clean(logprobs, detach=False), tok.clean(old_logprobs, detach=True)
+    inputs = PolicyLossInputs(lp, old, tok.clean(advantages, detach=True), tok.mf, config, tok.seg, generator)
+    pg_tok, extra = _policy_term(fn, config, inputs, tok)
     metrics: dict[str, Tensor] = {}
-    keep = mf
-    if rollout_logprobs is not None:
-        rollout = clean(rollout_logprobs, detach=True)
-        metrics["rollout_kl"] = weighted_metric(rollout - old, mf)
-        if config.tis_active:
-            tis = _tis_weights(old, rollout, m, config.tis_cap, config.tis_level, config.tis_reject_low,
-                               config.tis_reject_high, config.tis_reject_level or config.tis_level, seg,
-                               config.log_ratio_clamp)
-            pg_tok = pg_tok * tis.weights.to(dtype)
-            keep = tis.keep.to(dtype)
-            metrics.update(tis.metrics)
-
-    agg_w, local_den = _agg_weights(mf, seg, config.loss_agg_mode, config.loss_scale_factor)
-    denom = _denominator(normalizer, local_den)
+    tis_w, keep = _importance(config, old, rollout_logprobs, tok, metrics)
+    if tis_w is not None:
+        pg_tok = pg_tok * tis_w
+    agg_w, local_den = _agg_weights(tok.mf, tok.seg, config.loss_agg_mode, config.loss_scale_factor)
     pg_num = (pg_tok * agg_w).sum()
-    total_num = pg_num
-    metrics["pg_loss"] = _pair(pg_num, local_den)
-    term_w = agg_w * keep
-    if entropy is not None:
-        ent_num = (clean(entropy, detach=config.entropy_coeff == 0) * term_w).sum()
-        metrics["entropy"] = _pair(ent_num, local_den)
-        if config.entropy_coeff != 0:
-            total_num = total_num - config.entropy_coeff * ent_num
-    if ref_logprobs is not None:
-        kl_tok = kl_penalty(lp if config.kl_coef != 0 else lp.detach(), clean(ref_logprobs, detach=True),
-                            config.kl_estimator,
-                            log_ratio_clamp=config.log_ratio_clamp)
-        kl_num = (torch.where(m, kl_tok, zero) * term_w).sum()
-        metrics["kl_loss"] = _pair(kl_num, local_den)
-        if config.kl_coef != 0:
-            total_num = total_num + config.kl_coef * kl_num
-    loss = total_num / denom
-    metrics["loss"] = _pair(total_num, local_den)
-    metrics["ppo_kl"] = weighted_metric(old - lp, mf)
+    metrics["pg_loss"] = pair_metric(pg_num, local_den)
+    total_num = _add_regularizers(pg_num, config, lp, entropy, ref_logprobs, tok, agg_w * keep, local_den, metrics)
+    loss = total_num / _denominator(normalizer, local_den)
+    metrics["loss"] = pair_metric(total_num, local_den)
+    metrics["ppo_kl"] = weighted_metric(old - lp, tok.mf)
     for key in ("pg_clipfrac", "pg_clipfrac_lower"):
-        metrics.setdefault(key, _pair(zero, mf.sum()))
+        metrics.setdefault(key, pair_metric(tok.zero, tok.mf.sum()))
     for key, value in extra.items():
         metrics[key] = value.detach().float()
     return loss, metrics
@@ -981,38 +723,43 @@ def value_loss(
     ``l_t = 1/2 max((V - R)^2, (V_clip - R)^2)`` (``clip_range=None``: ``1/2 (V - R)^2``),
     aggregated like :func:`ppo_loss` (``loss_agg_mode``, ``normalizer``, ``seq_ids``).
 
-    Metrics: ``vf_loss`` (numerator, local denominator), ``vf_clipfrac`` (tokens where the clipped
-    term is the larger one), ``vpred_mean``.
-
     Reference: PPO, arXiv:1707.06347 (value clipping as in the OpenAI baselines implementation).
+
+    Args:
+        values: ``[batch, seq]`` predicted values (carry the gradient).
+        old_values, returns: the values at rollout time and the targets (detached).
+        mask: 0/1 mask of the trained tokens.
+        clip_range: ``>= 0``, or ``None`` for no clipping.
+        loss_agg_mode, loss_scale_factor: as in :class:`PolicyLossConfig`.
+        normalizer, seq_ids: as in :func:`ppo_loss`.
+
+    Returns:
+        ``(loss, metrics)`` with ``vf_loss`` (numerator, local denominator), ``vf_clipfrac``
+        (tokens where the clipped term is the larger one) and ``vpred_mean``.
+
+    Raises:
+        InputError: an empty batch, a bad ``clip_range`` or mode; with checking on, as
+            :func:`ppo_loss` for the mask, NaN/inf, ``seq_ids`` and ``normalizer``.
     """
     fn = "fnppo.value_loss"
-    if values.numel() == 0:
-        raise input_error(fn, "values", "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(values))
+    _check_non_empty(fn, "values", values)
     if clip_range is not None and not (_is_number(clip_range) and clip_range >= 0):
         raise input_error(fn, "clip_range", "a number >= 0 or None", repr(clip_range))
     mode, scale = _mode_and_scale(loss_agg_mode, loss_scale_factor, fn)
     if typechecking_enabled():
         _validate(fn, mask, {"values": values, "old_values": old_values, "returns": returns}, normalizer, seq_ids,
                   mask_name="mask")
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    m = mask != 0
-    mf = m.to(dtype)
-    v = torch.where(m, values.to(dtype), zero)
-    old = torch.where(m, old_values.detach().to(dtype), zero)
-    ret = torch.where(m, returns.detach().to(dtype), zero)
+    tok = _Tokens.of(values, mask, seq_ids)
+    v, old, ret = tok.clean(values, detach=False), tok.clean(old_values, detach=True), tok.clean(returns, detach=True)
     l1 = (v - ret) ** 2
     if clip_range is None:
-        per_tok, clipped = 0.5 * l1, torch.zeros_like(m)
+        per_tok, clipped = 0.5 * l1, torch.zeros_like(tok.m)
     else:
         v_clip = old + torch.clamp(v - old, -clip_range, clip_range)
         l2 = (v_clip - ret) ** 2
         per_tok, clipped = 0.5 * torch.maximum(l1, l2), l2 > l1
-    seg = _segments(mask.shape, seq_ids)
-    agg_w, local_den = _agg_weights(mf, seg, mode, scale)
+    agg_w, local_den = _agg_weights(tok.mf, tok.seg, mode, scale)
     num = (per_tok * agg_w).sum()
     loss = num / _denominator(normalizer, local_den)
-    return loss, {"vf_loss": _pair(num, local_den), "vf_clipfrac": weighted_metric(clipped.to(dtype), mf),
-                  "vpred_mean": weighted_metric(v, mf)}
-
+    return loss, {"vf_loss": pair_metric(num, local_den), "vf_clipfrac": weighted_metric(clipped.to(tok.mf.dtype), tok.mf),
+                  "vpred_mean": weighted_metric(v, tok.mf)}

@@ -2,52 +2,122 @@
 
 This is the only module that knows the order of the stages::
 
-    split_batch -> collate_microbatch -> forward_logits -> logprob_and_entropy -> ppo_loss
+    build_microbatches (split_batch -> collate) -> forward -> logprob -> loss
         -> (Megatron backward) -> finalize_grads -> optimizer
 
 Every stage is a field of :class:`StepFns` and can be replaced by a function with the same
-signature (a custom loss, a custom log-prob). State that persists (model chunks, optimizer, step
-counter) lives in :class:`TrainState`, which is passed in and returned.
+signature (a custom loss, a custom log-prob); :class:`CollateFn`, :class:`ForwardFn`,
+:class:`LogprobFn` and :class:`LossFn` state those signatures. State that persists (model chunks,
+optimizer, step counter) lives in :class:`TrainState`, which is passed in and returned.
+
+Checks happen once, where data enters: :class:`StepConfig` checks the configuration when built,
+:func:`_check_batch` the samples when :func:`train_step` / :func:`compute_logprobs` receive them,
+the collate stage the values of each micro-batch, :func:`_check_logits` the logits a forward stage
+returns. Everything downstream trusts them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.batch import Microbatch, Sample, collate_microbatch, pad_microbatch, split_batch, unpack_per_sample
+from fnppo.batch import (
+    LAYOUTS,
+    Microbatch,
+    Sample,
+    check_lengths,
+    check_positive_int,
+    check_same_fields,
+    check_token_ids,
+    collate_microbatch,
+    unpack_per_sample,
+)
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
 from fnppo.logprob import logprob_and_entropy
-from fnppo.loss import PolicyLossConfig, finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
+from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss
+from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import forward_logits, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import check_range, describe, input_error, typechecking_enabled
+from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
+from fnppo.typing import describe, input_error, typechecking_enabled
 
-__all__ = ["StepFns", "StepConfig", "TrainState", "train_step", "compute_logprobs", "forward_only", "shard_for_data_parallel"]
+__all__ = [
+    "StepFns", "StepConfig", "TrainState", "train_step", "compute_logprobs", "forward_only", "shard_for_data_parallel",
+    "CollateFn", "ForwardFn", "LogprobFn", "LossFn",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage signatures
+# ---------------------------------------------------------------------------------------------
+class CollateFn(Protocol):
+    """The collate stage: samples of one micro-batch -> :class:`~fnppo.batch.Microbatch`.
+
+    Default :func:`~fnppo.batch.collate_microbatch`. ``sample_index`` holds the samples' indices
+    in the (mini-)batch being split.
+    """
+
+    def __call__(self, samples: Sequence[Sample], *, layout: str, pad_to_multiple_of: int,
+                 sample_index: Sequence[int]) -> Microbatch: ...
+
+
+class ForwardFn(Protocol):
+    """The forward stage: one model chunk on a micro-batch -> this rank's vocab-shard logits.
+
+    Default :func:`~fnppo.model.forward_logits`. On the last pipeline stage the result must be
+    ``[batch, seq, vocab_size / tp]``; ``params`` (one dict of the chunk's parameters, or None) is
+    passed by :func:`compute_logprobs` / :func:`forward_only` only.
+    """
+
+    def __call__(self, model: nn.Module, microbatch: Microbatch, *,
+                 params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor: ...
+
+
+class LogprobFn(Protocol):
+    """The log-prob stage: logits and labels -> ``(logprobs, entropy or None)``, both ``[batch, seq]``.
+
+    Default :func:`~fnppo.logprob.logprob_and_entropy`.
+    """
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any, temperature: float,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class LossFn(Protocol):
+    """The loss stage: per-token tensors of one micro-batch -> ``(loss, metrics)``.
+
+    Default :func:`~fnppo.loss.ppo_loss`; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.metrics`).
+    """
+
+    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                 loss_mask: torch.Tensor, config: PolicyLossConfig, *, entropy: torch.Tensor | None,
+                 ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
+                 normalizer: torch.Tensor | None, seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
 class StepFns:
-    """The swappable stages of a step. Each must keep the signature of the default.
+    """The swappable stages of a step; each must keep the signature of its protocol.
 
-    - ``collate(samples, *, layout, pad_to_multiple_of) -> Microbatch``
-    - ``forward(model, microbatch, *, params=None) -> logits``
-    - ``logprob(logits, labels, *, tp_group, temperature, with_entropy) -> (logprobs, entropy|None)``
-    - ``loss(logprobs, old_logprobs, advantages, loss_mask, config, *, entropy, ref_logprobs,
-      rollout_logprobs, normalizer, seq_ids) -> (loss, metrics)``
+    Attributes:
+        collate: :class:`CollateFn` (default :func:`~fnppo.batch.collate_microbatch`).
+        forward: :class:`ForwardFn` (default :func:`~fnppo.model.forward_logits`).
+        logprob: :class:`LogprobFn` (default :func:`~fnppo.logprob.logprob_and_entropy`).
+        loss: :class:`LossFn` (default :func:`~fnppo.loss.ppo_loss`).
     """
 
-    collate: Callable[..., Microbatch] = collate_microbatch
-    forward: Callable[..., torch.Tensor] = forward_logits
-    logprob: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = logprob_and_entropy
-    loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] = ppo_loss
+    collate: CollateFn = collate_microbatch
+    forward: ForwardFn = forward_logits
+    logprob: LogprobFn = logprob_and_entropy
+    loss: LossFn = ppo_loss
 
 
 @dataclass(frozen=True)
@@ -61,6 +131,10 @@ class StepConfig:
     batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
     length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
     the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
+
+    Raises:
+        InputError: an unknown layout, two split modes, a size that is not an int >= 1, a
+            temperature that is not a finite float > 0.
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -77,15 +151,13 @@ class StepConfig:
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
-        if self.layout not in ("packed", "padded"):
+        if self.layout not in LAYOUTS:
             raise input_error(fn, "layout", "'packed' or 'padded'", repr(self.layout))
-        given = [n for n in ("num_microbatches", "microbatch_size", "max_tokens_per_microbatch") if getattr(self, n) is not None]
-        if len(given) > 1:
-            raise input_error(fn, "num_microbatches/microbatch_size/max_tokens_per_microbatch", "at most one of them", f"{given}")
-        for n in ("num_microbatches", "microbatch_size", "max_tokens_per_microbatch", "num_minibatches", "ppo_epochs", "pad_to_multiple_of", "max_seq_len"):
-            v = getattr(self, n)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise input_error(fn, n, "an int >= 1", repr(v))
+        split_mode(self.num_microbatches, self.microbatch_size, self.max_tokens_per_microbatch, fn=fn, required=False)
+        for n in ("num_minibatches", "ppo_epochs"):
+            check_positive_int(fn, n, getattr(self, n))
+        for n in ("pad_to_multiple_of", "max_seq_len"):
+            check_positive_int(fn, n, getattr(self, n), allow_none=True)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
 
@@ -110,6 +182,16 @@ def shard_for_data_parallel(samples: Sequence[Any], layout: ParallelLayout | Non
 
     ``len(samples)`` must be divisible by the DP size; TP and PP ranks of one DP rank get the same
     share (which is what :func:`train_step` requires).
+
+    Args:
+        samples: the global batch (the same list on every rank).
+        layout: the parallel layout (default: :func:`~fnppo.parallel.current_layout`).
+
+    Returns:
+        ``samples[dp_rank * n / dp : (dp_rank + 1) * n / dp]``.
+
+    Raises:
+        InputError: a length not divisible by the DP size.
     """
     layout = layout or current_layout()
     if len(samples) % layout.dp:
@@ -119,71 +201,72 @@ def shard_for_data_parallel(samples: Sequence[Any], layout: ParallelLayout | Non
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers
+# where samples and logits enter: worked out and checked once
 # ---------------------------------------------------------------------------------------------
 def _device_of(chunks: Sequence[nn.Module]) -> torch.device:
     return next(unwrap_model(chunks[0]).parameters()).device
 
 
-def _split(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout, max_seq_len: int | None = None):
-    kw: dict[str, Any] = {}
-    if config.max_tokens_per_microbatch is not None:
-        kw["max_tokens_per_microbatch"] = config.max_tokens_per_microbatch
-    elif config.microbatch_size is not None:
-        kw["microbatch_size"] = config.microbatch_size
+class _Batching(NamedTuple):
+    """How one call turns samples into micro-batches: worked out once from the config and the model."""
+
+    split: tuple[str, int]  # (mode, size), see fnppo.split.split_mode
+    layout: str
+    pad_to_multiple_of: int
+    max_seq_len: int | None  # StepConfig.max_seq_len, else the model's max_sequence_length
+    max_seq_len_source: str
+    vocab_size: int | None  # the model's (padded) vocabulary
+    dp_group: Any  # the group the micro-batch count is agreed over (None without DP)
+    same_length: bool  # the interleaved schedule needs one shape for every micro-batch
+
+
+def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelLayout) -> _Batching:
+    core = unwrap_model(chunks[0])
+    vocab, model_max = getattr(core, "vocab_size", None), getattr(core, "max_sequence_length", None)
+    if config.max_seq_len is not None:
+        limit, source = config.max_seq_len, "StepConfig.max_seq_len"
     else:
-        kw["num_microbatches"] = config.num_microbatches or 1
-    return split_batch(
-        list(samples),
-        dp_group=layout.dp_group if layout.dp > 1 else None,
-        max_seq_len=max_seq_len if max_seq_len is not None else config.max_seq_len,
-        pad_to_multiple_of=_pad_multiple(config, layout),
+        limit, source = model_max, "the model's max_sequence_length"
+    given = [(name, getattr(config, name)) for name in SPLIT_MODES if getattr(config, name) is not None]
+    return _Batching(
+        split=given[0] if given else ("num_microbatches", 1),  # StepConfig allows at most one
         layout=config.layout,
-        **kw,
+        pad_to_multiple_of=config.pad_to_multiple_of or layout.tp,
+        max_seq_len=limit,
+        max_seq_len_source=source,
+        vocab_size=vocab,
+        dp_group=layout.dp_group if layout.dp > 1 else None,
+        # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
+        # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
+        same_length=bool(layout.vpp),
     )
 
 
-def _pad_multiple(config: StepConfig, layout: ParallelLayout) -> int:
-    return config.pad_to_multiple_of or layout.tp
+def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatches: int = 1) -> None:
+    """Refuse a batch the step cannot take, before anything runs (the step's one sample check).
 
+    A non-empty list of :class:`~fnppo.batch.Sample`, of a length divisible by ``num_minibatches``;
+    no sample longer than ``spec.max_seq_len``; reference and rollout log-probs for every sample or
+    for none (micro-batches that separate them would each look fine on their own); token ids in
+    ``[0, vocab_size)`` of the model (while call-time checking is on: one host sync). The values
+    of each sample (0/1 mask, finite log-probs and advantages) are the collate stage's check.
 
-def _model_limits(chunks: Sequence[nn.Module]) -> tuple[int | None, int | None]:
-    """The model's (padded) vocabulary size and ``max_sequence_length`` (None where unknown)."""
-    core = unwrap_model(chunks[0])
-    return getattr(core, "vocab_size", None), getattr(core, "max_sequence_length", None)
-
-
-def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks: Sequence[nn.Module]) -> int | None:
-    """Refuse samples the model cannot take; returns the sequence-length limit in force.
-
-    The limit is ``config.max_seq_len``, else the model's ``max_sequence_length``. Token ids must lie
-    in ``[0, vocab_size)`` of the model (checked while call-time checking is on: one host sync).
-    Reference and rollout log-probs must be given for every sample or for none.
+    Raises:
+        InputError: naming ``batch`` or ``batch[i]...``.
     """
-    vocab, model_max = _model_limits(chunks)
-    limit = config.max_seq_len if config.max_seq_len is not None else model_max
-    source = "StepConfig.max_seq_len" if config.max_seq_len is not None else "the model's max_sequence_length"
+    if not samples:
+        raise input_error(fn, "batch", "a non-empty list of samples", "an empty list")
+    if len(samples) % num_minibatches:
+        raise input_error(fn, "batch", f"a length divisible by num_minibatches={num_minibatches}", str(len(samples)))
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise input_error(fn, f"batch[{i}]", "a fnppo.Sample", type(s).__name__)
-        if limit is not None and len(s) > limit:
-            raise input_error(
-                fn, f"batch[{i}]", f"at most {limit} tokens ({source})",
-                f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})",
-            )
-    for name in ("ref_logprobs", "rollout_logprobs"):
-        # all samples or none: micro-batches that separate them would each look fine on their own
-        have = [getattr(s, name) is not None for s in samples]
-        if any(have) and not all(have):
-            i = have.index(False)
-            raise input_error(fn, f"batch[{i}].{name}", f"a tensor (batch[{have.index(True)}] has {name}; all samples or none)", "None")
-    if vocab is not None and typechecking_enabled():
-        ids = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
-        if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
-            for i, s in enumerate(samples):
-                for name in ("prompt_ids", "response_ids"):
-                    check_range(fn, f"batch[{i}].{name}", getattr(s, name), 0, vocab)
-    return limit
+    if spec.max_seq_len is not None:
+        limit = spec.max_seq_len
+        check_lengths(fn, samples, limit, f"at most {limit} tokens ({spec.max_seq_len_source})", arg="batch")
+    check_same_fields(fn, samples, arg="batch")
+    if spec.vocab_size is not None and typechecking_enabled():
+        check_token_ids(fn, samples, spec.vocab_size, arg="batch")
 
 
 def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
@@ -199,28 +282,6 @@ def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: Para
         )
 
 
-def _collate_all(samples: Sequence[Sample], config: StepConfig, layout: ParallelLayout, device: torch.device, max_seq_len: int | None = None) -> tuple[Any, list[Microbatch]]:
-    plan = _split(samples, config, layout, max_seq_len)
-    mbs = [
-        _to_device(config.fns.collate(group, layout=config.layout, pad_to_multiple_of=_pad_multiple(config, layout), sample_index=indices), device)
-        for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
-    ]
-    if layout.vpp:
-        # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
-        # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
-        longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
-        mbs = [pad_microbatch(mb, longest) for mb in mbs]
-    return plan, mbs
-
-
-def _to_device(mb: Microbatch, device: torch.device) -> Microbatch:
-    import optree
-
-    if device.type == "cpu":
-        return mb
-    return optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, mb, none_is_leaf=False, namespace="fnppo")
-
-
 def _per_chunk(params: Any, n: int) -> list[Mapping[str, torch.Tensor] | None]:
     if params is None:
         return [None] * n
@@ -234,41 +295,51 @@ def _per_chunk(params: Any, n: int) -> list[Mapping[str, torch.Tensor] | None]:
     return params
 
 
-def _install_finalize(chunks: Sequence[nn.Module]) -> tuple[Any, dict[str, GradStats]]:
-    """Point Megatron's config at fnppo's finalizer; the returned record proves it ran."""
+# ---------------------------------------------------------------------------------------------
+# one update
+# ---------------------------------------------------------------------------------------------
+_MEGATRON_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+"""The fields of Megatron's model config that :func:`_fnppo_finalizer` sets (and restores)."""
+
+
+@contextlib.contextmanager
+def _fnppo_finalizer(chunks: Sequence[nn.Module]) -> Iterator[dict[str, GradStats]]:
+    """Point Megatron's config at fnppo's finalizer for one schedule; restore every field it set.
+
+    Sets :data:`_MEGATRON_HOOKS` on the model config that Megatron's schedule reads: fnppo's
+    :func:`~fnppo.grads.finalize_grads` as ``finalize_model_grads_func``, the chunks' ``no_sync``
+    as ``no_sync_func``, no grad/param sync hooks (fnppo does not overlap communication). On exit
+    (also on error) the four fields get back the values they had, so a user's own schedule run
+    afterwards sees its own settings.
+
+    Yields:
+        A dict that holds ``"stats"`` (:class:`~fnppo.grads.GradStats`) once the finalizer ran.
+    """
     config = unwrap_model(chunks[0]).config
+    saved = {name: getattr(config, name) for name in _MEGATRON_HOOKS}
     record: dict[str, GradStats] = {}
 
     def finalize(model: list[nn.Module], num_tokens: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> None:
         record["stats"] = finalize_grads(model, num_tokens=num_tokens if config.calculate_per_token_loss else None)
 
-    config.finalize_model_grads_func = finalize
     no_sync = [c.no_sync for c in chunks]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    config.grad_sync_func = None
-    config.param_sync_func = None
-    return config, record
-
-
-def _reduce_metrics(store: Sequence[Mapping[str, torch.Tensor]], layout: ParallelLayout, device: torch.device) -> dict[str, torch.Tensor]:
-    """Sum (weighted_sum, weight) metrics over micro-batches, DP ranks, then share across stages."""
-    merged: dict[str, torch.Tensor] = {}
-    if layout.is_last_stage:
-        merged = merge_metrics([s["metrics"] for s in store]) if store else {}
-        if layout.dp > 1 and merged:
-            keys = sorted(merged)
-            flat = torch.stack([merged[k].to(device=device, dtype=torch.float64) for k in keys])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.dp_group)
-            merged = {k: flat[i].float() for i, k in enumerate(keys)}
-        merged = {k: v.detach().cpu() for k, v in merged.items()}
-    if layout.pp > 1:
-        gathered: list[Any] = [None] * layout.pp
-        dist.all_gather_object(gathered, merged, group=layout.pp_group)
-        merged = gathered[-1]
-    return merged
+    installed = {
+        "finalize_model_grads_func": finalize,
+        "no_sync_func": no_sync[0] if len(no_sync) == 1 else no_sync,
+        "grad_sync_func": None,
+        "param_sync_func": None,
+    }
+    try:
+        for name, value in installed.items():
+            setattr(config, name, value)
+        yield record
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
 def _global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, layout: ParallelLayout, device: torch.device) -> torch.Tensor:
+    """The loss denominator of the whole mini-batch: summed over micro-batches and DP ranks (fp64)."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
         local = local + loss_normalizer(mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids).to(device=device, dtype=torch.float64)
@@ -284,11 +355,12 @@ def _forward_step_fn(
     *,
     normalizer: torch.Tensor | None,
     loss_scale: float,
-    with_entropy: bool,
     vocab_size: int | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
+    """Megatron's ``forward_step_func``: forward, then (last stage) logprob -> loss, scaled."""
     fns = config.fns
     loss_cfg = config.loss
+    tp_group = layout.tp_group if layout.tp > 1 else None
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
@@ -296,7 +368,8 @@ def _forward_step_fn(
 
         def loss_func(logits: torch.Tensor):
             _check_logits("train_step", logits, vocab_size, layout)
-            lp, ent = fns.logprob(logits, mb.labels, tp_group=layout.tp_group if layout.tp > 1 else None, temperature=config.temperature, with_entropy=with_entropy)
+            # the entropy is always computed: it is reported as a metric whatever its coefficient
+            lp, ent = fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=True)
             loss, metrics = fns.loss(
                 lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                 entropy=ent, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
@@ -326,6 +399,43 @@ def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forwar
     )
 
 
+def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, spec: _Batching,
+            layout: ParallelLayout, device: torch.device) -> tuple[dict[str, torch.Tensor], float, bool]:
+    """One optimizer update on one mini-batch: the five steps of :func:`train_step`.
+
+    Returns:
+        ``(metrics, grad_norm, stepped)``: metric pairs reduced over micro-batches and DP ranks
+        (identical on every rank), the global grad norm, and whether the optimizer stepped.
+
+    Raises:
+        FinalizeNotCalledError: Megatron's schedule returned without calling the finalizer.
+    """
+    chunks, optimizer = state.model, state.optimizer
+    _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
+                                collate=config.fns.collate, device=device, dp_group=spec.dp_group,
+                                same_length=spec.same_length)
+    normalizer = _global_normalizer(mbs, config.loss, layout, device)
+    for c in chunks:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
+                           vocab_size=spec.vocab_size)
+    with _fnppo_finalizer(chunks) as record:
+        store = _run_schedule(chunks, mbs, fwd, forward_only=False)
+    if "stats" not in record:
+        raise FinalizeNotCalledError(
+            "train_step: Megatron's schedule returned without calling finalize_model_grads; "
+            "gradients were not reduced across data-parallel ranks"
+        )
+    stats = record["stats"]
+    metrics = reduce_metrics([s["metrics"] for s in store] if layout.is_last_stage else [], layout, device)
+    finite = stats.finite and bool(torch.isfinite(metrics.get("loss", torch.zeros(2))).all())
+    if finite:
+        ok, _norm, _zeros = optimizer.step()
+        finite = bool(ok)
+    return metrics, float(stats.grad_norm), finite
+
+
 # ---------------------------------------------------------------------------------------------
 # public
 # ---------------------------------------------------------------------------------------------
@@ -343,84 +453,53 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
        each micro-batch loss is multiplied by ``num_microbatches * dp`` to cancel the schedule's mean
        over micro-batches and DDP's mean over DP ranks;
     4. :func:`~fnppo.grads.finalize_grads` reduces the gradients (installed as Megatron's
-       ``finalize_model_grads_func``; if the schedule does not call it, :class:`FinalizeNotCalledError`);
+       ``finalize_model_grads_func`` for the schedule only; if the schedule does not call it,
+       :class:`FinalizeNotCalledError`);
     5. if the loss and grad norm are finite, the optimizer steps (Megatron clips to ``clip_grad``);
        otherwise the step is skipped, parameters and optimizer state stay untouched, and
        ``metrics["skipped"]`` counts it.
 
-    Returns the new state (same objects, ``step`` advanced by the number of optimizer updates) and
-    metrics reduced exactly over micro-batches and DP ranks, identical on every rank.
+    Reference: PPO, arXiv:1707.06347 (epochs of mini-batch updates on one batch of rollouts).
 
-    Refused before anything runs (:class:`~fnppo.typing.InputError`, nothing changed): an empty
-    batch, a batch length not divisible by ``num_minibatches``, a sample longer than
-    ``config.max_seq_len`` (default: the model's ``max_sequence_length``), token ids outside the
-    model's vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
-    given for some samples only. Inside the schedule: logits from
-    ``config.fns.forward`` whose last dimension is not this rank's vocab shard (e.g. logits already
-    gathered over tensor parallelism). ``docs/errors.md`` lists every error.
+    Returns:
+        The new state (same objects, ``step`` advanced by the number of optimizer updates) and
+        metrics reduced exactly over micro-batches, mini-batches and DP ranks, identical on every
+        rank: the finalized loss metrics, ``grad_norm`` (mean over updates), ``skipped``,
+        ``updates``, ``step`` and ``lr``.
+
+    Raises:
+        InputError: before anything runs, nothing changed: an empty batch, a batch length not
+            divisible by ``num_minibatches``, a sample longer than ``config.max_seq_len``
+            (default: the model's ``max_sequence_length``), token ids outside the model's
+            vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
+            given for some samples only. Inside the schedule: logits from ``config.fns.forward``
+            whose last dimension is not this rank's vocab shard. ``docs/errors.md`` lists every
+            error.
+        FinalizeNotCalledError: see step 4.
     """
-    chunks = state.model
-    optimizer = state.optimizer
     layout = current_layout()
-    device = _device_of(chunks)
     samples = list(batch)
-    if not samples:
-        raise input_error("train_step", "batch", "a non-empty list of samples", "an empty list")
-    if len(samples) % config.num_minibatches:
-        raise input_error("train_step", "batch", f"a length divisible by num_minibatches={config.num_minibatches}", str(len(samples)))
-    max_seq_len = _check_batch("train_step", samples, config, chunks)
-    vocab_size, _ = _model_limits(chunks)
-    step = state.step
+    spec = _batching(config, state.model, layout)
+    _check_batch("train_step", samples, spec, config.num_minibatches)
+    device = _device_of(state.model)
     totals: dict[str, torch.Tensor] = {}
     grad_norms: list[float] = []
     skipped = 0
-    updates = 0
     for _epoch in range(config.ppo_epochs):
         for k in range(config.num_minibatches):
             # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
             # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
-            minibatch = samples[k :: config.num_minibatches]
-            _plan, mbs = _collate_all(minibatch, config, layout, device, max_seq_len)
-            normalizer = _global_normalizer(mbs, config.loss, layout, device)
-            for c in chunks:
-                c.zero_grad_buffer()
-            optimizer.zero_grad()
-            mconfig, record = _install_finalize(chunks)
-            fwd = _forward_step_fn(
-                config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                with_entropy=True,  # always reported as a metric, whatever its coefficient
-                vocab_size=vocab_size,
-            )
-            try:
-                store = _run_schedule(chunks, mbs, fwd, forward_only=False)
-            finally:
-                mconfig.finalize_model_grads_func = None
-            if "stats" not in record:
-                raise FinalizeNotCalledError(
-                    "train_step: Megatron's schedule returned without calling finalize_model_grads; "
-                    "gradients were not reduced across data-parallel ranks"
-                )
-            stats = record["stats"]
-            metrics = _reduce_metrics(store, layout, device)
-            loss_sum = metrics.get("loss", torch.zeros(2))
-            finite = stats.finite and bool(torch.isfinite(loss_sum).all())
-            if finite:
-                ok, _norm, _zeros = optimizer.step()
-                finite = bool(ok)
-            if finite:
-                updates += 1
-            else:
-                skipped += 1
-            grad_norms.append(float(stats.grad_norm))
-            for key, v in metrics.items():
-                totals[key] = totals[key] + v if key in totals else v
-            step += 1
+            metrics, norm, stepped = _update(state, samples[k :: config.num_minibatches], config, spec, layout, device)
+            totals = merge_metrics([totals, metrics])
+            grad_norms.append(norm)
+            skipped += 0 if stepped else 1
+    step = state.step + len(grad_norms)
     out = finalize_metrics(totals)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["skipped"] = float(skipped)
-    out["updates"] = float(updates)
+    out["updates"] = float(len(grad_norms) - skipped)
     out["step"] = float(step)
-    lr = [g["lr"] for g in optimizer.param_groups] if hasattr(optimizer, "param_groups") else []
+    lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
     if lr:
         out["lr"] = float(lr[0])
     return dataclasses.replace(state, step=step), out
@@ -432,13 +511,26 @@ def forward_only(
     output_fn: Callable[[torch.Tensor, Microbatch], Any],
     *,
     params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
-    forward: Callable[..., torch.Tensor] = forward_logits,
+    forward: ForwardFn = forward_logits,
 ) -> list[Any] | None:
     """Run Megatron's schedule forward-only (eval mode, no autograd) over collated micro-batches.
 
     ``output_fn(logits, microbatch)`` is applied on the last pipeline stage to each micro-batch's
-    vocab-parallel logits; the list of its results (in micro-batch order) is returned there, ``None``
-    on other stages. ``params`` as in :func:`compute_logprobs`. Use it for sampling and evaluation.
+    vocab-parallel logits. Use it for sampling and evaluation.
+
+    Args:
+        model_chunks: the (DDP-wrapped) model chunks.
+        microbatches: collated micro-batches on the model's device.
+        output_fn: what to keep of each micro-batch's logits.
+        params: as in :func:`compute_logprobs`.
+        forward: the forward stage (:class:`ForwardFn`).
+
+    Returns:
+        The results of ``output_fn`` in micro-batch order on the last pipeline stage, ``None`` on
+        the other stages.
+
+    Raises:
+        InputError: no micro-batches; ``params`` not one dict per model chunk.
     """
     chunks = list(model_chunks)
     if not microbatches:
@@ -468,58 +560,27 @@ def forward_only(
     return [s["out"] for s in store]
 
 
-def compute_logprobs(
-    model_chunks: Sequence[nn.Module],
-    batch: Sequence[Sample],
-    *,
-    params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
-    with_entropy: bool = False,
-    config: StepConfig | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Forward-only log-probs (and entropy) of every sample's response tokens, in sample order.
+def _logprob_config(config: StepConfig | None, **given: Any) -> StepConfig:
+    """``config`` (or the defaults) with the keywords of :func:`compute_logprobs` that are not None.
 
-    Runs Megatron's schedule with ``forward_only=True`` in eval mode (no dropout) and without
-    autograd. Returns, on every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample
-    of ``batch`` (this DP rank's samples) in their original order, and the entropies likewise (or
-    ``None``). ``params`` (one dict per model chunk, names of the unwrapped ``GPTModel``) evaluates
-    another parameter set with the same modules, e.g. the frozen reference policy
-    (:func:`fnppo.model.snapshot_params`). ``config`` supplies the split, layout and temperature
-    (its loss settings are unused).
+    A split mode given as a keyword replaces the one of ``config``. Validated by :class:`StepConfig`.
     """
-    config = config or StepConfig()
-    chunks = list(model_chunks)
-    layout = current_layout()
-    device = _device_of(chunks)
-    samples = list(batch)
-    if not samples:
-        raise input_error("compute_logprobs", "batch", "a non-empty list of samples", "an empty list")
-    max_seq_len = _check_batch("compute_logprobs", samples, config, chunks)
-    vocab_size, _ = _model_limits(chunks)
-    plan, mbs = _collate_all(samples, config, layout, device, max_seq_len)
-    tp_group = layout.tp_group if layout.tp > 1 else None
+    base = config or StepConfig()
+    given = {k: v for k, v in given.items() if v is not None}
+    if any(k in given for k in SPLIT_MODES):
+        base = dataclasses.replace(base, num_microbatches=None, microbatch_size=None, max_tokens_per_microbatch=None)
+    return dataclasses.replace(base, **given) if given else base
 
-    def per_token(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _check_logits("compute_logprobs", logits, vocab_size, layout)
-        lp, ent = config.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
-        return lp, ent
 
-    store = forward_only(chunks, mbs, per_token, params=params, forward=config.fns.forward)
-    lengths = [int(s.response_ids.numel()) for s in samples]
+def _from_last_stage(per_sample: list[tuple[torch.Tensor, torch.Tensor | None]] | None, lengths: list[int],
+                     with_entropy: bool, layout: ParallelLayout, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per-sample results of the last pipeline stage (None elsewhere), on every stage (one broadcast)."""
     total = sum(lengths)
-    n_out = 2 if with_entropy else 1
-    flat = torch.zeros(n_out, total, dtype=torch.float32)
-    if layout.is_last_stage:
-        per_sample_lp: list[torch.Tensor | None] = [None] * len(samples)
-        per_sample_ent: list[torch.Tensor | None] = [None] * len(samples)
-        for indices, mb, out in zip(plan.microbatches, mbs, store):
-            lps = unpack_per_sample(out[0], mb)
-            ents = unpack_per_sample(out[1], mb) if with_entropy else [None] * len(lps)
-            for idx, lp, ent in zip(indices, lps, ents):
-                per_sample_lp[idx] = lp.float().cpu()
-                per_sample_ent[idx] = None if ent is None else ent.float().cpu()
-        flat[0] = torch.cat([t for t in per_sample_lp]) if total else flat[0]
-        if with_entropy and total:
-            flat[1] = torch.cat([t for t in per_sample_ent])
+    flat = torch.zeros(2 if with_entropy else 1, total, dtype=torch.float32)
+    if per_sample is not None and total:
+        flat[0] = torch.cat([lp for lp, _ in per_sample])
+        if with_entropy:
+            flat[1] = torch.cat([ent for _, ent in per_sample])
     if layout.pp > 1:
         buf = flat.to(device)
         src = dist.get_global_rank(layout.pp_group, layout.pp - 1)
@@ -528,3 +589,73 @@ def compute_logprobs(
     lp_out = list(torch.split(flat[0], lengths))
     ent_out = list(torch.split(flat[1], lengths)) if with_entropy else None
     return lp_out, ent_out
+
+
+def compute_logprobs(
+    model_chunks: Sequence[nn.Module],
+    batch: Sequence[Sample],
+    *,
+    params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
+    with_entropy: bool = False,
+    temperature: float | None = None,
+    layout: str | None = None,
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    max_seq_len: int | None = None,
+    fns: StepFns | None = None,
+    config: StepConfig | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Forward-only log-probs (and entropy) of every sample's response tokens, in sample order.
+
+    ``logprobs_i[j] = log pi(y_ij | x_i, y_i<j) `` at ``temperature`` (and the entropy of that
+    distribution), for every response token ``j`` of every sample ``i``. Runs Megatron's schedule
+    with ``forward_only=True`` in eval mode (no dropout) and without autograd.
+
+    Args:
+        model_chunks: the (DDP-wrapped) model chunks.
+        batch: this DP rank's samples (the same on its TP and PP ranks).
+        params: one dict per model chunk (names of the unwrapped ``GPTModel``): evaluate another
+            parameter set with the same modules, e.g. the frozen reference policy
+            (:func:`fnppo.model.snapshot_params`).
+        with_entropy: also return the entropies.
+        temperature, layout, num_microbatches, microbatch_size, max_tokens_per_microbatch,
+            pad_to_multiple_of, max_seq_len: as in :class:`StepConfig` (None: from ``config``,
+            else the default).
+        fns: the collate, forward and logprob stages (:class:`StepFns`; its loss is unused).
+        config: a :class:`StepConfig` supplying every field above left None (accepted for
+            compatibility; its loss settings are unused).
+
+    Returns:
+        On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the
+        order of ``batch`` (restored by :meth:`~fnppo.split.SplitPlan.restore`), and the entropies
+        likewise (or ``None``).
+
+    Raises:
+        InputError: as :func:`train_step` for the batch and the logits; ``params`` not one dict
+            per chunk; invalid keywords (as :class:`StepConfig`).
+    """
+    cfg = _logprob_config(config, temperature=temperature, layout=layout, num_microbatches=num_microbatches,
+                          microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                          pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, fns=fns)
+    chunks = list(model_chunks)
+    par = current_layout()
+    device = _device_of(chunks)
+    samples = list(batch)
+    spec = _batching(cfg, chunks, par)
+    _check_batch("compute_logprobs", samples, spec)
+    plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
+                                   collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
+                                   same_length=spec.same_length)
+    tp_group = par.tp_group if par.tp > 1 else None
+
+    def per_sample(logits: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        _check_logits("compute_logprobs", logits, spec.vocab_size, par)
+        lp, ent = cfg.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=cfg.temperature, with_entropy=with_entropy)
+        ents = unpack_per_sample(ent, mb) if with_entropy else [None] * mb.num_samples
+        return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack_per_sample(lp, mb), ents)]
+
+    store = forward_only(chunks, mbs, per_sample, params=params, forward=cfg.fns.forward)
+    restored = None if store is None else plan.restore(store)
+    return _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fnppo import batch as B
+from fnppo import split as S
 from fnppo.batch import (
     Microbatch,
     Sample,
@@ -538,7 +539,7 @@ def test_split_token_budget_under_agreed_count(case, extra):
     samples = _lens(*lengths)
     k_local = split_batch(samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout).num_microbatches
     agreed = min(len(samples), k_local + extra)
-    with mock.patch.object(B, "_agree", lambda k, n, g: (max(k, agreed), n)):
+    with mock.patch.object(S, "_agree", lambda k, n, g: (max(k, agreed), n)):
         plan = split_batch(samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout, dp_group=object())
     assert plan.num_microbatches == agreed
     assert sorted(plan.order) == list(range(len(samples)))
@@ -549,12 +550,12 @@ def test_split_token_budget_under_agreed_count(case, extra):
 
 
 def test_split_to_moves_shortest_of_fullest_group():
-    assert B._split_to([[0, 1, 2], [3]], 3) == [[0, 1], [3], [2]]
-    assert B._split_to([[0, 1], [2, 3]], 4) == [[0], [2], [1], [3]]
+    assert S._split_to([[0, 1, 2], [3]], 3) == [[0, 1], [3], [2]]
+    assert S._split_to([[0, 1], [2, 3]], 4) == [[0], [2], [1], [3]]
 
 
 def test_split_agreed_count_above_batch_size_is_an_error_on_every_rank():
-    with mock.patch.object(B, "_agree", lambda k, n, g: (5, 2)):
+    with mock.patch.object(S, "_agree", lambda k, n, g: (5, 2)):
         with pytest.raises(InputError, match=r"split_batch: argument 'samples' expected at least 5 samples on every data-parallel rank.*received 2 samples on some rank \(3 here\)"):
             split_batch(_lens(2, 2, 2), num_microbatches=1, dp_group=object())
 

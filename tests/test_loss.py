@@ -490,23 +490,49 @@ def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
     return lp, old, adv, mask, ent, ref, rollout
 
 
+# Input dtypes of the loss tests, each against the float64 loop reference evaluated on the very values
+# the dtype holds (inputs rounded to the dtype, then promoted to fp64). ppo_loss computes in
+# promote_types(dtype, fp32), so fp32 and bf16 losses carry fp32 rounding only; gradients come back in
+# the input dtype (bf16 keeps 8 significant bits: relative rounding <= 2^-9).
+DTYPE_TOL = {  # dtype -> (loss tolerance, gradient tolerance) for torch.testing.assert_close
+    torch.float64: (dict(rtol=1e-12, atol=1e-12), dict(rtol=1e-12, atol=1e-12)),  # exact up to summation order
+    torch.float32: (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-5, atol=1e-6)),
+    torch.bfloat16: (dict(rtol=1e-5, atol=1e-6), dict(rtol=2**-8, atol=1e-6)),
+}
+DTYPE_IDS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16"}
+CHECKING = pytest.mark.parametrize("checking", [True, False], ids=["checking-on", "checking-off"])
+DTYPES = pytest.mark.parametrize("dtype", list(DTYPE_TOL), ids=DTYPE_IDS.get)
+
+
+@CHECKING
+@DTYPES
 @pytest.mark.parametrize("name", DETERMINISTIC)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_matches_loop_reference(name, mode):
-    lp0, old, adv, mask, ent, ref, rollout = random_batch(hash((name, mode)) % 1000, 4, 6)
+def test_matches_loop_reference(name, mode, dtype, checking):
+    from fnppo.typing import typechecking
+
+    batch = random_batch(hash((name, mode)) % 1000, 4, 6)
+    lp0, old, adv, mask, ent, ref, rollout = (x.to(dtype) for x in batch)
+    loss_tol, grad_tol = DTYPE_TOL[dtype]
     for extra in (dict(), dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
                   dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2)):
         cfg = cfg_for(name, mode, **extra)
         lp = leaf(lp0)
         ent_l = leaf(ent)
         kw = dict(entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout)
-        loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
-        expected = reference_loss(lp, old, adv, mask, cfg, ent_l, ref, rollout)
-        torch.testing.assert_close(loss, expected)
+        with typechecking(checking):
+            loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
+        assert loss.dtype == torch.promote_types(dtype, torch.float32)
+        lp64, ent64 = leaf(lp0.double()), leaf(ent.double())
+        expected = reference_loss(lp64, old.double(), adv.double(), mask.double(), cfg, ent64, ref.double(),
+                                  rollout.double())
+        torch.testing.assert_close(loss.double(), expected, **loss_tol)
         g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
-        ge = torch.autograd.grad(expected, [lp, ent_l], allow_unused=True)
-        for a, e, x in zip(g, ge, (lp, ent_l)):
-            torch.testing.assert_close(torch.zeros_like(x) if a is None else a, torch.zeros_like(x) if e is None else e)
+        ge = torch.autograd.grad(expected, [lp64, ent64], allow_unused=True)
+        for a, e, x in zip(g, ge, (lp64, ent64)):
+            assert a is None or a.dtype == dtype
+            torch.testing.assert_close(torch.zeros_like(x) if a is None else a.double(),
+                                       torch.zeros_like(x) if e is None else e, **grad_tol)
 
 
 # =============================================================================================
@@ -760,6 +786,57 @@ def test_value_loss_closed_form():
         value_loss(v, old, ret, mask, 0.1, loss_agg_mode="nope")
     empty, _ = value_loss(v, old, ret, torch.zeros(1, 3), 0.1)
     assert empty.item() == 0.0 and torch.equal(grad_of(empty, v), torch.zeros(1, 3))
+
+
+def reference_value_loss(v, old, ret, mask, clip, mode, scale):
+    """The documented value loss, one token at a time."""
+    seqs = []
+    for b in range(v.shape[0]):
+        terms = []
+        for j in range(v.shape[1]):
+            if mask[b, j] == 0:
+                continue
+            l1 = (v[b, j] - ret[b, j]) ** 2
+            if clip is None:
+                terms.append(0.5 * l1)
+                continue
+            v_clip = old[b, j] + torch.clamp(v[b, j] - old[b, j], -clip, clip)
+            terms.append(0.5 * torch.maximum(l1, (v_clip - ret[b, j]) ** 2))
+        if terms:
+            seqs.append(terms)
+    if not seqs:
+        return v.sum() * 0
+    if mode == "token-mean":
+        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(s) for s in seqs) / len(seqs)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
+    return sum(sum(s) / scale for s in seqs) / len(seqs)
+
+
+@CHECKING
+@DTYPES
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_value_loss_matches_loop_reference(mode, dtype, checking):
+    from fnppo.typing import typechecking
+
+    g = torch.Generator().manual_seed(11)
+    v0, old, ret = (torch.randn(3, 5, generator=g).to(dtype) for _ in range(3))
+    mask = (torch.rand(3, 5, generator=g) < 0.6).to(dtype)
+    mask[1] = 0  # an empty sequence
+    scale = 3.0 if mode.endswith("norm") else None
+    loss_tol, grad_tol = DTYPE_TOL[dtype]
+    for clip in (0.3, None):
+        v = leaf(v0)
+        with typechecking(checking):
+            loss, _ = value_loss(v, old, ret, mask, clip, loss_agg_mode=mode, loss_scale_factor=scale)
+        v64 = leaf(v0.double())
+        expected = reference_value_loss(v64, old.double(), ret.double(), mask.double(), clip, mode, scale)
+        torch.testing.assert_close(loss.double(), expected, **loss_tol)
+        got, want = grad_of(loss, v), grad_of(expected, v64)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, **grad_tol)
 
 
 @settings(max_examples=20, deadline=None)
