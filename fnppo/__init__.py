@@ -35,6 +35,7 @@ from fnppo.hf import build_gpt_from_hf as build_gpt_from_hf
 from fnppo.hf import export_hf_weights as export_hf_weights
 from fnppo.hf import load_hf_weights as load_hf_weights
 from fnppo.hf import model_config_from_hf as model_config_from_hf
+from fnppo.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy as logprob_and_entropy
 from fnppo.loss import PolicyLossConfig as PolicyLossConfig
 from fnppo.loss import PolicyLossInputs as PolicyLossInputs
