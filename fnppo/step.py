@@ -24,9 +24,10 @@ from torch import nn
 
 from fnppo.batch import Microbatch, Sample, collate_microbatch, pad_microbatch, split_batch, unpack_per_sample
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
+from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import PolicyLossConfig, finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
-from fnppo.model import forward_logits, unwrap_model
+from fnppo.model import forward_hidden, forward_logits, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.typing import check_range, describe, input_error, typechecking_enabled
 
@@ -61,6 +62,10 @@ class StepConfig:
     batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
     length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
     the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
+    ``fused_output``: the last pipeline stage stops before the output layer
+    (:func:`~fnppo.model.forward_hidden`) and computes log-probs and entropy with
+    :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
+    ``forward`` and ``logprob`` stages of ``fns`` (which must then be the defaults).
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -74,6 +79,7 @@ class StepConfig:
     num_minibatches: int = 1
     ppo_epochs: int = 1
     fns: StepFns = field(default_factory=StepFns)
+    fused_output: bool = False
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
@@ -88,6 +94,8 @@ class StepConfig:
                 raise input_error(fn, n, "an int >= 1", repr(v))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
+        if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):
+            raise input_error(fn, "fused_output", "False when fns.forward or fns.logprob is replaced (the fused path replaces both)", "True")
 
 
 @dataclass(frozen=True)
@@ -292,11 +300,10 @@ def _forward_step_fn(
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
-        out = fns.forward(model, mb)
+        out, weight = forward_hidden(model, mb) if config.fused_output else (fns.forward(model, mb), None)
 
         def loss_func(logits: torch.Tensor):
-            _check_logits("train_step", logits, vocab_size, layout)
-            lp, ent = fns.logprob(logits, mb.labels, tp_group=layout.tp_group if layout.tp > 1 else None, temperature=config.temperature, with_entropy=with_entropy)
+            lp, ent = _token_logprobs("train_step", logits, weight, mb, config, layout, vocab_size, with_entropy)
             loss, metrics = fns.loss(
                 lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                 entropy=ent, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
@@ -307,6 +314,19 @@ def _forward_step_fn(
         return out, loss_func
 
     return forward_step
+
+
+def _token_logprobs(
+    fn: str, out: torch.Tensor, weight: torch.Tensor | None, mb: Microbatch, config: StepConfig,
+    layout: ParallelLayout, vocab_size: int | None, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``mb``'s labels from the logits, or, with ``weight`` (the fused
+    path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard."""
+    tp_group = layout.tp_group if layout.tp > 1 else None
+    if weight is None:
+        _check_logits(fn, out, vocab_size, layout)
+        return config.fns.logprob(out, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
+    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
 
 
 def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool) -> list[Any]:
@@ -496,14 +516,18 @@ def compute_logprobs(
     max_seq_len = _check_batch("compute_logprobs", samples, config, chunks)
     vocab_size, _ = _model_limits(chunks)
     plan, mbs = _collate_all(samples, config, layout, device, max_seq_len)
-    tp_group = layout.tp_group if layout.tp > 1 else None
+    weights: dict[str, torch.Tensor | None] = {"w": None}
+
+    def fused_forward(model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        # The schedule calls per_token right after the last stage's forward of the same micro-batch.
+        hidden, weights["w"] = forward_hidden(model, mb, params=params)
+        return hidden
 
     def per_token(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _check_logits("compute_logprobs", logits, vocab_size, layout)
-        lp, ent = config.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
-        return lp, ent
+        return _token_logprobs("compute_logprobs", logits, weights["w"], mb, config, layout, vocab_size, with_entropy)
 
-    store = forward_only(chunks, mbs, per_token, params=params, forward=config.fns.forward)
+    forward = fused_forward if config.fused_output else config.fns.forward
+    store = forward_only(chunks, mbs, per_token, params=params, forward=forward)
     lengths = [int(s.response_ids.numel()) for s in samples]
     total = sum(lengths)
     n_out = 2 if with_entropy else 1
