@@ -103,11 +103,15 @@ def linear_logprob_and_entropy(
     logits. Gradients are returned in the inputs' dtypes.
 
     Memory: saved for backward are the inputs as given (no copy) and two fp32 values per token
-    (``logsumexp`` and the entropy). Extra memory in the backward: one block of logit gradients and
-    an fp32 accumulator for a group of tokens' hidden gradients, together below 5% of one logits
-    tensor by default (``chunk_tokens`` x ``chunk_vocab`` block; the token group is the whole batch
-    unless ``2 * hidden / vocab_shard`` exceeds 3%). With several token groups the weight gradient
-    is accumulated over groups in the weight's dtype.
+    (``logsumexp`` and the entropy). On CUDA (Triton) the forward needs O(tokens) extra memory and
+    the backward one block of logit gradients (``chunk_tokens x chunk_vocab`` in the inputs' dtype)
+    plus an fp32 accumulator of one token group's hidden gradient, together at most 4.5% of one
+    ``[tokens, vocab_shard]`` logits tensor in the inputs' dtype by default (measured on an H200:
+    BENCHMARKS.md). The token group is the whole batch unless its fp32 accumulator would exceed 3%
+    (``4 * hidden / (itemsize * vocab_shard) > 0.03``, e.g. hidden 4,096 with a 151,936 vocabulary);
+    with several groups the weight gradient is accumulated over the groups in the weight's dtype.
+    The PyTorch path (CPU, CI) works on fp32 blocks of about 1/16 of the logits and keeps fp32
+    accumulators for both gradients.
 
     Never writes to ``hidden``, ``weight`` or ``labels``.
 
