@@ -532,3 +532,131 @@ def test_inputs_not_modified():
     for k, v in inputs.items():
         assert v._version == versions[k], k
         assert torch.equal(v.detach(), copies[k]), k
+
+
+# =============================================================================================
+# train_step under DP=2 and TP=2 against an independent single-process reference
+# =============================================================================================
+# Reference: one process, one micro-batch of all samples, forward_logits -> logprob_and_entropy ->
+# ppo_loss (the local normalizer and the local mean weight are then the global ones), autograd.
+# train_step runs with SGD (lr = STEP_LR, no clipping): its first update is -lr * gradient, so
+# (w0 - w1) / lr is the gradient train_step applied, gathered over TP shards.
+STEP_LR = 1000.0
+STEP_REL = 1e-6
+STEP_CASES = {
+    "bypass": dict(bypass_old_logprobs=True, clip_ratio_high=0.28, tis_reject_low=0.92),
+    "bypass-gpg-tis": dict(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=1.1),
+    "norm-token": dict(tis_cap=1.1, tis_batch_normalize=True),
+    "norm-seq": dict(tis_cap=1.2, tis_level="sequence", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
+    "reject-k3": dict(tis_cap=1.1, tis_batch_normalize=True, reject_seq_k3=0.006),
+}
+STEP_METRICS = ("loss", "pg_loss", "entropy", "kl_loss", "tis_weight", "tis_batch_mean", "rollout_rejected_frac",
+                "reject_seq_k3_frac", "tis_rejected_frac", "rollout_kl")
+
+
+def _step_loss_cfg(name: str) -> PolicyLossConfig:
+    return PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05, **STEP_CASES[name])
+
+
+def _step_chunks():
+    import fnppo
+
+    cfg = fnppo.ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=True)
+    chunks = fnppo.build_gpt(cfg)
+    fnppo.layout_invariant_init(chunks, seed=3)
+    return chunks
+
+
+def _case_samples(samples, name: str):
+    return [dataclasses.replace(s, old_logprobs=None) for s in samples] if name.startswith("bypass") else samples
+
+
+def _step_reference() -> dict:
+    """Samples with log-probs near the model's, then every case by plain autograd on one process."""
+    import fnppo
+    from fnppo.testing import synthetic_samples
+
+    torch.set_default_dtype(torch.float32)
+    chunks = _step_chunks()
+    base = synthetic_samples(8, seed=11, with_rollout=True)
+    lps, _ = fnppo.compute_logprobs(fnppo.wrap_ddp(chunks, use_distributed_optimizer=False), base)
+    g = torch.Generator().manual_seed(5)
+    samples = [dataclasses.replace(s, old_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g),
+                                   rollout_logprobs=lp + 0.1 * torch.randn(lp.shape, generator=g),
+                                   ref_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g))
+               for s, lp in zip(base, lps, strict=True)]
+    core = fnppo.model.unwrap_model(chunks[0])
+    params = dict(core.named_parameters())
+    out = {"samples": samples, "cases": {}}
+    for name in STEP_CASES:
+        cfg = _step_loss_cfg(name)
+        mb = fnppo.collate_microbatch(_case_samples(samples, name), layout="packed", pad_to_multiple_of=1)
+        lp, ent = fnppo.logprob_and_entropy(fnppo.forward_logits(core, mb), mb.labels, with_entropy=True)
+        loss, metrics = ppo_loss(lp, None if cfg.bypass_old_logprobs else mb.old_logprobs, mb.advantages,
+                                 mb.loss_mask, cfg, entropy=ent, ref_logprobs=mb.ref_logprobs,
+                                 rollout_logprobs=mb.rollout_logprobs, seq_ids=mb.seq_ids)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        out["cases"][name] = {"grads": dict(zip(params, grads)), "metrics": finalize_metrics(metrics)}
+    return out
+
+
+def _step_layout(samples, split: dict) -> dict:
+    import fnppo
+
+    torch.set_default_dtype(torch.float32)
+    layout = fnppo.current_layout()
+    out = {}
+    for name in STEP_CASES:
+        ddp = fnppo.wrap_ddp(_step_chunks(), use_distributed_optimizer=False)
+        state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="sgd", lr=STEP_LR, clip_grad=0.0))
+        w0 = fnppo.gather_full_weights(state.model)
+        mine = fnppo.shard_for_data_parallel(_case_samples(samples, name), layout)
+        state, metrics = fnppo.train_step(state, mine, fnppo.StepConfig(loss=_step_loss_cfg(name), **split))
+        w1 = fnppo.gather_full_weights(state.model)
+        out[name] = {"metrics": metrics, "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0}}
+    return out if layout.rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def step_reference():
+    from fnppo.testing import run_ranks
+
+    return run_ranks(_step_reference, 1)[0]
+
+
+def test_step_reference_cases_are_not_vacuous(step_reference):
+    cases = step_reference["cases"]
+    for name, case in cases.items():
+        m = case["metrics"]
+        assert max(float(g.abs().max()) for g in case["grads"].values()) > 1e-3, name
+        if "tis_cap" in STEP_CASES[name]:
+            assert 0.0 < m["tis_truncated_frac"] < 1.0, (name, m)
+        if STEP_CASES[name].get("tis_batch_normalize"):
+            assert abs(m["tis_batch_mean"] - 1.0) > 1e-3 and m["tis_weight"] == pytest.approx(1.0, abs=0.2), (name, m)
+    assert 0.0 < cases["bypass"]["metrics"]["tis_rejected_frac"] < 1.0
+    assert 0.0 < cases["reject-k3"]["metrics"]["rollout_rejected_frac"] < 1.0
+    # bypass: the ratio is against the rollout log-probs, not the old ones
+    assert cases["bypass"]["metrics"]["ppo_kl"] == pytest.approx(cases["bypass"]["metrics"]["rollout_kl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world,tp,split", [(2, 1, {"num_microbatches": 2}), (2, 2, {"max_tokens_per_microbatch": 24})],
+                         ids=["dp2", "tp2"])
+def test_train_step_matches_single_process_reference(step_reference, world, tp, split):
+    from fnppo.testing import run_ranks
+
+    got = run_ranks(_step_layout, world, step_reference["samples"], split, tp=tp)[0]
+    worst = 0.0
+    for name, ref in step_reference["cases"].items():
+        mine = got[name]
+        assert mine["metrics"]["skipped"] == 0.0, name
+        for key in STEP_METRICS:
+            if key in ref["metrics"]:
+                r, g = ref["metrics"][key], mine["metrics"][key]
+                assert g == pytest.approx(r, rel=STEP_REL, abs=1e-7), f"{name}: metric {key} {g} vs {r}"
+        assert ref["grads"].keys() == mine["grads"].keys()
+        for k, r in ref["grads"].items():
+            err = float((mine["grads"][k] - r).abs().max() / r.abs().max().clamp_min(1e-12))
+            worst = max(worst, err)
+            assert err <= STEP_REL, f"{name}: gradient of {k} differs by {err:.2e}"
+    print(f"dp={world // tp} tp={tp}: max relative gradient difference {worst:.2e}")
