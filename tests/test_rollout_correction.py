@@ -606,15 +606,23 @@ def _step_layout(samples, split: dict) -> dict:
 
     torch.set_default_dtype(torch.float32)
     layout = fnppo.current_layout()
+    seen_old: list[bool] = []
+
+    def loss_fn(lp, old, *args, rollout_logprobs, **kwargs):  # a user loss stage sees old = rollout in bypass mode
+        seen_old.append(old is not None and torch.equal(old, rollout_logprobs))
+        return ppo_loss(lp, old, *args, rollout_logprobs=rollout_logprobs, **kwargs)
+
     out = {}
     for name in STEP_CASES:
         ddp = fnppo.wrap_ddp(_step_chunks(), use_distributed_optimizer=False)
         state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="sgd", lr=STEP_LR, clip_grad=0.0))
         w0 = fnppo.gather_full_weights(state.model)
         mine = fnppo.shard_for_data_parallel(_case_samples(samples, name), layout)
-        state, metrics = fnppo.train_step(state, mine, fnppo.StepConfig(loss=_step_loss_cfg(name), **split))
+        step_cfg = fnppo.StepConfig(loss=_step_loss_cfg(name), fns=fnppo.StepFns(loss=loss_fn), **split)
+        seen_old.clear()
+        state, metrics = fnppo.train_step(state, mine, step_cfg)
         w1 = fnppo.gather_full_weights(state.model)
-        out[name] = {"metrics": metrics, "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0}}
+        out[name] = {"metrics": metrics, "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0}, "old_is_rollout": list(seen_old)}
     return out if layout.rank == 0 else {}
 
 
@@ -650,6 +658,8 @@ def test_train_step_matches_single_process_reference(step_reference, world, tp, 
     for name, ref in step_reference["cases"].items():
         mine = got[name]
         assert mine["metrics"]["skipped"] == 0.0, name
+        bypass = STEP_CASES[name].get("bypass_old_logprobs", False)
+        assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (name, mine["old_is_rollout"])
         for key in STEP_METRICS:
             if key in ref["metrics"]:
                 r, g = ref["metrics"][key], mine["metrics"][key]
