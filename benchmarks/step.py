@@ -8,6 +8,10 @@ micro-batches; steps of A and B alternate. B differs only in the stages:
 * entropy from a separate vocab-parallel entropy function that saves the softmax for backward,
 * the loss reduced as a mean of per-micro-batch token means (fnppo uses one global normalizer).
 
+Path C is A with ``StepConfig(fused_output=True)``: the last stage stops before the output layer and
+``linear_logprob_and_entropy`` computes log-probs and entropy from the hidden states and the output
+weight, never materializing the logits.
+
 Prints: tokens/s (median over the timed steps), peak memory, first-step log-probs and grad norms of A
 vs B, and (``--search``) the largest micro-batch token budget that fits for each path.
 
@@ -51,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
     p.add_argument("--search-max", type=int, default=262144)
-    p.add_argument("--paths", default="A,B")
+    p.add_argument("--paths", default="A,B,C")
     p.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     return p.parse_args(argv)
 
@@ -140,8 +144,8 @@ def build_state(args, layout):
 
 def step_config(path: str, mb_tokens: int, n_mb: int, dp: int) -> fnppo.StepConfig:
     loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3")
-    fns = fnppo.StepFns() if path == "A" else fnppo.StepFns(logprob=baseline_logprob, loss=baseline_loss_fn(n_mb, dp))
-    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns)
+    fns = fnppo.StepFns(logprob=baseline_logprob, loss=baseline_loss_fn(n_mb, dp)) if path == "B" else fnppo.StepFns()
+    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=path == "C")
 
 
 def sync(device):
@@ -254,6 +258,9 @@ def run(args, layout, device) -> int:
         result["logits_copy_gib"] = logits_gib
         if device.type == "cuda":
             result["peak_saving_in_logits_copies"] = (result["B"]["peak_gib"] - result["A"]["peak_gib"]) / logits_gib
+    if "A" in paths and "C" in paths:
+        result["first_logprobs_max_abs_diff_C_vs_A"] = float((first["C"]["logprobs"] - first["A"]["logprobs"]).abs().max())
+        result["speedup_C_over_A"] = result["C"]["tokens_per_s"] / result["A"]["tokens_per_s"]
     if args.search and device.type == "cuda":
         for p in paths:
             result[p]["max_mb_tokens"] = search(state, args, p, layout, device)

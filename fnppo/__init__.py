@@ -30,6 +30,7 @@ from fnppo.batch import collate_microbatch as collate_microbatch
 from fnppo.batch import padding_multiple as padding_multiple
 from fnppo.batch import unpack_per_sample as unpack_per_sample
 from fnppo.logprob import logprob_and_entropy as logprob_and_entropy
+from fnppo.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
 from fnppo.loss import PolicyLossConfig as PolicyLossConfig
 from fnppo.loss import compute_tis_weights as compute_tis_weights
 from fnppo.loss import kl_penalty as kl_penalty
@@ -117,7 +118,7 @@ __all__ = [
     # batching
     "Microbatch", "Sample", "SplitPlan", "collate_microbatch", "padding_multiple", "split_batch", "unpack_per_sample",
     # log-probs, losses, metrics
-    "logprob_and_entropy", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
+    "logprob_and_entropy", "linear_logprob_and_entropy", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
     "get_policy_loss", "kl_penalty", "loss_normalizer", "merge_metrics", "ppo_loss", "register_policy_loss",
     "registered_policy_losses", "value_loss",
     # more advantage estimators, KL control

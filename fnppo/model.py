@@ -27,6 +27,7 @@ __all__ = [
     "build_optimizer",
     "unwrap_model",
     "forward_logits",
+    "forward_hidden",
     "packed_seq_params",
     "load_full_weights",
     "gather_full_weights",
@@ -315,6 +316,50 @@ def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
         return target(*args, **kwargs)
     named = {prefix + k: v for k, v in params.items()}
     return torch.func.functional_call(target, named, args, kwargs, strict=False)
+
+
+@typechecked
+def forward_hidden(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> tuple[Float[Tensor, "..."], Tensor | None]:
+    """Like :func:`forward_logits`, but the last pipeline stage stops before the output layer.
+
+    Returns ``(hidden, weight)``. On the last stage: ``hidden`` ``[seq, batch, hidden]`` is the
+    decoder's output after the final norm, in the model's dtype, made ready for this rank's
+    output-weight shard the way Megatron's output layer (``ColumnParallelLinear``) readies its
+    input: under tensor parallelism its gradient is summed over the TP group
+    (``copy_to_tensor_model_parallel_region``); under sequence parallelism it is gathered over the
+    sequence (``gather_from_sequence_parallel_region``); and ``weight`` ``[vocab_shard, hidden]`` is
+    the output layer's weight shard, the word embedding when embeddings are tied
+    (``GPTModel.shared_embedding_or_output_weight``; taken from ``params`` when given there). Feed
+    both to :func:`fnppo.linear_logprob_and_entropy`: ``hidden @ weight.T`` are this rank's
+    logits. On other stages: ``(hidden state to send, None)``, as :func:`forward_logits`.
+    """
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    core = unwrap_model(model)
+    if not core.post_process:
+        return forward_logits(model, microbatch, params=params), None
+    weight = _output_weight(core, params)
+    core.post_process = False  # GPTModel._postprocess then returns the decoder's (normed) output
+    try:
+        hidden = forward_logits(model, microbatch, params=params)
+    finally:
+        core.post_process = True
+    layer = core.output_layer
+    if layer.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=layer.tp_group)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden, group=layer.tp_group)
+    return hidden, weight
+
+
+def _output_weight(core: nn.Module, params: Mapping[str, Tensor] | None) -> Tensor:
+    """The output layer's weight shard as ``GPTModel._postprocess`` would use it."""
+    if core.share_embeddings_and_output_weights:
+        name = "embedding.word_embeddings.weight" if (core.pre_process or core.mtp_process) else "output_layer.weight"
+        own = core.shared_embedding_or_output_weight()
+    else:
+        name, own = "output_layer.weight", core.output_layer.weight
+    return params[name] if params is not None and name in params else own
 
 
 def snapshot_params(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:

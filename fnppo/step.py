@@ -41,10 +41,11 @@ from fnppo.batch import (
     unpack_per_sample,
 )
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
+from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
-from fnppo.model import forward_logits, unwrap_model
+from fnppo.model import forward_hidden, forward_logits, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
 from fnppo.typing import describe, input_error, typechecking_enabled
@@ -133,6 +134,10 @@ class StepConfig:
     batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
     length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
     the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
+    ``fused_output``: the last pipeline stage stops before the output layer
+    (:func:`~fnppo.model.forward_hidden`) and computes log-probs and entropy with
+    :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
+    ``forward`` and ``logprob`` stages of ``fns`` (which must then be the defaults).
 
     Raises:
         InputError: an unknown layout, two split modes, a size that is not an int >= 1, a
@@ -150,6 +155,7 @@ class StepConfig:
     num_minibatches: int = 1
     ppo_epochs: int = 1
     fns: StepFns = field(default_factory=StepFns)
+    fused_output: bool = False
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
@@ -162,6 +168,8 @@ class StepConfig:
             check_positive_int(fn, n, getattr(self, n), allow_none=True)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
+        if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):
+            raise input_error(fn, "fused_output", "False when fns.forward or fns.logprob is replaced (the fused path replaces both)", "True")
 
 
 @dataclass(frozen=True)
@@ -390,17 +398,15 @@ def _forward_step_fn(
     """Megatron's ``forward_step_func``: forward, then (last stage) logprob -> loss, scaled."""
     fns = config.fns
     loss_cfg = config.loss
-    tp_group = layout.tp_group if layout.tp > 1 else None
     extra = {} if tis_mean is None else {"tis_mean": tis_mean}
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
-        out = fns.forward(model, mb)
+        out, weight = forward_hidden(model, mb) if config.fused_output else (fns.forward(model, mb), None)
 
         def loss_func(logits: torch.Tensor):
-            _check_logits("train_step", logits, vocab_size, layout)
             # the entropy is always computed: it is reported as a metric whatever its coefficient
-            lp, ent = fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=True)
+            lp, ent = _token_logprobs("train_step", logits, weight, mb, config, layout, vocab_size, True)
             old = mb.rollout_logprobs if loss_cfg.bypass_old_logprobs else mb.old_logprobs  # bypass mode
             loss, metrics = fns.loss(
                 lp, old, mb.advantages, mb.loss_mask, loss_cfg,
@@ -412,6 +418,19 @@ def _forward_step_fn(
         return out, loss_func
 
     return forward_step
+
+
+def _token_logprobs(
+    fn: str, out: torch.Tensor, weight: torch.Tensor | None, mb: Microbatch, config: StepConfig,
+    layout: ParallelLayout, vocab_size: int | None, with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``mb``'s labels from the logits, or, with ``weight`` (the fused
+    path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard."""
+    tp_group = layout.tp_group if layout.tp > 1 else None
+    if weight is None:
+        _check_logits(fn, out, vocab_size, layout)
+        return config.fns.logprob(out, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
+    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
 
 
 def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool) -> list[Any]:
@@ -683,14 +702,18 @@ def compute_logprobs(
     plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                    collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
                                    same_length=spec.same_length)
-    tp_group = par.tp_group if par.tp > 1 else None
+    weights: dict[str, torch.Tensor | None] = {"w": None}
 
-    def per_sample(logits: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        _check_logits("compute_logprobs", logits, spec.vocab_size, par)
-        lp, ent = cfg.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=cfg.temperature, with_entropy=with_entropy)
+    def fused_forward(model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        # The schedule calls per_sample right after the last stage's forward of the same micro-batch.
+        hidden, weights["w"] = forward_hidden(model, mb, params=params)
+        return hidden
+
+    def per_sample(out: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        lp, ent = _token_logprobs("compute_logprobs", out, weights["w"], mb, cfg, par, spec.vocab_size, with_entropy)
         ents = unpack_per_sample(ent, mb) if with_entropy else [None] * mb.num_samples
-        return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack_per_sample(lp, mb), ents)]
+        return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack_per_sample(lp, mb), ents, strict=True)]
 
-    store = forward_only(chunks, mbs, per_sample, params=params, forward=cfg.fns.forward)
+    store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward)
     restored = None if store is None else plan.restore(store)
     return _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)

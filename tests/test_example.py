@@ -71,7 +71,7 @@ _CHECK = re.compile(r"first-step loss=(\S+) grad_norm=(\S+)")
 
 
 def _first_step(args: list[str], nproc: int) -> tuple[float, float]:
-    out = _run(["--steps", "1", "--layout-check", *SMALL, "--out-dir", "/tmp/fnppo-layout-check", *args], nproc)
+    out = _run(["--steps", "1", "--layout-check", *SMALL, "--out-dir", "/tmp/fnppo-layout-check", "--overwrite", *args], nproc)
     m = _CHECK.search(out)
     assert m, out
     return float(m.group(1)), float(m.group(2))

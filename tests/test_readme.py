@@ -27,7 +27,7 @@ NOT_RUN = "# not run:"
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
 def _run_file(path: Path, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -1,0 +1,387 @@
+"""Benchmark of fnppo.linear_logprob_and_entropy (fused output layer) against materialized logits.
+
+Forward + backward of per-token log-probs and entropy from bf16 hidden states ``h [tokens, hidden]``
+and an output weight ``W [vocab, hidden]``, gradients for both, TP=1:
+
+* fused (triton)          ``linear_logprob_and_entropy(h, W, labels)`` (Triton kernels + cuBLAS)
+* fused, checks off       the same under ``typechecking(False)`` (no shape checks, no label sync)
+* fused (torch chunked)   ``impl="torch"``: the CPU path, fp32 blocks (slow on a GPU; a reference)
+* materialized + fnppo    ``logits = h @ W.T`` (bf16), then ``logprob_and_entropy`` on the logits
+* plain torch             ``logits = h @ W.T``, ``logits.float().log_softmax(-1)``, gather, entropy
+
+and, timed in the same run, the dense bf16 matrix products the fused method must do: the logits
+``h @ W.T`` (forward), the same again (the backward's recompute), ``G @ W`` and ``G.T @ h`` (the two
+gradient products, ``G`` a bf16 ``[tokens, vocab]`` gradient), each as one ``torch.mm``.
+
+Columns: median fwd+bwd time (CUDA events); TFLOP/s counting the model's 3 products
+(``6 * tokens * vocab * hidden`` flops; the fused method executes a 4th, the recompute); extra peak
+memory in units of one bf16 ``[tokens, vocab]`` logits tensor, = (peak during fwd+bwd - memory with
+the inputs allocated - bytes of the two input gradients) / logits bytes; the same without
+subtracting the gradients ("raw"); and the ratio of the fused time to the 4 dense products.
+
+    python benchmarks/linear_logprob.py                 # GPU: device checks + 8192/16384 x 896/4096 x 151936
+    python benchmarks/linear_logprob.py --check-only    # GPU: only the checks against fp64
+    python benchmarks/linear_logprob.py --device cpu    # small CPU run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fnppo.linear_logprob import linear_logprob_and_entropy  # noqa: E402
+from fnppo.logprob import logprob_and_entropy  # noqa: E402
+from fnppo.typing import typechecking  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods: each takes (h, W, labels, g_lp, g_h) and returns the loss to backpropagate.
+# ---------------------------------------------------------------------------------------------
+def fused(h, W, labels, g_lp, g_h, impl="triton"):
+    lp, ent = linear_logprob_and_entropy(h, W, labels, impl=impl)
+    return (lp * g_lp).sum() + (ent * g_h).sum()
+
+
+def fused_unchecked(h, W, labels, g_lp, g_h):
+    with typechecking(False):
+        return fused(h, W, labels, g_lp, g_h)
+
+
+def fused_torch(h, W, labels, g_lp, g_h):
+    return fused(h, W, labels, g_lp, g_h, impl="torch")
+
+
+def materialized_fnppo(h, W, labels, g_lp, g_h):
+    lp, ent = logprob_and_entropy(h @ W.t(), labels)
+    return (lp * g_lp).sum() + (ent * g_h).sum()
+
+
+def plain_torch(h, W, labels, g_lp, g_h):
+    logp = (h @ W.t()).float().log_softmax(-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return (lp * g_lp).sum() + (ent * g_h).sum()
+
+
+METHODS = [
+    ("fused linear_logprob_and_entropy (triton)", fused, "cuda"),
+    ("fused, checks off", fused_unchecked, "cuda"),
+    ("fused, impl='torch' (chunked fp32 path)", fused_torch, None),
+    ("h @ W.T, then logprob_and_entropy", materialized_fnppo, None),
+    ("plain torch: h @ W.T, log_softmax", plain_torch, None),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and memory
+# ---------------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fwd_bwd(method, h, W, labels, g_lp, g_h):
+    def step():
+        h.grad = None
+        W.grad = None
+        method(h, W, labels, g_lp, g_h).backward()
+
+    return step
+
+
+def extra_memory(step, h, W, device, logits_bytes):
+    """(extra without the input gradients, raw extra), in logits tensors."""
+    if device.type != "cuda":
+        return None, None
+    h.grad, W.grad = None, None
+    gc.collect()
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    grads = h.numel() * h.element_size() + W.numel() * W.element_size()
+    h.grad, W.grad = None, None
+    return (peak - base - grads) / logits_bytes, (peak - base) / logits_bytes
+
+
+def dense_matmuls_ms(h, W, device, reps):
+    """Median times of the 4 dense products the fused method does, each one torch.mm (bf16)."""
+    t, hid = h.shape
+    v = W.shape[0]
+    hd, wd = h.detach(), W.detach()
+    out_logits = torch.empty((t, v), dtype=h.dtype, device=device)
+    grad = torch.randn((t, v), device=device, dtype=torch.float32).to(h.dtype) * 1e-3
+    out_h = torch.empty((t, hid), dtype=h.dtype, device=device)
+    out_w = torch.empty((v, hid), dtype=h.dtype, device=device)
+    fwd = time_ms(lambda: torch.mm(hd, wd.t(), out=out_logits), device, reps, 3)
+    dh = time_ms(lambda: torch.mm(grad, wd, out=out_h), device, reps, 3)
+    dw = time_ms(lambda: torch.mm(grad.t(), hd, out=out_w), device, reps, 3)
+    del out_logits, grad, out_h, out_w
+    return {"logits (fwd)": fwd, "logits (recompute)": fwd, "dh = G @ W": dh, "dW = G.T @ h": dw}
+
+
+def make_problem(tokens, hidden, vocab, device, dtype=torch.bfloat16, seed=0, logit_std=2.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g, device=device).to(dtype).requires_grad_()
+    W = (torch.randn(vocab, hidden, generator=g, device=device) * (logit_std / hidden**0.5)).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    g_lp = torch.randn(tokens, generator=g, device=device)
+    g_h = torch.randn(tokens, generator=g, device=device)
+    return h, W, labels, g_lp, g_h
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness on the device
+# ---------------------------------------------------------------------------------------------
+def reference64(h, W, labels, t, g_lp, g_h, vocab_size=None):
+    hr = h.detach().double().requires_grad_()
+    wr = W.detach().double().requires_grad_()
+    x = hr @ wr.t()
+    if vocab_size is not None:
+        x = x[:, :vocab_size]
+    logp = (x / t).log_softmax(-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss = (lp * g_lp.double()).sum() if g_lp is not None else 0
+    loss = loss + ((ent * g_h.double()).sum() if g_h is not None else 0)
+    loss.backward()
+    return lp.detach(), ent.detach(), hr.grad, wr.grad
+
+
+def _run(fn_impl, h, W, labels, t, g_lp, g_h, vocab_size, with_entropy=True):
+    hg, wg = h.detach().clone().requires_grad_(), W.detach().clone().requires_grad_()
+    if fn_impl == "materialized":
+        x = hg @ wg.t()
+        if vocab_size is not None:
+            x = x[:, :vocab_size]
+        lp, ent = logprob_and_entropy(x, labels, temperature=t, with_entropy=with_entropy)
+    else:
+        lp, ent = linear_logprob_and_entropy(hg, wg, labels, temperature=t, with_entropy=with_entropy, vocab_size=vocab_size, impl=fn_impl)
+    loss = (lp * g_lp).sum() if g_lp is not None else 0
+    loss = loss + ((ent * g_h).sum() if g_h is not None and ent is not None else 0)
+    loss.backward()
+    return lp, ent, hg.grad, wg.grad
+
+
+def _errs(out, ref):
+    lp, ent, dh, dw = out
+    rlp, rent, rdh, rdw = ref
+    e = {"lp": (lp.double() - rlp).abs().max().item()}
+    e["ent"] = 0.0 if ent is None else (ent.double() - rent).abs().max().item()
+    e["dh"] = ((dh.double() - rdh).abs().max() / rdh.abs().max().clamp_min(1e-30)).item()
+    e["dW"] = ((dw.double() - rdw).abs().max() / rdw.abs().max().clamp_min(1e-30)).item()
+    finite = all(bool(torch.isfinite(x).all()) for x in (lp, dh, dw)) and (ent is None or bool(torch.isfinite(ent).all()))
+    return e, finite
+
+
+def device_checks(device):
+    """Triton and torch paths against fp64 (and the materialized path as the bf16 yardstick)."""
+    g = torch.Generator(device=device).manual_seed(5)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for tokens, hid, vocab in ((300, 256, 5000), (1, 1000, 7), (257, 1000, 3001)):
+            cases.append((dtype, tokens, hid, vocab, 1.0, "plain"))
+    cases += [(torch.bfloat16, 300, 256, 5000, 0.7, k) for k in ("plain", "masked", "no_entropy", "logprob_only", "entropy_only", "large")]
+    cases += [(torch.float32, 300, 256, 5000, 0.7, k) for k in ("masked", "large")]
+    n_ok, fails = 0, []
+    for dtype, tokens, hid, vocab, t, kind in cases:
+        std = 300.0 if kind == "large" else 3.0
+        h = torch.randn(tokens, hid, generator=g, device=device).to(dtype)
+        W = (torch.randn(vocab, hid, generator=g, device=device) * std / hid**0.5).to(dtype)
+        vs = vocab - 37 if kind == "masked" else None
+        labels = torch.randint(0, vs or vocab, (tokens,), generator=g, device=device)
+        g_lp = None if kind == "entropy_only" else torch.randn(tokens, generator=g, device=device)
+        g_h = None if kind in ("no_entropy", "logprob_only") else torch.randn(tokens, generator=g, device=device)
+        ref = reference64(h, W, labels, t, g_lp, g_h, vs)
+        base, _ = _errs(_run("materialized", h, W, labels, t, g_lp, g_h, vs, kind != "no_entropy"), ref)
+        for impl in ("triton", "torch"):
+            e, finite = _errs(_run(impl, h, W, labels, t, g_lp, g_h, vs, kind != "no_entropy"), ref)
+            vtol = 5e-3 if kind == "large" else 1e-4  # fp32 sums over the hidden size (and logits ~ 1e3 when large)
+            # within twice the error of the materialized path, or of the dtype's rounding
+            gtol = 2 * max(base["dh"], base["dW"], 1e-5 if dtype == torch.float32 else 2.0**-9)
+            ok = finite and e["lp"] <= vtol and e["ent"] <= vtol and e["dh"] <= gtol and e["dW"] <= gtol
+            n_ok += int(ok)
+            if not ok:
+                fails.append((impl, str(dtype), tokens, hid, vocab, t, kind, {k: f"{v:.3g}" for k, v in e.items()}, "materialized:", {k: f"{v:.3g}" for k, v in base.items()}))
+    print(f"device checks against fp64: {n_ok}/{2 * len(cases)} passed", flush=True)
+    for f in fails:
+        print("  FAILED:", f, flush=True)
+    return not fails
+
+
+def full_size_check(h, W, labels, g_lp, g_h):
+    """At the benchmark size: fused (triton) against fp64 on the first 256 tokens' values, and its
+    gradients against the materialized bf16 path and the fp32 torch path."""
+    out = {}
+    n = min(256, h.shape[0])
+    lp, ent, dh, dw = _run("triton", h, W, labels, 1.0, g_lp, g_h, None)
+    x = h.detach()[:n].double() @ W.detach().double().t()
+    logp = x.log_softmax(-1)
+    out["max |lp - fp64| (256 tokens)"] = (lp[:n].double() - logp.gather(-1, labels[:n].unsqueeze(-1)).squeeze(-1)).abs().max().item()
+    out["max |H - fp64| (256 tokens)"] = (ent[:n].double() + (logp.exp() * logp).sum(-1)).abs().max().item()
+    del x, logp
+    for name in ("materialized", "torch"):
+        _, _, dh2, dw2 = _run(name, h, W, labels, 1.0, g_lp, g_h, None)
+        out[f"max |dh - dh_{name}| / max|dh|"] = ((dh.float() - dh2.float()).abs().max() / dh2.float().abs().max()).item()
+        out[f"max |dW - dW_{name}| / max|dW|"] = ((dw.float() - dw2.float()).abs().max() / dw2.float().abs().max()).item()
+        del dh2, dw2
+    out["all finite"] = bool(torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(dh).all() and torch.isfinite(dw).all())
+    return out
+
+
+def backward_parts(h, W, labels, reps):
+    """The fused backward's three parts timed alone with its own block sizes: the Triton kernel that
+    recomputes the logits and writes the logit-gradient blocks; dh += dz @ W_block (fp32
+    accumulator); dW_block = dz.T @ h_group."""
+    from fnppo import linear_logprob as ll
+    from fnppo.kernels import linear_logprob_triton as k
+
+    n, hid = h.shape
+    v = W.shape[0]
+    cfg = ll._Cfg(1.0, True, None, 1, 0, v, v, "triton", None, None)
+    sizes = ll._backward_chunks(n, v, hid, h.element_size(), cfg)
+    gt, bv = sizes["group_tokens"], sizes["block_vocab"]
+    hd, wd = h.detach(), W.detach()
+    f32 = dict(dtype=torch.float32, device=h.device)
+    coef = (torch.randn(n, **f32), torch.randn(n, **f32), torch.randn(n, **f32), torch.full((n,), 12.0, **f32))
+    dz = torch.zeros((min(gt, n), min(bv, v)), dtype=h.dtype, device=h.device)
+    acc = torch.zeros((min(gt, n), hid), **f32)
+    dw = torch.empty_like(wd)
+    blocks = [(g0, min(n, g0 + gt), c0, min(v, c0 + bv)) for g0 in range(0, n, gt) for c0 in range(0, v, bv)]
+
+    def kern():
+        for g0, g1, c0, c1 in blocks:
+            k._launch_dz(hd[g0:g1], wd[c0:c1], labels[g0:g1], tuple(t[g0:g1] for t in coef), dz[: g1 - g0, : c1 - c0], c0, 1.0, True)
+
+    def dh_part():
+        for g0, g1, c0, c1 in blocks:
+            k._accumulate(acc[: g1 - g0], dz[: g1 - g0, : c1 - c0], wd[c0:c1])
+
+    def dw_part():
+        for g0, g1, c0, c1 in blocks:
+            torch.mm(dz[: g1 - g0, : c1 - c0].t(), hd[g0:g1], out=dw[c0:c1])
+
+    out = {"groups x tokens": f"{-(-n // gt)} x {gt}", "block vocab": bv}
+    for name, fn in (("dz kernel", kern), ("dh mm", dh_part), ("dW mm", dw_part)):
+        out[name] = round(time_ms(fn, h.device, reps, 2), 2)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", default=None, help="comma-separated token counts")
+    p.add_argument("--hidden", default=None, help="comma-separated hidden sizes")
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--methods", default=None, help="comma-separated substrings of method names")
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    tokens_list = [int(x) for x in (args.tokens or ("8192,16384" if on_gpu else "256,512")).split(",")]
+    hidden_list = [int(x) for x in (args.hidden or ("896,4096" if on_gpu else "64,256")).split(",")]
+    vocab = args.vocab or (151936 if on_gpu else 8192)
+    reps = args.reps or (10 if on_gpu else 3)
+    if on_gpu:
+        from fnppo.kernels import linear_logprob_triton as k
+
+        print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__, flush=True)
+        print("fp32-accumulating addmm available:", k._addmm_fp32_ok("cuda"), flush=True)
+        if not args.no_check:
+            device_checks(device)
+        if args.check_only:
+            return
+    rows = []
+    for hidden in hidden_list:
+        for tokens in tokens_list:
+            rows += bench_one(tokens, hidden, vocab, device, reps, args)
+    print("\n| method | tokens | hidden | fwd+bwd ms | TFLOP/s (6TVH/t) | extra peak (logits) | raw extra peak (logits) | / 4 dense mm |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+def bench_one(tokens, hidden, vocab, device, reps, args):
+    on_gpu = device.type == "cuda"
+    h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
+    logits_bytes = tokens * vocab * 2
+    flops = 6 * tokens * vocab * hidden
+    print(f"\n{tokens} tokens x {hidden} hidden x {vocab} vocab (bf16 logits would be {logits_bytes / 2**30:.2f} GiB)", flush=True)
+    dense = dense_matmuls_ms(h, W, device, reps) if on_gpu else None
+    dense_total = sum(dense.values()) if dense else None
+    if dense:
+        print("  dense bf16 torch.mm ms: " + ", ".join(f"{k} {v:.2f}" for k, v in dense.items()) + f"; total of 4: {dense_total:.2f}", flush=True)
+    if on_gpu and not args.no_check:
+        print("  full-size check:", {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in full_size_check(h, W, labels, g_lp, g_h).items()}, flush=True)
+        h.grad, W.grad = None, None
+    rows = []
+    for name, method, need in METHODS:
+        if (need == "cuda" and not on_gpu) or (args.methods and not any(s in name for s in args.methods.split(","))):
+            continue
+        step = fwd_bwd(method, h, W, labels, g_lp, g_h)
+        r = 2 if "torch'" in name else reps
+        try:
+            ms = time_ms(step, device, r, 1 if "torch'" in name else 3)
+            extra, raw = extra_memory(step, h, W, device, logits_bytes)
+        except torch.OutOfMemoryError:
+            ms, extra, raw = float("nan"), float("nan"), float("nan")
+        h.grad, W.grad = None, None
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+        ratio = f"{ms / dense_total:.2f}" if dense_total and "fused" in name else "-"
+        fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+        rows.append((name, str(tokens), str(hidden), f"{ms:.2f}", f"{flops / (ms * 1e-3) / 1e12:.0f}", fmt(extra), fmt(raw), ratio))
+        print(f"  {name:<44} {ms:9.2f} ms  extra {fmt(extra)} (raw {fmt(raw)})  ratio to dense {ratio}", flush=True)
+    if on_gpu:
+        def fwd_only():
+            with torch.no_grad():
+                linear_logprob_and_entropy(h, W, labels)
+
+        f_ms = time_ms(fwd_only, device, reps, 2)
+        print(f"  fused forward alone {f_ms:.2f} ms (dense logits mm {dense['logits (fwd)']:.2f}); backward by difference "
+              f"{float(rows[0][3]) - f_ms:.2f} ms", flush=True)
+        from fnppo.kernels import linear_logprob_triton as k
+
+        print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward dz {k._dz_tuned.best_config}", flush=True)
+        print("  backward parts, ms (each timed alone over all blocks):", backward_parts(h, W, labels, reps), flush=True)
+    del h, W, labels, g_lp, g_h
+    gc.collect()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

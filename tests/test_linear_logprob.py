@@ -1,0 +1,503 @@
+"""Tests of fnppo.linear_logprob_and_entropy against an fp64 reference and materialized logits,
+and of the step's fused output path (``StepConfig(fused_output=True)``) against the unfused one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fnppo.linear_logprob import linear_logprob_and_entropy
+from fnppo.logprob import logprob_and_entropy
+from fnppo.typing import InputError, ShapeError, typechecking
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent reference: fp64 logits, log_softmax and autograd.
+# ---------------------------------------------------------------------------------------------
+def reference(h, w, labels, temperature, g_lp=None, g_h=None, vocab_size=None):
+    """fp64 ``(logprobs, entropy, dL/dh, dL/dW)`` with ``L = sum(g_lp * logprobs + g_h * entropy)``."""
+    hr = h.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    x = hr @ wr.t()
+    if vocab_size is not None:
+        x = x[..., :vocab_size]
+    logp = (x / temperature).log_softmax(-1)
+    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss = torch.zeros((), dtype=torch.float64)
+    if g_lp is not None:
+        loss = loss + (lp * g_lp.double()).sum()
+    if g_h is not None:
+        loss = loss + (ent * g_h.double()).sum()
+    dh, dw = torch.autograd.grad(loss, (hr, wr)) if loss.requires_grad else (torch.zeros_like(hr), torch.zeros_like(wr))
+    return lp.detach(), ent.detach(), dh, dw
+
+
+def run_ours(h, w, labels, temperature, g_lp, g_h, **kw):
+    hg, wg = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lp, ent = linear_logprob_and_entropy(hg, wg, labels, temperature=temperature, **kw)
+    loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None else 0)
+    loss.backward()
+    return lp, ent, hg.grad, wg.grad
+
+
+def assert_grad_close(grad, ref, dtype, scale=1.0):
+    """The exact gradient rounded to ``dtype``: that rounding plus fp32 error."""
+    assert grad.dtype == dtype and grad.shape == ref.shape
+    eps = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2e-6}[dtype]
+    tol = eps * ref.abs() + 1e-6 * scale * max(1.0, ref.abs().max().item())
+    err = (grad.double() - ref).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3g} (max |ref| {ref.abs().max().item():.3g})"
+
+
+def problem(lead=(3, 7), hidden=24, vocab=53, dtype=torch.float32, seed=1, std=3.0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*lead, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * std / hidden**0.5).to(dtype)
+    labels = torch.randint(0, vocab, lead, generator=g)
+    return h, w, labels, torch.randn(*lead, generator=g), torch.randn(*lead, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values and gradients
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 2.5])
+def test_values_and_grads_match_fp64(dtype, temperature):
+    h, w, labels, g_lp, g_h = problem(dtype=dtype)
+    lp, ent, dh, dw = run_ours(h, w, labels, temperature, g_lp, g_h, chunk_tokens=4, chunk_vocab=16)
+    rlp, rent, rdh, rdw = reference(h, w, labels, temperature, g_lp, g_h)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32 and lp.shape == (3, 7) and ent.shape == (3, 7)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=2e-5)
+    assert_grad_close(dh, rdh, dtype)
+    assert_grad_close(dw, rdw, dtype)
+
+
+def test_fp64_inputs_give_fp64_grads():
+    h, w, labels, g_lp, g_h = problem(dtype=torch.float64)
+    lp, ent, dh, dw = run_ours(h, w, labels, 0.8, g_lp, g_h)
+    rlp, rent, rdh, rdw = reference(h, w, labels, 0.8, g_lp, g_h)
+    assert lp.dtype == torch.float32 and dh.dtype == torch.float64 and dw.dtype == torch.float64
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    assert_grad_close(dh, rdh, torch.float64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_equals_logprob_and_entropy_on_materialized_logits(temperature):
+    """fp32: the same function as logprob_and_entropy(hidden @ weight.T), values and gradients."""
+    h, w, labels, g_lp, g_h = problem(lead=(2, 9), hidden=16, vocab=40, seed=3)
+    lp, ent, dh, dw = run_ours(h, w, labels, temperature, g_lp, g_h, chunk_vocab=7)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp2, ent2 = logprob_and_entropy(hg @ wg.t(), labels, temperature=temperature)
+    ((lp2 * g_lp).sum() + (ent2 * g_h).sum()).backward()
+    torch.testing.assert_close(lp, lp2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dh, hg.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, wg.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_within_materialized_rounding():
+    """bf16: the fused result is closer to fp64 than (or as close as) bf16-rounded materialized logits."""
+    h, w, labels, g_lp, g_h = problem(lead=(64,), hidden=32, vocab=300, dtype=torch.bfloat16, seed=4)
+    ours = run_ours(h, w, labels, 1.0, g_lp, g_h)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lp2, ent2 = logprob_and_entropy(hg @ wg.t(), labels)
+    ((lp2 * g_lp).sum() + (ent2 * g_h).sum()).backward()
+    ref = reference(h, w, labels, 1.0, g_lp, g_h)
+    for mine, mat, r in zip(ours, (lp2, ent2, hg.grad, wg.grad), ref):
+        err_mine = (mine.double() - r).abs().max().item()
+        err_mat = (mat.double() - r).abs().max().item()
+        assert err_mine <= max(err_mat, 2.0**-8 * r.abs().max().item()), (err_mine, err_mat)
+
+
+def test_temperature_equals_scaled_weight():
+    """f(h, W, T) = f(h, W / T, 1): values, dh, and dW by the chain rule (dW_T = dW' / T)."""
+    h, w, labels, g_lp, g_h = problem(seed=5)
+    t = 0.4
+    lp, ent, dh, dw = run_ours(h, w, labels, t, g_lp, g_h, chunk_vocab=10)
+    lp2, ent2, dh2, dw2 = run_ours(h, w / t, labels, 1.0, g_lp, g_h, chunk_vocab=10)
+    torch.testing.assert_close(lp, lp2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dh, dh2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, dw2 / t, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_logits_are_finite_and_exact(dtype):
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(6, 16, generator=g).to(dtype)
+    labels = torch.randint(0, 40, (6,), generator=g)
+    g_lp, g_h = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    # logits spread over ~1e4 (one-hot distributions), and logits near 1e4 with O(1) spread
+    w_spread = (torch.randn(40, 16, generator=g) * 2500).to(dtype)
+    h_off = torch.cat([h[:, :15], torch.full((6, 1), 100.0).to(dtype)], dim=1)
+    w_off = torch.cat([torch.randn(40, 15, generator=g), torch.full((40, 1), 100.0)], dim=1).to(dtype)
+    for hh, ww in ((h, w_spread), (h_off, w_off)):
+        for t in (1.0, 0.5):
+            lp, ent, dh, dw = run_ours(hh, ww, labels, t, g_lp, g_h, chunk_vocab=9)
+            rlp, rent, rdh, rdw = reference(hh, ww, labels, t, g_lp, g_h)
+            assert all(bool(torch.isfinite(x).all()) for x in (lp, ent, dh, dw))
+            torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=5e-3)
+            torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=5e-3)
+            # The logits themselves carry fp32 rounding (~1e-7 of sum |h_k w_jk|): the yardstick is
+            # the same gradient from fp32 logits materialized by torch.
+            hm, wm = hh.float().requires_grad_(), ww.float().requires_grad_()
+            mlp, ment = logprob_and_entropy(hm @ wm.t(), labels, temperature=t)
+            ((mlp * g_lp).sum() + (ment * g_h).sum()).backward()
+            for got, mat, ref in ((dh, hm.grad, rdh), (dw, wm.grad, rdw)):
+                err = (got.double() - ref).abs().max().item()
+                err_mat = (mat.double() - ref).abs().max().item()
+                assert err <= 2 * err_mat + 2.0**-7 * ref.abs().max().item(), (err, err_mat)
+
+
+def test_vocab_size_leaves_padding_rows_out():
+    """Rows at or beyond vocab_size never enter the softmax and get a zero weight gradient."""
+    h, w, labels, g_lp, g_h = problem(lead=(11,), hidden=12, vocab=64, seed=7)
+    w = w.clone()
+    w[53:] = 50.0  # padding rows that would dominate the softmax if they were included
+    labels = labels % 53
+    lp, ent, dh, dw = run_ours(h, w, labels, 0.9, g_lp, g_h, vocab_size=53, chunk_vocab=20)
+    rlp, rent, rdh, rdw = reference(h, w, labels, 0.9, g_lp, g_h, vocab_size=53)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=2e-5)
+    assert_grad_close(dh, rdh, torch.float32)
+    assert_grad_close(dw, rdw, torch.float32)
+    assert bool((dw[53:] == 0).all())
+    bad = labels.clone()
+    bad[0] = 53
+    with pytest.raises(InputError, match=r"argument 'labels' expected token ids in \[0, 53\)"):
+        linear_logprob_and_entropy(h, w, bad, vocab_size=53)
+    with pytest.raises(InputError, match=r"argument 'vocab_size' expected at most vocab_shard \* tp_size = 64 \* 1 = 64"):
+        linear_logprob_and_entropy(h, w, labels, vocab_size=65)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_never_written(dtype):
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(4, 5, 16, generator=g, requires_grad=True)
+    hidden = (base * 2.0).to(dtype)  # a non-leaf, like a model's output
+    weight = torch.randn(30, 16, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 30, (4, 5), generator=g)
+    before = (hidden.detach().clone(), weight.detach().clone(), labels.clone())
+    versions = (hidden._version, weight._version, labels._version)
+    lp, ent = linear_logprob_and_entropy(hidden, weight, labels, temperature=0.9, chunk_vocab=8)
+    other = torch.softmax(hidden.float(), -1)[..., 0].sum()  # another consumer of the hidden states
+    (lp.sum() + 0.1 * ent.sum() + other).backward()
+    assert (hidden._version, weight._version, labels._version) == versions
+    assert torch.equal(hidden.detach(), before[0]) and torch.equal(weight.detach(), before[1]) and torch.equal(labels, before[2])
+    assert base.grad is not None and torch.isfinite(base.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_without_entropy_and_single_outputs():
+    h, w, labels, g_lp, g_h = problem(seed=9)
+    lp, ent, dh, dw = run_ours(h, w, labels, 1.7, g_lp, None, with_entropy=False, chunk_vocab=11)
+    assert ent is None
+    rlp, _, rdh, rdw = reference(h, w, labels, 1.7, g_lp, None)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    assert_grad_close(dh, rdh, torch.float32)
+    assert_grad_close(dw, rdw, torch.float32)
+    for which in ("logprobs", "entropy"):  # only one output reaches the loss
+        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = linear_logprob_and_entropy(hg, wg, labels)
+        ((lp if which == "logprobs" else ent) * g_lp).sum().backward()
+        _, _, rdh, rdw = reference(h, w, labels, 1.0, g_lp if which == "logprobs" else None, g_lp if which == "entropy" else None)
+        assert_grad_close(hg.grad, rdh, torch.float32)
+        assert_grad_close(wg.grad, rdw, torch.float32)
+
+
+def test_gradient_only_for_inputs_that_need_it():
+    h, w, labels, g_lp, g_h = problem(seed=10)
+    wg = w.clone().requires_grad_()
+    lp, ent = linear_logprob_and_entropy(h, wg, labels)  # hidden without grad: only dW
+    ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+    _, _, _, rdw = reference(h, w, labels, 1.0, g_lp, g_h)
+    assert_grad_close(wg.grad, rdw, torch.float32)
+
+
+def test_chunking_does_not_change_results():
+    h, w, labels, g_lp, g_h = problem(lead=(37,), hidden=10, vocab=45, seed=11)
+    outs = [run_ours(h, w, labels, 0.7, g_lp, g_h, chunk_tokens=ct, chunk_vocab=cv) for ct, cv in ((1, 1), (5, 7), (37, 45), (None, None), (8, 100))]
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_leading_dims_and_empty():
+    h, w, labels, _, _ = problem(lead=(2, 3, 4), hidden=8, vocab=17, seed=12)
+    lp, ent = linear_logprob_and_entropy(h, w, labels)
+    lp2, ent2 = linear_logprob_and_entropy(h.reshape(-1, 8), w, labels.reshape(-1))
+    torch.testing.assert_close(lp.reshape(-1), lp2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent.reshape(-1), ent2, rtol=0, atol=1e-6)
+    hg = h[:0].clone().requires_grad_()
+    lp0, ent0 = linear_logprob_and_entropy(hg, w, labels[:0])
+    assert lp0.shape == (0, 3, 4) and ent0.shape == (0, 3, 4)
+    # A transposed (non-contiguous) hidden, as a [seq, batch, hidden] model output seen as [batch, seq, hidden]
+    ht = h.transpose(0, 1)
+    lp3, _ = linear_logprob_and_entropy(ht, w, labels.transpose(0, 1))
+    torch.testing.assert_close(lp3, lp.transpose(0, 1), rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def test_bad_inputs_raise_named_errors():
+    h, w, labels, _, _ = problem(lead=(4,), hidden=8, vocab=20, seed=13)
+    fn = "linear_logprob_and_entropy"
+    with pytest.raises(InputError, match=rf"{fn}: argument 'weight' expected a \[vocab_shard, hidden\] tensor of the hidden states' dtype"):
+        linear_logprob_and_entropy(h, w.double(), labels)
+    with typechecking(False):
+        with pytest.raises(InputError, match=rf"{fn}: argument 'weight' expected shape \[vocab_shard > 0, 8\]"):
+            linear_logprob_and_entropy(h, w[:, :7], labels)
+        with pytest.raises(InputError, match=rf"{fn}: argument 'labels' expected shape \(4,\)"):
+            linear_logprob_and_entropy(h, w, labels[:3])
+        with pytest.raises(InputError, match=rf"{fn}: argument 'hidden' expected a floating"):
+            linear_logprob_and_entropy(h.long(), w, labels)
+        with pytest.raises(InputError, match=rf"{fn}: argument 'labels' expected an integer tensor"):
+            linear_logprob_and_entropy(h, w, labels.float())
+    with pytest.raises(ShapeError, match="weight"):
+        linear_logprob_and_entropy(h, w[:, :7], labels)
+    with pytest.raises(ShapeError, match="labels"):
+        linear_logprob_and_entropy(h, w, labels[:3])
+    for t in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InputError, match="argument 'temperature' expected a finite float > 0"):
+            linear_logprob_and_entropy(h, w, labels, temperature=t)
+    bad = labels.clone()
+    bad[1] = 20
+    with pytest.raises(InputError, match=r"argument 'labels' expected token ids in \[0, 20\)"):
+        linear_logprob_and_entropy(h, w, bad)
+    with typechecking(False):  # no check, no sync: a NaN log-prob, never a silently wrong one
+        lp, _ = linear_logprob_and_entropy(h, w, bad)
+    assert torch.isnan(lp[1]) and torch.isfinite(lp[[0, 2, 3]]).all()
+    with pytest.raises(InputError, match="argument 'impl'"):
+        linear_logprob_and_entropy(h, w, labels, impl="cuda")
+    with pytest.raises(InputError, match="argument 'chunk_vocab' expected None or an int >= 1"):
+        linear_logprob_and_entropy(h, w, labels, chunk_vocab=0)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(InputError, match="argument 'impl'"):
+            linear_logprob_and_entropy(h, w, labels, impl="triton")  # CPU tensors, no interpreter
+
+
+def test_exported_from_package():
+    import fnppo
+
+    assert fnppo.linear_logprob_and_entropy is linear_logprob_and_entropy
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernels, through Triton's CPU interpreter (skipped where Triton is not installed)
+# ---------------------------------------------------------------------------------------------
+_INTERP_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from fnppo.linear_logprob import linear_logprob_and_entropy
+    from tests.test_linear_logprob import reference
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        for hid, vocab, vs, ent_on, ct in ((24, 70, None, True, None), (32, 100, 93, True, 9), (24, 40, None, False, None)):
+            h = torch.randn(37, hid, generator=g).to(dtype)
+            w = (torch.randn(vocab, hid, generator=g) * 0.7).to(dtype)
+            labels = torch.randint(0, vs or vocab, (37,), generator=g)
+            g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
+            hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+            lp, ent = linear_logprob_and_entropy(hg, wg, labels, temperature=0.7, with_entropy=ent_on, vocab_size=vs,
+                                                 chunk_tokens=ct, chunk_vocab=33, impl="triton")
+            ((lp * g_lp).sum() + ((ent * g_h).sum() if ent_on else 0)).backward()
+            rlp, rent, rdh, rdw = reference(h, w, labels, 0.7, g_lp, g_h if ent_on else None, vocab_size=vs)
+            assert (lp.double() - rlp).abs().max() < 2e-5
+            assert ent is None or (ent.double() - rent).abs().max() < 2e-5
+            # bf16: the logit-gradient blocks are rounded to bf16 (as materialized bf16 logits'
+            # gradients are), and the interpreter rounds toward zero.
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            for got, ref in ((hg.grad, rdh), (wg.grad, rdw)):
+                err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                assert err < tol, (dtype, hid, vocab, err)
+            if vs is not None:
+                assert bool((wg.grad[vs:] == 0).all())
+    print("interpreter ok")
+    """
+)
+
+
+def test_triton_kernels_in_interpreter():
+    pytest.importorskip("triton")
+    np = pytest.importorskip("numpy")
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip("Triton 3.6's interpreter needs numpy < 2.3 (range() over int arguments)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism (gloo ranks, real Megatron process groups)
+# ---------------------------------------------------------------------------------------------
+TP_TOKENS, TP_HIDDEN, TP_VOCAB = (3, 5), 12, 48
+
+
+def _tp_problem():
+    g = torch.Generator().manual_seed(14)
+    h = torch.randn(*TP_TOKENS, TP_HIDDEN, generator=g)
+    w = torch.randn(TP_VOCAB, TP_HIDDEN, generator=g) * 0.8
+    labels = torch.randint(0, 20, TP_TOKENS, generator=g)  # < 20: valid for every vocab_size below
+    return h, w, labels, torch.randn(*TP_TOKENS, generator=g), torch.randn(*TP_TOKENS, generator=g)
+
+
+def tp_worker():
+    """Each rank takes its rows of the same full weight; returns values, grads and the collectives."""
+    import torch.distributed as dist
+
+    from fnppo.parallel import current_layout
+
+    layout = current_layout()
+    h, w, labels, g_lp, g_h = _tp_problem()
+    shard = TP_VOCAB // layout.tp
+    out = {}
+    for vocab_size in (None, 45, 20):  # 20: rank 1 of TP=2 holds only padding rows
+        ws = w[layout.tp_rank * shard:(layout.tp_rank + 1) * shard].clone().requires_grad_()
+        hs = h.clone().requires_grad_()
+        calls = []
+        real = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            calls.append(tuple(tensor.shape))
+            return real(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        try:
+            lp, ent = linear_logprob_and_entropy(hs, ws, labels, tp_group=layout.tp_group, temperature=0.8, vocab_size=vocab_size, chunk_vocab=5)
+            n_forward = list(calls)
+            ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+            n_backward = calls[len(n_forward):]
+        finally:
+            dist.all_reduce = real
+        out[vocab_size] = dict(lp=lp.detach(), ent=ent.detach(), dh=hs.grad, dw=ws.grad, fwd=n_forward, bwd=n_backward)
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_equals_tp1():
+    from fnppo.testing import run_ranks
+
+    outs = run_ranks(tp_worker, 2, tp=2)
+    h, w, labels, g_lp, g_h = _tp_problem()
+    for vocab_size in (None, 45, 20):
+        lp1, ent1, dh1, dw1 = run_ours(h, w, labels, 0.8, g_lp, g_h, vocab_size=vocab_size)
+        rlp, rent, rdh, rdw = reference(h, w, labels, 0.8, g_lp, g_h, vocab_size=vocab_size)
+        torch.testing.assert_close(lp1.double(), rlp, rtol=1e-5, atol=2e-5)
+        for o in outs:
+            r = o[vocab_size]
+            torch.testing.assert_close(r["lp"], lp1, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(r["ent"], ent1, rtol=1e-5, atol=1e-5)
+            # Two collectives in the forward, each O(tokens): a max of [15], then sums of [15, 3]. None backward.
+            assert r["fwd"] == [(15,), (15, 3)] and r["bwd"] == []
+        # Each rank's hidden gradient is its share; their sum is the TP=1 gradient (Megatron's
+        # copy_to_tensor_model_parallel_region does that sum in a model).
+        torch.testing.assert_close(outs[0][vocab_size]["dh"] + outs[1][vocab_size]["dh"], dh1, rtol=1e-5, atol=1e-5)
+        dw_tp = torch.cat([o[vocab_size]["dw"] for o in outs], dim=0)
+        torch.testing.assert_close(dw_tp, dw1, rtol=1e-5, atol=1e-5)
+        assert_grad_close(dw_tp, rdw, torch.float32)
+        if vocab_size is not None:
+            assert bool((dw_tp[vocab_size:] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# The step: StepConfig(fused_output=True) equals the unfused path
+# ---------------------------------------------------------------------------------------------
+def _step_model_cfg(tied: bool):
+    import fnppo
+
+    return fnppo.ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=tied,
+    )
+
+
+def step_worker(tied: bool = True) -> dict:
+    """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
+    import fnppo
+    import fnppo.step as step_mod
+    from fnppo.testing import synthetic_samples
+
+    layout = fnppo.current_layout()
+    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3")
+    out: dict = {"calls": {}, "output_layer_calls": {}}
+    real = step_mod.linear_logprob_and_entropy
+    for fused in (False, True):
+        calls = []
+        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            chunks = fnppo.build_gpt(_step_model_cfg(tied))
+            fnppo.layout_invariant_init(chunks, seed=3)
+            core = fnppo.model.unwrap_model(chunks[-1])
+            layer_calls = []
+            if core.post_process:
+                core.output_layer.register_forward_hook(lambda *a: layer_calls.append(1))
+            ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+            state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0))
+            init = fnppo.gather_full_weights(state.model)
+            frozen = fnppo.snapshot_params(state.model)
+            samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
+            cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fused_output=fused)
+            lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+            state, metrics = fnppo.train_step(state, samples, cfg)
+            lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
+            full = fnppo.gather_full_weights(state.model)
+        finally:
+            step_mod.linear_logprob_and_entropy = real
+        out["calls"][fused] = len(calls)
+        out["output_layer_calls"][fused] = len(layer_calls)
+        out[fused] = dict(lp=lp, ent=ent, lp_ref=lp_ref, metrics=metrics, update={k: full[k] - init[k] for k in full})
+    return out
+
+
+def _compare_fused(out: dict, what: str) -> None:
+    a, b = out[False], out[True]
+    for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"):
+        r, g = a["metrics"][key], b["metrics"][key]
+        assert abs(g - r) <= 1e-5 * max(abs(r), 1e-12), f"{what}: {key} fused {g} vs unfused {r}"
+    for name in ("lp", "ent", "lp_ref"):
+        for x, y in zip(b[name], a[name]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"{what}: {name}")
+    assert set(a["update"]) == set(b["update"])
+    for k, u in a["update"].items():
+        err = float((b["update"][k] - u).abs().max() / u.abs().max().clamp_min(1e-12))
+        assert err <= 1e-5, f"{what}: update of {k} differs by {err:.2e} (relative)"
+
+
+@pytest.mark.slow
+def test_step_fused_output_equals_unfused_one_process():
+    from fnppo.testing import run_ranks
+
+    for tied in (True, False):
+        out = run_ranks(step_worker, 1, tied)[0]
+        _compare_fused(out, f"1 process, tied={tied}")
+        # the fused path ran, and the output layer did not
+        assert out["calls"][True] > 0 and out["calls"][False] == 0
+        assert out["output_layer_calls"][True] == 0 and out["output_layer_calls"][False] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2-tied"])
+def test_step_fused_output_equals_unfused_parallel(tp, pp):
+    from fnppo.testing import run_ranks
+
+    outs = run_ranks(step_worker, 2, True, tp=tp, pp=pp)
+    _compare_fused(outs[0], f"tp={tp} pp={pp}")
+    last = outs[-1]  # the last pipeline stage (every rank under TP)
+    assert last["calls"][True] > 0 and last["output_layer_calls"][True] == 0
+
+
+def test_fused_output_refuses_replaced_stages():
+    import fnppo
+
+    with pytest.raises(InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"):
+        fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns(logprob=lambda *a, **k: None))
