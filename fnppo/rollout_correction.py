@@ -32,6 +32,17 @@ Rejected tokens get weight 0 and leave the numerators of the policy, entropy and
 stay in the loss denominator (a rejection never changes the scale of the other tokens' gradients).
 Everything here is detached: the weights change the measure, not the objective.
 
+Where fnppo deliberately differs from common practice (the table is ``docs/conventions.md``):
+
+* rejected units stay in the denominator (verl removes them from the mask), for the reason above;
+* the batch mean runs over the *kept* units only (a rejected unit's weight is never applied, so it
+  does not set the scale; verl averages over all valid units), and over the mini-batch of one
+  optimizer update, reduced exactly over micro-batches and DP ranks like the loss normalizer;
+* k2 / k3 statistics are not capped; only ``d`` is clamped (to keep ``exp`` finite);
+* bypass mode with a ratio-based loss refuses ``tis_cap`` instead of silently ignoring it, and
+  refuses batch normalization (its weights would depend on the current parameters, known only
+  inside each micro-batch's forward pass).
+
 References: F. Yao et al. (2025), "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training" (TIS); J. Liu, Y. Li et al. (2025), "When Speed Kills Stability: Demystifying RL Collapse
 from the Training-Inference Mismatch" (masked IS and rejection on sequence statistics,

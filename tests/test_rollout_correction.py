@@ -515,6 +515,12 @@ def test_empty_mask_gives_exact_zero(name):
         assert torch.equal(tis_batch_stats(old, rollout, empty, cfg), torch.zeros(2))
 
 
+def test_zero_length_rows_have_nothing_to_reject():
+    x = torch.zeros(2, 0)
+    res = compute_tis_weights(x, x, x, cap=2.0, reject_seq_max_abs_log_ratio=0.5, reject_seq_k3=0.1, batch_normalize=True)
+    assert res.weights.shape == (2, 0) and all(v == 0.0 for v in finalize_metrics(res.metrics).values())
+
+
 def test_inputs_not_modified():
     lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
     lp, ent = leaf(lp0), leaf(ent)
