@@ -8,7 +8,9 @@ fraction of response positions that are right, so a random policy (over 16 token
 Each step: prompts -> responses sampled from the current policy (temperature sampling through
 Megatron's forward-only schedule) -> rewards -> GRPO group-normalized advantages -> old and
 reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, optional entropy bonus,
-k3 KL to the reference, optional TIS).
+k3 KL to the reference, optional TIS). With ``--kl-target`` the KL coefficient follows the adaptive
+controller of Ziegler et al. (``fnppo.adaptive_kl_init`` / ``adaptive_kl_update``, starting at
+``--kl-coef``); its state is a value of the loop, saved in the checkpoints and restored on ``--resume``.
 
     python examples/ppo_toy.py                                   # 1 process, CPU
     torchrun --nproc-per-node 2 examples/ppo_toy.py --tp 2       # gloo on CPU, or NCCL with --device cuda
@@ -23,6 +25,7 @@ the newest run (or ``--out-dir``) from its newest checkpoint, bit-identical to a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,8 +44,9 @@ RUNS_ROOT = Path("runs/ppo_toy")
 RUN_DEFINING = (
     "seed", "tp", "pp", "dtype", "prompts", "group_size", "num_microbatches", "max_tokens_per_microbatch",
     "minibatches", "lr", "lr_final", "schedule_steps", "temperature", "entropy_coeff", "kl_coef",
-    "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint",
+    "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint", "kl_target", "kl_horizon",
 )
+DEFAULT_KL_HORIZON = 10_000.0
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
@@ -76,7 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule-steps", type=int, default=None, help="steps over which the lr decays (default: --steps)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--entropy-coeff", type=float, default=0.0)
-    p.add_argument("--kl-coef", type=float, default=0.001)
+    p.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the start value with --kl-target)")
+    p.add_argument("--kl-target", type=float, default=None,
+                   help="adaptive KL controller (Ziegler et al.): target k3 KL to the reference per token (off by default)")
+    p.add_argument("--kl-horizon", type=float, default=None,
+                   help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})")
     p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (off by default)")
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo")
     p.add_argument("--hidden", type=int, default=64)
@@ -119,6 +127,16 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
     if args.overwrite and args.resume:
         raise ArgumentError("--overwrite and --resume exclude each other")
+    if args.kl_horizon is not None and args.kl_target is None:
+        raise ArgumentError("--kl-horizon needs --kl-target")
+    if args.kl_target is not None:
+        horizon = kl_horizon(args)
+        if not (args.kl_target > 0 and horizon > 0 and args.kl_coef > 0):
+            raise ArgumentError(f"--kl-target needs --kl-target > 0, --kl-horizon > 0 and --kl-coef > 0, got "
+                                f"{args.kl_target}, {horizon}, {args.kl_coef}")
+        if 0.2 * args.prompts * args.group_size >= horizon:
+            raise ArgumentError(f"--kl-horizon {horizon:g} must exceed 0.2 x the {args.prompts * args.group_size} "
+                                "samples per step")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +263,19 @@ def step_config(args: argparse.Namespace):
     else:
         split["num_microbatches"] = args.num_microbatches or 2
     return fnppo.StepConfig(loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split)
+
+
+def kl_horizon(args: argparse.Namespace) -> float:
+    return DEFAULT_KL_HORIZON if args.kl_horizon is None else args.kl_horizon
+
+
+def kl_controller(args: argparse.Namespace):
+    """The KL controller's start state and update: adaptive with ``--kl-target``, else fixed at ``--kl-coef``."""
+    import fnppo
+
+    if args.kl_target is None:
+        return fnppo.fixed_kl_init(args.kl_coef), fnppo.fixed_kl_update
+    return fnppo.adaptive_kl_init(args.kl_coef, args.kl_target, kl_horizon(args)), fnppo.adaptive_kl_update
 
 
 def learning_rate(args: argparse.Namespace, step: int) -> float:
@@ -431,7 +462,7 @@ def _agree(value, layout):
 
 
 def _setup_run(args, layout):
-    """Run directory, state, reference params and earlier metric rows (resume)."""
+    """Run directory, state, reference params and the KL controller's state (restored on resume)."""
     import fnppo
 
     choice: Path | ArgumentError
@@ -445,7 +476,7 @@ def _setup_run(args, layout):
     out_dir = choice
     state = build(args)
     ref_params = fnppo.snapshot_params(state.model)
-    rows: list[dict] = []
+    kl_state, _ = kl_controller(args)
     if args.resume:
         latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
         if latest is None:
@@ -453,9 +484,11 @@ def _setup_run(args, layout):
         state, extra = fnppo.load_checkpoint(latest, state)
         check_resume_settings(extra.get("settings", {}), args)
         ref_params = [dict(p) for p in extra["ref_params"]]
+        if "kl_state" in extra:
+            kl_state = fnppo.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
-    return out_dir, state, ref_params
+    return out_dir, state, ref_params, kl_state
 
 
 def _metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
@@ -477,7 +510,8 @@ def run(args: argparse.Namespace, layout) -> int:
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     torch.manual_seed(args.seed)
-    out_dir, state, ref_params = _setup_run(args, layout)
+    out_dir, state, ref_params, kl_state = _setup_run(args, layout)
+    _, kl_update = kl_controller(args)
     rank0 = layout.rank == 0
     start_step = state.step // args.minibatches
     metrics_path, rows = _metrics_file(args, out_dir, start_step) if rank0 else (None, [])
@@ -496,9 +530,13 @@ def run(args: argparse.Namespace, layout) -> int:
             return 0
         samples, mean_reward = rollout(state, ref_params, args, layout, device, step)
         set_lr(state.optimizer, learning_rate(args, step))
-        state, metrics = fnppo.train_step(state, samples, cfg)
+        step_cfg = dataclasses.replace(cfg, loss=fnppo.with_kl_coef(cfg.loss, kl_state))
+        state, metrics = fnppo.train_step(state, samples, step_cfg)
         step += 1
         row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
+        if args.kl_target is not None:
+            row["kl_coef"] = kl_state.coef  # the coefficient this step trained with
+        kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
             print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}", flush=True)
         if rank0:
@@ -509,7 +547,8 @@ def run(args: argparse.Namespace, layout) -> int:
                 progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}")
                 progress.update(1)
         if args.save_every and step % args.save_every == 0:
-            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", state, extra={"ref_params": ref_params, "settings": run_settings(args)})
+            extra = {"ref_params": ref_params, "settings": run_settings(args), "kl_state": kl_state._asdict()}
+            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", state, extra=extra)
     if progress is not None:
         progress.close()
     if not rank0:
@@ -529,7 +568,8 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
         title = (
             f"fnppo toy GRPO run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"
             f"seed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, {args.dtype}, lr {args.lr:g} -> {args.lr * args.lr_final:g}, "
-            f"{args.prompts} prompts x {args.group_size}, kl {args.kl_coef:g}, entropy {args.entropy_coeff:g}"
+            f"{args.prompts} prompts x {args.group_size}, kl {args.kl_coef:g}"
+            f"{'' if args.kl_target is None else f' (adaptive, target {args.kl_target:g})'}, entropy {args.entropy_coeff:g}"
         )
         try:
             write_plot(rows, plot, title=title, target=args.target_reward)

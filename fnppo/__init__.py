@@ -63,6 +63,7 @@ from fnppo.kl_control import adaptive_kl_update as adaptive_kl_update
 from fnppo.kl_control import fixed_kl_init as fixed_kl_init
 from fnppo.kl_control import fixed_kl_update as fixed_kl_update
 from fnppo.kl_control import with_kl_coef as with_kl_coef
+from fnppo.loss import tis_batch_stats as tis_batch_stats
 
 __version__ = "0.1.0"
 
@@ -124,6 +125,8 @@ __all__ = [
     "pass_at_k_advantages", "reinforce_pp_baseline_advantages", "masked_moments", "remax_advantages",
     "opo_advantages", "gpg_advantages", "gpg_batch_counts", "optimal_token_baseline_advantages",
     "KLControllerState", "adaptive_kl_init", "adaptive_kl_update", "fixed_kl_init", "fixed_kl_update", "with_kl_coef",
+    # rollout correction: batch-normalized importance weights
+    "tis_batch_stats",
     # checking
     "InputError", "ShapeError", "set_typechecking", "typechecking",
     # Megatron-dependent (lazy)

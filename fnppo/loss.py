@@ -11,7 +11,9 @@ The pieces, each usable alone:
 * :func:`ppo_loss` -- policy loss (chosen from the registry) + entropy bonus + KL penalty,
   optionally reweighted by truncated importance sampling, aggregated with ``loss_agg_mode``.
 * :func:`kl_penalty` -- per-token KL estimators k1, k2, k3, abs (and straight-through ``"+"``).
-* :func:`compute_tis_weights` -- truncated importance weights against the rollout engine.
+* :func:`compute_tis_weights` -- truncated importance weights and rejection against the rollout
+  engine (the computation lives in :mod:`fnppo.rollout_correction`).
+* :func:`tis_batch_stats` -- the local ``(sum, count)`` of the weights, for batch normalization.
 * :func:`value_loss` -- clipped value loss for PPO with a critic.
 * :func:`loss_normalizer` -- the local denominator of a micro-batch, to be summed over the step.
 
@@ -49,6 +51,7 @@ import torch
 from fnppo.metrics import finalize_metrics, merge_metrics, pair_metric, weighted_metric
 from fnppo.policy_losses import (  # noqa: F401 - the built-in losses stay importable from here
     _POLICY_LOSSES,
+    _RATIO_FREE,
     PolicyLossFn,
     PolicyLossInputs,
     cispo_loss,
@@ -62,6 +65,8 @@ from fnppo.policy_losses import (  # noqa: F401 - the built-in losses stay impor
     registered_policy_losses,
     sapo_loss,
 )
+from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA, Rules, TISWeights, check_seq_rejection, correction
+from fnppo.rollout_correction import TIS_LEVELS as _TIS_LEVELS
 from fnppo.segments import Segments, segments
 from fnppo.typing import (
     Integer,
@@ -93,6 +98,8 @@ __all__ = [
     "registered_policy_losses",
     "kl_penalty",
     "compute_tis_weights",
+    "tis_batch_stats",
+    "SEQ_REJECTION_CRITERIA",
     "value_loss",
     "loss_normalizer",
     "weighted_metric",
@@ -106,8 +113,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 _KL_BASE = {"k1": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
 KL_ESTIMATORS = tuple(_KL_BASE) + tuple(name + "+" for name in _KL_BASE)
 """The KL estimator names accepted by :func:`kl_penalty` (``"+"``: straight-through k2 gradient)."""
-
-_TIS_LEVELS = ("token", "sequence")
 
 
 # =============================================================================================
@@ -156,6 +161,26 @@ class PolicyLossConfig:
             covariance band they are drawn from.
         kl_cov_ratio, kl_cov_coef: KL-Cov: fraction of tokens (largest covariance) that get the
             ``kl_cov_coef * |log r|`` penalty.
+        bypass_old_logprobs: bypass mode: the rollout engine's log-probs serve as the old
+            log-probs (no separate old log-prob pass; ``old_logprobs`` may be None and is ignored).
+            Ratios and clipping are then ``pi_theta / pi_rollout``, and the rollout correction
+            compares ``sg(logp)`` with the rollout log-probs. ``tis_cap`` is refused for a loss that
+            uses a ratio (the ratio already is the importance weight); a ratio-free loss (``gpg``,
+            ``reinforce``) is weighted by ``min(sg(pi_theta / pi_rollout), tis_cap)``. (verl's
+            ``bypass_mode``.)
+        tis_batch_normalize: divide the TIS weights by their mean over the kept units of the whole
+            mini-batch (summed over micro-batches and DP ranks before the schedule; see
+            :func:`tis_batch_stats`), so that they average to 1. Needs ``tis_cap``; refused in
+            bypass mode (the weights would depend on parameters known only in the forward pass).
+        reject_seq_k2, reject_seq_k3: reject a sequence whose mean over its valid tokens of
+            ``d^2 / 2`` (k2), resp. ``exp(d) - 1 - d`` (k3, an estimate of
+            ``KL(pi_rollout || pi_train)``), exceeds the threshold, ``d = logp_train - logp_rollout``
+            clamped to ``±log_ratio_clamp`` (see :mod:`fnppo.rollout_correction`). ``None``: off.
+        reject_seq_mean_log_ratio: ``(low, high)``: reject a sequence whose mean ``d`` lies outside
+            ``[low, high]`` (log of the geometric-mean ratio). ``None``: off.
+        reject_seq_max_abs_log_ratio: reject a sequence with ``max_t |d_t|`` above it. ``None``: off.
+            Rejected sequences leave every numerator and stay in the denominator (as
+            ``tis_reject_*``); metrics ``rollout_rejected_frac`` and ``<field>_frac``.
     """
 
     policy_loss: str = "ppo"
@@ -182,6 +207,12 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 1.0
+    bypass_old_logprobs: bool = False
+    tis_batch_normalize: bool = False
+    reject_seq_k2: float | None = None
+    reject_seq_k3: float | None = None
+    reject_seq_mean_log_ratio: tuple[float, float] | None = None
+    reject_seq_max_abs_log_ratio: float | None = None
 
     def __post_init__(self) -> None:
         fn = "fnppo.PolicyLossConfig"
@@ -225,11 +256,29 @@ class PolicyLossConfig:
         need(num("clip_cov_ub") and self.clip_cov_ub > self.clip_cov_lb, "clip_cov_ub",
              f"a number > clip_cov_lb={self.clip_cov_lb!r}")
         need(num("kl_cov_coef") and self.kl_cov_coef >= 0, "kl_cov_coef", "a number >= 0")
+        self._check_rollout_correction(fn, need)
+
+    def _check_rollout_correction(self, fn: str, need: Any) -> None:
+        """The bypass, batch-normalization and sequence-rejection fields, and how they combine."""
+        for arg in ("bypass_old_logprobs", "tis_batch_normalize"):
+            need(isinstance(getattr(self, arg), bool), arg, "a bool")
+        bounds = check_seq_rejection(fn, lambda arg: getattr(self, arg))
+        object.__setattr__(self, "reject_seq_mean_log_ratio", bounds)  # a list becomes a tuple
+        if self.bypass_old_logprobs and self.policy_loss not in _RATIO_FREE:
+            need(self.tis_cap is None, "tis_cap",
+                 f"None with bypass_old_logprobs=True and the ratio-based policy loss {self.policy_loss!r} "
+                 "(its ratio pi_theta / pi_rollout already is the importance weight)")
+        if self.tis_batch_normalize:
+            need(self.tis_cap is not None, "tis_cap", "a number > 0 since tis_batch_normalize=True")
+            need(not self.bypass_old_logprobs, "tis_batch_normalize",
+                 "False with bypass_old_logprobs=True (the weights would depend on the current parameters, "
+                 "known only in the forward pass)")
 
     @property
     def tis_active(self) -> bool:
         """Whether importance weights / rejection against the rollout log-probs are applied."""
-        return self.tis_cap is not None or self.tis_reject_low is not None or self.tis_reject_high is not None
+        return (self.tis_cap is not None or self.tis_reject_low is not None or self.tis_reject_high is not None
+                or any(getattr(self, name) is not None for name in SEQ_REJECTION_CRITERIA))
 
 
 
@@ -287,42 +336,34 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
 
 
 # =============================================================================================
-# Truncated importance sampling
+# Rollout correction (truncated importance sampling, rejection, batch normalization)
 # =============================================================================================
-class TISWeights(NamedTuple):
-    """Result of :func:`compute_tis_weights`.
-
-    Attributes:
-        weights: ``[batch, seq]`` detached importance weights to multiply the policy loss with;
-            0 at masked-out and rejected positions.
-        keep: ``[batch, seq]`` float 0/1: valid and not rejected.
-        metrics: ``tis_weight`` / ``tis_weight_sq`` (mean of the applied weight and of its square,
-            per token or per sequence according to ``level``; :func:`finalize_metrics` derives
-            ``tis_ess`` from them), ``tis_truncated_frac`` and ``tis_rejected_frac``.
-    """
-
-    weights: Tensor
-    keep: Tensor
-    metrics: dict[str, Tensor]
-
-
 @typechecked
 def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask, *,
                         cap: float | None, level: str = "token", reject_low: float | None = None,
                         reject_high: float | None = None, reject_level: str | None = None,
                         seq_ids: Integer[Tensor, "batch seq"] | None = None,
-                        log_ratio_clamp: float = 20.0) -> TISWeights:
-    """Truncated importance weights correcting for the rollout engine's sampling distribution.
+                        log_ratio_clamp: float = 20.0,
+                        reject_seq_k2: float | None = None, reject_seq_k3: float | None = None,
+                        reject_seq_mean_log_ratio: tuple[float, float] | None = None,
+                        reject_seq_max_abs_log_ratio: float | None = None,
+                        batch_normalize: bool = False,
+                        tis_mean: float | int | Shaped[Tensor, ""] | None = None) -> TISWeights:
+    """Truncated importance weights and rejection correcting for the rollout engine's sampling.
 
     Token level: ``w_t = exp(logp_old_t - logp_rollout_t)``; sequence level:
     ``w_i = exp(sum_t (logp_old_t - logp_rollout_t))`` (valid tokens of sequence i, broadcast to its
     tokens). Log-weights are clamped to ``[-log_ratio_clamp, log_ratio_clamp]``. The applied weight
     is ``min(w, cap)``, detached (``cap=None``: weight 1, only rejection). Optional rejection (at
     ``reject_level``, default ``level``): tokens or sequences whose untruncated weight is outside
-    ``[reject_low, reject_high]`` get weight 0 and ``keep`` 0.
+    ``[reject_low, reject_high]`` get weight 0 and ``keep`` 0; so do sequences rejected by the
+    ``reject_seq_*`` criteria (k2, k3, mean and max-abs of the clamped log-ratio ``d``, see
+    :mod:`fnppo.rollout_correction`). ``batch_normalize``: the kept weights are divided by
+    ``tis_mean`` (the global mean from :func:`tis_batch_stats`; None: their mean in this call).
 
     Reference: F. Yao et al. (2025), "Your efficient RL framework secretly brings you off-policy RL
-    training" (truncated importance sampling, TIS).
+    training" (truncated importance sampling, TIS); rejection: Liu, Li et al. (2025), "When Speed
+    Kills Stability" (masked IS, sequence statistics) and IcePop (arXiv:2510.18855).
 
     Args:
         old_logprobs, rollout_logprobs: ``[batch, seq]`` log-probs of the trainer's old policy and
@@ -331,14 +372,18 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
         cap, level, reject_low, reject_high, reject_level: see above (``level`` and
             ``reject_level``: ``"token"`` or ``"sequence"``).
         seq_ids: packed layout: per-token sequence index, -1 for no sequence.
-        log_ratio_clamp: bound of the log-weights.
+        log_ratio_clamp: bound of the log-weights and of ``d``.
+        reject_seq_k2, reject_seq_k3, reject_seq_mean_log_ratio, reject_seq_max_abs_log_ratio: as
+            in :class:`PolicyLossConfig`.
+        batch_normalize, tis_mean: see above; ``tis_mean`` needs ``batch_normalize``.
 
     Returns:
         :class:`TISWeights` ``(weights, keep, metrics)``.
 
     Raises:
-        InputError: a bad cap, level or bound; with checking on, a mask that is not 0/1, NaN/inf at
-            valid positions, ``seq_ids`` out of range.
+        InputError: a bad cap, level, bound or criterion, ``tis_mean`` without ``batch_normalize``;
+            with checking on, a mask that is not 0/1, NaN/inf at valid positions, ``seq_ids`` out
+            of range, a negative or non-finite ``tis_mean``.
     """
     fn = "fnppo.compute_tis_weights"
     if cap is not None and not (_is_number(cap) and cap > 0):
@@ -349,54 +394,57 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
     for arg, value in (("reject_low", reject_low), ("reject_high", reject_high)):
         if value is not None and not (_is_number(value) and value >= 0):
             raise input_error(fn, arg, "a number >= 0 or None", repr(value))
+    given = {"reject_seq_k2": reject_seq_k2, "reject_seq_k3": reject_seq_k3,
+             "reject_seq_mean_log_ratio": reject_seq_mean_log_ratio,
+             "reject_seq_max_abs_log_ratio": reject_seq_max_abs_log_ratio}
+    bounds = check_seq_rejection(fn, given.__getitem__)
+    if tis_mean is not None and not batch_normalize:
+        raise input_error(fn, "tis_mean", "None since batch_normalize=False", _describe_value(tis_mean))
+    if typechecking_enabled():
+        _validate(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None, seq_ids,
+                  tis_mean=tis_mean)
+    rules = Rules(cap, level, reject_low, reject_high, level if reject_level is None else reject_level,
+                  reject_seq_k2, reject_seq_k3, bounds, reject_seq_max_abs_log_ratio, batch_normalize, log_ratio_clamp)
+    return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules,
+                      tis_mean)[0]
+
+
+@typechecked
+def tis_batch_stats(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask,
+                    config: PolicyLossConfig, *, seq_ids: Integer[Tensor, "batch seq"] | None = None) -> Tensor:
+    """``(sum of the TIS weights, number of units)`` over the kept units of one micro-batch.
+
+    The units are those of ``config.tis_level``: kept tokens, or sequences with at least one kept
+    token (rejected units, by ``tis_reject_*`` or ``reject_seq_*``, are excluded); the weights are
+    ``min(w, tis_cap)`` before normalization. Sum the pairs over all micro-batches and
+    data-parallel ranks of a mini-batch and pass ``tis_mean = sum / count`` to :func:`ppo_loss`
+    (``tis_batch_normalize=True``): every weight is then divided by the exact mean of the whole
+    mini-batch, whatever the split. :func:`fnppo.train_step` does this together with the loss
+    normalizer (one all-reduce). The same pair is reported as the metric ``tis_batch_mean``.
+
+    Reference: batch-normalized IS weights as in verl's ``rollout_is_batch_normalize`` (there over
+    all valid units); TIS: Yao et al. (2025).
+
+    Args:
+        old_logprobs, rollout_logprobs, loss_mask: as in :func:`compute_tis_weights`.
+        config: the :class:`PolicyLossConfig` of the loss (its TIS and rejection settings).
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+
+    Returns:
+        ``[2]`` tensor in ``promote_types(dtype, fp32)``, detached.
+
+    Raises:
+        InputError: a config in bypass mode (its weights need the current policy); with checking
+            on, as :func:`compute_tis_weights`.
+    """
+    fn = "fnppo.tis_batch_stats"
+    if config.bypass_old_logprobs:
+        raise input_error(fn, "config", "a PolicyLossConfig without bypass_old_logprobs (the weights would need the "
+                          "current policy's log-probs)", "bypass_old_logprobs=True")
     if typechecking_enabled():
         _validate(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None, seq_ids)
-    return _tis_weights(old_logprobs, rollout_logprobs, loss_mask != 0, cap, level, reject_low, reject_high,
-                        level if reject_level is None else reject_level, segments(loss_mask.shape, seq_ids),
-                        log_ratio_clamp)
-
-
-def _tis_weights(old: Tensor, rollout: Tensor, m: Tensor, cap: float | None, level: str,
-                 reject_low: float | None, reject_high: float | None, reject_level: str, seg: Segments,
-                 clamp: float) -> TISWeights:
-    dtype = torch.promote_types(old.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=old.device)
-    mf = m.to(dtype)
-    log_w_tok = torch.where(m, old.detach().to(dtype) - rollout.detach().to(dtype), zero)
-    seq_valid = (seg.sum(mf) > 0).to(dtype)
-    units = {"token": mf, "sequence": seq_valid}  # what a metric averages over, per level
-
-    def raw_weight(lv: str) -> Tensor:  # per token [batch, seq] or per sequence [num]
-        log_w = log_w_tok if lv == "token" else seg.sum(log_w_tok)
-        return torch.exp(torch.clamp(log_w, -clamp, clamp))
-
-    def to_tokens(v: Tensor, lv: str) -> Tensor:
-        return v if lv == "token" else seg.gather(v, mf)
-
-    w_raw = raw_weight(level)
-    if cap is None:
-        w, truncated = torch.ones_like(w_raw), torch.zeros_like(w_raw)
-    else:
-        w, truncated = torch.clamp(w_raw, max=cap), (w_raw > cap).to(dtype)
-    rejected = torch.zeros_like(units[reject_level], dtype=torch.bool)
-    if reject_low is not None or reject_high is not None:
-        r_raw = w_raw if reject_level == level else raw_weight(reject_level)
-        if reject_low is not None:
-            rejected = rejected | (r_raw < reject_low)
-        if reject_high is not None:
-            rejected = rejected | (r_raw > reject_high)
-    keep = mf * (1.0 - to_tokens(rejected.to(dtype), reject_level))
-    # The applied weight per unit of `level`: 0 for a unit with no kept token.
-    kept_unit = keep if level == "token" else (seg.sum(keep) > 0).to(dtype)
-    w_applied = w * kept_unit
-    metrics = {
-        "tis_weight": weighted_metric(w_applied, units[level]),
-        "tis_weight_sq": weighted_metric(w_applied * w_applied, units[level]),
-        "tis_truncated_frac": weighted_metric(truncated, units[level]),
-        "tis_rejected_frac": weighted_metric(rejected.to(dtype), units[reject_level]),
-    }
-    return TISWeights((to_tokens(w_applied, level) * keep).detach(), keep.detach(), metrics)
-
+    rules = Rules.of(config)._replace(normalize=False)
+    return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules)[1]
 
 
 # =============================================================================================
@@ -488,33 +536,39 @@ def _denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tens
 # Validation (one host sync)
 # =============================================================================================
 def _validate(fn: str, mask: Tensor, finite: dict[str, Tensor | None], normalizer: Any,
-              seq_ids: Tensor | None, mask_name: str = "loss_mask") -> None:
+              seq_ids: Tensor | None, mask_name: str = "loss_mask", *, tis_mean: Any = None) -> None:
     m = mask != 0
+    scalars = {name: v for name, v in (("normalizer", normalizer), ("tis_mean", tis_mean)) if v is not None}
     flags = []
     if mask.dtype != torch.bool:
         flags.append(((mask != 0) & (mask != 1)).any())
     for t in finite.values():
         if t is not None and t.is_floating_point():
             flags.append((~torch.isfinite(t) & m).any())
-    if isinstance(normalizer, Tensor):
-        flags.append(~torch.isfinite(normalizer) | (normalizer < 0))
+    for name, v in scalars.items():
+        if isinstance(v, Tensor):
+            flags.append(~torch.isfinite(v) | (v < 0))
+        elif not (math.isfinite(v) and v >= 0):
+            raise input_error(fn, name, "a finite number >= 0", repr(v))
     if seq_ids is not None:
         flags.append(((seq_ids < -1) | (seq_ids >= seq_ids.numel()) | ((seq_ids < 0) & m)).any())
-    if normalizer is not None and not isinstance(normalizer, Tensor):
-        if not (math.isfinite(normalizer) and normalizer >= 0):
-            raise input_error(fn, "normalizer", "a finite number >= 0", repr(normalizer))
     if not flags or not bool(torch.stack([f.reshape(()) for f in flags]).any()):
         return
     # Something is wrong: find it (slow path, may sync several times).
     check_mask01(fn, mask_name, mask)
     for name, t in finite.items():
         check_finite(fn, name, t, where=mask)
-    if isinstance(normalizer, Tensor) and not bool(torch.isfinite(normalizer) & (normalizer >= 0)):
-        raise input_error(fn, "normalizer", "a finite number >= 0", f"{describe(normalizer)} = {normalizer.item()!r}")
+    for name, v in scalars.items():
+        if isinstance(v, Tensor) and not bool(torch.isfinite(v) & (v >= 0)):
+            raise input_error(fn, name, "a finite number >= 0", f"{describe(v)} = {v.item()!r}")
     if seq_ids is not None:
         lo, hi = int(seq_ids.min()), int(seq_ids.max())
         raise input_error(fn, "seq_ids", f"values in [-1, {seq_ids.numel()}) and >= 0 wherever {mask_name} is 1",
                           f"{describe(seq_ids)} with values in [{lo}, {hi}]")
+
+
+def _describe_value(x: Any) -> str:
+    return describe(x) if isinstance(x, Tensor) else repr(x)
 
 
 
@@ -550,15 +604,23 @@ def _check_non_empty(fn: str, arg: str, t: Tensor) -> None:
         raise input_error(fn, arg, "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(t))
 
 
-def _check_loss_inputs(fn: str, config: PolicyLossConfig, entropy: Tensor | None, ref_logprobs: Tensor | None,
-                       rollout_logprobs: Tensor | None) -> None:
-    """The optional inputs that ``config`` needs are given."""
+def _check_loss_inputs(fn: str, config: PolicyLossConfig, old_logprobs: Tensor | None, entropy: Tensor | None,
+                       ref_logprobs: Tensor | None, rollout_logprobs: Tensor | None, tis_mean: Any) -> None:
+    """The optional inputs that ``config`` needs are given (and ``tis_mean`` only when it is used)."""
+    if old_logprobs is None and not config.bypass_old_logprobs:
+        raise input_error(fn, "old_logprobs", "a tensor (or PolicyLossConfig.bypass_old_logprobs=True)", "None")
     if config.entropy_coeff != 0 and entropy is None:
         raise input_error(fn, "entropy", f"a tensor since entropy_coeff={config.entropy_coeff!r}", "None")
     if config.kl_coef != 0 and ref_logprobs is None:
         raise input_error(fn, "ref_logprobs", f"a tensor since kl_coef={config.kl_coef!r}", "None")
+    if config.bypass_old_logprobs and rollout_logprobs is None:
+        raise input_error(fn, "rollout_logprobs", "a tensor since bypass_old_logprobs=True (they are the old log-probs)",
+                          "None")
     if config.tis_active and rollout_logprobs is None:
-        raise input_error(fn, "rollout_logprobs", "a tensor since TIS (tis_cap / tis_reject_*) is configured", "None")
+        raise input_error(fn, "rollout_logprobs", "a tensor since rollout correction (tis_cap / tis_reject_* / "
+                          "reject_seq_*) is configured", "None")
+    if tis_mean is not None and not config.tis_batch_normalize:
+        raise input_error(fn, "tis_mean", "None since tis_batch_normalize=False", _describe_value(tis_mean))
 
 
 def _policy_term(fn: str, config: PolicyLossConfig, x: PolicyLossInputs, tok: _Tokens) -> tuple[Tensor, dict[str, Tensor]]:
@@ -570,18 +632,19 @@ def _policy_term(fn: str, config: PolicyLossConfig, x: PolicyLossInputs, tok: _T
     return torch.where(tok.m, pg_tok.to(tok.zero.dtype), tok.zero), extra
 
 
-def _importance(config: PolicyLossConfig, old: Tensor, rollout_logprobs: Tensor | None, tok: _Tokens,
-                metrics: dict[str, Tensor]) -> tuple[Tensor | None, Tensor]:
-    """TIS weights (None without TIS) and the kept tokens; adds ``rollout_kl`` and the TIS metrics."""
+def _importance(config: PolicyLossConfig, train: Tensor, rollout_logprobs: Tensor | None, tok: _Tokens,
+                metrics: dict[str, Tensor], tis_mean: Any) -> tuple[Tensor | None, Tensor]:
+    """TIS weights (None without TIS) and the kept tokens; adds ``rollout_kl`` and the TIS metrics.
+
+    ``train`` is the trainer side of the correction: the old log-probs, or ``sg(logp)`` in bypass mode.
+    """
     if rollout_logprobs is None:
         return None, tok.mf
     rollout = tok.clean(rollout_logprobs, detach=True)
-    metrics["rollout_kl"] = weighted_metric(rollout - old, tok.mf)
+    metrics["rollout_kl"] = weighted_metric(rollout - train, tok.mf)
     if not config.tis_active:
         return None, tok.mf
-    tis = _tis_weights(old, rollout, tok.m, config.tis_cap, config.tis_level, config.tis_reject_low,
-                       config.tis_reject_high, config.tis_reject_level or config.tis_level, tok.seg,
-                       config.log_ratio_clamp)
+    tis, _ = correction(train, rollout, tok.m, tok.seg, Rules.of(config), tis_mean)
     metrics.update(tis.metrics)
     return tis.weights.to(tok.mf.dtype), tis.keep.to(tok.mf.dtype)
 
@@ -609,7 +672,7 @@ def _add_regularizers(total_num: Tensor, config: PolicyLossConfig, lp: Tensor, e
 @typechecked
 def ppo_loss(
     logprobs: PaddedFloat,
-    old_logprobs: PaddedFloat,
+    old_logprobs: PaddedFloat | None,
     advantages: PaddedFloat,
     loss_mask: PaddedMask,
     config: PolicyLossConfig,
@@ -620,13 +683,15 @@ def ppo_loss(
     normalizer: float | int | Shaped[Tensor, ""] | None = None,
     seq_ids: Integer[Tensor, "batch seq"] | None = None,
     generator: torch.Generator | None = None,
+    tis_mean: float | int | Shaped[Tensor, ""] | None = None,
 ) -> tuple[Scalar, dict[str, Tensor]]:
     """Policy loss + entropy bonus + KL penalty, aggregated with ``config.loss_agg_mode``.
 
     Per token: ``l_t = w^TIS_t * pg_t - entropy_coeff * H_t + kl_coef * KL_t`` where ``pg_t`` is the
     registered policy loss ``config.policy_loss``, ``w^TIS`` the truncated importance weight
-    (:func:`compute_tis_weights`, when ``config.tis_cap`` or a rejection bound is set; rejected
-    tokens drop out of all three terms) and ``KL_t = kl_penalty(logprobs, ref_logprobs,
+    (:func:`compute_tis_weights`, when ``config.tis_cap``, a rejection bound or a ``reject_seq_*``
+    criterion is set; rejected tokens drop out of all three terms but stay in ``N``; with
+    ``tis_batch_normalize`` divided by ``tis_mean``) and ``KL_t = kl_penalty(logprobs, ref_logprobs,
     kl_estimator)``. The scalar loss is ``sum_t a_t l_t / N`` with, over valid tokens
     (``loss_mask == 1``) and sequences i (rows, or ``seq_ids`` groups):
 
@@ -643,12 +708,17 @@ def ppo_loss(
     checked for NaN/inf: it is the model's output, and a non-finite loss makes
     :func:`fnppo.train_step` skip the update.
 
+    Bypass mode (``config.bypass_old_logprobs``): ``rollout_logprobs`` replace ``old_logprobs``
+    (which may be None and are ignored), so every ratio is ``pi_theta / pi_rollout``, and the
+    rollout correction compares ``sg(logprobs)`` with ``rollout_logprobs``.
+
     Reference: PPO, arXiv:1707.06347 (the policy losses cite their own papers, see
-    :mod:`fnppo.policy_losses`).
+    :mod:`fnppo.policy_losses`; rollout correction: :mod:`fnppo.rollout_correction`).
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the current policy (carries the gradient).
-        old_logprobs: log-probs of the policy that generated the data (recomputed by the trainer).
+        old_logprobs: log-probs of the policy that generated the data (recomputed by the trainer);
+            None (ignored) in bypass mode.
         advantages: per-token advantages.
         loss_mask: 0/1 mask of the trained tokens (bool, int or float).
         config: :class:`PolicyLossConfig`.
@@ -659,32 +729,40 @@ def ppo_loss(
         normalizer: the global denominator (see above).
         seq_ids: packed layout: per-token sequence index within the micro-batch, -1 for no sequence.
         generator: RNG for randomized losses (``clip_cov``).
+        tis_mean: with ``tis_batch_normalize``: the global mean TIS weight (the pairs of
+            :func:`tis_batch_stats` summed over the step, ``sum / count``); None: the mean of this
+            call. A mean of 0 (no kept unit anywhere) divides by 1.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and ``dict[str, Tensor]`` of detached ``[2]`` metrics
         (see the module docstring): ``loss``, ``pg_loss``, ``ppo_kl`` (``mean(logp_old - logp)``),
         ``pg_clipfrac``, ``pg_clipfrac_lower``, ``entropy`` / ``kl_loss`` (when given), the TIS
-        metrics, plus whatever the policy loss reports.
+        metrics (and ``tis_batch_mean``, ``rollout_rejected_frac``, ``reject_seq_*_frac`` when
+        configured), plus whatever the policy loss reports.
 
     Raises:
         ShapeError: shapes or dtypes that disagree (call-time check).
-        InputError: an empty batch; an input the config needs left out; with checking on, a mask
-            that is not 0/1, NaN/inf at valid positions, ``seq_ids`` out of range, a negative or
-            non-finite ``normalizer``; a policy loss whose output is not per-token.
+        InputError: an empty batch; an input the config needs left out (``old_logprobs`` outside
+            bypass mode, ``rollout_logprobs`` in it); ``tis_mean`` without
+            ``tis_batch_normalize``; with checking on, a mask that is not 0/1, NaN/inf at valid
+            positions, ``seq_ids`` out of range, a negative or non-finite ``normalizer`` or
+            ``tis_mean``; a policy loss whose output is not per-token.
     """
     fn = "fnppo.ppo_loss"
     _check_non_empty(fn, "logprobs", logprobs)
-    _check_loss_inputs(fn, config, entropy, ref_logprobs, rollout_logprobs)
+    bypass = config.bypass_old_logprobs
+    _check_loss_inputs(fn, config, old_logprobs, entropy, ref_logprobs, rollout_logprobs, tis_mean)
     if typechecking_enabled():
-        _validate(fn, loss_mask, {"advantages": advantages, "old_logprobs": old_logprobs,
+        _validate(fn, loss_mask, {"advantages": advantages, "old_logprobs": None if bypass else old_logprobs,
                                   "ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs},
-                  normalizer, seq_ids)
+                  normalizer, seq_ids, tis_mean=tis_mean)
     tok = _Tokens.of(logprobs, loss_mask, seq_ids)
-    lp, old = tok.clean(logprobs, detach=False), tok.clean(old_logprobs, detach=True)
+    lp = tok.clean(logprobs, detach=False)
+    old = tok.clean(rollout_logprobs if bypass else old_logprobs, detach=True)
     inputs = PolicyLossInputs(lp, old, tok.clean(advantages, detach=True), tok.mf, config, tok.seg, generator)
     pg_tok, extra = _policy_term(fn, config, inputs, tok)
     metrics: dict[str, Tensor] = {}
-    tis_w, keep = _importance(config, old, rollout_logprobs, tok, metrics)
+    tis_w, keep = _importance(config, lp.detach() if bypass else old, rollout_logprobs, tok, metrics, tis_mean)
     if tis_w is not None:
         pg_tok = pg_tok * tis_w
     agg_w, local_den = _agg_weights(tok.mf, tok.seg, config.loss_agg_mode, config.loss_scale_factor)

@@ -48,7 +48,8 @@ class PolicyLossInputs:
 
     Attributes:
         logprobs: current policy log-probs; carries the gradient.
-        old_logprobs: behaviour-policy log-probs (detached).
+        old_logprobs: behaviour-policy log-probs (detached); the rollout engine's log-probs when
+            ``config.bypass_old_logprobs`` is set.
         advantages: per-token advantages (detached).
         mask: the float 0/1 loss mask.
         config: the :class:`PolicyLossConfig`.
@@ -87,9 +88,12 @@ class PolicyLossInputs:
 
 PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, dict[str, Tensor]]]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+_RATIO_FREE: set[str] = set()
+"""Names of the registered losses that never read ``old_logprobs`` (``uses_ratio=False``)."""
 
 
-def register_policy_loss(name: str, *, override: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, *, override: bool = False,
+                         uses_ratio: bool = True) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name`` for ``PolicyLossConfig(policy_loss=name)``.
 
     The function takes one :class:`PolicyLossInputs` and returns ``(per_token_loss, metrics)``:
@@ -112,6 +116,10 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
     Args:
         name: the name ``PolicyLossConfig.policy_loss`` refers to.
         override: replace a loss already registered under ``name``.
+        uses_ratio: whether the loss reads ``old_logprobs`` (an importance ratio). ``False`` for a
+            REINFORCE-like loss: with ``bypass_old_logprobs`` it may then take TIS weights
+            ``min(pi_theta / pi_rollout, tis_cap)``, which a ratio-based loss refuses (its ratio
+            already is that weight).
 
     Returns:
         The decorator (it returns the function unchanged).
@@ -127,6 +135,10 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[Poli
             raise input_error("fnppo.register_policy_loss", "name", "a name not registered yet (or override=True)",
                               repr(name))
         _POLICY_LOSSES[name] = fn
+        if uses_ratio:
+            _RATIO_FREE.discard(name)
+        else:
+            _RATIO_FREE.add(name)
         return fn
 
     return decorator
@@ -220,14 +232,17 @@ def cispo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 def _reinforce(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """Plain policy gradient ``l = -A * logp`` (on-policy; ``old_logprobs`` is not used).
 
+    With ``bypass_old_logprobs`` and ``tis_cap`` it is the REINFORCE estimator of rollout
+    correction: ``l = -min(sg(pi_theta / pi_rollout), tis_cap) A logp``.
+
     Registered as ``gpg`` (Group Policy Gradient, arXiv:2504.02546, whose advantage correction is
     left to the advantage estimator) and ``reinforce`` (Williams 1992).
     """
     return -x.advantages * x.logprobs, {}
 
 
-register_policy_loss("gpg")(_reinforce)
-register_policy_loss("reinforce")(_reinforce)
+register_policy_loss("gpg", uses_ratio=False)(_reinforce)
+register_policy_loss("reinforce", uses_ratio=False)(_reinforce)
 
 
 @register_policy_loss("gmpo")

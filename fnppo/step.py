@@ -43,7 +43,7 @@ from fnppo.batch import (
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
 from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
-from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss
+from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import forward_hidden, forward_logits, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
@@ -96,6 +96,8 @@ class LossFn(Protocol):
     """The loss stage: per-token tensors of one micro-batch -> ``(loss, metrics)``.
 
     Default :func:`~fnppo.loss.ppo_loss`; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.metrics`).
+    In bypass mode (``config.bypass_old_logprobs``) ``old_logprobs`` are the rollout log-probs; the
+    keyword ``tis_mean`` (the global mean TIS weight) is passed only when ``config.tis_batch_normalize``.
     """
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -357,6 +359,33 @@ def _global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, la
     return total[0].float()
 
 
+def _check_rollout_logprobs(fn: str, samples: Sequence[Sample], loss_cfg: PolicyLossConfig) -> None:
+    """Bypass mode and rollout correction need every sample's ``rollout_logprobs`` (checked before anything runs)."""
+    if (loss_cfg.bypass_old_logprobs or loss_cfg.tis_active) and samples[0].rollout_logprobs is None:
+        why = "bypass_old_logprobs=True" if loss_cfg.bypass_old_logprobs else "rollout correction is configured"
+        raise input_error(fn, "batch[0].rollout_logprobs", f"a tensor since {why} in PolicyLossConfig", "None")
+
+
+def _global_sums(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, layout: ParallelLayout,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss normalizer and, with ``tis_batch_normalize``, the mean TIS weight of the mini-batch.
+
+    Both are summed over micro-batches and DP ranks before the schedule, in one all-reduce (fp64):
+    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.loss.tis_batch_stats`).
+    """
+    if not loss_cfg.tis_batch_normalize:
+        return _global_normalizer(mbs, loss_cfg, layout, device), None
+    local = torch.zeros(3, dtype=torch.float64, device=device)
+    for mb in mbs:
+        pair = tis_batch_stats(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids)
+        norm = loss_normalizer(mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids).reshape(1)
+        local = local + torch.cat([norm, pair.reshape(2)]).to(device=device, dtype=torch.float64)
+    if layout.dp > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=layout.dp_group)
+    count = local[2]
+    return local[0].float(), local[1] / torch.where(count > 0, count, torch.ones_like(count))
+
+
 def _forward_step_fn(
     config: StepConfig,
     layout: ParallelLayout,
@@ -364,10 +393,12 @@ def _forward_step_fn(
     normalizer: torch.Tensor | None,
     loss_scale: float,
     vocab_size: int | None = None,
+    tis_mean: torch.Tensor | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     """Megatron's ``forward_step_func``: forward, then (last stage) logprob -> loss, scaled."""
     fns = config.fns
     loss_cfg = config.loss
+    extra = {} if tis_mean is None else {"tis_mean": tis_mean}
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
@@ -376,10 +407,11 @@ def _forward_step_fn(
         def loss_func(logits: torch.Tensor):
             # the entropy is always computed: it is reported as a metric whatever its coefficient
             lp, ent = _token_logprobs("train_step", logits, weight, mb, config, layout, vocab_size, True)
+            old = mb.rollout_logprobs if loss_cfg.bypass_old_logprobs else mb.old_logprobs  # bypass mode
             loss, metrics = fns.loss(
-                lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
+                lp, old, mb.advantages, mb.loss_mask, loss_cfg,
                 entropy=ent, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                normalizer=normalizer, seq_ids=mb.seq_ids,
+                normalizer=normalizer, seq_ids=mb.seq_ids, **extra,
             )
             return loss * loss_scale, {"metrics": metrics}
 
@@ -433,12 +465,12 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
     _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                 collate=config.fns.collate, device=device, dp_group=spec.dp_group,
                                 same_length=spec.same_length)
-    normalizer = _global_normalizer(mbs, config.loss, layout, device)
+    normalizer, tis_mean = _global_sums(mbs, config.loss, layout, device)
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
     fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                           vocab_size=spec.vocab_size)
+                           vocab_size=spec.vocab_size, tis_mean=tis_mean)
     with _fnppo_finalizer(chunks) as record:
         store = _run_schedule(chunks, mbs, fwd, forward_only=False)
     if "stats" not in record:
@@ -467,7 +499,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     1. split into micro-batches (same count on every DP rank) and collate them;
     2. the loss normalizer (tokens or sequences, by ``loss_agg_mode``) is summed over all
        micro-batches and DP ranks *before* the schedule, so the sum of micro-batch losses is the
-       full-batch loss whatever the split;
+       full-batch loss whatever the split (with ``tis_batch_normalize``, the mean TIS weight of the
+       mini-batch too, in the same all-reduce);
     3. Megatron's ``get_forward_backward_func`` runs ``forward -> logprob -> loss`` per micro-batch;
        each micro-batch loss is multiplied by ``num_microbatches * dp`` to cancel the schedule's mean
        over micro-batches and DDP's mean over DP ranks;
@@ -491,7 +524,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             divisible by ``num_minibatches``, a sample longer than ``config.max_seq_len``
             (default: the model's ``max_sequence_length``), token ids outside the model's
             vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
-            given for some samples only. Inside the schedule: logits from ``config.fns.forward``
+            given for some samples only, no ``rollout_logprobs`` in bypass mode or with rollout
+            correction. Inside the schedule: logits from ``config.fns.forward``
             whose last dimension is not this rank's vocab shard. ``docs/errors.md`` lists every
             error.
         FinalizeNotCalledError: see step 4.
@@ -500,6 +534,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     samples = list(batch)
     spec = _batching(config, state.model, layout)
     _check_batch("train_step", samples, spec, config.num_minibatches)
+    _check_rollout_logprobs("train_step", samples, config.loss)
     device = _device_of(state.model)
     totals: dict[str, torch.Tensor] = {}
     grad_norms: list[float] = []

@@ -245,6 +245,7 @@ def _step_errors() -> dict:
         "compute_logprobs-token-out-of-vocab": lambda: fnppo.compute_logprobs(ddp, [_sample([VOCAB + 6, 1], [3])]),
         "train_step-nan-advantage": lambda: fnppo.train_step(state, [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan])], step),
         "train_step-ref-for-some-samples": lambda: fnppo.train_step(state, [*synthetic_samples(3, vocab_size=VOCAB, seed=2), _sample([1], [2, 3])], StepConfig(num_microbatches=4)),
+        "train_step-bypass-without-rollout": lambda: fnppo.train_step(state, good, StepConfig(loss=fnppo.PolicyLossConfig(bypass_old_logprobs=True))),
         "compute_logprobs-params-per-chunk": lambda: fnppo.compute_logprobs(ddp, good, params=[{}, {}]),
         "logprob-gathered-logits-with-tp-group": lambda: logprob_and_entropy(full_logits, torch.zeros(3, dtype=torch.long), tp_group=lay.tp_group, vocab_size=VOCAB),
         # these two raise inside Megatron's schedule (on every TP rank alike)
@@ -279,6 +280,7 @@ STEP_CASES = {
     "compute_logprobs-token-out-of-vocab": (InputError, "compute_logprobs", "batch[0].prompt_ids", f"values in [0, {VOCAB})", f"values in [1, {VOCAB + 6}]"),
     "train_step-nan-advantage": (InputError, "collate_microbatch", "samples[3].advantages", "finite values", "1 NaN/inf"),
     "train_step-ref-for-some-samples": (InputError, "train_step", "batch[3].ref_logprobs", "a tensor (batch[0] has ref_logprobs; all samples or none)", "None"),
+    "train_step-bypass-without-rollout": (InputError, "train_step", "batch[0].rollout_logprobs", "a tensor since bypass_old_logprobs=True in PolicyLossConfig", "None"),
     "compute_logprobs-params-per-chunk": (InputError, "compute_logprobs", "params", "1 dicts (one per model chunk)", "2"),
     "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"vocab_size / tp_size = {VOCAB} / 2 = {VOCAB // 2}", "already gathered over tensor parallelism"),
     "train_step-gathered-logits": (InputError, "train_step", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", f",{VOCAB}] (logits already gathered over tensor parallelism"),

@@ -52,6 +52,21 @@ def test_resume_continues_bit_identically(tmp_path):
     assert straight == resumed  # every metric of every step, bit for bit
 
 
+def test_adaptive_kl_controller_resumes_bit_identically(tmp_path):
+    # --kl-target: the coefficient moves every step; its state is in the checkpoint, so a resumed run
+    # trains step 3 with the coefficient the uninterrupted run had (not a fresh --kl-coef)
+    steps = ["--steps", "3", "--kl-target", "0.0001", "--kl-horizon", "20", *SMALL]
+    _run([*steps, "--out-dir", str(tmp_path / "straight")])
+    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "1", "--exit-after", "2"])
+    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "1", "--resume"])
+    assert "step000002 (checkpoint of step 2)" in out
+    straight = _rows(tmp_path / "straight" / "metrics.jsonl")
+    resumed = _rows(tmp_path / "resumed" / "metrics.jsonl")
+    coefs = [r["kl_coef"] for r in straight]
+    assert coefs[0] == 0.001 and len(set(coefs)) == 3  # adaptive: a new coefficient every step
+    assert straight == resumed  # every metric of every step, bit for bit, kl_coef included
+
+
 _CHECK = re.compile(r"first-step loss=(\S+) grad_norm=(\S+)")
 
 
@@ -96,8 +111,10 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
         (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 1 processes"),
         (["--prompts", "0"], "--prompts must be >= 1, got 0"),
         (["--resume", "--overwrite"], "--overwrite and --resume exclude each other"),
+        (["--kl-horizon", "100"], "--kl-horizon needs --kl-target"),
     ],
-    ids=["negative-steps", "cuda-without-cuda", "tp-does-not-divide", "zero-prompts", "resume-and-overwrite"],
+    ids=["negative-steps", "cuda-without-cuda", "tp-does-not-divide", "zero-prompts", "resume-and-overwrite",
+         "kl-horizon-without-target"],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
     if "cuda" in args:

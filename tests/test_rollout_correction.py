@@ -1,0 +1,678 @@
+"""Tests of the rollout-correction options of the loss: bypass mode, batch-normalized importance
+weights, rejection on sequence statistics (fnppo.rollout_correction, fnppo.loss).
+
+Closed forms in float64, a plain-loop reference of the documented formulas, hypothesis split
+invariance (micro-batches summing to the full batch with the global normalizer and the global mean
+weight), empty masks, no input mutation, validation. ``train_step`` under DP=2 / TP=2 against an
+independent single-process autograd reference is at the end of the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnppo.loss import (
+    PolicyLossConfig,
+    compute_tis_weights,
+    finalize_metrics,
+    loss_normalizer,
+    merge_metrics,
+    ppo_loss,
+    register_policy_loss,
+    tis_batch_stats,
+)
+from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA
+from fnppo.typing import InputError
+
+LN = math.log
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def t(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.clone().requires_grad_(True)
+
+
+def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return torch.zeros_like(x) if g is None else g
+
+
+EXACT = dict(rtol=1e-12, atol=1e-12)
+
+
+# =============================================================================================
+# Config
+# =============================================================================================
+@pytest.mark.parametrize("kw, arg", [
+    (dict(bypass_old_logprobs="yes"), "bypass_old_logprobs"),
+    (dict(tis_batch_normalize=1, tis_cap=2.0), "tis_batch_normalize"),
+    (dict(reject_seq_k2=0.0), "reject_seq_k2"),
+    (dict(reject_seq_k3=-1.0), "reject_seq_k3"),
+    (dict(reject_seq_max_abs_log_ratio=math.nan), "reject_seq_max_abs_log_ratio"),
+    (dict(reject_seq_mean_log_ratio=(0.5, -0.5)), "reject_seq_mean_log_ratio"),
+    (dict(reject_seq_mean_log_ratio=(0.5,)), "reject_seq_mean_log_ratio"),
+    (dict(reject_seq_mean_log_ratio=(None, 0.5)), "reject_seq_mean_log_ratio"),
+    (dict(bypass_old_logprobs=True, tis_cap=2.0), "tis_cap"),  # ppo: the ratio already is the IS weight
+    (dict(bypass_old_logprobs=True, policy_loss="cispo", tis_cap=2.0), "tis_cap"),
+    (dict(tis_batch_normalize=True), "tis_cap"),
+    (dict(tis_batch_normalize=True, policy_loss="gpg", tis_cap=2.0, bypass_old_logprobs=True), "tis_batch_normalize"),
+])
+def test_config_rejects_bad_values(kw, arg):
+    with pytest.raises(InputError, match=f"PolicyLossConfig: argument '{arg}' expected"):
+        PolicyLossConfig(**kw)
+
+
+def test_config_accepts_valid_combinations():
+    assert PolicyLossConfig(bypass_old_logprobs=True, policy_loss="gpg", tis_cap=2.0).tis_active
+    assert PolicyLossConfig(bypass_old_logprobs=True, tis_reject_high=2.0).tis_active  # ratio loss + rejection
+    cfg = PolicyLossConfig(reject_seq_mean_log_ratio=[-0.5, 0.25])
+    assert cfg.reject_seq_mean_log_ratio == (-0.5, 0.25) and cfg.tis_active
+    hash(cfg)  # frozen and hashable (a list became a tuple)
+    for name in SEQ_REJECTION_CRITERIA:
+        value = (-1.0, 1.0) if name == "reject_seq_mean_log_ratio" else 0.5
+        assert PolicyLossConfig(**{name: value}).tis_active
+    assert not PolicyLossConfig().tis_active and not PolicyLossConfig(bypass_old_logprobs=True).tis_active
+
+
+def test_custom_ratio_free_loss_may_take_tis_in_bypass_mode():
+    @register_policy_loss("test_ratio_free", override=True, uses_ratio=False)
+    def ratio_free(x):
+        return -x.advantages * x.logprobs, {}
+
+    PolicyLossConfig(policy_loss="test_ratio_free", bypass_old_logprobs=True, tis_cap=2.0)
+    register_policy_loss("test_ratio_free", override=True)(ratio_free)  # re-registered as ratio-based
+    with pytest.raises(InputError, match="tis_cap"):
+        PolicyLossConfig(policy_loss="test_ratio_free", bypass_old_logprobs=True, tis_cap=2.0)
+
+
+# =============================================================================================
+# Bypass mode: closed forms
+# =============================================================================================
+def test_bypass_ppo_uses_rollout_as_old():
+    # rollout 0; pi/pi_rollout = 1.5 (A = 1: clipped at 1.2, no gradient) and 0.9 (A = -1, inside)
+    lp = leaf(t([LN(1.5), LN(0.9)]))
+    rollout, adv, mask = torch.zeros(1, 2), t([1.0, -1.0]), torch.ones(1, 2)
+    cfg = PolicyLossConfig(bypass_old_logprobs=True)
+    for old in (None, t([math.nan, math.inf]), t([5.0, -5.0])):  # old log-probs are ignored
+        loss, m = ppo_loss(lp, old, adv, mask, cfg, rollout_logprobs=rollout)
+        torch.testing.assert_close(loss, torch.tensor((-1.2 + 0.9) / 2), **EXACT)
+        torch.testing.assert_close(grad_of(loss, lp), t([0.0, 0.9 / 2]), **EXACT)
+        fin = finalize_metrics(m)
+        assert fin["pg_clipfrac"] == pytest.approx(0.5, abs=0)
+        assert fin["ppo_kl"] == pytest.approx(-(LN(1.5) + LN(0.9)) / 2, rel=1e-6)  # fp32 metric
+        assert fin["rollout_kl"] == pytest.approx(fin["ppo_kl"], rel=1e-6)  # rollout vs the current policy
+    # the same numbers as an ordinary call with old = rollout
+    plain, _ = ppo_loss(lp, rollout, adv, mask, PolicyLossConfig())
+    torch.testing.assert_close(plain, loss, **EXACT)
+
+
+def test_bypass_reinforce_takes_tis_weights_of_the_current_policy():
+    # w = min(exp(sg(logp) - logp_rollout), 2): (3 -> 2, 0.5, 1); l = -w A logp
+    lp = leaf(t([LN(3.0), LN(0.5), 0.0]))
+    adv = t([1.0, 2.0, 3.0])
+    cfg = PolicyLossConfig(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=2.0)
+    loss, m = ppo_loss(lp, None, adv, torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3))
+    w = [2.0, 0.5, 1.0]
+    expected = -sum(wi * a * x for wi, a, x in zip(w, [1.0, 2.0, 3.0], [LN(3.0), LN(0.5), 0.0])) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(grad_of(loss, lp), t([-2.0 / 3, -1.0 / 3, -1.0]), **EXACT)  # weights detached
+    fin = finalize_metrics(m)
+    assert fin["tis_weight"] == pytest.approx(3.5 / 3) and fin["tis_truncated_frac"] == pytest.approx(1 / 3)
+
+
+def test_bypass_rejection_compares_the_current_policy_with_the_rollout():
+    lp = leaf(t([LN(3.0), LN(0.5), 0.0]))
+    cfg = PolicyLossConfig(bypass_old_logprobs=True, tis_reject_high=2.5, clip_ratio_c=None)
+    loss, m = ppo_loss(lp, None, t([1.0, 1.0, 1.0]), torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3))
+    # token 0 (ratio 3) rejected; tokens 1, 2: ratio 0.5 (max(-0.5, -0.8): unclipped) and 1; denominator 3
+    torch.testing.assert_close(loss, torch.tensor((-0.5 - 1.0) / 3), **EXACT)
+    torch.testing.assert_close(grad_of(loss, lp), t([0.0, -0.5 / 3, -1.0 / 3]), **EXACT)
+    assert finalize_metrics(m)["tis_rejected_frac"] == pytest.approx(1 / 3)
+
+
+def test_bypass_and_missing_inputs():
+    x = torch.zeros(1, 2)
+    with pytest.raises(InputError, match="'rollout_logprobs' expected a tensor since bypass_old_logprobs"):
+        ppo_loss(x, None, x, x, PolicyLossConfig(bypass_old_logprobs=True))
+    with pytest.raises(InputError, match="'old_logprobs' expected a tensor"):
+        ppo_loss(x, None, x, x, PolicyLossConfig(), rollout_logprobs=x)
+    with pytest.raises(InputError, match="'rollout_logprobs' expected a tensor since rollout correction"):
+        ppo_loss(x, x, x, x, PolicyLossConfig(reject_seq_k3=0.1))
+
+
+# =============================================================================================
+# Rejection on sequence statistics: closed forms
+# =============================================================================================
+# d = old - rollout per token; row 1 has a masked token with d = 5 (must not count), row 3 is empty
+D = t([0.1, -0.1, 0.0], [1.0, 0.0, 5.0], [-2.0, 0.0, 0.0], [9.0, 9.0, 9.0])
+MASK = t([1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+STATS = {  # per valid sequence (rows 0, 1, 2), means over the valid tokens
+    "reject_seq_k2": [0.005, 0.25, 2.0],
+    "reject_seq_k3": [math.cosh(0.1) - 1.0, (math.e - 2.0) / 2, math.exp(-2.0) + 1.0],
+    "reject_seq_mean_log_ratio": [0.0, 0.5, -2.0],
+    "reject_seq_max_abs_log_ratio": [0.1, 1.0, 2.0],
+}
+
+
+def _rejected_rows(res) -> list[int]:
+    return [b for b in range(3) if res.keep[b].sum() == 0]
+
+
+@pytest.mark.parametrize("name", SEQ_REJECTION_CRITERIA)
+def test_each_criterion_fires_exactly_above_its_closed_form(name):
+    rollout = torch.zeros(4, 3) - 1.0
+    old = rollout + D
+    for i, value in enumerate(STATS[name]):
+        for rel, fires in ((1 - 1e-9, True), (1 + 1e-9, False)):
+            if name == "reject_seq_mean_log_ratio":
+                lo, hi = (value - 1e-9, value + 1e-9)
+                thr = (value + 1e-9, value + 1.0) if fires else (lo, hi)
+            else:
+                thr = value * rel
+            res = compute_tis_weights(old, rollout, MASK, cap=None, **{name: thr})
+            assert (i in _rejected_rows(res)) == fires, (name, i, thr, _rejected_rows(res))
+            assert res.keep[3].sum() == 0 and bool(res.keep[i].sum() == 0) == fires
+            fin = finalize_metrics(res.metrics)
+            n_hit = len(_rejected_rows(res))
+            assert fin[f"{name}_frac"] == pytest.approx(n_hit / 3) and fin["rollout_rejected_frac"] == pytest.approx(n_hit / 3)
+
+
+def test_criteria_combine_with_or_and_report_each():
+    rollout = torch.zeros(4, 3)
+    res = compute_tis_weights(rollout + D, rollout, MASK, cap=None, reject_seq_k2=0.1, reject_seq_k3=1.0,
+                              reject_seq_mean_log_ratio=(-1.0, 0.4), reject_seq_max_abs_log_ratio=1.5)
+    # k2: rows 1, 2; k3: row 2; mean: rows 1, 2; max: row 2 -> rows 1 and 2 rejected
+    torch.testing.assert_close(res.keep, MASK * t([1.0], [0.0], [0.0], [0.0]), **EXACT)
+    torch.testing.assert_close(res.weights, res.keep, **EXACT)
+    fin = finalize_metrics(res.metrics)
+    assert fin["reject_seq_k2_frac"] == pytest.approx(2 / 3) and fin["reject_seq_k3_frac"] == pytest.approx(1 / 3)
+    assert fin["reject_seq_mean_log_ratio_frac"] == pytest.approx(2 / 3)
+    assert fin["reject_seq_max_abs_log_ratio_frac"] == pytest.approx(1 / 3)
+    assert fin["rollout_rejected_frac"] == pytest.approx(2 / 3)
+    assert fin["tis_rejected_frac"] == 0.0  # the weight bounds are reported apart
+
+
+def test_log_ratio_is_clamped_in_the_statistics():
+    rollout = torch.zeros(1, 2)
+    old = t([30.0, 0.0])
+    # clamp 20: k2 mean = (200 + 0) / 2 = 100; unclamped it would be 225
+    keep = compute_tis_weights(old, rollout, torch.ones(1, 2), cap=None, reject_seq_k2=100.0 * (1 + 1e-12)).keep
+    assert keep.sum() == 2
+    keep = compute_tis_weights(old, rollout, torch.ones(1, 2), cap=None, reject_seq_k2=100.0 * (1 - 1e-12)).keep
+    assert keep.sum() == 0
+    keep = compute_tis_weights(old, rollout, torch.ones(1, 2), cap=None, reject_seq_max_abs_log_ratio=19.0,
+                               log_ratio_clamp=10.0).keep
+    assert keep.sum() == 2  # |d| clamped to 10
+
+
+def test_packed_layout_matches_padded_for_the_criteria():
+    rollout = torch.zeros(4, 3)
+    kw = dict(cap=2.0, level="sequence", reject_seq_k2=0.1, reject_seq_max_abs_log_ratio=1.5, batch_normalize=True)
+    padded = compute_tis_weights(rollout + D, rollout, MASK, **kw)
+    # pack rows in the order (2, 0, 3, 1) with two padding tokens; sequence ids renamed
+    order = [2, 0, 3, 1]
+    ids = torch.cat([torch.full((3,), i) for i in range(4)] + [torch.tensor([-1, -1])])[None]
+
+    def pack(x, fill=0.0):
+        return torch.cat([x[order].reshape(-1), torch.full((2,), fill)])[None]
+
+    packed = compute_tis_weights(pack(rollout + D, math.nan), pack(rollout, math.nan), pack(MASK), seq_ids=ids, **kw)
+    torch.testing.assert_close(packed.weights[0, :-2].reshape(4, 3), padded.weights[order], **EXACT)
+    torch.testing.assert_close(packed.keep[0, :-2].reshape(4, 3), padded.keep[order], **EXACT)
+    fp, fq = finalize_metrics(padded.metrics), finalize_metrics(packed.metrics)
+    assert fp.keys() == fq.keys() and all(fq[k] == pytest.approx(fp[k], rel=1e-6) for k in fp)
+
+
+def test_rejected_sequences_leave_numerators_and_stay_in_the_denominator():
+    # gpg with logp = -1 everywhere: pg per token = A; entropy 1; token-mean over 5 valid tokens
+    rollout = torch.zeros(4, 3)
+    lp = leaf(-torch.ones(4, 3))
+    adv = t([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [1.0, 1.0, 1.0])
+    cfg = PolicyLossConfig(policy_loss="gpg", entropy_coeff=0.5, reject_seq_max_abs_log_ratio=1.5)
+    loss, m = ppo_loss(lp, rollout + D, adv, MASK, cfg, rollout_logprobs=rollout, entropy=torch.ones(4, 3))
+    # row 2 rejected; kept: row 0 (1, 2) and row 1 (4, 5) -> (12 - 0.5 * 4) / 5
+    torch.testing.assert_close(loss, torch.tensor((12.0 - 0.5 * 4) / 5), **EXACT)
+    torch.testing.assert_close(grad_of(loss, lp), -adv * MASK * t([1.0], [1.0], [0.0], [0.0]) / 5, **EXACT)
+    assert finalize_metrics(m)["rollout_rejected_frac"] == pytest.approx(1 / 3)
+    assert loss_normalizer(MASK, cfg).item() == 5.0
+
+
+# =============================================================================================
+# Batch-normalized weights: closed forms
+# =============================================================================================
+def test_batch_normalized_token_weights_closed_form():
+    old = t([LN(3.0), LN(0.5), 0.0, LN(4.0)])
+    rollout, mask = torch.zeros(1, 4), t([1.0, 1.0, 1.0, 0.0])
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, batch_normalize=True)
+    torch.testing.assert_close(res.weights, t([2.0, 0.5, 1.0, 0.0]) * (3 / 3.5), **EXACT)
+    fin = finalize_metrics(res.metrics)
+    assert fin["tis_batch_mean"] == pytest.approx(3.5 / 3, rel=1e-7)
+    assert fin["tis_weight"] == pytest.approx(1.0, rel=1e-7)  # normalized: mean 1 over kept units
+    # rejected units leave the mean: token 0 (raw weight 3) rejected -> mean of (0.5, 1) = 0.75
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, reject_high=2.5, batch_normalize=True)
+    torch.testing.assert_close(res.weights, t([0.0, 0.5 / 0.75, 1.0 / 0.75, 0.0]), **EXACT)
+    assert finalize_metrics(res.metrics)["tis_batch_mean"] == pytest.approx(0.75, rel=1e-7)
+    # a given global mean is used as is
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, batch_normalize=True, tis_mean=torch.tensor(1.25))
+    torch.testing.assert_close(res.weights, t([2.0, 0.5, 1.0, 0.0]) / 1.25, **EXACT)
+    # the pair of tis_batch_stats
+    cfg = PolicyLossConfig(tis_cap=2.0, tis_reject_high=2.5, tis_batch_normalize=True)
+    torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(1.5, 2.0), **EXACT)
+
+
+def test_batch_normalized_sequence_weights_closed_form():
+    old = t([LN(3.0), LN(0.5), 0.0], [LN(4.0), 0.0, 0.0], [1.0, 1.0, 1.0])
+    rollout, mask = torch.zeros(3, 3), t([1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    # sequence weights 1.5 and 4 -> 2 (capped): mean 1.75 over the two valid sequences
+    res = compute_tis_weights(old, rollout, mask, cap=2.0, level="sequence", batch_normalize=True)
+    torch.testing.assert_close(res.weights, t([1.5, 1.5, 0.0], [2.0, 2.0, 2.0], [0.0, 0.0, 0.0]) / 1.75, **EXACT)
+    cfg = PolicyLossConfig(tis_cap=2.0, tis_level="sequence", tis_batch_normalize=True)
+    torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(3.5, 2.0), **EXACT)
+    # a sequence rejected by a token-level bound still counts if one of its tokens is kept
+    cfg = dataclasses.replace(cfg, tis_reject_high=3.5, tis_reject_level="token")  # token of weight 4 rejected
+    torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(3.5, 2.0), **EXACT)
+    cfg = dataclasses.replace(cfg, tis_reject_level="sequence")  # sequence of weight 4 rejected
+    torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(1.5, 1.0), **EXACT)
+
+
+def test_batch_normalized_weights_in_ppo_loss():
+    # gpg, logp = -1: pg per token = A; weights (2, 0.5, 1) / (3.5 / 3)
+    lp = leaf(-torch.ones(1, 3))
+    old, rollout, adv = t([LN(3.0), LN(0.5), 0.0]), torch.zeros(1, 3), t([1.0, 2.0, 3.0])
+    cfg = PolicyLossConfig(policy_loss="gpg", tis_cap=2.0, tis_batch_normalize=True)
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=rollout)
+    torch.testing.assert_close(loss, torch.tensor((2.0 + 1.0 + 3.0) / 3.5), **EXACT)
+    loss2, _ = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=rollout, tis_mean=2.0)
+    torch.testing.assert_close(loss2, torch.tensor((2.0 + 1.0 + 3.0) / 3 / 2.0), **EXACT)
+    assert finalize_metrics(m)["tis_batch_mean"] == pytest.approx(3.5 / 3, rel=1e-7)
+    # no kept unit anywhere (global mean 0): weights 0, loss 0, no NaN
+    loss3, _ = ppo_loss(lp, old, adv, torch.zeros(1, 3), cfg, rollout_logprobs=rollout, tis_mean=0.0)
+    assert loss3.item() == 0.0 and torch.equal(grad_of(loss3, lp), torch.zeros(1, 3))
+
+
+def test_batch_normalization_errors():
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(InputError, match="'tis_mean' expected None since tis_batch_normalize=False"):
+        ppo_loss(x, x, x, mask, PolicyLossConfig(tis_cap=2.0), rollout_logprobs=x, tis_mean=1.0)
+    cfg = PolicyLossConfig(tis_cap=2.0, tis_batch_normalize=True)
+    for bad in (-1.0, math.nan, torch.tensor(-0.5), torch.tensor(math.inf)):
+        with pytest.raises(InputError, match="'tis_mean' expected a finite number >= 0"):
+            ppo_loss(x, x, x, mask, cfg, rollout_logprobs=x, tis_mean=bad)
+    with pytest.raises(InputError, match="compute_tis_weights: argument 'tis_mean' expected None since batch_normalize"):
+        compute_tis_weights(x, x, mask, cap=2.0, tis_mean=1.0)
+    with pytest.raises(InputError, match="tis_batch_stats: argument 'config' expected a PolicyLossConfig without bypass"):
+        tis_batch_stats(x, x, mask, PolicyLossConfig(bypass_old_logprobs=True))
+    with pytest.raises(InputError, match="compute_tis_weights: argument 'reject_seq_k3' expected a finite number > 0"):
+        compute_tis_weights(x, x, mask, cap=None, reject_seq_k3=0.0)
+
+
+# =============================================================================================
+# Loop reference: every option on random inputs, loss and gradient at 1e-12
+# =============================================================================================
+def _clamp(x: float, c: float) -> float:
+    return max(-c, min(c, x))
+
+
+def _seq_rejected(ds: list[float], cfg: PolicyLossConfig) -> bool:
+    n, c = len(ds), cfg.log_ratio_clamp
+    ds = [_clamp(x, c) for x in ds]
+    hits = []
+    if cfg.reject_seq_k2 is not None:
+        hits.append(sum(x * x / 2 for x in ds) / n > cfg.reject_seq_k2)
+    if cfg.reject_seq_k3 is not None:
+        hits.append(sum(math.exp(x) - 1 - x for x in ds) / n > cfg.reject_seq_k3)
+    if cfg.reject_seq_mean_log_ratio is not None:
+        lo, hi = cfg.reject_seq_mean_log_ratio
+        hits.append(not lo <= sum(ds) / n <= hi)
+    if cfg.reject_seq_max_abs_log_ratio is not None:
+        hits.append(max(abs(x) for x in ds) > cfg.reject_seq_max_abs_log_ratio)
+    return any(hits)
+
+
+def reference_weights(train, rollout, mask, cfg, tis_mean=None):
+    """Per token: the applied weight (0 if rejected) and whether it is kept, by loops over the formulas."""
+    c = cfg.log_ratio_clamp
+    rl = cfg.tis_reject_level or cfg.tis_level
+    weights, kept_units, seq_of_unit = {}, [], {}
+    for b in range(mask.shape[0]):
+        idx = [j for j in range(mask.shape[1]) if mask[b, j] != 0]
+        if not idx:
+            continue
+        d = {j: float(train[b, j] - rollout[b, j]) for j in idx}
+        seq_raw = math.exp(_clamp(sum(d.values()), c))
+        seq_rej = _seq_rejected(list(d.values()), cfg)
+        seq_kept = False
+        for j in idx:
+            tok_raw = math.exp(_clamp(d[j], c))
+            r = tok_raw if rl == "token" else seq_raw
+            rejected = seq_rej or (cfg.tis_reject_low is not None and r < cfg.tis_reject_low) or (
+                cfg.tis_reject_high is not None and r > cfg.tis_reject_high)
+            raw = tok_raw if cfg.tis_level == "token" else seq_raw
+            w = 1.0 if cfg.tis_cap is None else min(raw, cfg.tis_cap)
+            weights[b, j] = None if rejected else w
+            if not rejected and cfg.tis_level == "token":
+                kept_units.append(w)
+            seq_kept = seq_kept or not rejected
+        if seq_kept and cfg.tis_level == "sequence":
+            kept_units.append(1.0 if cfg.tis_cap is None else min(seq_raw, cfg.tis_cap))
+    mean = 1.0
+    if cfg.tis_batch_normalize:
+        mean = tis_mean if tis_mean is not None else (sum(kept_units) / len(kept_units) if kept_units else 1.0)
+    return {k: (0.0 if w is None else w / mean) for k, w in weights.items()}, {k: w is not None for k, w in weights.items()}
+
+
+def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, tis_mean=None):
+    """ppo / gpg loss with bypass, weights and rejection, token-mean or seq-mean-token-mean, as loops."""
+    base = rollout if cfg.bypass_old_logprobs else old
+    train = lp.detach() if cfg.bypass_old_logprobs else old
+    w, keep = reference_weights(train, rollout, mask, cfg, tis_mean) if cfg.tis_active else ({}, {})
+    lo, hi, cc = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high, cfg.clip_ratio_c
+    seqs = []
+    for b in range(lp.shape[0]):
+        terms = []
+        for j in [j for j in range(lp.shape[1]) if mask[b, j] != 0]:
+            a = float(adv[b, j])
+            if cfg.policy_loss == "gpg":
+                pg = -a * lp[b, j]
+            else:
+                r = torch.exp(lp[b, j] - base[b, j])
+                pg = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
+                if cc is not None and a < 0:
+                    pg = torch.minimum(pg, torch.tensor(-a * cc))
+            k = keep.get((b, j), True)
+            dk = lp[b, j] - ref[b, j]
+            term = pg * w.get((b, j), 1.0) + (k * (-cfg.entropy_coeff * ent[b, j] + cfg.kl_coef * (torch.exp(-dk) - 1 + dk)))
+            terms.append(term)
+        if terms:
+            seqs.append(terms)
+    if not seqs:
+        return lp.sum() * 0
+    if cfg.loss_agg_mode == "token-mean":
+        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
+    return sum(sum(s) / len(s) for s in seqs) / len(seqs)  # seq-mean-token-mean
+
+
+def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=g) * 3
+    lp = old + 0.4 * torch.randn(b, s, generator=g)
+    adv = torch.randn(b, s, generator=g)
+    mask = (torch.rand(b, s, generator=g) < p_mask).double()
+    ent = torch.rand(b, s, generator=g)
+    ref = old + 0.3 * torch.randn(b, s, generator=g)
+    rollout = old + 0.3 * torch.randn(b, s, generator=g)
+    return lp, old, adv, mask, ent, ref, rollout
+
+
+OPTIONS = {
+    "bypass-ppo": dict(bypass_old_logprobs=True),
+    "bypass-ppo-reject": dict(bypass_old_logprobs=True, tis_reject_low=0.7, reject_seq_k3=0.05),
+    "bypass-gpg-tis": dict(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=1.2, reject_seq_max_abs_log_ratio=0.6),
+    "norm-token": dict(tis_cap=1.3, tis_batch_normalize=True, tis_reject_high=1.4),
+    "norm-seq": dict(tis_cap=1.3, tis_level="sequence", tis_batch_normalize=True, reject_seq_k2=0.06),
+    "norm-token-seq-reject": dict(tis_cap=1.3, tis_batch_normalize=True, tis_reject_low=0.5, tis_reject_level="sequence"),
+    "k2": dict(reject_seq_k2=0.04),
+    "k3": dict(tis_cap=1.5, reject_seq_k3=0.04),
+    "mean": dict(reject_seq_mean_log_ratio=(-0.15, 0.1)),
+    "max": dict(policy_loss="gpg", tis_cap=1.5, reject_seq_max_abs_log_ratio=0.5),
+    "all": dict(tis_cap=1.4, tis_level="sequence", tis_batch_normalize=True, tis_reject_high=3.0,
+                reject_seq_k2=0.08, reject_seq_k3=0.08, reject_seq_mean_log_ratio=(-0.3, 0.3),
+                reject_seq_max_abs_log_ratio=0.9),
+}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_matches_loop_reference(name, mode):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 997, 6, 7)
+    cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.03, kl_coef=0.2, **OPTIONS[name])
+    for tis_mean in ((None, 0.8) if cfg.tis_batch_normalize else (None,)):
+        lp, ent_l = leaf(lp0), leaf(ent)
+        loss, m = ppo_loss(lp, None if cfg.bypass_old_logprobs else old, adv, mask, cfg, entropy=ent_l,
+                           ref_logprobs=ref, rollout_logprobs=rollout, tis_mean=tis_mean)
+        lp64, ent64 = leaf(lp0), leaf(ent)
+        expected = reference_loss(lp64, old, adv, mask, rollout, cfg, ent64, ref, tis_mean)
+        torch.testing.assert_close(loss, expected, **EXACT)
+        for a, e in zip(torch.autograd.grad(loss, [lp, ent_l]), torch.autograd.grad(expected, [lp64, ent64])):
+            torch.testing.assert_close(a, e, **EXACT)
+    # the options did something here: some rejection or truncation happened, not everything
+    fin = finalize_metrics(m)
+    if any(k in OPTIONS[name] for k in ("tis_reject_low", "tis_reject_high", *SEQ_REJECTION_CRITERIA)):
+        frac = max(fin.get("rollout_rejected_frac", 0.0), fin["tis_rejected_frac"])
+        assert 0.0 < frac < 1.0, fin
+
+
+# =============================================================================================
+# Split invariance (hypothesis), empty masks, no mutation
+# =============================================================================================
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 6), s=st.integers(1, 5), name=st.sampled_from(list(OPTIONS)),
+       mode=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+       cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]))
+def test_split_invariance(seed, b, s, name, mode, cuts, p):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, b, s, p)
+    cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.1, **OPTIONS[name])
+    others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
+    lp = leaf(lp0)
+    full, full_m = ppo_loss(lp, old, adv, mask, cfg, **others)
+    g_full = grad_of(full, lp)
+    bounds = sorted({0, b, *[c for c in cuts if c < b]})
+    parts = list(zip(bounds[:-1], bounds[1:]))
+    n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
+    extra = {}
+    if cfg.tis_batch_normalize:  # the global mean weight, from the parts' pairs
+        pair = sum(tis_batch_stats(old[i:j], rollout[i:j], mask[i:j], cfg) for i, j in parts)
+        extra["tis_mean"] = pair[0] / pair[1] if pair[1] > 0 else pair[0]
+    lp2 = leaf(lp0)
+    losses, metrics = [], []
+    for i, j in parts:
+        loss_i, m_i = ppo_loss(lp2[i:j], old[i:j], adv[i:j], mask[i:j], cfg, normalizer=n,
+                               **{k: v[i:j] for k, v in others.items()}, **extra)
+        losses.append(loss_i)
+        metrics.append(m_i)
+    total = sum(losses)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(grad_of(total, lp2), g_full)
+    merged, whole = finalize_metrics(merge_metrics(metrics)), finalize_metrics(full_m)
+    assert merged.keys() == whole.keys()
+    for key in whole:
+        assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key  # fp32 metrics
+    assert torch.isfinite(g_full).all()
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_empty_mask_gives_exact_zero(name):
+    lp0, old, adv, _, ent, ref, rollout = random_batch(1, 2, 3)
+    cfg = PolicyLossConfig(entropy_coeff=0.1, kl_coef=0.1, **OPTIONS[name])
+    empty = torch.zeros(2, 3)
+    for normalizer in (None, 0.0, 5.0):
+        lp, ent_l = leaf(lp0), leaf(ent)
+        loss, m = ppo_loss(lp, old, adv, empty, cfg, entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout,
+                           normalizer=normalizer)
+        assert loss.item() == 0.0
+        for g in torch.autograd.grad(loss, [lp, ent_l]):
+            assert torch.equal(g, torch.zeros_like(g))
+        assert all(v == 0.0 for v in finalize_metrics(m).values())
+    if cfg.tis_active and not cfg.bypass_old_logprobs:
+        assert torch.equal(tis_batch_stats(old, rollout, empty, cfg), torch.zeros(2))
+
+
+def test_zero_length_rows_have_nothing_to_reject():
+    x = torch.zeros(2, 0)
+    res = compute_tis_weights(x, x, x, cap=2.0, reject_seq_max_abs_log_ratio=0.5, reject_seq_k3=0.1, batch_normalize=True)
+    assert res.weights.shape == (2, 0) and all(v == 0.0 for v in finalize_metrics(res.metrics).values())
+
+
+def test_inputs_not_modified():
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
+    lp, ent = leaf(lp0), leaf(ent)
+    inputs = dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout)
+    versions = {k: v._version for k, v in inputs.items()}
+    copies = {k: v.detach().clone() for k, v in inputs.items()}
+    for opts in OPTIONS.values():
+        cfg = PolicyLossConfig(entropy_coeff=0.1, kl_coef=0.1, **opts)
+        loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
+        loss.backward()
+        if not cfg.bypass_old_logprobs:
+            tis_batch_stats(old, rollout, mask, cfg)
+    compute_tis_weights(old, rollout, mask, cap=2.0, reject_seq_k2=0.01, reject_seq_max_abs_log_ratio=0.3,
+                        batch_normalize=True)
+    for k, v in inputs.items():
+        assert v._version == versions[k], k
+        assert torch.equal(v.detach(), copies[k]), k
+
+
+# =============================================================================================
+# train_step under DP=2 and TP=2 against an independent single-process reference
+# =============================================================================================
+# Reference: one process, one micro-batch of all samples, forward_logits -> logprob_and_entropy ->
+# ppo_loss (the local normalizer and the local mean weight are then the global ones), autograd.
+# train_step runs with SGD (lr = STEP_LR, no clipping): its first update is -lr * gradient, so
+# (w0 - w1) / lr is the gradient train_step applied, gathered over TP shards.
+STEP_LR = 1000.0
+STEP_REL = 1e-6
+STEP_CASES = {
+    "bypass": dict(bypass_old_logprobs=True, clip_ratio_high=0.28, tis_reject_low=0.92),
+    "bypass-gpg-tis": dict(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=1.1),
+    "norm-token": dict(tis_cap=1.1, tis_batch_normalize=True),
+    "norm-seq": dict(tis_cap=1.2, tis_level="sequence", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
+    "reject-k3": dict(tis_cap=1.1, tis_batch_normalize=True, reject_seq_k3=0.006),
+}
+STEP_METRICS = ("loss", "pg_loss", "entropy", "kl_loss", "tis_weight", "tis_batch_mean", "rollout_rejected_frac",
+                "reject_seq_k3_frac", "tis_rejected_frac", "rollout_kl")
+
+
+def _step_loss_cfg(name: str) -> PolicyLossConfig:
+    return PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05, **STEP_CASES[name])
+
+
+def _step_chunks():
+    import fnppo
+
+    cfg = fnppo.ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=True)
+    chunks = fnppo.build_gpt(cfg)
+    fnppo.layout_invariant_init(chunks, seed=3)
+    return chunks
+
+
+def _case_samples(samples, name: str):
+    return [dataclasses.replace(s, old_logprobs=None) for s in samples] if name.startswith("bypass") else samples
+
+
+def _step_reference() -> dict:
+    """Samples with log-probs near the model's, then every case by plain autograd on one process."""
+    import fnppo
+    from fnppo.testing import synthetic_samples
+
+    torch.set_default_dtype(torch.float32)
+    chunks = _step_chunks()
+    base = synthetic_samples(8, seed=11, with_rollout=True)
+    lps, _ = fnppo.compute_logprobs(fnppo.wrap_ddp(chunks, use_distributed_optimizer=False), base)
+    g = torch.Generator().manual_seed(5)
+    samples = [dataclasses.replace(s, old_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g),
+                                   rollout_logprobs=lp + 0.1 * torch.randn(lp.shape, generator=g),
+                                   ref_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g))
+               for s, lp in zip(base, lps, strict=True)]
+    core = fnppo.model.unwrap_model(chunks[0])
+    params = dict(core.named_parameters())
+    out = {"samples": samples, "cases": {}}
+    for name in STEP_CASES:
+        cfg = _step_loss_cfg(name)
+        mb = fnppo.collate_microbatch(_case_samples(samples, name), layout="packed", pad_to_multiple_of=1)
+        lp, ent = fnppo.logprob_and_entropy(fnppo.forward_logits(core, mb), mb.labels, with_entropy=True)
+        loss, metrics = ppo_loss(lp, None if cfg.bypass_old_logprobs else mb.old_logprobs, mb.advantages,
+                                 mb.loss_mask, cfg, entropy=ent, ref_logprobs=mb.ref_logprobs,
+                                 rollout_logprobs=mb.rollout_logprobs, seq_ids=mb.seq_ids)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        out["cases"][name] = {"grads": dict(zip(params, grads)), "metrics": finalize_metrics(metrics)}
+    return out
+
+
+def _step_layout(samples, split: dict) -> dict:
+    import fnppo
+
+    torch.set_default_dtype(torch.float32)
+    layout = fnppo.current_layout()
+    seen_old: list[bool] = []
+
+    def loss_fn(lp, old, *args, rollout_logprobs, **kwargs):  # a user loss stage sees old = rollout in bypass mode
+        seen_old.append(old is not None and torch.equal(old, rollout_logprobs))
+        return ppo_loss(lp, old, *args, rollout_logprobs=rollout_logprobs, **kwargs)
+
+    out = {}
+    for name in STEP_CASES:
+        ddp = fnppo.wrap_ddp(_step_chunks(), use_distributed_optimizer=False)
+        state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="sgd", lr=STEP_LR, clip_grad=0.0))
+        w0 = fnppo.gather_full_weights(state.model)
+        mine = fnppo.shard_for_data_parallel(_case_samples(samples, name), layout)
+        step_cfg = fnppo.StepConfig(loss=_step_loss_cfg(name), fns=fnppo.StepFns(loss=loss_fn), **split)
+        seen_old.clear()
+        state, metrics = fnppo.train_step(state, mine, step_cfg)
+        w1 = fnppo.gather_full_weights(state.model)
+        out[name] = {"metrics": metrics, "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0}, "old_is_rollout": list(seen_old)}
+    return out if layout.rank == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def step_reference():
+    from fnppo.testing import run_ranks
+
+    return run_ranks(_step_reference, 1)[0]
+
+
+def test_step_reference_cases_are_not_vacuous(step_reference):
+    cases = step_reference["cases"]
+    for name, case in cases.items():
+        m = case["metrics"]
+        assert max(float(g.abs().max()) for g in case["grads"].values()) > 1e-3, name
+        if "tis_cap" in STEP_CASES[name]:
+            assert 0.0 < m["tis_truncated_frac"] < 1.0, (name, m)
+        if STEP_CASES[name].get("tis_batch_normalize"):
+            assert abs(m["tis_batch_mean"] - 1.0) > 1e-3 and m["tis_weight"] == pytest.approx(1.0, abs=0.2), (name, m)
+    assert 0.0 < cases["bypass"]["metrics"]["tis_rejected_frac"] < 1.0
+    assert 0.0 < cases["reject-k3"]["metrics"]["rollout_rejected_frac"] < 1.0
+    # bypass: the ratio is against the rollout log-probs, not the old ones
+    assert cases["bypass"]["metrics"]["ppo_kl"] == pytest.approx(cases["bypass"]["metrics"]["rollout_kl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world,tp,split", [(2, 1, {"num_microbatches": 2}), (2, 2, {"max_tokens_per_microbatch": 24})],
+                         ids=["dp2", "tp2"])
+def test_train_step_matches_single_process_reference(step_reference, world, tp, split):
+    from fnppo.testing import run_ranks
+
+    got = run_ranks(_step_layout, world, step_reference["samples"], split, tp=tp)[0]
+    worst = 0.0
+    for name, ref in step_reference["cases"].items():
+        mine = got[name]
+        assert mine["metrics"]["skipped"] == 0.0, name
+        bypass = STEP_CASES[name].get("bypass_old_logprobs", False)
+        assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (name, mine["old_is_rollout"])
+        for key in STEP_METRICS:
+            if key in ref["metrics"]:
+                r, g = ref["metrics"][key], mine["metrics"][key]
+                assert g == pytest.approx(r, rel=STEP_REL, abs=1e-7), f"{name}: metric {key} {g} vs {r}"
+        assert ref["grads"].keys() == mine["grads"].keys()
+        for k, r in ref["grads"].items():
+            err = float((mine["grads"][k] - r).abs().max() / r.abs().max().clamp_min(1e-12))
+            worst = max(worst, err)
+            assert err <= STEP_REL, f"{name}: gradient of {k} differs by {err:.2e}"
+    print(f"dp={world // tp} tp={tp}: max relative gradient difference {worst:.2e}")
