@@ -111,6 +111,13 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
             raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
     if cfg.padded_vocab_size % layout.tp:
         raise input_error("transformer_config", "vocab_size", f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)", repr(cfg.vocab_size))
+    if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
+        raise input_error(
+            "transformer_config", "make_vocab_size_divisible_by",
+            f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
+            f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
+            repr(cfg.make_vocab_size_divisible_by),
+        )
     if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
         raise input_error("transformer_config", "num_layers", f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}", repr(cfg.num_layers))
     dtype = cfg.torch_dtype
@@ -195,6 +202,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
+        model.real_vocab_size = cfg.vocab_size  # the logits hold the padded vocabulary (see fnppo.step)
         if tcfg.fp16 or tcfg.bf16:
             model = Float16Module(tcfg, model)
         if torch.cuda.is_available() and layout.backend == "nccl":

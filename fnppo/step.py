@@ -39,7 +39,8 @@ class StepFns:
 
     - ``collate(samples, *, layout, pad_to_multiple_of) -> Microbatch``
     - ``forward(model, microbatch, *, params=None) -> logits``
-    - ``logprob(logits, labels, *, tp_group, temperature, with_entropy) -> (logprobs, entropy|None)``
+    - ``logprob(logits, labels, *, tp_group, temperature, with_entropy, vocab_size) -> (logprobs, entropy|None)``
+      (``vocab_size``: the model's real vocabulary; logits columns at or beyond it are padding)
     - ``loss(logprobs, old_logprobs, advantages, loss_mask, config, *, entropy, ref_logprobs,
       rollout_logprobs, normalizer, seq_ids) -> (loss, metrics)``
     """
@@ -153,6 +154,12 @@ def _model_limits(chunks: Sequence[nn.Module]) -> tuple[int | None, int | None]:
     return getattr(core, "vocab_size", None), getattr(core, "max_sequence_length", None)
 
 
+def _real_vocab(chunks: Sequence[nn.Module]) -> int | None:
+    """The model's real vocabulary (``ModelConfig.vocab_size``), without ``make_vocab_size_divisible_by`` padding."""
+    core = unwrap_model(chunks[0])
+    return getattr(core, "real_vocab_size", getattr(core, "vocab_size", None))
+
+
 def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks: Sequence[nn.Module]) -> int | None:
     """Refuse samples the model cannot take; returns the sequence-length limit in force.
 
@@ -160,7 +167,8 @@ def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks:
     in ``[0, vocab_size)`` of the model (checked while call-time checking is on: one host sync).
     Reference and rollout log-probs must be given for every sample or for none.
     """
-    vocab, model_max = _model_limits(chunks)
+    _, model_max = _model_limits(chunks)
+    vocab = _real_vocab(chunks)
     limit = config.max_seq_len if config.max_seq_len is not None else model_max
     source = "StepConfig.max_seq_len" if config.max_seq_len is not None else "the model's max_sequence_length"
     for i, s in enumerate(samples):
@@ -286,6 +294,7 @@ def _forward_step_fn(
     loss_scale: float,
     with_entropy: bool,
     vocab_size: int | None = None,
+    real_vocab: int | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     fns = config.fns
     loss_cfg = config.loss
@@ -296,7 +305,7 @@ def _forward_step_fn(
 
         def loss_func(logits: torch.Tensor):
             _check_logits("train_step", logits, vocab_size, layout)
-            lp, ent = fns.logprob(logits, mb.labels, tp_group=layout.tp_group if layout.tp > 1 else None, temperature=config.temperature, with_entropy=with_entropy)
+            lp, ent = fns.logprob(logits, mb.labels, tp_group=layout.tp_group if layout.tp > 1 else None, temperature=config.temperature, with_entropy=with_entropy, vocab_size=real_vocab)
             loss, metrics = fns.loss(
                 lp, mb.old_logprobs, mb.advantages, mb.loss_mask, loss_cfg,
                 entropy=ent, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
@@ -389,7 +398,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             fwd = _forward_step_fn(
                 config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
                 with_entropy=True,  # always reported as a metric, whatever its coefficient
-                vocab_size=vocab_size,
+                vocab_size=vocab_size, real_vocab=_real_vocab(chunks),
             )
             try:
                 store = _run_schedule(chunks, mbs, fwd, forward_only=False)
@@ -495,12 +504,13 @@ def compute_logprobs(
         raise input_error("compute_logprobs", "batch", "a non-empty list of samples", "an empty list")
     max_seq_len = _check_batch("compute_logprobs", samples, config, chunks)
     vocab_size, _ = _model_limits(chunks)
+    real_vocab = _real_vocab(chunks)
     plan, mbs = _collate_all(samples, config, layout, device, max_seq_len)
     tp_group = layout.tp_group if layout.tp > 1 else None
 
     def per_token(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         _check_logits("compute_logprobs", logits, vocab_size, layout)
-        lp, ent = config.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
+        lp, ent = config.fns.logprob(logits, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy, vocab_size=real_vocab)
         return lp, ent
 
     store = forward_only(chunks, mbs, per_token, params=params, forward=config.fns.forward)

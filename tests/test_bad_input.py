@@ -280,7 +280,7 @@ STEP_CASES = {
     "train_step-nan-advantage": (InputError, "collate_microbatch", "samples[3].advantages", "finite values", "1 NaN/inf"),
     "train_step-ref-for-some-samples": (InputError, "train_step", "batch[3].ref_logprobs", "a tensor (batch[0] has ref_logprobs; all samples or none)", "None"),
     "compute_logprobs-params-per-chunk": (InputError, "compute_logprobs", "params", "1 dicts (one per model chunk)", "2"),
-    "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"vocab_size / tp_size = {VOCAB} / 2 = {VOCAB // 2}", "already gathered over tensor parallelism"),
+    "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"this rank's vocab shard: a last dimension below vocab_size={VOCAB} with tp_size=2", f"f32[3,{VOCAB}] (these look like logits already gathered over tensor parallelism"),
     "train_step-gathered-logits": (InputError, "train_step", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", f",{VOCAB}] (logits already gathered over tensor parallelism"),
     "compute_logprobs-gathered-logits": (InputError, "compute_logprobs", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", "already gathered over tensor parallelism"),
 }

@@ -276,6 +276,19 @@ def test_transformer_config_rejects_layouts_that_do_not_divide(cfg_kw, layout_kw
     assert str(info.value).startswith(f"transformer_config: argument '{arg}' expected a multiple of")
 
 
+def test_transformer_config_rejects_padding_that_puts_every_real_token_on_one_rank():
+    # vocab 40 padded to 128 over tp=2: rank 0 would hold all 40 real columns, rank 1 only padding
+    # (indistinguishable from logits gathered over TP, which logprob_and_entropy refuses)
+    with pytest.raises(InputError) as info:
+        transformer_config(_cfg(vocab_size=40, make_vocab_size_divisible_by=128), _fake_layout(tp=2))
+    assert str(info.value) == (
+        "transformer_config: argument 'make_vocab_size_divisible_by' expected a padding that leaves real tokens on "
+        "more than one of tp=2 ranks (padded vocabulary 128 / tp >= vocab_size 40; lower it), received 128"
+    )
+    transformer_config(_cfg(vocab_size=40, make_vocab_size_divisible_by=128), _fake_layout(tp=1))  # fine
+    transformer_config(_cfg(vocab_size=70, make_vocab_size_divisible_by=128), _fake_layout(tp=2))  # 64 < 70: fine
+
+
 # ---------------------------------------------------------------------------------------------
 # forward_logits on one rank
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ and updated parameters as one process with one micro-batch.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -216,3 +218,143 @@ def _custom_loss_step() -> dict:
 def test_custom_registered_loss_runs_in_train_step():
     m = run_ranks(_custom_loss_step, 1)[0]
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# An independent reference: one plain forward of the whole batch (no schedule, no micro-batches,
+# no DDP), fp64 log-softmax over the real vocabulary, ppo_loss with the global normalizer, autograd.
+# train_step's reduced gradient (captured right after finalize_grads, before the optimizer) and
+# its reported loss must equal it; so must compute_logprobs' log-probs and entropies. The model's
+# vocabulary (151) is padded by make_vocab_size_divisible_by; the padding rows of the output layer
+# are random, so any padding column in the softmax is a gross error.
+# --------------------------------------------------------------------------------------------
+REAL_VOCAB = 151
+REF_TOL = 1e-6
+
+
+def _ref_model_cfg(divisible: int) -> fnppo.ModelConfig:
+    return fnppo.ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        vocab_size=REAL_VOCAB, max_seq_len=32, tie_embeddings=True, make_vocab_size_divisible_by=divisible,
+    )
+
+
+def _ref_samples():
+    return synthetic_samples(N_SAMPLES, vocab_size=REAL_VOCAB, seed=17)
+
+
+def _plain_reference(cases: list) -> dict:
+    """(mode, divisible) -> loss, full gradients, per-sample log-probs and entropies (1 process)."""
+    from fnppo.batch import collate_microbatch, unpack_per_sample
+
+    out = {}
+    for mode, divisible in cases:
+        (chunk,) = fnppo.build_gpt(_ref_model_cfg(divisible))
+        fnppo.layout_invariant_init([chunk], seed=3)
+        samples = _ref_samples()
+        mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=1)
+        logits = fnppo.forward_logits(chunk, mb)
+        assert logits.shape[-1] == _ref_model_cfg(divisible).padded_vocab_size
+        logp = torch.log_softmax(logits.double()[..., :REAL_VOCAB], dim=-1)
+        lp = logp.gather(-1, mb.labels[..., None])[..., 0]
+        ent = -(logp.exp() * logp).sum(-1)
+        cfg = _loss_cfg(mode)
+        loss, _ = fnppo.ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
+                                 ref_logprobs=mb.ref_logprobs, normalizer=fnppo.loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
+                                 seq_ids=mb.seq_ids)
+        loss.backward()
+        grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters()}
+        out[(mode, divisible)] = {
+            "loss": float(loss), "grads": grads,
+            "logprobs": [t.detach().float() for t in unpack_per_sample(lp, mb)],
+            "entropy": [t.detach().float() for t in unpack_per_sample(ent, mb)],
+        }
+    return out
+
+
+def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
+    """(mode, divisible) -> train_step's loss, finalized full gradients, compute_logprobs (all DP ranks)."""
+    import torch.distributed as dist
+
+    import fnppo.step as step_module
+
+    layout = fnppo.current_layout()
+    real_finalize = step_module.finalize_grads
+    captured: dict = {}
+
+    def spy(model, **kw):  # the gradients train_step hands to the optimizer
+        stats = real_finalize(model, **kw)
+        captured["main_grads"] = [[p.main_grad.detach().clone() for p in fnppo.model.unwrap_model(c).parameters()] for c in model]
+        return stats
+
+    step_module.finalize_grads = spy
+    out = {}
+    try:
+        for mode, divisible in cases:
+            chunks = fnppo.build_gpt(_ref_model_cfg(divisible))
+            fnppo.layout_invariant_init(chunks, seed=3)
+            ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)  # full reduced grads on every DP rank
+            state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
+            samples = fnppo.shard_for_data_parallel(_ref_samples(), layout)
+            cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
+            logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+            state, metrics = fnppo.train_step(state, samples, cfg)
+            # the captured gradients, gathered like weights: copy them into the parameters, gather
+            with torch.no_grad():
+                for c, grads in zip(state.model, captured.pop("main_grads"), strict=True):
+                    for p, g in zip(fnppo.model.unwrap_model(c).parameters(), grads, strict=True):
+                        p.copy_(g)
+            full = fnppo.gather_full_weights(state.model)
+            every = [None] * layout.dp
+            dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
+            out[(mode, divisible)] = {
+                "metrics": metrics, "grads": full,
+                "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e],
+            }
+    finally:
+        step_module.finalize_grads = real_finalize
+    return out if layout.rank == 0 else {}
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+def _compare_with_plain_reference(ref: dict, got: dict, what: str) -> None:
+    assert set(got) == set(ref), what
+    for key, r in ref.items():
+        g = got[key]
+        name = f"{what}/{key}"
+        assert g["metrics"]["skipped"] == 0.0
+        loss_err = abs(g["metrics"]["loss"] - r["loss"]) / abs(r["loss"])
+        assert loss_err <= REF_TOL, f"{name}: reported loss {g['metrics']['loss']!r} vs reference {r['loss']!r}"
+        assert sorted(g["grads"]) == sorted(r["grads"]), name
+        for pname, rg in r["grads"].items():
+            assert float(rg.abs().max()) > 0, f"{name}: reference gradient of {pname} is zero"
+            err = _rel_err(g["grads"][pname], rg)
+            assert err <= REF_TOL, f"{name}: gradient of {pname}: relative error {err:.2e}"
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in r["grads"].values()))
+        assert abs(g["metrics"]["grad_norm"] - norm) <= REF_TOL * norm, (name, g["metrics"]["grad_norm"], norm)
+        assert len(g["logprobs"]) == len(r["logprobs"]) == N_SAMPLES, name
+        for kind in ("logprobs", "entropy"):
+            for i, (a, b) in enumerate(zip(g[kind], r[kind], strict=True)):
+                assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5, f"{name}: compute_logprobs {kind} of sample {i}"
+
+
+@pytest.fixture(scope="module")
+def plain_reference():
+    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
+    return run_ranks(_plain_reference, 1, cases)[0]
+
+
+def test_train_step_matches_plain_reference_one_process(plain_reference):
+    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
+    got = run_ranks(_reduced_grads_of_train_step, 1, cases, {"num_microbatches": 3})[0]
+    _compare_with_plain_reference(plain_reference, got, "1proc")
+
+
+@pytest.mark.slow
+def test_train_step_matches_plain_reference_tp2(plain_reference):
+    cases = [(mode, d) for mode in MODES for d in (2, 128)]
+    got = run_ranks(_reduced_grads_of_train_step, 2, cases, {"max_tokens_per_microbatch": 24}, tp=2)[0]
+    _compare_with_plain_reference({k: v for k, v in plain_reference.items() if k in got}, got, "tp2")
