@@ -169,7 +169,9 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
 
     ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
     when installed, else the local spec with packed-sequence attention). Half-precision models are
-    wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`.
+    wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`. Each
+    ``GPTModel`` keeps ``cfg`` as ``fnppo_config`` (its ``vocab_size`` is the real vocabulary; the
+    model's own ``vocab_size`` is the padded one).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -202,7 +204,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
-        model.real_vocab_size = cfg.vocab_size  # the logits hold the padded vocabulary (see fnppo.step)
+        model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.step), rope (fnppo.hf)
         if tcfg.fp16 or tcfg.bf16:
             model = Float16Module(tcfg, model)
         if torch.cuda.is_available() and layout.backend == "nccl":

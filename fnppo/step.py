@@ -157,7 +157,8 @@ def _model_limits(chunks: Sequence[nn.Module]) -> tuple[int | None, int | None]:
 def _real_vocab(chunks: Sequence[nn.Module]) -> int | None:
     """The model's real vocabulary (``ModelConfig.vocab_size``), without ``make_vocab_size_divisible_by`` padding."""
     core = unwrap_model(chunks[0])
-    return getattr(core, "real_vocab_size", getattr(core, "vocab_size", None))
+    cfg = getattr(core, "fnppo_config", None)  # set by fnppo.build_gpt
+    return cfg.vocab_size if cfg is not None else getattr(core, "vocab_size", None)
 
 
 def _check_batch(fn: str, samples: Sequence[Sample], config: StepConfig, chunks: Sequence[nn.Module]) -> int | None:
