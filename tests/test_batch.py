@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from unittest import mock
@@ -326,11 +327,25 @@ def test_multi_modal_union_and_mixed():
     assert empty.multi_modal_counts["pixel_values"].tolist() == [0, 0]
 
 
-def test_multi_modal_mismatch_is_an_error():
+@pytest.mark.parametrize(
+    "item, received",
+    [
+        (torch.zeros(1, 4), "f32[1,4] on cpu"),  # another trailing shape
+        (torch.zeros(2, 3, dtype=torch.float16), "f16[2,3] on cpu"),  # another dtype
+        (torch.zeros(1, 3, device="meta"), "f32[1,3] on meta"),  # another device
+    ],
+    ids=["shape", "dtype", "device"],
+)
+def test_multi_modal_mismatch_is_an_error(item, received):
     a = _s(1, 1, multi_modal={"pixel_values": torch.zeros(1, 3)})
-    b = _s(1, 1, multi_modal={"pixel_values": torch.zeros(1, 4)})
-    with pytest.raises(InputError, match=r"collate_microbatch: argument 'samples\[1\].multi_modal\['pixel_values'\]' expected .*\(3,\)"):
-        collate_microbatch([a, b])
+    b = _s(1, 1)  # no item: does not count
+    c = _s(1, 1, multi_modal={"pixel_values": item})
+    with pytest.raises(InputError) as err:
+        collate_microbatch([a, b, c])
+    assert str(err.value) == (
+        "collate_microbatch: argument 'samples[2].multi_modal['pixel_values']' expected items like samples[0]'s: "
+        f"trailing shape (3,), torch.float32, on cpu, received {received}"
+    )
 
 
 def test_microbatch_tree_map_to_device_keeps_none_and_static():
@@ -355,32 +370,46 @@ def test_microbatch_tree_map_to_device_keeps_none_and_static():
 
 def test_microbatch_is_frozen():
     mb = collate_microbatch(_hand_samples())
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="input_ids"):
         mb.input_ids = mb.labels  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
-    "make, kwargs, arg, expected",
+    "make, kwargs, arg, expected, received",
     [
-        (lambda: [], {}, "samples", "non-empty"),
-        (lambda: [_s(2, 2)], dict(layout="thd"), "layout", "one of"),
-        (lambda: [_s(2, 2)], dict(pad_to_multiple_of=0), "pad_to_multiple_of", "int >= 1"),
-        (lambda: [_s(2, 2), _s(3, 3)], dict(max_seq_len=5), r"samples\[1\]", "max_seq_len=5"),
-        (lambda: [_s(2, 2, response_mask=torch.tensor([1.0, 0.5]))], {}, r"samples\[0\].response_mask", "0/1 mask"),
-        (lambda: [_s(2, 2, response_mask=torch.tensor([2, 0]))], {}, r"samples\[0\].response_mask", "0/1 mask"),
-        (lambda: [_s(2, 2), _s(1, 2, advantages=torch.tensor([0.0, float("nan")]))], {}, r"samples\[1\].advantages", "finite"),
-        (lambda: [_s(1, 1, old_logprobs=torch.tensor([float("-inf")]))], {}, r"samples\[0\].old_logprobs", "finite"),
-        (lambda: [_s(1, 1, ref_logprobs=torch.tensor([float("inf")]))], {}, r"samples\[0\].ref_logprobs", "finite"),
-        (lambda: [_s(1, 1, rollout_logprobs=torch.tensor([float("nan")]))], {}, r"samples\[0\].rollout_logprobs", "finite"),
-        (lambda: [_s(1, 1, ref_logprobs=torch.zeros(1)), _s(1, 1)], {}, r"samples\[1\].ref_logprobs", "all samples or none"),
-        (lambda: [_s(3, 1)], dict(vocab_size=3), r"samples\[0\].prompt_ids", r"values in \[0, 3\)"),
-        (lambda: [Sample.from_lists([1], [-4])], {}, r"samples\[0\].response_ids", "values in"),
-        (lambda: [_s(1, 1), _s(1, 1)], dict(sample_index=[0]), "sample_index", "2 indices"),
+        (lambda: [], {}, "samples", "a non-empty sequence of Sample", "an empty sequence"),
+        (lambda: [_s(2, 2)], dict(layout="thd"), "layout", "one of ('packed', 'padded')", "'thd'"),
+        (lambda: [_s(2, 2)], dict(pad_to_multiple_of=0), "pad_to_multiple_of", "an int >= 1", "0"),
+        (lambda: [_s(2, 2), _s(3, 3)], dict(max_seq_len=5), "samples[1]", "at most max_seq_len=5 tokens",
+         "6 tokens (prompt 3 + response 3)"),
+        (lambda: [_s(2, 2, response_mask=torch.tensor([1.0, 0.5]))], {}, "samples[0].response_mask", "a 0/1 mask",
+         "f32[2] containing 0.5"),
+        (lambda: [_s(2, 2, response_mask=torch.tensor([2, 0]))], {}, "samples[0].response_mask", "a 0/1 mask",
+         "i64[2] containing 2"),
+        (lambda: [_s(2, 2), _s(1, 2, advantages=torch.tensor([0.0, float("nan")]))], {}, "samples[1].advantages",
+         "finite values", "f32[2] with 1 NaN/inf entries"),
+        (lambda: [_s(1, 1, old_logprobs=torch.tensor([float("-inf")]))], {}, "samples[0].old_logprobs",
+         "finite values", "f32[1] with 1 NaN/inf entries"),
+        (lambda: [_s(1, 1, ref_logprobs=torch.tensor([float("inf")]))], {}, "samples[0].ref_logprobs",
+         "finite values", "f32[1] with 1 NaN/inf entries"),
+        (lambda: [_s(1, 1, rollout_logprobs=torch.tensor([float("nan")]))], {}, "samples[0].rollout_logprobs",
+         "finite values", "f32[1] with 1 NaN/inf entries"),
+        (lambda: [_s(1, 1, ref_logprobs=torch.zeros(1)), _s(1, 1)], {}, "samples[1].ref_logprobs",
+         "a tensor (samples[0] has ref_logprobs; all samples or none)", "None"),
+        (lambda: [_s(1, 1), _s(1, 1, rollout_logprobs=torch.zeros(1)), _s(2, 1)], {}, "samples[0].rollout_logprobs",
+         "a tensor (samples[1] has rollout_logprobs; all samples or none)", "None"),
+        (lambda: [_s(3, 1)], dict(vocab_size=3), "samples[0].prompt_ids", "values in [0, 3)", "i64[3] with values in [1, 3]"),
+        (lambda: [Sample.from_lists([1], [-4])], {}, "samples[0].response_ids", "values in [0, ",
+         "i64[1] with values in [-4, -4]"),
+        (lambda: [_s(1, 1), _s(1, 1)], dict(sample_index=[0]), "sample_index", "2 indices (one per sample)", "1 indices"),
     ],
 )
-def test_collate_errors(make, kwargs, arg, expected):
-    with pytest.raises(InputError, match=rf"^collate_microbatch: argument '{arg}' expected .*{expected}.*, received "):
+def test_collate_errors(make, kwargs, arg, expected, received):
+    with pytest.raises(InputError) as err:
         collate_microbatch(make(), **kwargs)
+    head, sep, got = str(err.value).partition(", received ")
+    assert sep and head.startswith(f"collate_microbatch: argument '{arg}' expected "), str(err.value)
+    assert expected in head and got.startswith(received), (str(err.value), expected, received)
 
 
 def test_collate_mixed_devices_is_an_error():
