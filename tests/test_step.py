@@ -46,18 +46,29 @@ def _build_state(lr: float = 10.0):
 
 
 def _one_update(split: dict, mode: str, layout_name: str) -> dict:
-    """One SGD update on this rank's DP share; full weights after it (rank 0 only)."""
+    """One update on this rank's DP share: full weights before and after it, compute_logprobs of
+    every DP rank's samples (in global order), on rank 0 only.
+
+    lr = 1e4 with Adam's eps = 10 makes the update ~1000 g: large enough that rounding the updated
+    fp32 weights (~6e-8 |w|) is far below the tolerance relative to the update itself.
+    """
+    import torch.distributed as dist
+
     layout = fnppo.current_layout()
-    state = _build_state()
+    state = _build_state(lr=1e4)
     samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=7, multi_modal_every=3), layout)
     cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
     logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+    before = fnppo.gather_full_weights(state.model)
     state, metrics = fnppo.train_step(state, samples, cfg)
     megatron_norm = float(state.optimizer.get_grad_norm())
     full = fnppo.gather_full_weights(state.model)
+    every = [None] * layout.dp
+    dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
     if layout.rank != 0:
         return {}
-    return {"metrics": metrics, "weights": full, "megatron_norm": megatron_norm, "logprobs": logprobs, "entropy": entropy, "step": state.step}
+    return {"metrics": metrics, "before": before, "weights": full, "megatron_norm": megatron_norm, "step": state.step,
+            "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e]}
 
 
 SPLITS = {
@@ -87,13 +98,20 @@ def _compare(ref: dict, got: dict, what: str) -> float:
         err = abs(g - r) / max(abs(r), 1e-12)
         assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
         worst = max(worst, err)
-    assert set(ref["weights"]) == set(got["weights"])
+    assert set(ref["weights"]) == set(got["weights"]) == set(got["before"])
     for name, w in ref["weights"].items():
-        err = _rel(got["weights"][name], w)
-        assert err <= REL, f"{what}: parameter {name} rel err {err:.2e}"
+        # relative to the update, not to the weight (a norm weight moves by a small fraction of itself)
+        assert torch.equal(got["before"][name], ref["before"][name]), f"{what}: initial {name} differs"
+        update_ref = w.double() - ref["before"][name].double()
+        update_got = got["weights"][name].double() - got["before"][name].double()
+        assert float(update_ref.abs().max()) > 0, f"{what}: parameter {name} did not move"
+        err = _rel(update_got, update_ref)
+        assert err <= REL, f"{what}: update of parameter {name} rel err {err:.2e}"
         worst = max(worst, err)
-    for a, b in zip(got["logprobs"], ref["logprobs"]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs differs"
+    assert len(got["logprobs"]) == len(ref["logprobs"]) == N_SAMPLES, what  # every DP rank's samples
+    for kind in ("logprobs", "entropy"):
+        for i, (a, b) in enumerate(zip(got[kind], ref[kind], strict=True)):
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs {kind} of sample {i}"
     return worst
 
 
