@@ -110,7 +110,7 @@ def test_gae_validation_and_no_inplace():
         gae_advantages(r, v[:, :2], m, gamma=0.9, lam=0.9)
     copies, versions = [x.clone() for x in (r, v, m)], [x._version for x in (r, v, m)]
     gae_advantages(r, v, m, gamma=0.9, lam=0.9)
-    for x, c, ver in zip((r, v, m), copies, versions):
+    for x, c, ver in zip((r, v, m), copies, versions, strict=True):
         assert torch.equal(x, c) and x._version == ver
 
 

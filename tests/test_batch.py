@@ -103,7 +103,7 @@ def reference_rows(s: Sample, i: int, width: int, pad_id: int) -> dict[str, list
 def reference_collate(samples: list[Sample], layout: str, m: int, pad_id: int = 0) -> dict[str, list]:
     lens = [s.prompt_len + s.response_len for s in samples]
     if layout == "packed":
-        rows = [reference_rows(s, i, math.ceil(L / m) * m, pad_id) for i, (s, L) in enumerate(zip(samples, lens))]
+        rows = [reference_rows(s, i, math.ceil(L / m) * m, pad_id) for i, (s, L) in enumerate(zip(samples, lens, strict=True))]
         return {k: [sum((r[k] for r in rows), [])] for k in rows[0]}
     width = math.ceil(max(lens) / m) * m
     rows = [reference_rows(s, i, width, pad_id) for i, s in enumerate(samples)]
@@ -277,16 +277,16 @@ def test_masks_align_with_labels(layout, samples, m):
 def test_collate_then_unpack_returns_inputs(layout, samples, m):
     mb = collate_microbatch(samples, layout=layout, pad_to_multiple_of=m)
     responses = unpack_per_sample(mb.labels, mb)
-    for s, got in zip(samples, responses):
+    for s, got in zip(samples, responses, strict=True):
         assert torch.equal(got, s.response_ids)  # every response token exactly once, in order
     for name in ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs"):
         if getattr(mb, name) is None:
             continue
-        for s, got in zip(samples, unpack_per_sample(getattr(mb, name), mb)):
+        for s, got in zip(samples, unpack_per_sample(getattr(mb, name), mb), strict=True):
             want = getattr(s, name)
             want = torch.zeros(s.response_len) if want is None else want.float()
             assert torch.equal(got, want), name
-    for s, got in zip(samples, unpack_per_sample(mb.loss_mask, mb)):
+    for s, got in zip(samples, unpack_per_sample(mb.loss_mask, mb), strict=True):
         assert got.tolist() == _values(s, "response_mask")
     # prompts are recovered from input_ids and seq_ids
     for k, s in enumerate(samples):
@@ -644,7 +644,7 @@ def test_fuzz_split_then_collate(samples, layout, m, mode, size, max_seq_len):
         plan = split_batch(samples, pad_to_multiple_of=m, layout=layout, max_seq_len=max_seq_len, **kw)
     except InputError:
         return
-    for g, group in zip(plan.microbatches, plan.apply(samples)):
+    for g, group in zip(plan.microbatches, plan.apply(samples), strict=True):
         try:
             mb = collate_microbatch(group, layout=layout, pad_to_multiple_of=m, max_seq_len=max_seq_len, sample_index=list(g))
         except InputError:

@@ -182,7 +182,7 @@ def test_chunking_does_not_change_results():
     g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
     outs = [run_ours(x, labels, 0.7, g_lp, g_h, chunk_tokens=c) for c in (1, 5, 37, None)]
     for o in outs[1:]:
-        for a, b in zip(outs[0], o):
+        for a, b in zip(outs[0], o, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 

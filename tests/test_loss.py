@@ -517,7 +517,7 @@ def test_matches_loop_reference(name, mode):
         torch.testing.assert_close(loss, expected)
         g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
         ge = torch.autograd.grad(expected, [lp, ent_l], allow_unused=True)
-        for a, e, x in zip(g, ge, (lp, ent_l)):
+        for a, e, x in zip(g, ge, (lp, ent_l), strict=True):
             torch.testing.assert_close(torch.zeros_like(x) if a is None else a, torch.zeros_like(x) if e is None else e)
 
 
@@ -538,7 +538,7 @@ def test_split_invariance(seed, b, s, name, mode, cuts, p, extras):
     full, full_m = ppo_loss(lp, old, adv, mask, cfg, **others)
     g_full = grad_of(full, lp)
     bounds = sorted({0, b, *[c for c in cuts if c < b]})
-    parts = list(zip(bounds[:-1], bounds[1:]))
+    parts = list(zip(bounds[:-1], bounds[1:], strict=True))
     n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
     lp2 = leaf(lp0)
     losses, metrics = [], []

@@ -158,7 +158,7 @@ def _params(chunks) -> list[torch.Tensor]:
 
 def _unchanged(chunks, before: list[torch.Tensor]) -> bool:
     now = [p for c in chunks for p in unwrap_model(c).parameters()]
-    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before))
+    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before, strict=True))
 
 
 def _try_load(chunks, full: dict, **kw) -> str:
