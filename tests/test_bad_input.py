@@ -54,34 +54,10 @@ from fnppo.advantages import broadcast_to_tokens
 from fnppo.loss import LOSS_AGG_MODES
 from fnppo.parallel import ParallelLayout
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.messages import check_message
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "errors.md"
-
-
-# ---------------------------------------------------------------------------------------------
-# the message check shared by all cases
-# ---------------------------------------------------------------------------------------------
-def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: str, received: str) -> None:
-    """``err`` is an ``exc`` naming ``fn``, ``arg``, the expectation and the received value.
-
-    InputError / ValueError: ``"<fn>: argument '<arg>' expected <expected...>, received <received...>"``.
-    ShapeError (call-time type check): ``"<module.fn>: ... parameter '<arg>'. Actual value: <received>
-    Expected type: <expected> ..."``.
-    """
-    msg = str(err)
-    assert isinstance(err, exc), f"{type(err).__name__} instead of {exc.__name__}: {msg[:500]}"
-    if exc is ShapeError:
-        assert msg.startswith("fnppo.") and f".{fn}: " in msg.split("\n", 1)[0], msg[:300]
-        assert f"parameter '{arg}'" in msg, msg[:500]
-        assert re.search(r"Actual value: " + re.escape(received), msg), msg[:500]
-        assert "Expected type:" in msg and expected in msg, msg[:800]
-    else:
-        head = rf"^(fnppo\.)?{re.escape(fn)}: argument '{re.escape(arg)}' expected "
-        assert re.match(head, msg), msg[:500]
-        exp_part, _, rec_part = msg.partition(", received ")
-        assert expected in exp_part, f"{expected!r} not in {exp_part!r}"
-        assert rec_part and received in rec_part, f"{received!r} not in {rec_part!r}"
 
 
 # ---------------------------------------------------------------------------------------------
