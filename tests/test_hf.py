@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from fnppo.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
 from fnppo.testing import run_ranks
 from fnppo.typing import InputError
+from tests.messages import check_message, raises_message
 
 SEQ = 12
 TOL = 1e-4
@@ -278,15 +279,21 @@ def test_logits_export_and_compute_logprobs_pp2(checkpoints, tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
     results, _ = tp1_run
+    expected = {  # case -> (argument, expected, received)
+        "missing": ("path", "a tensor named 'model.layers.1.mlp.up_proj.weight'", "a checkpoint without it"),
+        "unexpected": ("path", "only the tensors of the model's architecture",
+                       "an unexpected tensor 'model.layers.0.self_attn.extra.weight' of shape (2,)"),
+        "shape": ("checkpoint['model.layers.1.self_attn.k_proj.weight']", "shape (32, 64)", "shape (16, 64)"),
+        "dtype": ("checkpoint['model.norm.weight']", "a floating dtype (BF16, F16, F32, F64)", "I32"),
+    }
     for res in results:
         errors = res["errors"]
-        for case, (_, name, _) in _BAD_CASES.items():
+        for case in _BAD_CASES:
             msg, untouched = errors[case]
-            assert "fnppo.hf.load_hf_weights" in msg and name in msg, (case, msg)
+            check_message(InputError(msg), InputError, "load_hf_weights", *expected[case])
             assert untouched, case
-        assert "shape (32, 64)" in errors["shape"][0] and "(16, 64)" in errors["shape"][0]
-        assert "int32" in errors["dtype"][0].lower() or "I32" in errors["dtype"][0]
-        assert "'tp'" in errors["tp mismatch"][0] and "build_gpt_from_hf" in errors["tp mismatch"][0]
+        check_message(InputError(errors["tp mismatch"][0]), InputError, "build_gpt_from_hf", "tp",
+                      "1 (the current Megatron layout; set it with fnppo.init_parallel)", "2")
         assert errors["export config mismatch"][0].startswith(
             "fnppo.hf.export_hf_weights: argument 'hf_config['model_type']' expected 'llama' (what the model was built "
             "for), received 'qwen2' (in hf_config; also differs: architectures: ['Qwen2ForCausalLM'] (model: "
@@ -302,28 +309,36 @@ def _hf_dict(family: str, **changes) -> dict:
     return d
 
 
+_SUPPORTED = "one of: LlamaForCausalLM (model_type 'llama'), Qwen2ForCausalLM (model_type 'qwen2'), Qwen3ForCausalLM"
+
+
 @pytest.mark.parametrize(
-    "changes, needle",
+    "changes, arg, expected, received",
     [
-        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
-        (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
-        (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(attention_bias=True), "attention_bias"),
-        (dict(mlp_bias=True), "mlp_bias"),
-        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "yarn"),
+        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "config.model_type", _SUPPORTED,
+         "model_type='mistral', architectures=['MistralForCausalLM']"),
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "config.model_type", _SUPPORTED,
+         "model_type='gpt2', architectures=['GPT2LMHeadModel']"),
+        (dict(architectures=["LlamaForSequenceClassification"]), "config.architectures",
+         "['LlamaForCausalLM'] for model_type 'llama'", "['LlamaForSequenceClassification']"),
+        (dict(hidden_act="gelu"), "config.hidden_act", "'silu' (SwiGLU)", "'gelu'"),
+        (dict(attention_bias=True), "config.attention_bias", "False (o_proj bias without MLP bias", "True"),
+        (dict(mlp_bias=True), "config.mlp_bias", "False", "True"),
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "config.rope_parameters",
+         "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", "'yarn'"),
         (dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=2.0,
-                                   high_freq_factor=4.0, original_max_position_embeddings=8192)), "low_freq_factor"),
+                                   high_freq_factor=4.0, original_max_position_embeddings=8192)),
+         "config.rope_parameters['low_freq_factor']", "1 (the llama3 scaling Megatron implements)", "2.0"),
     ],
 )
-def test_unsupported_configs_are_refused(changes, needle):
-    with pytest.raises(InputError, match="model_config_from_hf") as err:
+def test_unsupported_configs_are_refused(changes, arg, expected, received):
+    with raises_message("model_config_from_hf", arg, expected, received):
         model_config_from_hf(_hf_dict("llama", **changes))
-    assert needle in str(err.value)
 
 
 def test_sliding_window_is_refused():
-    with pytest.raises(InputError, match="use_sliding_window"):
+    with raises_message("model_config_from_hf", "config.use_sliding_window",
+                        "False (sliding-window attention is not supported)", "True"):
         model_config_from_hf(_hf_dict("qwen2", use_sliding_window=True, sliding_window=16))
 
 
