@@ -524,15 +524,15 @@ def test_split_plan_validation_and_helpers():
     assert plan.order == (2, 0, 1) and plan.inverse == (1, 2, 0)
     assert plan.apply(["a", "b", "c"]) == [["c", "a"], ["b"]]
     assert plan.restore([["C", "A"], ["B"]]) == ["A", "B", "C"]
-    with pytest.raises(InputError, match="SplitPlan.restore: argument 'per_microbatch'"):
+    with raises_message("SplitPlan.restore", "per_microbatch", "group sizes [2, 1]", "[1, 2]"):
         plan.restore([["C"], ["A", "B"]])
-    with pytest.raises(InputError, match="SplitPlan.apply: argument 'samples'"):
+    with raises_message("SplitPlan.apply", "samples", "3 samples (the planned batch)", "1"):
         plan.apply(["a"])
-    with pytest.raises(InputError, match="SplitPlan: argument 'microbatches'"):
+    with raises_message("SplitPlan", "microbatches", "non-empty groups partitioning range(3)", "((0, 0), (1,))"):
         SplitPlan.from_groups([[0, 0], [1]])
-    with pytest.raises(InputError, match="SplitPlan: argument 'microbatches'"):
+    with raises_message("SplitPlan", "microbatches", "non-empty groups partitioning range(1)", "((0,), ())"):
         SplitPlan.from_groups([[0], []])
-    with pytest.raises(InputError, match="SplitPlan: argument 'inverse'"):
+    with raises_message("SplitPlan", "inverse", "the inverse of the concatenated order [1, 0]", "(0, 1)"):
         SplitPlan(microbatches=((1,), (0,)), inverse=(0, 1))
 
 

@@ -361,9 +361,10 @@ def test_model_config_mapping(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     cfg = model_config_from_hf(tmp_path)
     assert cfg.rope_scaling and cfg.rope_scaling_factor == 8.0 and cfg.rotary_base == 5e5 and cfg.dtype == "bf16"
-    with pytest.raises(InputError, match="overrides"):
+    with raises_message("model_config_from_hf", "overrides", "ModelConfig fields (add_bias_linear, ", "['no_such_field']"):
         model_config_from_hf(_hf_dict("llama"), no_such_field=1)
-    with pytest.raises(InputError, match="config.json"):
+    with raises_message("model_config_from_hf", "config_or_path", "a config.json file or a local directory holding one",
+                        repr(str(tmp_path / "missing"))):
         model_config_from_hf(tmp_path / "missing")
     assert math.isclose(model_config_from_hf(_hf_dict("qwen2"), layernorm_epsilon=1e-3).layernorm_epsilon, 1e-3)
 
