@@ -127,25 +127,27 @@ def _rope(fn: str, hf: Mapping[str, Any]) -> tuple[float, bool, float]:
     params = hf.get("rope_parameters")
     if isinstance(params, Mapping) and params:
         scaling: Mapping[str, Any] = params
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta = params.get("rope_theta", hf.get("rope_theta") or 10000.0)
+        key = "config.rope_parameters"
     else:
         scaling = hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta", 10000.0)
+        theta = hf.get("rope_theta") or 10000.0
+        key = "config.rope_scaling"
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    partial = hf.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0) if scaling else 1.0)
+    partial = hf.get("partial_rotary_factor") or (scaling.get("partial_rotary_factor", 1.0) if scaling else 1.0)
     if float(partial) != 1.0:
         raise input_error(fn, "config.partial_rotary_factor", "1.0", repr(partial))
     if rope_type in (None, "default"):
         return float(theta), False, 8.0
     if rope_type == "llama3":
-        for key, value in _LLAMA3_FIXED.items():
-            got = scaling.get(key, value)
+        for name, value in _LLAMA3_FIXED.items():
+            got = scaling.get(name, value)
             if float(got) != value:
-                raise input_error(fn, f"config.rope_scaling[{key!r}]", f"{value:g} (the llama3 scaling Megatron implements)", repr(got))
+                raise input_error(fn, f"{key}[{name!r}]", f"{value:g} (the llama3 scaling Megatron implements)", repr(got))
         if "factor" not in scaling:
-            raise input_error(fn, "config.rope_scaling['factor']", "a number", "no such key")
+            raise input_error(fn, f"{key}['factor']", "a number", "no such key")
         return float(theta), True, float(scaling["factor"])
-    raise input_error(fn, "config.rope_scaling", "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", repr(rope_type))
+    raise input_error(fn, key, "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", repr(rope_type))
 
 
 def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
@@ -447,6 +449,137 @@ def _shard_files(fn: str, path: Path) -> list[Path]:
     raise input_error(fn, "path", f"a directory holding {_SINGLE} or {_INDEX}", f"{str(path)!r} without them")
 
 
+# ---------------------------------------------------------------------------------------------
+# The checkpoint's own config.json against the model it is loaded into
+# ---------------------------------------------------------------------------------------------
+_FULL_ATTENTION = ("sliding_window", "use_sliding_window", "layer_types")
+
+
+def _model_fields(core: nn.Module, a: _Arch) -> dict[str, Any]:
+    """What the model was built for, in the keys of a Hugging Face ``config.json``.
+
+    Rope and vocabulary come from the :class:`ModelConfig` that :func:`fnppo.model.build_gpt`
+    keeps on the model (``fnppo_config``); a model built otherwise is compared on the rest.
+    """
+    family = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias else "llama"
+    c, mc = core.config, getattr(core, "fnppo_config", None)
+    out: dict[str, Any] = {
+        "model_type": family, "architectures": [SUPPORTED_ARCHITECTURES[family]],
+        "num_hidden_layers": a.num_layers, "hidden_size": a.hidden, "intermediate_size": a.ffn,
+        "num_attention_heads": a.heads, "num_key_value_heads": a.groups, "head_dim": a.head_dim,
+        "hidden_act": "silu", "mlp_bias": False, "rms_norm_eps": float(c.layernorm_epsilon),
+        "tie_word_embeddings": a.tied, "sliding_window": getattr(c, "window_size", None), "use_sliding_window": False,
+        "layer_types": ["full_attention"] * a.num_layers,
+    }
+    if family != "qwen2":
+        out["attention_bias"] = False  # Qwen2's q/k/v bias is part of its family
+    if mc is not None:
+        out.update(vocab_size=mc.vocab_size, rope_theta=float(mc.rotary_base), partial_rotary_factor=float(mc.rotary_percent),
+                   rope_type="llama3" if mc.rope_scaling else "default")
+        if mc.rope_scaling:
+            out.update(factor=float(mc.rope_scaling_factor), **_LLAMA3_FIXED)
+    return out
+
+
+def _file_rope_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """Rope entries of a config as ``(field, key path in the file, value)``: transformers 5's
+    ``rope_parameters`` or transformers 4's ``rope_theta`` / ``rope_scaling``, named as the file has them."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        where, scaling = "rope_parameters", params
+        theta = (("rope_parameters", "rope_theta"), params["rope_theta"]) if "rope_theta" in params else (("rope_theta",), hf.get("rope_theta") or 10000.0)
+    else:
+        where, scaling = "rope_scaling", hf.get("rope_scaling") or {}
+        theta = (("rope_theta",), hf.get("rope_theta") or 10000.0)
+    type_key = "type" if "type" in scaling and "rope_type" not in scaling else "rope_type"
+    rope_type = scaling.get(type_key) or "default"
+    out = [("rope_theta", theta[0], theta[1]), ("rope_type", (where, type_key), rope_type)]
+    if rope_type == "llama3":
+        out += [(k, (where, k), scaling.get(k, _LLAMA3_FIXED.get(k))) for k in ("factor", *_LLAMA3_FIXED)]
+    partial = hf.get("partial_rotary_factor") or scaling.get("partial_rotary_factor")
+    out.append(("partial_rotary_factor", ("partial_rotary_factor",), 1.0 if partial is None else partial))
+    return out
+
+
+def _file_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """The architecture entries of a ``config.json`` as ``(field, key path in the file, value)``, in
+    the order they are reported (family first); absent keys take transformers' defaults."""
+    family = hf.get("model_type")
+    out: list[tuple[str, tuple[str, ...], Any]] = [("model_type", ("model_type",), family)]
+    if hf.get("architectures") is not None:
+        out.append(("architectures", ("architectures",), list(hf["architectures"])))
+    if family in ("qwen2", "qwen3"):
+        out.append(("use_sliding_window", ("use_sliding_window",), bool(hf.get("use_sliding_window") or False)))
+    else:
+        out.append(("sliding_window", ("sliding_window",), hf.get("sliding_window")))
+    if hf.get("layer_types") is not None:
+        out.append(("layer_types", ("layer_types",), list(hf["layer_types"])))
+    out += _file_rope_fields(hf)
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        if key in hf:
+            out.append((key, (key,), hf[key]))
+    if isinstance(hf.get("hidden_size"), int) and isinstance(hf.get("num_attention_heads"), int):
+        out.append(("head_dim", ("head_dim",), hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]))
+    out += [
+        ("rms_norm_eps", ("rms_norm_eps",), hf.get("rms_norm_eps", 1e-6)),
+        ("tie_word_embeddings", ("tie_word_embeddings",), bool(hf.get("tie_word_embeddings") or False)),
+        ("hidden_act", ("hidden_act",), hf.get("hidden_act", "silu")),
+        ("mlp_bias", ("mlp_bias",), bool(hf.get("mlp_bias") or False)),
+        ("attention_bias", ("attention_bias",), bool(hf.get("attention_bias") or False)),
+    ]
+    return out
+
+
+def _same(want: Any, have: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(want, numbers) and isinstance(have, numbers) and not isinstance(want, bool) and not isinstance(have, bool):
+        return float(want) == float(have)
+    return want == have
+
+
+def _check_hf_config(fn: str, core: nn.Module, a: _Arch, hf: Mapping[str, Any], label: str, where: str) -> None:
+    """Refuse a Hugging Face config whose architecture differs from the model's, naming every differing
+    key (as the file spells it) with both values. ``label``: how the argument is named."""
+    model = _model_fields(core, a)
+    diffs = [(path, model[field], have, field) for field, path, have in _file_fields(hf)
+             if field in model and not _same(model[field], have)]
+    if not diffs:
+        return
+    path, want, have, field = diffs[0]
+    why = ": full attention" if field in _FULL_ATTENTION else ""
+    others = "".join(
+        f"; also differs: {p[0]}{''.join(f'[{k!r}]' for k in p[1:])}: {h!r} (model: {w!r})" for p, w, h, _ in diffs[1:]
+    )
+    raise input_error(fn, label + "".join(f"[{k!r}]" for k in path), f"{want!r} (what the model was built for{why})",
+                      f"{have!r} ({where}{others})")
+
+
+def _config_path(root: Path) -> Path:
+    return root / "config.json" if root.is_dir() else root.parent / "config.json"
+
+
+def _check_tied_head(fn: str, a: _Arch, read: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """A tied model ignores a stored ``lm_head.weight`` only if it equals the embedding (transformers
+    unties the two when they differ: loading such a checkpoint tied would give other logits)."""
+    name, emb = "lm_head.weight", "model.embed_tokens.weight"
+    if not a.tied or name not in shapes:
+        return
+    rows, worst = shapes[emb][0], 0.0
+    for r0 in range(0, rows, 4096):  # a few thousand rows at a time, on every rank (all agree)
+        index = (slice(r0, min(rows, r0 + 4096)), slice(None))
+        x, y = read(name, index).double(), read(emb, index).double()
+        if not torch.equal(x, y):
+            worst = max(worst, float((x - y).abs().nan_to_num(float("inf")).max()))
+    if worst > 0:
+        raise input_error(
+            fn, f"checkpoint[{name!r}]",
+            f"absent or equal to {emb!r} (the model ties them; transformers would untie them and use both: to do "
+            f"the same, set tie_word_embeddings to false in config.json and rebuild the model; to keep them tied, "
+            f"delete {name!r} from the checkpoint)",
+            f"a different tensor (max |difference| {worst:.3g})",
+        )
+
+
 def _checkpoint_vocab(path: Path, shapes: Mapping[str, Sequence[int]]) -> int:
     cfg = path / "config.json" if path.is_dir() else path.parent / "config.json"
     if cfg.is_file():
@@ -465,11 +598,20 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     its shards (or one ``.safetensors`` file). Names and layouts are converted as in the module
     docstring (fused QKV in Megatron's per-group order, fused ``[gate; up]``).
 
-    First every tensor name, shape and dtype of the checkpoint is checked against the whole model
-    (all layers, all ranks) from the safetensors headers alone: a missing tensor, an unexpected one
-    (``lm_head.weight`` of a tied model and ``*.rotary_emb.inv_freq`` buffers are tolerated and
-    ignored), a wrong shape, a non-floating dtype raise ``InputError`` naming the tensor, and
-    nothing is loaded. Then each parameter of each chunk is filled from only the rows/columns this
+    First the checkpoint's ``config.json`` (beside the shards), when present, must describe the
+    architecture the model was built for: family (``model_type``, ``architectures``), sizes,
+    ``head_dim``, ``vocab_size`` (the real one), ``rms_norm_eps``, rope (``rope_parameters`` of
+    transformers 5 or ``rope_theta`` / ``rope_scaling``: type, theta, llama3 factors),
+    ``partial_rotary_factor``, no sliding window (``sliding_window``, ``use_sliding_window``,
+    ``layer_types``), ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``, ``hidden_act``;
+    a difference raises ``InputError`` naming the key as the file spells it, the model's value and
+    the file's (and every other differing key). Then every tensor name, shape and dtype of the
+    checkpoint is checked against the whole model (all layers, all ranks) from the safetensors
+    headers alone: a missing tensor, an unexpected one (``*.rotary_emb.inv_freq`` buffers are
+    tolerated and ignored), a wrong shape, a non-floating dtype raise ``InputError`` naming the
+    tensor, and nothing is loaded. A tied model refuses a stored ``lm_head.weight`` unless it
+    equals ``model.embed_tokens.weight`` (transformers would untie the two; the error names both
+    ways out: an untied model, or dropping the tensor). Then each parameter of each chunk is filled from only the rows/columns this
     rank holds (one parameter in host memory at a time), cast to the parameter's dtype. Vocabulary
     rows beyond the checkpoint's ``vocab_size`` (``make_vocab_size_divisible_by`` padding) are zero.
     Not a collective: every rank reads on its own. Build the optimizer after loading (half-precision
@@ -482,6 +624,10 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     layout = current_layout()
     root = Path(path)
     files = _shard_files(fn, root)
+    cfg_file = _config_path(root)
+    if cfg_file.is_file():
+        hf = _read_hf_config(fn, "path", cfg_file)
+        _check_hf_config(fn, unwrap_model(model_chunks[0]), a, hf, "config.json", f"in {cfg_file}")
     with ExitStack() as stack:
         where: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -500,13 +646,16 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
         vocab = _checkpoint_vocab(root, shapes)
         if vocab > a.padded_vocab or vocab < 1:
             raise input_error(fn, "checkpoint['model.embed_tokens.weight']", f"at most {a.padded_vocab} rows (the model's vocabulary)", f"vocab_size {vocab}")
+        built = getattr(unwrap_model(model_chunks[0]), "fnppo_config", None)
+        if built is not None and vocab != built.vocab_size:  # rows beyond it would be taken for real tokens
+            raise input_error(fn, "checkpoint['model.embed_tokens.weight']", f"{built.vocab_size} rows (the model's vocab_size)", f"{vocab} rows")
         expected = _expected_hf(a, vocab)
         for name in sorted(expected):
             if name not in shapes:
                 raise input_error(fn, "path", f"a tensor named {name!r}", f"a checkpoint without it ({len(shapes)} tensors in {str(root)!r})")
             if shapes[name] != expected[name]:
                 raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}", f"shape {shapes[name]}")
-        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}
+        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}  # if equal: below
         for name in sorted(shapes):
             if name in expected or name.endswith(".rotary_emb.inv_freq"):
                 continue
@@ -524,6 +673,8 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
         def read(name: str, index: tuple[slice, ...] | None) -> Tensor:
             sl = where[name].get_slice(name)
             return sl[:] if index is None else sl[index]
+
+        _check_tied_head(fn, a, read, shapes)
 
         with torch.no_grad():
             for param, kind, names in plan:
@@ -582,23 +733,11 @@ def _write_hf_config(path: Path, hf_config: Any) -> None:
         fh.write("\n")
 
 
-def _check_config_matches(fn: str, a: _Arch, hf_config: Any) -> int:
+def _check_config_matches(fn: str, core: nn.Module, a: _Arch, hf_config: Any) -> int:
     """Check that ``hf_config`` describes the model; returns its vocabulary size."""
-    cfg = model_config_from_hf(hf_config)
-    pairs = (
-        ("num_hidden_layers", cfg.num_layers, a.num_layers),
-        ("hidden_size", cfg.hidden_size, a.hidden),
-        ("num_attention_heads", cfg.num_attention_heads, a.heads),
-        ("num_key_value_heads", cfg.num_query_groups, a.groups),
-        ("head_dim", cfg.kv_channels, a.head_dim),
-        ("intermediate_size", cfg.ffn_hidden_size, a.ffn),
-        ("tie_word_embeddings", cfg.tie_embeddings, a.tied),
-        ("attention_bias (q/k/v)", cfg.add_qkv_bias, a.qkv_bias),
-        ("q/k norm (qwen3)", cfg.qk_layernorm, a.qk_norm),
-    )
-    for key, have, want in pairs:
-        if have != want:
-            raise input_error(fn, f"hf_config.{key}", f"{want!r} (the model's)", repr(have))
+    hf = _read_hf_config(fn, "hf_config", hf_config)
+    _check_hf_config(fn, core, a, hf, "hf_config", "in hf_config")
+    cfg = model_config_from_hf(hf)
     if cfg.vocab_size > a.padded_vocab:
         raise input_error(fn, "hf_config.vocab_size", f"at most {a.padded_vocab} (the model's)", repr(cfg.vocab_size))
     return cfg.vocab_size
@@ -632,7 +771,7 @@ def export_hf_weights(
     a = _arch(fn, model_chunks)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise input_error(fn, "max_shard_bytes", "an int >= 1", repr(max_shard_bytes))
-    vocab = a.padded_vocab if hf_config is None else _check_config_matches(fn, a, hf_config)
+    vocab = a.padded_vocab if hf_config is None else _check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
     layout = current_layout()
     out = Path(path)
     gathers = layout.dp_rank == 0

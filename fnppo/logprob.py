@@ -91,22 +91,32 @@ def logprob_and_entropy(
 
     Never writes to ``logits`` or ``labels``.
 
+    Padded vocabulary: with ``vocab_size`` (the real vocabulary, e.g. ``ModelConfig.vocab_size``)
+    smaller than ``vocab_shard * tp_size`` (Megatron's ``make_vocab_size_divisible_by`` padding), the
+    columns with global index ``>= vocab_size`` are not part of the distribution: the sums above run
+    over ``j < vocab_size`` only, and their gradient is exactly 0, whatever those columns hold (an
+    output layer loaded from a checkpoint has zero rows there, i.e. logits of 0, which would
+    otherwise take probability mass). The rank holding them just reads fewer columns of its shard
+    (a view, no masked copy); a rank holding only padding contributes nothing.
+
     Label validation: with call-time checking on (:func:`fnppo.typing.typechecking_enabled`, the
-    default) labels outside ``[0, vocab)`` raise :class:`~fnppo.typing.InputError`; this costs one
-    device-to-host sync. With checking off there is no sync and no error: the log-prob of an
-    out-of-range label is NaN (so the loss turns NaN instead of being silently wrong).
+    default) labels outside ``[0, vocab_size)`` (``[0, vocab_shard * tp_size)`` without
+    ``vocab_size``) raise :class:`~fnppo.typing.InputError`; this costs one device-to-host sync.
+    With checking off there is no sync and no error: the log-prob of an out-of-range label is NaN
+    (so the loss turns NaN instead of being silently wrong).
 
     Args:
       logits: ``[*tok, vocab_shard]`` logits (fp32, bf16, fp16 or fp64); with ``tp_group`` this
         rank's contiguous shard, which starts at ``rank_in_group * vocab_shard`` (Megatron's
         layout).
-      labels: ``[*tok]`` global token ids in ``[0, vocab_shard * tp_size)``, any integer dtype.
+      labels: ``[*tok]`` global token ids in ``[0, vocab_size)``, any integer dtype.
       tp_group: the tensor-parallel process group, or None for unsharded logits.
       temperature: ``T > 0``; the logits are divided by it.
       with_entropy: if False, no entropy work is done and ``None`` is returned for it.
-      vocab_size: the full vocabulary size, if known: checked against ``vocab_shard * tp_size``
-        (catches logits that were already gathered over TP, which would otherwise give a loss
-        off by ``log(tp_size)`` without any error).
+      vocab_size: the model's real vocabulary size (global, over all TP ranks), or None for
+        ``vocab_shard * tp_size`` (no padding). Must satisfy ``vocab_size <= vocab_shard * tp_size``
+        and, under TP, ``vocab_size > vocab_shard``: logits already gathered over TP would break
+        the latter, and would otherwise give a loss off by ``log(tp_size)`` without any error.
       chunk_tokens: rows per chunk of the PyTorch path (default: from the memory budget above).
       impl: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"triton"`` or ``"torch"``.
         Defaults to the environment variable ``FNPPO_LOGPROB_IMPL``, else ``"auto"``.
@@ -120,11 +130,14 @@ def logprob_and_entropy(
     temperature = _check_args(logits, labels, tp_group, temperature, vocab_size, chunk_tokens)
     impl = _resolve_impl(impl, logits)
     tp_size, tp_rank = _group_size_rank(tp_group)
-    vocab_total = logits.shape[-1] * tp_size
+    shard = logits.shape[-1]
+    vocab_total = shard * tp_size if vocab_size is None else vocab_size
     if typechecking_enabled():
-        _check_labels(labels, vocab_total)
+        _check_labels(labels, vocab_total, vocab_size is not None)
+    n_valid = max(0, min(shard, vocab_total - tp_rank * shard))  # this shard's real columns: [0, n_valid)
     out = _LogprobEntropy.apply(
-        logits, labels, float(temperature), bool(with_entropy), tp_group, tp_size, tp_rank, impl, chunk_tokens
+        logits, labels, float(temperature), bool(with_entropy), tp_group, tp_size, tp_rank, impl, chunk_tokens,
+        vocab_total, n_valid,
     )
     if with_entropy:
         return out[0], out[1]
@@ -165,20 +178,25 @@ def _check_args(
         shard = logits.shape[-1]
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise input_error(_FN, "vocab_size", "None or an int >= 1", repr(vocab_size))
-        if shard * tp_size != vocab_size:
-            hint = ""
-            if shard == vocab_size and tp_size > 1:
-                hint = " (these look like logits already gathered over tensor parallelism; pass this rank's shard)"
+        if vocab_size > shard * tp_size:
+            raise input_error(
+                _FN, "vocab_size",
+                f"at most vocab_shard * tp_size = {shard} * {tp_size} = {shard * tp_size} (the real vocabulary; "
+                "the logits may hold a padded one)",
+                repr(vocab_size),
+            )
+        if tp_size > 1 and vocab_size <= shard:
             raise input_error(
                 _FN, "logits",
-                f"a vocab dimension of vocab_size / tp_size = {vocab_size} / {tp_size}"
-                + (f" = {vocab_size // tp_size}" if vocab_size % tp_size == 0 else " (not divisible)"),
-                f"{describe(logits)}{hint}",
+                f"this rank's vocab shard: a last dimension below vocab_size={vocab_size} with tp_size={tp_size}",
+                f"{describe(logits)} (these look like logits already gathered over tensor parallelism; pass this "
+                "rank's shard. A vocabulary padded so much that one shard holds every real column is not "
+                "supported: lower make_vocab_size_divisible_by)",
             )
     return t
 
 
-def _check_labels(labels: Tensor, vocab_total: int) -> None:
+def _check_labels(labels: Tensor, vocab_total: int, real: bool = False) -> None:
     """Raise InputError for a label outside ``[0, vocab_total)`` (one device-to-host sync)."""
     if labels.numel() == 0:
         return
@@ -187,7 +205,7 @@ def _check_labels(labels: Tensor, vocab_total: int) -> None:
         first = labels[bad].flatten()[0].item()
         lo, hi = int(labels.min().item()), int(labels.max().item())
         raise input_error(
-            _FN, "labels", f"token ids in [0, {vocab_total})",
+            _FN, "labels", f"token ids in [0, {vocab_total})" + (" (vocab_size)" if real else ""),
             f"{describe(labels)} with values in [{lo}, {hi}] (first bad: {first})",
         )
 
@@ -232,6 +250,8 @@ class _LogprobEntropy(torch.autograd.Function):
         tp_rank: int,
         impl: str,
         chunk_tokens: int | None,
+        vocab_total: int,
+        n_valid: int,
     ) -> Any:
         ctx.set_materialize_grads(False)
         shard = logits.shape[-1]
@@ -239,15 +259,17 @@ class _LogprobEntropy(torch.autograd.Function):
         lab = labels.reshape(-1)
         vocab_start = tp_rank * shard
         inv_t = 1.0 / temperature
-        if impl == "triton":
+        if n_valid == 0:  # a shard of padding only: no column of the distribution
+            m, s, w, zl = _empty_stats(x2.shape[0], with_entropy, x2.device)
+        elif impl == "triton":
             from fnppo.kernels import logprob_kernels
 
-            m, s, w, zl = logprob_kernels().forward_stats(x2, lab, vocab_start, inv_t, with_entropy)
+            m, s, w, zl = logprob_kernels().forward_stats(x2, lab, vocab_start, inv_t, with_entropy, n_valid)
         else:
-            m, s, w, zl = _forward_stats_torch(x2, lab, vocab_start, inv_t, with_entropy, chunk_tokens)
-        logp, entropy, lse = _combine(m, s, w, zl, lab, group, tp_size, shard * tp_size)
+            m, s, w, zl = _forward_stats_torch(x2[:, :n_valid], lab, vocab_start, inv_t, with_entropy, chunk_tokens)
+        logp, entropy, lse = _combine(m, s, w, zl, lab, group, tp_size, vocab_total)
         ctx.save_for_backward(logits, labels, lse, entropy)
-        ctx.cfg = (inv_t, vocab_start, impl, chunk_tokens, with_entropy)
+        ctx.cfg = (inv_t, vocab_start, impl, chunk_tokens, with_entropy, n_valid)
         logp = logp.view(labels.shape)
         if with_entropy:
             return logp, entropy.view(labels.shape)
@@ -256,10 +278,10 @@ class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
-        inv_t, vocab_start, impl, chunk_tokens, with_entropy = ctx.cfg
+        inv_t, vocab_start, impl, chunk_tokens, with_entropy, n_valid = ctx.cfg
         g_lp = grads[0]
         g_h = grads[1] if with_entropy else None
-        nones = (None,) * 8
+        nones = (None,) * 10
         if (g_lp is None and g_h is None) or not ctx.needs_input_grad[0]:
             return (None, *nones)
         logits, labels, lse, entropy = ctx.saved_tensors
@@ -268,12 +290,14 @@ class _LogprobEntropy(torch.autograd.Function):
         lab = labels.reshape(-1)
         g_lp = None if g_lp is None else g_lp.reshape(-1).to(torch.float32).contiguous()
         g_h = None if g_h is None else g_h.reshape(-1).to(torch.float32).contiguous()
-        if impl == "triton":
+        if n_valid == 0:
+            grad = torch.zeros_like(x2)
+        elif impl == "triton":
             from fnppo.kernels import logprob_kernels
 
-            grad = logprob_kernels().backward_grad(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t)
+            grad = logprob_kernels().backward_grad(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t, n_valid)
         else:
-            grad = _backward_grad_torch(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t, chunk_tokens)
+            grad = _backward_grad_torch(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t, chunk_tokens, n_valid)
         return (grad.view(logits.shape), *nones)
 
 
@@ -309,6 +333,12 @@ def _combine(
     lse = m + log_s
     entropy = None if w is None else log_s - w / s
     return logp.contiguous(), (None if entropy is None else entropy.contiguous()), lse.contiguous()
+
+
+def _empty_stats(n: int, with_entropy: bool, device: torch.device) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """``(m, s, w, zl)`` of a shard without columns: max -inf, empty sums 0."""
+    zeros = torch.zeros(n, dtype=torch.float32, device=device)
+    return torch.full_like(zeros, float("-inf")), zeros, (zeros.clone() if with_entropy else None), zeros.clone()
 
 
 def _chunk_rows(x2: Tensor, chunk_tokens: int | None) -> int:
@@ -362,9 +392,14 @@ def _backward_grad_torch(
     vocab_start: int,
     inv_t: float,
     chunk_tokens: int | None,
+    n_valid: int | None = None,
 ) -> Tensor:
+    """The gradient ``[rows, shard]``: columns ``>= n_valid`` (vocabulary padding) are 0."""
+    grad = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    if n_valid is not None and n_valid < x2.shape[1]:
+        grad[:, n_valid:] = 0
+        x2 = x2[:, :n_valid]
     n, v = x2.shape
-    grad = torch.empty((n, v), dtype=x2.dtype, device=x2.device)
     rows = _chunk_rows(x2, chunk_tokens)
     zeros = torch.zeros(n, dtype=torch.float32, device=x2.device)
     a_all = g_lp if g_lp is not None else zeros
@@ -388,6 +423,6 @@ def _backward_grad_torch(
             add = torch.where(inside, a_all[r0:r1], torch.zeros_like(a_all[r0:r1]))
             dz.scatter_add_(1, loc.clamp(0, v - 1).unsqueeze(1), add.unsqueeze(1))
         dz.mul_(inv_t)
-        grad[r0:r1].copy_(dz)
+        grad[r0:r1, :v].copy_(dz)
         del logp, p, dz
     return grad

@@ -112,6 +112,13 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
             raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
     if cfg.padded_vocab_size % layout.tp:
         raise input_error("transformer_config", "vocab_size", f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)", repr(cfg.vocab_size))
+    if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
+        raise input_error(
+            "transformer_config", "make_vocab_size_divisible_by",
+            f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
+            f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
+            repr(cfg.make_vocab_size_divisible_by),
+        )
     if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
         raise input_error("transformer_config", "num_layers", f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}", repr(cfg.num_layers))
     dtype = cfg.torch_dtype
@@ -164,7 +171,9 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
 
     ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
     when installed, else the local spec with packed-sequence attention). Half-precision models are
-    wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`.
+    wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`. Each
+    ``GPTModel`` keeps ``cfg`` as ``fnppo_config`` (its ``vocab_size`` is the real vocabulary; the
+    model's own ``vocab_size`` is the padded one).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -197,6 +206,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
+        model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.step), rope (fnppo.hf)
         if tcfg.fp16 or tcfg.bf16:
             model = Float16Module(tcfg, model)
         if torch.cuda.is_available() and layout.backend == "nccl":

@@ -279,7 +279,8 @@ def sapo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     Reference: Soft Adaptive Policy Optimization, arXiv:2511.20347.
     """
     cfg = x.config
-    tau = torch.where(x.advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(x.logprobs.dtype)
+    # the temperatures take the inputs' dtype (two Python floats in torch.where would make fp32)
+    tau = torch.where(x.advantages > 0, x.advantages.new_tensor(cfg.sapo_tau_pos), x.advantages.new_tensor(cfg.sapo_tau_neg))
     gate = (4.0 / tau) * torch.sigmoid(tau * (x.ratio() - 1.0))
     return -gate * x.advantages, {}
 

@@ -85,11 +85,12 @@ class ForwardFn(Protocol):
 class LogprobFn(Protocol):
     """The log-prob stage: logits and labels -> ``(logprobs, entropy or None)``, both ``[batch, seq]``.
 
-    Default :func:`~fnppo.logprob.logprob_and_entropy`.
+    Default :func:`~fnppo.logprob.logprob_and_entropy`. ``vocab_size`` is the model's real
+    vocabulary: logits columns at or beyond it (a padded vocabulary's) must be left out.
     """
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any, temperature: float,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+                 with_entropy: bool, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class LossFn(Protocol):
@@ -225,7 +226,8 @@ class _Batching(NamedTuple):
     pad_to_multiple_of: int
     max_seq_len: int | None  # StepConfig.max_seq_len, else the model's max_sequence_length
     max_seq_len_source: str
-    vocab_size: int | None  # the model's (padded) vocabulary
+    vocab_size: int | None  # the model's (padded) vocabulary: the logits' width over all TP ranks
+    real_vocab_size: int | None  # ModelConfig.vocab_size: logits columns at or beyond it are padding
     dp_group: Any  # the group the micro-batch count is agreed over (None without DP)
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
 
@@ -245,6 +247,7 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
         max_seq_len=limit,
         max_seq_len_source=source,
         vocab_size=vocab,
+        real_vocab_size=getattr(getattr(core, "fnppo_config", None), "vocab_size", vocab),  # set by build_gpt
         dp_group=layout.dp_group if layout.dp > 1 else None,
         # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
         # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
@@ -275,8 +278,8 @@ def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatch
         limit = spec.max_seq_len
         check_lengths(fn, samples, limit, f"at most {limit} tokens ({spec.max_seq_len_source})", arg="batch")
     check_same_fields(fn, samples, arg="batch")
-    if spec.vocab_size is not None and typechecking_enabled():
-        check_token_ids(fn, samples, spec.vocab_size, arg="batch")
+    if spec.real_vocab_size is not None and typechecking_enabled():
+        check_token_ids(fn, samples, spec.real_vocab_size, arg="batch")
 
 
 def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
@@ -392,7 +395,7 @@ def _forward_step_fn(
     *,
     normalizer: torch.Tensor | None,
     loss_scale: float,
-    vocab_size: int | None = None,
+    spec: _Batching,
     tis_mean: torch.Tensor | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     """Megatron's ``forward_step_func``: forward, then (last stage) logprob -> loss, scaled."""
@@ -406,7 +409,7 @@ def _forward_step_fn(
 
         def loss_func(logits: torch.Tensor):
             # the entropy is always computed: it is reported as a metric whatever its coefficient
-            lp, ent = _token_logprobs("train_step", logits, weight, mb, config, layout, vocab_size, True)
+            lp, ent = _token_logprobs("train_step", logits, weight, mb, config, layout, spec, True)
             old = mb.rollout_logprobs if loss_cfg.bypass_old_logprobs else mb.old_logprobs  # bypass mode
             loss, metrics = fns.loss(
                 lp, old, mb.advantages, mb.loss_mask, loss_cfg,
@@ -422,15 +425,17 @@ def _forward_step_fn(
 
 def _token_logprobs(
     fn: str, out: torch.Tensor, weight: torch.Tensor | None, mb: Microbatch, config: StepConfig,
-    layout: ParallelLayout, vocab_size: int | None, with_entropy: bool,
+    layout: ParallelLayout, spec: _Batching, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``mb``'s labels from the logits, or, with ``weight`` (the fused
-    path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard."""
+    path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard; over the
+    model's real vocabulary (a padded vocabulary's extra columns are left out)."""
     tp_group = layout.tp_group if layout.tp > 1 else None
+    kwargs = dict(tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy, vocab_size=spec.real_vocab_size)
     if weight is None:
-        _check_logits(fn, out, vocab_size, layout)
-        return config.fns.logprob(out, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
-    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy)
+        _check_logits(fn, out, spec.vocab_size, layout)
+        return config.fns.logprob(out, mb.labels, **kwargs)
+    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, **kwargs)
 
 
 def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool) -> list[Any]:
@@ -470,7 +475,7 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
         c.zero_grad_buffer()
     optimizer.zero_grad()
     fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                           vocab_size=spec.vocab_size, tis_mean=tis_mean)
+                           spec=spec, tis_mean=tis_mean)
     with _fnppo_finalizer(chunks) as record:
         store = _run_schedule(chunks, mbs, fwd, forward_only=False)
     if "stats" not in record:
@@ -710,7 +715,7 @@ def compute_logprobs(
         return hidden
 
     def per_sample(out: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        lp, ent = _token_logprobs("compute_logprobs", out, weights["w"], mb, cfg, par, spec.vocab_size, with_entropy)
+        lp, ent = _token_logprobs("compute_logprobs", out, weights["w"], mb, cfg, par, spec, with_entropy)
         ents = unpack_per_sample(ent, mb) if with_entropy else [None] * mb.num_samples
         return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack_per_sample(lp, mb), ents, strict=True)]
 

@@ -169,7 +169,7 @@ def test_inputs_are_not_modified():
     cu = _cu(lens)
     before = [(t._version, t.clone()) for t in (q, k, v, cu)]
     packed_causal_attention(q, k, v, cu)
-    for t, (ver, val) in zip((q, k, v, cu), before):
+    for t, (ver, val) in zip((q, k, v, cu), before, strict=True):
         assert t._version == ver and torch.equal(t, val)
 
 

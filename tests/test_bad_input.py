@@ -54,34 +54,10 @@ from fnppo.advantages import broadcast_to_tokens
 from fnppo.loss import LOSS_AGG_MODES
 from fnppo.parallel import ParallelLayout
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.messages import check_message
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "errors.md"
-
-
-# ---------------------------------------------------------------------------------------------
-# the message check shared by all cases
-# ---------------------------------------------------------------------------------------------
-def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: str, received: str) -> None:
-    """``err`` is an ``exc`` naming ``fn``, ``arg``, the expectation and the received value.
-
-    InputError / ValueError: ``"<fn>: argument '<arg>' expected <expected...>, received <received...>"``.
-    ShapeError (call-time type check), all on the first line: ``"<module.fn>: argument '<arg>' has
-    <what differs> ...; expected <expected>, received <received>"``.
-    """
-    msg = str(err)
-    assert isinstance(err, exc), f"{type(err).__name__} instead of {exc.__name__}: {msg[:500]}"
-    if exc is ShapeError:
-        first = msg.split("\n", 1)[0]
-        assert msg.startswith("fnppo.") and f".{fn}: argument '{arg}' " in first, msg[:300]
-        assert expected in first.rpartition(" expected ")[2], msg[:500]
-        assert first.endswith(f"received {received}"), msg[:500]
-    else:
-        head = rf"^(fnppo\.)?{re.escape(fn)}: argument '{re.escape(arg)}' expected "
-        assert re.match(head, msg), msg[:500]
-        exp_part, _, rec_part = msg.partition(", received ")
-        assert expected in exp_part, f"{expected!r} not in {exp_part!r}"
-        assert rec_part and received in rec_part, f"{received!r} not in {rec_part!r}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,7 +163,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case):
-    with pytest.raises(Exception) as info:
+    with pytest.raises(case.exc) as info:
         case.call()
     check_message(info.value, case.exc, case.fn, case.arg, case.expected, case.received)
 
@@ -260,10 +236,10 @@ def _step_errors() -> dict:
         except Exception as err:  # noqa: BLE001 - reported to the test
             out[name] = (type(err).__name__, str(err)[:3000])
     after = [p.detach().clone() for p in fnppo.model.unwrap_model(ddp[0]).parameters()]
-    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, after))
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     state, metrics = fnppo.train_step(state, good, step)
     out["good_step"] = metrics
-    out["moved"] = any(not torch.equal(a, p) for a, p in zip(after, fnppo.model.unwrap_model(ddp[0]).parameters()))
+    out["moved"] = any(not torch.equal(a, p) for a, p in zip(after, fnppo.model.unwrap_model(ddp[0]).parameters(), strict=True))
     return out
 
 
@@ -282,7 +258,7 @@ STEP_CASES = {
     "train_step-ref-for-some-samples": (InputError, "train_step", "batch[3].ref_logprobs", "a tensor (batch[0] has ref_logprobs; all samples or none)", "None"),
     "train_step-bypass-without-rollout": (InputError, "train_step", "batch[0].rollout_logprobs", "a tensor since bypass_old_logprobs=True in PolicyLossConfig", "None"),
     "compute_logprobs-params-per-chunk": (InputError, "compute_logprobs", "params", "1 dicts (one per model chunk)", "2"),
-    "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"vocab_size / tp_size = {VOCAB} / 2 = {VOCAB // 2}", "already gathered over tensor parallelism"),
+    "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"this rank's vocab shard: a last dimension below vocab_size={VOCAB} with tp_size=2", f"f32[3,{VOCAB}] (these look like logits already gathered over tensor parallelism"),
     "train_step-gathered-logits": (InputError, "train_step", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", f",{VOCAB}] (logits already gathered over tensor parallelism"),
     "compute_logprobs-gathered-logits": (InputError, "compute_logprobs", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", "already gathered over tensor parallelism"),
 }
@@ -329,6 +305,13 @@ def test_every_case_is_in_the_error_table():
 # ---------------------------------------------------------------------------------------------
 FUZZ_VOCAB = 16
 CORRUPTIONS = ("mask_not_01", "nan_advantage", "inf_old_logprob", "token_out_of_vocab")
+# corruption -> (the sample's field the error must name, expected excerpt)
+FUZZ_ERRORS = {
+    "mask_not_01": ("response_mask", "a 0/1 mask"),
+    "nan_advantage": ("advantages", "finite values"),
+    "inf_old_logprob": ("old_logprobs", "finite values"),
+    "token_out_of_vocab": ("prompt_ids", f"values in [0, {FUZZ_VOCAB})"),
+}
 
 
 @st.composite
@@ -406,24 +389,30 @@ def test_fuzz_split_collate_loss(batch, layout, m, mode, size, data):
     kw = {"num": {"num_microbatches": size % 3 + 1}, "size": {"microbatch_size": size % 3 + 1},
           "tokens": {"max_tokens_per_microbatch": size}}[mode]
     raised: list[BaseException] = []
+    plan = None
     try:
         plan = split_batch(samples, pad_to_multiple_of=m, layout=layout, **kw)
         mbs = [collate_microbatch(group, layout=layout, pad_to_multiple_of=m, vocab_size=FUZZ_VOCAB, sample_index=list(ix))
-               for ix, group in zip(plan.microbatches, plan.apply(samples))]
+               for ix, group in zip(plan.microbatches, plan.apply(samples), strict=True)]
     except (InputError, ShapeError) as err:  # the documented errors; anything else fails the test
         raised.append(err)
-    if applied:
-        assert raised, f"corrupted input accepted: {applied}"
-        return
-    # a clean sample list is refused exactly when the split is impossible
+    # a sample list is refused by split_batch exactly when the split is impossible
     impossible = (
         not samples
         or (mode == "num" and size % 3 + 1 > len(samples))
         or (mode == "tokens" and any(_round_up(len(s), m) > size for s in samples))
     )
-    assert bool(raised) == impossible, (raised, impossible)
-    if raised:
+    if impossible:
+        assert raised and plan is None and str(raised[0]).startswith("split_batch: argument "), (raised, impossible)
         return
+    if applied:  # refused by the collate of the corrupted sample's micro-batch, naming it and the field
+        assert raised, f"corrupted input accepted: {applied}"
+        i, kind = applied
+        (j,) = [ix.index(i) for ix in plan.microbatches if i in ix]
+        arg, expected = FUZZ_ERRORS[kind]
+        check_message(raised[0], InputError, "collate_microbatch", f"samples[{j}].{arg}", expected, "")
+        return
+    assert not raised, raised
     if mbs[0].ref_logprobs is None and cfg.kl_coef:
         mb = mbs[0]
         with pytest.raises(InputError, match="'ref_logprobs' expected a tensor since kl_coef"):

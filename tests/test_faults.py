@@ -100,7 +100,7 @@ def _bit_diff(a, b, path: str = "") -> list[str]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{path}[len]"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _bit_diff(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _bit_diff(x, y, f"{path}[{i}]")]
     if isinstance(a, float) and isinstance(b, float):
         return [] if struct.pack("<d", a) == struct.pack("<d", b) else [path]
     return [] if a == b else [path]

@@ -19,8 +19,8 @@ REL = 1e-5
 
 
 def _cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+    return fnppo.ModelConfig(  # 4 layers: pp=2 x vpp=2 takes one per chunk
+        num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, vocab_size=VOCAB, max_seq_len=32, tie_embeddings=True,
     )
 
@@ -38,8 +38,13 @@ def _backward(ddp, mbs) -> None:
     """Megatron's schedule, forward + backward (no finalize: the config has no finalize function)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from fnppo.batch import pad_microbatch
+
     total = sum(mb.loss_mask.sum() for mb in mbs)
     n = len(mbs)
+    if len(ddp) > 1:  # the interleaved schedule (vpp): one shape for all micro-batches, one iterator per chunk
+        longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
+        mbs = [pad_microbatch(mb, longest) for mb in mbs]
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -51,7 +56,8 @@ def _backward(ddp, mbs) -> None:
         return fnppo.forward_logits(model, mb), loss_func
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=list(ddp), num_microbatches=n,
+        forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in ddp] if len(ddp) > 1 else iter(mbs),
+        model=list(ddp), num_microbatches=n,
         seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
         micro_batch_size=int(mbs[0].input_ids.shape[0]), forward_only=False,
     )
@@ -74,15 +80,16 @@ def _params(ddp) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for c in ddp for n, p in unwrap_model(c).named_parameters()]
 
 
-def _mbs():
+def _mbs(n: int = N_MB):
     samples = synthetic_samples(8, vocab_size=VOCAB, seed=21)
-    return [fnppo.collate_microbatch(samples[i::N_MB], layout="padded") for i in range(N_MB)]
+    return [fnppo.collate_microbatch(samples[i::n], layout="padded") for i in range(n)]
 
 
 def _norm_case(distributed_optimizer: bool) -> dict:
     """DP=1 layouts: fnppo's norm vs the full gradient's norm vs Megatron's optimizer."""
     ddp, opt = _setup(distributed_optimizer)
-    _backward(ddp, _mbs())
+    # the interleaved schedule (vpp) over gloo needs more micro-batches than pipeline stages
+    _backward(ddp, _mbs(4 if current_layout().vpp else N_MB))
     stats = fnppo.finalize_grads(ddp)
     again = fnppo.grad_norm(ddp)  # no side effects: same value when called again
     # every local parameter once per rank: double counts TP duplicates and the tied embedding
@@ -103,7 +110,7 @@ def _norm_case(distributed_optimizer: bool) -> dict:
 
 
 def _unwrapped_errors() -> dict:
-    (raw,) = fnppo.build_gpt(_cfg())
+    raw = fnppo.build_gpt(_cfg())[0]
     out = {}
     for name, fn in (("grad_norm", fnppo.grad_norm), ("finalize_grads", fnppo.finalize_grads)):
         try:
@@ -120,6 +127,7 @@ def _tp_or_pp_case() -> dict:
         "plain": _norm_case(False),
         "errors": _unwrapped_errors(),
         "layout": (current_layout().tp, current_layout().pp, current_layout().dp),
+        "chunks": current_layout().vpp or 1,
     }
 
 
@@ -137,7 +145,7 @@ def _dp_case(distributed_optimizer: bool) -> dict:
         parts = [torch.empty_like(g) for _ in range(lay.dp)]
         dist.all_gather(parts, g.contiguous(), group=lay.dp_group)
         mean.append(torch.stack(parts).mean(0))
-    ranks_differ = any(not torch.allclose(a, b) for a, b in zip(local, mean))
+    ranks_differ = any(not torch.allclose(a, b) for a, b in zip(local, mean, strict=True))
     ref_norm = sum(float(m.double().square().sum()) for m in mean) ** 0.5
     out = {"norm": float(stats.grad_norm), "ref_norm": ref_norm, "ranks_differ": ranks_differ}
     if distributed_optimizer:
@@ -155,7 +163,7 @@ def _dp_case(distributed_optimizer: bool) -> dict:
                 checked += n
         out["shard_err"], out["shard_checked"] = worst, checked
     else:
-        out["mean_err"] = max(float((p.main_grad - m).abs().max()) for (_, p), m in zip(params, mean))
+        out["mean_err"] = max(float((p.main_grad - m).abs().max()) for (_, p), m in zip(params, mean, strict=True))
         out["grads"] = [p.main_grad.detach().clone() for _, p in params]
     out["scale"] = max(float(m.abs().max()) for m in mean)
     ok, step_norm, _ = opt.step()
@@ -169,7 +177,8 @@ def _dp_both() -> dict:
 
 @pytest.fixture(scope="module")
 def layouts() -> dict:
-    return {"tp2": run_ranks(_tp_or_pp_case, 2, tp=2), "pp2": run_ranks(_tp_or_pp_case, 2, pp=2)}
+    return {"tp2": run_ranks(_tp_or_pp_case, 2, tp=2), "pp2": run_ranks(_tp_or_pp_case, 2, pp=2),
+            "pp2-vpp2": run_ranks(_tp_or_pp_case, 2, pp=2, vpp=2)}
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +191,11 @@ def _close(a: float, b: float, rel: float = REL) -> bool:
 
 
 @pytest.mark.parametrize("optimizer", ["distributed", "plain"])
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "pp2-vpp2"])
 def test_grad_norm_counts_unique_params_once(layouts, name, optimizer):
     results = layouts[name]
     assert results[0]["layout"] == ((2, 1, 1) if name == "tp2" else (1, 2, 1))
+    assert results[0]["chunks"] == (2 if name == "pp2-vpp2" else 1)
     norms = [r[optimizer]["norm"] for r in results]
     assert _close(norms[0], norms[1]), f"{name}: ranks disagree {norms}"
     for rank, r in enumerate(results):
@@ -222,7 +232,7 @@ def test_finalize_grads_reduces_over_data_parallel(dp_case, optimizer):
         assert _close(c["norm"], c["ref_norm"]), f"{what}: {c['norm']} vs {c['ref_norm']}"
         assert _close(c["norm"], c["step_norm"]) and _close(c["norm"], c["megatron_norm"]), what
     if optimizer == "plain":  # both ranks hold the same reduced gradient
-        for a, b in zip(dp_case[0]["plain"]["grads"], dp_case[1]["plain"]["grads"]):
+        for a, b in zip(dp_case[0]["plain"]["grads"], dp_case[1]["plain"]["grads"], strict=True):
             assert torch.equal(a, b)
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from fnppo.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
 from fnppo.testing import run_ranks
 from fnppo.typing import InputError
+from tests.messages import check_message, raises_message
 
 SEQ = 12
 TOL = 1e-4
@@ -278,16 +279,26 @@ def test_logits_export_and_compute_logprobs_pp2(checkpoints, tmp_path):
 # ---------------------------------------------------------------------------------------------
 def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
     results, _ = tp1_run
+    expected = {  # case -> (argument, expected, received)
+        "missing": ("path", "a tensor named 'model.layers.1.mlp.up_proj.weight'", "a checkpoint without it"),
+        "unexpected": ("path", "only the tensors of the model's architecture",
+                       "an unexpected tensor 'model.layers.0.self_attn.extra.weight' of shape (2,)"),
+        "shape": ("checkpoint['model.layers.1.self_attn.k_proj.weight']", "shape (32, 64)", "shape (16, 64)"),
+        "dtype": ("checkpoint['model.norm.weight']", "a floating dtype (BF16, F16, F32, F64)", "I32"),
+    }
     for res in results:
         errors = res["errors"]
-        for case, (_, name, _) in _BAD_CASES.items():
+        for case in _BAD_CASES:
             msg, untouched = errors[case]
-            assert "fnppo.hf.load_hf_weights" in msg and name in msg, (case, msg)
+            check_message(InputError(msg), InputError, "load_hf_weights", *expected[case])
             assert untouched, case
-        assert "shape (32, 64)" in errors["shape"][0] and "(16, 64)" in errors["shape"][0]
-        assert "int32" in errors["dtype"][0].lower() or "I32" in errors["dtype"][0]
-        assert "'tp'" in errors["tp mismatch"][0] and "build_gpt_from_hf" in errors["tp mismatch"][0]
-        assert "hf_config.tie_word_embeddings" in errors["export config mismatch"][0]
+        check_message(InputError(errors["tp mismatch"][0]), InputError, "build_gpt_from_hf", "tp",
+                      "1 (the current Megatron layout; set it with fnppo.init_parallel)", "2")
+        assert errors["export config mismatch"][0].startswith(
+            "fnppo.hf.export_hf_weights: argument 'hf_config['model_type']' expected 'llama' (what the model was built "
+            "for), received 'qwen2' (in hf_config; also differs: architectures: ['Qwen2ForCausalLM'] (model: "
+            "['LlamaForCausalLM'])"), errors["export config mismatch"][0]
+        assert "tie_word_embeddings: True (model: False)" in errors["export config mismatch"][0]
         assert res["bf16"] is True
 
 
@@ -298,28 +309,36 @@ def _hf_dict(family: str, **changes) -> dict:
     return d
 
 
+_SUPPORTED = "one of: LlamaForCausalLM (model_type 'llama'), Qwen2ForCausalLM (model_type 'qwen2'), Qwen3ForCausalLM"
+
+
 @pytest.mark.parametrize(
-    "changes, needle",
+    "changes, arg, expected, received",
     [
-        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
-        (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
-        (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(attention_bias=True), "attention_bias"),
-        (dict(mlp_bias=True), "mlp_bias"),
-        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "yarn"),
+        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "config.model_type", _SUPPORTED,
+         "model_type='mistral', architectures=['MistralForCausalLM']"),
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "config.model_type", _SUPPORTED,
+         "model_type='gpt2', architectures=['GPT2LMHeadModel']"),
+        (dict(architectures=["LlamaForSequenceClassification"]), "config.architectures",
+         "['LlamaForCausalLM'] for model_type 'llama'", "['LlamaForSequenceClassification']"),
+        (dict(hidden_act="gelu"), "config.hidden_act", "'silu' (SwiGLU)", "'gelu'"),
+        (dict(attention_bias=True), "config.attention_bias", "False (o_proj bias without MLP bias", "True"),
+        (dict(mlp_bias=True), "config.mlp_bias", "False", "True"),
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "config.rope_parameters",
+         "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", "'yarn'"),
         (dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=2.0,
-                                   high_freq_factor=4.0, original_max_position_embeddings=8192)), "low_freq_factor"),
+                                   high_freq_factor=4.0, original_max_position_embeddings=8192)),
+         "config.rope_parameters['low_freq_factor']", "1 (the llama3 scaling Megatron implements)", "2.0"),
     ],
 )
-def test_unsupported_configs_are_refused(changes, needle):
-    with pytest.raises(InputError, match="model_config_from_hf") as err:
+def test_unsupported_configs_are_refused(changes, arg, expected, received):
+    with raises_message("model_config_from_hf", arg, expected, received):
         model_config_from_hf(_hf_dict("llama", **changes))
-    assert needle in str(err.value)
 
 
 def test_sliding_window_is_refused():
-    with pytest.raises(InputError, match="use_sliding_window"):
+    with raises_message("model_config_from_hf", "config.use_sliding_window",
+                        "False (sliding-window attention is not supported)", "True"):
         model_config_from_hf(_hf_dict("qwen2", use_sliding_window=True, sliding_window=16))
 
 
@@ -342,8 +361,216 @@ def test_model_config_mapping(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     cfg = model_config_from_hf(tmp_path)
     assert cfg.rope_scaling and cfg.rope_scaling_factor == 8.0 and cfg.rotary_base == 5e5 and cfg.dtype == "bf16"
-    with pytest.raises(InputError, match="overrides"):
+    with raises_message("model_config_from_hf", "overrides", "ModelConfig fields (add_bias_linear, ", "['no_such_field']"):
         model_config_from_hf(_hf_dict("llama"), no_such_field=1)
-    with pytest.raises(InputError, match="config.json"):
+    with raises_message("model_config_from_hf", "config_or_path", "a config.json file or a local directory holding one",
+                        repr(str(tmp_path / "missing"))):
         model_config_from_hf(tmp_path / "missing")
     assert math.isclose(model_config_from_hf(_hf_dict("qwen2"), layernorm_epsilon=1e-3).layernorm_epsilon, 1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded vocabulary: log-probs and entropies over the real vocabulary (151), as transformers has it
+# ---------------------------------------------------------------------------------------------
+V151 = 151
+
+
+@pytest.fixture(scope="module")
+def qwen2_v151(tmp_path_factory):
+    """A tied Qwen2 checkpoint with vocabulary 151; tokens; fp64 log-probs / entropies of tokens 4..SEQ-1."""
+    transformers = _transformers()
+    config = transformers.Qwen2Config(**dict(FAMILIES["qwen2"][1], vocab_size=V151))
+    config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    path = tmp_path_factory.mktemp("v151") / "qwen2"
+    model.eval().save_pretrained(str(path))
+    ids = torch.randint(0, V151, (1, SEQ), generator=torch.Generator().manual_seed(6))
+    ids[0, -1] = V151 - 1  # the last real token
+    logp = torch.log_softmax(_hf_logits(model, ids)[0, 3:-1].double(), -1)
+    return str(path), ids, logp.gather(-1, ids[0, 4:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def _padded_vocab_worker(path: str, ids: torch.Tensor) -> dict:
+    from fnppo.batch import Sample
+    from fnppo.step import compute_logprobs
+
+    out = {}
+    for divisible in (1, 2, 128):
+        try:
+            chunks = build_gpt_from_hf(path, dtype="fp32", make_vocab_size_divisible_by=divisible)
+        except InputError as err:
+            out[divisible] = str(err)
+            continue
+        load_hf_weights(chunks, path)
+        (lp,), (ent,) = compute_logprobs(chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])], with_entropy=True)
+        out[divisible] = (lp, ent)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_padded_vocab_logprobs_and_entropy_match_transformers(qwen2_v151, tp):
+    path, ids, ref_lp, ref_ent = qwen2_v151
+    for res in run_ranks(_padded_vocab_worker, tp, path, ids, tp=tp):
+        for divisible in (1, 2, 128):
+            if tp == 2 and divisible == 1:  # 151 rows cannot be split over 2 ranks without padding
+                assert res[1].startswith("transformer_config: argument 'vocab_size' expected a multiple of tp=2"), res[1]
+                continue
+            lp, ent = res[divisible]
+            assert (lp.double() - ref_lp).abs().max().item() <= 1e-5, (tp, divisible, "logprobs")
+            assert (ent.double() - ref_ent).abs().max().item() <= 1e-5, (tp, divisible, "entropy")
+
+
+# ---------------------------------------------------------------------------------------------
+# A tied checkpoint that also stores a different lm_head.weight; the checkpoint's own config.json
+# ---------------------------------------------------------------------------------------------
+def _variant(src: str, dst: Path, config_changes: dict | None = None, tensors: dict | None = None, drop=()) -> str:
+    """A copy of checkpoint ``src`` with changed config.json entries and/or tensors."""
+    dst.mkdir(parents=True)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    for key, value in (config_changes or {}).items():
+        if value is _DROP:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    state = {k: v for k, v in _hf_tensors(Path(src)).items() if k not in drop}
+    state.update(tensors or {})
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+_DROP = object()
+
+
+def _load_cases(model_path: str, cases: dict, ids: torch.Tensor, build_from: dict | None = None) -> dict:
+    """case -> error message (and whether the model stayed untouched), or the loaded model's logits."""
+    from fnppo.model import unwrap_model
+
+    out = {}
+    for case, path in cases.items():
+        chunks = build_gpt_from_hf((build_from or {}).get(case, model_path), dtype="fp32")
+        before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
+        try:
+            load_hf_weights(chunks, path)
+        except InputError as err:
+            now = dict(unwrap_model(chunks[0]).named_parameters())
+            out[case] = (str(err), all(torch.equal(before[k], now[k]) for k in before))
+            continue
+        out[case] = _megatron_logits(chunks, ids)
+    return out
+
+
+def test_tied_checkpoint_with_a_different_lm_head(checkpoints, tmp_path):
+    path, ids, ref = checkpoints["qwen2"]  # tied; the checkpoint stores no lm_head.weight
+    emb = _hf_tensors(Path(path))["model.embed_tokens.weight"]
+    other = emb + 0.5 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))
+    different = _variant(path, tmp_path / "different", tensors={"lm_head.weight": other})
+    same = _variant(path, tmp_path / "same", tensors={"lm_head.weight": emb.clone()})
+    untied = _variant(path, tmp_path / "untied", {"tie_word_embeddings": False}, tensors={"lm_head.weight": other})
+    res = run_ranks(_load_cases, 1, path, {"different": different, "same": same, "untied": untied}, ids,
+                    build_from={"untied": untied})[0]
+    msg, untouched = res["different"]
+    assert msg.startswith("fnppo.hf.load_hf_weights: argument 'checkpoint['lm_head.weight']' expected "), msg
+    for part in ("equal to 'model.embed_tokens.weight'", "tie_word_embeddings", "set tie_word_embeddings to false",
+                 "delete 'lm_head.weight'", "received a different tensor (max |difference|"):
+        assert part in msg, (part, msg)
+    assert untouched
+    # the same values stored twice: loads, tied, transformers' logits
+    assert (res["same"] - ref).abs().max().item() <= TOL
+    # the first remedy: an untied model gets what transformers computes from the original checkpoint
+    transformers = _transformers()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(different).float().eval()
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()  # transformers unties
+    hf_logits = _hf_logits(hf, ids)
+    assert (hf_logits - ref).abs().max().item() > 1.0  # the two heads really differ
+    assert (res["untied"] - hf_logits).abs().max().item() <= TOL
+
+
+def _rope5(family: str) -> dict:
+    """The transformers-5 ``rope_parameters`` of a family's checkpoint config."""
+    return dict(json.loads((Path(_CKPT_CACHE[family]) / "config.json").read_text())["rope_parameters"])
+
+
+_CKPT_CACHE: dict = {}
+
+# case -> (config.json changes, the key the error must name, the model's value, the file's value)
+_CONFIG_CASES = {
+    "mistral-sliding-window": (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4),
+                               "['model_type']", "'llama'", "'mistral'"),
+    "qwen2-family": (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "['model_type']", "'llama'", "'qwen2'"),
+    "architectures": (dict(architectures=["LlamaForSequenceClassification"]), "['architectures']", "['LlamaForCausalLM']",
+                      "['LlamaForSequenceClassification']"),
+    "rope-theta-v5": ("rope_theta=1e4", "['rope_parameters']['rope_theta']", "500000.0", "10000.0"),
+    "rope-factor-v5": ("factor=16.0", "['rope_parameters']['factor']", "32.0", "16.0"),
+    "rope-type-v5": ("rope_type=default", "['rope_parameters']['rope_type']", "'llama3'", "'default'"),
+    "rope-theta-v4": (dict(rope_parameters=_DROP, rope_theta=1e4, rope_scaling=dict(
+        rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        "['rope_theta']", "500000.0", "10000.0"),
+    "rope-factor-v4": (dict(rope_parameters=_DROP, rope_theta=5e5, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+        "['rope_scaling']['factor']", "32.0", "8.0"),
+    "rms-norm-eps": (dict(rms_norm_eps=1e-6), "['rms_norm_eps']", "1e-05", "1e-06"),
+    "tie": (dict(tie_word_embeddings=True), "['tie_word_embeddings']", "False", "True"),
+    "attention-bias": (dict(attention_bias=True), "['attention_bias']", "False", "True"),
+    "mlp-bias": (dict(mlp_bias=True), "['mlp_bias']", "False", "True"),
+    "head-dim": (dict(head_dim=32), "['head_dim']", "16", "32"),
+    "hidden-act": (dict(hidden_act="gelu"), "['hidden_act']", "'silu'", "'gelu'"),
+    "vocab": (dict(vocab_size=100), "['vocab_size']", "128", "100"),
+    "partial-rotary": (dict(partial_rotary_factor=0.5), "['partial_rotary_factor']", "1.0", "0.5"),
+    "layer-types": (dict(layer_types=["sliding_attention", "full_attention"]), "['layer_types']",
+                    "['full_attention', 'full_attention']", "['sliding_attention', 'full_attention']"),
+}
+
+
+def test_checkpoint_config_must_match_the_model(checkpoints, tmp_path):
+    path, ids, ref = checkpoints["llama"]
+    _CKPT_CACHE["llama"] = path
+    cases = {}
+    for case, (changes, *_rest) in _CONFIG_CASES.items():
+        if isinstance(changes, str):  # one entry of rope_parameters changed
+            key, value = changes.split("=")
+            rope = _rope5("llama")
+            rope[key] = value if key == "rope_type" else float(value)
+            if value == "default":
+                rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+            changes = {"rope_parameters": rope}
+        cases[case] = _variant(path, tmp_path / case, changes)
+    cases["unchanged"] = _variant(path, tmp_path / "unchanged")
+    res = run_ranks(_load_cases, 1, path, cases, ids)[0]
+    assert (res.pop("unchanged") - ref).abs().max().item() <= TOL
+    for case, (_, key, want, have) in _CONFIG_CASES.items():
+        msg, untouched = res[case]
+        head = f"fnppo.hf.load_hf_weights: argument 'config.json{key}' expected {want} (what the model was built for"
+        assert msg.startswith(head), (case, msg)
+        assert f", received {have} (in {cases[case]}/config.json" in msg, (case, msg)
+        assert untouched, case
+    # every difference is listed, not only the first
+    assert "sliding_window: 4 (model: None)" in res["mistral-sliding-window"][0]
+    assert "architectures: ['MistralForCausalLM'] (model: ['LlamaForCausalLM'])" in res["mistral-sliding-window"][0]
+
+
+def test_qwen2_sliding_window_checkpoint_is_refused_by_the_loader(checkpoints, tmp_path):
+    path, ids, _ = checkpoints["qwen2"]
+    bad = _variant(path, tmp_path / "sw", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
+    msg, untouched = run_ranks(_load_cases, 1, path, {"sw": bad}, ids)[0]["sw"]
+    assert msg.startswith("fnppo.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
+                          "(what the model was built for: full attention), received True"), msg
+    assert untouched
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_rope_errors_name_the_key_the_file_uses(key):
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+    d = {k: v for k, v in _hf_dict("llama").items() if k not in ("rope_parameters", "rope_scaling")}
+    d[key] = dict(rope, rope_theta=1e4) if key == "rope_parameters" else rope
+    with pytest.raises(InputError) as err:
+        model_config_from_hf(d)
+    assert str(err.value).startswith(f"fnppo.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
+                                     "expected 1 (the llama3 scaling Megatron implements), received 2.0"), str(err.value)

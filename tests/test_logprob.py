@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from fnppo.logprob import _chunk_rows, logprob_and_entropy
 from fnppo.typing import InputError, ShapeError, typechecking
+from tests.messages import raises_message
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,7 +183,7 @@ def test_chunking_does_not_change_results():
     g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
     outs = [run_ours(x, labels, 0.7, g_lp, g_h, chunk_tokens=c) for c in (1, 5, 37, None)]
     for o in outs[1:]:
-        for a, b in zip(outs[0], o):
+        for a, b in zip(outs[0], o, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -229,7 +230,8 @@ def _x_l():
 def test_label_out_of_range_raises(bad):
     x, labels = _x_l()
     labels[2] = bad
-    with pytest.raises(InputError, match=r"logprob_and_entropy: argument 'labels' expected token ids in \[0, 50\)"):
+    with raises_message("logprob_and_entropy", "labels", "token ids in [0, 50)", f"i64[4] with values in [{int(labels.min())}, "
+                        f"{int(labels.max())}] (first bad: {bad})"):
         logprob_and_entropy(x, labels)
 
 
@@ -244,45 +246,150 @@ def test_label_out_of_range_without_checking_is_nan_not_wrong():
 def test_shape_mismatch_raises():
     x, _ = _x_l()
     labels = torch.randint(0, 50, (5,))
-    with pytest.raises(ShapeError, match="labels"):
+    with raises_message("logprob_and_entropy", "labels", "Integer[Tensor, '*tok']", "i64[5]", ShapeError):
         logprob_and_entropy(x, labels)
-    with typechecking(False), pytest.raises(InputError, match=r"argument 'labels' expected shape \(4,\)"):
+    with typechecking(False), raises_message("logprob_and_entropy", "labels", "shape (4,) (the logits' leading dims)",
+                                             "i64[5] with logits f32[4,50]"):
         logprob_and_entropy(x, labels)
 
 
 def test_vocab_size_mismatch_raises():
     x, labels = _x_l()
-    logprob_and_entropy(x, labels, vocab_size=50)  # consistent: fine
-    with pytest.raises(InputError, match=r"argument 'logits' expected a vocab dimension of vocab_size / tp_size = 64 / 1"):
+    logprob_and_entropy(x, labels, vocab_size=50)  # no padding: fine
+    logprob_and_entropy(x, labels.clamp(max=48), vocab_size=49)  # one padding column: fine
+    with raises_message("logprob_and_entropy", "vocab_size", "at most vocab_shard * tp_size = 50 * 1 = 50 (the real "
+                        "vocabulary; the logits may hold a padded one)", "64"):
         logprob_and_entropy(x, labels, vocab_size=64)
+    for bad in (0, -3, True):
+        with raises_message("logprob_and_entropy", "vocab_size", "None or an int >= 1", repr(bad)):
+            logprob_and_entropy(x, labels, vocab_size=bad)
+    with raises_message("logprob_and_entropy", "vocab_size", "int | None", "50.0", ShapeError):
+        logprob_and_entropy(x, labels, vocab_size=50.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padded vocabulary (make_vocab_size_divisible_by): columns >= vocab_size are not in the softmax
+# ---------------------------------------------------------------------------------------------
+REAL_VOCAB = 151
+
+
+def _padded_size(vocab: int, divisible: int, tp: int) -> int:
+    """Megatron's padding: the next multiple of ``divisible * tp``."""
+    m = divisible * tp
+    return -(-vocab // m) * m
+
+
+def padded_problem(divisible: int, tp: int):
+    """Logits over the padded vocabulary whose padding columns are large (and one NaN): any use shows."""
+    g = torch.Generator().manual_seed(21)
+    padded = _padded_size(REAL_VOCAB, divisible, tp)
+    x = torch.randn(4, 6, padded, generator=g) * 3
+    x[..., REAL_VOCAB:] = 40.0 + torch.randn(4, 6, padded - REAL_VOCAB, generator=g)
+    if padded > REAL_VOCAB:
+        x[0, 0, -1] = float("nan")
+    labels = torch.randint(0, REAL_VOCAB, (4, 6), generator=g)
+    labels[0, :3] = torch.tensor([0, REAL_VOCAB - 1, REAL_VOCAB // 2])
+    g_lp, g_h = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    return x, labels, g_lp, g_h
+
+
+def _check_padded(lp, ent, grad, x, labels, g_lp, g_h, dtype=torch.float32):
+    """Values and gradient equal the fp64 reference over the real vocabulary; padding gets exactly 0."""
+    rlp, rent, rgrad = reference(x[..., :REAL_VOCAB], labels, 0.9, g_lp, g_h)
+    torch.testing.assert_close(lp.double(), rlp, rtol=1e-5, atol=2e-5)
+    if ent is not None:
+        torch.testing.assert_close(ent.double(), rent, rtol=1e-5, atol=2e-5)
+    assert grad.shape == x.shape
+    assert_grad_close(grad[..., :REAL_VOCAB], rgrad, dtype)
+    assert bool((grad[..., REAL_VOCAB:] == 0).all()), "a padding column got a gradient"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divisible", [1, 2, 128])
+def test_padded_vocab_tp1_matches_real_vocab_fp64(divisible, dtype):
+    x, labels, g_lp, g_h = padded_problem(divisible, 1)
+    x = x.to(dtype)
+    for chunk in (None, 5):
+        lp, ent, grad = run_ours(x, labels, 0.9, g_lp, g_h, vocab_size=REAL_VOCAB, chunk_tokens=chunk)
+        _check_padded(lp, ent, grad, x, labels, g_lp, g_h, dtype)
+        xg = x.clone().requires_grad_()
+        lp2, none = logprob_and_entropy(xg, labels, temperature=0.9, vocab_size=REAL_VOCAB, with_entropy=False,
+                                        chunk_tokens=chunk)
+        (lp2 * g_lp).sum().backward()
+        assert none is None and torch.equal(lp2, lp)
+        _check_padded(lp2, None, xg.grad, x, labels, g_lp, None, dtype)
+
+
+def test_label_in_padding_raises():
+    x, labels, _, _ = padded_problem(128, 1)
+    labels[1, 2] = REAL_VOCAB  # a padding id: a real column of the logits, but no token
+    with raises_message("logprob_and_entropy", "labels", f"token ids in [0, {REAL_VOCAB}) (vocab_size)",
+                        f"i64[4,6] with values in [0, {REAL_VOCAB}] (first bad: {REAL_VOCAB})"):
+        logprob_and_entropy(x, labels, vocab_size=REAL_VOCAB)
+    with typechecking(False):
+        lp, ent = logprob_and_entropy(x, labels, vocab_size=REAL_VOCAB)
+    assert math.isnan(lp[1, 2].item()) and torch.isfinite(ent).all()
+
+
+def padded_tp_worker() -> dict:
+    """Each rank's shard of the padded logits, for every ``make_vocab_size_divisible_by``."""
+    from fnppo.parallel import current_layout
+
+    layout = current_layout()
+    out = {}
+    for divisible in (1, 2, 128):
+        x, labels, g_lp, g_h = padded_problem(divisible, layout.tp)
+        shard = x.shape[-1] // layout.tp
+        xs = x[..., layout.tp_rank * shard:(layout.tp_rank + 1) * shard].clone().requires_grad_()
+        lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=0.9,
+                                      vocab_size=REAL_VOCAB, chunk_tokens=7)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        out[divisible] = (lp.detach(), ent.detach(), xs.grad)
+    return out
+
+
+@pytest.mark.slow
+def test_padded_vocab_tp2_matches_real_vocab_fp64():
+    from fnppo.testing import run_ranks
+
+    outs = run_ranks(padded_tp_worker, 2, tp=2)
+    for divisible in (1, 2, 128):
+        x, labels, g_lp, g_h = padded_problem(divisible, 2)
+        grad = torch.cat([o[divisible][2] for o in outs], dim=-1)
+        for o in outs:  # every TP rank returns the full per-token values
+            _check_padded(o[divisible][0], o[divisible][1], grad, x, labels, g_lp, g_h)
 
 
 def test_non_floating_logits_raise():
     _, labels = _x_l()
     xi = torch.randint(0, 5, (4, 50))
-    with pytest.raises(ShapeError, match="logits"):
+    with raises_message("logprob_and_entropy", "logits", "Float[Tensor, '*tok vocab_shard']", "i64[4,50]", ShapeError):
         logprob_and_entropy(xi, labels)
-    with typechecking(False), pytest.raises(InputError, match="argument 'logits' expected a floating tensor"):
+    with typechecking(False), raises_message("logprob_and_entropy", "logits", "a floating tensor (fp32, bf16, fp16 or fp64)",
+                                             "i64[4,50]"):
         logprob_and_entropy(xi, labels)
 
 
 @pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf")])
 def test_bad_temperature_raises(t):
     x, labels = _x_l()
-    with pytest.raises(InputError, match="argument 'temperature' expected a finite float > 0"):
+    with raises_message("logprob_and_entropy", "temperature", "a finite float > 0", repr(t)):
         logprob_and_entropy(x, labels, temperature=t)
 
 
 def test_bad_impl_raises(monkeypatch):
     x, labels = _x_l()
-    with pytest.raises(InputError, match="argument 'impl'"):
+    with raises_message("logprob_and_entropy", "impl", "one of ('auto', 'triton', 'torch')", "'cuda'"):
         logprob_and_entropy(x, labels, impl="cuda")
     monkeypatch.setenv("FNPPO_LOGPROB_IMPL", "fast")
-    with pytest.raises(InputError, match="argument 'impl'"):
+    with raises_message("logprob_and_entropy", "impl", "one of ('auto', 'triton', 'torch')", "'fast'"):
         logprob_and_entropy(x, labels)
     monkeypatch.delenv("FNPPO_LOGPROB_IMPL")
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        with pytest.raises(InputError, match="argument 'impl'"):
+        from fnppo.kernels import triton_available
+
+        expected = "'torch' or 'auto' for CPU tensors" if triton_available() else "'torch' or 'auto' (Triton is not installed)"
+        with raises_message("logprob_and_entropy", "impl", expected, "'triton'"):
             logprob_and_entropy(x, labels, impl="triton")  # CPU tensors, no interpreter
 
 
@@ -340,6 +447,13 @@ _INTERP_SCRIPT = textwrap.dedent(
             # The interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest): one bf16 ulp.
             tol = (2e-6 if dtype == torch.float32 else 2**-7) * rgrad.abs() + 1e-6
             assert bool(((xg.grad.double() - rgrad).abs() <= tol).all()), (xg.grad.double() - rgrad).abs().max()
+    from tests.test_logprob import REAL_VOCAB, _check_padded, padded_problem
+    x, labels, g_lp, g_h = padded_problem(128, 1)  # 105 padding columns, one of them NaN
+    for dtype in (torch.float32,):  # (the interpreter's bf16 rounding is checked above)
+        xg = x.to(dtype).requires_grad_()
+        lp, ent = logprob_and_entropy(xg, labels, temperature=0.9, vocab_size=REAL_VOCAB, impl="triton")
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        _check_padded(lp, ent, xg.grad, x.to(dtype), labels, g_lp, g_h, dtype)
     print("interpreter ok")
     """
 )

@@ -158,7 +158,7 @@ def _params(chunks) -> list[torch.Tensor]:
 
 def _unchanged(chunks, before: list[torch.Tensor]) -> bool:
     now = [p for c in chunks for p in unwrap_model(c).parameters()]
-    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before))
+    return len(now) == len(before) and all(torch.equal(a, b) for a, b in zip(now, before, strict=True))
 
 
 def _try_load(chunks, full: dict, **kw) -> str:
@@ -223,24 +223,22 @@ def sharded(request, single) -> tuple[str, list[dict]]:
 # ModelConfig / transformer_config validation (no ranks needed)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "kw,arg",
+    "kw,arg,expected",
     [
-        ({"num_layers": 0}, "num_layers"),
-        ({"hidden_size": -32}, "hidden_size"),
-        ({"vocab_size": 64.0}, "vocab_size"),
-        ({"max_seq_len": None}, "max_seq_len"),
-        ({"hidden_size": 30}, "hidden_size"),  # not a multiple of 4 heads
-        ({"num_query_groups": 3}, "num_query_groups"),  # does not divide 4 heads
-        ({"dtype": "fp8"}, "dtype"),
-        ({"normalization": "BatchNorm"}, "normalization"),
+        ({"num_layers": 0}, "num_layers", "an int >= 1"),
+        ({"hidden_size": -32}, "hidden_size", "an int >= 1"),
+        ({"vocab_size": 64.0}, "vocab_size", "an int >= 1"),
+        ({"max_seq_len": None}, "max_seq_len", "an int >= 1"),
+        ({"hidden_size": 30}, "hidden_size", "a multiple of num_attention_heads=4"),  # not a multiple of 4 heads
+        ({"num_query_groups": 3}, "num_query_groups", "a divisor of num_attention_heads=4"),  # does not divide 4 heads
+        ({"dtype": "fp8"}, "dtype", "one of 'fp32', 'bf16', 'fp16'"),
+        ({"normalization": "BatchNorm"}, "normalization", "'RMSNorm' or 'LayerNorm'"),
     ],
 )
-def test_model_config_rejects_bad_values(kw, arg):
+def test_model_config_rejects_bad_values(kw, arg, expected):
     with pytest.raises(InputError) as info:
         _cfg(**kw)
-    msg = str(info.value)
-    assert msg.startswith(f"ModelConfig: argument '{arg}' expected ")
-    assert f"received {next(iter(kw.values()))!r}" in msg
+    assert str(info.value) == f"ModelConfig: argument '{arg}' expected {expected}, received {next(iter(kw.values()))!r}"
 
 
 def test_model_config_is_frozen_and_derives_dtype_and_vocab():
@@ -261,19 +259,32 @@ def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None) -> ParallelLa
 
 
 @pytest.mark.parametrize(
-    "cfg_kw,layout_kw,arg",
+    "cfg_kw,layout_kw,arg,expected,received",
     [
-        ({"num_attention_heads": 4, "num_query_groups": 4}, {"tp": 8}, "num_attention_heads"),
-        ({"num_attention_heads": 4, "num_query_groups": 1}, {"tp": 2}, "num_query_groups"),
-        ({"vocab_size": 63}, {"tp": 2}, "vocab_size"),
-        ({"num_layers": 3}, {"pp": 2}, "num_layers"),
-        ({"num_layers": 4}, {"pp": 2, "vpp": 3}, "num_layers"),
+        ({"num_attention_heads": 4, "num_query_groups": 4}, {"tp": 8}, "num_attention_heads", "tp=8", "4"),
+        ({"num_attention_heads": 4, "num_query_groups": 1}, {"tp": 2}, "num_query_groups", "tp=2", "1"),
+        ({"vocab_size": 63}, {"tp": 2}, "vocab_size", "tp=2 (set make_vocab_size_divisible_by)", "63"),
+        ({"num_layers": 3}, {"pp": 2}, "num_layers", "pp*vpp=2*1", "3"),
+        ({"num_layers": 4}, {"pp": 2, "vpp": 3}, "num_layers", "pp*vpp=2*3", "4"),
     ],
 )
-def test_transformer_config_rejects_layouts_that_do_not_divide(cfg_kw, layout_kw, arg):
+def test_transformer_config_rejects_layouts_that_do_not_divide(cfg_kw, layout_kw, arg, expected, received):
     with pytest.raises(InputError) as info:
         transformer_config(_cfg(**cfg_kw), _fake_layout(**layout_kw))
-    assert str(info.value).startswith(f"transformer_config: argument '{arg}' expected a multiple of")
+    assert str(info.value) == f"transformer_config: argument '{arg}' expected a multiple of {expected}, received {received}"
+
+
+def test_transformer_config_rejects_padding_that_puts_every_real_token_on_one_rank():
+    # vocab 40 padded to 128 over tp=2: rank 0 would hold all 40 real columns, rank 1 only padding
+    # (indistinguishable from logits gathered over TP, which logprob_and_entropy refuses)
+    with pytest.raises(InputError) as info:
+        transformer_config(_cfg(vocab_size=40, make_vocab_size_divisible_by=128), _fake_layout(tp=2))
+    assert str(info.value) == (
+        "transformer_config: argument 'make_vocab_size_divisible_by' expected a padding that leaves real tokens on "
+        "more than one of tp=2 ranks (padded vocabulary 128 / tp >= vocab_size 40; lower it), received 128"
+    )
+    transformer_config(_cfg(vocab_size=40, make_vocab_size_divisible_by=128), _fake_layout(tp=1))  # fine
+    transformer_config(_cfg(vocab_size=70, make_vocab_size_divisible_by=128), _fake_layout(tp=2))  # 64 < 70: fine
 
 
 # ---------------------------------------------------------------------------------------------

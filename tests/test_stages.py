@@ -67,9 +67,10 @@ def _stage_swaps(samples) -> dict:
         calls["forward"] += 1
         return 2.0 * fnppo.forward_logits(model, microbatch, params=params)
 
-    def logprob(logits, labels, *, tp_group, temperature, with_entropy):
+    def logprob(logits, labels, *, tp_group, temperature, with_entropy, vocab_size):
         calls["logprob"] += 1
-        return fnppo.logprob_and_entropy(logits, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy)
+        return fnppo.logprob_and_entropy(logits, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy,
+                                         vocab_size=vocab_size)
 
     def loss(*args, **kwargs):
         calls["loss"] += 1

@@ -7,6 +7,9 @@ and updated parameters as one process with one micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -43,18 +46,29 @@ def _build_state(lr: float = 10.0):
 
 
 def _one_update(split: dict, mode: str, layout_name: str) -> dict:
-    """One SGD update on this rank's DP share; full weights after it (rank 0 only)."""
+    """One update on this rank's DP share: full weights before and after it, compute_logprobs of
+    every DP rank's samples (in global order), on rank 0 only.
+
+    lr = 1e4 with Adam's eps = 10 makes the update ~1000 g: large enough that rounding the updated
+    fp32 weights (~6e-8 |w|) is far below the tolerance relative to the update itself.
+    """
+    import torch.distributed as dist
+
     layout = fnppo.current_layout()
-    state = _build_state()
+    state = _build_state(lr=1e4)
     samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=7, multi_modal_every=3), layout)
     cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
     logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+    before = fnppo.gather_full_weights(state.model)
     state, metrics = fnppo.train_step(state, samples, cfg)
     megatron_norm = float(state.optimizer.get_grad_norm())
     full = fnppo.gather_full_weights(state.model)
+    every = [None] * layout.dp
+    dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
     if layout.rank != 0:
         return {}
-    return {"metrics": metrics, "weights": full, "megatron_norm": megatron_norm, "logprobs": logprobs, "entropy": entropy, "step": state.step}
+    return {"metrics": metrics, "before": before, "weights": full, "megatron_norm": megatron_norm, "step": state.step,
+            "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e]}
 
 
 SPLITS = {
@@ -84,13 +98,20 @@ def _compare(ref: dict, got: dict, what: str) -> float:
         err = abs(g - r) / max(abs(r), 1e-12)
         assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
         worst = max(worst, err)
-    assert set(ref["weights"]) == set(got["weights"])
+    assert set(ref["weights"]) == set(got["weights"]) == set(got["before"])
     for name, w in ref["weights"].items():
-        err = _rel(got["weights"][name], w)
-        assert err <= REL, f"{what}: parameter {name} rel err {err:.2e}"
+        # relative to the update, not to the weight (a norm weight moves by a small fraction of itself)
+        assert torch.equal(got["before"][name], ref["before"][name]), f"{what}: initial {name} differs"
+        update_ref = w.double() - ref["before"][name].double()
+        update_got = got["weights"][name].double() - got["before"][name].double()
+        assert float(update_ref.abs().max()) > 0, f"{what}: parameter {name} did not move"
+        err = _rel(update_got, update_ref)
+        assert err <= REL, f"{what}: update of parameter {name} rel err {err:.2e}"
         worst = max(worst, err)
-    for a, b in zip(got["logprobs"], ref["logprobs"]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs differs"
+    assert len(got["logprobs"]) == len(ref["logprobs"]) == N_SAMPLES, what  # every DP rank's samples
+    for kind in ("logprobs", "entropy"):
+        for i, (a, b) in enumerate(zip(got[kind], ref[kind], strict=True)):
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs {kind} of sample {i}"
     return worst
 
 
@@ -158,42 +179,84 @@ def _train_with_schedule_that_skips_finalize() -> str:
 
 def test_dropped_finalize_is_detected():
     msg = run_ranks(_train_with_schedule_that_skips_finalize, 1)[0]
-    assert "finalize_model_grads" in msg and "not reduced" in msg
+    assert msg == ("train_step: Megatron's schedule returned without calling finalize_model_grads; "
+                   "gradients were not reduced across data-parallel ranks")
 
 
 # --------------------------------------------------------------------------------------------
 # non-finite steps are skipped and leave everything bit-identical
 # --------------------------------------------------------------------------------------------
+def _adam_moments(optimizer) -> dict[str, torch.Tensor]:
+    """Every Adam state tensor (exp_avg, exp_avg_sq, step) of the inner torch optimizers, by position."""
+    out = {}
+    for i, sub in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        inner = sub.optimizer
+        for j, group in enumerate(inner.param_groups):
+            for k, p in enumerate(group["params"]):
+                for name, value in inner.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"{i}.{j}.{k}.{name}"] = value.detach().clone()
+    return out
+
+
+def _nan_loss_finite_grad(bad_call: int):
+    """A ``StepFns.loss`` whose ``bad_call``-th micro-batch has a NaN loss but finite gradients.
+
+    The NaN is a constant added to the loss (no gradient flows through it), so only the loss check
+    of train_step can see it: the gradients and their norm stay finite.
+    """
+    calls = [0]
+
+    def loss_fn(*args, **kwargs):
+        loss, metrics = fnppo.ppo_loss(*args, **kwargs)
+        i, calls[0] = calls[0], calls[0] + 1
+        if i == bad_call:
+            nan = torch.full((), float("nan"), dtype=loss.dtype, device=loss.device)
+            loss = loss + nan
+            metrics = dict(metrics, loss=metrics["loss"] + nan.float())
+        return loss, metrics
+
+    return loss_fn
+
+
 def _nan_step() -> dict:
-    state = _build_state()
-    opt_cfg = dict(optimizer="adam", lr=1e-2, clip_grad=1.0)
-    state = fnppo.TrainState(model=state.model, optimizer=fnppo.build_optimizer(state.model, **opt_cfg))
+    chunks = fnppo.build_gpt(_model_cfg())
+    fnppo.layout_invariant_init(chunks, seed=3)
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="adam", lr=1e-2, clip_grad=1.0))
     good = synthetic_samples(4, seed=2)
-    cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"))
+    cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_microbatches=2)
     state, m1 = fnppo.train_step(state, good, cfg)  # a real step so Adam has state
     before = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
-    opt_before = state.optimizer.state_dict()
-    # a custom loss returning NaN on one micro-batch
-    def nan_loss(*args, **kwargs):
-        loss, metrics = fnppo.ppo_loss(*args, **kwargs)
-        return loss * float("nan"), metrics
-
-    bad_cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_microbatches=2, fns=fnppo.StepFns(loss=nan_loss))
+    moments_before = _adam_moments(state.optimizer)
+    bad_cfg = dataclasses.replace(cfg, fns=fnppo.StepFns(loss=_nan_loss_finite_grad(bad_call=1)))
     state, m2 = fnppo.train_step(state, good, bad_cfg)
     after = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
-    same = all(torch.equal(before[k], after[k]) for k in before)
-    opt_after = state.optimizer.state_dict()
+    moments_after = _adam_moments(state.optimizer)
     state, m3 = fnppo.train_step(state, good, cfg)
     moved = any(not torch.equal(after[k], v) for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters())
-    return {"m1": m1, "m2": m2, "m3": m3, "same": same, "opt_same": repr(opt_before) == repr(opt_after), "moved": moved}
+    moments_later = _adam_moments(state.optimizer)
+    return {
+        "m1": m1, "m2": m2, "m3": m3, "moved": moved,
+        "params_same": sorted(k for k in before if not torch.equal(before[k], after[k])),
+        "moment_names": sorted(moments_before),
+        "moments_same": sorted(k for k in moments_before if not torch.equal(moments_before[k], moments_after[k])),
+        "moments_later_changed": sum(not torch.equal(moments_after[k], moments_later[k]) for k in moments_after),
+    }
 
 
 def test_non_finite_step_is_skipped_and_state_untouched():
     r = run_ranks(_nan_step, 1)[0]
-    assert r["m1"]["skipped"] == 0.0
+    assert r["m1"]["skipped"] == 0.0 and r["m1"]["updates"] == 1.0
+    # one micro-batch's loss is NaN, the gradients are finite: only the loss check can skip the step
+    assert math.isnan(r["m2"]["loss"]) and math.isfinite(r["m2"]["grad_norm"]) and r["m2"]["grad_norm"] > 0
     assert r["m2"]["skipped"] == 1.0 and r["m2"]["updates"] == 0.0
-    assert r["same"] and r["opt_same"]
-    assert r["m3"]["skipped"] == 0.0 and r["moved"]
+    assert r["params_same"] == [], f"parameters changed by a skipped step: {r['params_same']}"
+    names = r["moment_names"]
+    assert any(n.endswith(".exp_avg") for n in names) and any(n.endswith(".exp_avg_sq") for n in names), names
+    assert r["moments_same"] == [], f"Adam moments changed by a skipped step: {r['moments_same']}"
+    # the next good step proceeds and does move the parameters and the moments
+    assert r["m3"]["skipped"] == 0.0 and r["moved"] and r["moments_later_changed"] > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,3 +279,143 @@ def _custom_loss_step() -> dict:
 def test_custom_registered_loss_runs_in_train_step():
     m = run_ranks(_custom_loss_step, 1)[0]
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# An independent reference: one plain forward of the whole batch (no schedule, no micro-batches,
+# no DDP), fp64 log-softmax over the real vocabulary, ppo_loss with the global normalizer, autograd.
+# train_step's reduced gradient (captured right after finalize_grads, before the optimizer) and
+# its reported loss must equal it; so must compute_logprobs' log-probs and entropies. The model's
+# vocabulary (151) is padded by make_vocab_size_divisible_by; the padding rows of the output layer
+# are random, so any padding column in the softmax is a gross error.
+# --------------------------------------------------------------------------------------------
+REAL_VOCAB = 151
+REF_TOL = 1e-6
+
+
+def _ref_model_cfg(divisible: int) -> fnppo.ModelConfig:
+    return fnppo.ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        vocab_size=REAL_VOCAB, max_seq_len=32, tie_embeddings=True, make_vocab_size_divisible_by=divisible,
+    )
+
+
+def _ref_samples():
+    return synthetic_samples(N_SAMPLES, vocab_size=REAL_VOCAB, seed=17)
+
+
+def _plain_reference(cases: list) -> dict:
+    """(mode, divisible) -> loss, full gradients, per-sample log-probs and entropies (1 process)."""
+    from fnppo.batch import collate_microbatch, unpack_per_sample
+
+    out = {}
+    for mode, divisible in cases:
+        (chunk,) = fnppo.build_gpt(_ref_model_cfg(divisible))
+        fnppo.layout_invariant_init([chunk], seed=3)
+        samples = _ref_samples()
+        mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=1)
+        logits = fnppo.forward_logits(chunk, mb)
+        assert logits.shape[-1] == _ref_model_cfg(divisible).padded_vocab_size
+        logp = torch.log_softmax(logits.double()[..., :REAL_VOCAB], dim=-1)
+        lp = logp.gather(-1, mb.labels[..., None])[..., 0]
+        ent = -(logp.exp() * logp).sum(-1)
+        cfg = _loss_cfg(mode)
+        loss, _ = fnppo.ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
+                                 ref_logprobs=mb.ref_logprobs, normalizer=fnppo.loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
+                                 seq_ids=mb.seq_ids)
+        loss.backward()
+        grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters()}
+        out[(mode, divisible)] = {
+            "loss": float(loss), "grads": grads,
+            "logprobs": [t.detach().float() for t in unpack_per_sample(lp, mb)],
+            "entropy": [t.detach().float() for t in unpack_per_sample(ent, mb)],
+        }
+    return out
+
+
+def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
+    """(mode, divisible) -> train_step's loss, finalized full gradients, compute_logprobs (all DP ranks)."""
+    import torch.distributed as dist
+
+    import fnppo.step as step_module
+
+    layout = fnppo.current_layout()
+    real_finalize = step_module.finalize_grads
+    captured: dict = {}
+
+    def spy(model, **kw):  # the gradients train_step hands to the optimizer
+        stats = real_finalize(model, **kw)
+        captured["main_grads"] = [[p.main_grad.detach().clone() for p in fnppo.model.unwrap_model(c).parameters()] for c in model]
+        return stats
+
+    step_module.finalize_grads = spy
+    out = {}
+    try:
+        for mode, divisible in cases:
+            chunks = fnppo.build_gpt(_ref_model_cfg(divisible))
+            fnppo.layout_invariant_init(chunks, seed=3)
+            ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)  # full reduced grads on every DP rank
+            state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
+            samples = fnppo.shard_for_data_parallel(_ref_samples(), layout)
+            cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
+            logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+            state, metrics = fnppo.train_step(state, samples, cfg)
+            # the captured gradients, gathered like weights: copy them into the parameters, gather
+            with torch.no_grad():
+                for c, grads in zip(state.model, captured.pop("main_grads"), strict=True):
+                    for p, g in zip(fnppo.model.unwrap_model(c).parameters(), grads, strict=True):
+                        p.copy_(g)
+            full = fnppo.gather_full_weights(state.model)
+            every = [None] * layout.dp
+            dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
+            out[(mode, divisible)] = {
+                "metrics": metrics, "grads": full,
+                "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e],
+            }
+    finally:
+        step_module.finalize_grads = real_finalize
+    return out if layout.rank == 0 else {}
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+def _compare_with_plain_reference(ref: dict, got: dict, what: str) -> None:
+    assert set(got) == set(ref), what
+    for key, r in ref.items():
+        g = got[key]
+        name = f"{what}/{key}"
+        assert g["metrics"]["skipped"] == 0.0
+        loss_err = abs(g["metrics"]["loss"] - r["loss"]) / abs(r["loss"])
+        assert loss_err <= REF_TOL, f"{name}: reported loss {g['metrics']['loss']!r} vs reference {r['loss']!r}"
+        assert sorted(g["grads"]) == sorted(r["grads"]), name
+        for pname, rg in r["grads"].items():
+            assert float(rg.abs().max()) > 0, f"{name}: reference gradient of {pname} is zero"
+            err = _rel_err(g["grads"][pname], rg)
+            assert err <= REF_TOL, f"{name}: gradient of {pname}: relative error {err:.2e}"
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in r["grads"].values()))
+        assert abs(g["metrics"]["grad_norm"] - norm) <= REF_TOL * norm, (name, g["metrics"]["grad_norm"], norm)
+        assert len(g["logprobs"]) == len(r["logprobs"]) == N_SAMPLES, name
+        for kind in ("logprobs", "entropy"):
+            for i, (a, b) in enumerate(zip(g[kind], r[kind], strict=True)):
+                assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5, f"{name}: compute_logprobs {kind} of sample {i}"
+
+
+@pytest.fixture(scope="module")
+def plain_reference():
+    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
+    return run_ranks(_plain_reference, 1, cases)[0]
+
+
+def test_train_step_matches_plain_reference_one_process(plain_reference):
+    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
+    got = run_ranks(_reduced_grads_of_train_step, 1, cases, {"num_microbatches": 3})[0]
+    _compare_with_plain_reference(plain_reference, got, "1proc")
+
+
+@pytest.mark.slow
+def test_train_step_matches_plain_reference_tp2(plain_reference):
+    cases = [(mode, d) for mode in MODES for d in (2, 128)]
+    got = run_ranks(_reduced_grads_of_train_step, 2, cases, {"max_tokens_per_microbatch": 24}, tp=2)[0]
+    _compare_with_plain_reference({k: v for k, v in plain_reference.items() if k in got}, got, "tp2")

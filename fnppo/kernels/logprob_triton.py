@@ -18,7 +18,10 @@ blocks of ``BLOCK`` columns with an online (running-max) softmax, accumulating i
       dx_j = dz_j / T           (stored in the logits' dtype)
 
 Entries equal to ``-inf`` (masked vocabulary) have ``p_j = 0`` and contribute nothing (``0 log 0``
-is taken as 0). Row offsets are 64-bit (a 16k x 152k tensor has more than 2^31 elements).
+is taken as 0). A padded vocabulary (``make_vocab_size_divisible_by``) is a tail of each row that
+is not part of the distribution: the forward reads only the first ``n_cols`` (real) columns of the
+row, and the backward reads those and writes 0 to the remaining ``n_store - n_cols`` columns. Row
+offsets are 64-bit (a 16k x 152k tensor has more than 2^31 elements).
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_kernel(
     x_ptr, stride_x, g_ptr, stride_g, labels_ptr, lse_ptr, h_ptr, glp_ptr, gh_ptr,
-    n_cols, vocab_start, inv_t,
+    n_cols, n_store, vocab_start, inv_t,
     HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -133,10 +136,10 @@ def _bwd_kernel(
         h = tl.zeros([], tl.float32)
     # dz = p (c - b log p) + a 1[j = label], with c = -a - b H.
     c = -a - b * h
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, n_store, BLOCK):
         cols = start + offs
-        mask = cols < n_cols
-        z = tl.load(xbase + cols, mask=mask, other=0.0).to(tl.float32) * inv_t
+        valid = cols < n_cols  # real vocabulary; [n_cols, n_store) is padding: gradient 0
+        z = tl.load(xbase + cols, mask=valid, other=0.0).to(tl.float32) * inv_t
         logp = z - lse
         p = tl.exp(logp)
         if HAS_GH:
@@ -144,7 +147,8 @@ def _bwd_kernel(
         else:
             dz = p * c
         dz = tl.where(cols == lab, dz + a, dz)
-        tl.store(gbase + cols, (dz * inv_t).to(g_ptr.dtype.element_ty), mask=mask)
+        dz = tl.where(valid, dz, 0.0)
+        tl.store(gbase + cols, (dz * inv_t).to(g_ptr.dtype.element_ty), mask=cols < n_store)
 
 
 if triton_interpreting():
@@ -152,7 +156,7 @@ if triton_interpreting():
     _bwd_tuned = None
 else:
     _fwd_tuned = triton.autotune(configs=_fwd_configs(), key=["n_cols", "WITH_ENT"])(_fwd_kernel)
-    _bwd_tuned = triton.autotune(configs=_bwd_configs(), key=["n_cols", "HAS_GLP", "HAS_GH"])(_bwd_kernel)
+    _bwd_tuned = triton.autotune(configs=_bwd_configs(), key=["n_cols", "n_store", "HAS_GLP", "HAS_GH"])(_bwd_kernel)
 
 
 def _rows(x2: torch.Tensor) -> torch.Tensor:
@@ -161,11 +165,14 @@ def _rows(x2: torch.Tensor) -> torch.Tensor:
 
 
 def forward_stats(
-    x2: torch.Tensor, labels: torch.Tensor, vocab_start: int, inv_t: float, with_entropy: bool
+    x2: torch.Tensor, labels: torch.Tensor, vocab_start: int, inv_t: float, with_entropy: bool,
+    n_valid: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per-row ``(m, s, w, zl)`` of this shard (see the module docstring); ``w`` is None without entropy."""
+    """Per-row ``(m, s, w, zl)`` of this shard's first ``n_valid`` columns (default: all; see the
+    module docstring); ``w`` is None without entropy."""
     x2 = _rows(x2)
-    n, v = x2.shape
+    n = x2.shape[0]
+    v = x2.shape[1] if n_valid is None else n_valid
     f32 = dict(dtype=torch.float32, device=x2.device)
     m = torch.empty(n, **f32)
     s = torch.empty(n, **f32)
@@ -191,10 +198,13 @@ def backward_grad(
     g_h: torch.Tensor | None,
     vocab_start: int,
     inv_t: float,
+    n_valid: int | None = None,
 ) -> torch.Tensor:
-    """The gradient of the logits ``[rows, shard]`` in their dtype, written once."""
+    """The gradient of the logits ``[rows, shard]`` in their dtype, written once (0 in columns
+    ``>= n_valid``, the vocabulary padding)."""
     x2 = _rows(x2)
     n, v = x2.shape
+    n_valid = v if n_valid is None else n_valid
     grad = torch.empty((n, v), dtype=x2.dtype, device=x2.device)
     if n == 0 or v == 0:
         return grad
@@ -203,7 +213,7 @@ def backward_grad(
     args = (
         x2, x2.stride(0), grad, grad.stride(0), labels, lse,
         entropy if has_gh else dummy, g_lp if has_glp else dummy, g_h if has_gh else dummy,
-        v, vocab_start, inv_t,
+        n_valid, v, vocab_start, inv_t,
     )
     if _bwd_tuned is None:
         _bwd_kernel[(n,)](*args, HAS_GLP=has_glp, HAS_GH=has_gh, BLOCK=_INTERP_BLOCK)
