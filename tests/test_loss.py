@@ -358,7 +358,7 @@ def test_missing_optional_inputs_raise():
         ppo_loss(x, x, x, x, cfg_for(entropy_coeff=0.1))
     with raises_message("ppo_loss", "ref_logprobs", "a tensor since kl_coef=0.1", "None"):
         ppo_loss(x, x, x, x, cfg_for(kl_coef=0.1))
-    with raises_message("ppo_loss", "rollout_logprobs", "a tensor since TIS (tis_cap / tis_reject_*) is configured", "None"):
+    with raises_message("ppo_loss", "rollout_logprobs", "a tensor since rollout correction (tis_cap / tis_reject_* / reject_seq_*) is configured", "None"):
         ppo_loss(x, x, x, x, cfg_for(tis_cap=2.0))
 
 
