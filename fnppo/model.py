@@ -243,14 +243,30 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
 
 
 def _moe_without_te() -> None:
-    """megatron-core 0.16.1's router gating reads ``moe_utils.te_general_gemm``, which it only
-    defines when Transformer Engine imports; without TE the name is set to None (its own fallback:
-    a plain ``torch.mm`` in the router dtype)."""
-    from megatron.core.transformer.moe import moe_utils
+    """Two gaps of megatron-core 0.16.1's MoE code off the GPU, filled once per process.
 
-    for name in ("te_general_gemm",):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
+    * The router gating reads ``moe_utils.te_general_gemm``, which it only defines when Transformer
+      Engine imports; without TE the name is set to None (its own fallback: ``torch.mm`` in the
+      router dtype).
+    * The all-to-all dispatcher turns its split sizes into numpy arrays only when they are CUDA
+      tensors; CPU split sizes stay tensors, which ``all_to_all_single`` refuses. The dispatcher's
+      copy helper is wrapped so that CPU tensors asked for ``as_numpy`` become numpy arrays too.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_fnppo", False):
+        return
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._fnppo = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
 def _grouped_gemm(cfg: ModelConfig) -> bool:

@@ -155,10 +155,21 @@ def megatron_on_cpu() -> Iterator[None]:
         (mrandom, "_get_cuda_rng_state", get_state),
         (mrandom, "_set_cuda_rng_state", set_state),
     ]
+    from megatron.core.tensor_parallel import mappings
+
+    # Autograd runs backward functions outside the block's TorchFunctionMode; the expert all-to-all
+    # allocates on torch.cuda.current_device() in its backward too, so its forward enters the mode.
+    a2a_forward = mappings._AllToAll.__dict__["forward"]
+
+    def a2a_on_cpu(ctx: Any, *args: Any) -> Any:
+        with _CudaToCpuMode():
+            return a2a_forward.__func__(ctx, *args)
+
+    patches.append((mappings._AllToAll, "forward", staticmethod(a2a_on_cpu)))
     if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
         yield
         return
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved = [(obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
     # Megatron's TP layers advise this CUDA setting (stream concurrency) at build time; no CUDA here.
