@@ -224,7 +224,15 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
     """Megatron ``TransformerConfig`` fields of ``cfg``'s MoE settings (no token dropping)."""
     if cfg.num_experts % layout.ep:
         raise input_error("transformer_config", "num_experts", f"a multiple of ep={layout.ep}", repr(cfg.num_experts))
+    extra: dict[str, Any] = {}
+    if cfg.moe_dispatcher == "allgather":
+        # Megatron's allgather dispatcher refuses variable_seq_lengths, which fnppo needs only to
+        # exchange per-micro-batch shapes between pipeline stages.
+        if layout.pp > 1:
+            raise input_error("transformer_config", "moe_dispatcher", "'alltoall' under pipeline parallelism (pp > 1)", "'allgather'")
+        extra["variable_seq_lengths"] = False
     return dict(
+        extra,
         num_moe_experts=cfg.num_experts,
         moe_router_topk=cfg.moe_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,

@@ -87,6 +87,25 @@ def _total_tokens(microbatches: Sequence[Any], layout: Any, device: torch.device
     return float(t[0])
 
 
+def _check_allgather(config: Any, microbatches: Sequence[Any], layout: Any, device: torch.device) -> None:
+    """Megatron's allgather dispatcher gathers equal-sized token blocks over expert parallelism:
+    every micro-batch must have the same number of tokens on every EP rank."""
+    if config.moe_token_dispatcher_type != "allgather" or layout.ep == 1:
+        return
+    sizes = torch.tensor([float(mb.input_ids.numel()) for mb in microbatches], dtype=torch.float64, device=device)
+    high, low = sizes.clone(), sizes.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=layout.ep_group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=layout.ep_group)
+    if not torch.equal(high, low):
+        from fnppo.typing import input_error
+
+        raise input_error(
+            "train_step", "batch",
+            "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather' (or use 'alltoall')",
+            f"token counts per micro-batch {[int(x) for x in sizes.tolist()]} on this rank, max {[int(x) for x in high.tolist()]} over the EP group",
+        )
+
+
 @torch.no_grad()
 def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
     """Metric pairs of one router on one micro-batch (recomputes its logits without autograd)."""
@@ -133,6 +152,10 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
                 device: torch.device) -> Iterator[RouterStep]:
     """Exact router-loss scaling and router metrics for one schedule run (see the module docstring).
 
+    Raises:
+        InputError: ``moe_dispatcher="allgather"`` under expert parallelism with micro-batches of
+            different token counts on the EP ranks (Megatron's allgather dispatcher needs equal ones).
+
     Yields a :class:`RouterStep`; multiply each micro-batch's policy loss by its ``loss_scale``
     (instead of ``num_microbatches * dp``). After the block ``.metrics`` holds the reduced pairs
     (identical on every rank). Restores every router and config field it set.
@@ -142,6 +165,7 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
     from fnppo.model import unwrap_model
 
     config = unwrap_model(model_chunks[0]).config
+    _check_allgather(config, microbatches, layout, device)
     total = _total_tokens(microbatches, layout, device)
     factor = len(microbatches) * layout.dp / total  # grad_scale_func(1) / num_mb = dp / T
     state = RouterStep(loss_scale=total, total_tokens=total)

@@ -132,6 +132,14 @@ class _CpuStream:
 _CPU_STREAM: _CpuStream | None = None
 
 
+def _in_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with _CudaToCpuMode():
+            return fn(*args)
+
+    return run
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
@@ -157,15 +165,14 @@ def megatron_on_cpu() -> Iterator[None]:
     ]
     from megatron.core.tensor_parallel import mappings
 
-    # Autograd runs backward functions outside the block's TorchFunctionMode; the expert all-to-all
-    # allocates on torch.cuda.current_device() in its backward too, so its forward enters the mode.
-    a2a_forward = mappings._AllToAll.__dict__["forward"]
-
-    def a2a_on_cpu(ctx: Any, *args: Any) -> Any:
-        with _CudaToCpuMode():
-            return a2a_forward.__func__(ctx, *args)
-
-    patches.append((mappings._AllToAll, "forward", staticmethod(a2a_on_cpu)))
+    # Autograd runs backward functions outside the block's TorchFunctionMode, and Megatron's
+    # communication functions (e.g. the expert all-to-all and gathers) allocate on
+    # torch.cuda.current_device() in their backward too: their forward and backward enter the mode.
+    for cls in vars(mappings).values():
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and cls is not torch.autograd.Function:
+            for method in ("forward", "backward"):
+                if isinstance(cls.__dict__.get(method), staticmethod):
+                    patches.append((cls, method, staticmethod(_in_cpu_mode(cls.__dict__[method].__func__))))
     if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
         yield
         return

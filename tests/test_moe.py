@@ -56,10 +56,10 @@ def _cases(cases: dict, full: dict) -> dict:
     """Run each case (model overrides, micro-batches per rank) from the same full weights."""
     layout = fnppo.current_layout()
     out = {}
-    for name, (overrides, nmb) in cases.items():
+    for name, (overrides, nmb, *sample_kw) in cases.items():
         cfg = _cfg(**overrides)
         state = _state(cfg, full)
-        samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=5), layout)
+        samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=5, **(sample_kw[0] if sample_kw else {})), layout)
         state, metrics = fnppo.train_step(state, samples, _step_cfg(nmb))
         weights = fnppo.gather_full_weights(state.model)
         out[name] = {"metrics": metrics, "weights": weights}
@@ -71,6 +71,7 @@ def _reference_cases() -> dict:
     cases = {f"nmb{k}": ({}, k) for k in (1, 2, 4)}
     cases["z_only_nmb1"] = (dict(moe_load_balancing="none", moe_aux_loss_coeff=0.0), 1)
     cases["z_only_nmb4"] = (dict(moe_load_balancing="none", moe_aux_loss_coeff=0.0), 4)
+    cases["equal_nmb2"] = ({}, 2, EQUAL)
     out = _cases(cases, full)
     out["full"] = full
     return out
@@ -116,9 +117,12 @@ def test_reference_step_is_real_and_z_loss_is_split_invariant(reference):
     assert abs(reference["nmb1"]["metrics"]["moe_aux_loss"] - reference["nmb4"]["metrics"]["moe_aux_loss"]) > 1e-6
 
 
+EQUAL = {"prompt_len": (4, 4), "response_len": (4, 4)}  # equal token counts per rank (allgather)
+
 LAYOUTS = {
     # name: (world, tp, pp, ep, cases {name: (model overrides, micro-batches per rank)}, reference case)
-    "ep2": (2, 1, 1, 2, {"a2a": ({}, 1), "allgather": (dict(moe_dispatcher="allgather"), 1)}, "nmb2"),
+    "ep2": (2, 1, 1, 2, {"a2a": ({}, 1)}, "nmb2"),
+    "ep2-equal": (2, 1, 1, 2, {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)}, "equal_nmb2"),
     "ep2xdp2": (4, 1, 1, 2, {"a2a": ({}, 1)}, "nmb4"),
     "tp2xep2": (4, 2, 1, 2, {"a2a": ({}, 2)}, "nmb4"),
     "pp2": (2, 1, 2, 1, {"a2a": ({}, 4)}, "nmb4"),
