@@ -120,19 +120,21 @@ def test_reference_step_is_real_and_z_loss_is_split_invariant(reference):
 EQUAL = {"prompt_len": (4, 4), "response_len": (4, 4)}  # equal token counts per rank (allgather)
 
 LAYOUTS = {
-    # name: (world, tp, pp, ep, cases {name: (model overrides, micro-batches per rank)}, reference case)
-    "ep2": (2, 1, 1, 2, {"a2a": ({}, 1)}, "nmb2"),
-    "ep2-equal": (2, 1, 1, 2, {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)}, "equal_nmb2"),
-    "ep2xdp2": (4, 1, 1, 2, {"a2a": ({}, 1)}, "nmb4"),
-    "tp2xep2": (4, 2, 1, 2, {"a2a": ({}, 2)}, "nmb4"),
-    "pp2": (2, 1, 2, 1, {"a2a": ({}, 4)}, "nmb4"),
+    # name: (world, tp, pp, ep, etp, cases {name: (model overrides, micro-batches per rank)}, reference case)
+    # TP=2 x EP=2 is not here: Megatron's MoELayer refuses to train under tensor parallelism without
+    # sequence parallelism, which needs norms that the CPU build lacks; expert TP (ETP=2) gathers
+    # unequal token blocks, which gloo's all_gather refuses. Both run on GPUs only.
+    "ep2": (2, 1, 1, 2, None, {"a2a": ({}, 1)}, "nmb2"),
+    "ep2-equal": (2, 1, 1, 2, None, {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)}, "equal_nmb2"),
+    "ep2xdp2": (4, 1, 1, 2, None, {"a2a": ({}, 1)}, "nmb4"),
+    "pp2": (2, 1, 2, 1, None, {"a2a": ({}, 4)}, "nmb4"),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_match_single_process(reference, name):
-    world, tp, pp, ep, cases, ref_case = LAYOUTS[name]
-    got = run_ranks(_cases, world, cases, reference["full"], tp=tp, pp=pp, ep=ep)[0]
+    world, tp, pp, ep, etp, cases, ref_case = LAYOUTS[name]
+    got = run_ranks(_cases, world, cases, reference["full"], tp=tp, pp=pp, ep=ep, etp=etp)[0]
     worst = 0.0
     for case, result in got.items():
         worst = max(worst, _compare(reference[ref_case], result, f"{name}/{case}"))
