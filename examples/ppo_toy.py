@@ -247,7 +247,7 @@ def build(args: argparse.Namespace):
 def moe_fields(args: argparse.Namespace) -> dict:
     """ModelConfig MoE fields of the command line (aux loss off unless --moe-aux-coeff > 0)."""
     return dict(
-        num_experts=args.moe_experts, moe_topk=args.moe_topk, moe_ffn_hidden_size=args.hidden,
+        num_experts=args.moe_experts, moe_topk=args.moe_topk, moe_ffn_hidden_size=2 * args.hidden,
         moe_load_balancing="aux_loss" if args.moe_aux_coeff > 0 else "none",
         moe_aux_loss_coeff=args.moe_aux_coeff, moe_z_loss_coeff=args.moe_z_coeff or None,
     )
