@@ -14,6 +14,8 @@ controller of Ziegler et al. (``fnppo.adaptive_kl_init`` / ``adaptive_kl_update`
 
     python examples/ppo_toy.py                                   # 1 process, CPU
     torchrun --nproc-per-node 2 examples/ppo_toy.py --tp 2       # gloo on CPU, or NCCL with --device cuda
+    python examples/ppo_toy.py --moe                             # Mixture of Experts (4 experts, top-2)
+    torchrun --nproc-per-node 2 examples/ppo_toy.py --moe --ep 2 # experts split over 2 ranks
     python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
 
 Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``):
@@ -45,6 +47,7 @@ RUN_DEFINING = (
     "seed", "tp", "pp", "dtype", "prompts", "group_size", "num_microbatches", "max_tokens_per_microbatch",
     "minibatches", "lr", "lr_final", "schedule_steps", "temperature", "entropy_coeff", "kl_coef",
     "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint", "kl_target", "kl_horizon",
+    "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff",
 )
 DEFAULT_KL_HORIZON = 10_000.0
 
@@ -89,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    p.add_argument("--moe-experts", type=int, default=4)
+    p.add_argument("--moe-topk", type=int, default=2)
+    p.add_argument("--moe-aux-coeff", type=float, default=0.0, help="load-balancing aux loss coefficient (0: off)")
+    p.add_argument("--moe-z-coeff", type=float, default=1e-3, help="router z-loss coefficient")
     p.add_argument("--hf-checkpoint", type=str, default=None, help="start from a Hugging Face checkpoint directory (Llama/Qwen2/Qwen3)")
     p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/ppo_toy/runNNN)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
@@ -120,6 +129,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
     if args.device == "cuda" and not cuda_available:
         raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+    if args.ep < 1 or (args.ep > 1 and not args.moe):
+        raise ArgumentError(f"--ep must be >= 1 and needs --moe, got --ep {args.ep}")
+    if args.moe and (args.tp > 1 or args.hf_checkpoint):
+        raise ArgumentError("--moe runs without --tp (Megatron trains MoE under TP only with sequence parallelism) and without --hf-checkpoint")
+    if args.moe and (args.moe_experts % args.ep or not 1 <= args.moe_topk <= args.moe_experts or world_size % (args.ep * args.pp)):
+        raise ArgumentError(f"--moe needs --ep dividing --moe-experts and the processes per stage, and 1 <= --moe-topk <= --moe-experts; got --ep {args.ep}, --moe-experts {args.moe_experts}, --moe-topk {args.moe_topk}")
     if world_size % (args.tp * args.pp):
         raise ArgumentError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes")
     dp = world_size // (args.tp * args.pp)
@@ -238,12 +253,22 @@ def build(args: argparse.Namespace):
             max_seq_len=PROMPT_LEN + RESPONSE_LEN,
             dtype=args.dtype,
             tie_embeddings=True,
+            **(moe_fields(args) if args.moe else {}),
         )
         chunks = fnppo.build_gpt(cfg)
         fnppo.layout_invariant_init(chunks, seed=args.seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = fnppo.build_optimizer(ddp, lr=args.lr, clip_grad=1.0, weight_decay=0.0)
     return fnppo.TrainState(model=ddp, optimizer=optimizer, step=0)
+
+
+def moe_fields(args: argparse.Namespace) -> dict:
+    """ModelConfig MoE fields of the command line (aux loss off unless --moe-aux-coeff > 0)."""
+    return dict(
+        num_experts=args.moe_experts, moe_topk=args.moe_topk, moe_ffn_hidden_size=2 * args.hidden,
+        moe_load_balancing="aux_loss" if args.moe_aux_coeff > 0 else "none",
+        moe_aux_loss_coeff=args.moe_aux_coeff, moe_z_loss_coeff=args.moe_z_coeff or None,
+    )
 
 
 def step_config(args: argparse.Namespace):
@@ -439,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import fnppo
 
-    layout = fnppo.init_parallel(args.tp, args.pp, seed=args.seed, device=args.device)
+    layout = fnppo.init_parallel(args.tp, args.pp, ep=args.ep, seed=args.seed, device=args.device)
     try:
         return run(args, layout)
     except ArgumentError as err:
@@ -538,7 +563,7 @@ def run(args: argparse.Namespace, layout) -> int:
             row["kl_coef"] = kl_state.coef  # the coefficient this step trained with
         kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
-            print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}", flush=True)
+            print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}", flush=True)
         if rank0:
             rows.append(row)
             with open(metrics_path, "a") as f:

@@ -42,6 +42,25 @@ class ModelConfig:
 
     ``dtype`` is the parameter/compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half precision
     models are wrapped in Megatron's ``Float16Module``; logits stay in that dtype).
+
+    Mixture of Experts (``num_experts`` set; every layer is an MoE layer, Megatron's
+    ``MoELayer`` with a top-k router and no token dropping):
+
+    * ``moe_topk`` experts per token, each an MLP of ``moe_ffn_hidden_size`` (default
+      ``ffn_hidden_size``); ``moe_shared_expert_size``: the hidden size of an always-on shared
+      expert (Qwen2-MoE style), None for none;
+    * ``moe_load_balancing``: ``"none"``, ``"aux_loss"`` (switch load-balancing loss over a
+      micro-batch) or ``"seq_aux_loss"`` (per sequence), weighted by ``moe_aux_loss_coeff``;
+      ``moe_z_loss_coeff``: router z-loss (ST-MoE), None for none;
+    * ``moe_score_function``: ``"softmax"`` or ``"sigmoid"``; ``moe_router_dtype``: ``"fp32"``,
+      ``"fp64"`` or None (the model's dtype) for the routing computation;
+    * ``moe_expert_bias``: aux-loss-free balancing (a per-expert bias added to the scores for
+      the choice of experts, updated after every step by ``moe_bias_update_rate`` times the sign of
+      the load error; a rate of 0 keeps it fixed);
+    * ``moe_freeze_router``: the router weights get no gradient and are not updated;
+    * ``moe_dispatcher``: ``"alltoall"`` or ``"allgather"`` token dispatch over expert parallelism;
+    * ``moe_grouped_gemm``: one grouped GEMM for the local experts (Transformer Engine); None
+      chooses it when Transformer Engine is installed, else Megatron's ``SequentialMLP``.
     """
 
     num_layers: int
@@ -69,6 +88,20 @@ class ModelConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     make_vocab_size_divisible_by: int = 1
+    num_experts: int | None = None
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_size: int | None = None
+    moe_load_balancing: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_score_function: str = "softmax"
+    moe_router_dtype: str | None = "fp32"
+    moe_expert_bias: bool = False
+    moe_bias_update_rate: float = 1e-3
+    moe_freeze_router: bool = False
+    moe_dispatcher: str = "alltoall"
+    moe_grouped_gemm: bool | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -86,6 +119,31 @@ class ModelConfig:
             raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
+        if self.num_experts is not None:
+            self._check_moe(fn)
+
+    def _check_moe(self, fn: str) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise input_error(fn, "num_experts", "None or an int >= 1", repr(self.num_experts))
+        if not isinstance(self.moe_topk, int) or not 1 <= self.moe_topk <= self.num_experts:
+            raise input_error(fn, "moe_topk", f"an int in [1, num_experts={self.num_experts}]", repr(self.moe_topk))
+        choices = {
+            "moe_load_balancing": ("none", "aux_loss", "seq_aux_loss"),
+            "moe_score_function": ("softmax", "sigmoid"),
+            "moe_router_dtype": (None, "fp32", "fp64"),
+            "moe_dispatcher": ("alltoall", "allgather"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise input_error(fn, name, f"one of {allowed}", repr(getattr(self, name)))
+        for name in ("moe_aux_loss_coeff", "moe_bias_update_rate"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise input_error(fn, name, "a finite float >= 0", repr(v))
+        if self.moe_z_loss_coeff is not None and not (math.isfinite(self.moe_z_loss_coeff) and self.moe_z_loss_coeff >= 0):
+            raise input_error(fn, "moe_z_loss_coeff", "None or a finite float >= 0", repr(self.moe_z_loss_coeff))
+        if self.moe_load_balancing == "none" and self.moe_aux_loss_coeff > 0:
+            raise input_error(fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -161,9 +219,77 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         # (seen with the interleaved schedule: later micro-batches got wrong activations).
         batch_p2p_comm=layout.backend != "gloo",
     )
+    kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    if cfg.num_experts is not None:
+        kwargs.update(_moe_kwargs(cfg, layout))
     kwargs.update(dict(cfg.extra))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    """Megatron ``TransformerConfig`` fields of ``cfg``'s MoE settings (no token dropping)."""
+    if cfg.num_experts % layout.ep:
+        raise input_error("transformer_config", "num_experts", f"a multiple of ep={layout.ep}", repr(cfg.num_experts))
+    extra: dict[str, Any] = {}
+    if cfg.moe_dispatcher == "allgather":
+        # Megatron's allgather dispatcher refuses variable_seq_lengths, which fnppo needs only to
+        # exchange per-micro-batch shapes between pipeline stages.
+        if layout.pp > 1:
+            raise input_error("transformer_config", "moe_dispatcher", "'alltoall' under pipeline parallelism (pp > 1)", "'allgather'")
+        extra["variable_seq_lengths"] = False
+    return dict(
+        extra,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size,
+        moe_router_load_balancing_type=cfg.moe_load_balancing,
+        moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff),
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_score_function=cfg.moe_score_function,
+        moe_router_dtype=cfg.moe_router_dtype,
+        moe_router_enable_expert_bias=cfg.moe_expert_bias,
+        moe_router_bias_update_rate=float(cfg.moe_bias_update_rate),
+        moe_token_dispatcher_type=cfg.moe_dispatcher,
+        moe_grouped_gemm=_grouped_gemm(cfg),
+        moe_expert_capacity_factor=None,
+    )
+
+
+def _moe_without_te() -> None:
+    """Two gaps of megatron-core 0.16.1's MoE code off the GPU, filled once per process.
+
+    * The router gating reads ``moe_utils.te_general_gemm``, which it only defines when Transformer
+      Engine imports; without TE the name is set to None (its own fallback: ``torch.mm`` in the
+      router dtype).
+    * The all-to-all dispatcher turns its split sizes into numpy arrays only when they are CUDA
+      tensors; CPU split sizes stay tensors, which ``all_to_all_single`` refuses. The dispatcher's
+      copy helper is wrapped so that CPU tensors asked for ``as_numpy`` become numpy arrays too.
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_fnppo", False):
+        return
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move._fnppo = True  # type: ignore[attr-defined]
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _grouped_gemm(cfg: ModelConfig) -> bool:
+    if cfg.moe_grouped_gemm is not None:
+        return bool(cfg.moe_grouped_gemm)
+    from fnppo.attention import te_available
+
+    return te_available()
 
 
 def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayout | None = None, **config_overrides: Any) -> list[nn.Module]:
@@ -182,7 +308,14 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
 
     layout = layout or current_layout()
     tcfg = transformer_config(cfg, layout, **config_overrides)
-    spec = layer_spec if layer_spec is not None else default_layer_spec(cfg)
+    if layer_spec is not None:
+        spec = layer_spec
+    elif cfg.num_experts is not None:
+        spec = default_layer_spec(cfg, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+    if cfg.num_experts is not None:
+        _moe_without_te()
+    else:
+        spec = default_layer_spec(cfg)
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     from megatron.core import parallel_state as ps
@@ -207,12 +340,24 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
             vp_stage=vp,
         )
         model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.step), rope (fnppo.hf)
+        if cfg.moe_freeze_router:
+            _freeze_routers(model)
         if tcfg.fp16 or tcfg.bf16:
             model = Float16Module(tcfg, model)
         if torch.cuda.is_available() and layout.backend == "nccl":
             model = model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _freeze_routers(model: nn.Module) -> None:
+    """Router weights (and bias) get no gradient: DDP and the optimizer then leave them out."""
+    from megatron.core.transformer.moe.router import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            for p in module.parameters(recurse=False):
+                p.requires_grad_(False)
 
 
 def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, **ddp_kwargs: Any) -> list[nn.Module]:
@@ -384,16 +529,42 @@ def snapshot_params(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]
 # Full (unsharded) weights <-> this rank's shard. Full names are those of a 1-rank GPTModel:
 # ``decoder.layers.<global index>.…``; ``output_layer.weight`` is absent when embeddings are tied.
 # ---------------------------------------------------------------------------------------------
+def _is_expert(param: Tensor) -> bool:
+    """Megatron marks expert weights (sharded over expert parallelism) with ``allreduce=False``."""
+    return not getattr(param, "allreduce", True)
+
+
+def _tp_of(param: Tensor, layout: ParallelLayout) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group that shards ``param``: expert TP for experts."""
+    return (layout.etp, layout.etp_rank) if _is_expert(param) else (layout.tp, layout.tp_rank)
+
+
 def _global_name(core: nn.Module, name: str) -> str:
+    """The 1-rank name: global layer index; local expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         layer = core.decoder.layers[int(parts[2])]
         parts[2] = str(layer.layer_number - 1)
+    if "experts" in parts and core.config.num_moe_experts:
+        from megatron.core import parallel_state as ps
+
+        ep = ps.get_expert_model_parallel_world_size()
+        offset = ps.get_expert_model_parallel_rank() * (core.config.num_moe_experts // ep)
+        if "local_experts" in parts:  # SequentialMLP: experts.local_experts.<i>.linear_fc1.weight
+            i = parts.index("local_experts") + 1
+            parts[i] = str(int(parts[i]) + offset)
+        else:  # grouped GEMM: experts.linear_fc1.weight<i>
+            head, idx = parts[-1].rstrip("0123456789"), parts[-1][len(parts[-1].rstrip("0123456789")):]
+            if idx:
+                parts[-1] = f"{head}{int(idx) + offset}"
     return ".".join(parts)
 
 
 def _is_gated_fc1(core: nn.Module, name: str) -> bool:
-    return name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias") if core.config.gated_linear_unit else False
+    if not core.config.gated_linear_unit:
+        return False
+    parts = name.split(".")
+    return "mlp" in parts and len(parts) >= 2 and parts[-2] == "linear_fc1" and parts[-1].rstrip("0123456789") in ("weight", "bias")
 
 
 def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_rank: int) -> Tensor:
@@ -407,7 +578,10 @@ def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_
 
 
 def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True) -> None:
-    """Copy this rank's TP/PP shard of full (1-rank) weights into the model chunks' parameters.
+    """Copy this rank's TP/PP/EP shard of full (1-rank) weights into the model chunks' parameters.
+
+    Expert weights: EP rank ``r`` holds experts ``r * E / ep ... (r + 1) * E / ep - 1`` (full names
+    carry the global expert index), each sharded over expert TP (``etp``).
 
     Every parameter of every chunk must be found in ``full`` with a shape that shards to it; with
     ``strict`` no tensor of ``full`` may be left unused by the whole world. Collective: the ranks
@@ -431,12 +605,13 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
                 continue
             used.add(gname)
             src = full[gname]
-            shard = _shard(core, name, param, src, layout.tp, layout.tp_rank)
-            full_shape = _full_shape(core, name, param, layout.tp)  # uneven chunks can still fit a shard
+            tp, tp_rank = _tp_of(param, layout)
+            shard = _shard(core, name, param, src, tp, tp_rank)
+            full_shape = _full_shape(core, name, param, tp)  # uneven chunks can still fit a shard
             if tuple(src.shape) != full_shape or tuple(shard.shape) != tuple(param.shape):
                 problem = problem or str(input_error(
                     "load_full_weights", f"full[{gname!r}]",
-                    f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {layout.tp_rank} of {layout.tp})",
+                    f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {tp_rank} of {tp})",
                     f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
                 ))
                 continue
@@ -473,9 +648,10 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
         for name, param in core.named_parameters():
             gname = _global_name(core, name)
             t = param.detach().to(torch.float32, copy=True)  # a copy even when already fp32
-            if getattr(param, "tensor_model_parallel", False) and layout.tp > 1:
-                parts = [torch.empty_like(t) for _ in range(layout.tp)]
-                dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
+            tp, _ = _tp_of(param, layout)
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=layout.etp_group if _is_expert(param) else layout.tp_group)
                 dim = param.partition_dim
                 if _is_gated_fc1(core, name):
                     gates = [p.chunk(2, dim=dim)[0] for p in parts]
@@ -486,6 +662,11 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
             if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
                 continue
             local[gname] = t.cpu()
+    if layout.ep > 1:  # each EP rank holds other experts (and the same dense weights)
+        by_ep: list[Any] = [None] * layout.ep
+        dist.all_gather_object(by_ep, local, group=layout.ep_group)
+        for part in by_ep:
+            local.update(part)
     if layout.pp == 1:
         return local
     gathered: list[Any] = [None] * layout.pp
@@ -528,7 +709,8 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
                 gname = _global_name(core, name)
                 if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
                     gname = "embedding.word_embeddings.weight"
-                shape = _full_shape(core, name, param, layout.tp)
+                tp, tp_rank = _tp_of(param, layout)
+                shape = _full_shape(core, name, param, tp)
                 if "norm" in name.split(".")[-2] or name.endswith("layer_norm_weight"):
                     full = torch.ones(shape)
                 elif name.endswith("bias"):
@@ -537,4 +719,4 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
                     g = torch.Generator().manual_seed(_name_seed(seed, gname))
                     s = sigma / math.sqrt(2.0 * cfg.num_layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else sigma
                     full = torch.randn(shape, generator=g) * s
-                param.copy_(_shard(core, name, param, full, layout.tp, layout.tp_rank).to(param.dtype))
+                param.copy_(_shard(core, name, param, full, tp, tp_rank).to(param.dtype))

@@ -19,7 +19,14 @@ __all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_paralle
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A snapshot of the parallel layout of this process (sizes, ranks and groups)."""
+    """A snapshot of the parallel layout of this process (sizes, ranks and groups).
+
+    Mixture-of-Experts layers have their own grid (Megatron's expert grid): ``ep`` expert-parallel
+    ranks each hold ``num_experts / ep`` experts, ``etp`` is the tensor-parallel size inside an
+    expert, and ``edp = world / (etp * ep * pp)`` is the expert-data-parallel size (the ranks whose
+    expert gradients are summed). Dense layers keep ``tp`` x ``pp`` x ``dp``; the ``ep`` ranks of
+    one expert group are data-parallel ranks of the dense layers.
+    """
 
     world_size: int
     rank: int
@@ -34,6 +41,15 @@ class ParallelLayout:
     pp_group: Any
     dp_group: Any
     backend: str
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp: int = 1
+    edp_rank: int = 0
+    ep_group: Any = None
+    etp_group: Any = None
+    edp_group: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -57,6 +73,8 @@ def init_parallel(
     pp: int = 1,
     *,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     device: str | None = None,
     timeout_s: float = 300.0,
@@ -73,13 +91,17 @@ def init_parallel(
     redirects Megatron's CUDA-only calls to the CPU; an explicit ``with megatron_on_cpu():`` block
     around it works too.
 
+    ``ep`` / ``etp``: expert-parallel and expert-tensor-parallel sizes for MoE layers (Megatron's
+    ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``; ``etp`` defaults to ``tp``).
+
     Raises:
-        ValueError: ``tp``/``pp``/``vpp``/``timeout_s`` out of range, ``device="cuda"`` without a
-            CUDA device, or a world size that ``tp * pp`` does not divide.
+        ValueError: ``tp``/``pp``/``vpp``/``ep``/``etp``/``timeout_s`` out of range, ``device="cuda"``
+            without a CUDA device, or a world size that ``tp * pp`` or ``etp * ep * pp`` does not divide.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    for name, value in (("tp", tp), ("pp", pp)):
+    etp_size = tp if etp is None else etp
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
@@ -108,12 +130,18 @@ def init_parallel(
         raise ValueError(
             f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}, received {world}"
         )
+    if world % (etp_size * ep * pp) != 0:
+        raise ValueError(
+            f"init_parallel: world size expected a multiple of etp*ep*pp = {etp_size}*{ep}*{pp}, received {world}"
+        )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp_size,
         distributed_timeout_minutes=timeout_s / 60.0,  # a float: Megatron's groups get timeout_s exactly
         create_gloo_process_groups=True,
     )
@@ -139,6 +167,15 @@ def current_layout() -> ParallelLayout:
         pp_group=ps.get_pipeline_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         backend=dist.get_backend(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp=ps.get_expert_data_parallel_world_size(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
     )
 
 

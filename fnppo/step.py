@@ -46,6 +46,7 @@ from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import forward_hidden, forward_logits, unwrap_model
+from fnppo.moe import is_moe, router_derived_metrics, router_step
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
 from fnppo.typing import describe, input_error, typechecking_enabled
@@ -455,6 +456,11 @@ def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forwar
     )
 
 
+def _routers(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], layout: ParallelLayout, device: torch.device):
+    """:func:`fnppo.moe.router_step` for MoE models (yields its state), else a block yielding None."""
+    return router_step(chunks, mbs, layout, device) if is_moe(chunks) else contextlib.nullcontext()
+
+
 def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, spec: _Batching,
             layout: ParallelLayout, device: torch.device) -> tuple[dict[str, torch.Tensor], float, bool]:
     """One optimizer update on one mini-batch: the five steps of :func:`train_step`.
@@ -474,9 +480,11 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=float(len(mbs) * layout.dp),
-                           spec=spec, tis_mean=tis_mean)
-    with _fnppo_finalizer(chunks) as record:
+    with _fnppo_finalizer(chunks) as record, _routers(chunks, mbs, layout, device) as moe:
+        # MoE: the policy loss is scaled by the step's router token count instead, so that the
+        # routers' aux/z losses get exact weights (fnppo.moe.router_step).
+        scale = moe.loss_scale if moe is not None else float(len(mbs) * layout.dp)
+        fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=scale, spec=spec, tis_mean=tis_mean)
         store = _run_schedule(chunks, mbs, fwd, forward_only=False)
     if "stats" not in record:
         raise FinalizeNotCalledError(
@@ -485,6 +493,8 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
         )
     stats = record["stats"]
     metrics = reduce_metrics([s["metrics"] for s in store] if layout.is_last_stage else [], layout, device)
+    if moe is not None:
+        metrics.update(moe.metrics)
     finite = stats.finite and bool(torch.isfinite(metrics.get("loss", torch.zeros(2))).all())
     if finite:
         ok, _norm, _zeros = optimizer.step()
@@ -522,7 +532,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         The new state (same objects, ``step`` advanced by the number of optimizer updates) and
         metrics reduced exactly over micro-batches, mini-batches and DP ranks, identical on every
         rank: the finalized loss metrics, ``grad_norm`` (mean over updates), ``skipped``,
-        ``updates``, ``step`` and ``lr``.
+        ``updates``, ``step`` and ``lr``; for MoE models the router metrics of
+        :mod:`fnppo.moe` (aux and z losses, expert loads and imbalance).
 
     Raises:
         InputError: before anything runs, nothing changed: an empty batch, a batch length not
@@ -554,6 +565,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             skipped += 0 if stepped else 1
     step = state.step + len(grad_norms)
     out = finalize_metrics(totals)
+    out.update(router_derived_metrics(out))
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["skipped"] = float(skipped)
     out["updates"] = float(len(grad_norms) - skipped)

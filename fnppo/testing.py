@@ -9,7 +9,8 @@ and pipeline schedules run on CPU over gloo once a handful of CUDA-only calls ar
   asserts on them);
 * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set in the environment (Megatron's TP layers advise it);
 * ``torch.cuda.current_device``, ``synchronize``, ``get_rng_state``, ``set_rng_state`` and
-  ``manual_seed`` and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU
+  ``manual_seed`` act on the CPU (``Stream`` / ``current_stream`` / ``stream``: one no-op stream,
+  for the MoE token dispatchers), and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU
   generator.
 
 Build models with ``use_cpu_initialization=True`` and call :func:`fnppo.init_parallel` inside the
@@ -92,6 +93,53 @@ def _cpu_synchronize(*args: Any, **kwargs: Any) -> None:
 _cpu_synchronize._fnppo_cpu = True  # type: ignore[attr-defined]  # how cpu_mode_active recognizes it
 
 
+class _CpuEvent:
+    """``torch.cuda.Event`` inside :func:`megatron_on_cpu`: CPU work is already done when recorded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one "stream" of :func:`megatron_on_cpu` (MoE dispatchers and shared experts ask for side
+    streams; on the CPU every stream is this one, so no cross-stream bookkeeping is triggered)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _CpuStream:
+        global _CPU_STREAM
+        if _CPU_STREAM is None:
+            _CPU_STREAM = super().__new__(cls)
+        return _CPU_STREAM
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM: _CpuStream | None = None
+
+
+def _in_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        with _CudaToCpuMode():
+            return fn(*args)
+
+    return run
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
@@ -109,13 +157,26 @@ def megatron_on_cpu() -> Iterator[None]:
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
         (torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
         (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
+        (torch.cuda, "Stream", _CpuStream),
+        (torch.cuda, "current_stream", lambda *a, **k: _CpuStream()),
+        (torch.cuda, "stream", lambda s=None: contextlib.nullcontext()),
         (mrandom, "_get_cuda_rng_state", get_state),
         (mrandom, "_set_cuda_rng_state", set_state),
     ]
+    from megatron.core.tensor_parallel import mappings
+
+    # Autograd runs backward functions outside the block's TorchFunctionMode, and Megatron's
+    # communication functions (e.g. the expert all-to-all and gathers) allocate on
+    # torch.cuda.current_device() in their backward too: their forward and backward enter the mode.
+    for cls in vars(mappings).values():
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and cls is not torch.autograd.Function:
+            for method in ("forward", "backward"):
+                if isinstance(cls.__dict__.get(method), staticmethod):
+                    patches.append((cls, method, staticmethod(_in_cpu_mode(cls.__dict__[method].__func__))))
     if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
         yield
         return
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    saved = [(obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
     # Megatron's TP layers advise this CUDA setting (stream concurrency) at build time; no CUDA here.
@@ -196,6 +257,8 @@ def _rank_main(
     seed: int,
     timeout_s: float,
     results: Any,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -209,7 +272,7 @@ def _rank_main(
         from fnppo.parallel import destroy_parallel, init_parallel
 
         with megatron_on_cpu():
-            init_parallel(tp, pp, vpp=vpp, seed=seed, device="cpu", timeout_s=timeout_s)
+            init_parallel(tp, pp, vpp=vpp, ep=ep, etp=etp, seed=seed, device="cpu", timeout_s=timeout_s)
             try:
                 out = fn(*args, **kwargs)
             finally:
@@ -227,6 +290,8 @@ def run_ranks(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
     **kwargs: Any,
@@ -234,7 +299,8 @@ def run_ranks(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (real Megatron on CPU).
 
     Each rank is a fresh process (``spawn``) with ``torch.distributed`` and Megatron's model-parallel
-    groups initialized for ``tp`` x ``pp`` (data parallel fills the rest) and RNG trackers seeded with
+    groups initialized for ``tp`` x ``pp`` (data parallel fills the rest; MoE layers use ``ep`` x
+    ``etp``, see :func:`fnppo.init_parallel`) and RNG trackers seeded with
     ``seed``. ``fn`` must be importable (a module-level function). Returns the list of per-rank
     return values (tensors are passed back by pickling). If a rank raises, all ranks are killed and
     :class:`RankError` carries the first failing rank's traceback; a rank that neither returns nor
@@ -246,7 +312,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results),
+            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results, ep, etp),
             daemon=True,
         )
         for r in range(world_size)

@@ -228,3 +228,11 @@ def test_plot_is_written_with_the_verdict(tmp_path):
     out = _run(["--steps", "2", *[a for a in SMALL if a != "--no-plot"], "--out-dir", str(tmp_path / "run")])
     assert (tmp_path / "run" / "ppo_toy.png").stat().st_size > 10_000
     assert "-> PASS: reached the target 0" in out
+
+
+def test_moe_first_step_agrees_between_one_process_and_ep2():
+    """--moe: experts split over 2 ranks (EP=2, DP=2 for the dense layers) vs one process."""
+    ref_loss, ref_norm = _first_step(["--moe"], 1)
+    loss, norm = _first_step(["--moe", "--ep", "2"], 2)
+    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (loss, ref_loss)
+    assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (norm, ref_norm)

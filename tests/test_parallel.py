@@ -164,7 +164,8 @@ def _assert_matches(ref: dict, got: dict, what: str) -> None:
     "kwargs,arg,expected,received",
     [({"tp": 0}, "tp", "an int >= 1", "0"), ({"tp": -2}, "tp", "an int >= 1", "-2"), ({"tp": 1.5}, "tp", "an int >= 1", "1.5"),
      ({"pp": 0}, "pp", "an int >= 1", "0"), ({"vpp": 2}, "vpp", "None or >= 1 with pp >= 2", "vpp=2, pp=1"),
-     ({"pp": 2, "vpp": 0}, "vpp", "None or >= 1 with pp >= 2", "vpp=0, pp=2")],
+     ({"pp": 2, "vpp": 0}, "vpp", "None or >= 1 with pp >= 2", "vpp=0, pp=2"),
+     ({"ep": 0}, "ep", "an int >= 1", "0"), ({"etp": 0}, "etp", "an int >= 1", "0")],
 )
 def test_init_parallel_rejects_bad_sizes(kwargs, arg, expected, received):
     was_initialized = dist.is_initialized()
@@ -177,13 +178,15 @@ def test_init_parallel_rejects_bad_sizes(kwargs, arg, expected, received):
 # ---------------------------------------------------------------------------------------------
 # megatron_on_cpu
 # ---------------------------------------------------------------------------------------------
-_PATCHED = ("current_device", "synchronize", "get_rng_state", "set_rng_state", "manual_seed")
+_PATCHED = ("current_device", "synchronize", "get_rng_state", "set_rng_state", "manual_seed", "Stream", "current_stream", "stream")
 
 
 def test_megatron_on_cpu_redirects_and_restores():
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mrandom
 
     before = {n: getattr(torch.cuda, n) for n in _PATCHED}
+    a2a_backward = mappings._AllToAll.__dict__["backward"]
     before_m = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     with megatron_on_cpu():
         assert torch.cuda.current_device() == 0
@@ -197,7 +200,13 @@ def test_megatron_on_cpu_redirects_and_restores():
         torch.cuda.set_rng_state(state)
         assert torch.equal(torch.rand(4), a)  # the "CUDA" RNG is the CPU generator
         assert all(getattr(torch.cuda, n) is not before[n] for n in _PATCHED)
+        # MoE dispatchers: one no-op stream; the expert all-to-all's backward allocates on the CPU
+        assert torch.cuda.current_stream() == torch.cuda.Stream()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda.current_stream().record_event().synchronize()
+        assert mappings._AllToAll.__dict__["backward"] is not a2a_backward
     assert {n: getattr(torch.cuda, n) for n in _PATCHED} == before
+    assert mappings._AllToAll.__dict__["backward"] is a2a_backward
     assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state) == before_m
     assert torch.zeros(1).type() == "torch.FloatTensor"
     if not torch.cuda.is_available():
