@@ -21,8 +21,8 @@ TP/PP layout, and returns every rank's result. If any rank raises, all ranks are
 first error is re-raised with its remote traceback.
 
 Limits: no sequence parallelism (it needs Transformer Engine or Apex norms), no Transformer Engine
-layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off), no context
-parallelism. Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
+layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off). Context
+parallelism runs through fnppo's own packed attention (:mod:`fnppo.context_parallel`). Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
 distributed optimizer) is the real Megatron code path.
 """
 
@@ -196,6 +196,7 @@ def _rank_main(
     seed: int,
     timeout_s: float,
     results: Any,
+    cp: int = 1,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -209,7 +210,7 @@ def _rank_main(
         from fnppo.parallel import destroy_parallel, init_parallel
 
         with megatron_on_cpu():
-            init_parallel(tp, pp, vpp=vpp, seed=seed, device="cpu", timeout_s=timeout_s)
+            init_parallel(tp, pp, vpp=vpp, seed=seed, device="cpu", timeout_s=timeout_s, cp=cp)
             try:
                 out = fn(*args, **kwargs)
             finally:
@@ -229,12 +230,13 @@ def run_ranks(
     vpp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
+    cp: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (real Megatron on CPU).
 
     Each rank is a fresh process (``spawn``) with ``torch.distributed`` and Megatron's model-parallel
-    groups initialized for ``tp`` x ``pp`` (data parallel fills the rest) and RNG trackers seeded with
+    groups initialized for ``tp`` x ``cp`` x ``pp`` (``cp``: context parallel; data parallel fills the rest) and RNG trackers seeded with
     ``seed``. ``fn`` must be importable (a module-level function). Returns the list of per-rank
     return values (tensors are passed back by pickling). If a rank raises, all ranks are killed and
     :class:`RankError` carries the first failing rank's traceback; a rank that neither returns nor
@@ -246,7 +248,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results),
+            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results, cp),
             daemon=True,
         )
         for r in range(world_size)
