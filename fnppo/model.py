@@ -135,6 +135,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
