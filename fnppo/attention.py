@@ -442,8 +442,9 @@ def local_layer_spec(
     Options left ``None`` are read from ``config`` (any object with attributes of those names, e.g.
     a ``TransformerConfig`` or :class:`fnppo.model.ModelConfig`), else Megatron's defaults
     (``normalization="LayerNorm"``, no qk norm, dense MLP). ``normalization`` must match the model
-    config's. A new spec is built (Megatron's is not modified). ``packed_attention=False`` returns
-    Megatron's local spec as is. Multi-latent attention is not offered.
+    config's. A new spec is built (Megatron's is not modified); its norms are
+    :class:`fnppo.norms.SequenceParallelNorm` (Megatron's torch norms, usable with sequence
+    parallelism). ``packed_attention=False`` keeps Megatron's local core attention. Multi-latent attention is not offered.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -461,6 +462,7 @@ def local_layer_spec(
         normalization=opts["normalization"],
         qk_l2_norm=bool(opts["qk_l2_norm"]),
     )
+    spec = _with_sequence_parallel_norms(spec)
     if not packed_attention:
         return spec
     attn = spec.submodules.self_attention
@@ -475,6 +477,25 @@ def local_layer_spec(
         submodules=dataclasses.replace(attn.submodules, core_attention=PackedDotProductAttention),
     )
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
+
+
+def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with Megatron's ``WrappedTorchNorm`` replaced by :class:`fnppo.norms.SequenceParallelNorm`
+    (the same torch norms, usable with ``sequence_parallel=True``)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from fnppo.norms import SequenceParallelNorm
+
+    def swap(sub: Any) -> Any:
+        if not dataclasses.is_dataclass(sub):
+            return sub
+        changes = {f.name: SequenceParallelNorm for f in dataclasses.fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
+        attn = getattr(sub, "self_attention", None)
+        if isinstance(attn, ModuleSpec) and dataclasses.is_dataclass(attn.submodules):
+            changes["self_attention"] = dataclasses.replace(attn, params=dict(attn.params), submodules=swap(attn.submodules))
+        return dataclasses.replace(sub, **changes) if changes else sub
+
+    return dataclasses.replace(spec, submodules=swap(spec.submodules))
 
 
 def default_layer_spec(

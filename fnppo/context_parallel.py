@@ -22,7 +22,7 @@ order and computes document-causal attention of its own queries against them,
 
 (``pos_i`` the global position of local query ``i``). Exact (the same formula as the dense path).
 Backward: the gradient of the gathered keys/values is summed over the CP group and each rank keeps
-its own rows (reduce-scatter on NCCL; all-reduce then slice on gloo, which has no reduce-scatter).
+its own rows (one reduce-scatter per tensor; gloo and NCCL both have it).
 Memory: every rank holds the full K/V of the micro-batch per layer while it is in use, ``2 * T *
 groups_per_tp_rank * head_dim`` elements (and saves it for backward), i.e. ``cp`` times the local
 K/V; queries, scores and everything else stay local (``T / cp`` rows). A ring exchange would
@@ -151,15 +151,10 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        size = dist.get_world_size(ctx.group)
         grad = grad.contiguous()
-        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
-            total = grad.clone()
-            dist.all_reduce(total, group=group)
-            return total.chunk(size)[rank].contiguous(), None
         out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=group)
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
         return out, None
 
 

@@ -20,7 +20,9 @@ block (it seeds Megatron's RNG trackers with ``model_parallel_cuda_manual_seed``
 TP/PP layout, and returns every rank's result. If any rank raises, all ranks are stopped and the
 first error is re-raised with its remote traceback.
 
-Limits: no sequence parallelism (it needs Transformer Engine or Apex norms), no Transformer Engine
+Sequence parallelism works with fnppo's local spec (:mod:`fnppo.norms`); Megatron's
+tensor-parallel layers and mappings see a ``torch`` whose tensor factories map CUDA devices to the
+CPU (their backward functions run outside the function mode). Limits: no Transformer Engine
 layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off). Context
 parallelism runs through fnppo's own packed attention (:mod:`fnppo.context_parallel`). Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
 distributed optimizer) is the real Megatron code path.
@@ -85,6 +87,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuFactories:
+    """``torch`` as seen by Megatron's tensor-parallel layers and mappings inside :func:`megatron_on_cpu`.
+
+    Their autograd backward functions allocate buffers with ``device=torch.cuda.current_device()``
+    (e.g. the reduce-scatter of sequence parallelism); backward runs outside the function mode, so
+    the tensor factories of this stand-in map CUDA devices to the CPU. Everything else is ``torch``.
+    """
+
+    _FACTORIES = ("empty", "zeros", "ones", "full")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
 def _cpu_synchronize(*args: Any, **kwargs: Any) -> None:
     """``torch.cuda.synchronize`` inside :func:`megatron_on_cpu`: nothing to wait for."""
 
@@ -95,6 +120,8 @@ _cpu_synchronize._fnppo_cpu = True  # type: ignore[attr-defined]  # how cpu_mode
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
+    from megatron.core.tensor_parallel import layers as mlayers
+    from megatron.core.tensor_parallel import mappings as mmappings
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -111,6 +138,8 @@ def megatron_on_cpu() -> Iterator[None]:
         (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
         (mrandom, "_get_cuda_rng_state", get_state),
         (mrandom, "_set_cuda_rng_state", set_state),
+        (mlayers, "torch", _CpuFactories()),
+        (mmappings, "torch", _CpuFactories()),
     ]
     if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
         yield
