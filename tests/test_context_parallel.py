@@ -91,8 +91,13 @@ def _attention_cases(n_cases: int) -> float:
 
     from fnppo.context_parallel import context_parallel_attention
 
+    import fnppo
+
+    layout = fnppo.current_layout()
     group = ps.get_context_parallel_group()
     cp, rank = group.size(), group.rank()
+    assert (layout.cp, layout.cp_rank) == (cp, rank) and layout.cp_group is group
+    assert layout.dp_cp_group.size() == layout.dp * cp
     g = torch.Generator().manual_seed(5)
     worst = 0.0
     for case in range(n_cases):
@@ -115,7 +120,7 @@ def _attention_cases(n_cases: int) -> float:
         pairs = [(out, shard_tokens(ref.detach(), cu, cp, rank, dim=0))]
         pairs += [(a.grad, shard_tokens(b.grad, cu, cp, rank, dim=0)) for a, b in zip(local, full)]
         for got, want in pairs:
-            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+            err = float((got.detach() - want).abs().max() / want.abs().max().clamp_min(1e-12))
             assert err < 1e-10, f"case {case} cu={cu}: rel err {err:.2e}"
             worst = max(worst, err)
     return worst

@@ -52,13 +52,28 @@ def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
         state = fnppo.TrainState(model=ddp, optimizer=opt)
         samples = fnppo.shard_for_data_parallel(_samples(), layout)
         loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05)
-        cfg = fnppo.StepConfig(loss=loss, **({"num_microbatches": 2} if split == "2mb" else {}))
+        extra = {"2mb": {"num_microbatches": 2}, "fused": {"fused_output": True}}.get(split, {})
+        cfg = fnppo.StepConfig(loss=loss, **extra)
         logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
+        if layout.cp > 1:
+            _check_refusals(state, samples, cfg)
         state, metrics = fnppo.train_step(state, samples, cfg)
         full = fnppo.gather_full_weights(state.model)
         logprobs = _gather_dp(logprobs, layout)
         results[split] = {"metrics": metrics, "weights": full, "logprobs": logprobs, "entropy": _gather_dp(entropy, layout)}
     return results if layout.rank == 0 else {}
+
+
+def _check_refusals(state, samples, cfg) -> None:
+    """Under CP, sequence-level losses and the padded layout are refused before anything runs."""
+    import dataclasses
+
+    seq_loss = dataclasses.replace(cfg.loss, loss_agg_mode="seq-mean-token-mean")
+    for bad, match in ((dataclasses.replace(cfg, loss=seq_loss), "loss_agg_mode"),
+                       (dataclasses.replace(cfg, layout="padded"), "config.layout"),
+                       (dataclasses.replace(cfg, pad_to_multiple_of=2), "pad_to_multiple_of")):
+        with pytest.raises(fnppo.InputError, match=match):
+            fnppo.train_step(state, samples, bad)
 
 
 def _gather_dp(per_sample: list, layout) -> list:
@@ -106,11 +121,11 @@ def reference():
 
 LAYOUTS = {
     # name: (world, tp, pp, cp, sequence_parallel, splits)
-    "cp2": (2, 1, 1, 2, False, ("1mb", "2mb")),
+    "cp2": (2, 1, 1, 2, False, ("1mb", "2mb", "fused")),
     "cp2-dp2": (4, 1, 1, 2, False, ("2mb",)),
     "cp2-tp2": (4, 2, 1, 2, False, ("1mb",)),
     "cp2-pp2": (4, 1, 2, 2, False, ("2mb",)),
-    "tp2-sp": (2, 2, 1, 1, True, ("1mb", "2mb")),
+    "tp2-sp": (2, 2, 1, 1, True, ("1mb", "fused")),
 }
 
 
