@@ -131,7 +131,8 @@ class StepConfig:
     chooses the split (default: one micro-batch). ``num_minibatches`` optimizer steps are taken per
     epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
     makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
-    batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
+    batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
+parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
     the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
     ``fused_output``: the last pipeline stage stops before the output layer
@@ -500,10 +501,15 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     1. split into micro-batches (same count on every DP rank) and collate them;
     2. the loss normalizer (tokens or sequences, by ``loss_agg_mode``) is summed over all
        micro-batches and DP ranks *before* the schedule, so the sum of micro-batch losses is the
-       full-batch loss whatever the split;
+       full-batch loss whatever the split. Under context parallelism (``cp > 1``, packed layout,
+       ``token-mean`` loss) every micro-batch is cut to this CP rank's tokens
+       (:mod:`fnppo.context_parallel`), and the normalizer and the metric pairs are summed over
+       Megatron's data-parallel-with-CP group, so each token counts once over CP x DP;
     3. Megatron's ``get_forward_backward_func`` runs ``forward -> logprob -> loss`` per micro-batch;
        each micro-batch loss is multiplied by ``num_microbatches * dp`` to cancel the schedule's mean
-       over micro-batches and DDP's mean over DP ranks;
+       over micro-batches and DDP's mean over DP ranks (with CP, Megatron's schedule multiplies the
+       loss by ``cp`` and DDP averages the gradients over the ``dp * cp`` ranks of its
+       data-parallel-with-CP group: the factors cancel, and the CP ranks' partial losses add up);
     4. :func:`~fnppo.grads.finalize_grads` reduces the gradients (installed as Megatron's
        ``finalize_model_grads_func`` for the schedule only; if the schedule does not call it,
        :class:`FinalizeNotCalledError`);
@@ -683,7 +689,8 @@ def compute_logprobs(
     Returns:
         On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the
         order of ``batch`` (restored by :meth:`~fnppo.split.SplitPlan.restore`), and the entropies
-        likewise (or ``None``).
+        likewise (or ``None``). Under context parallelism each CP rank computes its shard and the
+        shards are gathered (:func:`~fnppo.context_parallel.gather_per_sample`).
 
     Raises:
         InputError: as :func:`train_step` for the batch and the logits; ``params`` not one dict
