@@ -111,9 +111,10 @@ def init_parallel(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if world % (tp * pp * cp) != 0:
+    if world % (tp * pp * cp) != 0:  # the message keeps the cp-free wording when cp == 1
         raise ValueError(
-            f"init_parallel: world size {world} expected a multiple of tp*pp*cp = {tp}*{pp}*{cp}, received {world}"
+            f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}"
+            + (f" times cp = {cp}" if cp > 1 else "") + f", received {world}"
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -93,7 +93,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compare(ref: dict, got: dict, what: str) -> float:
     worst = 0.0
-    for key in METRICS:
+    assert set(METRICS) <= set(ref["metrics"]) and set(ref["metrics"]) == set(got["metrics"]), what
+    for key in ref["metrics"]:  # every metric, not only the loss terms
         r, g = ref["metrics"][key], got["metrics"][key]
         err = abs(g - r) / max(abs(r), 1e-12)
         assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
