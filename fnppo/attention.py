@@ -49,7 +49,9 @@ RoPE models.
 Not supported in the packed path (a clear error, never a silent wrong answer): attention bias, an
 explicit ``attention_mask`` (segments come from ``cu_seqlens``), ``softmax_type`` other than
 ``"vanilla"``, sliding-window attention, mask types other than causal, and different query and
-key/value segmentations. Context parallelism needs Transformer Engine, as in Megatron.
+key/value segmentations. Context parallelism (``context_parallel_size > 1``, packed micro-batches
+sharded by :func:`fnppo.context_parallel.shard_microbatch`): exact attention over the CP group by
+an all-gather of K/V (:func:`fnppo.context_parallel.context_parallel_attention`).
 
 Reference: packed sequences without cross-contamination, arXiv:2107.02027 (Krell et al.); flex
 attention, arXiv:2412.05496 (Dong et al.).
@@ -290,6 +292,18 @@ class PackedDotProductAttention(DotProductAttention):
       Megatron's RNG tracker fork (see the module docstring).
     """
 
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        # Megatron's local attention refuses context parallelism; the packed path does it itself
+        # (fnppo.context_parallel), so the parent is built with a CP-free copy of the config.
+        cp = getattr(config, "context_parallel_size", 1)
+        if cp > 1:
+            import copy
+
+            config_without_cp = copy.copy(config)
+            config_without_cp.context_parallel_size = 1
+        super().__init__(config_without_cp if cp > 1 else config, *args, **kwargs)
+        self.config = config
+
     def forward(  # type: ignore[override]
         self,
         query: Tensor,
@@ -361,7 +375,14 @@ class PackedDotProductAttention(DotProductAttention):
         coeff = self.scale_mask_softmax.scale
         scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
+        if getattr(self.config, "context_parallel_size", 1) > 1:
+            from megatron.core import parallel_state
+
+            from fnppo.context_parallel import context_parallel_attention
+
+            out = context_parallel_attention(query, key, value, cu_q, parallel_state.get_context_parallel_group(),
+                                             softmax_scale=scale, dropout_p=dropout_p)
+        elif dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = packed_causal_attention(query, key, value, cu_q, softmax_scale=scale, dropout_p=dropout_p)
         else:
@@ -421,8 +442,9 @@ def local_layer_spec(
     Options left ``None`` are read from ``config`` (any object with attributes of those names, e.g.
     a ``TransformerConfig`` or :class:`fnppo.model.ModelConfig`), else Megatron's defaults
     (``normalization="LayerNorm"``, no qk norm, dense MLP). ``normalization`` must match the model
-    config's. A new spec is built (Megatron's is not modified). ``packed_attention=False`` returns
-    Megatron's local spec as is. Multi-latent attention is not offered.
+    config's. A new spec is built (Megatron's is not modified); its norms are
+    :class:`fnppo.norms.SequenceParallelNorm` (Megatron's torch norms, usable with sequence
+    parallelism). ``packed_attention=False`` keeps Megatron's local core attention. Multi-latent attention is not offered.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -440,6 +462,7 @@ def local_layer_spec(
         normalization=opts["normalization"],
         qk_l2_norm=bool(opts["qk_l2_norm"]),
     )
+    spec = _with_sequence_parallel_norms(spec)
     if not packed_attention:
         return spec
     attn = spec.submodules.self_attention
@@ -454,6 +477,25 @@ def local_layer_spec(
         submodules=dataclasses.replace(attn.submodules, core_attention=PackedDotProductAttention),
     )
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=new_attn))
+
+
+def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with Megatron's ``WrappedTorchNorm`` replaced by :class:`fnppo.norms.SequenceParallelNorm`
+    (the same torch norms, usable with ``sequence_parallel=True``)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from fnppo.norms import SequenceParallelNorm
+
+    def swap(sub: Any) -> Any:
+        if not dataclasses.is_dataclass(sub):
+            return sub
+        changes = {f.name: SequenceParallelNorm for f in dataclasses.fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
+        attn = getattr(sub, "self_attention", None)
+        if isinstance(attn, ModuleSpec) and dataclasses.is_dataclass(attn.submodules):
+            changes["self_attention"] = dataclasses.replace(attn, params=dict(attn.params), submodules=swap(attn.submodules))
+        return dataclasses.replace(sub, **changes) if changes else sub
+
+    return dataclasses.replace(spec, submodules=swap(spec.submodules))
 
 
 def default_layer_spec(

@@ -200,6 +200,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -325,7 +326,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(
             config=tcfg,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_block_spec(spec, tcfg, vp),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_seq_len,
             pre_process=pre,
@@ -358,6 +359,27 @@ def _freeze_routers(model: nn.Module) -> None:
         if isinstance(module, Router):
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
+
+
+def _block_spec(spec: Any, tcfg: Any, vp: int | None) -> Any:
+    """``spec`` as Megatron's block submodules with a sequence-parallel final norm when it needs one.
+
+    Megatron gives a block built from a layer spec its default final norm; without Transformer
+    Engine or Apex that is ``WrappedTorchNorm``, which refuses sequence parallelism. Then the block
+    gets :class:`fnppo.norms.SequenceParallelNorm` (the same norm) instead; otherwise ``spec``.
+    """
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+    from fnppo.norms import SequenceParallelNorm
+
+    if not (tcfg.sequence_parallel and tb.LayerNormImpl is WrappedTorchNorm and isinstance(spec, ModuleSpec)
+            and isinstance(spec.module, type) and issubclass(spec.module, BaseTransformerLayer)):
+        return spec
+    layers = tb.get_num_layers_to_build(tcfg, vp_stage=vp)
+    return tb.TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
 
 
 def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, **ddp_kwargs: Any) -> list[nn.Module]:

@@ -50,6 +50,10 @@ class ParallelLayout:
     ep_group: Any = None
     etp_group: Any = None
     edp_group: Any = None
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None
+    dp_cp_group: Any = None  # data parallel x context parallel: where gradients are reduced
 
     @property
     def is_first_stage(self) -> bool:
@@ -78,6 +82,7 @@ def init_parallel(
     seed: int = 1234,
     device: str | None = None,
     timeout_s: float = 300.0,
+    cp: int = 1,
 ) -> ParallelLayout:
     """Set up torch.distributed and Megatron's model-parallel groups; seed Megatron's RNG trackers.
 
@@ -85,6 +90,8 @@ def init_parallel(
     it is initialized from the usual environment variables (``torchrun`` sets them); with none set,
     a single process group of size 1 is created on a free local port. ``timeout_s`` bounds every
     collective: a rank that fails makes the others fail after at most that long instead of hanging.
+    ``cp`` is the context-parallel size (Megatron's ``context_parallel_size``; see
+    :mod:`fnppo.context_parallel`): the world is ``tp * cp * pp * dp``.
 
     On the gloo backend (``device="cpu"``, or no CUDA device) it enters
     :func:`fnppo.testing.megatron_on_cpu` for the process (until :func:`destroy_parallel`), which
@@ -101,7 +108,7 @@ def init_parallel(
     from megatron.core import parallel_state, tensor_parallel
 
     etp_size = tp if etp is None else etp
-    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp_size)):
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp_size), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
@@ -126,9 +133,10 @@ def init_parallel(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
+    if world % (tp * pp * cp) != 0:  # the message keeps the cp-free wording when cp == 1
         raise ValueError(
-            f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}, received {world}"
+            f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}"
+            + (f" times cp = {cp}" if cp > 1 else "") + f", received {world}"
         )
     if world % (etp_size * ep * pp) != 0:
         raise ValueError(
@@ -142,6 +150,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp_size,
+        context_parallel_size=cp,
         distributed_timeout_minutes=timeout_s / 60.0,  # a float: Megatron's groups get timeout_s exactly
         create_gloo_process_groups=True,
     )
@@ -176,6 +185,10 @@ def current_layout() -> ParallelLayout:
         ep_group=ps.get_expert_model_parallel_group(),
         etp_group=ps.get_expert_tensor_parallel_group(),
         edp_group=ps.get_expert_data_parallel_group(),
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 

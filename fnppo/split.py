@@ -337,6 +337,7 @@ def build_microbatches(
     device: torch.device,
     dp_group: Any = None,
     same_length: bool = False,
+    context_parallel: tuple[int, int] = (1, 0),
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
@@ -354,6 +355,8 @@ def build_microbatches(
         dp_group: the data-parallel group the micro-batch count is agreed over (None: no agreement).
         same_length: pad every micro-batch to the longest one (:func:`fnppo.batch.pad_microbatch`;
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
+        context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
+            rank's tokens (:func:`fnppo.context_parallel.shard_microbatch`) after collation and padding.
 
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
@@ -366,4 +369,9 @@ def build_microbatches(
     if same_length:
         longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
         mbs = [pad_microbatch(mb, longest) for mb in mbs]
+    cp, cp_rank = context_parallel
+    if cp > 1:
+        from fnppo.context_parallel import shard_microbatch
+
+        mbs = [shard_microbatch(mb, cp, cp_rank) for mb in mbs]
     return plan, mbs

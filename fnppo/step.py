@@ -38,12 +38,14 @@ from fnppo.batch import (
     check_same_fields,
     check_token_ids,
     collate_microbatch,
+    padding_multiple,
     unpack_per_sample,
 )
+from fnppo.context_parallel import gather_per_sample
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
 from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
-from fnppo.loss import PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
+from fnppo.loss import SEQ_REJECTION_CRITERIA, PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import forward_hidden, forward_logits, unwrap_model
 from fnppo.moe import is_moe, router_derived_metrics, router_step
@@ -133,7 +135,8 @@ class StepConfig:
     chooses the split (default: one micro-batch). ``num_minibatches`` optimizer steps are taken per
     epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
     makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
-    batch per call. ``pad_to_multiple_of`` defaults to the TP size. ``max_seq_len`` caps the
+    batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
+parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     length (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is
     the cap. A longer sample is refused (:class:`~fnppo.typing.InputError`), never truncated.
     ``fused_output``: the last pipeline stage stops before the output layer
@@ -231,6 +234,7 @@ class _Batching(NamedTuple):
     real_vocab_size: int | None  # ModelConfig.vocab_size: logits columns at or beyond it are padding
     dp_group: Any  # the group the micro-batch count is agreed over (None without DP)
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
+    context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
 
 
 def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelLayout) -> _Batching:
@@ -244,7 +248,7 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
     return _Batching(
         split=given[0] if given else ("num_microbatches", 1),  # StepConfig allows at most one
         layout=config.layout,
-        pad_to_multiple_of=config.pad_to_multiple_of or layout.tp,
+        pad_to_multiple_of=config.pad_to_multiple_of or padding_multiple(layout.tp, layout.cp),
         max_seq_len=limit,
         max_seq_len_source=source,
         vocab_size=vocab,
@@ -253,7 +257,41 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
         # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
         # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
         same_length=bool(layout.vpp),
+        context_parallel=(layout.cp, layout.cp_rank),
     )
+
+
+def _check_context_parallel(fn: str, config: StepConfig, spec: _Batching, layout: ParallelLayout) -> None:
+    """What context parallelism needs of the config: packed layout, segments divisible by ``2*cp*tp``,
+    and a token-level loss (the shard of a sequence does not know the sequence's token count).
+
+    Raises:
+        InputError: naming the config field.
+    """
+    if layout.cp == 1:
+        return
+    need = padding_multiple(layout.tp, layout.cp)
+    if config.layout != "packed":
+        raise input_error(fn, "config.layout", f"'packed' with context parallelism (cp={layout.cp})", repr(config.layout))
+    if spec.pad_to_multiple_of % need:
+        raise input_error(fn, "config.pad_to_multiple_of", f"a multiple of 2*cp*tp = {need} (context parallelism)", repr(spec.pad_to_multiple_of))
+    loss = config.loss
+    if loss.loss_agg_mode != "token-mean":
+        raise input_error(fn, "config.loss.loss_agg_mode", f"'token-mean' with context parallelism (cp={layout.cp})", repr(loss.loss_agg_mode))
+    if loss.tis_active and "sequence" in (loss.tis_level, loss.tis_reject_level):
+        raise input_error(fn, "config.loss.tis_level", f"'token' with context parallelism (cp={layout.cp})", repr(loss.tis_level))
+    seq_criteria = [n for n in SEQ_REJECTION_CRITERIA if getattr(loss, n) is not None]
+    if seq_criteria:  # sequence statistics need the whole sequence; a CP rank holds part of it
+        raise input_error(fn, f"config.loss.{seq_criteria[0]}", f"None with context parallelism (cp={layout.cp})",
+                          repr(getattr(loss, seq_criteria[0])))
+
+
+def _with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
+    """``layout`` whose data-parallel group is Megatron's data-parallel-with-CP group: sums of
+    per-token quantities (loss normalizer, metric pairs) run over every token once."""
+    if layout.cp == 1:
+        return layout
+    return dataclasses.replace(layout, dp=layout.dp * layout.cp, dp_group=layout.dp_cp_group)
 
 
 def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatches: int = 1) -> None:
@@ -475,8 +513,8 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
     chunks, optimizer = state.model, state.optimizer
     _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                 collate=config.fns.collate, device=device, dp_group=spec.dp_group,
-                                same_length=spec.same_length)
-    normalizer, tis_mean = _global_sums(mbs, config.loss, layout, device)
+                                same_length=spec.same_length, context_parallel=spec.context_parallel)
+    normalizer, tis_mean = _global_sums(mbs, config.loss, _with_cp_in_dp(layout), device)
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
@@ -492,7 +530,7 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
             "gradients were not reduced across data-parallel ranks"
         )
     stats = record["stats"]
-    metrics = reduce_metrics([s["metrics"] for s in store] if layout.is_last_stage else [], layout, device)
+    metrics = reduce_metrics([s["metrics"] for s in store] if layout.is_last_stage else [], _with_cp_in_dp(layout), device)
     if moe is not None:
         metrics.update(moe.metrics)
     finite = stats.finite and bool(torch.isfinite(metrics.get("loss", torch.zeros(2))).all())
@@ -515,10 +553,15 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     2. the loss normalizer (tokens or sequences, by ``loss_agg_mode``) is summed over all
        micro-batches and DP ranks *before* the schedule, so the sum of micro-batch losses is the
        full-batch loss whatever the split (with ``tis_batch_normalize``, the mean TIS weight of the
-       mini-batch too, in the same all-reduce);
+       mini-batch too, in the same all-reduce). Under context parallelism (``cp > 1``, packed layout,
+       ``token-mean`` loss) every micro-batch is cut to this CP rank's tokens
+       (:mod:`fnppo.context_parallel`), and the normalizer and the metric pairs are summed over
+       Megatron's data-parallel-with-CP group, so each token counts once over CP x DP;
     3. Megatron's ``get_forward_backward_func`` runs ``forward -> logprob -> loss`` per micro-batch;
        each micro-batch loss is multiplied by ``num_microbatches * dp`` to cancel the schedule's mean
-       over micro-batches and DDP's mean over DP ranks;
+       over micro-batches and DDP's mean over DP ranks (with CP, Megatron's schedule multiplies the
+       loss by ``cp`` and DDP averages the gradients over the ``dp * cp`` ranks of its
+       data-parallel-with-CP group: the factors cancel, and the CP ranks' partial losses add up);
     4. :func:`~fnppo.grads.finalize_grads` reduces the gradients (installed as Megatron's
        ``finalize_model_grads_func`` for the schedule only; if the schedule does not call it,
        :class:`FinalizeNotCalledError`);
@@ -549,6 +592,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     layout = current_layout()
     samples = list(batch)
     spec = _batching(config, state.model, layout)
+    _check_context_parallel("train_step", config, spec, layout)
     _check_batch("train_step", samples, spec, config.num_minibatches)
     _check_rollout_logprobs("train_step", samples, config.loss)
     device = _device_of(state.model)
@@ -701,7 +745,8 @@ def compute_logprobs(
     Returns:
         On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the
         order of ``batch`` (restored by :meth:`~fnppo.split.SplitPlan.restore`), and the entropies
-        likewise (or ``None``).
+        likewise (or ``None``). Under context parallelism each CP rank computes its shard and the
+        shards are gathered (:func:`~fnppo.context_parallel.gather_per_sample`).
 
     Raises:
         InputError: as :func:`train_step` for the batch and the logits; ``params`` not one dict
@@ -715,10 +760,12 @@ def compute_logprobs(
     device = _device_of(chunks)
     samples = list(batch)
     spec = _batching(cfg, chunks, par)
+    _check_context_parallel("compute_logprobs", dataclasses.replace(cfg, loss=PolicyLossConfig()), spec, par)
     _check_batch("compute_logprobs", samples, spec)
     plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                    collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
-                                   same_length=spec.same_length)
+                                   same_length=spec.same_length, context_parallel=spec.context_parallel)
+    unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
     weights: dict[str, torch.Tensor | None] = {"w": None}
 
     def fused_forward(model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -728,8 +775,8 @@ def compute_logprobs(
 
     def per_sample(out: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         lp, ent = _token_logprobs("compute_logprobs", out, weights["w"], mb, cfg, par, spec, with_entropy)
-        ents = unpack_per_sample(ent, mb) if with_entropy else [None] * mb.num_samples
-        return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack_per_sample(lp, mb), ents, strict=True)]
+        ents = unpack(ent, mb) if with_entropy else [None] * mb.num_samples
+        return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack(lp, mb), ents, strict=True)]
 
     store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward)
     restored = None if store is None else plan.restore(store)

@@ -21,9 +21,11 @@ block (it seeds Megatron's RNG trackers with ``model_parallel_cuda_manual_seed``
 TP/PP layout, and returns every rank's result. If any rank raises, all ranks are stopped and the
 first error is re-raised with its remote traceback.
 
-Limits: no sequence parallelism (it needs Transformer Engine or Apex norms), no Transformer Engine
-layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off), no context
-parallelism. Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
+Sequence parallelism works with fnppo's local spec (:mod:`fnppo.norms`); Megatron's
+tensor-parallel layers and mappings see a ``torch`` whose tensor factories map CUDA devices to the
+CPU (their backward functions run outside the function mode). Limits: no Transformer Engine
+layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off). Context
+parallelism runs through fnppo's own packed attention (:mod:`fnppo.context_parallel`). Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
 distributed optimizer) is the real Megatron code path.
 """
 
@@ -86,6 +88,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuFactories:
+    """``torch`` as seen by Megatron's tensor-parallel layers and mappings inside :func:`megatron_on_cpu`.
+
+    Their autograd backward functions allocate buffers with ``device=torch.cuda.current_device()``
+    (e.g. the reduce-scatter of sequence parallelism); backward runs outside the function mode, so
+    the tensor factories of this stand-in map CUDA devices to the CPU. Everything else is ``torch``.
+    """
+
+    _FACTORIES = ("empty", "zeros", "ones", "full")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return factory
+
+
 def _cpu_synchronize(*args: Any, **kwargs: Any) -> None:
     """``torch.cuda.synchronize`` inside :func:`megatron_on_cpu`: nothing to wait for."""
 
@@ -143,6 +168,8 @@ def _in_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Run real megatron-core on CPU inside the block (see the module docstring for what it does)."""
+    from megatron.core.tensor_parallel import layers as mlayers
+    from megatron.core.tensor_parallel import mappings as mmappings
     from megatron.core.tensor_parallel import random as mrandom
 
     def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -162,6 +189,8 @@ def megatron_on_cpu() -> Iterator[None]:
         (torch.cuda, "stream", lambda s=None: contextlib.nullcontext()),
         (mrandom, "_get_cuda_rng_state", get_state),
         (mrandom, "_set_cuda_rng_state", set_state),
+        (mlayers, "torch", _CpuFactories()),
+        (mmappings, "torch", _CpuFactories()),
     ]
     from megatron.core.tensor_parallel import mappings
 
@@ -259,6 +288,7 @@ def _rank_main(
     results: Any,
     ep: int = 1,
     etp: int | None = None,
+    cp: int = 1,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -272,7 +302,7 @@ def _rank_main(
         from fnppo.parallel import destroy_parallel, init_parallel
 
         with megatron_on_cpu():
-            init_parallel(tp, pp, vpp=vpp, ep=ep, etp=etp, seed=seed, device="cpu", timeout_s=timeout_s)
+            init_parallel(tp, pp, vpp=vpp, ep=ep, etp=etp, seed=seed, device="cpu", timeout_s=timeout_s, cp=cp)
             try:
                 out = fn(*args, **kwargs)
             finally:
@@ -294,13 +324,14 @@ def run_ranks(
     etp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
+    cp: int = 1,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (real Megatron on CPU).
 
     Each rank is a fresh process (``spawn``) with ``torch.distributed`` and Megatron's model-parallel
-    groups initialized for ``tp`` x ``pp`` (data parallel fills the rest; MoE layers use ``ep`` x
-    ``etp``, see :func:`fnppo.init_parallel`) and RNG trackers seeded with
+    groups initialized for ``tp`` x ``cp`` x ``pp`` (``cp``: context parallel; data parallel fills the
+    rest; MoE layers use ``ep`` x ``etp``, see :func:`fnppo.init_parallel`) and RNG trackers seeded with
     ``seed``. ``fn`` must be importable (a module-level function). Returns the list of per-rank
     return values (tensors are passed back by pickling). If a rank raises, all ranks are killed and
     :class:`RankError` carries the first failing rank's traceback; a rank that neither returns nor
@@ -312,7 +343,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results, ep, etp),
+            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results, ep, etp, cp),
             daemon=True,
         )
         for r in range(world_size)

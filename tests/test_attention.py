@@ -232,11 +232,19 @@ def test_local_layer_spec():
     ours = local_layer_spec(normalization="RMSNorm", qk_layernorm=True)
     assert ours.submodules.self_attention.submodules.core_attention is PackedDotProductAttention
     assert megatron.submodules.self_attention.submodules.core_attention is DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from fnppo.norms import SequenceParallelNorm
+
+    def expected(module):  # Megatron's torch norms become the same norms usable with sequence parallelism
+        return SequenceParallelNorm if module is WrappedTorchNorm else module
+
     for name in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
-        assert getattr(ours.submodules.self_attention.submodules, name) is getattr(
+        assert getattr(ours.submodules.self_attention.submodules, name) is expected(getattr(
             megatron.submodules.self_attention.submodules, name
-        )
-    assert ours.submodules.input_layernorm is megatron.submodules.input_layernorm
+        ))
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        assert getattr(ours.submodules, name) is expected(getattr(megatron.submodules, name))
     assert ours.submodules.mlp == megatron.submodules.mlp
     plain = local_layer_spec(packed_attention=False)
     assert plain.submodules.self_attention.submodules.core_attention is DotProductAttention
