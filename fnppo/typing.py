@@ -238,7 +238,8 @@ def _diagnose(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
             if hasattr(hints.get(arg), "__args__"):
                 return None  # a union of array types: dimensions cannot be bound unambiguously
             continue
-        tail = f"; expected {getattr(ann, '__name__', ann.dim_str)}, received {describe(value)}"
+        optional = type(None) in (getattr(hints.get(arg), "__args__", ()) or ())
+        tail = f"; expected {getattr(ann, '__name__', ann.dim_str)}{' | None' if optional else ''}, received {describe(value)}"
         pairs = _split_dims(ann.dims, tuple(value.shape))
         if isinstance(pairs, str):
             return f"argument '{arg}' has {pairs} for dims '{ann.dim_str}' (shape {_shape_str(value)}){tail}"
