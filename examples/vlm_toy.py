@@ -46,7 +46,7 @@ COUNT0 = 4  # the answer to "k squares" is token COUNT0 + k
 MAX_SQUARES = 3
 VOCAB = 16
 IMAGE_SIZE, PATCH, GRID = 8, 4, 2
-PALETTE = [(1.0, 0.1, 0.1), (0.1, 0.9, 0.1), (0.2, 0.3, 1.0), (1.0, 0.9, 0.1), (0.9, 0.2, 0.9), (0.1, 0.9, 0.9)]
+PALETTE = [(1.0, 0.5, 0.0), (1.0, 0.0, 0.5), (0.5, 1.0, 0.0), (0.0, 1.0, 0.5), (0.5, 0.0, 1.0), (0.0, 0.5, 1.0)]  # equal brightness
 FINAL_WINDOW = text_toy.FINAL_WINDOW
 RUNS_ROOT = Path("runs/vlm_toy")
 
@@ -60,7 +60,7 @@ the check); 1 when it missed the target; 2 for invalid arguments.
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vlm_toy.py", description=__doc__.splitlines()[0], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=80, help="training steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=120, help="training steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
