@@ -411,8 +411,12 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
 # ---------------------------------------------------------------------------------------------
 # run directory, resume
 # ---------------------------------------------------------------------------------------------
-def choose_run_dir(args: argparse.Namespace) -> Path:
-    """The run directory (decided on rank 0 from the file system; see the module docstring)."""
+def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
+    """The run directory (decided on rank 0 from the file system; see the module docstring).
+
+    ``root`` (default ``runs/ppo_toy``) holds the numbered runs; ``examples/vlm_toy.py`` passes its own.
+    """
+    root = RUNS_ROOT if root is None else root
     if args.out_dir is not None:
         out = Path(args.out_dir)
         holds_run = (out / "metrics.jsonl").exists() or (out / "checkpoints").exists()
@@ -421,12 +425,12 @@ def choose_run_dir(args: argparse.Namespace) -> Path:
         if holds_run and not (args.resume or args.overwrite):
             raise ArgumentError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, or another --out-dir")
         return out
-    runs = sorted(p for p in RUNS_ROOT.glob("run[0-9][0-9][0-9]") if p.is_dir())
+    runs = sorted(p for p in root.glob("run[0-9][0-9][0-9]") if p.is_dir())
     if args.resume:
         if not runs:
-            raise ArgumentError(f"--resume: no run under {RUNS_ROOT}; start one without --resume")
+            raise ArgumentError(f"--resume: no run under {root}; start one without --resume")
         return runs[-1]
-    return RUNS_ROOT / f"run{int(runs[-1].name[3:]) + 1 if runs else 0:03d}"
+    return root / f"run{int(runs[-1].name[3:]) + 1 if runs else 0:03d}"
 
 
 def run_settings(args: argparse.Namespace) -> dict:

@@ -109,8 +109,11 @@ _LAZY: dict[str, str] = {
     "forward_only": "step",
     "shard_for_data_parallel": "step",
     "train_step": "step",
+    "VLMCollate": "vlm",
+    "VisionConfig": "vlm",
+    "build_vlm": "vlm",
 }
-_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "parallel", "step", "testing")
+_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "parallel", "step", "testing", "vlm")
 
 __all__ = [
     # advantages

@@ -477,6 +477,10 @@ def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     sends it on). Packed micro-batches get ``PackedSeqParams`` (THD); padded ones use causal
     attention with right padding, so padding never influences real tokens.
 
+    A model whose unwrapped module sets ``takes_multi_modal = True`` (:class:`fnppo.vlm.VisionLanguageGPT`)
+    also receives ``multi_modal=microbatch.multi_modal`` and ``multi_modal_counts=`` (items per
+    sample); other models are called as before (their micro-batches' items are not read).
+
     ``params``: optional parameters (names as in the unwrapped ``GPTModel``'s ``named_parameters``)
     used instead of the module's own through ``torch.func.functional_call``, so one module skeleton
     evaluates several parameter sets (e.g. the reference policy). Missing names fall back to the
@@ -487,6 +491,9 @@ def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     target, prefix = _call_target(model)
     args = (microbatch.input_ids, microbatch.position_ids, None)
     kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(microbatch)}
+    if getattr(unwrap_model(target), "takes_multi_modal", False):  # e.g. fnppo.vlm.VisionLanguageGPT
+        kwargs["multi_modal"] = microbatch.multi_modal
+        kwargs["multi_modal_counts"] = microbatch.multi_modal_counts
     if isinstance(target, Float16Module):
         kwargs["fp32_output"] = False
     if params is None:
@@ -562,11 +569,14 @@ def _tp_of(param: Tensor, layout: ParallelLayout) -> tuple[int, int]:
 
 
 def _global_name(core: nn.Module, name: str) -> str:
-    """The 1-rank name: global layer index; local expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``."""
+    """The 1-rank name: global layer index (any prefix, e.g. a VLM's ``language_model.``); local
+    expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``."""
     parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
-        layer = core.decoder.layers[int(parts[2])]
-        parts[2] = str(layer.layer_number - 1)
+    for j in range(len(parts) - 2):
+        if parts[j] == "decoder" and parts[j + 1] == "layers" and parts[j + 2].isdigit():
+            layer = core.get_submodule(".".join(parts[: j + 3]))
+            parts[j + 2] = str(layer.layer_number - 1)
+            break
     if "experts" in parts and core.config.num_moe_experts:
         from megatron.core import parallel_state as ps
 
@@ -582,11 +592,25 @@ def _global_name(core: nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
+def _tied_output(core: nn.Module, gname: str) -> bool:
+    """Whether ``gname`` is an output layer tied to its model's word embeddings."""
+    return gname.endswith("output_layer.weight") and bool(getattr(core, "share_embeddings_and_output_weights", False))
+
+
+def _embedding_name(gname: str) -> str:
+    """The word-embedding name beside an output layer: ``<prefix>output_layer.weight`` -> ``<prefix>embedding.word_embeddings.weight``."""
+    return gname[: -len("output_layer.weight")] + "embedding.word_embeddings.weight"
+
+
 def _is_gated_fc1(core: nn.Module, name: str) -> bool:
-    if not core.config.gated_linear_unit:
-        return False
+    """A gated MLP's fused ``[gate; up]`` fc1 (dense, expert or grouped-GEMM expert), judged by the
+    config of the module that owns it (a VLM's vision MLP has its own)."""
     parts = name.split(".")
-    return "mlp" in parts and len(parts) >= 2 and parts[-2] == "linear_fc1" and parts[-1].rstrip("0123456789") in ("weight", "bias")
+    if not ("mlp" in parts and len(parts) >= 3 and parts[-2] == "linear_fc1"
+            and parts[-1].rstrip("0123456789") in ("weight", "bias")):
+        return False
+    owner = core.get_submodule(".".join(parts[:-2]))
+    return bool(getattr(getattr(owner, "config", core.config), "gated_linear_unit", False))
 
 
 def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_rank: int) -> Tensor:
@@ -620,8 +644,8 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
         core = unwrap_model(chunk)
         for name, param in core.named_parameters():
             gname = _global_name(core, name)
-            if gname == "output_layer.weight" and gname not in full and "embedding.word_embeddings.weight" in full:
-                gname = "embedding.word_embeddings.weight"
+            if gname.endswith("output_layer.weight") and gname not in full and _embedding_name(gname) in full:
+                gname = _embedding_name(gname)
             if gname not in full:
                 problem = problem or str(input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor"))
                 continue
@@ -681,7 +705,7 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
                     t = torch.cat(gates + ups, dim=dim)
                 else:
                     t = torch.cat(parts, dim=dim)
-            if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
+            if _tied_output(core, gname):
                 continue
             local[gname] = t.cpu()
     if layout.ep > 1:  # each EP rank holds other experts (and the same dense weights)
@@ -729,11 +753,12 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
             sigma = std if std is not None else cfg.init_method_std
             for name, param in core.named_parameters():
                 gname = _global_name(core, name)
-                if gname == "output_layer.weight" and core.share_embeddings_and_output_weights:
-                    gname = "embedding.word_embeddings.weight"
+                if _tied_output(core, gname):
+                    gname = _embedding_name(gname)
                 tp, tp_rank = _tp_of(param, layout)
                 shape = _full_shape(core, name, param, tp)
-                if "norm" in name.split(".")[-2] or name.endswith("layer_norm_weight"):
+                owner = name.split(".")[-2]
+                if "norm" in owner or owner.startswith("ln_") or name.endswith("layer_norm_weight"):
                     full = torch.ones(shape)
                 elif name.endswith("bias"):
                     full = torch.zeros(shape)

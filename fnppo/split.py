@@ -279,8 +279,11 @@ def split_batch(
 
 
 def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pad_to_multiple_of: int,
-          layout: str) -> SplitPlan:
+          layout: str, length: Callable[[Sample], int] = len) -> SplitPlan:
     """:func:`split_batch` on checked arguments (the step's path): count, agree over DP, group.
+
+    ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
+    stage that expands a sample, e.g. :class:`fnppo.vlm.VLMCollate`, says how much).
 
     Raises:
         InputError: the checks only the data can answer: ``num_microbatches`` above the batch
@@ -289,7 +292,7 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
     fn = "split_batch"
     n = len(samples)
     name, size = mode
-    lengths = [_round_up(len(s), pad_to_multiple_of) for s in samples]
+    lengths = [_round_up(length(s), pad_to_multiple_of) for s in samples]
     local: list[list[int]] | None = None
     if name == "num_microbatches":
         k = size
@@ -350,7 +353,8 @@ def build_microbatches(
         mode: ``(name, size)`` from :func:`split_mode`.
         layout, pad_to_multiple_of: as in :func:`split_batch` / :func:`collate_microbatch`.
         collate: the collate stage, called as ``collate(group, layout=, pad_to_multiple_of=,
-            sample_index=)``.
+            sample_index=)``; its ``collated_length(sample)``, when it has one, is the token count
+            the split uses (default ``len(sample)``).
         device: where the micro-batches go.
         dp_group: the data-parallel group the micro-batch count is agreed over (None: no agreement).
         same_length: pad every micro-batch to the longest one (:func:`fnppo.batch.pad_microbatch`;
@@ -361,7 +365,8 @@ def build_microbatches(
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
     """
-    plan = _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout)
+    length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
+    plan = _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length)
     mbs = [
         to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
