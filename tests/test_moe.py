@@ -263,3 +263,34 @@ def test_model_config_refuses_bad_moe_settings():
         _cfg(moe_load_balancing="none", moe_aux_loss_coeff=0.1)
     with pytest.raises(fnppo.InputError, match="moe_dispatcher"):
         _cfg(moe_dispatcher="flex")
+
+
+def _allgather_check_on_rank(tokens_per_rank: list[int]):
+    """One rank: ``_check_allgather`` on a micro-batch of this rank's token count (EP=2)."""
+    import types
+
+    from fnppo.moe import _check_allgather
+    from fnppo.typing import InputError
+
+    layout = fnppo.current_layout()
+    mb = types.SimpleNamespace(input_ids=torch.zeros(1, tokens_per_rank[layout.ep_rank], dtype=torch.long))
+    cfg = types.SimpleNamespace(moe_token_dispatcher_type="allgather")
+    try:
+        _check_allgather(cfg, [mb], layout, torch.device("cpu"))
+    except InputError as err:
+        return str(err)
+    return None
+
+
+def test_allgather_dispatcher_refuses_unequal_token_counts():
+    from tests.messages import check_message
+    from fnppo.typing import InputError
+
+    equal = run_ranks(_allgather_check_on_rank, 2, [8, 8], ep=2)
+    assert equal == [None, None]
+    unequal = run_ranks(_allgather_check_on_rank, 2, [8, 6], ep=2)
+    for msg in unequal:  # every rank refuses, with the same expectation
+        assert msg is not None
+        check_message(InputError(msg), InputError, "train_step", "batch",
+                      "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather'",
+                      "max [8] over the EP group")
