@@ -14,7 +14,7 @@ The pieces, each usable alone:
 * :func:`compute_tis_weights` -- truncated importance weights and rejection against the rollout
   engine (the computation lives in :mod:`fnppo.rollout_correction`).
 * :func:`tis_batch_stats` -- the local ``(sum, count)`` of the weights, for batch normalization.
-* :func:`value_loss` -- clipped value loss for PPO with a critic.
+* :func:`value_loss` -- clipped value loss for PPO with a critic (:class:`ValueLossConfig` for ``critic_step``).
 * :func:`loss_normalizer` -- the local denominator of a micro-batch, to be summed over the step.
 
 Beside it: :mod:`fnppo.policy_losses` (the registry and the built-in policy losses ``ppo``,
@@ -101,6 +101,7 @@ __all__ = [
     "tis_batch_stats",
     "SEQ_REJECTION_CRITERIA",
     "value_loss",
+    "ValueLossConfig",
     "loss_normalizer",
     "weighted_metric",
     "merge_metrics",
@@ -782,6 +783,32 @@ def ppo_loss(
 # =============================================================================================
 # Value loss
 # =============================================================================================
+def _check_value_clip(fn: str, clip_range: Any) -> None:
+    """``clip_range`` is a number >= 0 or None (the one home of this check)."""
+    if clip_range is not None and not (_is_number(clip_range) and clip_range >= 0):
+        raise input_error(fn, "clip_range", "a number >= 0 or None", repr(clip_range))
+
+
+@dataclass(frozen=True)
+class ValueLossConfig:
+    """Configuration of the critic's :func:`value_loss` in :func:`fnppo.critic_step`. Frozen; validated when built.
+
+    Attributes:
+        clip_range: value clipping around the rollout-time values, ``>= 0``; ``None``: no clipping
+            (then the samples need no ``values``).
+        loss_agg_mode, loss_scale_factor: as in :class:`PolicyLossConfig`.
+    """
+
+    clip_range: float | None = 0.2
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.ValueLossConfig"
+        _check_value_clip(fn, self.clip_range)
+        _check_agg_mode(fn, self.loss_agg_mode, self.loss_scale_factor, stray_scale_ok=False)
+
+
 @typechecked
 def value_loss(
     values: PaddedFloat,
@@ -797,11 +824,16 @@ def value_loss(
 ) -> tuple[Scalar, dict[str, Tensor]]:
     """Clipped value loss of PPO with a critic.
 
-    ``V_clip = old_V + clip(V - old_V, -clip_range, clip_range)`` and per token
-    ``l_t = 1/2 max((V - R)^2, (V_clip - R)^2)`` (``clip_range=None``: ``1/2 (V - R)^2``),
-    aggregated like :func:`ppo_loss` (``loss_agg_mode``, ``normalizer``, ``seq_ids``).
+    With ``d = V - old_V``: where ``|d| > clip_range`` (the clip is active),
+    ``V_clip = old_V + clip(d, -clip_range, clip_range)``, elsewhere ``V_clip = V`` exactly; per
+    token ``l_t = 1/2 max((V - R)^2, (V_clip - R)^2)`` (``clip_range=None``: ``1/2 (V - R)^2``),
+    aggregated like :func:`ppo_loss` (``loss_agg_mode``, ``normalizer``, ``seq_ids``). Taking
+    ``V_clip = V`` inside the clip range keeps fp32 rounding of ``old_V + d`` from ever choosing
+    the clipped branch there, so ``vf_clipfrac`` counts exactly the tokens whose loss is the
+    clipped term (the tokens with zero gradient).
 
-    Reference: PPO, arXiv:1707.06347 (value clipping as in the OpenAI baselines implementation).
+    Reference: PPO, arXiv:1707.06347 (value clipping as in the OpenAI baselines implementation);
+    explained variance ``1 - Var(R - V) / Var(R)`` as reported by baselines.
 
     Args:
         values: ``[batch, seq]`` predicted values (carry the gradient).
@@ -812,8 +844,11 @@ def value_loss(
         normalizer, seq_ids: as in :func:`ppo_loss`.
 
     Returns:
-        ``(loss, metrics)`` with ``vf_loss`` (numerator, local denominator), ``vf_clipfrac``
-        (tokens where the clipped term is the larger one) and ``vpred_mean``.
+        ``(loss, metrics)`` with ``vf_loss`` (numerator, local denominator), ``vf_clipfrac`` (the
+        fraction of valid tokens whose loss is the clipped term), ``vpred_mean`` and the token means
+        ``vf_returns``, ``vf_returns_sq``, ``vf_error``, ``vf_error_sq`` of ``R``, ``R^2``,
+        ``R - V``, ``(R - V)^2``, from which :func:`~fnppo.metrics.finalize_metrics` derives the
+        exact ``vf_explained_var`` of the whole step.
 
     Raises:
         InputError: an empty batch, a bad ``clip_range`` or mode; with checking on, as
@@ -821,8 +856,7 @@ def value_loss(
     """
     fn = "fnppo.value_loss"
     _check_non_empty(fn, "values", values)
-    if clip_range is not None and not (_is_number(clip_range) and clip_range >= 0):
-        raise input_error(fn, "clip_range", "a number >= 0 or None", repr(clip_range))
+    _check_value_clip(fn, clip_range)
     mode, scale = _mode_and_scale(loss_agg_mode, loss_scale_factor, fn)
     if typechecking_enabled():
         _validate(fn, mask, {"values": values, "old_values": old_values, "returns": returns}, normalizer, seq_ids,
@@ -833,11 +867,17 @@ def value_loss(
     if clip_range is None:
         per_tok, clipped = 0.5 * l1, torch.zeros_like(tok.m)
     else:
-        v_clip = old + torch.clamp(v - old, -clip_range, clip_range)
+        d = v - old
+        active = d.abs() > clip_range
+        v_clip = torch.where(active, old + torch.clamp(d, -clip_range, clip_range), v)
         l2 = (v_clip - ret) ** 2
-        per_tok, clipped = 0.5 * torch.maximum(l1, l2), l2 > l1
+        clipped = active & (l2 > l1)
+        per_tok = 0.5 * torch.where(clipped, l2, l1)
     agg_w, local_den = _agg_weights(tok.mf, tok.seg, mode, scale)
     num = (per_tok * agg_w).sum()
     loss = num / _denominator(normalizer, local_den)
+    err = (ret - v).detach()
     return loss, {"vf_loss": pair_metric(num, local_den), "vf_clipfrac": weighted_metric(clipped.to(tok.mf.dtype), tok.mf),
-                  "vpred_mean": weighted_metric(v, tok.mf)}
+                  "vpred_mean": weighted_metric(v, tok.mf), "vf_returns": weighted_metric(ret, tok.mf),
+                  "vf_returns_sq": weighted_metric(ret * ret, tok.mf), "vf_error": weighted_metric(err, tok.mf),
+                  "vf_error_sq": weighted_metric(err * err, tok.mf)}

@@ -107,7 +107,11 @@ def finalize_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
     Derived entry: when ``tis_weight`` and ``tis_weight_sq`` are present, ``tis_ess`` is the
     normalized effective sample size of the importance weights,
     ``ESS / n = mean(w)^2 / mean(w^2)`` in ``(0, 1]`` (computed from the merged sums, so it is the
-    exact ESS of the whole step; Kong 1992).
+    exact ESS of the whole step; Kong 1992). When the value-loss means ``vf_returns``,
+    ``vf_returns_sq``, ``vf_error``, ``vf_error_sq`` (of ``R``, ``R^2``, ``e = R - V``, ``e^2``
+    over valid tokens, :func:`fnppo.value_loss`) are present, ``vf_explained_var`` is
+    ``1 - Var(e) / Var(R)`` with ``Var(x) = mean(x^2) - mean(x)^2`` of the whole step (0.0 when the
+    returns have no variance).
 
     Args:
         metrics: ``{key: [2] pair}``, on any device.
@@ -123,4 +127,8 @@ def finalize_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:
     if "tis_weight" in out and "tis_weight_sq" in out:
         mean_w, mean_w2 = out["tis_weight"], out["tis_weight_sq"]
         out["tis_ess"] = mean_w * mean_w / mean_w2 if mean_w2 > 0 else 0.0
+    if all(k in out for k in ("vf_returns", "vf_returns_sq", "vf_error", "vf_error_sq")):
+        var_r = out["vf_returns_sq"] - out["vf_returns"] ** 2
+        var_e = out["vf_error_sq"] - out["vf_error"] ** 2
+        out["vf_explained_var"] = 1.0 - var_e / var_r if var_r > 0 else 0.0
     return out

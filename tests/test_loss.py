@@ -813,6 +813,58 @@ def test_value_loss_closed_form():
     assert empty.item() == 0.0 and torch.equal(grad_of(empty, v), torch.zeros(1, 3))
 
 
+def test_value_clipfrac_counts_exactly_the_clipped_tokens():
+    """vf_clipfrac is the fraction of tokens whose loss is the clipped term (float64 decision), and
+    those are exactly the tokens without gradient; inside the clip range the loss is 1/2 (V - R)^2
+    bit for bit (fp32 rounding of old_V + (V - old_V) never picks the clipped branch there)."""
+    g = torch.Generator().manual_seed(3)
+    n, clip = 4096, 0.2
+    v0 = torch.randn(1, n, generator=g)
+    far = torch.rand(1, n, generator=g) < 0.3  # |V - old_V| well outside the range, else well inside
+    step = torch.where(far, 1.1 + torch.rand(1, n, generator=g), 0.95 * torch.rand(1, n, generator=g))
+    sign = torch.where(torch.rand(1, n, generator=g) < 0.5, -1.0, 1.0)
+    old = v0 - sign * clip * step
+    ret = v0 + 0.5 * torch.randn(1, n, generator=g)
+    mask = torch.ones(1, n)
+    v = leaf(v0)
+    loss, m = value_loss(v, old, ret, mask, clip)
+    v64, old64, ret64 = v0.double(), old.double(), ret.double()
+    d64 = v64 - old64
+    l1 = (v64 - ret64) ** 2
+    l2 = (old64 + d64.clamp(-clip, clip) - ret64) ** 2
+    clipped = (d64.abs() > clip) & (l2 > l1)
+    assert 0 < int(clipped.sum()) < int(far.sum())  # some clipped tokens, not all the far ones
+    fin = finalize_metrics(m)
+    assert fin["vf_clipfrac"] == float(clipped.double().mean())
+    grad = grad_of(loss, v)
+    assert torch.equal(grad == 0, clipped), "the clipped tokens and only they have zero gradient"
+    inside = ~far
+    loss_in, m_in = value_loss(v0[inside][None], old[inside][None], ret[inside][None], mask[inside][None], clip)
+    unclipped, _ = value_loss(v0[inside][None], old[inside][None], ret[inside][None], mask[inside][None], None)
+    assert finalize_metrics(m_in)["vf_clipfrac"] == 0.0 and torch.equal(loss_in, unclipped)
+
+
+def test_value_explained_variance_is_exact_over_splits():
+    """vf_explained_var = 1 - Var(R - V) / Var(R) over the valid tokens of the whole step (float64
+    reference), the same from merged micro-batch pairs as from one call; 0.0 for constant returns."""
+    g = torch.Generator().manual_seed(5)
+    v, old = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    ret = 0.7 * v + 0.4 * torch.randn(4, 6, generator=g) + 1.5
+    mask = (torch.rand(4, 6, generator=g) < 0.7).float()
+    _, full = value_loss(v, old, ret, mask, 0.2)
+    parts = [value_loss(v[i:j], old[i:j], ret[i:j], mask[i:j], 0.2)[1] for i, j in ((0, 1), (1, 4))]
+    keep = mask.bool()
+    r64, e64 = ret.double()[keep], (ret.double() - v.double())[keep]
+    want = 1.0 - float(e64.var(unbiased=False) / r64.var(unbiased=False))
+    assert 0.2 < want < 0.95
+    for metrics in (full, merge_metrics(parts)):
+        fin = finalize_metrics(metrics)
+        assert fin["vf_explained_var"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert fin["vpred_mean"] == pytest.approx(float(v.double()[keep].mean()), rel=1e-5)
+    _, flat = value_loss(v, old, torch.full_like(v, 2.0), mask, 0.2)
+    assert finalize_metrics(flat)["vf_explained_var"] == 0.0
+
+
 def reference_value_loss(v, old, ret, mask, clip, mode, scale):
     """The documented value loss, one token at a time."""
     seqs = []
