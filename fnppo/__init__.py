@@ -2,7 +2,8 @@
 
 The public API is :data:`__all__`. Stages (pure functions): ``collate_microbatch``,
 ``forward_logits``, ``logprob_and_entropy``, ``ppo_loss``, ``finalize_grads``; composed by
-``train_step`` / ``compute_logprobs`` inside Megatron's own pipeline schedule.
+``train_step`` / ``compute_logprobs`` (and, for a critic, ``forward_values`` and ``value_loss``
+composed by ``critic_step`` / ``compute_values``) inside Megatron's own pipeline schedule.
 
 The pure-torch core (losses, advantages, log-probs, batching, metrics, type checks) is imported
 with the package and needs no Megatron. Everything that touches Megatron (attention, model, step,
@@ -37,6 +38,7 @@ from fnppo.loss import kl_penalty as kl_penalty
 from fnppo.loss import loss_normalizer as loss_normalizer
 from fnppo.loss import ppo_loss as ppo_loss
 from fnppo.loss import value_loss as value_loss
+from fnppo.loss import ValueLossConfig as ValueLossConfig
 from fnppo.metrics import finalize_metrics as finalize_metrics
 from fnppo.metrics import merge_metrics as merge_metrics
 from fnppo.policy_losses import PolicyLossInputs as PolicyLossInputs
@@ -90,6 +92,7 @@ _LAZY: dict[str, str] = {
     "build_gpt": "model",
     "build_optimizer": "model",
     "forward_logits": "model",
+    "forward_values": "model",
     "gather_full_weights": "model",
     "layout_invariant_init": "model",
     "load_full_weights": "model",
@@ -106,6 +109,11 @@ _LAZY: dict[str, str] = {
     "LogprobFn": "step",
     "LossFn": "step",
     "compute_logprobs": "step",
+    "CriticConfig": "step",
+    "CriticFns": "step",
+    "ValueLossFn": "step",
+    "compute_values": "step",
+    "critic_step": "step",
     "forward_only": "step",
     "shard_for_data_parallel": "step",
     "train_step": "step",
@@ -113,7 +121,7 @@ _LAZY: dict[str, str] = {
     "VisionConfig": "vlm",
     "build_vlm": "vlm",
 }
-_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "parallel", "step", "testing", "vlm")
+_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "parallel", "step", "testing", "value", "vlm")
 
 __all__ = [
     # advantages
@@ -123,7 +131,7 @@ __all__ = [
     # log-probs, losses, metrics
     "logprob_and_entropy", "linear_logprob_and_entropy", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
     "get_policy_loss", "kl_penalty", "loss_normalizer", "merge_metrics", "ppo_loss", "register_policy_loss",
-    "registered_policy_losses", "value_loss",
+    "registered_policy_losses", "value_loss", "ValueLossConfig",
     # more advantage estimators, KL control
     "pass_at_k_advantages", "reinforce_pp_baseline_advantages", "masked_moments", "remax_advantages",
     "opo_advantages", "gpg_advantages", "gpg_batch_counts", "optimal_token_baseline_advantages",

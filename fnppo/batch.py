@@ -18,8 +18,8 @@ split, the training step): :func:`check_lengths`, :func:`check_same_fields`,
 Alignment (both layouts). Position ``t`` holds the input token ``input_ids[b, t]`` and predicts
 ``labels[b, t] = input_ids[b, t + 1]`` of the same sample (0 where there is none). Response token
 ``j`` of a sample with prompt length ``P`` is the label at position ``P - 1 + j``; ``loss_mask``,
-``old_logprobs``, ``advantages``, ``ref_logprobs`` and ``rollout_logprobs`` carry that token's value
-at that position and 0 everywhere else. ``position_ids`` restart at 0 for every sample and are 0 on
+``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs``, ``values`` and ``returns``
+carry that token's value at that position and 0 everywhere else. ``position_ids`` restart at 0 for every sample and are 0 on
 padding; ``seq_ids`` is the sample's index within the micro-batch, -1 on padding.
 
 Megatron's ``PackedSeqParams`` is built from ``cu_seqlens``/``max_seqlen`` in :mod:`fnppo.model`.
@@ -105,7 +105,9 @@ def _register(cls: type[_C], leaves: tuple[str, ...], static: tuple[str, ...]) -
 # ---------------------------------------------------------------------------------------------
 # Sample
 # ---------------------------------------------------------------------------------------------
-_PER_TOKEN_FLOAT = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+_PER_TOKEN_FLOAT = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns")
+_ALL_OR_NONE = ("ref_logprobs", "rollout_logprobs", "values", "returns")
+"""Optional per-token fields that one micro-batch holds for every sample or for none."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,7 +124,11 @@ class Sample:
     * ``response_mask``: a 0/1 tensor ``[r]`` (bool, int or float) or None (all ones); 0 removes a
       response token from the loss, e.g. tool output inside a multi-turn response;
     * ``multi_modal``: ``Mapping[str, Tensor]`` (default empty); dim 0 of each tensor indexes items
-      (images, patches, ...) of this sample.
+      (images, patches, ...) of this sample;
+    * ``values``, ``returns``: ``Float[Tensor, "r"]`` or None, for the critic
+      (:func:`fnppo.critic_step`): ``values[j]`` is the critic's value at rollout time of the state
+      before response token ``j`` (:func:`fnppo.compute_values`), ``returns[j]`` its target (e.g.
+      from :func:`fnppo.gae_advantages`); like ``ref_logprobs``, all samples of a batch or none.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen in :func:`collate_microbatch`. :meth:`from_lists` builds one from Python lists.
@@ -136,6 +142,8 @@ class Sample:
     rollout_logprobs: Float[Tensor, " r"] | None = None
     response_mask: Shaped[Tensor, " r"] | None = None
     multi_modal: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
+    values: Float[Tensor, " r"] | None = None
+    returns: Float[Tensor, " r"] | None = None
 
     def __post_init__(self) -> None:
         fn = "Sample"
@@ -189,6 +197,8 @@ class Sample:
         rollout_logprobs: Sequence[float] | Tensor | None = None,
         response_mask: Sequence[float] | Tensor | None = None,
         multi_modal: Mapping[str, Any] | None = None,
+        values: Sequence[float] | Tensor | None = None,
+        returns: Sequence[float] | Tensor | None = None,
     ) -> Sample:
         """Build a :class:`Sample` from lists: ids become int64, values float32, the mask float32.
 
@@ -214,6 +224,8 @@ class Sample:
             rollout_logprobs=floats(rollout_logprobs),
             response_mask=floats(response_mask),
             multi_modal=mm,
+            values=floats(values),
+            returns=floats(returns),
         )
 
 
@@ -242,7 +254,8 @@ class Microbatch:
 
     Leaves (moved by ``optree.tree_map(lambda x: x.to(device), mb)``; None stays None):
     ``input_ids``, ``position_ids``, ``labels``, ``seq_ids`` (int64), ``loss_mask``,
-    ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs`` (float32),
+    ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs``, ``values``, ``returns``
+    (float32; the last four None when the samples have none),
     ``attention_mask`` (bool, padded layout only, True on real tokens), ``cu_seqlens`` (int32
     ``[n + 1]`` over the padded segment lengths, packed layout only), ``sample_index`` (int64 ``[n]``,
     indices of the samples into the original batch: a record for custom stages; results are put back
@@ -273,6 +286,8 @@ class Microbatch:
     prompt_lens: tuple[int, ...]
     response_lens: tuple[int, ...]
     pad_to_multiple_of: int
+    values: Float[Tensor, "batch seq"] | None = None
+    returns: Float[Tensor, "batch seq"] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -298,7 +313,7 @@ class Microbatch:
 _MB_LEAVES = (
     "input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages", "ref_logprobs",
     "rollout_logprobs", "seq_ids", "attention_mask", "cu_seqlens", "sample_index", "multi_modal",
-    "multi_modal_counts",
+    "multi_modal_counts", "values", "returns",
 )
 _MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)
@@ -355,16 +370,16 @@ def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str,
 
 
 def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
-    """``ref_logprobs`` / ``rollout_logprobs`` are given for all samples or for none.
+    """``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` are given for all samples or for none.
 
     Returns:
-        ``{name: all samples have it}`` for both names.
+        ``{name: all samples have it}`` for each of these names.
 
     Raises:
         InputError: naming the first sample without the field and one that has it.
     """
     present: dict[str, bool] = {}
-    for name in ("ref_logprobs", "rollout_logprobs"):
+    for name in _ALL_OR_NONE:
         have = [getattr(s, name) is not None for s in samples]
         if any(have) and not all(have):
             missing = have.index(False)
@@ -447,8 +462,9 @@ def collate_microbatch(
 
     Raises:
         InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,
-            token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob or
-            advantage, ref/rollout log-probs given for some samples only, mismatched multi-modal
+            token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob,
+            advantage, value or return, ref/rollout log-probs, values or returns given for some
+            samples only, mismatched multi-modal
             items, samples on different devices.
     """
     fn = "collate_microbatch"
@@ -494,7 +510,8 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
     return sample_index, check_same_fields(fn, samples)
 
 
-_ROW_FIELDS = ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")
+_ROW_FIELDS = ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs",
+               "values", "returns")
 
 
 def _collate_rows(samples: list[Sample], seg_lens: list[int], pad_token_id: int, present: dict[str, bool]) -> dict[str, list[Tensor]]:
@@ -662,6 +679,8 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         advantages=pad(mb.advantages, 0.0),
         ref_logprobs=pad(mb.ref_logprobs, 0.0),
         rollout_logprobs=pad(mb.rollout_logprobs, 0.0),
+        values=pad(mb.values, 0.0),
+        returns=pad(mb.returns, 0.0),
         seq_ids=pad(mb.seq_ids, -1),
         attention_mask=pad(mb.attention_mask, False),
     )

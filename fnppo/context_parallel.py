@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 _PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages",
-              "ref_logprobs", "rollout_logprobs", "seq_ids")
+              "ref_logprobs", "rollout_logprobs", "seq_ids", "values", "returns")
 
 
 def _boundaries(cu_seqlens: Tensor | Sequence[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Megatron GPT models: configuration, builders, full-weight loading, and ``forward_logits``.
+"""Megatron GPT models: configuration, builders, full-weight loading, ``forward_logits`` and ``forward_values``.
 
 This is one of the three modules that touch Megatron (with ``grads`` and ``step``). Everything here
 is a function of its arguments: the model chunks are passed in and returned; Megatron's parallel
@@ -27,6 +27,7 @@ __all__ = [
     "build_optimizer",
     "unwrap_model",
     "forward_logits",
+    "forward_values",
     "forward_hidden",
     "packed_seq_params",
     "load_full_weights",
@@ -293,30 +294,52 @@ def _grouped_gemm(cfg: ModelConfig) -> bool:
     return te_available()
 
 
-def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayout | None = None, **config_overrides: Any) -> list[nn.Module]:
+HEADS = ("lm", "value")
+"""What the last pipeline stage ends in: ``"lm"`` (the vocabulary output layer, logits) or
+``"value"`` (a scalar value head per token, :class:`fnppo.value.GPTValueModel`)."""
+
+
+def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, layout: ParallelLayout | None = None,
+              **config_overrides: Any) -> list[nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) of a Megatron ``GPTModel``.
+
+    ``head="lm"``: a ``GPTModel`` (logits, :func:`forward_logits`). ``head="value"``: the critic of
+    PPO, a :class:`fnppo.value.GPTValueModel` with the same trunk and a scalar head per token on the
+    last stage instead of the vocabulary output layer (values, :func:`forward_values`); it never
+    ties its embedding (``cfg.tie_embeddings`` is ignored), and its fresh head can sit on an actor's
+    or a Hugging Face checkpoint's trunk (:func:`load_full_weights` with ``fresh_head=True``,
+    :func:`fnppo.hf.load_hf_weights`).
 
     ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
     when installed, else the local spec with packed-sequence attention). Half-precision models are
     wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`. Each
     ``GPTModel`` keeps ``cfg`` as ``fnppo_config`` (its ``vocab_size`` is the real vocabulary; the
     model's own ``vocab_size`` is the padded one).
+
+    Raises:
+        InputError: an unknown ``head``; the configuration errors of :func:`transformer_config`.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     from fnppo.attention import default_layer_spec
 
+    if head not in HEADS:
+        raise input_error("fnppo.build_gpt", "head", f"one of {HEADS}", repr(head))
+    if head == "value":
+        from fnppo.value import GPTValueModel as model_class
+    else:
+        model_class = GPTModel
     layout = layout or current_layout()
     tcfg = transformer_config(cfg, layout, **config_overrides)
     if layer_spec is not None:
         spec = layer_spec
     elif cfg.num_experts is not None:
         spec = default_layer_spec(cfg, moe_grouped_gemm=tcfg.moe_grouped_gemm)
-    if cfg.num_experts is not None:
-        _moe_without_te()
     else:
         spec = default_layer_spec(cfg)
+    if cfg.num_experts is not None:
+        _moe_without_te()
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     from megatron.core import parallel_state as ps
@@ -324,7 +347,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
     for vp in stages:
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        model = GPTModel(
+        model = model_class(
             config=tcfg,
             transformer_layer_spec=_block_spec(spec, tcfg, vp),
             vocab_size=cfg.padded_vocab_size,
@@ -332,7 +355,7 @@ def build_gpt(cfg: ModelConfig, *, layer_spec: Any = None, layout: ParallelLayou
             pre_process=pre,
             post_process=post,
             parallel_output=True,
-            share_embeddings_and_output_weights=cfg.tie_embeddings,
+            share_embeddings_and_output_weights=cfg.tie_embeddings and head == "lm",
             position_embedding_type=cfg.position_embedding_type,
             rotary_percent=cfg.rotary_percent,
             rotary_base=int(cfg.rotary_base) if float(cfg.rotary_base).is_integer() else cfg.rotary_base,
@@ -468,6 +491,45 @@ def packed_seq_params(mb: Microbatch):
     )
 
 
+def model_head(model: nn.Module) -> str:
+    """``"value"`` for a value model (``build_gpt(cfg, head="value")``), else ``"lm"`` (any wrapper)."""
+    return getattr(unwrap_model(model), "fnppo_head", "lm")
+
+
+def check_head(fn: str, arg: str, model: nn.Module, head: str) -> None:
+    """``model`` (any wrapper) ends in ``head`` (one of :data:`HEADS`); the one home of this check.
+
+    Raises:
+        InputError: naming ``fn`` and ``arg``, e.g. a value model given to :func:`forward_logits`.
+    """
+    have = model_head(model)
+    if have != head:
+        want = "a value model (fnppo.build_gpt(cfg, head='value'))" if head == "value" else "a language model with a vocabulary output layer (head='lm')"
+        got = "a value model (head='value')" if have == "value" else f"{type(unwrap_model(model)).__name__} with a vocabulary output layer (head='lm')"
+        raise input_error(fn, arg, want, got)
+
+
+@typechecked
+def forward_values(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Float[Tensor, "..."]:
+    """Run one chunk of a value model on a micro-batch: one value per position on the last stage.
+
+    ``values[b, t] = V(input_ids[b, :t+1])``, the head of :class:`fnppo.value.GPTValueModel` on the
+    decoder's (normed) output at position ``t``, ``[batch, seq]`` in the model's dtype (no fp32
+    upcast), over the whole sequence also under sequence parallelism. With the alignment of
+    :mod:`fnppo.batch`, the value at the position of response token ``j``'s label is the value of
+    the state before that token (the last prompt token for ``j = 0``). Other stages return
+    Megatron's hidden state ``[seq, batch, hidden]`` (the schedule sends it on). Packed micro-batches
+    get ``PackedSeqParams``; ``params`` as in :func:`forward_logits`.
+
+    Reference: the value function of PPO, arXiv:1707.06347.
+
+    Raises:
+        InputError: ``model`` is not a value model.
+    """
+    check_head("fnppo.forward_values", "model", model, "value")
+    return _forward(model, microbatch, params)
+
+
 @typechecked
 def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Float[Tensor, "..."]:
     """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
@@ -485,7 +547,16 @@ def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     used instead of the module's own through ``torch.func.functional_call``, so one module skeleton
     evaluates several parameter sets (e.g. the reference policy). Missing names fall back to the
     module's own tensors.
+
+    Raises:
+        InputError: ``model`` is a value model (use :func:`forward_values`).
     """
+    check_head("fnppo.forward_logits", "model", model, "lm")
+    return _forward(model, microbatch, params)
+
+
+def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tensor] | None) -> Tensor:
+    """One chunk on one micro-batch (the body of :func:`forward_logits` / :func:`forward_values`)."""
     from megatron.core.transformer.module import Float16Module
 
     target, prefix = _call_target(model)
@@ -519,13 +590,14 @@ def forward_hidden(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     """
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
+    check_head("fnppo.forward_hidden", "model", model, "lm")
     core = unwrap_model(model)
     if not core.post_process:
-        return forward_logits(model, microbatch, params=params), None
+        return _forward(model, microbatch, params), None
     weight = _output_weight(core, params)
     core.post_process = False  # GPTModel._postprocess then returns the decoder's (normed) output
     try:
-        hidden = forward_logits(model, microbatch, params=params)
+        hidden = _forward(model, microbatch, params)
     finally:
         core.post_process = True
     layer = core.output_layer
@@ -623,7 +695,20 @@ def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_
     return full.chunk(tp, dim=dim)[tp_rank]
 
 
-def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True) -> None:
+def _is_value_head(gname: str) -> bool:
+    from fnppo.value import VALUE_HEAD_PREFIX
+
+    return gname.startswith(VALUE_HEAD_PREFIX)
+
+
+def _skippable_with_fresh_head(gname: str) -> bool:
+    """Tensors of ``full`` that ``fresh_head=True`` leaves aside: a policy's vocabulary output
+    layer, a critic's value head."""
+    return gname.endswith("output_layer.weight") or _is_value_head(gname)
+
+
+def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True,
+                      fresh_head: bool = False) -> list[str]:
     """Copy this rank's TP/PP/EP shard of full (1-rank) weights into the model chunks' parameters.
 
     Expert weights: EP rank ``r`` holds experts ``r * E / ep ... (r + 1) * E / ep - 1`` (full names
@@ -633,9 +718,23 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
     ``strict`` no tensor of ``full`` may be left unused by the whole world. Collective: the ranks
     share their verdicts before anything is written, so a mismatch on any rank loads nothing anywhere
     and every rank raises the same error.
+
+    ``fresh_head=True`` (value models, ``build_gpt(cfg, head="value")``): the trunk is loaded and the
+    value head keeps the weights it has (a fresh head on an actor's trunk); a policy's vocabulary
+    output layer (``output_layer.weight``) and a stored value head in ``full`` are skipped.
+
+    Returns:
+        The names of the tensors of ``full`` that were not loaded (sorted; empty with ``strict``
+        unless ``fresh_head`` skipped some).
+
+    Raises:
+        InputError: a parameter missing from ``full`` or of another shape; with ``strict``, unused
+            tensors; ``fresh_head`` for a model without a value head.
     """
     import torch.distributed as dist
 
+    if fresh_head and not any(model_head(c) == "value" for c in model_chunks):
+        raise input_error("load_full_weights", "fresh_head", "False for a model without a value head (head='lm')", "True")
     layout = current_layout()
     plan: list[tuple[Tensor, Tensor]] = []
     used: set[str] = set()
@@ -644,6 +743,8 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
         core = unwrap_model(chunk)
         for name, param in core.named_parameters():
             gname = _global_name(core, name)
+            if fresh_head and _is_value_head(gname):
+                continue  # keeps its weights
             if gname.endswith("output_layer.weight") and gname not in full and _embedding_name(gname) in full:
                 gname = _embedding_name(gname)
             if gname not in full:
@@ -670,14 +771,16 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
     first = next((p for p, _ in verdicts if p), None)
     if first:
         raise InputError(first)
+    unused = sorted(set(full) - set().union(*(u for _, u in verdicts)))
     if strict:
-        unused = sorted(set(full) - set().union(*(u for _, u in verdicts)))
-        if unused:
-            raise input_error("load_full_weights", "full", "only tensors of this model (strict=True)", f"unused tensors {unused[:5]}")
+        bad = [n for n in unused if not (fresh_head and _skippable_with_fresh_head(n))]
+        if bad:
+            raise input_error("load_full_weights", "full", "only tensors of this model (strict=True)", f"unused tensors {bad[:5]}")
     with torch.no_grad():
         for param, shard in plan:
             param.copy_(shard.to(dtype=param.dtype, device=param.device))
     # DDP keeps fp32 main params for half precision in the optimizer; callers build the optimizer after loading.
+    return unused
 
 
 def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:

@@ -1,9 +1,16 @@
-"""The training step: the pure stages composed inside Megatron's own pipeline schedule.
+"""The training steps: the pure stages composed inside Megatron's own pipeline schedule.
 
 This is the only module that knows the order of the stages::
 
-    build_microbatches (split_batch -> collate) -> forward -> logprob -> loss
-        -> (Megatron backward) -> finalize_grads -> optimizer
+    train_step:   build_microbatches (split_batch -> collate) -> forward_logits -> logprob -> ppo_loss
+                      -> (Megatron backward) -> finalize_grads -> optimizer
+    critic_step:  build_microbatches (split_batch -> collate) -> forward_values -> value_loss
+                      -> (Megatron backward) -> finalize_grads -> optimizer
+
+Both run one update mechanism (:func:`_update`: micro-batches, the global loss normalizer, the
+schedule with fnppo's finalizer, the finalize check, the non-finite skip, the optimizer step);
+they differ only in the :class:`_Objective` it is given. :func:`compute_logprobs` and
+:func:`compute_values` are their forward-only counterparts.
 
 Every stage is a field of :class:`StepFns` and can be replaced by a function with the same
 signature (a custom loss, a custom log-prob); :class:`CollateFn`, :class:`ForwardFn`,
@@ -45,9 +52,17 @@ from fnppo.context_parallel import gather_per_sample
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
 from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
-from fnppo.loss import SEQ_REJECTION_CRITERIA, PolicyLossConfig, loss_normalizer, ppo_loss, tis_batch_stats
+from fnppo.loss import (
+    SEQ_REJECTION_CRITERIA,
+    PolicyLossConfig,
+    ValueLossConfig,
+    loss_normalizer,
+    ppo_loss,
+    tis_batch_stats,
+    value_loss,
+)
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
-from fnppo.model import forward_hidden, forward_logits, unwrap_model
+from fnppo.model import check_head, forward_hidden, forward_logits, forward_values, unwrap_model
 from fnppo.moe import is_moe, router_derived_metrics, router_step
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
@@ -56,6 +71,7 @@ from fnppo.typing import describe, input_error, typechecking_enabled
 __all__ = [
     "StepFns", "StepConfig", "TrainState", "train_step", "compute_logprobs", "forward_only", "shard_for_data_parallel",
     "CollateFn", "ForwardFn", "LogprobFn", "LossFn",
+    "CriticFns", "CriticConfig", "ValueLossFn", "critic_step", "compute_values",
 ]
 
 
@@ -107,6 +123,19 @@ class LossFn(Protocol):
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                  loss_mask: torch.Tensor, config: PolicyLossConfig, *, entropy: torch.Tensor | None,
                  ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
+                 normalizer: torch.Tensor | None, seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+class ValueLossFn(Protocol):
+    """The critic's loss stage: per-token values and targets of one micro-batch -> ``(loss, metrics)``.
+
+    Default :func:`~fnppo.loss.value_loss`; ``clip_range``, ``loss_agg_mode`` and
+    ``loss_scale_factor`` come from :class:`~fnppo.loss.ValueLossConfig`, ``normalizer`` is the
+    step's global denominator; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.metrics`).
+    """
+
+    def __call__(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                 clip_range: float | None, *, loss_agg_mode: str, loss_scale_factor: float | None,
                  normalizer: torch.Tensor | None, seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
@@ -164,17 +193,69 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
-        if self.layout not in LAYOUTS:
-            raise input_error(fn, "layout", "'packed' or 'padded'", repr(self.layout))
-        split_mode(self.num_microbatches, self.microbatch_size, self.max_tokens_per_microbatch, fn=fn, required=False)
-        for n in ("num_minibatches", "ppo_epochs"):
-            check_positive_int(fn, n, getattr(self, n))
-        for n in ("pad_to_multiple_of", "max_seq_len"):
-            check_positive_int(fn, n, getattr(self, n), allow_none=True)
+        _check_batching_fields(fn, self)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
         if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):
             raise input_error(fn, "fused_output", "False when fns.forward or fns.logprob is replaced (the fused path replaces both)", "True")
+
+
+def _check_batching_fields(fn: str, config: Any) -> None:
+    """The batching fields that :class:`StepConfig` and :class:`CriticConfig` share (checked here only).
+
+    Raises:
+        InputError: an unknown layout, two split modes, a size that is not an int >= 1.
+    """
+    if config.layout not in LAYOUTS:
+        raise input_error(fn, "layout", "'packed' or 'padded'", repr(config.layout))
+    split_mode(config.num_microbatches, config.microbatch_size, config.max_tokens_per_microbatch, fn=fn, required=False)
+    for n in ("num_minibatches", "ppo_epochs"):
+        check_positive_int(fn, n, getattr(config, n))
+    for n in ("pad_to_multiple_of", "max_seq_len"):
+        check_positive_int(fn, n, getattr(config, n), allow_none=True)
+
+
+@dataclass(frozen=True)
+class CriticFns:
+    """The swappable stages of :func:`critic_step`; each must keep the signature of its protocol.
+
+    Attributes:
+        collate: :class:`CollateFn` (default :func:`~fnppo.batch.collate_microbatch`).
+        forward: :class:`ForwardFn` returning ``[batch, seq]`` values on the last stage (default
+            :func:`~fnppo.model.forward_values`).
+        loss: :class:`ValueLossFn` (default :func:`~fnppo.loss.value_loss`).
+    """
+
+    collate: CollateFn = collate_microbatch
+    forward: ForwardFn = forward_values
+    loss: ValueLossFn = value_loss
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """How :func:`critic_step` and :func:`compute_values` turn a batch into micro-batches and updates.
+
+    ``loss``: the clipped value loss (:class:`~fnppo.loss.ValueLossConfig`). The batching fields
+    (``layout``, the split, ``pad_to_multiple_of``, ``max_seq_len``, ``num_minibatches``,
+    ``ppo_epochs``) mean what they mean in :class:`StepConfig`.
+
+    Raises:
+        InputError: as :class:`StepConfig` for the batching fields.
+    """
+
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    layout: str = "packed"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    max_tokens_per_microbatch: int | None = None
+    pad_to_multiple_of: int | None = None
+    max_seq_len: int | None = None
+    num_minibatches: int = 1
+    ppo_epochs: int = 1
+    fns: CriticFns = field(default_factory=CriticFns)
+
+    def __post_init__(self) -> None:
+        _check_batching_fields("CriticConfig", self)
 
 
 @dataclass(frozen=True)
@@ -261,9 +342,10 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
     )
 
 
-def _check_context_parallel(fn: str, config: StepConfig, spec: _Batching, layout: ParallelLayout) -> None:
+def _check_context_parallel(fn: str, config: StepConfig | CriticConfig, spec: _Batching, layout: ParallelLayout) -> None:
     """What context parallelism needs of the config: packed layout, segments divisible by ``2*cp*tp``,
-    and a token-level loss (the shard of a sequence does not know the sequence's token count).
+    and a token-level loss (the shard of a sequence does not know the sequence's token count); for
+    the policy loss, token-level rollout correction.
 
     Raises:
         InputError: naming the config field.
@@ -278,6 +360,8 @@ def _check_context_parallel(fn: str, config: StepConfig, spec: _Batching, layout
     loss = config.loss
     if loss.loss_agg_mode != "token-mean":
         raise input_error(fn, "config.loss.loss_agg_mode", f"'token-mean' with context parallelism (cp={layout.cp})", repr(loss.loss_agg_mode))
+    if not isinstance(loss, PolicyLossConfig):
+        return
     if loss.tis_active and "sequence" in (loss.tis_level, loss.tis_reject_level):
         raise input_error(fn, "config.loss.tis_level", f"'token' with context parallelism (cp={layout.cp})", repr(loss.tis_level))
     seq_criteria = [n for n in SEQ_REJECTION_CRITERIA if getattr(loss, n) is not None]
@@ -332,6 +416,22 @@ def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: Para
             fn, "logits", f"a last dimension of vocab_size / tp = {vocab} / {layout.tp} = {shard} (this rank's vocab shard)",
             f"{describe(logits)}{hint}",
         )
+
+
+def _check_values(fn: str, values: torch.Tensor, mb: Microbatch) -> None:
+    """The value forward must return one value per position of the micro-batch: ``[batch, seq]``."""
+    if not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(mb.loss_mask.shape):
+        got = describe(values) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise input_error(fn, "values", f"shape {tuple(mb.loss_mask.shape)} (one value per position of the micro-batch)", got)
+
+
+def _check_critic_targets(fn: str, samples: Sequence[Sample], loss_cfg: ValueLossConfig) -> None:
+    """The critic needs every sample's ``returns``, and its ``values`` when the value loss clips
+    (all-or-none was checked with the batch, so the first sample speaks for all)."""
+    if samples[0].returns is None:
+        raise input_error(fn, "batch[0].returns", "a tensor (the critic's targets, e.g. from fnppo.gae_advantages)", "None")
+    if loss_cfg.clip_range is not None and samples[0].values is None:
+        raise input_error(fn, "batch[0].values", f"a tensor (the rollout-time values) since ValueLossConfig.clip_range={loss_cfg.clip_range!r}", "None")
 
 
 def _per_chunk(params: Any, n: int) -> list[Mapping[str, torch.Tensor] | None]:
@@ -390,8 +490,10 @@ def _fnppo_finalizer(chunks: Sequence[nn.Module]) -> Iterator[dict[str, GradStat
             setattr(config, name, value)
 
 
-def _global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, layout: ParallelLayout, device: torch.device) -> torch.Tensor:
-    """The loss denominator of the whole mini-batch: summed over micro-batches and DP ranks (fp64)."""
+def _global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig | str, layout: ParallelLayout, device: torch.device) -> torch.Tensor:
+    """The loss denominator of the whole mini-batch: summed over micro-batches and DP ranks (fp64).
+
+    ``loss_cfg``: a :class:`PolicyLossConfig` or an aggregation mode name (the value loss's)."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
         local = local + loss_normalizer(mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids).to(device=device, dtype=torch.float64)
@@ -499,9 +601,25 @@ def _routers(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], layout: Par
     return router_step(chunks, mbs, layout, device) if is_moe(chunks) else contextlib.nullcontext()
 
 
-def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, spec: _Batching,
+class _Objective(NamedTuple):
+    """What one update optimizes: the parts in which :func:`train_step` and :func:`critic_step` differ.
+
+    ``global_sums(mbs, layout, device)`` runs before the schedule (the loss normalizer, summed over
+    micro-batches and DP ranks, and whatever else the loss needs of the whole mini-batch);
+    ``forward_step(sums, loss_scale)`` is Megatron's ``forward_step_func`` for those sums.
+    """
+
+    fn: str  # the public function, named in errors
+    collate: CollateFn
+    global_sums: Callable[[Sequence[Microbatch], ParallelLayout, torch.device], Any]
+    forward_step: Callable[[Any, float], Callable[[Iterator[Microbatch], nn.Module], Any]]
+    loss_key: str  # the metric whose non-finite value skips the update
+
+
+def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objective, spec: _Batching,
             layout: ParallelLayout, device: torch.device) -> tuple[dict[str, torch.Tensor], float, bool]:
-    """One optimizer update on one mini-batch: the five steps of :func:`train_step`.
+    """One optimizer update on one mini-batch: the five steps of :func:`train_step` (and of
+    :func:`critic_step`, with its objective).
 
     Returns:
         ``(metrics, grad_norm, stepped)``: metric pairs reduced over micro-batches and DP ranks
@@ -512,32 +630,58 @@ def _update(state: TrainState, minibatch: Sequence[Sample], config: StepConfig, 
     """
     chunks, optimizer = state.model, state.optimizer
     _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
-                                collate=config.fns.collate, device=device, dp_group=spec.dp_group,
+                                collate=objective.collate, device=device, dp_group=spec.dp_group,
                                 same_length=spec.same_length, context_parallel=spec.context_parallel)
-    normalizer, tis_mean = _global_sums(mbs, config.loss, _with_cp_in_dp(layout), device)
+    sums = objective.global_sums(mbs, _with_cp_in_dp(layout), device)
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
     with _fnppo_finalizer(chunks) as record, _routers(chunks, mbs, layout, device) as moe:
-        # MoE: the policy loss is scaled by the step's router token count instead, so that the
+        # MoE: the loss is scaled by the step's router token count instead, so that the
         # routers' aux/z losses get exact weights (fnppo.moe.router_step).
         scale = moe.loss_scale if moe is not None else float(len(mbs) * layout.dp)
-        fwd = _forward_step_fn(config, layout, normalizer=normalizer, loss_scale=scale, spec=spec, tis_mean=tis_mean)
-        store = _run_schedule(chunks, mbs, fwd, forward_only=False)
+        store = _run_schedule(chunks, mbs, objective.forward_step(sums, scale), forward_only=False)
     if "stats" not in record:
         raise FinalizeNotCalledError(
-            "train_step: Megatron's schedule returned without calling finalize_model_grads; "
+            f"{objective.fn}: Megatron's schedule returned without calling finalize_model_grads; "
             "gradients were not reduced across data-parallel ranks"
         )
     stats = record["stats"]
     metrics = reduce_metrics([s["metrics"] for s in store] if layout.is_last_stage else [], _with_cp_in_dp(layout), device)
     if moe is not None:
         metrics.update(moe.metrics)
-    finite = stats.finite and bool(torch.isfinite(metrics.get("loss", torch.zeros(2))).all())
+    finite = stats.finite and bool(torch.isfinite(metrics.get(objective.loss_key, torch.zeros(2))).all())
     if finite:
         ok, _norm, _zeros = optimizer.step()
         finite = bool(ok)
     return metrics, float(stats.grad_norm), finite
+
+
+def _train(state: TrainState, samples: list[Sample], objective: _Objective, config: StepConfig | CriticConfig,
+           spec: _Batching, layout: ParallelLayout, device: torch.device) -> tuple[TrainState, dict[str, float]]:
+    """``ppo_epochs`` passes of ``num_minibatches`` updates (:func:`_update`); the step's metrics."""
+    totals: dict[str, torch.Tensor] = {}
+    grad_norms: list[float] = []
+    skipped = 0
+    for _epoch in range(config.ppo_epochs):
+        for k in range(config.num_minibatches):
+            # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
+            # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
+            metrics, norm, stepped = _update(state, samples[k :: config.num_minibatches], objective, spec, layout, device)
+            totals = merge_metrics([totals, metrics])
+            grad_norms.append(norm)
+            skipped += 0 if stepped else 1
+    step = state.step + len(grad_norms)
+    out = finalize_metrics(totals)
+    out.update(router_derived_metrics(out))
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["skipped"] = float(skipped)
+    out["updates"] = float(len(grad_norms) - skipped)
+    out["step"] = float(step)
+    lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
+    if lr:
+        out["lr"] = float(lr[0])
+    return dataclasses.replace(state, step=step), out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,33 +735,92 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     """
     layout = current_layout()
     samples = list(batch)
+    check_head("train_step", "state.model", state.model[0], "lm")
     spec = _batching(config, state.model, layout)
     _check_context_parallel("train_step", config, spec, layout)
     _check_batch("train_step", samples, spec, config.num_minibatches)
     _check_rollout_logprobs("train_step", samples, config.loss)
     device = _device_of(state.model)
-    totals: dict[str, torch.Tensor] = {}
-    grad_norms: list[float] = []
-    skipped = 0
-    for _epoch in range(config.ppo_epochs):
-        for k in range(config.num_minibatches):
-            # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
-            # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
-            metrics, norm, stepped = _update(state, samples[k :: config.num_minibatches], config, spec, layout, device)
-            totals = merge_metrics([totals, metrics])
-            grad_norms.append(norm)
-            skipped += 0 if stepped else 1
-    step = state.step + len(grad_norms)
-    out = finalize_metrics(totals)
-    out.update(router_derived_metrics(out))
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["skipped"] = float(skipped)
-    out["updates"] = float(len(grad_norms) - skipped)
-    out["step"] = float(step)
-    lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
-    if lr:
-        out["lr"] = float(lr[0])
-    return dataclasses.replace(state, step=step), out
+
+    def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _global_sums(mbs, config.loss, lay, dev)
+
+    def forward_step(pair: tuple[torch.Tensor, torch.Tensor | None], scale: float) -> Callable:
+        return _forward_step_fn(config, layout, normalizer=pair[0], loss_scale=scale, spec=spec, tis_mean=pair[1])
+
+    return _train(state, samples, _Objective("train_step", config.fns.collate, sums, forward_step, "loss"),
+                  config, spec, layout, device)
+
+
+def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig) -> tuple[TrainState, dict[str, float]]:
+    """One update of the critic (or ``ppo_epochs`` x ``num_minibatches`` updates) on this rank's samples.
+
+    The value-model counterpart of :func:`train_step`, through the same update mechanism: split and
+    collate, the loss normalizer of ``config.loss.loss_agg_mode`` summed over all micro-batches and
+    DP ranks before the schedule (so the loss and its gradient do not depend on the split or the
+    layout), Megatron's schedule running ``forward_values -> value_loss`` per micro-batch (scaled as
+    in :func:`train_step`), :func:`~fnppo.grads.finalize_grads` installed for the schedule (else
+    :class:`FinalizeNotCalledError`), and the optimizer step unless the value loss or the grad norm
+    is not finite (then ``metrics["skipped"]`` counts it and nothing changes). Per token, with
+    ``V`` the values the forward returns at the position of response token ``j`` (the state before
+    it), ``old_V = sample.values[j]`` and ``R = sample.returns[j]``, the loss is
+    :func:`~fnppo.loss.value_loss`'s clipped ``1/2 max((V - R)^2, (V_clip - R)^2)``, aggregated by
+    ``loss_agg_mode`` over the tokens of ``response_mask``. Context parallelism as in
+    :func:`train_step` (``token-mean`` only).
+
+    Reference: PPO, arXiv:1707.06347 (the value function trained on the same rollouts as the policy).
+
+    Args:
+        state: the critic's :class:`TrainState` (a value model, ``build_gpt(cfg, head="value")``).
+        batch: this DP rank's samples with ``returns`` (and ``values`` when
+            ``config.loss.clip_range`` is set), as for :func:`train_step`.
+        config: :class:`CriticConfig`.
+
+    Returns:
+        The new state (``step`` advanced by the number of updates) and metrics reduced exactly over
+        micro-batches, mini-batches and DP ranks, identical on every rank: ``vf_loss``,
+        ``vf_clipfrac``, ``vpred_mean``, ``vf_explained_var`` (and the means it derives from:
+        ``vf_returns``, ``vf_returns_sq``, ``vf_error``, ``vf_error_sq``), ``grad_norm`` (mean over
+        updates), ``skipped``, ``updates``, ``step``, ``lr``.
+
+    Raises:
+        InputError: before anything runs: a model without a value head; the batch errors of
+            :func:`train_step`; no ``returns``, or no ``values`` while the loss clips. Inside the
+            schedule: values from ``config.fns.forward`` that are not ``[batch, seq]``.
+        FinalizeNotCalledError: the schedule did not call the finalizer.
+    """
+    layout = current_layout()
+    samples = list(batch)
+    check_head("critic_step", "state.model", state.model[0], "value")
+    spec = _batching(config, state.model, layout)
+    _check_context_parallel("critic_step", config, spec, layout)
+    _check_batch("critic_step", samples, spec, config.num_minibatches)
+    _check_critic_targets("critic_step", samples, config.loss)
+    device = _device_of(state.model)
+    loss_cfg = config.loss
+
+    def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> torch.Tensor:
+        return _global_normalizer(mbs, loss_cfg.loss_agg_mode, lay, dev)
+
+    def forward_step(normalizer: torch.Tensor, scale: float) -> Callable:
+        def step_fn(data_iterator: Iterator[Microbatch], model: nn.Module):
+            mb = next(data_iterator)
+            out = config.fns.forward(model, mb)
+
+            def loss_func(values: torch.Tensor):
+                _check_values("critic_step", values, mb)
+                old = mb.values if mb.values is not None else values.detach()  # unused without clipping
+                loss, metrics = config.fns.loss(values, old, mb.returns, mb.loss_mask, loss_cfg.clip_range,
+                                                loss_agg_mode=loss_cfg.loss_agg_mode, loss_scale_factor=loss_cfg.loss_scale_factor,
+                                                normalizer=normalizer, seq_ids=mb.seq_ids)
+                return loss * scale, {"metrics": metrics}
+
+            return out, loss_func
+
+        return step_fn
+
+    return _train(state, samples, _Objective("critic_step", config.fns.collate, sums, forward_step, "vf_loss"),
+                  config, spec, layout, device)
 
 
 def forward_only(
@@ -630,8 +833,9 @@ def forward_only(
 ) -> list[Any] | None:
     """Run Megatron's schedule forward-only (eval mode, no autograd) over collated micro-batches.
 
-    ``output_fn(logits, microbatch)`` is applied on the last pipeline stage to each micro-batch's
-    vocab-parallel logits. Use it for sampling and evaluation.
+    ``output_fn(logits, microbatch)`` is applied on the last pipeline stage to what ``forward``
+    returns for each micro-batch: the vocab-parallel logits (or a value model's ``[batch, seq]``
+    values with ``forward=forward_values``). Use it for sampling and evaluation.
 
     Args:
         model_chunks: the (DDP-wrapped) model chunks.
@@ -756,6 +960,7 @@ def compute_logprobs(
                           microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
                           pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, fns=fns)
     chunks = list(model_chunks)
+    check_head("compute_logprobs", "model_chunks", chunks[0], "lm")
     par = current_layout()
     device = _device_of(chunks)
     samples = list(batch)
@@ -781,3 +986,62 @@ def compute_logprobs(
     store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward)
     restored = None if store is None else plan.restore(store)
     return _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)
+
+
+def compute_values(
+    model_chunks: Sequence[nn.Module],
+    batch: Sequence[Sample],
+    *,
+    params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
+    config: CriticConfig | None = None,
+) -> list[torch.Tensor]:
+    """Forward-only values of every sample's response tokens, in sample order, on every rank.
+
+    ``values_i[j] = V(x_i ++ y_i[:j])``: the value model's value of the state in which response
+    token ``j`` of sample ``i`` is chosen, read at the position before that token (the last prompt
+    token for ``j = 0``, where GAE's first TD error needs it). Feed them, with per-token rewards, to
+    :func:`~fnppo.advantages.gae_advantages` (the value after the last token is 0: the response
+    ends the episode), and store them as :attr:`Sample.values` for the clipped value loss of
+    :func:`critic_step`. Runs Megatron's schedule with ``forward_only=True`` in eval mode and without
+    autograd, like :func:`compute_logprobs`.
+
+    Reference: PPO, arXiv:1707.06347; GAE, arXiv:1506.02438.
+
+    Args:
+        model_chunks: the (DDP-wrapped) chunks of a value model (``build_gpt(cfg, head="value")``).
+        batch: this DP rank's samples (the same on its TP and PP ranks).
+        params: one dict per model chunk (names of the unwrapped model): evaluate another parameter
+            set with the same modules.
+        config: a :class:`CriticConfig` for the split and layout (its loss is unused; default: one
+            micro-batch, packed).
+
+    Returns:
+        On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the order
+        of ``batch``; under context parallelism the CP ranks' shards are gathered.
+
+    Raises:
+        InputError: a model without a value head; the batch errors of :func:`train_step`; ``params``
+            not one dict per chunk; values from ``config.fns.forward`` that are not ``[batch, seq]``.
+    """
+    cfg = config or CriticConfig()
+    chunks = list(model_chunks)
+    check_head("compute_values", "model_chunks", chunks[0], "value")
+    par = current_layout()
+    device = _device_of(chunks)
+    samples = list(batch)
+    spec = _batching(cfg, chunks, par)
+    _check_context_parallel("compute_values", dataclasses.replace(cfg, loss=ValueLossConfig()), spec, par)
+    _check_batch("compute_values", samples, spec)
+    plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
+                                   collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
+                                   same_length=spec.same_length, context_parallel=spec.context_parallel)
+    unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
+
+    def per_sample(values: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, None]]:
+        _check_values("compute_values", values, mb)
+        return [(v.float().cpu(), None) for v in unpack(values, mb)]
+
+    store = forward_only(chunks, mbs, per_sample, params=params, forward=cfg.fns.forward)
+    restored = None if store is None else plan.restore(store)
+    values, _ = _from_last_stage(restored, [s.response_len for s in samples], False, par, device)
+    return values
