@@ -1,5 +1,9 @@
 """Atomic, layout-checked checkpoints of a :class:`~fnppo.step.TrainState` (torch files per rank).
 
+``state`` may also be a mapping of names to train states (e.g. ``{"policy": ..., "critic": ...}``
+for PPO with a critic): they are saved into the same rank files under one manifest, so the
+checkpoint holds all of them or, when incomplete, none.
+
 Layout of a checkpoint directory::
 
     <dir>/rank00000.pt ... rank<N-1>.pt   model chunks, optimizer (incl. this DP rank's shard of the
@@ -67,12 +71,24 @@ def _layout_dict() -> dict[str, int]:
     return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp or 0}
 
 
+def _named(state) -> dict[str, Any]:
+    """``{name: TrainState}`` of a mapping; ``{"": state}`` of one train state."""
+    return dict(state) if isinstance(state, Mapping) else {"": state}
+
+
 def _model_shapes(state) -> dict[str, list[int]]:
     shapes: dict[str, list[int]] = {}
-    for i, chunk in enumerate(state.model):
-        for name, p in unwrap_model(chunk).named_parameters():
-            shapes[f"{i}.{name}"] = list(p.shape)
+    for key, one in _named(state).items():
+        prefix = f"{key}/" if key else ""
+        for i, chunk in enumerate(one.model):
+            for name, p in unwrap_model(chunk).named_parameters():
+                shapes[f"{prefix}{i}.{name}"] = list(p.shape)
     return shapes
+
+
+def _state_payload(state) -> dict[str, Any]:
+    return {"step": state.step, "model": [unwrap_model(c).state_dict() for c in state.model],
+            "optimizer": _optimizer_state(state.optimizer)}
 
 
 def _sha256(path: Path) -> str:
@@ -137,19 +153,23 @@ def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
 def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, Any] | None = None) -> Path:
     """Save ``state`` (model chunks, optimizer, step) plus RNG states and ``extra`` to ``directory``.
 
-    Collective: every rank writes its own file; rank 0 writes the manifest last. Returns the path.
+    ``state``: a :class:`~fnppo.step.TrainState`, or a mapping of names to train states (all in the
+    same files, one manifest; its ``step`` is the first state's). Collective: every rank writes its
+    own file; rank 0 writes the manifest last. Returns the path.
     """
     path = Path(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     path.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "step": state.step,
-        "model": [unwrap_model(c).state_dict() for c in state.model],
-        "optimizer": _optimizer_state(state.optimizer),
-        "rng": _rng_state(),
-        "extra": dict(extra or {}),
-    }
+    named = _named(state)
+    if isinstance(state, Mapping) and not (named and all(isinstance(k, str) and k for k in named)):
+        raise CheckpointError(f"save_checkpoint: argument 'state' expected a TrainState or a non-empty mapping of non-empty names to train states, received {list(named)!r}")
+    first = next(iter(named.values()))
+    payload: dict[str, Any] = {"rng": _rng_state(), "extra": dict(extra or {})}
+    if isinstance(state, Mapping):
+        payload.update(step=first.step, states={k: _state_payload(v) for k, v in named.items()})
+    else:
+        payload.update(_state_payload(state))
     fname = path / f"rank{rank:05d}.pt"
     _atomic_write_bytes(fname, lambda f: torch.save(payload, f))
     info = {"file": fname.name, "size": fname.stat().st_size, "sha256": _sha256(fname), "shapes": _shapes_digest(state)}
@@ -160,10 +180,12 @@ def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, 
     if rank == 0:
         manifest = {
             "format": "fnppo-checkpoint-1",
-            "step": state.step,
+            "step": first.step,
             "layout": _layout_dict(),
             "files": infos,
         }
+        if isinstance(state, Mapping):
+            manifest["states"] = list(named)
         _atomic_write_bytes(path / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     if dist.is_initialized() and world > 1:
         dist.barrier()
@@ -197,6 +219,9 @@ def _validate(path: Path, rank: int, state) -> str | None:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
         return f"{manifest_path} is not valid JSON ({err})"
+    names = list(state) if isinstance(state, Mapping) else None
+    if manifest.get("states") != names:
+        return f"checkpoint holds the train states {manifest.get('states') or 'of one TrainState'}, this run passes {names or 'one TrainState'}"
     layout = _layout_dict()
     if manifest.get("layout") != layout:
         return (
@@ -227,8 +252,10 @@ def _shapes_digest(state) -> str:
 def load_checkpoint(directory: str | os.PathLike, state):
     """Restore model, optimizer, RNG states and step from ``directory`` into ``state``'s objects.
 
-    Returns ``(state, extra)``. Raises :class:`CheckpointError` (nothing loaded) when the manifest is
-    missing, the layout or the model shapes differ from the current run, or a file is truncated or
+    ``state``: a :class:`~fnppo.step.TrainState`, or the same mapping of names to train states that
+    was saved. Returns ``(state, extra)`` (a new mapping for a mapping). Raises
+    :class:`CheckpointError` (nothing loaded) when the manifest is missing, holds other state
+    names, the layout or the model shapes differ from the current run, or a file is truncated or
     altered.
     """
     import dataclasses
@@ -245,14 +272,19 @@ def load_checkpoint(directory: str | os.PathLike, state):
     manifest = json.loads((path / "manifest.json").read_text())
     fname = path / manifest["files"][rank]["file"]
     payload = torch.load(fname, map_location="cpu", weights_only=False)
-    for chunk, sd in zip(state.model, payload["model"]):
-        core = unwrap_model(chunk)
-        missing, unexpected = core.load_state_dict(sd, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise CheckpointError(f"load_checkpoint: model state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    _load_optimizer_state(state.optimizer, payload["optimizer"])
+    saved = payload["states"] if isinstance(state, Mapping) else {"": payload}
+    restored = {}
+    for key, one in _named(state).items():
+        part = saved[key]
+        for chunk, sd in zip(one.model, part["model"]):
+            core = unwrap_model(chunk)
+            missing, unexpected = core.load_state_dict(sd, strict=False)
+            missing = [m for m in missing if not m.endswith("_extra_state")]
+            if missing or unexpected:
+                raise CheckpointError(f"load_checkpoint: model state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        _load_optimizer_state(one.optimizer, part["optimizer"])
+        restored[key] = dataclasses.replace(one, step=int(part["step"]))
     _set_rng_state(payload["rng"])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    return dataclasses.replace(state, step=int(payload["step"])), payload["extra"]
+    return (restored if isinstance(state, Mapping) else restored[""]), payload["extra"]

@@ -2,7 +2,9 @@
 
 * :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.model.ModelConfig`;
 * :func:`build_gpt_from_hf` builds this rank's model chunks from it;
-* :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard;
+* :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard (into a
+  value model's trunk too: ``build_gpt_from_hf(path, head="value")`` gives the critic of PPO a
+  policy checkpoint's trunk and a fresh value head; the loader returns what it skipped);
 * :func:`export_hf_weights` writes the inverse (HF names, safetensors shards, ``config.json``), so
   a trained policy can be served by an inference engine.
 
@@ -62,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.model import ModelConfig, _global_name, _is_gated_fc1, build_gpt, unwrap_model
+from fnppo.model import ModelConfig, _global_name, _is_gated_fc1, build_gpt, check_head, model_head, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.typing import Tensor, input_error
 
@@ -230,9 +232,13 @@ def build_gpt_from_hf(
     pp: int | None = None,
     dtype: str | None = None,
     layer_spec: Any = None,
+    head: str = "lm",
     **overrides: Any,
 ) -> list[nn.Module]:
     """This rank's chunks of a Megatron ``GPTModel`` configured like a Hugging Face checkpoint.
+
+    ``head="value"``: the value model of the same trunk (:func:`fnppo.build_gpt`'s ``head``), to be
+    filled by :func:`load_hf_weights` from a policy checkpoint (its ``lm_head`` is skipped).
 
     ``model_config_from_hf(config_or_path, **overrides)`` (``dtype``: ``"fp32"``/``"bf16"``/``"fp16"``,
     default the checkpoint's) built with :func:`fnppo.model.build_gpt` for the current Megatron
@@ -250,7 +256,7 @@ def build_gpt_from_hf(
     if dtype is not None:
         overrides["dtype"] = dtype
     cfg = model_config_from_hf(config_or_path, **overrides)
-    return build_gpt(cfg, layer_spec=layer_spec, layout=layout)
+    return build_gpt(cfg, head=head, layer_spec=layer_spec, layout=layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +273,8 @@ class _Arch:
     padded_vocab: int
     qkv_bias: bool
     qk_norm: bool
-    tied: bool
+    tied: bool  # the checkpoint's tie_word_embeddings (a value model keeps no output layer either way)
+    value: bool = False  # a value model: lm_head is skipped, the value head has no HF counterpart
 
 
 def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
@@ -289,6 +296,7 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
         if have != want:
             raise input_error(fn, f"model_chunks[0].{name}", f"{want!r} (Llama/Qwen layout)", repr(have))
     groups = c.num_query_groups or c.num_attention_heads
+    value = model_head(core) == "value"
     return _Arch(
         num_layers=c.num_layers,
         hidden=c.hidden_size,
@@ -299,7 +307,8 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
         padded_vocab=core.vocab_size,
         qkv_bias=bool(c.add_qkv_bias),
         qk_norm=bool(c.qk_layernorm),
-        tied=bool(core.share_embeddings_and_output_weights),
+        tied=bool(getattr(core, "fnppo_config", c).tie_embeddings) if value else bool(core.share_embeddings_and_output_weights),
+        value=value,
     )
 
 
@@ -369,6 +378,8 @@ def _rule(fn: str, a: _Arch, gname: str) -> tuple[str, tuple[str, ...]]:
         if rule is not None:
             prefix = f"model.layers.{m.group(1)}."
             return rule[0], tuple(prefix + s for s in rule[1])
+    elif a.value and gname.startswith("value_head."):
+        return "fresh", ()  # kept as built
     elif gname in _TOP_RULES:
         kind, names = _TOP_RULES[gname]
         if gname == "output_layer.weight" and a.tied:
@@ -562,7 +573,7 @@ def _check_tied_head(fn: str, a: _Arch, read: Any, shapes: Mapping[str, tuple[in
     """A tied model ignores a stored ``lm_head.weight`` only if it equals the embedding (transformers
     unties the two when they differ: loading such a checkpoint tied would give other logits)."""
     name, emb = "lm_head.weight", "model.embed_tokens.weight"
-    if not a.tied or name not in shapes:
+    if not a.tied or a.value or name not in shapes:  # a value model skips lm_head
         return
     rows, worst = shapes[emb][0], 0.0
     for r0 in range(0, rows, 4096):  # a few thousand rows at a time, on every rank (all agree)
@@ -591,8 +602,14 @@ def _checkpoint_vocab(path: Path, shapes: Mapping[str, Sequence[int]]) -> int:
     return int(emb[0]) if emb else -1
 
 
-def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) -> None:
+def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) -> list[str]:
     """Load a Hugging Face safetensors checkpoint into this rank's TP/PP shard of the model.
+
+    A value model (``build_gpt_from_hf(path, head="value")``) gets the trunk (embedding, layers,
+    final norm) of a policy checkpoint; its value head keeps its fresh weights and the
+    checkpoint's ``lm_head.weight`` (when stored) is skipped. Returns the names of the
+    checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied model's
+    stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
 
     ``path``: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
     its shards (or one ``.safetensors`` file). Names and layouts are converted as in the module
@@ -655,7 +672,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
                 raise input_error(fn, "path", f"a tensor named {name!r}", f"a checkpoint without it ({len(shapes)} tensors in {str(root)!r})")
             if shapes[name] != expected[name]:
                 raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}", f"shape {shapes[name]}")
-        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}  # if equal: below
+        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}  # if equal (or a value model): below
         for name in sorted(shapes):
             if name in expected or name.endswith(".rotary_emb.inv_freq"):
                 continue
@@ -668,7 +685,8 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
             core = unwrap_model(chunk)
             for name, param in core.named_parameters():
                 kind, names = _rule(fn, a, _global_name(core, name))
-                plan.append((param, kind, names))
+                if kind != "fresh":
+                    plan.append((param, kind, names))
 
         def read(name: str, index: tuple[slice, ...] | None) -> Tensor:
             sl = where[name].get_slice(name)
@@ -683,6 +701,8 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
                     raise AssertionError(f"{fn}: shard of {names} has shape {tuple(shard.shape)}, parameter {tuple(param.shape)}")
                 param.copy_(shard.to(dtype=param.dtype, device=param.device))
                 del shard
+    loaded = set(expected) - ({"lm_head.weight"} if a.value else set())  # by the whole model (all ranks)
+    return sorted(set(shapes) - loaded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,6 +788,7 @@ def export_hf_weights(
     from safetensors.torch import save_file
 
     fn = "fnppo.hf.export_hf_weights"
+    check_head(fn, "model_chunks", model_chunks[0], "lm")  # a value head has no Hugging Face counterpart
     a = _arch(fn, model_chunks)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise input_error(fn, "max_shard_bytes", "an int >= 1", repr(max_shard_bytes))
