@@ -8,12 +8,22 @@ fraction of response positions that are right, so a random policy (over 16 token
 Each step: prompts -> responses sampled from the current policy (temperature sampling through
 Megatron's forward-only schedule) -> rewards -> GRPO group-normalized advantages -> old and
 reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, optional entropy bonus,
-k3 KL to the reference, optional TIS). With ``--kl-target`` the KL coefficient follows the adaptive
+k3 KL to the reference, optional TIS).
+
+``--algo ppo``: PPO with a critic instead of group advantages. A value model
+(``build_gpt(cfg, head="value")``, its own ``TrainState`` and optimizer, starting from the actor's
+initial trunk with a fresh value head) gives the values of the response tokens
+(``compute_values``); each response token earns its own reward (1/4 when it is right, so the
+tokens' rewards sum to the sequence reward), and GAE (``--gamma``, ``--lam``) turns rewards and
+values into per-token advantages and returns. Every step runs one ``train_step`` of the actor and
+one ``critic_step`` of the critic (clipped value loss, ``--value-clip``, learning rate
+``--critic-lr`` on the same schedule); both are in the checkpoints. With ``--kl-target`` the KL coefficient follows the adaptive
 controller of Ziegler et al. (``fnppo.adaptive_kl_init`` / ``adaptive_kl_update``, starting at
 ``--kl-coef``); its state is a value of the loop, saved in the checkpoints and restored on ``--resume``.
 
     python examples/ppo_toy.py                                   # 1 process, CPU
     torchrun --nproc-per-node 2 examples/ppo_toy.py --tp 2       # gloo on CPU, or NCCL with --device cuda
+    python examples/ppo_toy.py --algo ppo                        # PPO with a critic and GAE
     python examples/ppo_toy.py --moe                             # Mixture of Experts (4 experts, top-2)
     torchrun --nproc-per-node 2 examples/ppo_toy.py --moe --ep 2 # experts split over 2 ranks
     python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
@@ -49,6 +59,9 @@ RUN_DEFINING = (
     "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint", "kl_target", "kl_horizon",
     "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff",
 )
+#: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
+PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip")
+SETTING_DEFAULTS = {"algo": "grpo"}  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
 EPILOG = """\
@@ -89,7 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-horizon", type=float, default=None,
                    help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})")
     p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (off by default)")
-    p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo")
+    p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo", help="group advantage of --algo grpo")
+    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
+                   help="grpo: group advantages; ppo: a critic (value model) and GAE (default: %(default)s)")
+    p.add_argument("--gamma", type=float, default=1.0, help="--algo ppo: GAE discount (default: %(default)s)")
+    p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
+    p.add_argument("--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)")
+    p.add_argument("--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")
@@ -112,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
     return args
 
 
@@ -142,6 +163,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
     if args.overwrite and args.resume:
         raise ArgumentError("--overwrite and --resume exclude each other")
+    if args.algo == "ppo":
+        if args.advantage != "grpo":
+            raise ArgumentError("--advantage chooses the group advantage of --algo grpo; --algo ppo uses GAE (--gamma, --lam)")
+        if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and args.critic_lr > 0 and args.value_clip > 0):
+            raise ArgumentError(f"--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1, --critic-lr > 0 and --value-clip > 0, got "
+                                f"{args.gamma}, {args.lam}, {args.critic_lr}, {args.value_clip}")
     if args.kl_horizon is not None and args.kl_target is None:
         raise ArgumentError("--kl-horizon needs --kl-target")
     if args.kl_target is not None:
@@ -173,6 +200,15 @@ def reward(prompt, response) -> float:
     a = int(prompt[1]) - FIRST_SYMBOL
     target = FIRST_SYMBOL + (a + 1 + torch.arange(response.numel())) % NUM_SYMBOLS
     return float((response == target).float().mean()) if response.numel() else 0.0
+
+
+def token_rewards(prompt, response):
+    """Per-token rewards of ``--algo ppo``: ``1 / RESPONSE_LEN`` for each right token (they sum to :func:`reward`)."""
+    import torch
+
+    a = int(prompt[1]) - FIRST_SYMBOL
+    target = FIRST_SYMBOL + (a + 1 + torch.arange(response.numel())) % NUM_SYMBOLS
+    return (response == target).float() / max(1, response.numel())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,14 +270,19 @@ def _to(mb, device):
 # ---------------------------------------------------------------------------------------------
 # setup
 # ---------------------------------------------------------------------------------------------
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace, head: str = "lm"):
+    """The actor's (``head="lm"``) or the critic's (``head="value"``) train state.
+
+    The critic has the actor's architecture and initial trunk (the same checkpoint, or the same
+    layout-invariant initialization from ``--seed``) and a fresh value head.
+    """
     import fnppo
 
     if args.hf_checkpoint:
         from fnppo.hf import build_gpt_from_hf, load_hf_weights
 
-        chunks = build_gpt_from_hf(args.hf_checkpoint, dtype=args.dtype)
-        load_hf_weights(chunks, args.hf_checkpoint)
+        chunks = build_gpt_from_hf(args.hf_checkpoint, dtype=args.dtype, head=head)
+        load_hf_weights(chunks, args.hf_checkpoint)  # a value model: the trunk; lm_head is skipped
     else:
         cfg = fnppo.ModelConfig(
             num_layers=args.layers,
@@ -255,10 +296,10 @@ def build(args: argparse.Namespace):
             tie_embeddings=True,
             **(moe_fields(args) if args.moe else {}),
         )
-        chunks = fnppo.build_gpt(cfg)
+        chunks = fnppo.build_gpt(cfg, head=head)
         fnppo.layout_invariant_init(chunks, seed=args.seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
-    optimizer = fnppo.build_optimizer(ddp, lr=args.lr, clip_grad=1.0, weight_decay=0.0)
+    optimizer = fnppo.build_optimizer(ddp, lr=args.critic_lr if head == "value" else args.lr, clip_grad=1.0, weight_decay=0.0)
     return fnppo.TrainState(model=ddp, optimizer=optimizer, step=0)
 
 
@@ -290,6 +331,16 @@ def step_config(args: argparse.Namespace):
     return fnppo.StepConfig(loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split)
 
 
+def critic_config(args: argparse.Namespace):
+    """The critic's split is the actor's (same micro-batches and mini-batches)."""
+    import fnppo
+
+    cfg = step_config(args)
+    split = {k: getattr(cfg, k) for k in ("num_microbatches", "max_tokens_per_microbatch") if getattr(cfg, k) is not None}
+    return fnppo.CriticConfig(loss=fnppo.ValueLossConfig(clip_range=args.value_clip), layout="packed",
+                              num_minibatches=args.minibatches, **split)
+
+
 def kl_horizon(args: argparse.Namespace) -> float:
     return DEFAULT_KL_HORIZON if args.kl_horizon is None else args.kl_horizon
 
@@ -303,14 +354,18 @@ def kl_controller(args: argparse.Namespace):
     return fnppo.adaptive_kl_init(args.kl_coef, args.kl_target, kl_horizon(args)), fnppo.adaptive_kl_update
 
 
-def learning_rate(args: argparse.Namespace, step: int) -> float:
-    """Linear decay from ``--lr`` to ``--lr-final * --lr`` over ``--schedule-steps``, then constant."""
+def learning_rate(args: argparse.Namespace, step: int, peak: float | None = None) -> float:
+    """Linear decay from ``peak`` (default ``--lr``) to ``--lr-final * peak`` over ``--schedule-steps``, then constant."""
     frac = min(1.0, step / max(1, args.schedule_steps))
-    return args.lr * (1.0 - (1.0 - args.lr_final) * frac)
+    return (args.lr if peak is None else peak) * (1.0 - (1.0 - args.lr_final) * frac)
 
 
-def rollout(state, ref_params, args, layout, device, step: int):
-    """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples."""
+def rollout(state, ref_params, args, layout, device, step: int, critic=None):
+    """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
+
+    With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)
+    and GAE advantages and returns; the samples carry ``values`` and ``returns`` for ``critic_step``.
+    """
     import torch
     import torch.distributed as dist
 
@@ -325,36 +380,46 @@ def rollout(state, ref_params, args, layout, device, step: int):
     uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
     responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
-    grouped = rewards.view(-1, args.group_size)
-    if args.advantage == "rloo":
-        adv = fnppo.rloo_advantages(grouped).reshape(-1)
+    if critic is not None:
+        samples = _ppo_samples(critic, prompts, responses, rollout_lp, args)
     else:
-        adv = fnppo.grpo_advantages(grouped).reshape(-1)
-    samples = [
-        fnppo.Sample(
-            prompt_ids=prompts[i],
-            response_ids=responses[i],
-            advantages=torch.full((RESPONSE_LEN,), float(adv[i])),
-            rollout_logprobs=rollout_lp[i],
-        )
-        for i in range(prompts.shape[0])
-    ]
+        grouped = rewards.view(-1, args.group_size)
+        if args.advantage == "rloo":
+            adv = fnppo.rloo_advantages(grouped).reshape(-1)
+        else:
+            adv = fnppo.grpo_advantages(grouped).reshape(-1)
+        samples = [
+            fnppo.Sample(
+                prompt_ids=prompts[i],
+                response_ids=responses[i],
+                advantages=torch.full((RESPONSE_LEN,), float(adv[i])),
+                rollout_logprobs=rollout_lp[i],
+            )
+            for i in range(prompts.shape[0])
+        ]
     cfg = step_config(args)
     old, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
     ref, _ = fnppo.compute_logprobs(state.model, samples, params=ref_params, config=cfg)
-    samples = [
-        fnppo.Sample(
-            prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantages=s.advantages,
-            old_logprobs=o, ref_logprobs=r, rollout_logprobs=s.rollout_logprobs,
-        )
-        for s, o, r in zip(samples, old, ref, strict=True)
-    ]
+    samples = [dataclasses.replace(s, old_logprobs=o, ref_logprobs=r) for s, o, r in zip(samples, old, ref, strict=True)]
     total = torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64)
     if layout.dp > 1:
         total = total.to(device)
         dist.all_reduce(total, group=layout.dp_group)
         total = total.cpu()
     return samples, float(total[0] / total[1])
+
+
+def _ppo_samples(critic, prompts, responses, rollout_lp, args):
+    """Per-token rewards, the critic's values and GAE: samples with advantages, values and returns."""
+    import torch
+
+    import fnppo
+
+    bare = [fnppo.Sample(prompt_ids=p, response_ids=r, rollout_logprobs=lp) for p, r, lp in zip(prompts, responses, rollout_lp, strict=True)]
+    values = torch.stack(fnppo.compute_values(critic.model, bare, config=critic_config(args)))  # [n, RESPONSE_LEN]
+    token_r = torch.stack([token_rewards(p, r) for p, r in zip(prompts, responses, strict=True)])
+    adv, ret = fnppo.gae_advantages(token_r, values, torch.ones_like(values), gamma=args.gamma, lam=args.lam)
+    return [dataclasses.replace(s, advantages=a, values=v, returns=r) for s, a, v, r in zip(bare, adv, values, ret, strict=True)]
 
 
 def set_lr(optimizer, lr: float) -> None:
@@ -375,8 +440,9 @@ def smooth(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
     return out
 
 
-def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> None:
-    """Four panels (reward, entropy, KL, grad norm), raw points and a smoothed line, the verdict in the title."""
+def write_plot(rows: list[dict], path: Path, *, title: str, target: float, critic: bool = False) -> None:
+    """Four panels (reward, entropy, KL, grad norm), with ``critic`` six (value loss, explained
+    variance); raw points and a smoothed line, the verdict in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,7 +454,9 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
         ("kl_loss", "KL to reference, k3 (nats / token)"),
         ("grad_norm", "grad norm before clipping (L2)"),
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    if critic:
+        panels += [("vf_loss", "critic: clipped value loss"), ("vf_explained_var", "critic: explained variance (axis from -1)")]
+    fig, axes = plt.subplots(2, len(panels) // 2, figsize=(5.5 * len(panels) // 2, 7))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
         raw = [float(r.get(key, float("nan"))) for r in rows]
@@ -397,6 +465,8 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
         ax.set_ylabel(label)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
+        if key == "vf_explained_var":
+            ax.set_ylim(-1.0, 1.05)  # the first steps' large negative values would flatten the rest
         if key == "reward":
             ax.set_ylim(0.0, 1.0)
             ax.axhline(target, color="tab:green", ls="--", label=f"target {target:g}")
@@ -434,15 +504,17 @@ def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
 
 
 def run_settings(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in RUN_DEFINING}
+    keys = RUN_DEFINING + (PPO_DEFINING if args.algo == "ppo" else ())
+    return {k: getattr(args, k) for k in keys}
 
 
 def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
     """Refuse a resume whose run-defining flags differ from the checkpoint's."""
     now = run_settings(args)
-    diff = [k for k in RUN_DEFINING if stored.get(k) != now[k]]
+    keys = RUN_DEFINING + PPO_DEFINING
+    diff = [k for k in keys if stored.get(k, SETTING_DEFAULTS.get(k)) != now.get(k, SETTING_DEFAULTS.get(k))]
     if diff:
-        parts = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)} (now {now[k]})" for k in diff)
+        parts = ", ".join(f"--{k.replace('_', '-')} {stored.get(k, SETTING_DEFAULTS.get(k))} (now {now.get(k, SETTING_DEFAULTS.get(k))})" for k in diff)
         hint = ""
         if "schedule_steps" in diff:
             hint = f"; to train longer on the stored schedule, pass --schedule-steps {stored.get('schedule_steps')}"
@@ -491,7 +563,8 @@ def _agree(value, layout):
 
 
 def _setup_run(args, layout):
-    """Run directory, state, reference params and the KL controller's state (restored on resume)."""
+    """Run directory, state, critic (``--algo ppo``, else None), reference params and the KL
+    controller's state (restored on resume)."""
     import fnppo
 
     choice: Path | ArgumentError
@@ -504,20 +577,28 @@ def _setup_run(args, layout):
         raise choice
     out_dir = choice
     state = build(args)
+    critic = build(args, head="value") if args.algo == "ppo" else None
     ref_params = fnppo.snapshot_params(state.model)
     kl_state, _ = kl_controller(args)
     if args.resume:
         latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
-        state, extra = fnppo.load_checkpoint(latest, state)
+        stored = json.loads((latest / "manifest.json").read_text()).get("states")
+        if stored != (["policy", "critic"] if critic is not None else None):  # the settings check below names the flag
+            raise ArgumentError(f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} (now {args.algo}); resume with the stored values")
+        if critic is not None:
+            states, extra = fnppo.load_checkpoint(latest, {"policy": state, "critic": critic})
+            state, critic = states["policy"], states["critic"]
+        else:
+            state, extra = fnppo.load_checkpoint(latest, state)
         check_resume_settings(extra.get("settings", {}), args)
         ref_params = [dict(p) for p in extra["ref_params"]]
         if "kl_state" in extra:
             kl_state = fnppo.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
-    return out_dir, state, ref_params, kl_state
+    return out_dir, state, critic, ref_params, kl_state
 
 
 def _metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
@@ -539,12 +620,13 @@ def run(args: argparse.Namespace, layout) -> int:
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     torch.manual_seed(args.seed)
-    out_dir, state, ref_params, kl_state = _setup_run(args, layout)
+    out_dir, state, critic, ref_params, kl_state = _setup_run(args, layout)
     _, kl_update = kl_controller(args)
     rank0 = layout.rank == 0
     start_step = state.step // args.minibatches
     metrics_path, rows = _metrics_file(args, out_dir, start_step) if rank0 else (None, [])
     cfg = step_config(args)
+    ccfg = critic_config(args) if critic is not None else None
     progress = None
     if rank0 and not args.no_progress:
         from tqdm import tqdm
@@ -557,27 +639,35 @@ def run(args: argparse.Namespace, layout) -> int:
             if rank0:
                 print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
             return 0
-        samples, mean_reward = rollout(state, ref_params, args, layout, device, step)
+        samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic)
         set_lr(state.optimizer, learning_rate(args, step))
         step_cfg = dataclasses.replace(cfg, loss=fnppo.with_kl_coef(cfg.loss, kl_state))
         state, metrics = fnppo.train_step(state, samples, step_cfg)
+        critic_metrics = {}
+        if critic is not None:
+            set_lr(critic.optimizer, learning_rate(args, step, args.critic_lr))
+            critic, critic_metrics = fnppo.critic_step(critic, samples, ccfg)
         step += 1
         row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
+        row.update({k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v for k, v in critic_metrics.items() if k != "step"})
         if args.kl_target is not None:
             row["kl_coef"] = kl_state.coef  # the coefficient this step trained with
         kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
-            print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}", flush=True)
+            critic_part = "" if critic is None else f" critic vf_loss={critic_metrics['vf_loss']:.10e} critic grad_norm={critic_metrics['grad_norm']:.10e}"
+            print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}{critic_part}", flush=True)
         if rank0:
             rows.append(row)
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             if progress is not None:
-                progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}")
+                extra_bar = {} if critic is None else {"vf": f"{critic_metrics['vf_loss']:.4f}", "ev": f"{critic_metrics['vf_explained_var']:.2f}"}
+                progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}", **extra_bar)
                 progress.update(1)
         if args.save_every and step % args.save_every == 0:
             extra = {"ref_params": ref_params, "settings": run_settings(args), "kl_state": kl_state._asdict()}
-            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", state, extra=extra)
+            states = state if critic is None else {"policy": state, "critic": critic}  # one manifest: both or neither
+            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)
     if progress is not None:
         progress.close()
     if not rank0:
@@ -594,14 +684,15 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
     verdict = "PASS" if ok else "FAIL"
     if not args.no_plot and rows:
         plot = out_dir / "ppo_toy.png"
+        algo = "GRPO" if args.algo == "grpo" else f"PPO (critic, GAE gamma {args.gamma:g} lambda {args.lam:g}, critic lr {args.critic_lr:g})"
         title = (
-            f"fnppo toy GRPO run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"
+            f"fnppo toy {algo} run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"
             f"seed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, {args.dtype}, lr {args.lr:g} -> {args.lr * args.lr_final:g}, "
             f"{args.prompts} prompts x {args.group_size}, kl {args.kl_coef:g}"
             f"{'' if args.kl_target is None else f' (adaptive, target {args.kl_target:g})'}, entropy {args.entropy_coeff:g}"
         )
         try:
-            write_plot(rows, plot, title=title, target=args.target_reward)
+            write_plot(rows, plot, title=title, target=args.target_reward, critic=args.algo == "ppo")
             print(f"plot: {plot}")
         except ImportError:
             print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")

@@ -89,6 +89,34 @@ def test_resume_continues_bit_identically(tmp_path):
     assert diff == [], f"the resumed run's final state differs from the uninterrupted run's at {diff[:10]}"
 
 
+def test_ppo_with_a_critic_resumes_bit_identically(tmp_path):
+    """--algo ppo: the critic's weights and optimizer are in the checkpoint with the actor's (one
+    manifest), so a resumed run gives every metric of the critic and the actor bit for bit."""
+    import torch
+
+    steps = ["--steps", "4", "--algo", "ppo", *SMALL]
+    _run([*[a for a in steps if a != "--no-plot"], "--out-dir", str(tmp_path / "straight"), "--save-every", "2"])
+    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--exit-after", "3"])
+    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--resume"])
+    assert "step000002 (checkpoint of step 2)" in out
+    straight = _rows(tmp_path / "straight" / "metrics.jsonl")
+    resumed = _rows(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert all(r["critic_updates"] == 2.0 and "vf_explained_var" in r for r in straight)
+    assert straight == resumed  # the critic's metrics too, bit for bit
+    final = [torch.load(d / "checkpoints" / "step000004" / "rank00000.pt", weights_only=False) for d in
+             (tmp_path / "straight", tmp_path / "resumed")]
+    assert sorted(final[0]["states"]) == ["critic", "policy"] and final[0]["states"]["critic"]["optimizer"]["state_dict"]
+    for f in final:
+        del f["rng"]["python"], f["rng"]["numpy"]
+    diff = _bit_diff(*final)
+    assert diff == [], f"the resumed run's final state differs from the uninterrupted run's at {diff[:10]}"
+    assert (tmp_path / "straight" / "ppo_toy.png").stat().st_size > 10_000  # six panels with the critic's
+    # a PPO checkpoint is not resumed as GRPO
+    out = _call(["--steps", "4", *SMALL, "--out-dir", str(tmp_path / "resumed"), "--resume"])
+    assert out.returncode == 2 and "--resume: the checkpoint was written with --algo ppo (now grpo)" in out.stderr, out.stderr
+
+
 def test_adaptive_kl_controller_resumes_bit_identically(tmp_path):
     # --kl-target: the coefficient moves every step; its state is in the checkpoint, so a resumed run
     # trains step 3 with the coefficient the uninterrupted run had (not a fresh --kl-coef)
@@ -122,6 +150,25 @@ def test_first_step_agrees_across_layouts(layout, nproc):
     assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (norm, ref_norm)
 
 
+def test_ppo_first_step_agrees_between_one_process_and_pp2():
+    """--algo ppo under torchrun --pp 2: the actor's and the critic's first step equal one process's."""
+    ref = _first_step_ppo([], 1)
+    got = _first_step_ppo(["--pp", "2"], 2)
+    for name, r, g in zip(("loss", "grad_norm", "critic vf_loss", "critic grad_norm"), ref, got, strict=True):
+        assert abs(g - r) <= 1e-4 * abs(r), (name, g, r)
+
+
+_CHECK_PPO = re.compile(r"first-step loss=(\S+) grad_norm=(\S+) critic vf_loss=(\S+) critic grad_norm=(\S+)")
+
+
+def _first_step_ppo(args: list[str], nproc: int) -> tuple[float, ...]:
+    out = _run(["--steps", "1", "--layout-check", "--algo", "ppo", *SMALL, "--out-dir", "/tmp/fnppo-layout-check-ppo", "--overwrite",
+                *args], nproc)
+    m = _CHECK_PPO.search(out)
+    assert m, out
+    return tuple(float(v) for v in m.groups())
+
+
 def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
@@ -149,9 +196,11 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
         (["--prompts", "0"], "--prompts must be >= 1, got 0"),
         (["--resume", "--overwrite"], "--overwrite and --resume exclude each other"),
         (["--kl-horizon", "100"], "--kl-horizon needs --kl-target"),
+        (["--algo", "ppo", "--advantage", "rloo"], "--advantage chooses the group advantage of --algo grpo"),
+        (["--algo", "ppo", "--lam", "1.5"], "--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1"),
     ],
     ids=["negative-steps", "cuda-without-cuda", "tp-does-not-divide", "zero-prompts", "resume-and-overwrite",
-         "kl-horizon-without-target"],
+         "kl-horizon-without-target", "ppo-with-group-advantage", "ppo-lambda-out-of-range"],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
     if "cuda" in args:
