@@ -8,7 +8,8 @@ order, so a default that passes on one machine must pass with other seeds and th
 ``--algos grpo ppo`` runs every seed and thread count with each ``--algo`` in turn (GRPO, then PPO
 with a critic, back to back, so both see about the same machine load) and adds the wall-time ratio
 PPO / GRPO of each pair. Every row records the 1-minute load average when its run started (the
-machine may be shared).
+machine may be shared) and the first step at which the mean reward of the last 5 steps reaches 0.9
+(read from the run's ``metrics.jsonl``).
 
     python benchmarks/toy_robustness.py                       # seeds 0..4 x OMP_NUM_THREADS 1, 2
     python benchmarks/toy_robustness.py --seeds 0 1 --threads 1 --markdown
@@ -18,6 +19,7 @@ machine may be shared).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -41,10 +43,23 @@ def run_one(seed: int, threads: int, extra: list[str], out_root: Path, algo: str
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
     m, s = FINAL.search(out.stdout), SPEED.search(out.stdout)
+    reach = first_reaching(out_root / f"{algo or 'default'}-seed{seed}-omp{threads}" / "metrics.jsonl")
     if m is None:
         raise SystemExit(f"seed {seed}, {threads} threads: no final reward in the output\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return {"seed": seed, "threads": threads, "algo": algo or "default", "reward": float(m.group(2)), "wall_s": wall,
-            "s_per_step": float(s.group(1)) if s else float("nan"), "exit": out.returncode, "load": load}
+            "s_per_step": float(s.group(1)) if s else float("nan"), "exit": out.returncode, "load": load, "reach": reach}
+
+
+def first_reaching(metrics: Path, target: float = 0.9, window: int = 5) -> int | None:
+    """The first step whose trailing ``window``-step mean reward is at least ``target`` (None: never)."""
+    if not metrics.is_file():
+        return None
+    rewards = [json.loads(line)["reward"] for line in metrics.read_text().splitlines() if line.strip()]
+    for i in range(len(rewards)):
+        part = rewards[max(0, i - window + 1) : i + 1]
+        if sum(part) / len(part) >= target:
+            return i + 1
+    return None
 
 
 def main() -> int:
@@ -66,7 +81,7 @@ def main() -> int:
                     rows.append(row)
                     print(f"{row['algo']} seed {row['seed']} OMP_NUM_THREADS={row['threads']}: final reward {row['reward']:.3f}, "
                           f"wall {row['wall_s']:.1f} s ({row['s_per_step']:.3f} s/step), exit {row['exit']}, "
-                          f"load {row['load']:.1f}", flush=True)
+                          f"load {row['load']:.1f}, 5-step mean >= 0.9 from step {row['reach']}", flush=True)
     ratio = {}
     if args.algos and {"grpo", "ppo"} <= set(args.algos):
         wall = {(r["algo"], r["seed"], r["threads"]): r["wall_s"] for r in rows}
@@ -82,11 +97,11 @@ def main() -> int:
         print(f"wall time ppo / grpo: min {min(ratio.values()):.2f}, max {max(ratio.values()):.2f} over {len(ratio)} pairs "
               f"(s/step: min {min(step_ratio):.2f}, max {max(step_ratio):.2f})")
     if args.markdown:
-        print("\n| algo | seed | OMP_NUM_THREADS | final reward | wall time (s) | s/step | load at start |"
-              + (" wall ppo / grpo |" if ratio else "") + "\n|---|---|---|---|---|---|---|" + ("---|" if ratio else ""))
+        print("\n| algo | seed | OMP_NUM_THREADS | final reward | >= 0.9 from step | wall time (s) | s/step | load at start |"
+              + (" wall ppo / grpo |" if ratio else "") + "\n|---|---|---|---|---|---|---|---|" + ("---|" if ratio else ""))
         for r in rows:
             extra = f" {ratio[(r['seed'], r['threads'])]:.2f} |" if ratio and r["algo"] == "ppo" else (" |" if ratio else "")
-            print(f"| {r['algo']} | {r['seed']} | {r['threads']} | {r['reward']:.3f} | {r['wall_s']:.1f} | {r['s_per_step']:.3f} | "
+            print(f"| {r['algo']} | {r['seed']} | {r['threads']} | {r['reward']:.3f} | {r['reach']} | {r['wall_s']:.1f} | {r['s_per_step']:.3f} | "
                   f"{r['load']:.1f} |{extra}")
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
