@@ -564,6 +564,27 @@ def _forward_step_fn(
     return forward_step
 
 
+def _value_forward_step_fn(config: CriticConfig, *, normalizer: torch.Tensor, loss_scale: float) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
+    """Megatron's ``forward_step_func`` of the critic: ``forward_values``, then (last stage) the value loss, scaled."""
+    fns, loss_cfg = config.fns, config.loss
+
+    def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
+        mb = next(data_iterator)
+        out = fns.forward(model, mb)
+
+        def loss_func(values: torch.Tensor):
+            _check_values("critic_step", values, mb)
+            old = mb.values if mb.values is not None else values.detach()  # unused without clipping
+            loss, metrics = fns.loss(values, old, mb.returns, mb.loss_mask, loss_cfg.clip_range,
+                                     loss_agg_mode=loss_cfg.loss_agg_mode, loss_scale_factor=loss_cfg.loss_scale_factor,
+                                     normalizer=normalizer, seq_ids=mb.seq_ids)
+            return loss * loss_scale, {"metrics": metrics}
+
+        return out, loss_func
+
+    return forward_step
+
+
 def _token_logprobs(
     fn: str, out: torch.Tensor, weight: torch.Tensor | None, mb: Microbatch, config: StepConfig,
     layout: ParallelLayout, spec: _Batching, with_entropy: bool,
@@ -723,7 +744,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         :mod:`fnppo.moe` (aux and z losses, expert loads and imbalance).
 
     Raises:
-        InputError: before anything runs, nothing changed: an empty batch, a batch length not
+        InputError: before anything runs, nothing changed: a value model (``head="value"``: use
+            :func:`critic_step`), an empty batch, a batch length not
             divisible by ``num_minibatches``, a sample longer than ``config.max_seq_len``
             (default: the model's ``max_sequence_length``), token ids outside the model's
             vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
@@ -797,27 +819,12 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
     _check_batch("critic_step", samples, spec, config.num_minibatches)
     _check_critic_targets("critic_step", samples, config.loss)
     device = _device_of(state.model)
-    loss_cfg = config.loss
 
     def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> torch.Tensor:
-        return _global_normalizer(mbs, loss_cfg.loss_agg_mode, lay, dev)
+        return _global_normalizer(mbs, config.loss.loss_agg_mode, lay, dev)
 
     def forward_step(normalizer: torch.Tensor, scale: float) -> Callable:
-        def step_fn(data_iterator: Iterator[Microbatch], model: nn.Module):
-            mb = next(data_iterator)
-            out = config.fns.forward(model, mb)
-
-            def loss_func(values: torch.Tensor):
-                _check_values("critic_step", values, mb)
-                old = mb.values if mb.values is not None else values.detach()  # unused without clipping
-                loss, metrics = config.fns.loss(values, old, mb.returns, mb.loss_mask, loss_cfg.clip_range,
-                                                loss_agg_mode=loss_cfg.loss_agg_mode, loss_scale_factor=loss_cfg.loss_scale_factor,
-                                                normalizer=normalizer, seq_ids=mb.seq_ids)
-                return loss * scale, {"metrics": metrics}
-
-            return out, loss_func
-
-        return step_fn
+        return _value_forward_step_fn(config, normalizer=normalizer, loss_scale=scale)
 
     return _train(state, samples, _Objective("critic_step", config.fns.collate, sums, forward_step, "vf_loss"),
                   config, spec, layout, device)

@@ -259,7 +259,13 @@ def _structure() -> dict:
     fnppo.layout_invariant_init([value], seed=5)
     w5 = params["value_head.weight"].detach().clone()
     fnppo.layout_invariant_init([value], seed=6)
+    # a given layer spec is used as given (for both heads): Megatron's own core attention here
+    spec = fnppo.attention.local_layer_spec(_model_cfg(), packed_attention=False)
+    attention = {head: type(fnppo.build_gpt(_model_cfg(), head=head, layer_spec=spec)[0].decoder.layers[0].self_attention.core_attention).__name__
+                 for head in ("lm", "value")}
+    attention["default"] = type(value.decoder.layers[0].self_attention.core_attention).__name__
     return {
+        "attention": attention,
         "names": sorted(params), "shapes": {k: tuple(v.shape) for k, v in head.items()},
         "tied": value.share_embeddings_and_output_weights, "has_output_layer": hasattr(value, "output_layer"),
         "skipped": skipped, "trunk_same": trunk_same, "head_same": head_same, "full_has_head": sorted(k for k in full if k.startswith("value_head.")),
@@ -427,6 +433,11 @@ def test_value_model_has_a_fresh_scalar_head_and_no_output_layer(single):
     assert s["trunk_same"] and s["head_same"] and s["skipped"] == ["output_layer.weight"]
     assert s["full_has_head"] == ["value_head.bias", "value_head.weight"] and s["reloaded_skip"] == []
     assert s["seeded_heads_differ"] and s["bias_zero"] and 0.01 < s["head_std"] < 0.04  # N(0, 0.02^2) from the seed
+
+
+def test_build_gpt_uses_the_given_layer_spec(single):
+    assert single["structure"]["attention"] == {"lm": "DotProductAttention", "value": "DotProductAttention",
+                                                 "default": "PackedDotProductAttention"}
 
 
 def test_value_model_on_a_hugging_face_policy_checkpoint(single):
