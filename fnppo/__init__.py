@@ -32,6 +32,8 @@ from fnppo.batch import padding_multiple as padding_multiple
 from fnppo.batch import unpack_per_sample as unpack_per_sample
 from fnppo.logprob import logprob_and_entropy as logprob_and_entropy
 from fnppo.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
+from fnppo.rope import apply_rotary as apply_rotary
+from fnppo.rope import thd_positions as thd_positions
 from fnppo.loss import PolicyLossConfig as PolicyLossConfig
 from fnppo.loss import compute_tis_weights as compute_tis_weights
 from fnppo.loss import kl_penalty as kl_penalty
@@ -76,6 +78,7 @@ _LAZY: dict[str, str] = {
     "local_layer_spec": "attention",
     "packed_causal_attention": "attention",
     "te_available": "attention",
+    "flex_compile_count": "attention",
     "CheckpointError": "checkpoint",
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
@@ -129,7 +132,7 @@ __all__ = [
     # batching
     "Microbatch", "Sample", "SplitPlan", "collate_microbatch", "padding_multiple", "split_batch", "unpack_per_sample",
     # log-probs, losses, metrics
-    "logprob_and_entropy", "linear_logprob_and_entropy", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
+    "logprob_and_entropy", "linear_logprob_and_entropy", "apply_rotary", "thd_positions", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
     "get_policy_loss", "kl_penalty", "loss_normalizer", "merge_metrics", "ppo_loss", "register_policy_loss",
     "registered_policy_losses", "value_loss", "ValueLossConfig",
     # more advantage estimators, KL control

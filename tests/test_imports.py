@@ -82,7 +82,7 @@ def test_pure_core_runs_with_megatron_unimportable():
     assert set(r["fnppo"]) <= {"fnppo", "fnppo.advantages", "fnppo.batch", "fnppo.logprob", "fnppo.loss",
                                "fnppo.metrics", "fnppo.policy_losses", "fnppo.segments", "fnppo.split",
                                "fnppo.typing", "fnppo.kernels", "fnppo.quiet", "fnppo.kl_control", "fnppo.linear_logprob",
-                               "fnppo.rollout_correction"}
+                               "fnppo.rollout_correction", "fnppo.rope"}
 
 
 def test_megatron_names_fail_only_when_used():
