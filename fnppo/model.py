@@ -22,6 +22,8 @@ from fnppo.typing import Float, InputError, Tensor, input_error, typechecked
 __all__ = [
     "ModelConfig",
     "transformer_config",
+    "fusion_fields",
+    "install_fused_rope",
     "build_gpt",
     "wrap_ddp",
     "build_optimizer",
@@ -62,6 +64,9 @@ class ModelConfig:
     * ``moe_dispatcher``: ``"alltoall"`` or ``"allgather"`` token dispatch over expert parallelism;
     * ``moe_grouped_gemm``: one grouped GEMM for the local experts (Transformer Engine); None
       chooses it when Transformer Engine is installed, else Megatron's ``SequentialMLP``.
+
+    ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
+    them on where the model is built for CUDA (NCCL) and off on CPU; True or False forces them.
     """
 
     num_layers: int
@@ -103,6 +108,7 @@ class ModelConfig:
     moe_freeze_router: bool = False
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
+    fusions: bool | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,6 +126,8 @@ class ModelConfig:
             raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
+        if self.fusions not in (None, True, False):
+            raise input_error(fn, "fusions", "None, True or False", repr(self.fusions))
         if self.num_experts is not None:
             self._check_moe(fn)
 
@@ -156,11 +164,98 @@ class ModelConfig:
         return -(-self.vocab_size // m) * m
 
 
+def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
+    """The ``TransformerConfig`` fusion switches for ``cfg`` on ``layout``.
+
+    With ``cfg.fusions`` (None: whether the model is built for CUDA, i.e. CUDA is present and the
+    backend is NCCL): ``bias_activation_fusion`` (SwiGLU, or GeLU with a bias, as one compiled
+    kernel that saves only its input for backward), ``bias_dropout_fusion`` (bias + dropout +
+    residual add in one kernel) and ``apply_rope_fusion`` (RoPE in one kernel: Transformer
+    Engine's when installed, else :func:`fnppo.apply_rotary`, installed by
+    :func:`install_fused_rope`). Megatron compiles the first two with ``torch.compile``.
+    Always off: ``masked_softmax_fusion`` and ``persist_layer_norm`` (Apex or Megatron's own CUDA
+    extensions; fnppo's packed attention has no masked softmax) and ``gradient_accumulation_fusion``
+    (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
+    for it).
+    """
+    on = cfg.fusions if cfg.fusions is not None else (torch.cuda.is_available() and layout.backend == "nccl")
+    return dict(
+        bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
+        bias_dropout_fusion=bool(on),
+        apply_rope_fusion=bool(on and cfg.position_embedding_type == "rope"),
+    )
+
+
+def install_fused_rope() -> None:
+    """Give Megatron a fused RoPE when Transformer Engine does not (once per process).
+
+    Megatron's ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb`` (``[s, b, h, d]``)
+    and ``fused_apply_rotary_pos_emb_thd`` (packed ``[t, h, d]``), which only Transformer Engine
+    provides; where they are missing they are set to adapters of :func:`fnppo.apply_rotary` (the
+    same rotation, one kernel, no host sync). Cases outside it (interleaved RoPE, per-sample angle
+    tables, context parallelism in THD) use Megatron's unfused functions. Transformer Engine's own
+    functions are left in place.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
+
+
+def _fused_rope_bshd(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False, interleaved: bool = False) -> Tensor:
+    """Megatron's fused-RoPE signature for ``t`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from fnppo.rope import apply_rotary
+
+    s, b, h, d = t.shape
+    if interleaved or freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[0] < s:
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    pos = torch.arange(s, device=t.device).repeat_interleave(b)
+    return apply_rotary(t.reshape(s * b, h, d), freqs[:, 0, 0, :], pos).view(s, b, h, d)
+
+
+_THD_POSITIONS: Any = None  # WeakIdKeyDictionary: cu_seqlens tensor -> {(total, absolute, version): positions}
+
+
+def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+    """Megatron's fused-RoPE signature for packed ``t`` ``[t, h, d]``, ``freqs`` ``[max_s, 1, 1, rot]``.
+
+    Positions restart in every sequence, except when the table has exactly one row per packed token
+    (Megatron's absolute-offset mode, which then uses token ``i``'s own row). They are computed once
+    per ``cu_seqlens`` tensor (all layers of a micro-batch share it).
+    """
+    global _THD_POSITIONS
+    from megatron.core.models.common.embeddings import rope_utils
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from fnppo.rope import apply_rotary, thd_positions
+
+    total = t.shape[0]
+    if cp_size > 1 or freqs.dim() != 4 or freqs.shape[1] != 1:
+        from megatron.core import parallel_state
+
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=parallel_state.get_context_parallel_group())
+    if _THD_POSITIONS is None:
+        _THD_POSITIONS = WeakIdKeyDictionary()
+    absolute = freqs.shape[0] == total
+    key = (total, absolute, cu_seqlens._version)
+    cached = _THD_POSITIONS.get(cu_seqlens)
+    if cached is None or key not in cached:
+        pos = torch.arange(total, device=t.device) if absolute else thd_positions(cu_seqlens, total)
+        cached = {key: pos}
+        _THD_POSITIONS[cu_seqlens] = cached
+    return apply_rotary(t, freqs[:, 0, 0, :], cached[key])
+
+
 def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, **overrides: Any):
-    """Megatron ``TransformerConfig`` for ``cfg`` under ``layout`` (fusions off: they need CUDA).
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``layout``.
 
     ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
-    (packed micro-batches differ in length).
+    (packed micro-batches differ in length). Fusions: :func:`fusion_fields` (on where the model is
+    built for CUDA unless ``cfg.fusions`` is False; off on CPU).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -210,12 +305,10 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         variable_seq_lengths=True,  # one shape per step under vpp: fnppo pads (see step._collate_all)
         moe_token_dispatcher_type="alltoall",
         cuda_graph_scope=[],  # the default ("full") is deprecated and warns on every build
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
+        **fusion_fields(cfg, layout),
         deallocate_pipeline_outputs=layout.backend != "gloo",
         # gloo mismatches concurrent batched p2p messages between the same pair of ranks
         # (seen with the interleaved schedule: later micro-batches got wrong activations).
@@ -226,6 +319,8 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         kwargs.update(_moe_kwargs(cfg, layout))
     kwargs.update(dict(cfg.extra))
     kwargs.update(overrides)
+    if kwargs.get("apply_rope_fusion"):
+        install_fused_rope()  # Megatron checks for a fused RoPE when the config is built
     return TransformerConfig(**kwargs)
 
 
@@ -311,7 +406,9 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     :func:`fnppo.hf.load_hf_weights`).
 
     ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
-    when installed, else the local spec with packed-sequence attention). Half-precision models are
+    when installed, else the local spec with packed-sequence attention); pass
+    ``layer_spec=fnppo.local_layer_spec(cfg)`` to force the local spec where Transformer Engine is
+    installed. Half-precision models are
     wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`. Each
     ``GPTModel`` keeps ``cfg`` as ``fnppo_config`` (its ``vocab_size`` is the real vocabulary; the
     model's own ``vocab_size`` is the padded one).
@@ -431,9 +528,15 @@ def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = T
 def build_optimizer(chunks: Sequence[nn.Module], *, optimizer: str = "adam", lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8, **kwargs: Any):
     """Megatron's optimizer (``"adam"`` or ``"sgd"``; distributed when the chunks' DDP config says so).
 
-    ``clip_grad`` > 0 clips the global grad norm (Megatron's own clipping); 0 disables it.
+    ``clip_grad`` > 0 clips the global grad norm (Megatron's own clipping); 0 disables it. On CUDA
+    without Transformer Engine or Apex, Megatron's fallback for the grad norm of the clipping reads
+    every parameter's norm to the host (one device sync per tensor); it is replaced by
+    :func:`_l2_norm_without_syncs` (see there).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if torch.cuda.is_available() and current_layout().backend == "nccl":
+        _install_l2_norm_without_syncs()
 
     core = unwrap_model(chunks[0])
     ddp_cfg = getattr(chunks[0], "ddp_config", None)
@@ -452,6 +555,27 @@ def build_optimizer(chunks: Sequence[nn.Module], *, optimizer: str = "adam", lr:
         **kwargs,
     )
     return get_megatron_optimizer(ocfg, list(chunks))
+
+
+def _l2_norm_without_syncs(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool, *args: Any) -> tuple[Tensor, None]:
+    r"""Drop-in for Megatron's ``local_multi_tensor_l2_norm``: :math:`\sqrt{\sum_t \|t\|_2^2}` over
+    all tensors as a ``[1]`` fp32 device tensor, from ``torch._foreach_norm`` (a few kernels, no
+    host sync; Megatron's fallback builds a host list of per-tensor norms)."""
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device="cuda"), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _install_l2_norm_without_syncs() -> None:
+    """Point Megatron's grad clipping at :func:`_l2_norm_without_syncs` where it uses its local
+    fallback (neither Transformer Engine nor Apex installed; once per process)."""
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _l2_norm_without_syncs
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

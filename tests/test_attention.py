@@ -16,6 +16,7 @@ from fnppo.attention import (
     PackedDotProductAttention,
     default_layer_spec,
     document_causal_mask,
+    flex_bucket_length,
     local_layer_spec,
     packed_causal_attention,
     segment_ids,
@@ -91,6 +92,27 @@ def test_gqa_and_custom_scale(backend):
     q, k, v = _qkv(sum(lens), 6, 2, 8, seed=1)
     out = packed_causal_attention(q, k, v, _cu(lens), softmax_scale=0.37, backend=backend)
     torch.testing.assert_close(out, _reference(q, k, v, lens, scale=0.37), atol=1e-5, rtol=0)
+
+
+def test_flex_bucket_lengths():
+    """Few buckets, each a multiple of 128 and at most 12.5% (or 127 tokens) longer than the pack."""
+    lengths = [flex_bucket_length(t) for t in range(1, 40_000)]
+    for t, b in enumerate(lengths, start=1):
+        assert b >= t and b % 128 == 0 and (b - t < 128 or b <= 1.125 * t), (t, b)
+    assert lengths == sorted(lengths)
+    assert flex_bucket_length(8192) == 8192 and flex_bucket_length(8193) == 9216
+    assert len(set(lengths[4096:8192])) == 8  # packs of 4,097..8,192 tokens share 8 kernels
+
+
+def test_flex_padding_to_the_bucket_changes_nothing(monkeypatch):
+    lens = [100, 0, 37, 163]  # 300 tokens -> padded to 384 for flex
+    q, k, v = _qkv(sum(lens), 4, 2, 16, seed=11)
+    ref = _reference(q, k, v, lens)
+    exact = packed_causal_attention(q, k, v, _cu(lens), backend="flex")  # the default: no padding
+    monkeypatch.setenv("FNPPO_FLEX_BUCKETS", "1")
+    padded = packed_causal_attention(q, k, v, _cu(lens), backend="flex")
+    torch.testing.assert_close(padded, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded, exact, atol=1e-5, rtol=0)
 
 
 def test_hand_computed_two_tokens():
@@ -338,9 +360,14 @@ LENS = [5, 11, 7]
 VOCAB = 64
 
 
-def _gpt(tp: int):
+def _gpt(tp: int, rope_fusion: bool = False):
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if rope_fusion:
+        from fnppo.model import install_fused_rope
+
+        install_fused_rope()  # fnppo's one-pass RoPE (Transformer Engine is absent here)
 
     cfg = TransformerConfig(
         num_layers=2,
@@ -356,7 +383,7 @@ def _gpt(tp: int):
         params_dtype=torch.float32,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
@@ -401,12 +428,19 @@ def _model_check(tp: int) -> dict[str, float]:
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S
     )
     lk, gk = _logits_and_grads(model, torch.cat(tokens)[None], pos_packed, psp, w_packed)
+    # The same weights with apply_rope_fusion (fnppo's RoPE adapters for [s, b, h, d] and THD).
+    _, fused = _gpt(tp, rope_fusion=True)
+    fused.load_state_dict(model.state_dict())
+    lpf, gpf = _logits_and_grads(fused, padded, pos_padded, None, w_padded)
+    lkf, gkf = _logits_and_grads(fused, torch.cat(tokens)[None], pos_packed, psp, w_packed)
     out = {
         "logits": max((lp[i, :n] - lk[0, cu[i] : cu[i + 1]]).abs().max().item() for i, n in enumerate(LENS)),
         "grads": max((gp[n] - gk[n]).abs().max().item() for n in gp),
         "n_grads": float(len(gp)),
         "grads_same_names": float(set(gp) == set(gk)),
         "min_grad_norm": min(g.norm().item() for g in gp.values()),
+        "rope_fused_logits": max((lpf - lp).abs().max().item(), (lkf - lk).abs().max().item()),
+        "rope_fused_grads": max(max((gpf[n] - gp[n]).abs().max().item() for n in gp), max((gkf[n] - gk[n]).abs().max().item() for n in gk)),
     }
     if tp == 1:
         out.update(_module_check())
@@ -458,6 +492,7 @@ def _module_check() -> dict[str, float]:
 def _assert_model_results(res: dict[str, float]) -> None:
     assert res["logits"] < 1e-5, res
     assert res["grads"] < 1e-5, res
+    assert res["rope_fused_logits"] < 1e-5 and res["rope_fused_grads"] < 1e-5, res
     assert res["grads_same_names"] == 1.0 and res["n_grads"] >= 10, res
     assert res["min_grad_norm"] > 0, res
 

@@ -103,6 +103,10 @@ def _single() -> dict:
     out["own_untouched"] = all(
         torch.equal(p, own_before[n][0]) and p._version == own_before[n][1] for n, p in model.named_parameters()
     )
+    # an explicit layer spec is the one built (here Megatron's own core attention instead of fnppo's)
+    (plain,) = fnppo.build_gpt(_cfg(), layer_spec=fnppo.local_layer_spec(_cfg(), packed_attention=False))
+    out["explicit_spec_core_attention"] = type(plain.decoder.layers[0].self_attention.core_attention).__name__
+    out["default_spec_core_attention"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
     (other,) = fnppo.build_gpt(_cfg())
     with torch.no_grad():
         for n, p in other.named_parameters():
@@ -233,6 +237,7 @@ def sharded(request, single) -> tuple[str, list[dict]]:
         ({"num_query_groups": 3}, "num_query_groups", "a divisor of num_attention_heads=4"),  # does not divide 4 heads
         ({"dtype": "fp8"}, "dtype", "one of 'fp32', 'bf16', 'fp16'"),
         ({"normalization": "BatchNorm"}, "normalization", "'RMSNorm' or 'LayerNorm'"),
+        ({"fusions": "yes"}, "fusions", "None, True or False"),
     ],
 )
 def test_model_config_rejects_bad_values(kw, arg, expected):
@@ -251,11 +256,28 @@ def test_model_config_is_frozen_and_derives_dtype_and_vocab():
         cfg.num_layers = 3  # type: ignore[misc]
 
 
-def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None) -> ParallelLayout:
+def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo") -> ParallelLayout:
     return ParallelLayout(
         world_size=tp * pp, rank=0, tp=tp, pp=pp, dp=1, vpp=vpp, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, backend="gloo",
+        tp_group=None, pp_group=None, dp_group=None, backend=backend,
     )
+
+
+def test_fusions_follow_the_device_unless_forced(monkeypatch):
+    """Megatron's fused kernels: on for a model built for CUDA (NCCL), off on CPU (gloo), or forced."""
+    from fnppo.model import fusion_fields
+
+    names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
+    assert fusion_fields(_cfg(), _fake_layout()) == dict.fromkeys(names, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert fusion_fields(_cfg(), _fake_layout(backend="nccl")) == dict.fromkeys(names, True)
+    assert fusion_fields(_cfg(), _fake_layout(backend="gloo")) == dict.fromkeys(names, False)  # CPU ranks
+    assert fusion_fields(_cfg(fusions=False), _fake_layout(backend="nccl")) == dict.fromkeys(names, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    forced = fusion_fields(_cfg(fusions=True, swiglu=False), _fake_layout())
+    assert forced == {"bias_activation_fusion": False, "bias_dropout_fusion": True, "apply_rope_fusion": True}  # GeLU w/o bias: unfusable
+    cfg = transformer_config(_cfg(fusions=True), _fake_layout())  # Megatron accepts it: a fused RoPE is installed
+    assert cfg.apply_rope_fusion and cfg.bias_activation_fusion and cfg.bias_dropout_fusion
 
 
 @pytest.mark.parametrize(
@@ -299,6 +321,11 @@ def test_forward_logits_shapes_and_packed_equals_padded(single):
     tol = 1e-5 * single["scale"]
     assert single["packed_vs_padded"] <= tol
     assert single["packed4_vs_padded"] <= tol  # padding inside packed segments does not leak
+
+
+def test_build_gpt_builds_the_layer_spec_it_is_given(single):
+    assert single["default_spec_core_attention"] == "PackedDotProductAttention"  # no TE here: the local spec
+    assert single["explicit_spec_core_attention"] == "DotProductAttention"
 
 
 def test_forward_logits_with_snapshot_params_equals_module_call(single):
@@ -417,3 +444,15 @@ def test_load_strict_refuses_unknown_tensor(sharded):
     for r in results:
         assert "decoder.layers.7.mlp.linear_fc9.weight" in r["extra_msg"], f"{name}: {r['extra_msg']}"
         assert r["extra_unchanged"]
+
+
+def test_grad_clipping_norm_without_syncs_matches_float64():
+    """The replacement of Megatron's per-tensor-sync grad-norm fallback: the same global L2 norm."""
+    from fnppo.model import _l2_norm_without_syncs
+
+    g = torch.Generator().manual_seed(0)
+    groups = [[torch.randn(5, 3, generator=g), torch.randn(7, generator=g)], [torch.randn(2, 2, 2, generator=g)]]
+    norm, none = _l2_norm_without_syncs(2048 * 32, torch.zeros(1, dtype=torch.int), groups, False)
+    ref = math.sqrt(sum(float(t.double().square().sum()) for grp in groups for t in grp))
+    assert none is None and norm.shape == (1,) and norm.dtype == torch.float32
+    assert abs(float(norm) - ref) < 1e-6 * ref
