@@ -16,9 +16,16 @@ equal those of the padded layout ``[b, s]`` with a causal mask (Megatron's defau
 Kernels (:func:`packed_causal_attention`):
 
 * CUDA: ``torch.nn.attention.flex_attention.flex_attention`` compiled with ``torch.compile``
-  (compiled once per process; the first call compiles for ~10-20 s and a new pack length
-  triggers one more, dynamic-shape, compilation) and a document-causal ``BlockMask``: fully masked
-  blocks are skipped, so the cost grows with ``sum_i len_i^2``, not ``T^2``. Measured on one H200,
+  and a document-causal ``BlockMask``: fully masked blocks are skipped, so the cost grows with
+  ``sum_i len_i^2``, not ``T^2``. Compiled once for the first pack length and once more, with a
+  dynamic length, for the second; :func:`flex_compile_count` counts the compilations (on one H200
+  with torch 2.11, 50 packs of 49 different lengths compiled the kernel twice,
+  ``benchmarks/flex_compiles.py``). ``FNPPO_FLEX_BUCKETS=1`` pads every pack to one of a few bucket
+  lengths (:func:`flex_bucket_length`: multiples of 128 up to 1,024 tokens, then 8 lengths per
+  octave, at most 12.5 % padding), bounding the kernel shapes for torch versions that specialize
+  on the length; the padding tokens form a segment of their own, so real tokens never see them, and
+  their outputs are dropped. Off by default: it measured no fewer compilations with torch 2.11 and
+  costs up to 12.5 % more attention work. Measured on one H200,
   bf16, 32 heads / 8 groups of 128, forward + backward: 6.7 ms for 32k tokens in 32 sequences
   (SDPA with a dense mask: 207 ms); 2.1 ms vs 3.4 ms for 4k tokens in 4 sequences.
 * CPU, and any device when attention dropout is active: ``scaled_dot_product_attention`` with an
@@ -83,6 +90,7 @@ from fnppo.typing import (
     describe,
     input_error,
     typechecked,
+    typechecking_enabled,
 )
 
 __all__ = [
@@ -94,6 +102,8 @@ __all__ = [
     "local_layer_spec",
     "default_layer_spec",
     "te_available",
+    "flex_bucket_length",
+    "flex_compile_count",
 ]
 
 Backend = Literal["auto", "flex", "sdpa"]
@@ -166,16 +176,31 @@ def _block_mask(seg: Tensor) -> Any:
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _cached_mask(fn: str, arg: str, cu_seqlens: Tensor, total: int, kind: str) -> Any:
-    key = (kind, total, cu_seqlens._version, str(cu_seqlens.device))
+def _cached_mask(fn: str, arg: str, cu_seqlens: Tensor, total: int, kind: str, padded: int | None = None) -> Any:
+    """The memoized mask of ``cu_seqlens``; ``padded`` (flex): the pack is padded to this length,
+    the padding tokens forming one more segment."""
+    key = (kind, total, padded, cu_seqlens._version, str(cu_seqlens.device))
     per_tensor = _MASKS.get(cu_seqlens)
     if per_tensor is not None and key in per_tensor:
         return per_tensor[key]
-    _check_cu_seqlens(fn, arg, cu_seqlens, total)
+    if typechecking_enabled():  # a host sync; with checking off, cu_seqlens is trusted (built by collate)
+        _check_cu_seqlens(fn, arg, cu_seqlens, total)
     seg = _segment_ids(cu_seqlens, total)
+    if padded is not None and padded > total:
+        seg = torch.cat([seg, seg.new_full((padded - total,), cu_seqlens.numel())])
     mask = _block_mask(seg) if kind == "flex" else _dense_mask(seg)
     _MASKS[cu_seqlens] = {key: mask}
     return mask
+
+
+_FLEX_COMPILES = [0]  # compilations of the packed flex-attention kernel in this process (diagnostics)
+
+
+def flex_compile_count() -> int:
+    """How many graphs ``torch.compile`` has produced inside :func:`packed_causal_attention`'s
+    flex-attention calls in this process (each a compilation of the kernel; 0 on CPU, where flex
+    runs eagerly)."""
+    return _FLEX_COMPILES[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,9 +208,37 @@ def _flex_fn(device_type: str) -> Any:
     """flex_attention, compiled on CUDA (once per process), eager elsewhere (slow; for tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type == "cuda":
-        return torch.compile(flex_attention)
-    return flex_attention
+    if device_type != "cuda":
+        return flex_attention
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(flex_attention)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        before = counters["stats"]["unique_graphs"]
+        out = compiled(*args, **kwargs)
+        _FLEX_COMPILES[0] += counters["stats"]["unique_graphs"] - before
+        return out
+
+    return counted
+
+
+def flex_bucket_length(total: int) -> int:
+    """The padded pack length the flex kernel runs at: the smallest bucket ``>= total``.
+
+    Buckets: multiples of 128 up to 1,024; above, multiples of ``2^(e - 3)`` for
+    ``2^e <= total < 2^(e + 1)`` (8 buckets per octave, all multiples of 128, padding < 12.5 %).
+    """
+    if total <= 1024:
+        return max(128, -(-total // 128) * 128)
+    step = 1 << (total.bit_length() - 4)
+    return -(-total // step) * step
+
+
+def _buckets_on() -> bool:
+    import os
+
+    return os.environ.get("FNPPO_FLEX_BUCKETS", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,8 +270,8 @@ def packed_causal_attention(
     default generator of the device (fork Megatron's RNG tracker around the call for TP-consistent
     dropout, as :class:`PackedDotProductAttention` does).
 
-    ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync) and
-    the mask is memoized for that tensor.
+    ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync;
+    skipped with call-time checking off) and the mask is memoized for that tensor.
     """
     fn = "fnppo.attention.packed_causal_attention"
     heads, groups = query.shape[1], key.shape[1]
@@ -240,8 +293,12 @@ def packed_causal_attention(
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     gqa = groups != heads
     if use_flex:
-        block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex")
+        padded = flex_bucket_length(total) if _buckets_on() else total
+        block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex", padded)
+        if padded > total:  # the padding tokens attend among themselves only; their outputs are dropped
+            q, k, v = (F.pad(t, (0, 0, 0, padded - total)) for t in (q, k, v))
         out = _flex_fn(query.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = out[:, :, :total]
     else:
         mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "dense")
         out = F.scaled_dot_product_attention(
