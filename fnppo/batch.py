@@ -418,7 +418,22 @@ def _check_devices(fn: str, samples: Sequence[Sample]) -> None:
 
 
 def _check_values(fn: str, samples: Sequence[Sample]) -> None:
-    """Response masks are 0/1 and the per-token values finite."""
+    """Response masks are 0/1 and the per-token values finite.
+
+    One check over all samples per field (one host sync for device tensors); only when it fails are
+    the samples checked one by one, to name the first offender.
+    """
+    masks = [s.response_mask for s in samples if s.response_mask is not None and s.response_mask.dtype != torch.bool]
+    fields = {name: [getattr(s, name) for s in samples if getattr(s, name) is not None] for name in _PER_TOKEN_FLOAT}
+    flags = []
+    if masks:
+        m = torch.cat([t.reshape(-1) for t in masks])
+        flags.append(((m != 0) & (m != 1)).any())
+    for parts in fields.values():
+        if parts:  # torch.cat promotes mixed float dtypes
+            flags.append((~torch.isfinite(torch.cat([t.reshape(-1) for t in parts]))).any())
+    if not flags or not bool(torch.stack(flags).any()):
+        return
     for i, s in enumerate(samples):
         if s.response_mask is not None:
             check_mask01(fn, f"samples[{i}].response_mask", s.response_mask)
@@ -472,7 +487,7 @@ def collate_microbatch(
     index, present = _check_collate_inputs(fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index)
     device = samples[0].prompt_ids.device
     seg_lens = [_round_up(len(s), pad_to_multiple_of) for s in samples]
-    per_token = _stack_rows(_collate_rows(samples, seg_lens, pad_token_id, present), layout, pad_token_id)
+    per_token = _collate_fields(samples, seg_lens, layout, pad_token_id, present)
     mm, counts = _collate_multi_modal(fn, samples, device)
     return Microbatch(
         **per_token,  # type: ignore[arg-type]
@@ -510,40 +525,60 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
     return sample_index, check_same_fields(fn, samples)
 
 
-_ROW_FIELDS = ("input_ids", "position_ids", "labels", "seq_ids", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs",
-               "values", "returns")
 
 
-def _collate_rows(samples: list[Sample], seg_lens: list[int], pad_token_id: int, present: dict[str, bool]) -> dict[str, list[Tensor]]:
-    """One row per sample and field, sample ``i``'s padded to ``seg_lens[i]`` (see the alignment above)."""
+def _collate_fields(samples: list[Sample], seg_lens: list[int], layout: str, pad_token_id: int,
+                    present: dict[str, bool]) -> dict[str, Tensor | None]:
+    """Every per-token field of the micro-batch, built for all samples at once.
+
+    Sample ``i`` occupies ``seg_lens[i]`` positions from ``start_i`` of the flat output (packed:
+    ``cumsum`` of the segment lengths; padded: row ``i`` of ``[n, max seg_lens]``); its tokens go to
+    ``start_i + t`` and its response values to ``start_i + P_i - 1 + j`` (see the alignment in
+    :func:`collate_microbatch`), by one scatter per field. Absent optional fields are None.
+    """
     device = samples[0].prompt_ids.device
     i64, f32 = torch.int64, torch.float32
+    n = len(samples)
+    plen = torch.tensor([s.prompt_len for s in samples], dtype=i64)
+    rlen = torch.tensor([s.response_len for s in samples], dtype=i64)
+    tlen = plen + rlen
+    width = max(seg_lens) if layout == "padded" else sum(seg_lens)
+    rows = n if layout == "padded" else 1
+    starts = torch.arange(n, dtype=i64) * width if layout == "padded" else torch.tensor([0, *seg_lens[:-1]], dtype=i64).cumsum(0)
 
-    def zeros(k: int, dtype: torch.dtype) -> Tensor:
-        return torch.zeros(k, dtype=dtype, device=device)
+    def runs(lengths: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+        """For each sample's run of ``lengths[i]`` items: flat destinations ``offsets[i] + j`` and ``j``."""
+        total = int(lengths.sum())
+        within = torch.arange(total, dtype=i64) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+        return offsets.repeat_interleave(lengths) + within, within
 
-    rows: dict[str, list[Tensor]] = {k: [] for k in _ROW_FIELDS}
-    for i, (s, seg) in enumerate(zip(samples, seg_lens, strict=True)):
-        p, r = s.prompt_len, s.response_len
-        length = p + r
-        pad = seg - length
-        z = torch.cat([s.prompt_ids.to(i64), s.response_ids.to(i64)])
-        rows["input_ids"].append(torch.cat([z, torch.full((pad,), pad_token_id, dtype=i64, device=device)]))
-        rows["labels"].append(torch.cat([z[1:], zeros(1 + pad, i64)]))
-        rows["position_ids"].append(torch.cat([torch.arange(length, dtype=i64, device=device), zeros(pad, i64)]))
-        rows["seq_ids"].append(torch.cat([torch.full((length,), i, dtype=i64, device=device), torch.full((pad,), -1, dtype=i64, device=device)]))
+    dest, within = runs(tlen, starts)
+    rdest, _ = runs(rlen, starts + plen - 1)
+    dest_d, rdest_d = dest.to(device), rdest.to(device)
+    z = torch.cat([t.to(i64) for s in samples for t in (s.prompt_ids, s.response_ids)])
+    size = rows * width
+    out: dict[str, Tensor | None] = {}
+    out["input_ids"] = torch.full((size,), pad_token_id, dtype=i64, device=device).index_put_((dest_d,), z)
+    not_last = (within < (tlen - 1).repeat_interleave(tlen)).nonzero().squeeze(1)
+    labels = torch.zeros(size, dtype=i64, device=device)
+    out["labels"] = labels.index_put_((dest[not_last].to(device),), z[(not_last + 1).to(device)])
+    out["position_ids"] = torch.zeros(size, dtype=i64, device=device).index_put_((dest_d,), within.to(device))
+    seq = torch.arange(n, dtype=i64).repeat_interleave(tlen).to(device)
+    out["seq_ids"] = torch.full((size,), -1, dtype=i64, device=device).index_put_((dest_d,), seq)
 
-        def place(v: Tensor | None) -> Tensor:
-            body = zeros(r, f32) if v is None else v.to(f32)
-            return torch.cat([zeros(p - 1, f32), body, zeros(1 + pad, f32)])
+    def place(values: list[Tensor]) -> Tensor:
+        flat = torch.zeros(size, dtype=f32, device=device)
+        return flat.index_put_((rdest_d,), torch.cat(values)) if values else flat
 
-        mask = s.response_mask
-        rows["loss_mask"].append(place(torch.ones(r, dtype=f32, device=device) if mask is None else mask))
-        for name in _PER_TOKEN_FLOAT:
-            if name in present and not present[name]:
-                continue
-            rows[name].append(place(getattr(s, name)))
-    return rows
+    ones = torch.ones(int(rlen.max()) if n else 0, dtype=f32, device=device)
+    out["loss_mask"] = place([ones[: s.response_len] if s.response_mask is None else s.response_mask.to(f32) for s in samples])
+    for name in _PER_TOKEN_FLOAT:
+        if name in present and not present[name]:
+            out[name] = None
+            continue
+        out[name] = place([torch.zeros(s.response_len, dtype=f32, device=device) if getattr(s, name) is None
+                           else getattr(s, name).to(f32) for s in samples])
+    return {k: (None if v is None else v.view(rows, width)) for k, v in out.items()}
 
 
 def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: torch.device) -> dict[str, Any]:
@@ -552,20 +587,6 @@ def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: to
         cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
         return {"attention_mask": None, "cu_seqlens": cu, "max_seqlen": max(seg_lens)}
     return {"attention_mask": seq_ids >= 0, "cu_seqlens": None, "max_seqlen": None}
-
-
-def _stack_rows(rows: dict[str, list[Tensor]], layout: str, pad_token_id: int) -> dict[str, Tensor | None]:
-    """Rows concatenated (packed, ``[1, T]``) or right-padded into ``[n, S]`` (padded); None for absent fields."""
-    fill = {"input_ids": pad_token_id, "seq_ids": -1}
-    out: dict[str, Tensor | None] = {}
-    for name, parts in rows.items():
-        if not parts:
-            out[name] = None
-        elif layout == "packed":
-            out[name] = torch.cat(parts).unsqueeze(0)
-        else:
-            out[name] = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=fill.get(name, 0))
-    return out
 
 
 def _collate_multi_modal(fn: str, samples: list[Sample], device: torch.device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:

@@ -987,6 +987,8 @@ def compute_logprobs(
 
     def per_sample(out: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         lp, ent = _token_logprobs("compute_logprobs", out, weights["w"], mb, cfg, par, spec, with_entropy)
+        if par.cp == 1:  # one copy to the host per micro-batch, then per-sample views of it
+            lp, ent = lp.float().cpu(), (ent.float().cpu() if with_entropy else None)
         ents = unpack(ent, mb) if with_entropy else [None] * mb.num_samples
         return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack(lp, mb), ents, strict=True)]
 
