@@ -1,19 +1,25 @@
-"""Whole training step: fnppo's ``train_step`` (A) against the loss path of today's stateful actors (B).
+"""Whole training step: fnppo's ``train_step`` (A) against the loss path of a popular stateful actor (B).
 
-Same process, same Megatron GPTModel (local spec, bf16, DDP + distributed Adam), same schedule and
-micro-batches; steps of A and B alternate. B differs only in the stages:
+Same process, same Megatron GPTModel (bf16, DDP + distributed Adam), same schedule and
+micro-batches; steps of the paths alternate. B differs only in the stages: the actor's own log-prob,
+entropy and loss, written from scratch in ``benchmarks/actor_baseline.py`` and dropped into
+``train_step`` through ``StepFns``:
 
-* log-probs from Megatron's ``vocab_parallel_cross_entropy`` on a *clone* of the logits (the usual
-  fix for its in-place modification of the logits),
-* entropy from a separate vocab-parallel entropy function that saves the softmax for backward,
-* the loss reduced as a mean of per-micro-batch token means (fnppo uses one global normalizer).
+* log-probs from Megatron's ``vocab_parallel_cross_entropy`` on a *clone* of the logits,
+* entropy from a vocab-parallel entropy whose softmax buffer is reused in place in backward,
+* the vanilla (dual-clip) PPO loss with one global token normalizer, k3 KL to the reference.
 
 Path C is A with ``StepConfig(fused_output=True)``: the last stage stops before the output layer and
 ``linear_logprob_and_entropy`` computes log-probs and entropy from the hidden states and the output
 weight, never materializing the logits.
 
-Prints: tokens/s (median over the timed steps), peak memory, first-step log-probs and grad norms of A
-vs B, and (``--search``) the largest micro-batch token budget that fits for each path.
+Prints: tokens/s (median over the timed steps), model FLOPs utilization (MFU: model FLOPs per token
+times tokens/s over the bf16 matrix-product rate measured in the same run), peak memory,
+first-step log-probs of the paths, flex-attention compilations, and (``--search``) the largest
+micro-batch token budget that fits for each path. ``--spec`` picks the layer spec (``te`` needs
+Transformer Engine), ``--fusions off`` builds the model without Megatron's fused kernels, ``--checks
+on`` keeps fnppo's call-time checks (host syncs) on during the timed steps, ``--profile FILE``
+writes a torch.profiler summary of one step per path.
 
     python benchmarks/step.py --model tiny --device cpu                       # anywhere (CPU)
     python benchmarks/step.py --model qwen2.5-0.5b --search                   # one GPU
@@ -28,11 +34,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import fnppo
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fnppo  # noqa: E402
+from actor_baseline import actor_fns  # noqa: E402
 
 MODELS = {
     # Qwen2.5 shapes (random weights): hidden, layers, heads, kv groups, ffn, vocab; tied embeddings.
@@ -52,65 +62,58 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per path")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--spec", choices=["default", "local", "te"], default="default",
+                   help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's")
+    p.add_argument("--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)")
+    p.add_argument("--checks", choices=["on", "off"], default="off", help="fnppo's call-time checks during the steps")
+    p.add_argument("--overlap", action="store_true", help="DDP overlap_grad_reduce (data parallelism)")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
     p.add_argument("--search-max", type=int, default=262144)
     p.add_argument("--paths", default="A,B,C")
+    p.add_argument("--profile", default=None, help="write a torch.profiler summary of one step per path to this file")
+    p.add_argument("--sync-report", default=None, help="write where one step of each path synchronizes with the device")
     p.add_argument("--json", default=None, help="append the results as one JSON line to this file")
     return p.parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------
-# path B: the stages stateful actors use today (written here from scratch)
+# model FLOPs and the measured matrix-product rate
 # ---------------------------------------------------------------------------------------------
-class _VocabParallelEntropy(torch.autograd.Function):
-    """Entropy of softmax over TP-sharded logits; saves the fp32 softmax (as actors do)."""
-
-    @staticmethod
-    def forward(ctx, logits, group):  # noqa: ANN001
-        x = logits.float()
-        m = x.max(dim=-1, keepdim=True).values
-        if group is not None:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = (x - m).exp()
-        s = e.sum(-1, keepdim=True)
-        if group is not None:
-            dist.all_reduce(s, group=group)
-        p = e / s
-        px = (p * x).sum(-1, keepdim=True)
-        if group is not None:
-            dist.all_reduce(px, group=group)
-        h = (s.log() + m - px).squeeze(-1)
-        ctx.save_for_backward(p, x, px)
-        ctx.out_dtype = logits.dtype
-        return h
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: ANN001
-        p, x, px = ctx.saved_tensors
-        grad = -g.unsqueeze(-1) * p * (x - px)
-        return grad.to(ctx.out_dtype), None
+def model_flops_per_token(shape: dict, vocab: int, seq: int) -> dict[str, float]:
+    """Training FLOPs per token: ``6 N`` for the matrix-product weights (``N``: Q, K, V, output
+    projection and the MLP of every layer, plus the output layer; embeddings lookups are free)
+    plus causal attention, ``6 x layers x heads x head_dim x (seq + 1)`` (forward: ``QK^T`` and
+    ``PV``, 2 x 2 x heads x head_dim flops per visible key, (seq + 1) / 2 visible keys on average;
+    backward twice the forward). Recomputation is not counted (model FLOPs, PaLM appendix B,
+    arXiv:2204.02311)."""
+    h, layers, heads = shape["hidden_size"], shape["num_layers"], shape["num_attention_heads"]
+    groups, ffn = shape.get("num_query_groups") or heads, shape["ffn_hidden_size"]
+    d = h // heads
+    per_layer = h * heads * d + 2 * h * groups * d + heads * d * h + 3 * h * ffn  # qkv, proj, gated fc1 (2x) + fc2
+    n = layers * per_layer + h * vocab
+    attn = 6 * layers * heads * d * (seq + 1)
+    return {"matmul_params": float(n), "flops_6n": 6.0 * n, "flops_attention": float(attn), "flops_per_token": 6.0 * n + attn}
 
 
-def baseline_logprob(logits, labels, *, tp_group=None, temperature=1.0, with_entropy=True):  # noqa: ANN001
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    x = logits / temperature if temperature != 1.0 else logits
-    lp = -vocab_parallel_cross_entropy(x.clone(), labels)
-    ent = _VocabParallelEntropy.apply(x, tp_group) if with_entropy else None
-    return lp.float(), ent
-
-
-def baseline_loss_fn(num_microbatches: int, dp: int):
-    """ppo_loss with a per-micro-batch token mean, averaged over micro-batches (and DP ranks)."""
-
-    def loss(*args, normalizer=None, **kwargs):  # noqa: ANN001, ARG001
-        value, metrics = fnppo.ppo_loss(*args, normalizer=None, **kwargs)
-        # train_step multiplies by num_microbatches * dp to cancel Megatron's averaging; undo it so
-        # the result is Megatron's usual mean of per-micro-batch means.
-        return value / (num_microbatches * dp), metrics
-
-    return loss
+def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """bf16 ``n x n x n`` matrix product on random data: median TFLOP/s over ``reps`` (CUDA events)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g).bfloat16()
+    b = torch.randn(n, n, device=device, generator=g).bfloat16()
+    for _ in range(3):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.mm(a, b)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,19 +135,37 @@ def make_samples(n: int, seq: int, vocab: int, seed: int) -> list[fnppo.Sample]:
     return out
 
 
+def layer_spec(args, cfg):
+    if args.spec == "local":
+        return fnppo.local_layer_spec(cfg)
+    if args.spec == "te":
+        if not fnppo.te_available():
+            raise SystemExit("--spec te: Transformer Engine is not installed")
+        return fnppo.default_layer_spec(cfg)
+    return None
+
+
 def build_state(args, layout):
+    fusions = {"auto": None, "on": True, "off": False}[args.fusions]
     cfg = fnppo.ModelConfig(vocab_size=args.vocab, max_seq_len=max(4096, args.seq), dtype="bf16" if args.device == "cuda" else "fp32",
-                            tie_embeddings=True, add_qkv_bias=True, rotary_base=1_000_000.0, **MODELS[args.model])
-    chunks = fnppo.build_gpt(cfg)
+                            tie_embeddings=True, add_qkv_bias=True, rotary_base=1_000_000.0, fusions=fusions, **MODELS[args.model])
+    overrides = {"sequence_parallel": True} if args.sp else {}
+    chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg), **overrides)
     fnppo.layout_invariant_init(chunks, seed=0)
-    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True, overlap_grad_reduce=args.overlap)
     opt = fnppo.build_optimizer(ddp, lr=1e-6, clip_grad=1.0)
     return fnppo.TrainState(model=ddp, optimizer=opt)
 
 
-def step_config(path: str, mb_tokens: int, n_mb: int, dp: int) -> fnppo.StepConfig:
+def spec_name(state) -> str:
+    core = fnppo.model.unwrap_model(state.model[0])
+    layer = core.decoder.layers[0]
+    return type(layer.self_attention.linear_qkv).__name__
+
+
+def step_config(path: str, mb_tokens: int) -> fnppo.StepConfig:
     loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3")
-    fns = fnppo.StepFns(logprob=baseline_logprob, loss=baseline_loss_fn(n_mb, dp)) if path == "B" else fnppo.StepFns()
+    fns = actor_fns() if path == "B" else fnppo.StepFns()
     return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=path == "C")
 
 
@@ -164,7 +185,7 @@ def timed_step(state, samples, cfg, device):
 def fits(state, args, path, budget, layout, device) -> bool:
     n = max(1, budget // args.seq)
     samples = make_samples(n, args.seq, args.vocab, seed=123)
-    cfg = step_config(path, budget, 1, layout.dp)
+    cfg = step_config(path, budget)
     try:
         fnppo.train_step(state, samples, cfg)
         sync(device)
@@ -201,6 +222,128 @@ def search(state, args, path, layout, device) -> int:
     return lo
 
 
+# ---------------------------------------------------------------------------------------------
+# profile: one step per path, kernels grouped
+# ---------------------------------------------------------------------------------------------
+CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("flex attention", ("flex", "triton_tem_fused")),
+    ("fnppo triton (log-prob, fused output, rope)", ("_fwd_kernel", "_bwd_kernel", "_dz_kernel", "_rope_kernel", "_lse", "_grad_kernel")),
+    ("cuDNN / TE attention", ("cudnn", "fmha", "flash", "fused_attn")),
+    ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "wgmma")),
+    ("optimizer", ("adam", "multi_tensor", "l2norm")),
+    ("element-wise (compiled: SwiGLU, bias-dropout-add)", ("triton_poi", "triton_red", "triton_per")),
+    ("norms", ("layer_norm", "LayerNorm", "rmsnorm", "RMSNorm", "GammaBeta")),
+    ("concatenation", ("CatArrayBatched",)),
+    ("copies", ("copy", "Memcpy", "memcpy", "Memset")),
+    ("reductions", ("reduce", "Reduce")),
+    ("element-wise", ("elementwise", "vectorized", "unrolled", "Elementwise")),
+    ("NCCL", ("nccl",)),
+]
+
+
+def _is_annotation(name: str) -> bool:
+    """Profiler ranges mirrored on the GPU timeline (e.g. ``Optimizer.step#AdamW.step``), not kernels."""
+    return "#" in name or name.startswith(("ProfilerStep", "Optimizer.", "## "))
+
+
+def _category(name: str) -> str:
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other"
+
+
+def profile_steps(state, samples, cfgs, paths, device, out: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    lines, summary = [], {}
+    for p in paths:
+        sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            state, _ = fnppo.train_step(state, samples, cfgs[p])
+            sync(device)
+            wall = time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e.name)]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (us)
+        for a, b in spans:
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        busy /= 1e6
+        by_cat: dict[str, list[float]] = {}
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            dur = (e.time_range.end - e.time_range.start) / 1e6
+            c = by_cat.setdefault(_category(e.name), [0.0, 0])
+            c[0] += dur
+            c[1] += 1
+            n = by_name.setdefault(e.name[:110], [0.0, 0])
+            n[0] += dur
+            n[1] += 1
+        cpu_ops = {}
+        for e in prof.key_averages():
+            if e.key.startswith("aten::") or e.key.startswith("cuda"):
+                cpu_ops[e.key] = e.count
+        summary[p] = {"wall_s": wall, "kernel_s": busy, "idle_s": max(0.0, wall - busy),
+                      "categories": {k: {"s": v[0], "share": v[0] / wall, "kernels": v[1]} for k, v in by_cat.items()},
+                      "aten_cat_calls": cpu_ops.get("aten::cat", 0), "cuda_syncs": cpu_ops.get("cudaStreamSynchronize", 0)
+                      + cpu_ops.get("cudaDeviceSynchronize", 0), "item_calls": cpu_ops.get("aten::item", 0) + cpu_ops.get("aten::_local_scalar_dense", 0)}
+        lines.append(f"== path {p}: step {wall * 1e3:.1f} ms wall, kernels {busy * 1e3:.1f} ms, GPU idle {max(0.0, wall - busy) * 1e3:.1f} ms "
+                     f"({max(0.0, wall - busy) / wall:.1%}); aten::cat calls {summary[p]['aten_cat_calls']}, "
+                     f"host syncs (item/local_scalar_dense) {summary[p]['item_calls']}")
+        for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][0]):
+            lines.append(f"  {k:<46} {v[0] * 1e3:9.1f} ms  {v[0] / wall:6.1%}  {v[1]:6d} kernels")
+        lines.append("  top kernels:")
+        for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]:
+            lines.append(f"    {v[0] * 1e3:8.2f} ms {v[1]:6d}x  {k}")
+        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    out.write_text("\n".join(lines) + "\n")
+    return summary
+
+
+def sync_report(state, samples, cfgs, paths, out: Path) -> dict:
+    """One step per path under ``torch.cuda.set_sync_debug_mode("warn")``: every operation that makes
+    the host wait for the device (``.item()``, device-to-host copies, copies from pageable host
+    memory, ...) warns; counted by the innermost call site outside torch."""
+    import collections
+    import traceback
+    import warnings
+
+    summary, lines = {}, []
+    for p in paths:
+        sites: collections.Counter = collections.Counter()
+
+        def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ARG001
+            if "synchroniz" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
+            sites[where] += 1
+
+        torch.cuda.synchronize()
+        old = warnings.showwarning
+        warnings.showwarning = record
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    state, _ = fnppo.train_step(state, samples, cfgs[p])
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        finally:
+            warnings.showwarning = old
+        summary[p] = sum(sites.values())
+        lines.append(f"== path {p}: {summary[p]} synchronizing operations in one step")
+        lines += [f"  {n:5d}  {k}" for k, n in sites.most_common(40)]
+    out.write_text("\n".join(lines) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -218,14 +361,16 @@ def main(argv=None) -> int:
 def run(args, layout, device) -> int:
     rank0 = layout.rank == 0
     paths = args.paths.split(",")
+    peak_tflops = matmul_peak_tflops(device) if device.type == "cuda" else None
     state = build_state(args, layout)
     n_per_rank = args.microbatches * max(1, args.mb_tokens // args.seq)
     samples = make_samples(n_per_rank * layout.dp, args.seq, args.vocab, seed=1)
     mine = fnppo.shard_for_data_parallel(samples, layout)
     tokens_per_step = sum(len(s) for s in samples)
-    cfgs = {p: step_config(p, args.mb_tokens, args.microbatches, layout.dp) for p in paths}
+    cfgs = {p: step_config(p, args.mb_tokens) for p in paths}
+    flops = model_flops_per_token(MODELS[args.model], args.vocab, args.seq)
 
-    # First step from identical weights: log-probs and grad norm of A vs B (no update applied).
+    # First step from identical weights: log-probs of each path (no update applied).
     first = {}
     for p in paths:
         lp, _ = fnppo.compute_logprobs(state.model, mine[:2], config=cfgs[p])
@@ -233,23 +378,48 @@ def run(args, layout, device) -> int:
     times = {p: [] for p in paths}
     peak = {p: 0.0 for p in paths}
     gnorm = {p: [] for p in paths}
-    for i in range(args.warmup + args.steps):
-        for p in paths:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            state, metrics, dt = timed_step(state, mine, cfgs[p], device)
-            gnorm[p].append(metrics["grad_norm"])
-            if i >= args.warmup:
-                times[p].append(dt)
+    compiles_before = fnppo.flex_compile_count()
+    with fnppo.typechecking(args.checks == "on"):
+        for i in range(args.warmup + args.steps):
+            for p in paths:
                 if device.type == "cuda":
-                    peak[p] = max(peak[p], torch.cuda.max_memory_allocated() / 2**30)
+                    torch.cuda.reset_peak_memory_stats()
+                state, metrics, dt = timed_step(state, mine, cfgs[p], device)
+                gnorm[p].append(metrics["grad_norm"])
+                if i >= args.warmup:
+                    times[p].append(dt)
+                    if device.type == "cuda":
+                        peak[p] = max(peak[p], torch.cuda.max_memory_allocated() / 2**30)
+        profile = None
+        if args.profile:
+            try:
+                profile = profile_steps(state, mine, cfgs, paths, device, Path(args.profile))
+            except Exception as err:  # noqa: BLE001 - the timings above still count
+                profile = {"error": repr(err)}
+        syncs = None
+        if args.sync_report and device.type == "cuda":
+            try:
+                syncs = sync_report(state, mine, cfgs, paths, Path(args.sync_report))
+            except Exception as err:  # noqa: BLE001
+                syncs = {"error": repr(err)}
     result = {
-        "model": args.model, "tp": layout.tp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
-        "microbatches": args.microbatches, "tokens_per_step": tokens_per_step, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "tp": layout.tp,
+        "sp": args.sp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
+        "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "matmul_peak_tflops": peak_tflops, **flops,
+        "flex_compiles": fnppo.flex_compile_count(), "flex_compiles_in_timed_steps": fnppo.flex_compile_count() - compiles_before,
     }
     for p in paths:
         med = statistics.median(times[p])
-        result[p] = {"step_s_median": med, "tokens_per_s": tokens_per_step / med, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        tps = tokens_per_step / med
+        result[p] = {"step_s_median": med, "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        if peak_tflops:
+            result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
+            result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
+        if rank0:  # right away: a run cut short still reports the paths it timed
+            print(f"path {p}: {tps:,.0f} tokens/s, step {med * 1e3:.1f} ms, peak {peak[p]:.2f} GiB"
+                  + (f", MFU {result[p]['mfu']:.1%}" if peak_tflops else ""), flush=True)
     if "A" in paths and "B" in paths:
         d = (first["A"]["logprobs"] - first["B"]["logprobs"]).abs()
         result["first_logprobs_max_abs_diff"] = float(d.max())
@@ -261,9 +431,14 @@ def run(args, layout, device) -> int:
     if "A" in paths and "C" in paths:
         result["first_logprobs_max_abs_diff_C_vs_A"] = float((first["C"]["logprobs"] - first["A"]["logprobs"]).abs().max())
         result["speedup_C_over_A"] = result["C"]["tokens_per_s"] / result["A"]["tokens_per_s"]
+    if profile is not None:
+        result["profile"] = profile
+    if syncs is not None:
+        result["syncs_per_step"] = syncs
     if args.search and device.type == "cuda":
-        for p in paths:
-            result[p]["max_mb_tokens"] = search(state, args, p, layout, device)
+        with fnppo.typechecking(args.checks == "on"):
+            for p in paths:
+                result[p]["max_mb_tokens"] = search(state, args, p, layout, device)
     if rank0:
         print(json.dumps(result, indent=1))
         if args.json:

@@ -1,0 +1,122 @@
+"""The loss path of a popular stateful RL actor, written here from scratch as ``StepFns`` stages.
+
+Baseline B of ``benchmarks/step.py`` (and method (b) of ``benchmarks/logprob.py``). It reproduces
+what that actor's Megatron path does, step by step, so that memory and time are those of its path:
+
+* log-probs: Megatron's ``vocab_parallel_cross_entropy`` on a *clone* of the logits (the usual fix
+  for its in-place writes to its input), ``logprob = -CE``;
+* entropy: a vocab-parallel entropy (:class:`InplaceVocabParallelEntropy`) whose softmax buffer is
+  allocated once in the logits' dtype, saved for backward and turned into the gradient in place
+  there, with ``entropy = max + log(sum exp(x - max)) - sum(p x)``;
+* loss (:func:`actor_loss`): the "vanilla" clipped PPO loss with dual clipping
+  (``max(-A r, -A clip(r, 1 - eps, 1 + eps))``, and for ``A < 0`` at most ``-3 A``; PPO,
+  arXiv:1707.06347; dual clip, arXiv:1912.09729), ``r = exp(clamp(logp - old, -20, 20))``, minus
+  ``entropy_coeff`` times the entropy, plus ``kl_coef`` times the k3 estimator of KL to the
+  reference (``exp(ref - logp) - (ref - logp) - 1``, clamped to [-10, 10]); every token term is
+  summed and divided by one global token count (the step's loss normalizer: all micro-batches and
+  data-parallel ranks), as the actor's global-token-normalized loss does.
+
+Each stage runs as separate PyTorch kernels, as the actor's do (no fused loss). Memory at the
+log-prob level with bf16 logits, forward + backward: the clone (1 copy), Megatron's fp32 working
+copy that it keeps as its softmax (2 copies), the entropy's softmax buffer (1 copy); the gradients
+reuse those buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fnppo
+from fnppo.metrics import weighted_metric
+
+__all__ = ["InplaceVocabParallelEntropy", "actor_logprob", "actor_loss", "actor_fns"]
+
+_ROWS_PER_CHUNK = 1024  # backward works on this many rows at a time (keeps its temporaries small)
+
+
+class InplaceVocabParallelEntropy(torch.autograd.Function):
+    """Entropy of the softmax of vocab-parallel logits; the softmax buffer becomes the gradient.
+
+    Forward: ``m = max_j x_j`` (all-reduced over the TP group), ``e = exp(x - m)`` into a new
+    buffer of the logits' dtype, ``s = sum e`` (all-reduced), ``p = e / s`` in place,
+    ``px = sum p x`` (all-reduced), ``H = m + log s - px``. Saves ``x``, ``p`` and ``px``.
+    Backward: ``dH/dx_j = -p_j (x_j - px)``, computed in place in ``p`` (row blocks of
+    ``_ROWS_PER_CHUNK`` for the ``x - px`` temporary); ``x`` is not modified.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, group: Any) -> torch.Tensor:  # noqa: ANN401
+        m = logits.max(dim=-1, keepdim=True).values
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        p = logits - m
+        p.exp_()
+        s = p.sum(dim=-1, keepdim=True)
+        if group is not None:
+            dist.all_reduce(s, group=group)
+        p.div_(s)
+        px = (p * logits).sum(dim=-1, keepdim=True)
+        if group is not None:
+            dist.all_reduce(px, group=group)
+        ctx.save_for_backward(logits, p, px)
+        return (m + s.log() - px).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
+        logits, p, px = ctx.saved_tensors
+        flat_p, flat_x, flat_px = p.view(-1, p.shape[-1]), logits.reshape(-1, p.shape[-1]), px.view(-1, 1)
+        for r0 in range(0, flat_p.shape[0], _ROWS_PER_CHUNK):
+            r1 = r0 + _ROWS_PER_CHUNK
+            flat_p[r0:r1].mul_(flat_x[r0:r1] - flat_px[r0:r1])
+        p.mul_(grad.unsqueeze(-1).to(p.dtype)).neg_()
+        return p, None
+
+
+def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any = None, temperature: float = 1.0,
+                  with_entropy: bool = True, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs from Megatron's cross-entropy on a clone, entropy from :class:`InplaceVocabParallelEntropy`
+    (a :class:`fnppo.step.LogprobFn`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    x = logits / temperature if temperature != 1.0 else logits
+    lp = -vocab_parallel_cross_entropy(x.clone(), labels)
+    ent = InplaceVocabParallelEntropy.apply(x, tp_group) if with_entropy else None
+    return lp.float(), None if ent is None else ent.float()
+
+
+def actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+               config: fnppo.PolicyLossConfig, *, entropy: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+               rollout_logprobs: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
+               seq_ids: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG001
+    """Vanilla dual-clip PPO + entropy bonus + k3 KL, each token-summed over one global token count
+    (a :class:`fnppo.step.LossFn`; module docstring)."""
+    mask = loss_mask.to(logprobs.dtype)
+    denom = normalizer if normalizer is not None else mask.sum().clamp_min(1.0)
+    log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    clipped = torch.maximum(pg1, pg2)
+    dual = torch.minimum(-advantages * 3.0, clipped)
+    pg = torch.where(advantages < 0, dual, clipped)
+    loss = (pg * mask).sum() / denom
+    metrics = {"pg_loss": weighted_metric(pg, mask)}
+    if entropy is not None and config.entropy_coeff:
+        loss = loss - config.entropy_coeff * (entropy * mask).sum() / denom
+    if entropy is not None:
+        metrics["entropy"] = weighted_metric(entropy, mask)
+    if ref_logprobs is not None and config.kl_coef:
+        d = ref_logprobs - logprobs
+        k3 = torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
+        loss = loss + config.kl_coef * (k3 * mask).sum() / denom
+        metrics["kl_loss"] = weighted_metric(k3, mask)
+    metrics["loss"] = torch.stack([loss.detach().float() * denom.detach().float(), denom.detach().float()])
+    return loss, metrics
+
+
+def actor_fns() -> fnppo.StepFns:
+    """The actor's stages in fnppo's step: its log-prob stage and its loss."""
+    return fnppo.StepFns(logprob=actor_logprob, loss=actor_loss)

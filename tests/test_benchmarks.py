@@ -1,0 +1,71 @@
+"""The benchmark baselines and formulas: the actor's entropy and loss (``benchmarks/actor_baseline.py``)
+against float64 references, and the model-FLOPs count of ``benchmarks/step.py`` against a published
+parameter count."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from actor_baseline import InplaceVocabParallelEntropy, actor_loss  # noqa: E402
+
+import fnppo  # noqa: E402
+
+
+def test_inplace_entropy_value_and_gradient_against_float64():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 1500, 37, generator=g, dtype=torch.float64) * 3).requires_grad_()  # > one row block
+    before = x.detach().clone()
+    ent = InplaceVocabParallelEntropy.apply(x, None)
+    p = torch.softmax(x.detach(), -1)
+    ref = -(p * torch.log_softmax(x.detach(), -1)).sum(-1)
+    torch.testing.assert_close(ent, ref, rtol=0, atol=1e-12)
+    up = torch.randn(ent.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(ent, x, up)
+    xr = x.detach().clone().requires_grad_()
+    (ref_grad,) = torch.autograd.grad(-(torch.softmax(xr, -1) * torch.log_softmax(xr, -1)).sum(-1), xr, up)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-12)
+    assert torch.equal(x.detach(), before)  # the logits are read, never written
+
+
+def test_actor_loss_against_a_token_loop():
+    g = torch.Generator().manual_seed(1)
+    b, s = 8, 16
+    old, ref = (torch.randn(b, s, generator=g, dtype=torch.float64) * 0.3 - 2 for _ in range(2))
+    lp = old + 1.5 * torch.randn(b, s, generator=g, dtype=torch.float64)  # ratios up to ~e^3: both clips bind
+    adv = torch.randn(b, s, generator=g, dtype=torch.float64)
+    ent = torch.rand(b, s, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, s, generator=g) > 0.3).double()
+    cfg = fnppo.PolicyLossConfig(policy_loss="ppo", entropy_coeff=0.01, kl_coef=0.001, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    normalizer = torch.tensor(200.0, dtype=torch.float64)  # the step's global token count (other micro-batches too)
+    loss, _ = actor_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, normalizer=normalizer)
+    total = 0.0
+    for i in range(b):
+        for j in range(s):
+            if not mask[i, j]:
+                continue
+            r = math.exp(max(-20.0, min(20.0, float(lp[i, j] - old[i, j]))))
+            a = float(adv[i, j])
+            pg = max(-a * r, -a * min(max(r, 0.8), 1.28))
+            if a < 0:
+                pg = min(pg, -3.0 * a)
+            d = float(ref[i, j] - lp[i, j])
+            k3 = max(-10.0, min(10.0, math.exp(d) - d - 1.0))
+            total += pg - 0.01 * float(ent[i, j]) + 0.001 * k3
+    assert abs(float(loss) - total / 200.0) < 1e-12
+
+
+def test_model_flops_count_matches_the_published_parameter_count():
+    from step import MODELS, model_flops_per_token
+
+    # Qwen2.5-0.5B: 494,032,768 parameters, of which 27,648 are QKV biases and 43,904 norm weights;
+    # the rest are matrix weights (the tied embedding counted once, as the output layer).
+    f = model_flops_per_token(MODELS["qwen2.5-0.5b"], 151936, 2048)
+    assert f["matmul_params"] == 494_032_768 - 27_648 - 43_904
+    assert f["flops_6n"] == 6 * f["matmul_params"]
+    assert f["flops_attention"] == 6 * 24 * 14 * 64 * 2049  # causal: (seq + 1) / 2 keys on average, x 2 x 2 x 3
