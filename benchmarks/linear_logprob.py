@@ -297,6 +297,79 @@ def backward_parts(h, W, labels, reps):
     return out
 
 
+FWD_VARIANTS = [  # (BN, BK, num_warps, num_stages) of the forward kernel (BM = 128)
+    (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2),
+    (128, 64, 4, 4), (128, 128, 4, 3), (256, 32, 8, 5), (128, 64, 8, 5),
+]
+DZ_VARIANTS = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M) of the logit-gradient kernel
+    (128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 3, 8),
+    (128, 256, 128, 8, 2, 8), (128, 128, 128, 8, 3, 8), (256, 128, 64, 8, 3, 8), (64, 256, 64, 4, 4, 8),
+    (128, 256, 64, 8, 4, 8), (128, 256, 32, 8, 5, 8), (128, 256, 64, 8, 3, 16),
+]
+
+
+def kernel_variants(tokens, hidden, vocab, reps):
+    """The fused kernels launched with each tile/pipeline variant (no autotuning), timed alone at
+    one shape: the forward over the whole vocabulary, the logit-gradient kernel over one backward
+    block of the function's own size; each against the dense bf16 product of the same size."""
+    from fnppo import linear_logprob as ll
+    from fnppo.kernels import linear_logprob_triton as k
+
+    device = torch.device("cuda")
+    h, W, labels, _, _ = make_problem(tokens, hidden, vocab, device)
+    hd, wd = h.detach(), W.detach()
+    n = tokens
+    f32 = dict(dtype=torch.float32, device=device)
+    rows = []
+    splits = k._num_splits(n, vocab, device, k._FWD_BM)
+    per = -(-(-(-vocab // splits)) // 256) * 256
+    splits = -(-vocab // per)
+    bufs = [torch.empty((splits, n), **f32) for _ in range(4)]
+    dense_fwd = time_ms(lambda: torch.mm(hd, wd.t()), device, reps, 3)
+    for bn, bk, warps, stages in FWD_VARIANTS:
+        def fwd():
+            k._fwd_kernel[(splits, -(-n // k._FWD_BM))](
+                hd, wd, labels, *bufs, n, vocab, hidden, hd.stride(0), wd.stride(0), 0, k.LOG2E, per,
+                WITH_ENT=True, BM=k._FWD_BM, BN=bn, BK=bk, IEEE=False, EVEN_K=hidden % bk == 0, num_warps=warps, num_stages=stages)
+        try:
+            ms = time_ms(fwd, device, reps, 2)
+        except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: report and go on
+            ms = float("nan")
+            print(f"  forward {bn, bk, warps, stages}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+        rows.append(("forward", f"BN={bn} BK={bk} warps={warps} stages={stages}", ms, dense_fwd))
+        print(f"  forward BN={bn} BK={bk} warps={warps} stages={stages}: {ms:.3f} ms (dense {dense_fwd:.3f})", flush=True)
+    cfg = ll._Cfg(1.0, True, None, 1, 0, vocab, vocab, "triton", None, None)
+    sizes = ll._backward_chunks(n, vocab, hidden, h.element_size(), cfg)
+    gt, bv = min(sizes["group_tokens"], n), min(sizes["block_vocab"], vocab)
+    coef = (torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0 * k.LOG2E, **f32))
+    dz = torch.empty((gt, bv), dtype=h.dtype, device=device)
+    hg, wb = hd[:gt], wd[:bv]
+    dense_blk = time_ms(lambda: torch.mm(hg, wb.t(), out=dz), device, reps, 3)
+    for bm, bn, bk, warps, stages, gm in DZ_VARIANTS:
+        def dzk():
+            grid = (triton_cdiv(gt, bm) * triton_cdiv(bv, bn),)
+            k._dz_kernel[grid](hg, wb, labels[:gt], *coef, dz, gt, bv, hidden, hg.stride(0), wb.stride(0), dz.stride(0), 0,
+                               k.LOG2E, 1.0, HAS_GH=True, BM=bm, BN=bn, BK=bk, GROUP_M=gm, IEEE=False, EVEN_K=hidden % bk == 0,
+                               num_warps=warps, num_stages=stages)
+        try:
+            ms = time_ms(dzk, device, reps, 2)
+        except Exception as err:  # noqa: BLE001
+            ms = float("nan")
+            print(f"  dz {bm, bn, bk, warps, stages, gm}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+        rows.append(("logit-gradient block", f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm}", ms, dense_blk))
+        print(f"  dz BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm}: {ms:.3f} ms (dense block {dense_blk:.3f})", flush=True)
+    print(f"\n{tokens} x {hidden} x {vocab}; backward block {gt} x {bv} ({-(-vocab // bv)} blocks)")
+    print("| kernel | variant | ms | dense product ms | ratio |")
+    print("|---|---|---|---|---|")
+    for kind, var, ms, dense in rows:
+        print(f"| {kind} | {var} | {ms:.3f} | {dense:.3f} | {ms / dense:.2f} |")
+    return rows
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,6 +381,7 @@ def main():
     p.add_argument("--methods", default=None, help="comma-separated substrings of method names")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--no-check", action="store_true")
+    p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
     args = p.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -320,6 +394,9 @@ def main():
 
         print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__, flush=True)
         print("fp32-accumulating addmm available:", k._addmm_fp32_ok("cuda"), flush=True)
+        if args.variants:
+            kernel_variants(tokens_list[0], hidden_list[0], vocab, reps)
+            return
         if not args.no_check:
             device_checks(device)
         if args.check_only:
