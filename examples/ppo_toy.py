@@ -57,11 +57,11 @@ RUN_DEFINING = (
     "seed", "tp", "pp", "dtype", "prompts", "group_size", "num_microbatches", "max_tokens_per_microbatch",
     "minibatches", "lr", "lr_final", "schedule_steps", "temperature", "entropy_coeff", "kl_coef",
     "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint", "kl_target", "kl_horizon",
-    "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff",
+    "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff", "spec",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip")
-SETTING_DEFAULTS = {"algo": "grpo"}  # what a checkpoint without the key was written with
+SETTING_DEFAULTS = {"algo": "grpo", "spec": "default"}  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
 EPILOG = """\
@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
     p.add_argument("--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)")
     p.add_argument("--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)")
+    p.add_argument("--spec", choices=["default", "local", "te"], default="default",
+                   help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")
@@ -128,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step (1-based): wall time per phase, torch.profiler and cProfile summaries")
+    p.add_argument("--profile-out", type=str, default=None, help="file for the --profile-step report (default: OUT_DIR/profile.txt)")
     args = p.parse_args(argv)
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
@@ -148,6 +153,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
         raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+    if args.spec != "default" and args.hf_checkpoint:
+        raise ArgumentError("--spec applies to the random model; --hf-checkpoint builds its own")
     if args.device == "cuda" and not cuda_available:
         raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
     if args.ep < 1 or (args.ep > 1 and not args.moe):
@@ -296,7 +303,10 @@ def build(args: argparse.Namespace, head: str = "lm"):
             tie_embeddings=True,
             **(moe_fields(args) if args.moe else {}),
         )
-        chunks = fnppo.build_gpt(cfg, head=head)
+        if args.spec == "te" and not fnppo.te_available():
+            raise ArgumentError("--spec te: Transformer Engine is not installed (pip install 'fnppo[te]')")
+        spec = {"default": None, "local": fnppo.local_layer_spec, "te": fnppo.default_layer_spec}[args.spec]
+        chunks = fnppo.build_gpt(cfg, head=head, layer_spec=None if spec is None else spec(cfg))
         fnppo.layout_invariant_init(chunks, seed=args.seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = fnppo.build_optimizer(ddp, lr=args.critic_lr if head == "value" else args.lr, clip_grad=1.0, weight_decay=0.0)
@@ -360,12 +370,15 @@ def learning_rate(args: argparse.Namespace, step: int, peak: float | None = None
     return (args.lr if peak is None else peak) * (1.0 - (1.0 - args.lr_final) * frac)
 
 
-def rollout(state, ref_params, args, layout, device, step: int, critic=None):
+def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
 
     With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)
     and GAE advantages and returns; the samples carry ``values`` and ``returns`` for ``critic_step``.
+    ``phase``: optional ``phase(name)`` context factory timing the parts (``--profile-step``).
     """
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
@@ -378,7 +391,9 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None):
     uniforms = torch.rand(args.prompts * args.group_size, RESPONSE_LEN, generator=g)
     per = n_prompts * args.group_size
     uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
-    responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
+    phase = phase or (lambda name: contextlib.nullcontext())
+    with phase("sampling"):
+        responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     if critic is not None:
         samples = _ppo_samples(critic, prompts, responses, rollout_lp, args)
@@ -398,8 +413,9 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None):
             for i in range(prompts.shape[0])
         ]
     cfg = step_config(args)
-    old, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
-    ref, _ = fnppo.compute_logprobs(state.model, samples, params=ref_params, config=cfg)
+    with phase("old and reference log-probs"):
+        old, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
+        ref, _ = fnppo.compute_logprobs(state.model, samples, params=ref_params, config=cfg)
     samples = [dataclasses.replace(s, old_logprobs=o, ref_logprobs=r) for s, o, r in zip(samples, old, ref, strict=True)]
     total = torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64)
     if layout.dp > 1:
@@ -634,20 +650,28 @@ def run(args: argparse.Namespace, layout) -> int:
         progress = tqdm(total=args.steps, initial=start_step, desc="ppo", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     step = start_step
+    durations: list[float] = []  # wall time per step of this invocation
     while step < args.steps:
+        t_step = time.perf_counter()
         if args.exit_after is not None and step - start_step >= args.exit_after:
             if rank0:
                 print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
             return 0
-        samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic)
-        set_lr(state.optimizer, learning_rate(args, step))
-        step_cfg = dataclasses.replace(cfg, loss=fnppo.with_kl_coef(cfg.loss, kl_state))
-        state, metrics = fnppo.train_step(state, samples, step_cfg)
-        critic_metrics = {}
-        if critic is not None:
-            set_lr(critic.optimizer, learning_rate(args, step, args.critic_lr))
-            critic, critic_metrics = fnppo.critic_step(critic, samples, ccfg)
+        profiling = args.profile_step is not None and step + 1 == args.profile_step
+        with profiled(profiling, args, out_dir, device, rank0) as phase:
+            with phase("rollout"):
+                samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic, phase=phase)
+            set_lr(state.optimizer, learning_rate(args, step))
+            step_cfg = dataclasses.replace(cfg, loss=fnppo.with_kl_coef(cfg.loss, kl_state))
+            with phase("train_step"):
+                state, metrics = fnppo.train_step(state, samples, step_cfg)
+            critic_metrics = {}
+            if critic is not None:
+                set_lr(critic.optimizer, learning_rate(args, step, args.critic_lr))
+                with phase("critic_step"):
+                    critic, critic_metrics = fnppo.critic_step(critic, samples, ccfg)
         step += 1
+        durations.append(time.perf_counter() - t_step)
         row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
         row.update({k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v for k, v in critic_metrics.items() if k != "step"})
         if args.kl_target is not None:
@@ -672,14 +696,103 @@ def run(args: argparse.Namespace, layout) -> int:
         progress.close()
     if not rank0:
         return 0
-    return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, step - start_step)
+    return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, step - start_step, durations)
 
 
-def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float, steps_done: int) -> int:
+class _Phases:
+    """Wall time per named phase of a profiled step (device-synchronized at both ends)."""
+
+    def __init__(self, device, enabled: bool):
+        self.device, self.enabled, self.times = device, enabled, []
+
+    def __call__(self, name: str):
+        import contextlib
+
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return self._timed(name)
+
+    def _sync(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _timed(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            self._sync()
+            t0 = time.perf_counter()
+            yield
+            self._sync()
+            self.times.append((name, time.perf_counter() - t0))
+
+        return block()
+
+
+def profiled(enabled: bool, args, out_dir: Path, device, rank0: bool):
+    """Context of one training step: a :class:`_Phases` timer, and with ``enabled`` torch.profiler
+    (kernels and operators) and cProfile (Python functions) around it; rank 0 writes the report."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        phases = _Phases(device, enabled)
+        if not enabled:
+            yield phases
+            return
+        import cProfile
+        import io
+        import pstats
+
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        cpu_prof = cProfile.Profile()
+        with profile(activities=activities) as prof:
+            cpu_prof.enable()
+            t0 = time.perf_counter()
+            yield phases
+            phases._sync()
+            wall = time.perf_counter() - t0
+            cpu_prof.disable()
+        if not rank0:
+            return
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e6
+        lines = [f"profiled step {args.profile_step} on {device}: {wall:.3f} s wall, "
+                 f"{len(kernels)} kernels taking {busy:.3f} s of device time"]
+        lines += [f"  {name}: {dt:.3f} s" for name, dt in phases.times]
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
+        if device.type == "cuda":
+            lines.append(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=50))
+        stream = io.StringIO()
+        pstats.Stats(cpu_prof, stream=stream).sort_stats("cumulative").print_stats(45)
+        stream.write("\n")
+        pstats.Stats(cpu_prof, stream=stream).sort_stats("tottime").print_stats(30)
+        lines.append(stream.getvalue())
+        path = Path(args.profile_out) if args.profile_out else out_dir / "profile.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        parts = ", ".join(f"{name} {dt:.3f} s" for name, dt in phases.times)
+        print(f"profile of step {args.profile_step}: {wall:.3f} s ({parts}) -> {path}", flush=True)
+
+    return block()
+
+
+def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float, steps_done: int,
+            durations: list[float] | None = None) -> int:
     last = rows[-FINAL_WINDOW:]
     final = sum(r["reward"] for r in last) / max(1, len(last))
     ok = final >= args.target_reward
     print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_done):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+    if durations and len(durations) > 3:  # the first steps compile kernels on CUDA
+        later = sorted(durations[3:])
+        print(f"median step after the first 3: {later[len(later) // 2]:.3f} s")
     print(f"metrics: {metrics_path}")
     verdict = "PASS" if ok else "FAIL"
     if not args.no_plot and rows:
