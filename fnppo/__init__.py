@@ -124,7 +124,7 @@ _LAZY: dict[str, str] = {
     "VisionConfig": "vlm",
     "build_vlm": "vlm",
 }
-_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "parallel", "step", "testing", "value", "vlm")
+_LAZY_MODULES = ("attention", "checkpoint", "grads", "hf", "model", "moe", "parallel", "routing", "step", "testing", "value", "vlm")
 
 __all__ = [
     # advantages

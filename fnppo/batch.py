@@ -40,6 +40,7 @@ from fnppo.typing import (
     Float,
     Int,
     Int32,
+    Integer,
     Shaped,
     ShapeError,
     Tensor,
@@ -128,7 +129,13 @@ class Sample:
     * ``values``, ``returns``: ``Float[Tensor, "r"]`` or None, for the critic
       (:func:`fnppo.critic_step`): ``values[j]`` is the critic's value at rollout time of the state
       before response token ``j`` (:func:`fnppo.compute_values`), ``returns[j]`` its target (e.g.
-      from :func:`fnppo.gae_advantages`); like ``ref_logprobs``, all samples of a batch or none.
+      from :func:`fnppo.gae_advantages`); like ``ref_logprobs``, all samples of a batch or none;
+    * ``routed_experts``: ``Integer[Tensor, "tokens layers topk"]`` or None: routing replay
+      (:mod:`fnppo.routing`). Row ``t`` holds the top-k expert indices the routers chose for token
+      ``t`` of ``prompt ++ response``, one entry per MoE layer in global layer order (dense layers
+      skipped); ``len(sample)`` rows, or ``len(sample) - 1`` (an inference engine returns no route
+      for the last generated token, whose output predicts nothing: there, as on padding, the router
+      chooses itself). In one batch either every sample has them or none.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen in :func:`collate_microbatch`. :meth:`from_lists` builds one from Python lists.
@@ -144,6 +151,7 @@ class Sample:
     multi_modal: Mapping[str, Tensor] = dataclasses.field(default_factory=dict)
     values: Float[Tensor, " r"] | None = None
     returns: Float[Tensor, " r"] | None = None
+    routed_experts: Integer[Tensor, "tokens layers topk"] | None = None
 
     def __post_init__(self) -> None:
         fn = "Sample"
@@ -172,6 +180,22 @@ class Sample:
             if not isinstance(t, torch.Tensor) or t.ndim < 1:
                 raise input_error(fn, f"multi_modal[{key!r}]", "a tensor with dim 0 indexing items", _describe_any(t))
         object.__setattr__(self, "multi_modal", dict(self.multi_modal))
+        self._check_routed_experts(fn)
+
+    def _check_routed_experts(self, fn: str) -> None:
+        """``routed_experts``: None or an integer ``[tokens, layers, topk]`` with ``len`` or ``len - 1`` rows."""
+        t = self.routed_experts
+        if t is None:
+            return
+        if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise input_error(fn, "routed_experts", "None or an integer tensor [tokens, layers, topk]", _describe_any(t))
+        n = len(self)
+        if t.shape[0] not in (n, n - 1) or t.shape[1] < 1 or t.shape[2] < 1:
+            raise input_error(
+                fn, "routed_experts",
+                f"{n} or {n - 1} rows (one per token of prompt + response; the last token's may be missing), "
+                "at least one MoE layer and one expert per row", describe(t),
+            )
 
     @property
     def prompt_len(self) -> int:
@@ -199,8 +223,10 @@ class Sample:
         multi_modal: Mapping[str, Any] | None = None,
         values: Sequence[float] | Tensor | None = None,
         returns: Sequence[float] | Tensor | None = None,
+        routed_experts: Sequence[Sequence[Sequence[int]]] | Tensor | None = None,
     ) -> Sample:
-        """Build a :class:`Sample` from lists: ids become int64, values float32, the mask float32.
+        """Build a :class:`Sample` from lists: ids become int64, values float32, the mask float32,
+        routed experts int32 (an integer tensor keeps its dtype).
 
         A scalar ``advantages`` (one advantage per sequence, as in GRPO) is broadcast to every
         response token.
@@ -226,12 +252,14 @@ class Sample:
             multi_modal=mm,
             values=floats(values),
             returns=floats(returns),
+            routed_experts=None if routed_experts is None or isinstance(routed_experts, Tensor)
+            else torch.as_tensor(routed_experts, dtype=torch.int32),
         )
 
 
 _register(
     Sample,
-    leaves=("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask", "multi_modal"),
+    leaves=("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask", "multi_modal", "routed_experts"),
     static=(),
 )
 
@@ -261,7 +289,9 @@ class Microbatch:
     indices of the samples into the original batch: a record for custom stages; results are put back
     in sample order by :meth:`SplitPlan.restore`), ``multi_modal`` (dict: per key, the items of all
     samples concatenated on dim 0 in sample order) and ``multi_modal_counts`` (dict: per key, int64
-    ``[n]`` items per sample).
+    ``[n]`` items per sample), ``routed_experts`` (int32 ``[batch, seq, layers, topk]`` or None: the
+    experts routing replay forces for the token at each position, see :class:`Sample`; ``-1`` on
+    padding and missing rows: the router chooses there).
 
     Static (treedef metadata): ``layout``, ``max_seqlen`` (longest padded segment, packed layout;
     None when padded), ``prompt_lens``, ``response_lens`` and ``pad_to_multiple_of``.
@@ -288,6 +318,7 @@ class Microbatch:
     pad_to_multiple_of: int
     values: Float[Tensor, "batch seq"] | None = None
     returns: Float[Tensor, "batch seq"] | None = None
+    routed_experts: Int[Tensor, "batch seq layers topk"] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -313,7 +344,7 @@ class Microbatch:
 _MB_LEAVES = (
     "input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages", "ref_logprobs",
     "rollout_logprobs", "seq_ids", "attention_mask", "cu_seqlens", "sample_index", "multi_modal",
-    "multi_modal_counts", "values", "returns",
+    "multi_modal_counts", "values", "returns", "routed_experts",
 )
 _MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)
@@ -370,7 +401,8 @@ def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str,
 
 
 def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
-    """``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` are given for all samples or for none.
+    """``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` / ``routed_experts`` are given
+    for all samples or for none.
 
     Returns:
         ``{name: all samples have it}`` for each of these names.
@@ -379,13 +411,76 @@ def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples
         InputError: naming the first sample without the field and one that has it.
     """
     present: dict[str, bool] = {}
-    for name in _ALL_OR_NONE:
+    for name in (*_ALL_OR_NONE, "routed_experts"):
         have = [getattr(s, name) is not None for s in samples]
         if any(have) and not all(have):
             missing = have.index(False)
             raise input_error(fn, f"{arg}[{missing}].{name}", f"a tensor ({arg}[{have.index(True)}] has {name}; all samples or none)", "None")
         present[name] = all(have)
     return present
+
+
+def routing_dtype_holds(dtype: torch.dtype, num_experts: int) -> bool:
+    """Whether an integer ``dtype`` holds every expert index ``0 .. num_experts - 1`` (uint8: 256 experts)."""
+    return torch.iinfo(dtype).max >= num_experts - 1
+
+
+def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int | None = None, topk: int | None = None,
+                         num_experts: int | None = None, arg: str = "samples", values: bool = True) -> None:
+    """Routed experts (routing replay) that a step can force: one shape, the model's, valid indices.
+
+    With ``routed_experts`` on the samples (:func:`check_same_fields` checks all-or-none): every
+    sample's ``[tokens, layers, topk]`` has the layers and top-k of the first sample (and
+    ``num_layers`` / ``topk`` when given: the model's MoE layers and router top-k); its dtype holds
+    ``num_experts - 1``; with ``values``, every index lies in ``[0, num_experts)`` (``>= 0`` when
+    ``num_experts`` is None) and the ``topk`` indices of a row are distinct (duplicates would route
+    a token to fewer experts than top-k, and the dispatcher's token counts would no longer match).
+    One host sync for the values; the samples are searched one by one only to name the first offender.
+
+    Raises:
+        InputError: naming ``<arg>[i].routed_experts``, with the layer and token of a bad row.
+    """
+    have = [s for s in samples if s.routed_experts is not None]
+    if not have:
+        return
+    first = have[0].routed_experts
+    want = (num_layers if num_layers is not None else first.shape[1], topk if topk is not None else first.shape[2])
+    for i, s in enumerate(samples):
+        t = s.routed_experts
+        if t is None:
+            continue
+        if tuple(t.shape[1:]) != want:
+            whose = "the model's MoE layers and top-k" if num_layers is not None else f"those of {arg}[0]"
+            raise input_error(fn, f"{arg}[{i}].routed_experts", f"[tokens, {want[0]}, {want[1]}] ({whose})", describe(t))
+        if num_experts is not None and not routing_dtype_holds(t.dtype, num_experts):
+            raise input_error(fn, f"{arg}[{i}].routed_experts", f"an integer dtype that holds expert indices up to {num_experts - 1} (int16 or wider)",
+                              f"{describe(t)} (max {torch.iinfo(t.dtype).max})")
+    if not values:
+        return
+    high = num_experts if num_experts is not None else 2**62
+    k = want[1]
+
+    def bad_rows(t: Tensor) -> Tensor:
+        rows = t.reshape(-1, k).to(torch.int64)
+        ordered = rows.sort(dim=-1).values
+        return ((rows < 0) | (rows >= high)).any(-1) | (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+
+    if not bool(bad_rows(torch.cat([s.routed_experts.reshape(-1, k).to(torch.int64) for s in have])).any()):
+        return
+    for i, s in enumerate(samples):
+        t = s.routed_experts
+        if t is None:
+            continue
+        bad = bad_rows(t).nonzero()
+        if bad.numel():
+            flat = int(bad[0, 0])
+            token, layer = divmod(flat, want[0])
+            row = t.reshape(-1, k)[flat].tolist()
+            if min(row) < 0 or max(row) >= high:
+                expected = f"expert indices in [0, {num_experts}) (the model's num_experts)" if num_experts is not None else "expert indices >= 0"
+            else:
+                expected = f"{k} distinct experts per token and MoE layer"
+            raise input_error(fn, f"{arg}[{i}].routed_experts", expected, f"experts {row} for token {token}, MoE layer {layer}")
 
 
 def check_token_ids(fn: str, samples: Sequence[Sample], vocab_size: int | None, *, arg: str = "samples") -> None:
@@ -411,7 +506,7 @@ def _check_devices(fn: str, samples: Sequence[Sample]) -> None:
     """Every tensor of every sample is on the device of ``samples[0]``."""
     device = samples[0].prompt_ids.device
     for i, s in enumerate(samples):
-        for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask"):
+        for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask", "routed_experts"):
             t = getattr(s, name)
             if t is not None and t.device != device:
                 raise input_error(fn, f"samples[{i}].{name}", f"a tensor on {device} (the device of samples[0])", f"{describe(t)} on {t.device}")
@@ -489,6 +584,7 @@ def collate_microbatch(
     seg_lens = [_round_up(len(s), pad_to_multiple_of) for s in samples]
     per_token = _collate_fields(samples, seg_lens, layout, pad_token_id, present)
     mm, counts = _collate_multi_modal(fn, samples, device)
+    routes = _collate_routing(samples, seg_lens, layout) if present["routed_experts"] else None
     return Microbatch(
         **per_token,  # type: ignore[arg-type]
         **_layout_fields(layout, per_token["seq_ids"], seg_lens, device),
@@ -499,6 +595,7 @@ def collate_microbatch(
         prompt_lens=tuple(s.prompt_len for s in samples),
         response_lens=tuple(s.response_len for s in samples),
         pad_to_multiple_of=pad_to_multiple_of,
+        routed_experts=routes,
     )
 
 
@@ -522,7 +619,9 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
         check_lengths(fn, samples, max_seq_len, f"at most max_seq_len={max_seq_len} tokens")
     check_token_ids(fn, samples, vocab_size)
     _check_values(fn, samples)
-    return sample_index, check_same_fields(fn, samples)
+    present = check_same_fields(fn, samples)
+    check_routed_experts(fn, samples)
+    return sample_index, present
 
 
 
@@ -579,6 +678,28 @@ def _collate_fields(samples: list[Sample], seg_lens: list[int], layout: str, pad
         out[name] = place([torch.zeros(s.response_len, dtype=f32, device=device) if getattr(s, name) is None
                            else getattr(s, name).to(f32) for s in samples])
     return {k: (None if v is None else v.view(rows, width)) for k, v in out.items()}
+
+
+def routing_fill(rows: int, layers: int, topk: int, *, device: Any = None) -> Tensor:
+    """The route of a position without one (padding, a missing last token): ``-1``, int32
+    ``[rows, layers, topk]``; routing replay lets the router choose there (:mod:`fnppo.routing`)."""
+    return torch.full((rows, layers, topk), -1, dtype=torch.int32, device=device)
+
+
+def _collate_routing(samples: list[Sample], seg_lens: list[int], layout: str) -> Tensor:
+    """``routed_experts`` per position, int32: packed ``[1, T, L, k]``, padded ``[n, S, L, k]``.
+
+    Sample ``i``'s rows fill positions ``0 .. len(rows) - 1`` of its segment (the token at each
+    position); the rest of the segment (a missing last row, padding) gets :func:`routing_fill` (-1).
+    """
+    _, layers, topk = samples[0].routed_experts.shape
+    width = max(seg_lens) if layout == "padded" else 0
+    rows = []
+    for s, seg in zip(samples, seg_lens, strict=True):
+        own = s.routed_experts.to(torch.int32)
+        size = max(seg, width)
+        rows.append(torch.cat([own, routing_fill(size - own.shape[0], layers, topk, device=own.device)]))
+    return torch.cat(rows).unsqueeze(0) if layout == "packed" else torch.stack(rows)
 
 
 def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: torch.device) -> dict[str, Any]:
@@ -705,6 +826,10 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         seq_ids=pad(mb.seq_ids, -1),
         attention_mask=pad(mb.attention_mask, False),
     )
+    if mb.routed_experts is not None:
+        _, _, layers, topk = mb.routed_experts.shape
+        fill = routing_fill(rows * extra, layers, topk, device=mb.routed_experts.device).reshape(rows, extra, layers, topk)
+        changes["routed_experts"] = torch.cat([mb.routed_experts, fill], dim=1)
     if mb.cu_seqlens is not None:
         tail = mb.cu_seqlens.new_full((1,), length)
         changes["cu_seqlens"] = torch.cat([mb.cu_seqlens, tail])

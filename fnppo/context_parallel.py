@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 _PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages",
-              "ref_logprobs", "rollout_logprobs", "seq_ids", "values", "returns")
+              "ref_logprobs", "rollout_logprobs", "seq_ids", "values", "returns", "routed_experts")
 
 
 def _boundaries(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
@@ -120,7 +120,8 @@ def shard_microbatch(mb: Microbatch, cp: int, rank: int) -> Microbatch:
     """The CP rank's share of a packed micro-batch: per-token fields sharded, the rest unchanged.
 
     ``input_ids``, ``position_ids`` (global positions kept), ``labels``, ``loss_mask``, log-probs,
-    ``advantages`` and ``seq_ids`` become ``[1, T / cp]``; ``cu_seqlens``, ``max_seqlen``, the
+    ``advantages`` and ``seq_ids`` become ``[1, T / cp]`` (``routed_experts`` ``[1, T / cp, layers, topk]``:
+    each token keeps its route); ``cu_seqlens``, ``max_seqlen``, the
     static lengths and multi-modal fields stay those of the whole micro-batch. ``cp == 1``: ``mb``.
 
     Raises:

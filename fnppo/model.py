@@ -7,6 +7,7 @@ state is read through :func:`fnppo.parallel.current_layout`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,12 +47,19 @@ class ModelConfig:
     ``dtype`` is the parameter/compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half precision
     models are wrapped in Megatron's ``Float16Module``; logits stay in that dtype).
 
-    Mixture of Experts (``num_experts`` set; every layer is an MoE layer, Megatron's
-    ``MoELayer`` with a top-k router and no token dropping):
+    Mixture of Experts (``num_experts`` set; Megatron's ``MoELayer`` with a top-k router and no
+    token dropping):
 
+    * ``moe_layer_freq``: which layers are MoE layers, as Megatron's ``moe_layer_freq``: an int
+      ``k`` (layers ``0, k, 2k, ...``; default 1: every layer) or one 0/1 per layer (1: MoE); the
+      other layers are dense MLPs of ``ffn_hidden_size``;
     * ``moe_topk`` experts per token, each an MLP of ``moe_ffn_hidden_size`` (default
       ``ffn_hidden_size``); ``moe_shared_expert_size``: the hidden size of an always-on shared
-      expert (Qwen2-MoE style), None for none;
+      expert (Qwen2-MoE style), None for none; ``moe_shared_expert_gate``: the shared expert's
+      output is scaled by ``sigmoid(x . w)`` (Qwen2-MoE's ``shared_expert_gate``);
+    * ``moe_pre_softmax``: the gate weights are the softmax over *all* experts at the chosen ones
+      (not renormalized: Qwen2/3-MoE with ``norm_topk_prob=False``); False (default): the softmax
+      over the chosen experts' logits (Mixtral; Qwen-MoE with ``norm_topk_prob=True``);
     * ``moe_load_balancing``: ``"none"``, ``"aux_loss"`` (switch load-balancing loss over a
       micro-batch) or ``"seq_aux_loss"`` (per sequence), weighted by ``moe_aux_loss_coeff``;
       ``moe_z_loss_coeff``: router z-loss (ST-MoE), None for none;
@@ -98,6 +106,9 @@ class ModelConfig:
     moe_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_pre_softmax: bool = False
     moe_load_balancing: str = "none"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
@@ -153,6 +164,26 @@ class ModelConfig:
             raise input_error(fn, "moe_z_loss_coeff", "None or a finite float >= 0", repr(self.moe_z_loss_coeff))
         if self.moe_load_balancing == "none" and self.moe_aux_loss_coeff > 0:
             raise input_error(fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff))
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(freq))
+            freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq) or not any(freq):
+                raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+        elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+            raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+        if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
+            raise input_error(fn, "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global 0-based indices of the MoE layers (none for a dense model)."""
+        if self.num_experts is None:
+            return ()
+        freq = self.moe_layer_freq
+        pattern = freq if isinstance(freq, tuple) else tuple(int(i % freq == 0) for i in range(self.num_layers))
+        return tuple(i for i, v in enumerate(pattern) if v)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -338,9 +369,14 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
     return dict(
         extra,
         num_moe_experts=cfg.num_experts,
+        moe_layer_freq=list(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, tuple) else cfg.moe_layer_freq,
         moe_router_topk=cfg.moe_topk,
+        moe_router_pre_softmax=cfg.moe_pre_softmax,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        # every router gets its own replay slot (fnppo.routing); inactive unless a step sets it
+        moe_enable_routing_replay=True,
         moe_router_load_balancing_type=cfg.moe_load_balancing,
         moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff),
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
@@ -408,7 +444,10 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
     when installed, else the local spec with packed-sequence attention); pass
     ``layer_spec=fnppo.local_layer_spec(cfg)`` to force the local spec where Transformer Engine is
-    installed. Half-precision models are
+    installed. With MoE layers ``layer_spec`` is the spec of the MoE layers, and dense layers
+    (``moe_layer_freq``) get the default dense spec. Every router's replay slot is its own
+    (``fnppo.routing``): it is taken off Megatron's global list of replay instances, so models built
+    earlier never see a later replay. Half-precision models are
     wrapped in ``Float16Module``. Returns unwrapped-by-DDP chunks; see :func:`wrap_ddp`. Each
     ``GPTModel`` keeps ``cfg`` as ``fnppo_config`` (its ``vocab_size`` is the real vocabulary; the
     model's own ``vocab_size`` is the padded one).
@@ -429,14 +468,14 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
         model_class = GPTModel
     layout = layout or current_layout()
     tcfg = transformer_config(cfg, layout, **config_overrides)
-    if layer_spec is not None:
-        spec = layer_spec
-    elif cfg.num_experts is not None:
-        spec = default_layer_spec(cfg, moe_grouped_gemm=tcfg.moe_grouped_gemm)
-    else:
-        spec = default_layer_spec(cfg)
+    dense_spec = None
     if cfg.num_experts is not None:
         _moe_without_te()
+        spec = layer_spec if layer_spec is not None else default_layer_spec(cfg, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+        if len(cfg.moe_layers) < cfg.num_layers:
+            dense_spec = default_layer_spec(dataclasses.replace(cfg, num_experts=None))
+    else:
+        spec = layer_spec if layer_spec is not None else default_layer_spec(cfg)
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     from megatron.core import parallel_state as ps
@@ -446,7 +485,7 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = model_class(
             config=tcfg,
-            transformer_layer_spec=_block_spec(spec, tcfg, vp),
+            transformer_layer_spec=_block_spec(spec, tcfg, vp, dense_spec=dense_spec, moe_layers=cfg.moe_layers),
             vocab_size=cfg.padded_vocab_size,
             max_sequence_length=cfg.max_seq_len,
             pre_process=pre,
@@ -461,6 +500,7 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
             vp_stage=vp,
         )
         model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.step), rope (fnppo.hf)
+        _own_replay_slots(model)
         if cfg.moe_freeze_router:
             _freeze_routers(model)
         if tcfg.fp16 or tcfg.bf16:
@@ -469,6 +509,21 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
             model = model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _own_replay_slots(model: nn.Module) -> None:
+    """Give every router of ``model`` its own replay slot (:func:`fnppo.routing.replay_slot`) in place
+    of the one Megatron put on its global list (which would keep every model ever built alive and
+    let one replay reach every model)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from fnppo.routing import replay_slot
+
+    for m in model.modules():
+        old = getattr(m, "router_replay", None)
+        if old is not None:
+            RouterReplay.global_router_replay_instances[:] = [r for r in RouterReplay.global_router_replay_instances if r is not old]
+            m.router_replay = replay_slot()
 
 
 def _freeze_routers(model: nn.Module) -> None:
@@ -481,12 +536,15 @@ def _freeze_routers(model: nn.Module) -> None:
                 p.requires_grad_(False)
 
 
-def _block_spec(spec: Any, tcfg: Any, vp: int | None) -> Any:
+def _block_spec(spec: Any, tcfg: Any, vp: int | None, *, dense_spec: Any = None, moe_layers: Sequence[int] = ()) -> Any:
     """``spec`` as Megatron's block submodules with a sequence-parallel final norm when it needs one.
 
     Megatron gives a block built from a layer spec its default final norm; without Transformer
     Engine or Apex that is ``WrappedTorchNorm``, which refuses sequence parallelism. Then the block
     gets :class:`fnppo.norms.SequenceParallelNorm` (the same norm) instead; otherwise ``spec``.
+    With ``dense_spec`` (a model whose MoE layers are ``moe_layers`` only), the block's local layers
+    (this stage's global layers, Megatron's ``get_transformer_layer_offset``) get ``spec`` where
+    they are MoE layers and ``dense_spec`` elsewhere, as Megatron's ``get_gpt_decoder_block_spec``.
     """
     from megatron.core.transformer import transformer_block as tb
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -495,11 +553,16 @@ def _block_spec(spec: Any, tcfg: Any, vp: int | None) -> Any:
 
     from fnppo.norms import SequenceParallelNorm
 
-    if not (tcfg.sequence_parallel and tb.LayerNormImpl is WrappedTorchNorm and isinstance(spec, ModuleSpec)
-            and isinstance(spec.module, type) and issubclass(spec.module, BaseTransformerLayer)):
+    layer_spec = isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, BaseTransformerLayer)
+    sp_norm = tcfg.sequence_parallel and tb.LayerNormImpl is WrappedTorchNorm
+    if not layer_spec or (dense_spec is None and not sp_norm):
         return spec
     layers = tb.get_num_layers_to_build(tcfg, vp_stage=vp)
-    return tb.TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
+    specs = [spec] * layers
+    if dense_spec is not None:
+        offset = tb.get_transformer_layer_offset(tcfg, vp_stage=vp)
+        specs = [spec if offset + i in moe_layers else dense_spec for i in range(layers)]
+    return tb.TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm if sp_norm else tb.LayerNormImpl)
 
 
 def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, **ddp_kwargs: Any) -> list[nn.Module]:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fnppo.metrics import merge_metrics, pair_metric
+from fnppo.routing import clear_routing
 
 __all__ = ["routers", "is_moe", "router_step", "RouterStep", "router_derived_metrics"]
 
@@ -106,6 +107,29 @@ def _check_allgather(config: Any, microbatches: Sequence[Any], layout: Any, devi
         )
 
 
+def sequence_shards(config: Any) -> int:
+    """Under sequence parallelism each of the ``tp`` ranks routes its slice of the micro-batch's
+    sequence: ``tp``; else 1. (Context parallelism is already in the micro-batches fnppo forms: each
+    CP rank's micro-batch holds its own tokens.)"""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _token_shard_group(router: nn.Module) -> Any:
+    """The process group whose ranks route the other tokens of the router's micro-batch (sequence
+    parallelism: TP x CP; else CP), or None."""
+    cfg = router.config
+    if sequence_shards(cfg) == 1 and cfg.context_parallel_size == 1:
+        return None
+    return router.tp_cp_group if sequence_shards(cfg) > 1 else router.cp_group
+
+
+def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``t`` of every rank of ``group`` concatenated along dim 0 (equal row counts; no autograd)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
 @torch.no_grad()
 def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
     """Metric pairs of one router on one micro-batch (recomputes its logits without autograd)."""
@@ -114,8 +138,12 @@ def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.T
     cfg = router.config
     layer = router.layer_number - 1
     logits = router.gating(hidden).reshape(-1, cfg.num_moe_experts).float()
+    routing_map = routing_map.reshape(logits.shape[0], -1)
+    group = _token_shard_group(router)
+    if group is not None:  # each rank routes its shard of the micro-batch: record the whole micro-batch
+        logits, routing_map = (_all_gather_rows(t, group) for t in (logits, routing_map))
     n = logits.shape[0]
-    counts = routing_map.reshape(n, -1).sum(dim=0).double()
+    counts = routing_map.sum(dim=0).double()
     k, e_num = router.topk, cfg.num_moe_experts
     aux_map, scores = compute_routing_scores_for_aux_loss(logits, k, router.score_function)
     # switch loss: E * sum_e f_e P_e, f_e = tokens_e / (n k), P_e = mean_t score_te
@@ -167,8 +195,11 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
     config = unwrap_model(model_chunks[0]).config
     _check_allgather(config, microbatches, layout, device)
     total = _total_tokens(microbatches, layout, device)
-    factor = len(microbatches) * layout.dp / total  # grad_scale_func(1) / num_mb = dp / T
-    state = RouterStep(loss_scale=total, total_tokens=total)
+    # Under sequence parallelism a router sees 1/tp of its micro-batch's tokens and weights its
+    # losses by the tokens it sees: the global scale carries the missing factor.
+    shards = sequence_shards(config)
+    factor = shards * len(microbatches) * layout.dp / total  # grad_scale_func(1) / num_mb = shards * dp / T
+    state = RouterStep(loss_scale=total / shards, total_tokens=total)
     weight = 1.0 / (len(microbatches) * layout.dp)
     rs = routers(model_chunks)
     saved_flags = [r.calculate_per_token_loss for r in rs]
@@ -194,6 +225,7 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
         for h in handles:
             h.remove()
         clear_aux_losses_tracker()
+        clear_routing(model_chunks)  # replay targets kept for recomputation in the backward
     state.metrics = _reduce(state.records, layout, device)
 
 

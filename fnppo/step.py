@@ -42,6 +42,7 @@ from fnppo.batch import (
     Sample,
     check_lengths,
     check_positive_int,
+    check_routed_experts,
     check_same_fields,
     check_token_ids,
     collate_microbatch,
@@ -65,6 +66,7 @@ from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import check_head, forward_hidden, forward_logits, forward_values, unwrap_model
 from fnppo.moe import is_moe, router_derived_metrics, router_step
 from fnppo.parallel import ParallelLayout, current_layout
+from fnppo.routing import RoutingRecorder, routed, routing_spec
 from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
 from fnppo.typing import describe, input_error, typechecking_enabled
 
@@ -316,6 +318,7 @@ class _Batching(NamedTuple):
     dp_group: Any  # the group the micro-batch count is agreed over (None without DP)
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
+    routing: tuple[int, int, int] | None = None  # (MoE layers, top-k, experts) of an MoE model, else None
 
 
 def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelLayout) -> _Batching:
@@ -339,6 +342,7 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
         # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
         same_length=bool(layout.vpp),
         context_parallel=(layout.cp, layout.cp_rank),
+        routing=routing_spec(chunks),
     )
 
 
@@ -384,8 +388,11 @@ def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatch
     A non-empty list of :class:`~fnppo.batch.Sample`, of a length divisible by ``num_minibatches``;
     no sample longer than ``spec.max_seq_len``; reference and rollout log-probs for every sample or
     for none (micro-batches that separate them would each look fine on their own); token ids in
-    ``[0, vocab_size)`` of the model (while call-time checking is on: one host sync). The values
-    of each sample (0/1 mask, finite log-probs and advantages) are the collate stage's check.
+    ``[0, vocab_size)`` of the model (while call-time checking is on: one host sync); routed
+    experts only for an MoE model, of its MoE layers and top-k, in a dtype that holds its expert
+    indices, and (while call-time checking is on) valid and distinct indices
+    (:func:`~fnppo.batch.check_routed_experts`). The values of each sample (0/1 mask, finite
+    log-probs and advantages) are the collate stage's check.
 
     Raises:
         InputError: naming ``batch`` or ``batch[i]...``.
@@ -403,6 +410,11 @@ def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatch
     check_same_fields(fn, samples, arg="batch")
     if spec.real_vocab_size is not None and typechecking_enabled():
         check_token_ids(fn, samples, spec.real_vocab_size, arg="batch")
+    if samples[0].routed_experts is not None:  # check_same_fields: all samples or none
+        if spec.routing is None:
+            raise input_error(fn, "batch[0].routed_experts", "None (the model has no MoE layers)", describe(samples[0].routed_experts))
+        layers, topk, experts = spec.routing
+        check_routed_experts(fn, samples, num_layers=layers, topk=topk, num_experts=experts, arg="batch", values=typechecking_enabled())
 
 
 def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
@@ -546,7 +558,8 @@ def _forward_step_fn(
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
-        out, weight = forward_hidden(model, mb) if config.fused_output else (fns.forward(model, mb), None)
+        with routed(model, mb):  # routing replay when the micro-batch carries routed experts
+            out, weight = forward_hidden(model, mb) if config.fused_output else (fns.forward(model, mb), None)
 
         def loss_func(logits: torch.Tensor):
             # the entropy is always computed: it is reported as a metric whatever its coefficient
@@ -734,6 +747,9 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
        otherwise the step is skipped, parameters and optimizer state stay untouched, and
        ``metrics["skipped"]`` counts it.
 
+    MoE models: samples that carry ``routed_experts`` run every forward (and recomputation) with
+    those experts forced (routing replay, :mod:`fnppo.routing`).
+
     Reference: PPO, arXiv:1707.06347 (epochs of mini-batch updates on one batch of rollouts).
 
     Returns:
@@ -750,7 +766,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             (default: the model's ``max_sequence_length``), token ids outside the model's
             vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
             given for some samples only, no ``rollout_logprobs`` in bypass mode or with rollout
-            correction. Inside the schedule: logits from ``config.fns.forward``
+            correction, routed experts that do not fit the model
+            (:func:`~fnppo.batch.check_routed_experts`). Inside the schedule: logits from ``config.fns.forward``
             whose last dimension is not this rank's vocab shard. ``docs/errors.md`` lists every
             error.
         FinalizeNotCalledError: see step 4.
@@ -792,6 +809,8 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
 
     Reference: PPO, arXiv:1707.06347 (the value function trained on the same rollouts as the policy).
 
+    The policy's ``routed_experts`` (routing replay) are left out: an MoE critic routes on its own.
+
     Args:
         state: the critic's :class:`TrainState` (a value model, ``build_gpt(cfg, head="value")``).
         batch: this DP rank's samples with ``returns`` (and ``values`` when
@@ -812,7 +831,7 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
         FinalizeNotCalledError: the schedule did not call the finalizer.
     """
     layout = current_layout()
-    samples = list(batch)
+    samples = _without_routes(batch)
     check_head("critic_step", "state.model", state.model[0], "value")
     spec = _batching(config, state.model, layout)
     _check_context_parallel("critic_step", config, spec, layout)
@@ -837,12 +856,16 @@ def forward_only(
     *,
     params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
     forward: ForwardFn = forward_logits,
+    recorder: RoutingRecorder | None = None,
 ) -> list[Any] | None:
     """Run Megatron's schedule forward-only (eval mode, no autograd) over collated micro-batches.
 
     ``output_fn(logits, microbatch)`` is applied on the last pipeline stage to what ``forward``
     returns for each micro-batch: the vocab-parallel logits (or a value model's ``[batch, seq]``
     values with ``forward=forward_values``). Use it for sampling and evaluation.
+    Micro-batches that carry ``routed_experts`` are run with those experts forced
+    (:mod:`fnppo.routing`); with ``recorder`` (a :class:`fnppo.routing.RoutingRecorder`) the routers'
+    choices are recorded into it.
 
     Args:
         model_chunks: the (DDP-wrapped) model chunks.
@@ -850,6 +873,7 @@ def forward_only(
         output_fn: what to keep of each micro-batch's logits.
         params: as in :func:`compute_logprobs`.
         forward: the forward stage (:class:`ForwardFn`).
+        recorder: where the routers' top-k choices go (MoE models), or None.
 
     Returns:
         The results of ``output_fn`` in micro-batch order on the last pipeline stage, ``None`` on
@@ -865,7 +889,8 @@ def forward_only(
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
-        out = forward(model, mb, params=by_chunk.get(id(model)))
+        with routed(model, mb, recorder):
+            out = forward(model, mb, params=by_chunk.get(id(model)))
 
         def loss_func(logits: torch.Tensor):
             return logits.new_zeros((), dtype=torch.float32), {"out": output_fn(logits, mb)}
@@ -932,7 +957,8 @@ def compute_logprobs(
     max_seq_len: int | None = None,
     fns: StepFns | None = None,
     config: StepConfig | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    return_routing: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
     """Forward-only log-probs (and entropy) of every sample's response tokens, in sample order.
 
     ``logprobs_i[j] = log pi(y_ij | x_i, y_i<j) `` at ``temperature`` (and the entropy of that
@@ -952,16 +978,23 @@ def compute_logprobs(
         fns: the collate, forward and logprob stages (:class:`StepFns`; its loss is unused).
         config: a :class:`StepConfig` supplying every field above left None (accepted for
             compatibility; its loss settings are unused).
+        return_routing: also return the experts the routers chose (MoE models; routing replay,
+            :mod:`fnppo.routing`). Samples that carry ``routed_experts`` are always run with
+            those experts forced.
 
     Returns:
         On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the
         order of ``batch`` (restored by :meth:`~fnppo.split.SplitPlan.restore`), and the entropies
         likewise (or ``None``). Under context parallelism each CP rank computes its shard and the
-        shards are gathered (:func:`~fnppo.context_parallel.gather_per_sample`).
+        shards are gathered (:func:`~fnppo.context_parallel.gather_per_sample`). With
+        ``return_routing``, a third list: per sample ``[len(sample), MoE layers, topk]`` expert
+        indices (:func:`fnppo.routing.record_dtype`; gathered over sequence, context and pipeline
+        parallelism), ready for ``Sample.routed_experts``.
 
     Raises:
         InputError: as :func:`train_step` for the batch and the logits; ``params`` not one dict
-            per chunk; invalid keywords (as :class:`StepConfig`).
+            per chunk; invalid keywords (as :class:`StepConfig`); ``return_routing`` for a dense
+            model or for samples that carry ``routed_experts``.
     """
     cfg = _logprob_config(config, temperature=temperature, layout=layout, num_microbatches=num_microbatches,
                           microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
@@ -974,6 +1007,7 @@ def compute_logprobs(
     spec = _batching(cfg, chunks, par)
     _check_context_parallel("compute_logprobs", dataclasses.replace(cfg, loss=PolicyLossConfig()), spec, par)
     _check_batch("compute_logprobs", samples, spec)
+    recorder = _routing_recorder(return_routing, samples, spec)
     plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                    collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
                                    same_length=spec.same_length, context_parallel=spec.context_parallel)
@@ -992,9 +1026,29 @@ def compute_logprobs(
         ents = unpack(ent, mb) if with_entropy else [None] * mb.num_samples
         return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack(lp, mb), ents, strict=True)]
 
-    store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward)
+    store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward,
+                         recorder=recorder)
     restored = None if store is None else plan.restore(store)
-    return _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)
+    out = _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)
+    if recorder is None:
+        return out
+    return (*out, recorder.per_sample(mbs, plan, spec.routing[0], par.pp_group))
+
+
+def _routing_recorder(return_routing: bool, samples: Sequence[Sample], spec: _Batching) -> RoutingRecorder | None:
+    """The recorder of ``compute_logprobs(return_routing=True)``, after its argument checks."""
+    if not return_routing:
+        return None
+    if spec.routing is None:
+        raise input_error("compute_logprobs", "return_routing", "False for a model without MoE layers", "True")
+    if samples[0].routed_experts is not None:
+        raise input_error("compute_logprobs", "return_routing", "False when the samples carry routed_experts (those are replayed, not recorded)", "True")
+    return RoutingRecorder(spec.routing[2])
+
+
+def _without_routes(batch: Sequence[Sample]) -> list[Sample]:
+    """The critic routes on its own: the policy's ``routed_experts`` are not replayed on it."""
+    return [dataclasses.replace(s, routed_experts=None) if isinstance(s, Sample) and s.routed_experts is not None else s for s in batch]
 
 
 def compute_values(
@@ -1037,7 +1091,7 @@ def compute_values(
     check_head("compute_values", "model_chunks", chunks[0], "value")
     par = current_layout()
     device = _device_of(chunks)
-    samples = list(batch)
+    samples = _without_routes(batch)
     spec = _batching(cfg, chunks, par)
     _check_context_parallel("compute_values", dataclasses.replace(cfg, loss=ValueLossConfig()), spec, par)
     _check_batch("compute_values", samples, spec)

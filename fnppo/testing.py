@@ -197,7 +197,8 @@ def megatron_on_cpu() -> Iterator[None]:
     # Autograd runs backward functions outside the block's TorchFunctionMode, and Megatron's
     # communication functions (e.g. the expert all-to-all and gathers) allocate on
     # torch.cuda.current_device() in their backward too: their forward and backward enter the mode.
-    for cls in vars(mappings).values():
+    # Activation recomputation reruns the forward inside the backward (CheckpointFunction) too.
+    for cls in [*vars(mappings).values(), *vars(mrandom).values()]:
         if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and cls is not torch.autograd.Function:
             for method in ("forward", "backward"):
                 if isinstance(cls.__dict__.get(method), staticmethod):
