@@ -11,7 +11,11 @@ and pipeline schedules run on CPU over gloo once a handful of CUDA-only calls ar
 * ``torch.cuda.current_device``, ``synchronize``, ``get_rng_state``, ``set_rng_state`` and
   ``manual_seed`` act on the CPU (``Stream`` / ``current_stream`` / ``stream``: one no-op stream,
   for the MoE token dispatchers), and Megatron's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` act on the CPU
-  generator.
+  generator;
+* Megatron's communication and recomputation autograd functions (``tensor_parallel.mappings``,
+  ``CheckpointFunction``) run their forward and backward in the mode, and its gathers /
+  reduce-scatters of blocks of unequal sizes (expert tensor parallelism), which gloo lacks, pad
+  the blocks to one size (gather) or all-reduce the whole input (reduce-scatter).
 
 Build models with ``use_cpu_initialization=True`` and call :func:`fnppo.init_parallel` inside the
 block (it seeds Megatron's RNG trackers with ``model_parallel_cuda_manual_seed``).
@@ -157,6 +161,50 @@ class _CpuStream:
 _CPU_STREAM: _CpuStream | None = None
 
 
+def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's ``_gather_along_first_dim`` where gloo lacks it: blocks of unequal sizes
+    (``output_split_sizes``, e.g. the tokens an expert-TP rank routes) are padded to the largest,
+    gathered, and cut back."""
+    if getattr(original, "_fnppo", False):
+        return original
+
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        width = max(sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    gather._fnppo = True  # type: ignore[attr-defined]
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's ``_reduce_scatter_along_first_dim`` with unequal ``input_split_sizes`` where gloo
+    lacks it: the whole input is summed over the group (all-reduce) and each rank keeps its block."""
+    if getattr(original, "_fnppo", False):
+        return original
+
+    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+        sizes = None if input_split_sizes is None else [int(n) for n in input_split_sizes]
+        if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return torch.split(total, sizes, dim=0)[group.rank()].contiguous()
+
+    reduce_scatter._fnppo = True  # type: ignore[attr-defined]
+    return reduce_scatter
+
+
 def _in_cpu_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         with _CudaToCpuMode():
@@ -179,6 +227,8 @@ def megatron_on_cpu() -> Iterator[None]:
         torch.set_rng_state(new_state)
 
     patches = [
+        (mmappings, "_gather_along_first_dim", _uneven_gather(mmappings._gather_along_first_dim)),
+        (mmappings, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter(mmappings._reduce_scatter_along_first_dim)),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", _cpu_synchronize),
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),

@@ -1,7 +1,7 @@
 """Mixture-of-Experts policies over real Megatron on CPU: layouts, exact router losses, router settings.
 
 Invariance: the same full weights loaded into every layout (1 process, EP=2, EP=2 x DP=2, TP=2 x
-EP=2, PP=2) give the same loss, grad norm, updated parameters and router losses as one process
+EP=2 with sequence parallelism, PP=2) give the same loss, grad norm, updated parameters and router losses as one process
 that forms the same micro-batches (fnppo.moe defines the balance loss per micro-batch, so a
 layout with ``dp`` ranks of ``k`` micro-batches is compared with one process of ``dp * k``
 contiguous micro-batches). One ``run_ranks`` call per layout covers all its cases.
@@ -119,12 +119,14 @@ def test_reference_step_is_real_and_z_loss_is_split_invariant(reference):
 
 EQUAL = {"prompt_len": (4, 4), "response_len": (4, 4)}  # equal token counts per rank (allgather)
 
+SP = dict(extra=dict(sequence_parallel=True))  # Megatron's MoE layer trains under TP only with sequence parallelism
+
 LAYOUTS = {
     # name: (world, tp, pp, ep, etp, cases {name: (model overrides, micro-batches per rank)}, reference case)
-    # TP=2 x EP=2 is not here: Megatron's MoELayer refuses to train under tensor parallelism without
-    # sequence parallelism, which needs norms that the CPU build lacks; expert TP (ETP=2) gathers
-    # unequal token blocks, which gloo's all_gather refuses. Both run on GPUs only.
     "ep2": (2, 1, 1, 2, None, {"a2a": ({}, 1)}, "nmb2"),
+    # TP=2 x EP=2 with expert TP 2 (the default): expert-TP ranks exchange token blocks of unequal
+    # sizes (megatron_on_cpu pads them for gloo); DP=2 of one micro-batch each
+    "tp2xep2": (4, 2, 1, 2, None, {"a2a": (SP, 1)}, "nmb2"),
     "ep2-equal": (2, 1, 1, 2, None, {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)}, "equal_nmb2"),
     "ep2xdp2": (4, 1, 1, 2, None, {"a2a": ({}, 1)}, "nmb4"),
     "pp2": (2, 1, 2, 1, None, {"a2a": ({}, 4)}, "nmb4"),
