@@ -8,13 +8,20 @@ Layout of a checkpoint directory::
 
     <dir>/rank00000.pt ... rank<N-1>.pt   model chunks, optimizer (incl. this DP rank's shard of the
                                           distributed optimizer state), RNG states, user extras
-    <dir>/manifest.json                   written last: layout, model shape, step, file sizes + sha256
+    <dir>/manifest.json                   written last: layout (TP/PP/DP/VPP, EP/ETP, CP), model
+                                          shape, step, file sizes + sha256, the experts of each file
 
 Every file is written to a temporary name and renamed into place; the manifest is renamed last,
 after a barrier, so a directory without a manifest is an incomplete checkpoint and is refused.
 Loading checks the manifest (layout, model shape, sizes, checksums) before touching any state, so
-a truncated file, another TP/PP/DP layout or another model shape is refused with a clear message
-and nothing is loaded partially.
+a truncated file, another TP/PP/DP/EP/CP layout or another model shape is refused with a clear
+message and nothing is loaded partially.
+
+Mixture-of-Experts models: each rank's file holds the experts of its expert-parallel rank only
+(``local_experts.<i>`` of Megatron's state dict is global expert ``ep_rank * E / ep + i``); the
+manifest records that range per file (``"experts": [first, end)``; it follows from the layout,
+which a load checks, EP and ETP included). The distributed optimizer's state of expert parameters is sharded
+over the expert-data-parallel group and saved the same way as the dense state (per rank).
 """
 
 from __future__ import annotations
@@ -68,7 +75,27 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _layout_dict() -> dict[str, int]:
     lay = current_layout()
-    return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp or 0}
+    return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp or 0,
+            "ep": lay.ep, "etp": lay.etp, "cp": lay.cp}
+
+
+def _saved_layout(manifest: Mapping[str, Any]) -> dict[str, int] | None:
+    """The manifest's layout; one written before EP/ETP/CP were recorded had ep = cp = 1, etp = tp."""
+    saved = manifest.get("layout")
+    if not isinstance(saved, Mapping):
+        return None
+    return {"ep": 1, "etp": saved.get("tp", 1), "cp": 1, **saved}
+
+
+def _expert_range(state) -> list[int] | None:
+    """``[first, end)``: the global experts this rank holds (its EP rank's), None for a dense model."""
+    config = unwrap_model(state.model[0]).config
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        return None
+    lay = current_layout()
+    per = experts // lay.ep
+    return [lay.ep_rank * per, (lay.ep_rank + 1) * per]
 
 
 def _named(state) -> dict[str, Any]:
@@ -172,7 +199,8 @@ def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, 
         payload.update(_state_payload(state))
     fname = path / f"rank{rank:05d}.pt"
     _atomic_write_bytes(fname, lambda f: torch.save(payload, f))
-    info = {"file": fname.name, "size": fname.stat().st_size, "sha256": _sha256(fname), "shapes": _shapes_digest(state)}
+    info = {"file": fname.name, "size": fname.stat().st_size, "sha256": _sha256(fname), "shapes": _shapes_digest(state),
+            "experts": _expert_range(state)}
     infos: list[Any] = [info]
     if dist.is_initialized() and world > 1:
         infos = [None] * world
@@ -223,7 +251,7 @@ def _validate(path: Path, rank: int, state) -> str | None:
     if manifest.get("states") != names:
         return f"checkpoint holds the train states {manifest.get('states') or 'of one TrainState'}, this run passes {names or 'one TrainState'}"
     layout = _layout_dict()
-    if manifest.get("layout") != layout:
+    if _saved_layout(manifest) != layout:
         return (
             f"checkpoint layout {manifest.get('layout')} differs from this run's {layout}; "
             "convert it first (gather_full_weights, then load_full_weights in the new layout)"
