@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of the Llama / Qwen2 / Qwen3 families <-> Megatron ``GPTModel``.
+"""Hugging Face checkpoints of the Llama / Qwen2 / Qwen3 families and their Mixture-of-Experts
+siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 
 * :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.model.ModelConfig`;
 * :func:`build_gpt_from_hf` builds this rank's model chunks from it;
@@ -24,7 +25,20 @@ per group, ``d`` the head dimension)::
     lm_head.weight                                 -> output_layer.weight (model.embed_tokens.weight when tied)
 
 (with Transformer Engine's layer spec the two layer norms are ``linear_qkv.layer_norm_weight`` and
-``linear_fc1.layer_norm_weight``). Megatron's fused QKV stacks, for every group ``g`` in order, the
+``linear_fc1.layer_norm_weight``). In an MoE layer (``e`` = ``mlp.`` for Qwen-MoE, ``block_sparse_moe.``
+for Mixtral; expert ``j`` is global, Megatron's local expert ``j - ep_rank * E / ep`` on its EP rank)::
+
+    model.layers.i.<e>gate.weight                  -> decoder.layers.i.mlp.router.weight
+    model.layers.i.<e>experts.j.{gate,up}_proj.weight (Mixtral: w1, w3)
+                                                   -> decoder.layers.i.mlp.experts.local_experts.j.linear_fc1.weight
+    model.layers.i.<e>experts.j.down_proj.weight (Mixtral: w2)
+                                                   -> decoder.layers.i.mlp.experts.local_experts.j.linear_fc2.weight
+    model.layers.i.mlp.shared_expert.{gate,up,down}_proj.weight
+                                                   -> decoder.layers.i.mlp.shared_experts.linear_fc{1,2}.weight
+    model.layers.i.mlp.shared_expert_gate.weight   -> decoder.layers.i.mlp.shared_experts.gate_weight
+
+(grouped-GEMM experts: ``mlp.experts.linear_fc1.weight<j>``; expert weights are split over expert
+tensor parallelism like the dense MLP over TP). Megatron's fused QKV stacks, for every group ``g`` in order, the
 ``h * d`` query rows of the group's heads, then its ``d`` key rows and ``d`` value rows:
 ``qkv = concat_g [q[g*h*d : (g+1)*h*d]; k[g*d : (g+1)*d]; v[g*d : (g+1)*d]]``. Query head ``j``
 belongs to group ``j // h``, as Hugging Face's ``repeat_kv`` (arXiv:2305.13245). The fused MLP input
@@ -46,6 +60,24 @@ architectures, other activations, rope types other than ``"default"``/``"llama3"
 parameters other than the ones Megatron implements), sliding-window attention, biases other than
 Qwen2's q/k/v bias.
 
+Mixture of Experts (top-k softmax routers, no token dropping; arXiv:2401.04088, arXiv:2407.10671,
+arXiv:2505.09388), each router option mapped to Megatron's exactly:
+
+* Qwen2-MoE / Qwen3-MoE: ``softmax`` over all experts, top-k, renormalized when
+  ``norm_topk_prob`` (= Megatron's softmax over the chosen logits, ``moe_router_pre_softmax=False``)
+  or not (= ``moe_router_pre_softmax=True``); dense layers where ``mlp_only_layers`` or
+  ``decoder_sparse_step`` say (``moe_layer_freq``, dense MLPs of ``intermediate_size``); experts of
+  ``moe_intermediate_size``. Qwen2-MoE: q/k/v bias as ``qkv_bias``, an always-on shared expert of
+  ``shared_expert_intermediate_size`` whose output is scaled by ``sigmoid(x . shared_expert_gate)``
+  (``moe_shared_expert_gate``). Qwen3-MoE: q/k RMSNorm.
+* Mixtral: softmax, top-k, renormalized (``moe_router_pre_softmax=False``); every layer an MoE
+  layer with experts of ``intermediate_size``; ``router_jitter_noise`` must be 0 (Mixtral scales
+  the hidden states of router *and* experts, Megatron's jitter only the router's input).
+* The router computes its logits in the model's dtype and its softmax in fp32, as transformers
+  does (``moe_router_dtype=None``); the auxiliary losses are off (RL settings are the caller's
+  overrides). Models with expert bias, sigmoid scores, group-limited routing or a top-k scaling
+  factor have no counterpart in these families and are refused.
+
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """
 
@@ -64,7 +96,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.model import ModelConfig, _global_name, _is_gated_fc1, build_gpt, check_head, model_head, unwrap_model
+from fnppo.model import ModelConfig, _global_name, _is_expert, _is_gated_fc1, _tp_of, build_gpt, check_head, model_head, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.typing import Tensor, input_error
 
@@ -81,8 +113,13 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 """``model_type`` -> ``architectures`` entry of the supported Hugging Face families."""
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # sliding window switched by use_sliding_window
 
 # Megatron 0.16's llama3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
@@ -177,10 +214,12 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         raise input_error(fn, "config.hidden_act", "'silu' (SwiGLU)", repr(act))
     if hf.get("mlp_bias", False):
         raise input_error(fn, "config.mlp_bias", "False", repr(hf.get("mlp_bias")))
-    if family != "qwen2" and hf.get("attention_bias", False):
+    if family not in ("qwen2", "qwen2_moe") and hf.get("attention_bias", False):
         raise input_error(fn, "config.attention_bias", f"False (o_proj bias without MLP bias has no Megatron equivalent) for {family}", repr(hf.get("attention_bias")))
     if hf.get("use_sliding_window", False):
         raise input_error(fn, "config.use_sliding_window", "False (sliding-window attention is not supported)", repr(hf.get("use_sliding_window")))
+    if family not in _QWEN and hf.get("sliding_window") is not None:
+        raise input_error(fn, "config.sliding_window", "None (sliding-window attention is not supported)", repr(hf.get("sliding_window")))
     layer_types = hf.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
         raise input_error(fn, "config.layer_types", "only 'full_attention'", repr(sorted(set(layer_types))))
@@ -204,8 +243,8 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         swiglu=True,
         add_bias_linear=False,
-        add_qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
+        add_qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         position_embedding_type="rope",
         rotary_base=theta,
         rotary_percent=1.0,
@@ -217,12 +256,61 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         hidden_dropout=0.0,
     )
+    if family in MOE_FAMILIES:
+        kwargs.update(_moe_config(fn, family, hf))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise input_error(fn, "overrides", f"ModelConfig fields ({', '.join(sorted(fields))})", repr(unknown))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+def _experts_key(family: str, hf: Mapping[str, Any]) -> str:
+    """The key of the expert count: ``num_local_experts`` (Mixtral; Qwen3-MoE from transformers 5)
+    or ``num_experts`` (Qwen2-MoE; Qwen3-MoE from transformers 4)."""
+    return "num_local_experts" if family == "mixtral" or "num_local_experts" in hf else "num_experts"
+
+
+def _hf_moe_layers(family: str, hf: Mapping[str, Any]) -> list[int]:
+    """Global indices of a Hugging Face MoE config's MoE layers (Qwen-MoE: not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; Mixtral: every layer)."""
+    n = hf["num_hidden_layers"]
+    if family == "mixtral":
+        return list(range(n))
+    if not hf.get(_experts_key(family, hf)):
+        return []
+    dense = set(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step") or 1
+    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+
+
+def _moe_config(fn: str, family: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """:class:`ModelConfig` MoE fields of a Qwen2-MoE / Qwen3-MoE / Mixtral config (module docstring)."""
+    experts_key = _experts_key(family, hf)
+    ffn_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    for key in (experts_key, "num_experts_per_tok", ffn_key):
+        if not isinstance(hf.get(key), int) or hf[key] < 1:
+            raise input_error(fn, f"config.{key}", "an int >= 1", repr(hf.get(key)))
+    layers = _hf_moe_layers(family, hf)
+    if not layers:
+        raise input_error(fn, "config.mlp_only_layers", "at least one MoE layer (mlp_only_layers / decoder_sparse_step)", repr(hf.get("mlp_only_layers")))
+    if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        raise input_error(fn, "config.router_jitter_noise", "0 (Megatron's input jitter scales the router's input only)", repr(hf.get("router_jitter_noise")))
+    n = hf["num_hidden_layers"]
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return dict(
+        num_experts=hf[experts_key],
+        moe_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf[ffn_key],
+        moe_layer_freq=1 if len(layers) == n else tuple(int(i in layers) for i in range(n)),
+        moe_pre_softmax=family != "mixtral" and not hf.get("norm_topk_prob", False),
+        moe_shared_expert_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        moe_router_dtype=None,
+        moe_load_balancing="none",
+        moe_aux_loss_coeff=0.0,
+    )
 
 
 def build_gpt_from_hf(
@@ -255,8 +343,12 @@ def build_gpt_from_hf(
             raise input_error(fn, name, f"{have} (the current Megatron layout; set it with fnppo.init_parallel)", repr(want))
     if dtype is not None:
         overrides["dtype"] = dtype
-    cfg = model_config_from_hf(config_or_path, **overrides)
-    return build_gpt(cfg, head=head, layer_spec=layer_spec, layout=layout)
+    hf = _read_hf_config(fn, "config_or_path", config_or_path)
+    cfg = model_config_from_hf(hf, **overrides)
+    chunks = build_gpt(cfg, head=head, layer_spec=layer_spec, layout=layout)
+    for chunk in chunks:  # which family's tensor names the model has (Qwen2-MoE and Mixtral can look alike)
+        unwrap_model(chunk).fnppo_hf_family = hf["model_type"]
+    return chunks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +367,28 @@ class _Arch:
     qk_norm: bool
     tied: bool  # the checkpoint's tie_word_embeddings (a value model keeps no output layer either way)
     value: bool = False  # a value model: lm_head is skipped, the value head has no HF counterpart
+    family: str = "llama"
+    moe_layers: tuple[int, ...] = ()  # global indices of the MoE layers (none: a dense model)
+    experts: int = 0
+    topk: int = 0
+    moe_ffn: int = 0
+    shared: int = 0  # shared-expert hidden size (0: none)
+    pre_softmax: bool = False
+
+
+def _family_of(core: nn.Module, c: Any, moe_layers: Sequence[int]) -> str:
+    """The Hugging Face family of a built model: the one ``build_gpt_from_hf`` recorded, else the one
+    its architecture implies (an MoE model without q/k norm, bias, shared expert or dense layers: Mixtral)."""
+    recorded = getattr(core, "fnppo_hf_family", None)
+    if recorded in SUPPORTED_ARCHITECTURES:
+        return recorded
+    if not moe_layers:
+        return "qwen3" if c.qk_layernorm else "qwen2" if c.add_qkv_bias else "llama"
+    if c.qk_layernorm:
+        return "qwen3_moe"
+    if c.add_qkv_bias or c.moe_shared_expert_intermediate_size or len(moe_layers) < c.num_layers:
+        return "qwen2_moe"
+    return "mixtral"
 
 
 def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
@@ -284,17 +398,31 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
     c = getattr(core, "config", None)
     if c is None or not hasattr(core, "decoder"):
         raise input_error(fn, "model_chunks", "Megatron GPTModel chunks", type(core).__name__)
-    checks = (
+    checks = [
         ("config.gated_linear_unit", c.gated_linear_unit, True),
         ("config.normalization", c.normalization, "RMSNorm"),
         ("config.add_bias_linear", c.add_bias_linear, False),
-        ("config.num_moe_experts", c.num_moe_experts, None),
         ("config.multi_latent_attention", c.multi_latent_attention, False),
         ("position_embedding_type", getattr(core, "position_embedding_type", "rope"), "rope"),
-    )
+    ]
+    from fnppo.routing import moe_layer_indices
+
+    moe_layers = tuple(moe_layer_indices(c)) if c.num_moe_experts else ()
+    family = _family_of(core, c, moe_layers)
+    shared = int(c.moe_shared_expert_intermediate_size or 0) if moe_layers else 0
+    if moe_layers:  # the router options these families have (module docstring)
+        checks += [
+            ("config.moe_router_score_function", c.moe_router_score_function, "softmax"),
+            ("config.moe_router_enable_expert_bias", c.moe_router_enable_expert_bias, False),
+            ("config.moe_router_num_groups", c.moe_router_num_groups, None),
+            ("config.moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor, None),
+            ("config.moe_shared_expert_gate", bool(c.moe_shared_expert_gate), bool(shared)),
+        ]
+        if family == "mixtral":
+            checks.append(("config.moe_router_pre_softmax", c.moe_router_pre_softmax, False))
     for name, have, want in checks:
         if have != want:
-            raise input_error(fn, f"model_chunks[0].{name}", f"{want!r} (Llama/Qwen layout)", repr(have))
+            raise input_error(fn, f"model_chunks[0].{name}", f"{want!r} (Llama/Qwen/Mixtral layout)", repr(have))
     groups = c.num_query_groups or c.num_attention_heads
     value = model_head(core) == "value"
     return _Arch(
@@ -309,6 +437,13 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
         qk_norm=bool(c.qk_layernorm),
         tied=bool(getattr(core, "fnppo_config", c).tie_embeddings) if value else bool(core.share_embeddings_and_output_weights),
         value=value,
+        family=family,
+        moe_layers=moe_layers,
+        experts=int(c.num_moe_experts or 0),
+        topk=int(c.moe_router_topk) if moe_layers else 0,
+        moe_ffn=int(c.moe_ffn_hidden_size or 0) if moe_layers else 0,
+        shared=shared,
+        pre_softmax=bool(c.moe_router_pre_softmax) if moe_layers else False,
     )
 
 
@@ -333,9 +468,34 @@ def _expected_hf(a: _Arch, vocab: int) -> dict[str, tuple[int, ...]]:
         if a.qk_norm:
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
+        if i in a.moe_layers:
+            out.update(_expected_moe(a, p))
+            continue
         out[p + "mlp.gate_proj.weight"] = (a.ffn, H)
         out[p + "mlp.up_proj.weight"] = (a.ffn, H)
         out[p + "mlp.down_proj.weight"] = (H, a.ffn)
+    return out
+
+
+def _expert_names(a: _Arch) -> tuple[str, tuple[str, str, str]]:
+    """(the MoE block's prefix, the (gate, up, down) projection names of an expert) of the family."""
+    if a.family == "mixtral":
+        return "block_sparse_moe.", ("w1.weight", "w3.weight", "w2.weight")
+    return "mlp.", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def _expected_moe(a: _Arch, p: str) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of one MoE layer (prefix ``p``): router, experts, shared expert and its gate."""
+    H, I = a.hidden, a.moe_ffn
+    block, (gate, up, down) = _expert_names(a)
+    out: dict[str, tuple[int, ...]] = {p + block + "gate.weight": (a.experts, H)}
+    for j in range(a.experts):
+        e = f"{p}{block}experts.{j}."
+        out.update({e + gate: (I, H), e + up: (I, H), e + down: (H, I)})
+    if a.shared:
+        e = p + "mlp.shared_expert."
+        out.update({e + "gate_proj.weight": (a.shared, H), e + "up_proj.weight": (a.shared, H), e + "down_proj.weight": (H, a.shared),
+                    p + "mlp.shared_expert_gate.weight": (1, H)})
     return out
 
 
@@ -370,9 +530,34 @@ _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+
+
+def _moe_rule(a: _Arch, prefix: str, rest: str) -> tuple[str, tuple[str, ...]] | None:
+    """The rule of an MoE layer's parameter (``rest``: relative to the layer), or None."""
+    block, (gate, up, down) = _expert_names(a)
+    if rest == "mlp.router.weight":
+        return "copy", (prefix + block + "gate.weight",)
+    m = _EXPERT_RE.match(rest)
+    if m:
+        j, fc = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
+        e = f"{prefix}{block}experts.{j}."
+        return ("gated", (e + gate, e + up)) if fc == "linear_fc1" else ("copy", (e + down,))
+    shared = {
+        "mlp.shared_experts.linear_fc1.weight": ("gated", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
+        "mlp.shared_experts.linear_fc2.weight": ("copy", ("mlp.shared_expert.down_proj.weight",)),
+        "mlp.shared_experts.gate_weight": ("copy", ("mlp.shared_expert_gate.weight",)),
+    }.get(rest)
+    return None if shared is None else (shared[0], tuple(prefix + n for n in shared[1]))
+
+
 def _rule(fn: str, a: _Arch, gname: str) -> tuple[str, tuple[str, ...]]:
     """How the (global) Megatron parameter ``gname`` is made of HF tensors."""
     m = _LAYER_RE.match(gname)
+    if m and int(m.group(1)) in a.moe_layers:
+        rule = _moe_rule(a, f"model.layers.{m.group(1)}.", m.group(2))
+        if rule is not None:
+            return rule
     if m:
         rule = _LAYER_RULES.get(m.group(2))
         if rule is not None:
@@ -385,7 +570,7 @@ def _rule(fn: str, a: _Arch, gname: str) -> tuple[str, tuple[str, ...]]:
         if gname == "output_layer.weight" and a.tied:
             names = ("model.embed_tokens.weight",)
         return kind, names
-    raise input_error(fn, "model_chunks", "parameters of a Llama/Qwen2/Qwen3 GPTModel", f"a parameter {gname!r} with no Hugging Face counterpart")
+    raise input_error(fn, "model_chunks", f"parameters of a {SUPPORTED_ARCHITECTURES[a.family]} GPTModel", f"a parameter {gname!r} with no Hugging Face counterpart")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,7 +657,7 @@ def _model_fields(core: nn.Module, a: _Arch) -> dict[str, Any]:
     Rope and vocabulary come from the :class:`ModelConfig` that :func:`fnppo.model.build_gpt`
     keeps on the model (``fnppo_config``); a model built otherwise is compared on the rest.
     """
-    family = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias else "llama"
+    family = a.family
     c, mc = core.config, getattr(core, "fnppo_config", None)
     out: dict[str, Any] = {
         "model_type": family, "architectures": [SUPPORTED_ARCHITECTURES[family]],
@@ -482,8 +667,15 @@ def _model_fields(core: nn.Module, a: _Arch) -> dict[str, Any]:
         "tie_word_embeddings": a.tied, "sliding_window": getattr(c, "window_size", None), "use_sliding_window": False,
         "layer_types": ["full_attention"] * a.num_layers,
     }
-    if family != "qwen2":
+    if family not in ("qwen2", "qwen2_moe"):
         out["attention_bias"] = False  # Qwen2's q/k/v bias is part of its family
+    if family == "mixtral":
+        out.update(intermediate_size=a.moe_ffn, num_experts=a.experts, num_experts_per_tok=a.topk, router_jitter_noise=0.0)
+    elif family in MOE_FAMILIES:
+        out.update(num_experts=a.experts, num_experts_per_tok=a.topk, moe_intermediate_size=a.moe_ffn, norm_topk_prob=not a.pre_softmax,
+                   dense_layers=[i for i in range(a.num_layers) if i not in a.moe_layers])
+        if family == "qwen2_moe":
+            out.update(qkv_bias=a.qkv_bias, shared_expert_intermediate_size=a.shared)
     if mc is not None:
         out.update(vocab_size=mc.vocab_size, rope_theta=float(mc.rotary_base), partial_rotary_factor=float(mc.rotary_percent),
                    rope_type="llama3" if mc.rope_scaling else "default")
@@ -519,7 +711,7 @@ def _file_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]
     out: list[tuple[str, tuple[str, ...], Any]] = [("model_type", ("model_type",), family)]
     if hf.get("architectures") is not None:
         out.append(("architectures", ("architectures",), list(hf["architectures"])))
-    if family in ("qwen2", "qwen3"):
+    if family in _QWEN:
         out.append(("use_sliding_window", ("use_sliding_window",), bool(hf.get("use_sliding_window") or False)))
     else:
         out.append(("sliding_window", ("sliding_window",), hf.get("sliding_window")))
@@ -538,6 +730,27 @@ def _file_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]
         ("mlp_bias", ("mlp_bias",), bool(hf.get("mlp_bias") or False)),
         ("attention_bias", ("attention_bias",), bool(hf.get("attention_bias") or False)),
     ]
+    if family in MOE_FAMILIES:
+        out += _file_moe_fields(family, hf)
+    return out
+
+
+def _file_moe_fields(family: str, hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """The MoE entries of a ``config.json`` (absent keys: transformers' defaults, or left out)."""
+    experts = _experts_key(family, hf)
+    keys = {"num_experts": experts, "num_experts_per_tok": "num_experts_per_tok"}
+    if family != "mixtral":
+        keys["moe_intermediate_size"] = "moe_intermediate_size"
+    out = [(field, (key,), hf[key]) for field, key in keys.items() if key in hf]
+    if family == "mixtral":
+        return out + [("router_jitter_noise", ("router_jitter_noise",), float(hf.get("router_jitter_noise") or 0.0))]
+    out.append(("norm_topk_prob", ("norm_topk_prob",), bool(hf.get("norm_topk_prob") or False)))
+    if isinstance(hf.get("num_hidden_layers"), int):
+        moe = _hf_moe_layers(family, hf)
+        out.append(("dense_layers", ("mlp_only_layers",), [i for i in range(hf["num_hidden_layers"]) if i not in moe]))
+    if family == "qwen2_moe":
+        out += [("qkv_bias", ("qkv_bias",), bool(hf.get("qkv_bias", True))),
+                ("shared_expert_intermediate_size", ("shared_expert_intermediate_size",), int(hf.get("shared_expert_intermediate_size") or 0))]
     return out
 
 
@@ -696,7 +909,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
 
         with torch.no_grad():
             for param, kind, names in plan:
-                shard = _read_shard(read, a, kind, names, param, layout.tp, layout.tp_rank, vocab)
+                shard = _read_shard(read, a, kind, names, param, *_tp_of(param, layout), vocab)
                 if tuple(shard.shape) != tuple(param.shape):  # cannot happen after the checks above
                     raise AssertionError(f"{fn}: shard of {names} has shape {tuple(shard.shape)}, parameter {tuple(param.shape)}")
                 param.copy_(shard.to(dtype=param.dtype, device=param.device))
@@ -709,15 +922,16 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
 # Export
 # ---------------------------------------------------------------------------------------------
 def _gather_tp(core: nn.Module, name: str, param: Tensor, layout: ParallelLayout) -> Tensor:
-    """The full (1-rank) Megatron tensor of ``param``: all-gathered over the TP group (collective)."""
+    """The full (1-rank) Megatron tensor of ``param``: all-gathered over its TP group (expert TP for
+    experts; collective)."""
     import torch.distributed as dist
 
     t = param.detach()
-    dim, n = _split(param, layout.tp)
+    dim, n = _split(param, _tp_of(param, layout)[0])
     if dim is None:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=layout.tp_group)
+    dist.all_gather(parts, t.contiguous(), group=layout.etp_group if _is_expert(param) else layout.tp_group)
     if _is_gated_fc1(core, name):
         halves = [p.chunk(2, dim=dim) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
@@ -776,8 +990,9 @@ def export_hf_weights(
     Collective over the whole world (call on every rank). Each tensor is all-gathered over its
     tensor-parallel group and converted to HF names and layouts (QKV split per group, ``[gate; up]``
     split, vocabulary padding dropped); the first data-parallel replica's tensor-parallel rank 0 of
-    every pipeline stage writes its stage's tensors (at most one shard of ``max_shard_bytes`` in host
-    memory). Rank 0 then names the shards ``model.safetensors`` (one file) or
+    every pipeline stage writes its stage's tensors, and for MoE experts the first
+    expert-data-parallel replica's expert-TP rank 0 of every expert-parallel rank writes its experts
+    (at most one shard of ``max_shard_bytes`` in host memory per writing rank). Rank 0 then names the shards ``model.safetensors`` (one file) or
     ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, removes stale shards
     of that naming, and writes ``config.json`` from ``hf_config`` (a dict, a transformers config, or
     a ``config.json`` path / directory; checked against the model) if given. ``path`` must be on a
@@ -795,8 +1010,10 @@ def export_hf_weights(
     vocab = a.padded_vocab if hf_config is None else _check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
     layout = current_layout()
     out = Path(path)
-    gathers = layout.dp_rank == 0
-    writer = gathers and layout.tp_rank == 0
+    # (gathers, writes) for dense tensors and for experts (expert parallelism splits the experts)
+    role = {False: (layout.dp_rank == 0, layout.dp_rank == 0 and layout.tp_rank == 0),
+            True: (layout.edp_rank == 0, layout.edp_rank == 0 and layout.etp_rank == 0)}
+    writer = role[False][1] or (bool(a.moe_layers) and role[True][1])
     if writer:
         out.mkdir(parents=True, exist_ok=True)
 
@@ -808,21 +1025,22 @@ def export_hf_weights(
         nonlocal buffer, buffered
         if not buffer:
             return
-        name = f".fnppo-export-pp{layout.pp_rank:04d}-{len(written):05d}.safetensors"
+        name = f".fnppo-export-r{layout.rank:05d}-{len(written):05d}.safetensors"
         save_file(buffer, str(out / name), metadata={"format": "pt"})
         written.append((name, sorted(buffer), buffered))
         buffer, buffered = {}, 0
 
-    if gathers:
+    if writer or role[False][0] or role[True][0]:
         for chunk in model_chunks:
             core = unwrap_model(chunk)
             for name, param in core.named_parameters():
                 gname = _global_name(core, name)
                 kind, names = _rule(fn, a, gname)
-                if gname == "output_layer.weight" and a.tied:
+                gathers, writes = role[_is_expert(param)]
+                if (gname == "output_layer.weight" and a.tied) or not gathers:
                     continue
                 full = _gather_tp(core, name, param, layout)
-                if not writer:
+                if not writes:
                     continue
                 for hf_name, t in _to_hf(a, kind, names, full, vocab).items():
                     t = t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone()
@@ -836,8 +1054,8 @@ def export_hf_weights(
             flush()
 
     everyone: list[Any] = [None] * layout.world_size
-    dist.all_gather_object(everyone, (layout.pp_rank, written) if writer else None)
-    parts = [f for item in sorted((x for x in everyone if x is not None), key=lambda x: x[0]) for f in item[1]]
+    dist.all_gather_object(everyone, (layout.pp_rank, layout.rank, written) if writer else None)
+    parts = [f for item in sorted((x for x in everyone if x is not None), key=lambda x: x[:2]) for f in item[2]]
     names = [n for _, ns, _ in parts for n in ns]
     expected = _expected_hf(a, vocab)
     if sorted(names) != sorted(expected):  # every tensor exactly once (checked alike on every rank)

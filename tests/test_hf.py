@@ -1,9 +1,10 @@
-"""Tests for fnppo.hf: Hugging Face Llama / Qwen2 / Qwen3 checkpoints <-> Megatron GPT models.
+"""Tests for fnppo.hf: Hugging Face Llama / Qwen2 / Qwen3 (and Qwen2-MoE / Qwen3-MoE / Mixtral)
+checkpoints <-> Megatron GPT models.
 
 Tiny random models are built with ``transformers`` (fp32), saved as safetensors, loaded into
-Megatron on CPU under TP=1 (two data-parallel replicas), TP=2 and PP=2, and their logits compared
-with ``transformers``' own forward pass on the same tokens. Every layout also exports the model and
-the exported tensors must equal the original checkpoint's bit for bit.
+Megatron on CPU under TP=1 (two data-parallel replicas), TP=2 and PP=2 (MoE: also EP=2), and their
+logits compared with ``transformers``' own forward pass on the same tokens. Every layout also
+exports the model and the exported tensors must equal the original checkpoint's bit for bit.
 """
 
 from __future__ import annotations
@@ -574,3 +575,160 @@ def test_rope_errors_name_the_key_the_file_uses(key):
         model_config_from_hf(d)
     assert str(err.value).startswith(f"fnppo.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
                                      "expected 1 (the llama3 scaling Megatron implements), received 2.0"), str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of Experts: Qwen3-MoE (a dense first layer, renormalized top-k), Qwen2-MoE (shared
+# expert with a sigmoid gate, top-k not renormalized, q/k/v bias), Mixtral (block_sparse_moe names)
+# ---------------------------------------------------------------------------------------------
+_MOE = dict(num_experts_per_tok=2)
+MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_MOE, head_dim=32, num_local_experts=4, moe_intermediate_size=48,
+                                         norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MOE, num_experts=4, moe_intermediate_size=48, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=80, tie_word_embeddings=True, rope_theta=1e6)),
+    "mixtral": ("MixtralConfig", dict(_COMMON, **_MOE, num_local_experts=4, tie_word_embeddings=False)),
+}
+# (name, tp, pp, ep) of each layout; one run_ranks call (2 ranks) re-initializes the layouts in turn
+MOE_RUNS = {
+    "ep2-pp2": [("ep2", 1, 1, 2), ("pp2", 1, 2, 1)],
+    "tp2-dp2": [("tp2", 2, 1, 1), ("tp1", 1, 1, 1)],  # tp2: expert TP 2 as well; tp1: one model per rank
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    """family -> (checkpoint dir, token ids [1, SEQ], transformers' logits)."""
+    transformers = _transformers()
+    root = tmp_path_factory.mktemp("hf-moe")
+    out = {}
+    for i, (family, (cls_name, kwargs)) in enumerate(MOE_FAMILIES.items()):
+        config = getattr(transformers, cls_name)(**kwargs)
+        config._attn_implementation = "eager"
+        torch.manual_seed(20 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config).float()
+        g = torch.Generator().manual_seed(20 + i)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+        path = root / family
+        model.eval().save_pretrained(str(path))
+        ids = torch.randint(0, _COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(30 + i))
+        out[family] = (str(path), ids, _hf_logits(model, ids))
+    return out
+
+
+def _moe_worker(ckpts: dict, export_root: str, layouts: list) -> dict:
+    """Per layout and family: full logits on the last stage, and an export."""
+    import fnppo
+
+    res: dict = {}
+    for name, tp, pp, ep in layouts:
+        layout = fnppo.init_parallel(tp=tp, pp=pp, ep=ep, device="cpu")
+        for family, (path, ids, _) in ckpts.items():
+            chunks = build_gpt_from_hf(path, dtype="fp32")
+            load_hf_weights(chunks, path)
+            res[(name, family)] = _megatron_logits(chunks, ids)
+            export_hf_weights(chunks, f"{export_root}/{name}/{family}", hf_config=path)
+        if name == "tp1":
+            res["errors"] = _moe_errors(ckpts, export_root)
+        res[(name, "layout")] = (layout.tp, layout.pp, layout.ep, layout.etp)
+    return res
+
+
+def _moe_errors(ckpts: dict, root: str) -> dict:
+    """A model the families cannot hold is refused by export; a checkpoint whose config.json
+    renormalizes differently is refused by the loader."""
+    import fnppo
+
+    path = ckpts["qwen3_moe"][0]
+    out = {}
+    sigmoid = fnppo.build_gpt(fnppo.hf.model_config_from_hf(path, moe_score_function="sigmoid"))
+    chunks = build_gpt_from_hf(path, dtype="fp32")
+    flipped = _variant(path, Path(root) / f"flipped-{fnppo.current_layout().rank}", {"norm_topk_prob": False})
+    for case, call in (("sigmoid", lambda: export_hf_weights(sigmoid, f"{root}/never")),
+                       ("norm_topk_prob", lambda: load_hf_weights(chunks, flipped))):
+        try:
+            call()
+            out[case] = "no error"
+        except InputError as err:
+            out[case] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs(moe_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-export")
+    return {run: run_ranks(_moe_worker, 2, moe_checkpoints, str(root / run), layouts) for run, layouts in MOE_RUNS.items()}, root
+
+
+@pytest.mark.parametrize("run", list(MOE_RUNS))
+def test_moe_logits_match_transformers_and_export_is_the_checkpoint(moe_checkpoints, moe_runs, run):
+    results, root = moe_runs
+    for name, tp, pp, ep in MOE_RUNS[run]:
+        assert results[run][0][(name, "layout")] == (tp, pp, ep, tp)
+        last = [r[(name, family)] for r in results[run] for family in MOE_FAMILIES if r[(name, family)] is not None]
+        assert len(last) == len(MOE_FAMILIES) * 2 // pp
+        for family, (path, _, ref) in moe_checkpoints.items():
+            for r in results[run]:
+                got = r[(name, family)]
+                if got is not None:
+                    assert got.shape == ref.shape and (got - ref).abs().max().item() <= TOL, (name, family)
+            original, exported = _hf_tensors(Path(path)), _hf_tensors(root / run / name / family)
+            if MOE_FAMILIES[family][1]["tie_word_embeddings"]:
+                original.pop("lm_head.weight", None)
+            assert sorted(exported) == sorted(original), (name, family)
+            for key, t in original.items():
+                assert torch.equal(exported[key], t), (name, family, key)
+
+
+def test_moe_export_loads_in_transformers(moe_checkpoints, moe_runs):
+    _, root = moe_runs
+    for family, (_, ids, ref) in moe_checkpoints.items():
+        reloaded = _transformers().AutoModelForCausalLM.from_pretrained(str(root / "ep2-pp2" / "ep2" / family)).float().eval()
+        assert (_hf_logits(reloaded, ids) - ref).abs().max().item() <= 1e-5, family
+
+
+def test_moe_config_mapping():
+    qwen3 = model_config_from_hf(_moe_dict("qwen3_moe"))
+    assert (qwen3.num_experts, qwen3.moe_topk, qwen3.moe_ffn_hidden_size, qwen3.ffn_hidden_size) == (4, 2, 48, 96)
+    assert qwen3.moe_layer_freq == (0, 1) and qwen3.qk_layernorm and not qwen3.moe_pre_softmax and qwen3.moe_router_dtype is None
+    qwen2 = model_config_from_hf(_moe_dict("qwen2_moe"))
+    assert qwen2.moe_pre_softmax and qwen2.moe_shared_expert_size == 80 and qwen2.moe_shared_expert_gate and qwen2.add_qkv_bias
+    assert qwen2.moe_layer_freq == 1 and not model_config_from_hf(_moe_dict("qwen2_moe", qkv_bias=False)).add_qkv_bias
+    assert model_config_from_hf(_moe_dict("qwen2_moe", decoder_sparse_step=2)).moe_layer_freq == (0, 1)
+    mixtral = model_config_from_hf(_moe_dict("mixtral"))
+    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.moe_layer_freq, mixtral.moe_pre_softmax) == (4, 96, 1, False)
+    assert mixtral.moe_shared_expert_size is None and mixtral.moe_load_balancing == "none"
+
+
+def _moe_dict(family: str, **changes) -> dict:
+    cls_name, kwargs = MOE_FAMILIES[family]
+    d = getattr(_transformers(), cls_name)(**kwargs).to_dict()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize(
+    "family, changes, arg, expected, received",
+    [
+        ("mixtral", dict(router_jitter_noise=0.1), "config.router_jitter_noise", "0 (Megatron's input jitter scales the router's input only)", "0.1"),
+        ("mixtral", dict(sliding_window=8), "config.sliding_window", "None (sliding-window attention is not supported)", "8"),
+        ("qwen3_moe", dict(mlp_only_layers=[0, 1]), "config.mlp_only_layers", "at least one MoE layer", "[0, 1]"),
+        ("qwen2_moe", dict(num_experts_per_tok=None), "config.num_experts_per_tok", "an int >= 1", "None"),
+    ],
+)
+def test_unsupported_moe_configs_are_refused(family, changes, arg, expected, received):
+    with raises_message("model_config_from_hf", arg, expected, received):
+        model_config_from_hf(_moe_dict(family, **changes))
+
+
+def test_moe_models_the_families_cannot_hold_are_refused(moe_runs):
+    results, _ = moe_runs
+    for r in results["tp2-dp2"]:
+        errors = r["errors"]
+        check_message(InputError(errors["sigmoid"]), InputError, "export_hf_weights", "model_chunks[0].config.moe_router_score_function",
+                      "'softmax' (Llama/Qwen/Mixtral layout)", "'sigmoid'")
+        assert errors["norm_topk_prob"].startswith(
+            "fnppo.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"), errors["norm_topk_prob"]
