@@ -265,6 +265,14 @@ def test_model_config_refuses_bad_moe_settings():
         _cfg(moe_load_balancing="none", moe_aux_loss_coeff=0.1)
     with pytest.raises(fnppo.InputError, match="moe_dispatcher"):
         _cfg(moe_dispatcher="flex")
+    from tests.messages import raises_message
+
+    for freq, shown in ((0, "0"), ((1, 2), "(1, 2)"), ((0, 0), "(0, 0)"), ((1,), "(1,)")):
+        with raises_message("ModelConfig", "moe_layer_freq", "an int >= 1 or 2 entries of 0/1 (one per layer, at least one 1)", shown):
+            _cfg(moe_layer_freq=freq)
+    with raises_message("ModelConfig", "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True"):
+        _cfg(moe_shared_expert_gate=True)
+    assert _cfg(moe_layer_freq=[0, 1]).moe_layers == (1,) and _cfg(num_layers=4, moe_layer_freq=2).moe_layers == (0, 2)
 
 
 def _allgather_check_on_rank(tokens_per_rank: list[int]):

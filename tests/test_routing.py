@@ -199,6 +199,7 @@ def _error_cases(state, samples: list, routes: list) -> dict:
         r[i][token, layer] = torch.tensor(experts, dtype=r[i].dtype)
         return _with(samples, routed_experts=r)
 
+    no_slot = fnppo.build_gpt(_cfg(), moe_enable_routing_replay=False)  # Megatron's routers without replay slots
     replayed = _with(samples, routed_experts=routes)
     mixed = [replayed[0], samples[1], *replayed[2:]]
     mb = fnppo.collate_microbatch(replayed[:2])
@@ -214,6 +215,7 @@ def _error_cases(state, samples: list, routes: list) -> dict:
         "dense_record": lambda: fnppo.compute_logprobs(dense, samples, return_routing=True),
         "record_replayed": lambda: fnppo.compute_logprobs(model, replayed, return_routing=True),
         "forward_only": lambda: fnppo.forward_only(model, [mb], lambda logits, m: None, recorder=fnppo.routing.RoutingRecorder(4)),
+        "no_slot": lambda: fnppo.compute_logprobs(no_slot, replayed),
     })
 
 
@@ -358,6 +360,7 @@ ERRORS = {  # case -> (function, argument, expected, received)
     "dense_record": ("compute_logprobs", "return_routing", "False for a model without MoE layers", "True"),
     "record_replayed": ("compute_logprobs", "return_routing", "False when the samples carry routed_experts", "True"),
     "forward_only": ("forward_only", "recorder", "None for micro-batches that carry routed_experts", "a RoutingRecorder"),
+    "no_slot": ("routed", "model", "MoE routers built with moe_enable_routing_replay=True (fnppo.build_gpt does)", "a router without a replay slot"),
 }
 
 
