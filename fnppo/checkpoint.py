@@ -19,7 +19,8 @@ message and nothing is loaded partially.
 
 Mixture-of-Experts models: each rank's file holds the experts of its expert-parallel rank only
 (``local_experts.<i>`` of Megatron's state dict is global expert ``ep_rank * E / ep + i``); the
-manifest records that range per file (``"experts": [first, end)``; it follows from the layout,
+manifest records that range per file (``"experts": [first, end)``, ``{name: [first, end)}`` for
+several train states; it follows from the layout,
 which a load checks, EP and ETP included). The distributed optimizer's state of expert parameters is sharded
 over the expert-data-parallel group and saved the same way as the dense state (per rank).
 """
@@ -89,6 +90,9 @@ def _saved_layout(manifest: Mapping[str, Any]) -> dict[str, int] | None:
 
 def _expert_range(state) -> list[int] | None:
     """``[first, end)``: the global experts this rank holds (its EP rank's), None for a dense model."""
+    if isinstance(state, Mapping):  # several train states: {name: range} of those with experts
+        ranges = {key: _expert_range(one) for key, one in state.items()}
+        return {key: r for key, r in ranges.items() if r is not None} or None
     config = unwrap_model(state.model[0]).config
     experts = getattr(config, "num_moe_experts", None)
     if not experts:
