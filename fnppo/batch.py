@@ -252,7 +252,7 @@ class Sample:
             multi_modal=mm,
             values=floats(values),
             returns=floats(returns),
-            routed_experts=None if routed_experts is None or isinstance(routed_experts, Tensor)
+            routed_experts=routed_experts if routed_experts is None or isinstance(routed_experts, Tensor)
             else torch.as_tensor(routed_experts, dtype=torch.int32),
         )
 

@@ -394,3 +394,10 @@ def test_layouts_record_and_replay_like_one_process(reference, name):
     keys = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_aux_loss_l1", "moe_tokens_l1_e1")
     worst = _compare(reference["train"], results[0]["train"], name, keys)
     print(f"{name}: max relative difference {worst:.2e}")
+
+
+def test_sample_from_lists_takes_routes_as_int32():
+    s = fnppo.Sample.from_lists([1, 2], [3], routed_experts=[[[0, 1]], [[1, 2]], [[2, 3]]])
+    assert s.routed_experts.dtype == torch.int32 and s.routed_experts.shape == (3, 1, 2)
+    engine = torch.tensor([[[0, 1]], [[1, 2]]], dtype=torch.uint8)  # an engine's tensor keeps its dtype, len - 1 rows
+    assert fnppo.Sample.from_lists([1, 2], [3], routed_experts=engine).routed_experts.dtype == torch.uint8
