@@ -34,10 +34,11 @@ replay lets the router choose for rows marked ``-1``), kept off Megatron's globa
 :func:`routed` sets the slots of the routers of *one model chunk* from *one micro-batch's*
 routes, around that chunk's forward, and nothing else reaches them. Each router reads the rows of
 the tokens it sees, in its own order (``[seq, batch]`` flattened, seq-major; under sequence
-parallelism the tensor-parallel rank's slice of the sequence). After a training forward the slots
-are left on ``REPLAY_BACKWARD``: a recomputed forward in the backward pops the same micro-batch's
-target (micro-batches are recomputed in forward order per chunk); :func:`clear_routing` empties
-every slot when the schedule ends.
+parallelism the tensor-parallel rank's slice of the sequence). When the model recomputes
+activations (``recompute_granularity``), the slots are left on ``REPLAY_BACKWARD`` after a
+training forward: a recomputed forward in the backward pops the same micro-batch's target from the
+slot's FIFO (micro-batches are recomputed in forward order per chunk); without recomputation no
+target is kept past its forward. :func:`clear_routing` empties every slot when the schedule ends.
 
 **Checks** (where the routes enter, :func:`fnppo.batch.check_routed_experts`): every sample or
 none carries routes, of the model's MoE layers and top-k, in a dtype that holds ``num_experts - 1``
@@ -110,10 +111,9 @@ def replay_slot() -> Any:
                     return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
                 target = self.target_topk_idx if action is RouterReplayAction.REPLAY_FORWARD else self.replay_backward_list.pop(0)
                 target = target.to(scores.device)
-                free = target[:, :1] < 0
-                if bool(free.any()):
-                    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                    target = torch.where(free, own, target)
+                # the router's own choice where there is no route (no host sync: computed for every row)
+                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                target = torch.where(target[:, :1] < 0, own, target)
                 return scores.gather(1, target), target
 
         _SLOT_CLASS.append(PartialRouterReplay)
@@ -235,13 +235,19 @@ def _gather_record(router: nn.Module, indices: Tensor, mb: Microbatch) -> Tensor
     return t
 
 
+def _recomputes(router: nn.Module) -> bool:
+    """Whether the router's model recomputes activations in the backward (its forward runs again)."""
+    return router.config.recompute_granularity is not None
+
+
 @contextlib.contextmanager
 def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = None) -> Iterator[None]:
     """Around one forward of one model chunk on one micro-batch: force ``mb.routed_experts``, or record.
 
     * ``mb.routed_experts`` given: every router of the chunk gets its target (:func:`replay_target`)
-      and ``REPLAY_FORWARD``; after the forward, ``REPLAY_BACKWARD`` while autograd is on (a
-      recomputation in the backward replays the same targets), else the slots are emptied.
+      and ``REPLAY_FORWARD``; after the forward, ``REPLAY_BACKWARD`` while autograd is on and the
+      model recomputes activations (a recomputation in the backward replays the same targets from
+      the slot's FIFO, which is kept only then), else the slots are emptied.
     * ``recorder`` given: ``RECORD``; after the forward each router's top-k indices go to the
       recorder (a collective over the sequence- and context-parallel groups).
     * neither, or a dense chunk: nothing.
@@ -264,6 +270,8 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         slot = router.router_replay
         if replay:
             slot.set_target_indices(replay_target(mb.routed_experts, router, layer))
+            if not _recomputes(router):  # the FIFO serves recomputation only: keep no targets for it
+                slot.replay_backward_list.clear()
             slot.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
             slot.clear_indices()
@@ -277,7 +285,7 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise
     for router, layer in slots:
         slot = router.router_replay
-        if replay and torch.is_grad_enabled():
+        if replay and torch.is_grad_enabled() and _recomputes(router):
             slot.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             continue
         if not replay:
