@@ -22,8 +22,22 @@ on`` keeps fnppo's call-time checks (host syncs) on during the timed steps, ``--
 writes a torch.profiler summary of one step per path.
 
     python benchmarks/step.py --model tiny --device cpu                       # anywhere (CPU)
+    python benchmarks/step.py --model tiny-moe --device cpu                   # the MoE code path on CPU
     python benchmarks/step.py --model qwen2.5-0.5b --search                   # one GPU
+    python benchmarks/step.py --model moe-5b-a1b --paths A,C                  # an MoE policy on one H200
     torchrun --nproc-per-node 2 benchmarks/step.py --model qwen2.5-0.5b --tp 2 # two GPUs
+
+Mixture of Experts: a token passes the attention, the router and its top-k experts (and a shared
+expert), so the model FLOPs count the *active* matrix weights (``matmul_params``; MFU by active
+parameters), while the memory holds all of them (``params_total``). The MoE shape ``moe-5b-a1b``
+(hidden 2,048, 16 layers, 16 heads of 128, 4 KV groups, 64 experts of FFN 768, top-8 in every layer,
+vocab 151,936, tied) has 5.31e9 parameters, 1.09e9 active matrix weights per token (0.31e9 of them
+the output layer) and 6.9e9 model FLOPs per token at 2,048-token samples. Its static memory on one
+GPU (bf16 weights 2 B, fp32 gradient buffer 4 B, fp32 main weights and Adam moments 12 B per
+parameter; DP=1: ``static_memory_gib_estimate``) is 89 GiB; activations of an 8,192-token
+micro-batch add about 1 GiB per layer and a few logits copies (2.3 GiB each): it fits an H200. The
+24-layer shape of the same width would need 131 GiB before any activation: it does not. Without
+Transformer Engine the experts run as Megatron's ``SequentialMLP`` (one small GEMM per expert).
 """
 
 from __future__ import annotations
@@ -49,6 +63,11 @@ MODELS = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864),
     "qwen2.5-1.5b": dict(hidden_size=1536, num_layers=28, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960),
     "tiny": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128),
+    # Mixture of Experts (Qwen3-MoE-like widths, every layer MoE): see the module docstring for its memory
+    "moe-5b-a1b": dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=4, kv_channels=128,
+                       ffn_hidden_size=768, num_experts=64, moe_topk=8, moe_ffn_hidden_size=768),
+    "tiny-moe": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                     num_experts=4, moe_topk=2, moe_ffn_hidden_size=32),
 }
 
 
@@ -82,19 +101,51 @@ def parse_args(argv=None):
 # model FLOPs and the measured matrix-product rate
 # ---------------------------------------------------------------------------------------------
 def model_flops_per_token(shape: dict, vocab: int, seq: int) -> dict[str, float]:
-    """Training FLOPs per token: ``6 N`` for the matrix-product weights (``N``: Q, K, V, output
-    projection and the MLP of every layer, plus the output layer; embeddings lookups are free)
-    plus causal attention, ``6 x layers x heads x head_dim x (seq + 1)`` (forward: ``QK^T`` and
-    ``PV``, 2 x 2 x heads x head_dim flops per visible key, (seq + 1) / 2 visible keys on average;
-    backward twice the forward). Recomputation is not counted (model FLOPs, PaLM appendix B,
-    arXiv:2204.02311)."""
+    """Training FLOPs per token: ``6 N`` for the matrix-product weights a token passes (``N``: Q, K,
+    V, output projection and the MLP of every layer, plus the output layer; embeddings lookups are
+    free; in an MoE layer the router and the top-k experts instead of the MLP) plus causal
+    attention, ``6 x layers x heads x head_dim x (seq + 1)`` (forward: ``QK^T`` and ``PV``, 2 x 2 x
+    heads x head_dim flops per visible key, (seq + 1) / 2 visible keys on average; backward twice
+    the forward). Recomputation is not counted (model FLOPs, PaLM appendix B, arXiv:2204.02311)."""
     h, layers, heads = shape["hidden_size"], shape["num_layers"], shape["num_attention_heads"]
-    groups, ffn = shape.get("num_query_groups") or heads, shape["ffn_hidden_size"]
-    d = h // heads
-    per_layer = h * heads * d + 2 * h * groups * d + heads * d * h + 3 * h * ffn  # qkv, proj, gated fc1 (2x) + fc2
-    n = layers * per_layer + h * vocab
+    d = shape.get("kv_channels") or h // heads
+    n = layers * _attention_weights(shape) + _mlp_weights(shape, active=True) + h * vocab
     attn = 6 * layers * heads * d * (seq + 1)
     return {"matmul_params": float(n), "flops_6n": 6.0 * n, "flops_attention": float(attn), "flops_per_token": 6.0 * n + attn}
+
+
+def _attention_weights(shape: dict) -> int:
+    h, heads = shape["hidden_size"], shape["num_attention_heads"]
+    groups, d = shape.get("num_query_groups") or heads, shape.get("kv_channels") or h // heads
+    return h * heads * d + 2 * h * groups * d + heads * d * h  # qkv, proj
+
+
+def _mlp_weights(shape: dict, *, active: bool) -> int:
+    """The MLP matrix weights of all layers: dense gated MLPs (fc1 2x + fc2), or per MoE layer the
+    router, the experts (the top-k of them when ``active``) and a shared expert."""
+    h, layers, ffn = shape["hidden_size"], shape["num_layers"], shape["ffn_hidden_size"]
+    experts = shape.get("num_experts")
+    if not experts:
+        return layers * 3 * h * ffn
+    used = shape.get("moe_topk", 2) if active else experts
+    shared = 3 * h * shape["moe_shared_expert_size"] if shape.get("moe_shared_expert_size") else 0
+    return layers * (h * experts + used * 3 * h * (shape.get("moe_ffn_hidden_size") or ffn) + shared)
+
+
+def param_count(shape: dict, vocab: int, *, qkv_bias: bool = True, tied: bool = True) -> int:
+    """Every parameter of the shape (all experts, norms, q/k/v biases; the tied embedding once)."""
+    h, layers, heads = shape["hidden_size"], shape["num_layers"], shape["num_attention_heads"]
+    groups, d = shape.get("num_query_groups") or heads, shape.get("kv_channels") or h // heads
+    biases = layers * d * (heads + 2 * groups) if qkv_bias else 0
+    norms = layers * 2 * h + h
+    return layers * _attention_weights(shape) + _mlp_weights(shape, active=False) + h * vocab * (1 if tied else 2) + biases + norms
+
+
+def static_memory_gib(params: float, *, dtype: str, dp: int = 1, tp: int = 1) -> float:
+    """Weights (2 B bf16 / 4 B fp32), the fp32 gradient buffer (4 B) and the distributed optimizer's
+    fp32 main weights and Adam moments (12 B; 8 B for fp32 models, sharded over DP) per parameter, per GPU."""
+    weight, main = (2, 12) if dtype in ("bf16", "fp16") else (4, 8)
+    return params / tp * (weight + 4 + main / dp) / 2**30
 
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
@@ -408,6 +459,10 @@ def run(args, layout, device) -> int:
         "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "matmul_peak_tflops": peak_tflops, **flops,
+        "params_total": param_count(MODELS[args.model], args.vocab), "params_this_rank": sum(
+            p.numel() for c in state.model for p in fnppo.model.unwrap_model(c).parameters()),
+        "static_memory_gib_estimate": static_memory_gib(param_count(MODELS[args.model], args.vocab), dtype="bf16" if device.type == "cuda" else "fp32",
+                                                        dp=layout.dp, tp=layout.tp),
         "flex_compiles": fnppo.flex_compile_count(), "flex_compiles_in_timed_steps": fnppo.flex_compile_count() - compiles_before,
     }
     for p in paths:

@@ -69,3 +69,39 @@ def test_model_flops_count_matches_the_published_parameter_count():
     assert f["matmul_params"] == 494_032_768 - 27_648 - 43_904
     assert f["flops_6n"] == 6 * f["matmul_params"]
     assert f["flops_attention"] == 6 * 24 * 14 * 64 * 2049  # causal: (seq + 1) / 2 keys on average, x 2 x 2 x 3
+
+
+def test_moe_flops_count_the_active_experts_and_memory_all_of_them():
+    from step import MODELS, model_flops_per_token, param_count, static_memory_gib
+
+    # tiny-moe: 2 layers of hidden 64, 4 heads of 16 (2 KV groups), 4 experts of FFN 32, top-2
+    shape, vocab = MODELS["tiny-moe"], 512
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v, proj
+    expert, router = 3 * 64 * 32, 64 * 4
+    f = model_flops_per_token(shape, vocab, 64)
+    assert f["matmul_params"] == 2 * (attention + router + 2 * expert) + 64 * vocab
+    assert param_count(shape, vocab) == 2 * (attention + router + 4 * expert) + 64 * vocab + 2 * 16 * (4 + 2 * 2) + 2 * 2 * 64 + 64
+    # the H200 shape: 5.31e9 parameters in 89 GiB of weights, gradients and Adam state; 1.09e9 active
+    big = MODELS["moe-5b-a1b"]
+    assert round(param_count(big, 151936) / 1e9, 2) == 5.31 and round(model_flops_per_token(big, 151936, 2048)["matmul_params"] / 1e9, 2) == 1.09
+    assert 88 < static_memory_gib(param_count(big, 151936), dtype="bf16") < 90
+
+
+def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
+    """benchmarks/step.py --model tiny-moe --device cpu: the three paths step on an MoE model, whose
+    parameter count is the shape's."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "step.jsonl"
+    cmd = [sys.executable, "benchmarks/step.py", "--model", "tiny-moe", "--device", "cpu", "--vocab", "512", "--seq", "64",
+           "--mb-tokens", "128", "--microbatches", "2", "--steps", "1", "--warmup", "0", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["params_total"] == result["params_this_rank"]  # the formula counts the built model
+    for path in ("A", "B", "C"):
+        assert result[path]["tokens_per_s"] > 0 and math.isfinite(result[path]["first_grad_norm"]), path
+    assert result["first_logprobs_max_abs_diff"] <= 1e-5 and result["first_logprobs_max_abs_diff_C_vs_A"] <= 1e-5
