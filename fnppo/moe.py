@@ -149,25 +149,30 @@ def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.T
     # switch loss: E * sum_e f_e P_e, f_e = tokens_e / (n k), P_e = mean_t score_te
     aux = e_num * ((aux_map.sum(0).double() / (n * k)) * scores.double().mean(0)).sum()
     z = torch.logsumexp(logits.double(), dim=-1).square().mean()
-    tn = torch.tensor(float(n), dtype=torch.float64)
+    tn = torch.full((), float(n), dtype=torch.float64, device=logits.device)
     out = {
         "moe_aux_loss": pair_metric(aux * n, tn), f"moe_aux_loss_l{layer}": pair_metric(aux * n, tn),
         "moe_z_loss": pair_metric(z * n, tn), f"moe_z_loss_l{layer}": pair_metric(z * n, tn),
     }
+    # every expert's pairs in two [E, 2] tensors on the router's device (no per-expert kernels or syncs)
+    load = torch.stack([counts, tn.expand(e_num)], dim=1).float()
+    tokens = torch.stack([counts, torch.full_like(counts, weight)], dim=1).float()
     for e in range(e_num):
-        out[f"moe_load_l{layer}_e{e}"] = pair_metric(counts[e], tn)
-        out[f"moe_tokens_l{layer}_e{e}"] = pair_metric(counts[e], torch.tensor(weight))
-    return {key: v.cpu() for key, v in out.items()}
+        out[f"moe_load_l{layer}_e{e}"] = load[e]
+        out[f"moe_tokens_l{layer}_e{e}"] = tokens[e]
+    return out
 
 
 def _reduce(records: Sequence[dict[str, torch.Tensor]], layout: Any, device: torch.device) -> dict[str, torch.Tensor]:
     """Sum pairs over micro-batches, then DP ranks (fp64), then gather the stages' layers."""
-    merged = merge_metrics(records)
-    if layout.dp > 1 and merged:
+    merged = merge_metrics(records)  # on the routers' device: one transfer to the host below
+    if merged:
         keys = sorted(merged)
         flat = torch.stack([merged[k].to(device=device, dtype=torch.float64) for k in keys])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.dp_group)
-        merged = {k: flat[i].float().cpu() for i, k in enumerate(keys)}
+        if layout.dp > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.dp_group)
+        flat = flat.float().cpu()
+        merged = {k: flat[i] for i, k in enumerate(keys)}
     if layout.pp > 1:
         gathered: list[Any] = [None] * layout.pp
         dist.all_gather_object(gathered, merged, group=layout.pp_group)
