@@ -180,6 +180,19 @@ def _reduce(records: Sequence[dict[str, torch.Tensor]], layout: Any, device: tor
     return merged
 
 
+def _drop_megatron_loss_tracker() -> None:
+    """Empty Megatron's process-wide MoE loss tracker (its router losses for logging).
+
+    fnppo reports the router losses itself (:func:`_router_record`). Megatron sizes each tracker
+    entry by the layer count of the first model that logs to it and only zeroes it between steps,
+    so a second MoE model with more layers in the same process (another policy, a critic, a test)
+    would index past it; dropping the entries before and after every step avoids that.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
 @contextlib.contextmanager
 def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], layout: Any,
                 device: torch.device) -> Iterator[RouterStep]:
@@ -193,8 +206,6 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
     (instead of ``num_microbatches * dp``). After the block ``.metrics`` holds the reduced pairs
     (identical on every rank). Restores every router and config field it set.
     """
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
     from fnppo.model import unwrap_model
 
     config = unwrap_model(model_chunks[0]).config
@@ -218,6 +229,7 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
             state.records.append(_router_record(module, args[0], output[1], weight))
 
     handles = [r.register_forward_hook(hook) for r in rs]
+    _drop_megatron_loss_tracker()
     try:
         for r in rs:
             r.calculate_per_token_loss = True
@@ -229,7 +241,7 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
             r.calculate_per_token_loss = flag
         for h in handles:
             h.remove()
-        clear_aux_losses_tracker()
+        _drop_megatron_loss_tracker()
         clear_routing(model_chunks)  # replay targets kept for recomputation in the backward
     state.metrics = _reduce(state.records, layout, device)
 

@@ -23,7 +23,8 @@ block (it seeds Megatron's RNG trackers with ``model_parallel_cuda_manual_seed``
 :func:`run_ranks` runs a picklable function on N gloo ranks in separate processes (started with
 ``spawn``; each call gets its own free port), each inside :func:`megatron_on_cpu` with the requested
 TP/PP layout, and returns every rank's result. If any rank raises, all ranks are stopped and the
-first error is re-raised with its remote traceback.
+first error is re-raised with its remote traceback. The rank processes are kept for the next call
+of the same size (imports are paid once; ``fresh=True`` for new ones).
 
 Sequence parallelism works with fnppo's local spec (:mod:`fnppo.norms`); Megatron's
 tensor-parallel layers and mappings see a ``torch`` whose tensor factories map CUDA devices to the
@@ -324,44 +325,126 @@ class RankError(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds its rank and remote traceback."""
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    tp: int,
-    pp: int,
-    vpp: int | None,
-    seed: int,
-    timeout_s: float,
-    results: Any,
-    ep: int = 1,
-    etp: int | None = None,
-    cp: int = 1,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        from fnppo.parallel import destroy_parallel, init_parallel
+def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+              layout: dict[str, Any], seed: int, timeout_s: float) -> tuple[bool, Any, bool]:
+    """One call of ``fn`` on one rank: the process group and Megatron's groups set up, then torn down.
 
+    Returns ``(ok, payload, clean)``: the serialized result or the traceback, and whether the process
+    is back in its starting state (process group destroyed, environment, dtype, threads and
+    call-time checking restored), which a reusable worker needs to take the next call.
+    """
+    from fnppo.parallel import destroy_parallel, init_parallel
+    from fnppo.typing import set_typechecking, typechecking_enabled
+
+    saved_env = dict(os.environ)
+    saved = (torch.get_default_dtype(), torch.get_num_threads(), typechecking_enabled())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    try:
         with megatron_on_cpu():
-            init_parallel(tp, pp, vpp=vpp, ep=ep, etp=etp, seed=seed, device="cpu", timeout_s=timeout_s, cp=cp)
+            init_parallel(layout["tp"], layout["pp"], vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"], seed=seed,
+                          device="cpu", timeout_s=timeout_s, cp=layout["cp"])
             try:
                 out = fn(*args, **kwargs)
             finally:
                 with contextlib.suppress(Exception):
                     destroy_parallel()
-        results.put((rank, True, _dumps(out)))
+        ok, payload = True, _dumps(out)
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
-        results.put((rank, False, traceback.format_exc()))
+        ok, payload = False, traceback.format_exc()
+    import torch.distributed as dist
+
+    clean = not dist.is_initialized() and not _AUTO_STACK
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_default_dtype(saved[0])
+    torch.set_num_threads(saved[1])
+    set_typechecking(saved[2])
+    return ok, payload, clean
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+               layout: dict[str, Any], seed: int, timeout_s: float, results: Any) -> None:
+    """A fresh rank process: one call, then exit."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    ok, payload, _clean = _run_rank(rank, world_size, port, fn, args, kwargs, layout, seed, timeout_s)
+    results.put((0, rank, ok, payload, True))
+
+
+def _worker_main(rank: int, world_size: int, tasks: Any, results: Any) -> None:
+    """A reusable rank process: calls from ``tasks`` until ``None``; every result is tagged with its call id."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        call_id, port, fn, args, kwargs, layout, seed, timeout_s = task
+        ok, payload, clean = _run_rank(rank, world_size, port, fn, args, kwargs, layout, seed, timeout_s)
+        results.put((call_id, rank, ok, payload, clean))
+        if not clean:
+            return  # a rank that could not tear its groups down takes no further call
+
+
+class _Workers:
+    """``world_size`` spawned rank processes that take one :func:`run_ranks` call after another.
+
+    Importing torch and Megatron takes a rank seconds; a pool pays it once per world size instead of
+    once per call. It is discarded (its processes killed) after any call that did not end cleanly on
+    every rank: an error, a timeout, a dead rank, or a rank left with a process group.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker_main, args=(r, world_size, self.tasks[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def submit(self, task: tuple) -> int:
+        self.calls += 1
+        for q in self.tasks:
+            q.put((self.calls, *task))
+        return self.calls
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+_POOLS: dict[int, _Workers] = {}
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, call_id: int, deadline: float) -> tuple[dict[int, Any], bool]:
+    """Every rank's result of call ``call_id`` (raising :class:`RankError` on the first failure), and
+    whether every rank ended clean."""
+    out: dict[int, Any] = {}
+    clean = True
+    while len(out) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RankError(f"run_ranks: ranks {sorted(set(range(world_size)) - set(out))} timed out")
+        try:
+            cid, rank, ok, value, rank_clean = results.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in out and p.exitcode not in (0, None)]
+            if dead:
+                raise RankError(f"run_ranks: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+            continue
+        if cid != call_id:
+            continue
+        if not ok:
+            raise RankError(f"run_ranks: rank {rank} of {world_size} raised:\n{value}")
+        out[rank] = _loads(value)
+        clean = clean and rank_clean
+    return out, clean
 
 
 def run_ranks(
@@ -376,55 +459,66 @@ def run_ranks(
     seed: int = 1234,
     timeout_s: float = 300.0,
     cp: int = 1,
+    fresh: bool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (real Megatron on CPU).
 
-    Each rank is a fresh process (``spawn``) with ``torch.distributed`` and Megatron's model-parallel
-    groups initialized for ``tp`` x ``cp`` x ``pp`` (``cp``: context parallel; data parallel fills the
-    rest; MoE layers use ``ep`` x ``etp``, see :func:`fnppo.init_parallel`) and RNG trackers seeded with
-    ``seed``. ``fn`` must be importable (a module-level function). Returns the list of per-rank
-    return values (tensors are passed back by pickling). If a rank raises, all ranks are killed and
-    :class:`RankError` carries the first failing rank's traceback; a rank that neither returns nor
-    raises within ``timeout_s`` seconds is reported the same way.
+    Each rank is a separate process (``spawn``) in which ``torch.distributed`` and Megatron's
+    model-parallel groups are initialized for this call, for ``tp`` x ``cp`` x ``pp`` (``cp``: context
+    parallel; data parallel fills the rest; MoE layers use ``ep`` x ``etp``, see
+    :func:`fnppo.init_parallel`), on a port of its own, with the RNG trackers (and torch's generator)
+    seeded with ``seed``, and torn down afterwards. ``fn`` must be importable (a module-level
+    function). Returns the list of per-rank return values (tensors are passed back by value). If a
+    rank raises, all ranks are stopped and :class:`RankError` carries the first failing rank's
+    traceback; a rank that neither returns nor raises within ``timeout_s`` seconds is reported the
+    same way.
+
+    The rank processes are reused by later calls of the same ``world_size`` (they stay up, idle,
+    until the interpreter exits): between calls each rank destroys its process groups and restores
+    its environment variables, default dtype, thread count and call-time checking; anything else a
+    ``fn`` changes at module level stays for the next call. ``fresh=True`` (or the environment
+    variable ``FNPPO_FRESH_RANKS=1``) starts new processes for this call and ends them after it.
+    After a failed call the reused processes are ended too.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    layout = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp)
+    if fresh is None:
+        fresh = os.environ.get("FNPPO_FRESH_RANKS", "0") not in ("", "0")
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world_size, port, fn, args, kwargs, tp, pp, vpp, seed, timeout_s, results, ep, etp, cp),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s + 60.0
-    try:
-        while len(out) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RankError(f"run_ranks: ranks {sorted(set(range(world_size)) - set(out))} timed out")
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None) and i not in out]
-                if dead:
-                    raise RankError(f"run_ranks: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if not ok:
-                raise RankError(f"run_ranks: rank {rank} of {world_size} raised:\n{value}")
-            out[rank] = _loads(value)
-    finally:
+    if fresh:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, kwargs, layout, seed, timeout_s, results),
+                             daemon=True) for r in range(world_size)]
         for p in procs:
-            if p.is_alive():
-                p.join(timeout=5.0 if len(out) == world_size else 0.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.start()
+        out: dict[int, Any] = {}
+        try:
+            out, _ = _collect(procs, results, world_size, 0, deadline)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.join(timeout=5.0 if len(out) == world_size else 0.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [out[r] for r in range(world_size)]
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[world_size] = _Workers(world_size)
+    call_id = pool.submit((port, fn, args, kwargs, layout, seed, timeout_s))
+    try:
+        out, clean = _collect(pool.procs, pool.results, world_size, call_id, deadline)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.kill()
+        raise
+    if not clean:
+        _POOLS.pop(world_size, None)
+        pool.kill()
     return [out[r] for r in range(world_size)]
 
 

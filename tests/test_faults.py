@@ -38,7 +38,7 @@ from fnppo.testing import RankError, run_ranks, synthetic_samples
 N_STEPS = 4  # uninterrupted run length
 SAVE_AT = 2  # the interrupted run saves here, a fresh process state resumes from it
 GLOBAL_BATCH = 8
-FAIL_TIMEOUT_S = 15.0  # init_parallel(timeout_s=...) for the fail-fast test
+FAIL_TIMEOUT_S = 6.0  # init_parallel(timeout_s=...) for the fail-fast test
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +452,7 @@ def _straight_only() -> dict:
 
 
 def test_same_seed_same_layout_is_bit_identical_across_runs(one_rank):
-    again = run_ranks(_straight_only, 1)[0]
+    again = run_ranks(_straight_only, 1, fresh=True)[0]  # another process, not the reused rank
     assert _bit_diff(one_rank["straight_metrics"], again["metrics"], "metrics") == []
     assert _bit_diff(one_rank["straight_params"], again["params"], "params") == []
 

@@ -214,6 +214,9 @@ def _settings() -> dict:
         "fp64": dict(moe_router_dtype="fp64"),
         "seq_aux": dict(moe_load_balancing="seq_aux_loss"),
         "shared": dict(moe_shared_expert_size=16),
+        # after the 2-layer models in the same process: Megatron's process-wide router-loss tracker
+        # must not keep the first model's layer count
+        "deeper": dict(num_layers=3),
     }
     for name, overrides in variants.items():
         cfg = _cfg(**overrides)
@@ -254,6 +257,12 @@ def test_router_dtype_seq_aux_and_shared_expert_run(settings):
         m = settings[name]["metrics"]
         assert math.isfinite(m["loss"]) and m["updates"] == 1.0 and m["grad_norm"] > 0, name
     assert any("shared_experts" in k for k in settings["shared"]["weights"])
+
+
+def test_a_deeper_moe_model_after_another_in_the_same_process(settings):
+    m = settings["deeper"]["metrics"]
+    assert math.isfinite(m["loss"]) and m["updates"] == 1.0
+    assert all(math.isfinite(m[f"moe_z_loss_l{layer}"]) and m[f"moe_z_loss_l{layer}"] > 0 for layer in range(3))
 
 
 def test_model_config_refuses_bad_moe_settings():

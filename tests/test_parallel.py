@@ -358,3 +358,37 @@ def test_harmless_warning_filters_are_installed_and_can_be_shown():
     loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "FNPPO_SHOW_WARNINGS": "1"})
     assert "Apex is not installed" in loud.stderr, loud.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# run_ranks reuses its rank processes: each call starts from the same state
+# ---------------------------------------------------------------------------------------------
+def _what_a_call_sees(fail: bool = False) -> dict:
+    """What this rank sees on entry, then changes everything a call may change (and the next must not see)."""
+    seen = {"pid": os.getpid(), "env": os.environ.get("FNPPO_TEST_LEAK"), "dtype": torch.get_default_dtype(),
+            "checking": fnppo.typing.typechecking_enabled(), "world": dist.get_world_size(),
+            "tp": current_layout().tp, "draw": float(torch.rand(()))}
+    os.environ["FNPPO_TEST_LEAK"] = "set by an earlier call"
+    torch.set_default_dtype(torch.float64)
+    fnppo.set_typechecking(False)
+    if fail and dist.get_rank() == 1:
+        raise RuntimeError("planted failure")
+    return seen
+
+
+def test_run_ranks_reuses_its_processes_and_each_call_starts_clean():
+    first = run_ranks(_what_a_call_sees, 2)
+    second = run_ranks(_what_a_call_sees, 2, tp=2)  # another layout in the same processes
+    assert [r["pid"] for r in second] == [r["pid"] for r in first]  # reused
+    for r in second:
+        assert r["env"] is None and r["dtype"] == torch.float32 and r["checking"] is True, r
+        assert r["world"] == 2 and r["tp"] == 2, r
+    assert [r["draw"] for r in second] == [r["draw"] for r in first]  # torch's generator seeded per call
+    with pytest.raises(RankError, match="planted failure"):
+        run_ranks(_what_a_call_sees, 2, fail=True)
+    after = run_ranks(_what_a_call_sees, 2)  # a failed call ends the processes: new ones take the next
+    assert not {r["pid"] for r in after} & {r["pid"] for r in first}
+    assert all(r["env"] is None for r in after)
+    fresh = run_ranks(_what_a_call_sees, 2, fresh=True)
+    assert not {r["pid"] for r in fresh} & {r["pid"] for r in after}
+    assert [r["pid"] for r in run_ranks(_what_a_call_sees, 2)] == [r["pid"] for r in after]  # the pool stayed
