@@ -279,11 +279,13 @@ def split_batch(
 
 
 def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pad_to_multiple_of: int,
-          layout: str, length: Callable[[Sample], int] = len) -> SplitPlan:
+          layout: str, length: Callable[[Sample], int] = len, count_multiple: int = 1) -> SplitPlan:
     """:func:`split_batch` on checked arguments (the step's path): count, agree over DP, group.
 
     ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
-    stage that expands a sample, e.g. :class:`fnppo.vlm.VLMCollate`, says how much).
+    stage that expands a sample, e.g. :class:`fnppo.vlm.VLMCollate`, says how much). A count the
+    split decides (``microbatch_size``, ``max_tokens_per_microbatch``) is rounded up to a multiple
+    of ``count_multiple`` after the agreement; an explicit ``num_microbatches`` is taken as given.
 
     Raises:
         InputError: the checks only the data can answer: ``num_microbatches`` above the batch
@@ -305,10 +307,14 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
         local = _first_fit_decreasing(lengths, size, layout)
         k = len(local)
     agreed, smallest = _agree(k, n, dp_group)
+    rounded = "" if name == "num_microbatches" or agreed % count_multiple == 0 else f", {agreed} rounded up to a multiple of {count_multiple}"
+    if rounded:
+        agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
         raise input_error(
             fn, "samples",
-            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of micro-batches; empty micro-batches are not supported)",
+            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of micro-batches{rounded}; "
+            "empty micro-batches are not supported)",
             f"{smallest} samples on some rank ({n} here)",
         )
     if local is None:
@@ -341,6 +347,7 @@ def build_microbatches(
     dp_group: Any = None,
     same_length: bool = False,
     context_parallel: tuple[int, int] = (1, 0),
+    count_multiple: int = 1,
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
@@ -361,12 +368,17 @@ def build_microbatches(
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
         context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
             rank's tokens (:func:`fnppo.context_parallel.shard_microbatch`) after collation and padding.
+        count_multiple: round the number of micro-batches that ``microbatch_size`` or
+            ``max_tokens_per_microbatch`` decides up to a multiple of this (after the DP agreement;
+            the interleaved pipeline schedule runs micro-batches in groups of ``pp``); the groups
+            stay within the size or token cap. An explicit ``num_microbatches`` is not changed.
 
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
     """
     length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
-    plan = _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length)
+    plan = _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length,
+                 count_multiple=count_multiple)
     mbs = [
         to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
