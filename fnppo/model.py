@@ -285,7 +285,8 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     """Megatron ``TransformerConfig`` for ``cfg`` under ``layout``.
 
     ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
-    (packed micro-batches differ in length). Fusions: :func:`fusion_fields` (on where the model is
+    (packed micro-batches differ in length); fnppo's steps run the interleaved schedule (``vpp``)
+    without it, on micro-batches of one shape (``fnppo.step._run_schedule`` says why). Fusions: :func:`fusion_fields` (on where the model is
     built for CUDA unless ``cfg.fusions`` is False; off on CPU).
     """
     from megatron.core.transformer import TransformerConfig
@@ -333,7 +334,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available() or layout.backend == "gloo",
-        variable_seq_lengths=True,  # one shape per step under vpp: fnppo pads (see step._collate_all)
+        variable_seq_lengths=True,  # off while fnppo runs the interleaved schedule (see step._run_schedule)
         moe_token_dispatcher_type="alltoall",
         cuda_graph_scope=[],  # the default ("full") is deprecated and warns on every build
         masked_softmax_fusion=False,

@@ -317,6 +317,7 @@ class _Batching(NamedTuple):
     real_vocab_size: int | None  # ModelConfig.vocab_size: logits columns at or beyond it are padding
     dp_group: Any  # the group the micro-batch count is agreed over (None without DP)
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
+    count_multiple: int  # the interleaved schedule's micro-batch group (1 otherwise): counts are multiples of it
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
     routing: tuple[int, int, int] | None = None  # (MoE layers, top-k, experts) of an MoE model, else None
 
@@ -338,9 +339,10 @@ def _batching(config: StepConfig, chunks: Sequence[nn.Module], layout: ParallelL
         vocab_size=vocab,
         real_vocab_size=getattr(getattr(core, "fnppo_config", None), "vocab_size", vocab),  # set by build_gpt
         dp_group=layout.dp_group if layout.dp > 1 else None,
-        # The interleaved schedule exchanges per-micro-batch shapes with batched p2p ops, which
-        # gloo mismatches; one shape for all micro-batches of a step avoids shape exchanges.
-        same_length=bool(layout.vpp),
+        # The interleaved schedule runs without shape exchanges (_run_schedule), so every
+        # micro-batch of a step gets one shape, and their number is a multiple of its group.
+        same_length=layout.vpp is not None,
+        count_multiple=_interleaved_group(chunks, layout) or 1,
         context_parallel=(layout.cp, layout.cp_rank),
         routing=routing_spec(chunks),
     )
@@ -372,6 +374,47 @@ def _check_context_parallel(fn: str, config: StepConfig | CriticConfig, spec: _B
     if seq_criteria:  # sequence statistics need the whole sequence; a CP rank holds part of it
         raise input_error(fn, f"config.loss.{seq_criteria[0]}", f"None with context parallelism (cp={layout.cp})",
                           repr(getattr(loss, seq_criteria[0])))
+
+
+def _interleaved_group(chunks: Sequence[nn.Module], layout: ParallelLayout) -> int | None:
+    """The micro-batch group of Megatron's interleaved schedule (``vpp`` set), else None.
+
+    The schedule runs the micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (``pp``
+    unless the model config sets it) per virtual stage; fnppo gives it a multiple of that many.
+    """
+    if layout.vpp is None:
+        return None
+    return getattr(unwrap_model(chunks[0]).config, "microbatch_group_size_per_vp_stage", None) or layout.pp
+
+
+def _interleaved_where(layout: ParallelLayout) -> str:
+    return f"the interleaved pipeline schedule (pp={layout.pp}, vpp={layout.vpp})"
+
+
+def _check_interleaved(fn: str, config: StepConfig | CriticConfig, spec: _Batching, layout: ParallelLayout) -> None:
+    """What Megatron's interleaved pipeline schedule (``vpp`` set) needs of the config, checked
+    before anything runs: the packed layout (the schedule runs without shape exchanges, so every
+    micro-batch of a step must have one activation shape; padded micro-batches differ in their
+    number of rows), and an explicit micro-batch count that is a multiple of the schedule's group
+    (the default, one micro-batch, is not). The split modes that decide the count at run time
+    (``microbatch_size``, ``max_tokens_per_microbatch``) round it up instead (:func:`~fnppo.split.build_microbatches`).
+
+    Raises:
+        InputError: naming ``config.layout`` or ``config.num_microbatches``.
+    """
+    if layout.vpp is None:
+        return
+    group = spec.count_multiple
+    where = _interleaved_where(layout)
+    if config.layout != "packed":
+        raise input_error(fn, "config.layout", f"'packed' under {where}: its stages exchange activations of one shape per step, "
+                          "and padded micro-batches differ in their number of rows", repr(config.layout))
+    name, count = spec.split
+    if name == "num_microbatches" and count % group:
+        got = repr(count) if config.num_microbatches is not None else "None (one micro-batch)"
+        raise input_error(fn, "config.num_microbatches", f"a multiple of {group} under {where}, which runs micro-batches in "
+                          f"groups of {group} per virtual stage (e.g. {-(-count // group) * group}; or split by microbatch_size "
+                          "or max_tokens_per_microbatch, whose count is rounded up)", got)
 
 
 def _with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
@@ -613,21 +656,44 @@ def _token_logprobs(
     return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, **kwargs)
 
 
-def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool) -> list[Any]:
+def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool,
+                  layout: ParallelLayout) -> list[Any]:
+    """Megatron's ``get_forward_backward_func`` over ``mbs``; under ``vpp``, without shape exchanges.
+
+    With ``variable_seq_lengths`` (the model config's default) every pipeline send is preceded by
+    a blocking exchange of the tensor's shape (``P2PCommunicator._communicate_shapes``, megatron-core
+    0.16.1), waited on before the tensor's own send and receive are posted. Over gloo, whose sends
+    complete only once the peer has posted the matching receive, that handshake deadlocks the
+    interleaved schedule where a stage is still in its warm-up forwards while the next one has
+    begun sending gradients back (``num_microbatches == pp`` at pp=2 and pp=4). With pp=2 (both
+    neighbours are one rank, one group) a call that sends both ways has its two shapes received
+    crosswise, which only equal shapes survive. The interleaved schedule therefore runs with
+    ``variable_seq_lengths=False`` (restored afterwards) and the one shape ``[seq_length / cp
+    (/ tp with sequence parallelism), micro_batch_size, hidden]`` that the callers give every
+    micro-batch (:func:`_check_interleaved`, the ``same_length`` padding of the split).
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fb = get_forward_backward_func()
-    seq_len = max(int(mb.input_ids.shape[-1]) for mb in mbs)
+    interleaved = layout.vpp is not None
+    # the schedule's seq_length is the whole sequence: it divides by cp itself (micro-batches hold this CP rank's share)
+    seq_len = max(int(mb.input_ids.shape[-1]) for mb in mbs) * layout.cp
     data = [iter(mbs) for _ in chunks]
-    return fb(
-        forward_step_func=forward_step,
-        data_iterator=data if len(chunks) > 1 else data[0],
-        model=list(chunks),
-        num_microbatches=len(mbs),
-        seq_length=seq_len,
-        micro_batch_size=int(mbs[0].input_ids.shape[0]),
-        forward_only=forward_only,
-    )
+    config = unwrap_model(chunks[0]).config
+    saved = config.variable_seq_lengths
+    config.variable_seq_lengths = saved and not interleaved
+    try:
+        return fb(
+            forward_step_func=forward_step,
+            data_iterator=data if interleaved else data[0],
+            model=list(chunks),
+            num_microbatches=len(mbs),
+            seq_length=seq_len,
+            micro_batch_size=int(mbs[0].input_ids.shape[0]),
+            forward_only=forward_only,
+        )
+    finally:
+        config.variable_seq_lengths = saved
 
 
 def _routers(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], layout: ParallelLayout, device: torch.device):
@@ -665,7 +731,8 @@ def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objectiv
     chunks, optimizer = state.model, state.optimizer
     _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                 collate=objective.collate, device=device, dp_group=spec.dp_group,
-                                same_length=spec.same_length, context_parallel=spec.context_parallel)
+                                same_length=spec.same_length, context_parallel=spec.context_parallel,
+                                count_multiple=spec.count_multiple)
     sums = objective.global_sums(mbs, _with_cp_in_dp(layout), device)
     for c in chunks:
         c.zero_grad_buffer()
@@ -674,7 +741,7 @@ def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objectiv
         # MoE: the loss is scaled by the step's router token count instead, so that the
         # routers' aux/z losses get exact weights (fnppo.moe.router_step).
         scale = moe.loss_scale if moe is not None else float(len(mbs) * layout.dp)
-        store = _run_schedule(chunks, mbs, objective.forward_step(sums, scale), forward_only=False)
+        store = _run_schedule(chunks, mbs, objective.forward_step(sums, scale), forward_only=False, layout=layout)
     if "stats" not in record:
         raise FinalizeNotCalledError(
             f"{objective.fn}: Megatron's schedule returned without calling finalize_model_grads; "
@@ -767,7 +834,9 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
             given for some samples only, no ``rollout_logprobs`` in bypass mode or with rollout
             correction, routed experts that do not fit the model
-            (:func:`~fnppo.batch.check_routed_experts`). Inside the schedule: logits from ``config.fns.forward``
+            (:func:`~fnppo.batch.check_routed_experts`); under a virtual pipeline (``vpp``), a
+            ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the padded layout
+            (:func:`_check_interleaved`). Inside the schedule: logits from ``config.fns.forward``
             whose last dimension is not this rank's vocab shard. ``docs/errors.md`` lists every
             error.
         FinalizeNotCalledError: see step 4.
@@ -777,6 +846,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     check_head("train_step", "state.model", state.model[0], "lm")
     spec = _batching(config, state.model, layout)
     _check_context_parallel("train_step", config, spec, layout)
+    _check_interleaved("train_step", config, spec, layout)
     _check_batch("train_step", samples, spec, config.num_minibatches)
     _check_rollout_logprobs("train_step", samples, config.loss)
     device = _device_of(state.model)
@@ -825,9 +895,10 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
         updates), ``skipped``, ``updates``, ``step``, ``lr``.
 
     Raises:
-        InputError: before anything runs: a model without a value head; the batch errors of
-            :func:`train_step`; no ``returns``, or no ``values`` while the loss clips. Inside the
-            schedule: values from ``config.fns.forward`` that are not ``[batch, seq]``.
+        InputError: before anything runs: a model without a value head; the batch errors and
+            the virtual-pipeline errors of :func:`train_step`; no ``returns``, or no ``values``
+            while the loss clips. Inside the schedule: values from ``config.fns.forward`` that
+            are not ``[batch, seq]``.
         FinalizeNotCalledError: the schedule did not call the finalizer.
     """
     layout = current_layout()
@@ -835,6 +906,7 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
     check_head("critic_step", "state.model", state.model[0], "value")
     spec = _batching(config, state.model, layout)
     _check_context_parallel("critic_step", config, spec, layout)
+    _check_interleaved("critic_step", config, spec, layout)
     _check_batch("critic_step", samples, spec, config.num_minibatches)
     _check_critic_targets("critic_step", samples, config.loss)
     device = _device_of(state.model)
@@ -879,12 +951,38 @@ def forward_only(
         The results of ``output_fn`` in micro-batch order on the last pipeline stage, ``None`` on
         the other stages.
 
+    Under the interleaved pipeline schedule (``vpp`` set) the micro-batches must share one shape
+    (it runs without shape exchanges: pad packed micro-batches to one length with
+    :func:`fnppo.pad_microbatch`) and their number must be a multiple of its micro-batch group
+    (``pp`` by default).
+
     Raises:
-        InputError: no micro-batches; ``params`` not one dict per model chunk.
+        InputError: no micro-batches; ``params`` not one dict per model chunk; under ``vpp``,
+            micro-batches of several shapes or a count that is not a multiple of the group.
     """
     chunks = list(model_chunks)
+    fn = "forward_only"
     if not microbatches:
-        raise input_error("forward_only", "microbatches", "a non-empty sequence", "an empty sequence")
+        raise input_error(fn, "microbatches", "a non-empty sequence", "an empty sequence")
+    layout = current_layout()
+    group = _interleaved_group(chunks, layout)
+    if group is not None:
+        where = _interleaved_where(layout)
+        if len(microbatches) % group:
+            raise input_error(fn, "microbatches", f"a multiple of {group} micro-batches under {where}, which runs micro-batches "
+                              f"in groups of {group} per virtual stage", f"{len(microbatches)} micro-batches")
+        shapes = sorted({tuple(mb.input_ids.shape) for mb in microbatches})
+        if len(shapes) > 1:
+            raise input_error(fn, "microbatches", f"micro-batches of one shape under {where}, which runs without shape exchanges "
+                              "(pad packed micro-batches to one length with fnppo.pad_microbatch)",
+                              f"input_ids of shapes {', '.join(str(list(t)) for t in shapes)}")
+    return _forward_only(chunks, microbatches, output_fn, params=params, forward=forward, recorder=recorder, layout=layout)
+
+
+def _forward_only(chunks: list[nn.Module], microbatches: Sequence[Microbatch], output_fn: Callable[[torch.Tensor, Microbatch], Any], *,
+                  params: Any, forward: ForwardFn, recorder: RoutingRecorder | None, layout: ParallelLayout) -> list[Any] | None:
+    """:func:`forward_only` on micro-batches the caller built right (the step's own: one shape and a
+    valid count under ``vpp``, see :func:`_check_interleaved`)."""
     by_chunk = {id(c): p for c, p in zip(chunks, _per_chunk(params, len(chunks)))}
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
@@ -902,11 +1000,11 @@ def forward_only(
         c.eval()
     try:
         with torch.no_grad():
-            store = _run_schedule(chunks, microbatches, forward_step, forward_only=True)
+            store = _run_schedule(chunks, microbatches, forward_step, forward_only=True, layout=layout)
     finally:
         for c, m in zip(chunks, modes):
             c.train(m)
-    if not current_layout().is_last_stage:
+    if not layout.is_last_stage:
         return None
     return [s["out"] for s in store]
 
@@ -992,7 +1090,7 @@ def compute_logprobs(
         parallelism), ready for ``Sample.routed_experts``.
 
     Raises:
-        InputError: as :func:`train_step` for the batch and the logits; ``params`` not one dict
+        InputError: as :func:`train_step` for the batch, the logits and a virtual pipeline; ``params`` not one dict
             per chunk; invalid keywords (as :class:`StepConfig`); ``return_routing`` for a dense
             model or for samples that carry ``routed_experts``.
     """
@@ -1006,11 +1104,13 @@ def compute_logprobs(
     samples = list(batch)
     spec = _batching(cfg, chunks, par)
     _check_context_parallel("compute_logprobs", dataclasses.replace(cfg, loss=PolicyLossConfig()), spec, par)
+    _check_interleaved("compute_logprobs", cfg, spec, par)
     _check_batch("compute_logprobs", samples, spec)
     recorder = _routing_recorder(return_routing, samples, spec)
     plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                    collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
-                                   same_length=spec.same_length, context_parallel=spec.context_parallel)
+                                   same_length=spec.same_length, context_parallel=spec.context_parallel,
+                                   count_multiple=spec.count_multiple)
     unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
     weights: dict[str, torch.Tensor | None] = {"w": None}
 
@@ -1026,8 +1126,8 @@ def compute_logprobs(
         ents = unpack(ent, mb) if with_entropy else [None] * mb.num_samples
         return [(a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack(lp, mb), ents, strict=True)]
 
-    store = forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward,
-                         recorder=recorder)
+    store = _forward_only(chunks, mbs, per_sample, params=params, forward=fused_forward if cfg.fused_output else cfg.fns.forward,
+                          recorder=recorder, layout=par)
     restored = None if store is None else plan.restore(store)
     out = _from_last_stage(restored, [s.response_len for s in samples], with_entropy, par, device)
     if recorder is None:
@@ -1083,8 +1183,9 @@ def compute_values(
         of ``batch``; under context parallelism the CP ranks' shards are gathered.
 
     Raises:
-        InputError: a model without a value head; the batch errors of :func:`train_step`; ``params``
-            not one dict per chunk; values from ``config.fns.forward`` that are not ``[batch, seq]``.
+        InputError: a model without a value head; the batch and virtual-pipeline errors of
+            :func:`train_step`; ``params`` not one dict per chunk; values from ``config.fns.forward``
+            that are not ``[batch, seq]``.
     """
     cfg = config or CriticConfig()
     chunks = list(model_chunks)
@@ -1094,17 +1195,19 @@ def compute_values(
     samples = _without_routes(batch)
     spec = _batching(cfg, chunks, par)
     _check_context_parallel("compute_values", dataclasses.replace(cfg, loss=ValueLossConfig()), spec, par)
+    _check_interleaved("compute_values", cfg, spec, par)
     _check_batch("compute_values", samples, spec)
     plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                                    collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
-                                   same_length=spec.same_length, context_parallel=spec.context_parallel)
+                                   same_length=spec.same_length, context_parallel=spec.context_parallel,
+                                   count_multiple=spec.count_multiple)
     unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
 
     def per_sample(values: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, None]]:
         _check_values("compute_values", values, mb)
         return [(v.float().cpu(), None) for v in unpack(values, mb)]
 
-    store = forward_only(chunks, mbs, per_sample, params=params, forward=cfg.fns.forward)
+    store = _forward_only(chunks, mbs, per_sample, params=params, forward=cfg.fns.forward, recorder=None, layout=par)
     restored = None if store is None else plan.restore(store)
     values, _ = _from_last_stage(restored, [s.response_len for s in samples], False, par, device)
     return values
