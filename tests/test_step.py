@@ -293,9 +293,9 @@ REAL_VOCAB = 151
 REF_TOL = 1e-6
 
 
-def _ref_model_cfg(divisible: int) -> fnppo.ModelConfig:
+def _ref_model_cfg(divisible: int, layers: int = 2) -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         vocab_size=REAL_VOCAB, max_seq_len=32, tie_embeddings=True, make_vocab_size_divisible_by=divisible,
     )
 
@@ -304,18 +304,25 @@ def _ref_samples():
     return synthetic_samples(N_SAMPLES, vocab_size=REAL_VOCAB, seed=17)
 
 
+def _case_model_cfg(case: tuple) -> fnppo.ModelConfig:
+    """The model of a reference case ``(mode, divisible)`` or ``(mode, divisible, layers)``."""
+    return _ref_model_cfg(*case[1:])
+
+
 def _plain_reference(cases: list) -> dict:
-    """(mode, divisible) -> loss, full gradients, per-sample log-probs and entropies (1 process)."""
+    """case -> loss, full gradients, per-sample log-probs and entropies (1 process); a case is
+    ``(mode, divisible)`` or ``(mode, divisible, layers)``."""
     from fnppo.batch import collate_microbatch, unpack_per_sample
 
     out = {}
-    for mode, divisible in cases:
-        (chunk,) = fnppo.build_gpt(_ref_model_cfg(divisible))
+    for case in cases:
+        mode = case[0]
+        (chunk,) = fnppo.build_gpt(_case_model_cfg(case))
         fnppo.layout_invariant_init([chunk], seed=3)
         samples = _ref_samples()
         mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=1)
         logits = fnppo.forward_logits(chunk, mb)
-        assert logits.shape[-1] == _ref_model_cfg(divisible).padded_vocab_size
+        assert logits.shape[-1] == _case_model_cfg(case).padded_vocab_size
         logp = torch.log_softmax(logits.double()[..., :REAL_VOCAB], dim=-1)
         lp = logp.gather(-1, mb.labels[..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1)
@@ -325,7 +332,7 @@ def _plain_reference(cases: list) -> dict:
                                  seq_ids=mb.seq_ids)
         loss.backward()
         grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters()}
-        out[(mode, divisible)] = {
+        out[case] = {
             "loss": float(loss), "grads": grads,
             "logprobs": [t.detach().float() for t in unpack_per_sample(lp, mb)],
             "entropy": [t.detach().float() for t in unpack_per_sample(ent, mb)],
@@ -334,7 +341,8 @@ def _plain_reference(cases: list) -> dict:
 
 
 def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
-    """(mode, divisible) -> train_step's loss, finalized full gradients, compute_logprobs (all DP ranks)."""
+    """case -> train_step's loss, finalized full gradients, compute_logprobs (all DP ranks); cases as
+    in :func:`_plain_reference`."""
     import torch.distributed as dist
 
     import fnppo.step as step_module
@@ -351,8 +359,9 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
     step_module.finalize_grads = spy
     out = {}
     try:
-        for mode, divisible in cases:
-            chunks = fnppo.build_gpt(_ref_model_cfg(divisible))
+        for case in cases:
+            mode = case[0]
+            chunks = fnppo.build_gpt(_case_model_cfg(case))
             fnppo.layout_invariant_init(chunks, seed=3)
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)  # full reduced grads on every DP rank
             state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
@@ -368,7 +377,7 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
             full = fnppo.gather_full_weights(state.model)
             every = [None] * layout.dp
             dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
-            out[(mode, divisible)] = {
+            out[case] = {
                 "metrics": metrics, "grads": full,
                 "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e],
             }
@@ -402,16 +411,19 @@ def _compare_with_plain_reference(ref: dict, got: dict, what: str) -> None:
                 assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5, f"{name}: compute_logprobs {kind} of sample {i}"
 
 
+INTERLEAVED_CASE = ("token-mean", 1, 4)  # 4 layers: one per chunk under pp=2 x vpp=2
+
+
 @pytest.fixture(scope="module")
 def plain_reference():
-    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
+    cases = [(mode, d) for mode in MODES for d in (1, 2, 128)] + [INTERLEAVED_CASE]
     return run_ranks(_plain_reference, 1, cases)[0]
 
 
 def test_train_step_matches_plain_reference_one_process(plain_reference):
     cases = [(mode, d) for mode in MODES for d in (1, 2, 128)]
     got = run_ranks(_reduced_grads_of_train_step, 1, cases, {"num_microbatches": 3})[0]
-    _compare_with_plain_reference(plain_reference, got, "1proc")
+    _compare_with_plain_reference({k: v for k, v in plain_reference.items() if k in got}, got, "1proc")
 
 
 @pytest.mark.slow
@@ -419,3 +431,104 @@ def test_train_step_matches_plain_reference_tp2(plain_reference):
     cases = [(mode, d) for mode in MODES for d in (2, 128)]
     got = run_ranks(_reduced_grads_of_train_step, 2, cases, {"max_tokens_per_microbatch": 24}, tp=2)[0]
     _compare_with_plain_reference({k: v for k, v in plain_reference.items() if k in got}, got, "tp2")
+
+
+# --------------------------------------------------------------------------------------------
+# The interleaved pipeline schedule (vpp) over gloo: as many micro-batches as stages (which
+# deadlocked while every pipeline send was preceded by a blocking shape exchange), counts decided
+# at run time (rounded up to a multiple of pp), and the refusals, all in one run with a short
+# gloo timeout so that a hang fails the test instead of stalling the suite.
+# --------------------------------------------------------------------------------------------
+INTERLEAVED_SPLITS = {
+    "2mb": {"num_microbatches": 2},  # num_microbatches == pp
+    "budget": {"max_tokens_per_microbatch": 26},  # first-fit decreasing: 3 micro-batches -> 4
+    "size8": {"microbatch_size": 8},  # 1 micro-batch -> 2
+}
+
+
+def _interleaved_refusals() -> dict:
+    """The message of every configuration the interleaved schedule cannot run (or "no error")."""
+    from fnppo.batch import collate_microbatch, pad_microbatch
+
+    chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE))
+    value_chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE), head="value")
+    samples = _ref_samples()
+    cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"))
+    mbs = [collate_microbatch(samples[i::2], layout="packed", pad_to_multiple_of=1) for i in range(2)]
+    longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
+    calls = {
+        "three": lambda: fnppo.train_step(fnppo.TrainState(model=chunks, optimizer=None), samples,
+                                          dataclasses.replace(cfg, num_microbatches=3)),
+        "default": lambda: fnppo.compute_logprobs(chunks, samples),
+        "padded": lambda: fnppo.train_step(fnppo.TrainState(model=chunks, optimizer=None), samples,
+                                           dataclasses.replace(cfg, layout="padded", num_microbatches=2)),
+        "critic": lambda: fnppo.critic_step(fnppo.TrainState(model=value_chunks, optimizer=None), samples,
+                                            fnppo.CriticConfig(num_microbatches=3)),
+        "values": lambda: fnppo.compute_values(value_chunks, samples),
+        "too-few": lambda: fnppo.compute_logprobs(chunks, samples[:1], microbatch_size=1),
+        "fwd-count": lambda: fnppo.forward_only(chunks, [pad_microbatch(mb, longest) for mb in mbs] + mbs[:1], lambda lg, mb: None),
+        "fwd-shapes": lambda: fnppo.forward_only(chunks, mbs, lambda lg, mb: None),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except fnppo.InputError as err:
+            out[name] = str(err)
+        except Exception as err:  # noqa: BLE001 - reported by the assertions in the parent
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _interleaved_cases() -> dict:
+    """Refusals first (every rank raises before any communication: the runs after them would
+    time out otherwise), then train_step + compute_logprobs per split, recording the number of
+    micro-batches each schedule ran."""
+    import fnppo.step as step_module
+
+    out = {"refusals": _interleaved_refusals(), "runs": {}}
+    real = step_module._run_schedule
+    counts: list = []
+
+    def spy(chunks, mbs, *args, **kw):
+        counts.append((kw["forward_only"], len(mbs), {tuple(mb.input_ids.shape) for mb in mbs}))
+        return real(chunks, mbs, *args, **kw)
+
+    step_module._run_schedule = spy
+    try:
+        for name, split in INTERLEAVED_SPLITS.items():
+            counts.clear()
+            got = _reduced_grads_of_train_step([INTERLEAVED_CASE], split)
+            out["runs"][name] = {"counts": list(counts), **got}
+    finally:
+        step_module._run_schedule = real
+    return out
+
+
+def test_interleaved_schedule_runs_every_split_and_refuses_what_it_cannot(plain_reference):
+    got = run_ranks(_interleaved_cases, 2, pp=2, vpp=2, timeout_s=60)[0]
+    ref = {INTERLEAVED_CASE: plain_reference[INTERLEAVED_CASE]}
+    expected_counts = {"2mb": 2, "budget": 4, "size8": 2}
+    for name, run in got["runs"].items():
+        n = expected_counts[name]
+        # compute_logprobs (forward only), then train_step, each on n micro-batches of one shape
+        assert [(fwd, k, len(shapes)) for fwd, k, shapes in run["counts"]] == [(True, n, 1), (False, n, 1)], (name, run["counts"])
+        if name == "budget":  # split further than first-fit decreasing did: still within the token cap
+            assert all(s[0] * s[1] <= 26 for _, _, shapes in run["counts"] for s in shapes), run["counts"]
+        _compare_with_plain_reference(ref, {k: v for k, v in run.items() if k != "counts"}, f"pp2-vpp2/{name}")
+    r = got["refusals"]
+    where = "under the interleaved pipeline schedule (pp=2, vpp=2)"
+    assert r["three"].startswith(f"train_step: argument 'config.num_microbatches' expected a multiple of 2 {where}"), r["three"]
+    assert "(e.g. 4;" in r["three"] and r["three"].endswith("received 3"), r["three"]
+    assert r["default"].startswith("compute_logprobs: argument 'config.num_microbatches' expected a multiple of 2"), r["default"]
+    assert "(e.g. 2;" in r["default"] and r["default"].endswith("received None (one micro-batch)"), r["default"]
+    assert r["padded"].startswith(f"train_step: argument 'config.layout' expected 'packed' {where}"), r["padded"]
+    assert r["padded"].endswith("received 'padded'"), r["padded"]
+    assert r["critic"].startswith("critic_step: argument 'config.num_microbatches' expected a multiple of 2"), r["critic"]
+    assert r["values"].startswith("compute_values: argument 'config.num_microbatches' expected a multiple of 2"), r["values"]
+    assert r["too-few"].startswith("split_batch: argument 'samples' expected at least 2 samples on every data-parallel rank"), r["too-few"]
+    assert "1 rounded up to a multiple of 2" in r["too-few"], r["too-few"]
+    assert r["fwd-count"] == (f"forward_only: argument 'microbatches' expected a multiple of 2 micro-batches {where}, which runs "
+                              "micro-batches in groups of 2 per virtual stage, received 3 micro-batches"), r["fwd-count"]
+    assert r["fwd-shapes"].startswith(f"forward_only: argument 'microbatches' expected micro-batches of one shape {where}"), r["fwd-shapes"]
