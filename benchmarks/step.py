@@ -87,9 +87,15 @@ def parse_args(argv=None):
                    help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's")
     p.add_argument("--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)")
     p.add_argument("--checks", choices=["on", "off"], default="off", help="fnppo's call-time checks during the steps")
+    p.add_argument("--recompute", choices=["none", "full"], default="none",
+                   help="activation recomputation: full = Megatron's recompute_granularity='full' (uniform, 1 layer per checkpoint)")
     p.add_argument("--overlap", action="store_true", help="DDP overlap_grad_reduce (data parallelism)")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
     p.add_argument("--search-max", type=int, default=262144)
+    p.add_argument("--search-seq", action="store_true",
+                   help="find the longest single sequence (one sample = one micro-batch) that trains, per path")
+    p.add_argument("--search-seq-max", type=int, default=524288)
+    p.add_argument("--search-seq-unit", type=int, default=4096, help="bisection step of --search-seq (tokens)")
     p.add_argument("--paths", default="A,B,C")
     p.add_argument("--profile", default=None, help="write a torch.profiler summary of one step per path to this file")
     p.add_argument("--sync-report", default=None, help="write where one step of each path synchronizes with the device")
@@ -198,9 +204,11 @@ def layer_spec(args, cfg):
 
 def build_state(args, layout):
     fusions = {"auto": None, "on": True, "off": False}[args.fusions]
-    cfg = fnppo.ModelConfig(vocab_size=args.vocab, max_seq_len=max(4096, args.seq), dtype="bf16" if args.device == "cuda" else "fp32",
+    cfg = fnppo.ModelConfig(vocab_size=args.vocab, max_seq_len=max(4096, args.seq, args.search_seq_max if args.search_seq else 0), dtype="bf16" if args.device == "cuda" else "fp32",
                             tie_embeddings=True, add_qkv_bias=True, rotary_base=1_000_000.0, fusions=fusions, **MODELS[args.model])
     overrides = {"sequence_parallel": True} if args.sp else {}
+    if args.recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg), **overrides)
     fnppo.layout_invariant_init(chunks, seed=0)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True, overlap_grad_reduce=args.overlap)
@@ -233,9 +241,12 @@ def timed_step(state, samples, cfg, device):
     return state, metrics, time.perf_counter() - t0
 
 
-def fits(state, args, path, budget, layout, device) -> bool:
-    n = max(1, budget // args.seq)
-    samples = make_samples(n, args.seq, args.vocab, seed=123)
+def fits(state, args, path, budget, layout, device, *, seq: int | None = None) -> bool:
+    """Whether one ``train_step`` with micro-batches of ``budget`` tokens fits in memory: samples of
+    ``args.seq`` tokens, or (``seq``) one sample of ``seq`` tokens in one micro-batch."""
+    seq = seq or args.seq
+    n = max(1, budget // seq)
+    samples = make_samples(n, seq, args.vocab, seed=123)
     cfg = step_config(path, budget)
     try:
         fnppo.train_step(state, samples, cfg)
@@ -267,6 +278,31 @@ def search(state, args, path, layout, device) -> int:
         if mid <= lo:
             break
         if fits(state, args, path, mid, layout, device):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def search_seq(state, args, path, layout, device) -> int:
+    """The longest single sequence (one sample, one micro-batch) that trains: doubling from
+    ``args.seq``, then bisection to a multiple of ``args.search_seq_unit`` tokens."""
+    unit = args.search_seq_unit
+    lo, hi = 0, None
+    s = args.seq
+    while s <= args.search_seq_max:
+        if fits(state, args, path, s, layout, device, seq=s):
+            lo, s = s, s * 2
+        else:
+            hi = s
+            break
+    if hi is None:
+        return lo
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        if mid <= lo:
+            break
+        if fits(state, args, path, mid, layout, device, seq=mid):
             lo = mid
         else:
             hi = mid
@@ -454,7 +490,7 @@ def run(args, layout, device) -> int:
             except Exception as err:  # noqa: BLE001
                 syncs = {"error": repr(err)}
     result = {
-        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "tp": layout.tp,
+        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "recompute": args.recompute, "seq": args.seq, "tp": layout.tp,
         "sp": args.sp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
         "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -494,6 +530,12 @@ def run(args, layout, device) -> int:
         with fnppo.typechecking(args.checks == "on"):
             for p in paths:
                 result[p]["max_mb_tokens"] = search(state, args, p, layout, device)
+    if args.search_seq and device.type == "cuda":
+        with fnppo.typechecking(args.checks == "on"):
+            for p in paths:
+                result[p]["max_single_sequence"] = search_seq(state, args, p, layout, device)
+                if rank0:
+                    print(f"path {p}: longest single sequence {result[p]['max_single_sequence']:,} tokens", flush=True)
     if rank0:
         print(json.dumps(result, indent=1))
         if args.json:
