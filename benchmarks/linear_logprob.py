@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
+from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
 from fnppo.linear_logprob import linear_logprob_and_entropy  # noqa: E402
 from fnppo.logprob import logprob_and_entropy  # noqa: E402
@@ -83,55 +85,17 @@ METHODS = [
 # ---------------------------------------------------------------------------------------------
 # Timing and memory
 # ---------------------------------------------------------------------------------------------
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def fwd_bwd(method, h, W, labels, g_lp, g_h):
-    def step():
-        h.grad = None
-        W.grad = None
-        method(h, W, labels, g_lp, g_h).backward()
-
-    return step
+    return _fwd_bwd(method, (h, W), labels, g_lp, g_h)
 
 
 def extra_memory(step, h, W, device, logits_bytes):
     """(extra without the input gradients, raw extra), in logits tensors."""
-    if device.type != "cuda":
+    raw = peak_extra_bytes(step, device, (h, W))
+    if raw is None:
         return None, None
-    h.grad, W.grad = None, None
-    gc.collect()
-    _sync(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated(device)
     grads = h.numel() * h.element_size() + W.numel() * W.element_size()
-    h.grad, W.grad = None, None
-    return (peak - base - grads) / logits_bytes, (peak - base) / logits_bytes
+    return (raw - grads) / logits_bytes, raw / logits_bytes
 
 
 def dense_matmuls_ms(h, W, device, reps):
@@ -169,12 +133,7 @@ def reference64(h, W, labels, t, g_lp, g_h, vocab_size=None):
     x = hr @ wr.t()
     if vocab_size is not None:
         x = x[:, :vocab_size]
-    logp = (x / t).log_softmax(-1)
-    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    loss = (lp * g_lp.double()).sum() if g_lp is not None else 0
-    loss = loss + ((ent * g_h.double()).sum() if g_h is not None else 0)
-    loss.backward()
+    lp, ent = fp64_logprob_entropy(x, labels, t, g_lp, g_h)
     return lp.detach(), ent.detach(), hr.grad, wr.grad
 
 

@@ -29,15 +29,17 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
+from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
 from fnppo.logprob import logprob_and_entropy  # noqa: E402
 
@@ -123,53 +125,13 @@ METHODS = [
 # ---------------------------------------------------------------------------------------------
 # Timing and memory
 # ---------------------------------------------------------------------------------------------
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device, reps, warmup):
-    """Median wall time of ``fn()`` in ms (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def fwd_bwd(method, x, labels, g_lp, g_h):
-    def step():
-        x.grad = None
-        method(x, labels, g_lp, g_h).backward()
-
-    return step
+    return _fwd_bwd(method, (x,), labels, g_lp, g_h)
 
 
 def extra_copies(step, x, device):
-    if device.type != "cuda":
-        return None
-    x.grad = None
-    gc.collect()
-    _sync(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    x.grad = None
-    return (peak - base) / (x.numel() * x.element_size())
+    extra = peak_extra_bytes(step, device, (x,))
+    return None if extra is None else extra / (x.numel() * x.element_size())
 
 
 def copy_bandwidth(x, device, reps):
@@ -223,12 +185,7 @@ def device_checks(device):
     def reference(x, labels, t, g_lp, g_h):
         xr = x.detach().double()
         xr = torch.where(torch.isneginf(xr), torch.full_like(xr, -1e6), xr).requires_grad_()
-        logp = (xr / t).log_softmax(-1)
-        lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        loss = (lp * g_lp.double()).sum() if g_lp is not None else 0
-        loss = loss + ((ent * g_h.double()).sum() if g_h is not None else 0)
-        loss.backward()
+        lp, ent = fp64_logprob_entropy(xr, labels, t, g_lp, g_h)
         return lp, ent, xr.grad
 
     eps = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

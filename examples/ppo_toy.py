@@ -229,7 +229,6 @@ def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, d
     columns are sampled from (a padded vocabulary's extra columns are never drawn).
     """
     import torch
-    import torch.distributed as dist
 
     import fnppo
 
@@ -242,12 +241,7 @@ def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, d
         mb = _to(mb, device)
 
         def last_logits(logits, mb):
-            last = logits[:, -1, :].float()
-            if layout.tp > 1:
-                parts = [torch.empty_like(last) for _ in range(layout.tp)]
-                dist.all_gather(parts, last.contiguous(), group=layout.tp_group)
-                last = torch.cat(parts, dim=-1)
-            return last[:, :VOCAB]
+            return gather_vocab(logits[:, -1, :].float(), layout)[:, :VOCAB]
 
         out = fnppo.forward_only(chunks, [mb], last_logits)
         pick = torch.zeros(2, n)
@@ -257,13 +251,33 @@ def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, d
             tok = (cdf < uniforms[:, t : t + 1].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1)
             pick[0] = tok.float()
             pick[1] = logp.gather(1, tok[:, None]).squeeze(1).float()
-        if layout.pp > 1:
-            buf = pick.to(device)
-            dist.broadcast(buf, src=dist.get_global_rank(layout.pp_group, layout.pp - 1), group=layout.pp_group)
-            pick = buf.cpu()
+        pick = from_last_stage(pick, layout, device)
         seqs = torch.cat([seqs, pick[0].long()[:, None]], dim=1)
         logps[:, t] = pick[1]
     return seqs[:, PROMPT_LEN:], logps
+
+
+def gather_vocab(x, layout):
+    """``x [n, vocab_shard]`` of every tensor-parallel rank, concatenated: ``[n, padded vocab]``."""
+    import torch
+    import torch.distributed as dist
+
+    if layout.tp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(layout.tp)]
+    dist.all_gather(parts, x.contiguous(), group=layout.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def from_last_stage(x, layout, device):
+    """The last pipeline stage's ``x`` (a CPU tensor) on every stage."""
+    import torch.distributed as dist
+
+    if layout.pp == 1:
+        return x
+    buf = x.to(device)
+    dist.broadcast(buf, src=dist.get_global_rank(layout.pp_group, layout.pp - 1), group=layout.pp_group)
+    return buf.cpu()
 
 
 def _to(mb, device):
@@ -456,14 +470,28 @@ def smooth(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
     return out
 
 
-def write_plot(rows: list[dict], path: Path, *, title: str, target: float, critic: bool = False) -> None:
-    """Four panels (reward, entropy, KL, grad norm), with ``critic`` six (value loss, explained
-    variance); raw points and a smoothed line, the verdict in the title."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: Path, title: str) -> None:
+    """Title ``fig``, lay it out, write it to ``path`` (100 dpi) and close it."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
+def write_plot(rows: list[dict], path: Path, *, title: str, target: float, critic: bool = False) -> None:
+    """Four panels (reward, entropy, KL, grad norm), with ``critic`` six (value loss, explained
+    variance); raw points and a smoothed line, the verdict in the title."""
+    plt = pyplot()
     panels = [
         ("reward", "mean reward (fraction of tokens right)"),
         ("entropy", "entropy (nats / token)"),
@@ -488,10 +516,7 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float, criti
             ax.axhline(target, color="tab:green", ls="--", label=f"target {target:g}")
             ax.axhline(1.0 / VOCAB, color="tab:gray", ls=":", label=f"chance 1/{VOCAB}")
             ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,6 +544,26 @@ def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
     return root / f"run{int(runs[-1].name[3:]) + 1 if runs else 0:03d}"
 
 
+def agreed_run_dir(args: argparse.Namespace, layout, root: Path | None = None) -> Path:
+    """:func:`choose_run_dir` on rank 0, the same directory (or the same :class:`ArgumentError`) on every rank."""
+    choice: Path | ArgumentError
+    try:
+        choice = choose_run_dir(args, root) if layout.rank == 0 else Path()
+    except ArgumentError as err:
+        choice = err
+    choice = _agree(choice, layout)
+    if isinstance(choice, ArgumentError):
+        raise choice
+    return choice
+
+
+def append_row(rows: list[dict], path: Path, row: dict) -> None:
+    """Rank 0: one step's metrics, kept in ``rows`` and appended to the JSONL file ``path``."""
+    rows.append(row)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def run_settings(args: argparse.Namespace) -> dict:
     keys = RUN_DEFINING + (PPO_DEFINING if args.algo == "ppo" else ())
     return {k: getattr(args, k) for k in keys}
@@ -544,27 +589,34 @@ def _is_rank0_env() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
+    """A toy run's command line: ``parse(argv)``, ``validate`` it (an :class:`ArgumentError` is printed
+    as ``{prog}: error: ...`` on rank 0, exit status 2), set up the parallel layout, ``run_fn(args,
+    layout)`` (its ArgumentError likewise), tear the layout down."""
+    args = parse(argv)
     import torch
 
     try:
-        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+        validate(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
     except ArgumentError as err:
         if _is_rank0_env():
-            print(f"ppo_toy.py: error: {err}", file=sys.stderr)
+            print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     import fnppo
 
-    layout = fnppo.init_parallel(args.tp, args.pp, ep=args.ep, seed=args.seed, device=args.device)
+    layout = fnppo.init_parallel(args.tp, args.pp, ep=getattr(args, "ep", 1), seed=args.seed, device=args.device)
     try:
-        return run(args, layout)
+        return run_fn(args, layout)
     except ArgumentError as err:
         if fnppo.parallel.is_rank_zero():
-            print(f"ppo_toy.py: error: {err}", file=sys.stderr)
+            print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     finally:
         fnppo.parallel.destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli_main("ppo_toy.py", argv, parse_args, validate_args, run)
 
 
 def _agree(value, layout):
@@ -583,15 +635,7 @@ def _setup_run(args, layout):
     controller's state (restored on resume)."""
     import fnppo
 
-    choice: Path | ArgumentError
-    try:
-        choice = choose_run_dir(args) if layout.rank == 0 else Path()
-    except ArgumentError as err:
-        choice = err
-    choice = _agree(choice, layout)
-    if isinstance(choice, ArgumentError):
-        raise choice
-    out_dir = choice
+    out_dir = agreed_run_dir(args, layout)
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
     ref_params = fnppo.snapshot_params(state.model)
@@ -681,9 +725,7 @@ def run(args: argparse.Namespace, layout) -> int:
             critic_part = "" if critic is None else f" critic vf_loss={critic_metrics['vf_loss']:.10e} critic grad_norm={critic_metrics['grad_norm']:.10e}"
             print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}{critic_part}", flush=True)
         if rank0:
-            rows.append(row)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_row(rows, metrics_path, row)
             if progress is not None:
                 extra_bar = {} if critic is None else {"vf": f"{critic_metrics['vf_loss']:.4f}", "ev": f"{critic_metrics['vf_explained_var']:.2f}"}
                 progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}", **extra_bar)

@@ -22,21 +22,21 @@ reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, k3 KL
     torchrun --nproc-per-node 2 examples/vlm_toy.py --tp 2       # gloo on CPU (--pp 2 and DP work too)
 
 Each run writes to its own directory (``runs/vlm_toy/run000``, ... or ``--out-dir``):
-``metrics.jsonl`` and ``vlm_toy.png``. The run directory, argument errors, learning-rate schedule
-and smoothing are those of ``examples/ppo_toy.py`` (imported from it).
+``metrics.jsonl`` and ``vlm_toy.png``. The command line's skeleton (argument errors, exit status,
+parallel set-up), the run directory, the learning-rate schedule, the sampling collectives (the
+logits gathered over TP, the draw sent from the last pipeline stage), smoothing and saving the
+plot are those of ``examples/ppo_toy.py`` (imported from it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_toy as text_toy  # noqa: E402  (argument errors, run directories, lr schedule, smoothing)
+import ppo_toy as text_toy  # noqa: E402  (command line, run directories, lr schedule, sampling collectives, plots)
 from ppo_toy import ArgumentError  # noqa: E402
 
 # torch and fnppo are imported after the arguments are parsed, so --help and argument errors are fast.
@@ -187,7 +187,6 @@ def vision_config(args: argparse.Namespace):
 def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, layout, device):
     """One token per prompt by inverse CDF with given uniforms ``[n]`` (the placeholder is never drawn)."""
     import torch
-    import torch.distributed as dist
 
     import fnppo
 
@@ -196,12 +195,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
 
     def last_logits(logits, mb):
         ends = mb.cu_seqlens[:-1].long() + torch.tensor(mb.seq_lens, device=logits.device) - 1
-        last = logits[0, ends, :].float()
-        if layout.tp > 1:
-            parts = [torch.empty_like(last) for _ in range(layout.tp)]
-            dist.all_gather(parts, last.contiguous(), group=layout.tp_group)
-            last = torch.cat(parts, dim=-1)
-        return last[:, :VOCAB]
+        return text_toy.gather_vocab(logits[0, ends, :].float(), layout)[:, :VOCAB]
 
     out = fnppo.forward_only(chunks, [mb], last_logits)
     pick = torch.zeros(len(prompts))
@@ -210,11 +204,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
         logits[:, IMG] = float("-inf")
         cdf = torch.softmax(logits, dim=-1).cumsum(-1)
         pick = (cdf < uniforms[:, None].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1).float()
-    if layout.pp > 1:
-        buf = pick.to(device)
-        dist.broadcast(buf, src=dist.get_global_rank(layout.pp_group, layout.pp - 1), group=layout.pp_group)
-        pick = buf.cpu()
-    return pick.long()
+    return text_toy.from_last_stage(pick, layout, device).long()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,11 +304,7 @@ def mix_summary(seen: list[tuple[int, int, int]], layout, device) -> dict[str, i
 # ---------------------------------------------------------------------------------------------
 def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> None:
     """Reward (all, image prompts, text prompts), KL, entropy and the micro-batch mix per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = text_toy.pyplot()
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0, 0]
@@ -348,48 +334,14 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     for ax in axes.flat:
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    text_toy.save_figure(fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    try:
-        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
-    except ArgumentError as err:
-        if text_toy._is_rank0_env():
-            print(f"vlm_toy.py: error: {err}", file=sys.stderr)
-        return 2
-    import fnppo
-
-    layout = fnppo.init_parallel(args.tp, args.pp, seed=args.seed, device=args.device)
-    try:
-        return run(args, layout)
-    except ArgumentError as err:
-        if fnppo.parallel.is_rank_zero():
-            print(f"vlm_toy.py: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        fnppo.parallel.destroy_parallel()
-
-
-def _run_dir(args, layout) -> Path:
-    choice: Path | ArgumentError
-    try:
-        choice = text_toy.choose_run_dir(args, root=RUNS_ROOT) if layout.rank == 0 else Path()
-    except ArgumentError as err:
-        choice = err
-    choice = text_toy._agree(choice, layout)
-    if isinstance(choice, ArgumentError):
-        raise choice
-    return choice
+    return text_toy.cli_main("vlm_toy.py", argv, parse_args, validate_args, run)
 
 
 def run(args: argparse.Namespace, layout) -> int:
@@ -400,7 +352,7 @@ def run(args: argparse.Namespace, layout) -> int:
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     torch.manual_seed(args.seed)
-    out_dir = _run_dir(args, layout)
+    out_dir = text_toy.agreed_run_dir(args, layout, RUNS_ROOT)
     state = build(args)
     ref_params = fnppo.snapshot_params(state.model)
     rank0 = layout.rank == 0
@@ -420,9 +372,7 @@ def run(args: argparse.Namespace, layout) -> int:
         state, metrics = fnppo.train_step(state, samples, train_cfg)
         row = {"step": step + 1, **rewards, **mix_summary(recorder.seen, layout, device), **{k: v for k, v in metrics.items() if k != "step"}}
         if rank0:
-            rows.append(row)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            text_toy.append_row(rows, metrics_path, row)
             if progress is not None:
                 progress.set_postfix(reward=f"{rewards['reward']:.3f}", image=f"{rewards['reward_image']:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}")
                 progress.update(1)

@@ -19,12 +19,21 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from fnppo.logprob import (
+    _FLOAT_DTYPES,
+    LOGPROB_IMPLS,
+    _check_labels,
+    _check_labels_and_options,
+    _check_optional_sizes,
+    _check_vocab_bound,
+    _combine,
+    _group_size_rank,
+    _resolve_impl,
+)
 from fnppo.typing import (
     Float,
     Tensor,
@@ -39,10 +48,10 @@ from fnppo.typing import (
 __all__ = ["linear_logprob_and_entropy", "LINEAR_LOGPROB_IMPLS"]
 
 _FN = "fnppo.linear_logprob_and_entropy"
-LINEAR_LOGPROB_IMPLS = ("auto", "triton", "torch")
-"""Values of ``impl`` (and of the environment variable ``FNPPO_LOGPROB_IMPL``)."""
+LINEAR_LOGPROB_IMPLS = LOGPROB_IMPLS
+"""Values of ``impl`` (and of the environment variable ``FNPPO_LOGPROB_IMPL``): those of
+:data:`fnppo.logprob.LOGPROB_IMPLS`."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Memory budget of the backward, as fractions of one [tokens, vocab_shard] logits tensor in the
 # inputs' dtype: the fp32 accumulator of the hidden-state gradient, and the block of logit gradients.
 _DH_BUDGET = 0.03
@@ -141,12 +150,12 @@ def linear_logprob_and_entropy(
       ShapeError: the annotations above are violated (call-time checking on).
     """
     temperature = _check_args(hidden, weight, labels, tp_group, temperature, vocab_size, chunk_tokens, chunk_vocab)
-    impl = _resolve_impl(impl, hidden)
+    impl = _resolve_impl(_FN, impl, hidden, "inputs")
     tp_size, tp_rank = _group_size_rank(tp_group)
     shard = weight.shape[0]
     vocab_total = shard * tp_size if vocab_size is None else vocab_size
     if typechecking_enabled():
-        _check_labels(labels, vocab_total)
+        _check_labels(_FN, labels, vocab_total)
     vocab_start = tp_rank * shard
     n_valid = max(0, min(shard, vocab_total - vocab_start))  # this shard's real (unpadded) rows
     cfg = _Cfg(1.0 / float(temperature), bool(with_entropy), tp_group, tp_size, vocab_start, n_valid, vocab_total, impl, chunk_tokens, chunk_vocab)
@@ -167,7 +176,7 @@ class _Cfg:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation
+# Validation (the label, option and TP checks: fnppo.logprob)
 # ---------------------------------------------------------------------------------------------
 def _check_args(
     hidden: Tensor, weight: Tensor, labels: Tensor, tp_group: Any, temperature: Any,
@@ -184,74 +193,14 @@ def _check_args(
         )
     if weight.device != hidden.device:
         raise input_error(_FN, "weight", f"a tensor on the hidden states' device {hidden.device}", f"one on {weight.device}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise input_error(_FN, "labels", "an integer tensor of token ids", describe(labels))
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise input_error(
-            _FN, "labels", f"shape {tuple(hidden.shape[:-1])} (the hidden states' leading dims)",
-            f"{describe(labels)} with hidden {describe(hidden)}",
-        )
-    if labels.device != hidden.device:
-        raise input_error(_FN, "labels", f"a tensor on the hidden states' device {hidden.device}", f"one on {labels.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise input_error(_FN, "temperature", "a float > 0", repr(temperature))
-    t = float(temperature)
-    if not (t > 0.0) or t == float("inf"):
-        raise input_error(_FN, "temperature", "a finite float > 0", repr(temperature))
-    for name, v in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise input_error(_FN, name, "None or an int >= 1", repr(v))
-    if tp_group is not None and not dist.is_initialized():
-        raise input_error(_FN, "tp_group", "a process group of an initialized torch.distributed", repr(tp_group))
+    t = _check_labels_and_options(
+        _FN, labels, hidden, "hidden", "the hidden states'", temperature, tp_group, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab
+    )
     if vocab_size is not None:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise input_error(_FN, "vocab_size", "None or an int >= 1", repr(vocab_size))
+        _check_optional_sizes(_FN, vocab_size=vocab_size)
         tp_size, _ = _group_size_rank(tp_group)
-        if vocab_size > weight.shape[0] * tp_size:
-            raise input_error(
-                _FN, "vocab_size",
-                f"at most vocab_shard * tp_size = {weight.shape[0]} * {tp_size} = {weight.shape[0] * tp_size} (rows of all 'weight' shards)",
-                repr(vocab_size),
-            )
+        _check_vocab_bound(_FN, vocab_size, weight.shape[0], tp_size, "rows of all 'weight' shards")
     return t
-
-
-def _check_labels(labels: Tensor, vocab_total: int) -> None:
-    """Raise InputError for a label outside ``[0, vocab_total)`` (one device-to-host sync)."""
-    if labels.numel() == 0:
-        return
-    bad = (labels < 0) | (labels >= vocab_total)
-    if bool(bad.any()):
-        first = labels[bad].flatten()[0].item()
-        lo, hi = int(labels.min().item()), int(labels.max().item())
-        raise input_error(
-            _FN, "labels", f"token ids in [0, {vocab_total})",
-            f"{describe(labels)} with values in [{lo}, {hi}] (first bad: {first})",
-        )
-
-
-def _group_size_rank(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _resolve_impl(impl: str | None, hidden: Tensor) -> str:
-    chosen = impl if impl is not None else os.environ.get("FNPPO_LOGPROB_IMPL", "auto").strip().lower() or "auto"
-    if chosen not in LINEAR_LOGPROB_IMPLS:
-        raise input_error(_FN, "impl", f"one of {LINEAR_LOGPROB_IMPLS}", repr(chosen))
-    from fnppo.kernels import triton_available, triton_interpreting
-
-    if chosen == "auto":
-        return "triton" if hidden.is_cuda and hidden.dtype != torch.float64 and triton_available() else "torch"
-    if chosen == "triton":
-        if not triton_available():
-            raise input_error(_FN, "impl", "'torch' or 'auto' (Triton is not installed)", repr(chosen))
-        if not (hidden.is_cuda or triton_interpreting()):
-            raise input_error(_FN, "impl", "'torch' or 'auto' for CPU tensors (unless TRITON_INTERPRET=1)", repr(chosen))
-        if hidden.dtype == torch.float64:
-            raise input_error(_FN, "impl", "'torch' or 'auto' for fp64 inputs", repr(chosen))
-    return chosen
 
 
 def _kernels() -> Any:
@@ -318,7 +267,7 @@ def _rows(hidden: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics and their combination over the TP group
+# Statistics (combined over the TP group by fnppo.logprob._combine)
 # ---------------------------------------------------------------------------------------------
 def _merge_stats(m: Tensor, s: Tensor, w: Tensor | None, dim: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """Merge partial ``(m, s, w)`` along ``dim`` (the partial sums are relative to their own max).
@@ -335,36 +284,6 @@ def _merge_stats(m: Tensor, s: Tensor, w: Tensor | None, dim: int) -> tuple[Tens
         rel = torch.where(s > 0, s * (m - shift), torch.zeros_like(s))
         w_tot = (a * (w + rel)).sum(dim)
     return big.squeeze(dim), s_tot, w_tot
-
-
-def _combine(
-    m: Tensor, s: Tensor, w: Tensor | None, zl: Tensor, labels: Tensor, group: Any, tp_size: int, vocab_total: int
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Per-token ``(logprob, entropy, logsumexp)`` from this shard's ``(m, s, w, zl)``.
-
-    With TP: an all-reduce MAX of ``m``, then one all-reduce SUM of the rescaled ``s``, ``w`` and
-    of ``zl`` (0 on the ranks not holding the label).
-    """
-    if tp_size > 1:
-        m_g = m.clone()
-        dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
-        shift = torch.where(m_g == float("-inf"), torch.zeros_like(m_g), m_g)
-        a = torch.exp(m - shift)  # 0 for a shard without a finite logit on this row
-        parts = [s * a]
-        if w is not None:
-            parts.append(a * (w + torch.where(s > 0, s * (m - shift), torch.zeros_like(s))))
-        parts.append(zl)
-        packed = torch.stack(parts, dim=-1)
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        s, zl, m = packed[:, 0], packed[:, -1], shift
-        w = packed[:, 1] if w is not None else None
-    log_s = torch.log(s)
-    logp = (zl - m) - log_s
-    bad = (labels < 0) | (labels >= vocab_total)  # only reachable with call-time checking off
-    logp = torch.where(bad, torch.full_like(logp, float("nan")), logp)
-    lse = m + log_s
-    entropy = None if w is None else log_s - w / s
-    return logp.contiguous(), (None if entropy is None else entropy.contiguous()), lse.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -128,12 +128,12 @@ def logprob_and_entropy(
     Megatron's cross-entropy: NVIDIA/Megatron-LM PR #1594 and verl PR #2484.
     """
     temperature = _check_args(logits, labels, tp_group, temperature, vocab_size, chunk_tokens)
-    impl = _resolve_impl(impl, logits)
+    impl = _resolve_impl(_FN, impl, logits, "logits")
     tp_size, tp_rank = _group_size_rank(tp_group)
     shard = logits.shape[-1]
     vocab_total = shard * tp_size if vocab_size is None else vocab_size
     if typechecking_enabled():
-        _check_labels(labels, vocab_total, vocab_size is not None)
+        _check_labels(_FN, labels, vocab_total, vocab_size is not None)
     n_valid = max(0, min(shard, vocab_total - tp_rank * shard))  # this shard's real columns: [0, n_valid)
     out = _LogprobEntropy.apply(
         logits, labels, float(temperature), bool(with_entropy), tp_group, tp_size, tp_rank, impl, chunk_tokens,
@@ -145,7 +145,7 @@ def logprob_and_entropy(
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation
+# Validation (the label, option and TP checks are shared with fnppo.linear_logprob)
 # ---------------------------------------------------------------------------------------------
 def _check_args(
     logits: Tensor, labels: Tensor, tp_group: Any, temperature: Any, vocab_size: int | None, chunk_tokens: int | None
@@ -155,36 +155,12 @@ def _check_args(
         raise input_error(_FN, "logits", "a floating tensor (fp32, bf16, fp16 or fp64)", describe(logits))
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise input_error(_FN, "logits", "a [*tok, vocab_shard] tensor with vocab_shard > 0", describe(logits))
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise input_error(_FN, "labels", "an integer tensor of token ids", describe(labels))
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise input_error(
-            _FN, "labels", f"shape {tuple(logits.shape[:-1])} (the logits' leading dims)",
-            f"{describe(labels)} with logits {describe(logits)}",
-        )
-    if labels.device != logits.device:
-        raise input_error(_FN, "labels", f"a tensor on the logits' device {logits.device}", f"one on {labels.device}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise input_error(_FN, "temperature", "a float > 0", repr(temperature))
-    t = float(temperature)
-    if not (t > 0.0) or t == float("inf"):
-        raise input_error(_FN, "temperature", "a finite float > 0", repr(temperature))
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        raise input_error(_FN, "chunk_tokens", "None or an int >= 1", repr(chunk_tokens))
-    if tp_group is not None and not dist.is_initialized():
-        raise input_error(_FN, "tp_group", "a process group of an initialized torch.distributed", repr(tp_group))
+    t = _check_labels_and_options(_FN, labels, logits, "logits", "the logits'", temperature, tp_group, chunk_tokens=chunk_tokens)
     if vocab_size is not None:
         tp_size, _ = _group_size_rank(tp_group)
         shard = logits.shape[-1]
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-            raise input_error(_FN, "vocab_size", "None or an int >= 1", repr(vocab_size))
-        if vocab_size > shard * tp_size:
-            raise input_error(
-                _FN, "vocab_size",
-                f"at most vocab_shard * tp_size = {shard} * {tp_size} = {shard * tp_size} (the real vocabulary; "
-                "the logits may hold a padded one)",
-                repr(vocab_size),
-            )
+        _check_optional_sizes(_FN, vocab_size=vocab_size)
+        _check_vocab_bound(_FN, vocab_size, shard, tp_size, "the real vocabulary; the logits may hold a padded one")
         if tp_size > 1 and vocab_size <= shard:
             raise input_error(
                 _FN, "logits",
@@ -196,7 +172,49 @@ def _check_args(
     return t
 
 
-def _check_labels(labels: Tensor, vocab_total: int, real: bool = False) -> None:
+def _check_labels_and_options(
+    fn: str, labels: Any, source: Tensor, source_name: str, source_desc: str, temperature: Any, tp_group: Any,
+    **sizes: Any,
+) -> float:
+    """The checks of the labels (against ``source``, the tensor whose leading dims they index), the
+    temperature, the optional sizes and the TP group; returns the temperature as a float."""
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise input_error(fn, "labels", "an integer tensor of token ids", describe(labels))
+    if tuple(labels.shape) != tuple(source.shape[:-1]):
+        raise input_error(
+            fn, "labels", f"shape {tuple(source.shape[:-1])} ({source_desc} leading dims)",
+            f"{describe(labels)} with {source_name} {describe(source)}",
+        )
+    if labels.device != source.device:
+        raise input_error(fn, "labels", f"a tensor on {source_desc} device {source.device}", f"one on {labels.device}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise input_error(fn, "temperature", "a float > 0", repr(temperature))
+    t = float(temperature)
+    if not (t > 0.0) or t == float("inf"):
+        raise input_error(fn, "temperature", "a finite float > 0", repr(temperature))
+    _check_optional_sizes(fn, **sizes)
+    if tp_group is not None and not dist.is_initialized():
+        raise input_error(fn, "tp_group", "a process group of an initialized torch.distributed", repr(tp_group))
+    return t
+
+
+def _check_optional_sizes(fn: str, **sizes: Any) -> None:
+    """Each of ``sizes`` is None or an int >= 1."""
+    for name, v in sizes.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise input_error(fn, name, "None or an int >= 1", repr(v))
+
+
+def _check_vocab_bound(fn: str, vocab_size: int, shard: int, tp_size: int, note: str) -> None:
+    """``vocab_size <= shard * tp_size`` (the real vocabulary within the sharded one)."""
+    if vocab_size > shard * tp_size:
+        raise input_error(
+            fn, "vocab_size", f"at most vocab_shard * tp_size = {shard} * {tp_size} = {shard * tp_size} ({note})",
+            repr(vocab_size),
+        )
+
+
+def _check_labels(fn: str, labels: Tensor, vocab_total: int, real: bool = False) -> None:
     """Raise InputError for a label outside ``[0, vocab_total)`` (one device-to-host sync)."""
     if labels.numel() == 0:
         return
@@ -205,7 +223,7 @@ def _check_labels(labels: Tensor, vocab_total: int, real: bool = False) -> None:
         first = labels[bad].flatten()[0].item()
         lo, hi = int(labels.min().item()), int(labels.max().item())
         raise input_error(
-            _FN, "labels", f"token ids in [0, {vocab_total})" + (" (vocab_size)" if real else ""),
+            fn, "labels", f"token ids in [0, {vocab_total})" + (" (vocab_size)" if real else ""),
             f"{describe(labels)} with values in [{lo}, {hi}] (first bad: {first})",
         )
 
@@ -216,21 +234,22 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _resolve_impl(impl: str | None, logits: Tensor) -> str:
+def _resolve_impl(fn: str, impl: str | None, x: Tensor, fp64_inputs: str) -> str:
+    """The implementation to run on ``x``: ``impl``, else ``FNPPO_LOGPROB_IMPL``, else ``"auto"``."""
     chosen = impl if impl is not None else os.environ.get("FNPPO_LOGPROB_IMPL", "auto").strip().lower() or "auto"
     if chosen not in LOGPROB_IMPLS:
-        raise input_error(_FN, "impl", f"one of {LOGPROB_IMPLS}", repr(chosen))
+        raise input_error(fn, "impl", f"one of {LOGPROB_IMPLS}", repr(chosen))
     from fnppo.kernels import triton_available, triton_interpreting
 
     if chosen == "auto":
-        return "triton" if logits.is_cuda and logits.dtype != torch.float64 and triton_available() else "torch"
+        return "triton" if x.is_cuda and x.dtype != torch.float64 and triton_available() else "torch"
     if chosen == "triton":
         if not triton_available():
-            raise input_error(_FN, "impl", "'torch' or 'auto' (Triton is not installed)", repr(chosen))
-        if not (logits.is_cuda or triton_interpreting()):
-            raise input_error(_FN, "impl", "'torch' or 'auto' for CPU tensors (unless TRITON_INTERPRET=1)", repr(chosen))
-        if logits.dtype == torch.float64:
-            raise input_error(_FN, "impl", "'torch' or 'auto' for fp64 logits", repr(chosen))
+            raise input_error(fn, "impl", "'torch' or 'auto' (Triton is not installed)", repr(chosen))
+        if not (x.is_cuda or triton_interpreting()):
+            raise input_error(fn, "impl", "'torch' or 'auto' for CPU tensors (unless TRITON_INTERPRET=1)", repr(chosen))
+        if x.dtype == torch.float64:
+            raise input_error(fn, "impl", f"'torch' or 'auto' for fp64 {fp64_inputs}", repr(chosen))
     return chosen
 
 
@@ -302,30 +321,30 @@ class _LogprobEntropy(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-shard statistics and their combination over the TP group
+# Per-shard statistics and their combination over the TP group (shared with fnppo.linear_logprob)
 # ---------------------------------------------------------------------------------------------
 def _combine(
     m: Tensor, s: Tensor, w: Tensor | None, zl: Tensor, labels: Tensor, group: Any, tp_size: int, vocab_total: int
 ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Per-token ``(logprob, entropy, logsumexp)`` from per-shard ``(m, s, w, zl)``.
+    """Per-token ``(logprob, entropy, logsumexp)`` from this shard's ``(m, s, w, zl)``.
 
     ``s`` and ``w`` are relative to the shard max ``m``; with TP they are rescaled to the global
-    max (collective 1) and summed with the label logit (collective 2).
+    max (collective 1: an all-reduce MAX of ``m``) and summed with the label logit ``zl``, which is
+    0 on the ranks not holding the label (collective 2: one all-reduce SUM).
     """
     if tp_size > 1:
         m_g = m.clone()
         dist.all_reduce(m_g, op=dist.ReduceOp.MAX, group=group)
-        a = torch.exp(m - m_g)  # 0 for a shard that is -inf on this row
+        shift = torch.where(m_g == float("-inf"), torch.zeros_like(m_g), m_g)
+        a = torch.exp(m - shift)  # 0 for a shard without a finite logit on this row
         parts = [s * a]
         if w is not None:
-            parts.append(a * (w + torch.where(s > 0, s * (m - m_g), torch.zeros_like(s))))
+            parts.append(a * (w + torch.where(s > 0, s * (m - shift), torch.zeros_like(s))))
         parts.append(zl)
         packed = torch.stack(parts, dim=-1)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        s = packed[:, 0]
+        s, zl, m = packed[:, 0], packed[:, -1], shift
         w = packed[:, 1] if w is not None else None
-        zl = packed[:, -1]
-        m = m_g
     log_s = torch.log(s)
     logp = (zl - m) - log_s
     bad = (labels < 0) | (labels >= vocab_total)  # only reachable with call-time checking off

@@ -460,6 +460,36 @@ def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatch
         check_routed_experts(fn, samples, num_layers=layers, topk=topk, num_experts=experts, arg="batch", values=typechecking_enabled())
 
 
+def _checked_batching(fn: str, config: StepConfig | CriticConfig, chunks: Sequence[nn.Module], samples: Sequence[Any],
+                      layout: ParallelLayout, *, num_minibatches: int = 1,
+                      cp_config: StepConfig | CriticConfig | None = None) -> _Batching:
+    """:func:`_batching`, after the checks every entry point makes before anything runs:
+    :func:`_check_context_parallel` (of ``cp_config``, default ``config``), :func:`_check_interleaved`
+    and :func:`_check_batch`, in that order."""
+    spec = _batching(config, chunks, layout)
+    _check_context_parallel(fn, config if cp_config is None else cp_config, spec, layout)
+    _check_interleaved(fn, config, spec, layout)
+    _check_batch(fn, samples, spec, num_minibatches)
+    return spec
+
+
+def _microbatches(samples: Sequence[Sample], spec: _Batching, collate: CollateFn, device: torch.device) -> tuple[Any, list[Microbatch]]:
+    """``(plan, micro-batches)`` of ``samples`` split and collated as ``spec`` says
+    (:func:`~fnppo.split.build_microbatches`)."""
+    return build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
+                              collate=collate, device=device, dp_group=spec.dp_group,
+                              same_length=spec.same_length, context_parallel=spec.context_parallel,
+                              count_multiple=spec.count_multiple)
+
+
+def _unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], list[torch.Tensor]]:
+    """Per-sample views of a micro-batch's ``[batch, seq]`` output; under context parallelism the CP
+    ranks' shards gathered (:func:`~fnppo.context_parallel.gather_per_sample`)."""
+    if layout.cp == 1:
+        return unpack_per_sample
+    return lambda v, mb: gather_per_sample(v, mb, layout.cp_group)
+
+
 def _check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
     """The forward must return this rank's vocab shard: ``[..., vocab_size / tp]``."""
     if vocab is None or not isinstance(logits, torch.Tensor) or logits.dim() < 1:
@@ -729,10 +759,7 @@ def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objectiv
         FinalizeNotCalledError: Megatron's schedule returned without calling the finalizer.
     """
     chunks, optimizer = state.model, state.optimizer
-    _, mbs = build_microbatches(minibatch, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
-                                collate=objective.collate, device=device, dp_group=spec.dp_group,
-                                same_length=spec.same_length, context_parallel=spec.context_parallel,
-                                count_multiple=spec.count_multiple)
+    _, mbs = _microbatches(minibatch, spec, objective.collate, device)
     sums = objective.global_sums(mbs, _with_cp_in_dp(layout), device)
     for c in chunks:
         c.zero_grad_buffer()
@@ -844,10 +871,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     layout = current_layout()
     samples = list(batch)
     check_head("train_step", "state.model", state.model[0], "lm")
-    spec = _batching(config, state.model, layout)
-    _check_context_parallel("train_step", config, spec, layout)
-    _check_interleaved("train_step", config, spec, layout)
-    _check_batch("train_step", samples, spec, config.num_minibatches)
+    spec = _checked_batching("train_step", config, state.model, samples, layout, num_minibatches=config.num_minibatches)
     _check_rollout_logprobs("train_step", samples, config.loss)
     device = _device_of(state.model)
 
@@ -904,10 +928,7 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
     layout = current_layout()
     samples = _without_routes(batch)
     check_head("critic_step", "state.model", state.model[0], "value")
-    spec = _batching(config, state.model, layout)
-    _check_context_parallel("critic_step", config, spec, layout)
-    _check_interleaved("critic_step", config, spec, layout)
-    _check_batch("critic_step", samples, spec, config.num_minibatches)
+    spec = _checked_batching("critic_step", config, state.model, samples, layout, num_minibatches=config.num_minibatches)
     _check_critic_targets("critic_step", samples, config.loss)
     device = _device_of(state.model)
 
@@ -1102,16 +1123,10 @@ def compute_logprobs(
     par = current_layout()
     device = _device_of(chunks)
     samples = list(batch)
-    spec = _batching(cfg, chunks, par)
-    _check_context_parallel("compute_logprobs", dataclasses.replace(cfg, loss=PolicyLossConfig()), spec, par)
-    _check_interleaved("compute_logprobs", cfg, spec, par)
-    _check_batch("compute_logprobs", samples, spec)
+    spec = _checked_batching("compute_logprobs", cfg, chunks, samples, par, cp_config=dataclasses.replace(cfg, loss=PolicyLossConfig()))
     recorder = _routing_recorder(return_routing, samples, spec)
-    plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
-                                   collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
-                                   same_length=spec.same_length, context_parallel=spec.context_parallel,
-                                   count_multiple=spec.count_multiple)
-    unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
+    plan, mbs = _microbatches(samples, spec, cfg.fns.collate, device)
+    unpack = _unpacker(par)
     weights: dict[str, torch.Tensor | None] = {"w": None}
 
     def fused_forward(model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -1193,15 +1208,9 @@ def compute_values(
     par = current_layout()
     device = _device_of(chunks)
     samples = _without_routes(batch)
-    spec = _batching(cfg, chunks, par)
-    _check_context_parallel("compute_values", dataclasses.replace(cfg, loss=ValueLossConfig()), spec, par)
-    _check_interleaved("compute_values", cfg, spec, par)
-    _check_batch("compute_values", samples, spec)
-    plan, mbs = build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
-                                   collate=cfg.fns.collate, device=device, dp_group=spec.dp_group,
-                                   same_length=spec.same_length, context_parallel=spec.context_parallel,
-                                   count_multiple=spec.count_multiple)
-    unpack = unpack_per_sample if par.cp == 1 else (lambda v, mb: gather_per_sample(v, mb, par.cp_group))
+    spec = _checked_batching("compute_values", cfg, chunks, samples, par, cp_config=dataclasses.replace(cfg, loss=ValueLossConfig()))
+    plan, mbs = _microbatches(samples, spec, cfg.fns.collate, device)
+    unpack = _unpacker(par)
 
     def per_sample(values: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, None]]:
         _check_values("compute_values", values, mb)

@@ -38,6 +38,7 @@ from fnppo.loss import (
     registered_policy_losses,
     value_loss,
 )
+from tests.loss_helpers import aggregate
 
 F64 = torch.float64
 RTOL = 1e-12
@@ -196,14 +197,7 @@ def ref_ppo_loss(lp, old, adv, mask, cfg: PolicyLossConfig, entropy, ref, rollou
             terms.append(term)
         if terms:
             seqs.append(terms)
-    mode = cfg.loss_agg_mode
-    if mode == "token-mean":
-        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
-    if mode == "seq-mean-token-sum":
-        return sum(sum(s) for s in seqs) / len(seqs)
-    if mode == "seq-mean-token-mean":
-        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
-    return sum(sum(s) / cfg.loss_scale_factor for s in seqs) / len(seqs)
+    return aggregate(seqs, cfg.loss_agg_mode, cfg.loss_scale_factor)
 
 
 # Deterministic settings for the randomized / covariance-based losses.
@@ -415,14 +409,7 @@ def test_value_loss_float64_matches_loop(mode):
             terms.append(0.5 * torch.maximum((vr[b, j] - ret[b, j]) ** 2, (v_clip - ret[b, j]) ** 2))
         if terms:
             seqs.append(terms)
-    if mode == "token-mean":
-        expected = sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
-    elif mode == "seq-mean-token-sum":
-        expected = sum(sum(s) for s in seqs) / len(seqs)
-    elif mode == "seq-mean-token-mean":
-        expected = sum(sum(s) / len(s) for s in seqs) / len(seqs)
-    else:
-        expected = sum(sum(s) / scale for s in seqs) / len(seqs)
+    expected = aggregate(seqs, mode, scale)
     assert_exact(loss, expected, f"value_loss {mode}")
     assert_exact(torch.autograd.grad(loss, v)[0], torch.autograd.grad(expected, vr)[0], f"value_loss {mode} grad")
 

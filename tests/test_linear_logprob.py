@@ -15,6 +15,7 @@ import torch
 from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.typing import InputError, ShapeError, typechecking
+from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,14 +30,7 @@ def reference(h, w, labels, temperature, g_lp=None, g_h=None, vocab_size=None):
     x = hr @ wr.t()
     if vocab_size is not None:
         x = x[..., :vocab_size]
-    logp = (x / temperature).log_softmax(-1)
-    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    loss = torch.zeros((), dtype=torch.float64)
-    if g_lp is not None:
-        loss = loss + (lp * g_lp.double()).sum()
-    if g_h is not None:
-        loss = loss + (ent * g_h.double()).sum()
+    lp, ent, loss = fp64_logprob_entropy(x, labels, temperature, g_lp, g_h)
     dh, dw = torch.autograd.grad(loss, (hr, wr)) if loss.requires_grad else (torch.zeros_like(hr), torch.zeros_like(wr))
     return lp.detach(), ent.detach(), dh, dw
 
@@ -47,15 +41,6 @@ def run_ours(h, w, labels, temperature, g_lp, g_h, **kw):
     loss = (lp * g_lp).sum() + ((ent * g_h).sum() if ent is not None else 0)
     loss.backward()
     return lp, ent, hg.grad, wg.grad
-
-
-def assert_grad_close(grad, ref, dtype, scale=1.0):
-    """The exact gradient rounded to ``dtype``: that rounding plus fp32 error."""
-    assert grad.dtype == dtype and grad.shape == ref.shape
-    eps = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2e-6}[dtype]
-    tol = eps * ref.abs() + 1e-6 * scale * max(1.0, ref.abs().max().item())
-    err = (grad.double() - ref).abs()
-    assert bool((err <= tol).all()), f"max err {err.max().item():.3g} (max |ref| {ref.abs().max().item():.3g})"
 
 
 def problem(lead=(3, 7), hidden=24, vocab=53, dtype=torch.float32, seed=1, std=3.0):

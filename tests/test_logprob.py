@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from fnppo.logprob import _chunk_rows, logprob_and_entropy
 from fnppo.typing import InputError, ShapeError, typechecking
+from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import raises_message
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +30,7 @@ def reference(x, labels, temperature, g_lp=None, g_h=None):
     xr = x.detach().double()
     # -inf entries: a very negative finite value has p = 0 exactly in fp64 and keeps p log p = 0.
     xr = torch.where(torch.isneginf(xr), torch.full_like(xr, -1e6), xr).requires_grad_()
-    logp = (xr / temperature).log_softmax(-1)
-    lp = logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    loss = torch.zeros((), dtype=torch.float64)
-    if g_lp is not None:
-        loss = loss + (lp * g_lp.double()).sum()
-    if g_h is not None:
-        loss = loss + (ent * g_h.double()).sum()
+    lp, ent, loss = fp64_logprob_entropy(xr, labels, temperature, g_lp, g_h)
     (grad,) = torch.autograd.grad(loss, xr) if loss.requires_grad else (torch.zeros_like(xr),)
     return lp.detach(), ent.detach(), grad
 
@@ -47,15 +41,6 @@ def run_ours(x, labels, temperature, g_lp, g_h, **kw):
     loss = (lp * g_lp).sum() + (ent * g_h).sum()
     loss.backward()
     return lp, ent, xg.grad
-
-
-def assert_grad_close(grad, ref, dtype, scale=1.0):
-    """Our gradient is the exact one rounded to ``dtype``: allow that rounding plus fp32 error."""
-    assert grad.dtype == dtype
-    eps = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
-    tol = eps * ref.abs() + 1e-6 * scale * max(1.0, ref.abs().max().item())
-    err = (grad.double() - ref).abs()
-    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}"
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

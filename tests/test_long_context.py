@@ -14,6 +14,7 @@ import torch
 
 import fnppo
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.step_helpers import gather_dp, max_metric_error
 
 REL = 1e-5
 N_SAMPLES = 8
@@ -59,8 +60,8 @@ def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
             _check_refusals(state, samples, cfg)
         state, metrics = fnppo.train_step(state, samples, cfg)
         full = fnppo.gather_full_weights(state.model)
-        logprobs = _gather_dp(logprobs, layout)
-        results[split] = {"metrics": metrics, "weights": full, "logprobs": logprobs, "entropy": _gather_dp(entropy, layout)}
+        logprobs = gather_dp(logprobs, layout)
+        results[split] = {"metrics": metrics, "weights": full, "logprobs": logprobs, "entropy": gather_dp(entropy, layout)}
     return results if layout.rank == 0 else {}
 
 
@@ -76,29 +77,13 @@ def _check_refusals(state, samples, cfg) -> None:
             fnppo.train_step(state, samples, bad)
 
 
-def _gather_dp(per_sample: list, layout) -> list:
-    """Every DP rank's per-sample tensors, in global sample order."""
-    if layout.dp == 1:
-        return per_sample
-    import torch.distributed as dist
-
-    out: list = [None] * layout.dp
-    dist.all_gather_object(out, per_sample, group=layout.dp_group)
-    return [t for part in out for t in part]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
-    worst = 0.0
     assert set(METRICS) <= set(ref["metrics"]) and set(ref["metrics"]) == set(got["metrics"]), what
-    for key in ref["metrics"]:  # every metric, not only the loss terms
-        r, g = ref["metrics"][key], got["metrics"][key]
-        err = abs(g - r) / max(abs(r), 1e-12)
-        assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
-        worst = max(worst, err)
+    worst = max_metric_error(ref["metrics"], got["metrics"], ref["metrics"], what, REL)  # every metric, not only the loss terms
     assert set(ref["weights"]) == set(got["weights"])
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)

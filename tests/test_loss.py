@@ -29,16 +29,9 @@ from fnppo.loss import (
     weighted_metric,
 )
 from fnppo.typing import InputError, ShapeError
+from tests.loss_helpers import aggregate, check_split_invariance, grad_of, leaf, random_batch, t, unchanged_check
+from tests.loss_helpers import float64_default  # noqa: F401  (autouse: float64 default dtype in this module)
 from tests.messages import raises_message
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
 
 
 DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo")
@@ -49,19 +42,6 @@ def cfg_for(name: str = "ppo", mode: str = "token-mean", **kw) -> PolicyLossConf
     if mode == "seq-mean-token-sum-norm":
         kw.setdefault("loss_scale_factor", 4.0)
     return PolicyLossConfig(policy_loss=name, loss_agg_mode=mode, **kw)
-
-
-def t(*rows) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.clone().requires_grad_(True)
-
-
-def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
-    return torch.zeros_like(x) if g is None else g
 
 
 LN = math.log
@@ -480,26 +460,7 @@ def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None
         seqs.append(terms)
     if not seqs:
         return lp.sum() * 0
-    mode = cfg.loss_agg_mode
-    if mode == "token-mean":
-        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
-    if mode == "seq-mean-token-sum":
-        return sum(sum(s) for s in seqs) / len(seqs)
-    if mode == "seq-mean-token-mean":
-        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
-    return sum(sum(s) / cfg.loss_scale_factor for s in seqs) / len(seqs)
-
-
-def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, s, generator=g) * 3
-    lp = old + 0.4 * torch.randn(b, s, generator=g)
-    adv = torch.randn(b, s, generator=g)
-    mask = (torch.rand(b, s, generator=g) < p_mask).double()
-    ent = torch.rand(b, s, generator=g)
-    ref = old + 0.3 * torch.randn(b, s, generator=g)
-    rollout = old + 0.3 * torch.randn(b, s, generator=g)
-    return lp, old, adv, mask, ent, ref, rollout
+    return aggregate(seqs, cfg.loss_agg_mode, cfg.loss_scale_factor)
 
 
 # Input dtypes of the loss tests, each against the float64 loop reference evaluated on the very values
@@ -557,31 +518,8 @@ def test_matches_loop_reference(name, mode, dtype, checking):
        cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]),
        extras=st.booleans())
 def test_split_invariance(seed, b, s, name, mode, cuts, p, extras):
-    lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, b, s, p)
     kw = dict(entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", tis_reject_low=0.2) if extras else {}
-    cfg = cfg_for(name, mode, **kw)
-    others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
-    lp = leaf(lp0)
-    full, full_m = ppo_loss(lp, old, adv, mask, cfg, **others)
-    g_full = grad_of(full, lp)
-    bounds = sorted({0, b, *[c for c in cuts if c < b]})
-    parts = list(zip(bounds[:-1], bounds[1:], strict=True))
-    n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
-    lp2 = leaf(lp0)
-    losses, metrics = [], []
-    for i, j in parts:
-        loss_i, m_i = ppo_loss(lp2[i:j], old[i:j], adv[i:j], mask[i:j], cfg, normalizer=n,
-                               **{k: v[i:j] for k, v in others.items()})
-        losses.append(loss_i)
-        metrics.append(m_i)
-    total = sum(losses)
-    torch.testing.assert_close(total, full)
-    torch.testing.assert_close(grad_of(total, lp2), g_full)
-    merged, whole = finalize_metrics(merge_metrics(metrics)), finalize_metrics(full_m)
-    assert merged.keys() == whole.keys()
-    for key in whole:
-        assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key  # fp32 metrics
-    assert torch.isfinite(g_full).all()
+    check_split_invariance(random_batch(seed, b, s, p), cfg_for(name, mode, **kw), cuts)
 
 
 @pytest.mark.parametrize("name", BUILTIN)
@@ -680,18 +618,14 @@ def test_extreme_log_ratios_stay_finite():
 def test_inputs_not_modified():
     lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
     lp, ent = leaf(lp0), leaf(ent)
-    inputs = dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout)
-    versions = {k: v._version for k, v in inputs.items()}
-    copies = {k: v.detach().clone() for k, v in inputs.items()}
+    unchanged = unchanged_check(dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout))
     for name in BUILTIN:
         cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0, tis_reject_low=0.1)
         loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
         loss.backward()
     value_loss(lp, old, adv, mask, 0.2)[0].backward()
     compute_tis_weights(old, rollout, mask, cap=2.0)
-    for k, v in inputs.items():
-        assert v._version == versions[k], k
-        assert torch.equal(v.detach(), copies[k]), k
+    unchanged()
 
 
 # =============================================================================================
@@ -883,13 +817,7 @@ def reference_value_loss(v, old, ret, mask, clip, mode, scale):
             seqs.append(terms)
     if not seqs:
         return v.sum() * 0
-    if mode == "token-mean":
-        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
-    if mode == "seq-mean-token-sum":
-        return sum(sum(s) for s in seqs) / len(seqs)
-    if mode == "seq-mean-token-mean":
-        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
-    return sum(sum(s) / scale for s in seqs) / len(seqs)
+    return aggregate(seqs, mode, scale)
 
 
 @CHECKING

@@ -23,36 +23,16 @@ from fnppo.loss import (
     compute_tis_weights,
     finalize_metrics,
     loss_normalizer,
-    merge_metrics,
     ppo_loss,
     register_policy_loss,
     tis_batch_stats,
 )
 from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA
 from fnppo.typing import InputError
+from tests.loss_helpers import aggregate, check_split_invariance, grad_of, leaf, random_batch, t, unchanged_check
+from tests.loss_helpers import float64_default  # noqa: F401  (autouse: float64 default dtype in this module)
 
 LN = math.log
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _float64_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def t(*rows) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def leaf(x: torch.Tensor) -> torch.Tensor:
-    return x.clone().requires_grad_(True)
-
-
-def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
-    return torch.zeros_like(x) if g is None else g
 
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -405,21 +385,7 @@ def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, tis_mean=None):
             seqs.append(terms)
     if not seqs:
         return lp.sum() * 0
-    if cfg.loss_agg_mode == "token-mean":
-        return sum(sum(s) for s in seqs) / sum(len(s) for s in seqs)
-    return sum(sum(s) / len(s) for s in seqs) / len(seqs)  # seq-mean-token-mean
-
-
-def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, s, generator=g) * 3
-    lp = old + 0.4 * torch.randn(b, s, generator=g)
-    adv = torch.randn(b, s, generator=g)
-    mask = (torch.rand(b, s, generator=g) < p_mask).double()
-    ent = torch.rand(b, s, generator=g)
-    ref = old + 0.3 * torch.randn(b, s, generator=g)
-    rollout = old + 0.3 * torch.randn(b, s, generator=g)
-    return lp, old, adv, mask, ent, ref, rollout
+    return aggregate(seqs, cfg.loss_agg_mode)
 
 
 OPTIONS = {
@@ -468,34 +434,17 @@ def test_matches_loop_reference(name, mode):
        mode=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
        cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]))
 def test_split_invariance(seed, b, s, name, mode, cuts, p):
-    lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, b, s, p)
+    batch = random_batch(seed, b, s, p)
+    _, old, _, mask, _, _, rollout = batch
     cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.1, **OPTIONS[name])
-    others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
-    lp = leaf(lp0)
-    full, full_m = ppo_loss(lp, old, adv, mask, cfg, **others)
-    g_full = grad_of(full, lp)
-    bounds = sorted({0, b, *[c for c in cuts if c < b]})
-    parts = list(zip(bounds[:-1], bounds[1:]))
-    n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
-    extra = {}
-    if cfg.tis_batch_normalize:  # the global mean weight, from the parts' pairs
-        pair = sum(tis_batch_stats(old[i:j], rollout[i:j], mask[i:j], cfg) for i, j in parts)
-        extra["tis_mean"] = pair[0] / pair[1] if pair[1] > 0 else pair[0]
-    lp2 = leaf(lp0)
-    losses, metrics = [], []
-    for i, j in parts:
-        loss_i, m_i = ppo_loss(lp2[i:j], old[i:j], adv[i:j], mask[i:j], cfg, normalizer=n,
-                               **{k: v[i:j] for k, v in others.items()}, **extra)
-        losses.append(loss_i)
-        metrics.append(m_i)
-    total = sum(losses)
-    torch.testing.assert_close(total, full)
-    torch.testing.assert_close(grad_of(total, lp2), g_full)
-    merged, whole = finalize_metrics(merge_metrics(metrics)), finalize_metrics(full_m)
-    assert merged.keys() == whole.keys()
-    for key in whole:
-        assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key  # fp32 metrics
-    assert torch.isfinite(g_full).all()
+
+    def global_tis_mean(parts: list[tuple[int, int]]) -> dict:
+        if not cfg.tis_batch_normalize:
+            return {}
+        pair = sum(tis_batch_stats(old[i:j], rollout[i:j], mask[i:j], cfg) for i, j in parts)  # the parts' pairs
+        return {"tis_mean": pair[0] / pair[1] if pair[1] > 0 else pair[0]}
+
+    check_split_invariance(batch, cfg, cuts, part_kwargs=global_tis_mean)
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -524,9 +473,7 @@ def test_zero_length_rows_have_nothing_to_reject():
 def test_inputs_not_modified():
     lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
     lp, ent = leaf(lp0), leaf(ent)
-    inputs = dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout)
-    versions = {k: v._version for k, v in inputs.items()}
-    copies = {k: v.detach().clone() for k, v in inputs.items()}
+    unchanged = unchanged_check(dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout))
     for opts in OPTIONS.values():
         cfg = PolicyLossConfig(entropy_coeff=0.1, kl_coef=0.1, **opts)
         loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
@@ -535,9 +482,7 @@ def test_inputs_not_modified():
             tis_batch_stats(old, rollout, mask, cfg)
     compute_tis_weights(old, rollout, mask, cap=2.0, reject_seq_k2=0.01, reject_seq_max_abs_log_ratio=0.3,
                         batch_normalize=True)
-    for k, v in inputs.items():
-        assert v._version == versions[k], k
-        assert torch.equal(v.detach(), copies[k]), k
+    unchanged()
 
 
 # =============================================================================================

@@ -15,6 +15,7 @@ import torch
 
 import fnppo
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.step_helpers import finalize_dropped, finalized_grads, max_metric_error, max_update_error
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 N_SAMPLES = 8
@@ -82,32 +83,15 @@ def _all_modes(splits: tuple[str, ...], layout_name: str) -> dict:
     return {(mode, s): _one_update(SPLITS[s], mode, layout_name) for mode in MODES for s in splits}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
 @pytest.fixture(scope="module")
 def reference():
     return run_ranks(_all_modes, 1, ("1mb", "4mb", "budget"), "1proc")[0]
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
-    worst = 0.0
-    for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"):
-        r, g = ref["metrics"][key], got["metrics"][key]
-        err = abs(g - r) / max(abs(r), 1e-12)
-        assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
-        worst = max(worst, err)
+    worst = max_metric_error(ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL)
     assert set(ref["weights"]) == set(got["weights"]) == set(got["before"])
-    for name, w in ref["weights"].items():
-        # relative to the update, not to the weight (a norm weight moves by a small fraction of itself)
-        assert torch.equal(got["before"][name], ref["before"][name]), f"{what}: initial {name} differs"
-        update_ref = w.double() - ref["before"][name].double()
-        update_got = got["weights"][name].double() - got["before"][name].double()
-        assert float(update_ref.abs().max()) > 0, f"{what}: parameter {name} did not move"
-        err = _rel(update_got, update_ref)
-        assert err <= REL, f"{what}: update of parameter {name} rel err {err:.2e}"
-        worst = max(worst, err)
+    worst = max(worst, max_update_error(ref, got, what, REL))
     assert len(got["logprobs"]) == len(ref["logprobs"]) == N_SAMPLES, what  # every DP rank's samples
     for kind in ("logprobs", "entropy"):
         for i, (a, b) in enumerate(zip(got[kind], ref[kind], strict=True)):
@@ -152,28 +136,12 @@ def test_layouts_match_single_process(reference, world, tp, pp, vpp):
 # finalize is never skipped silently
 # --------------------------------------------------------------------------------------------
 def _train_with_schedule_that_skips_finalize() -> str:
-    import megatron.core.pipeline_parallel as mpp
-
-    real = mpp.get_forward_backward_func
-
-    def dropping_finalize():
-        fb = real()
-
-        def run(**kw):
-            for m in kw["model"]:
-                fnppo.model.unwrap_model(m).config.finalize_model_grads_func = None
-            return fb(**kw)
-
-        return run
-
-    mpp.get_forward_backward_func = dropping_finalize
-    try:
-        state = _build_state()
-        fnppo.train_step(state, synthetic_samples(4, seed=1), fnppo.StepConfig(loss=_loss_cfg("token-mean")))
-    except fnppo.FinalizeNotCalledError as err:
-        return str(err)
-    finally:
-        mpp.get_forward_backward_func = real
+    with finalize_dropped():
+        try:
+            state = _build_state()
+            fnppo.train_step(state, synthetic_samples(4, seed=1), fnppo.StepConfig(loss=_loss_cfg("token-mean")))
+        except fnppo.FinalizeNotCalledError as err:
+            return str(err)
     return "no error"
 
 
@@ -345,20 +313,9 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
     in :func:`_plain_reference`."""
     import torch.distributed as dist
 
-    import fnppo.step as step_module
-
     layout = fnppo.current_layout()
-    real_finalize = step_module.finalize_grads
-    captured: dict = {}
-
-    def spy(model, **kw):  # the gradients train_step hands to the optimizer
-        stats = real_finalize(model, **kw)
-        captured["main_grads"] = [[p.main_grad.detach().clone() for p in fnppo.model.unwrap_model(c).parameters()] for c in model]
-        return stats
-
-    step_module.finalize_grads = spy
     out = {}
-    try:
+    with finalized_grads() as captured:  # the gradients train_step hands to the optimizer
         for case in cases:
             mode = case[0]
             chunks = fnppo.build_gpt(_case_model_cfg(case))
@@ -371,7 +328,7 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
             state, metrics = fnppo.train_step(state, samples, cfg)
             # the captured gradients, gathered like weights: copy them into the parameters, gather
             with torch.no_grad():
-                for c, grads in zip(state.model, captured.pop("main_grads"), strict=True):
+                for c, grads in zip(state.model, captured.pop("grads"), strict=True):
                     for p, g in zip(fnppo.model.unwrap_model(c).parameters(), grads, strict=True):
                         p.copy_(g)
             full = fnppo.gather_full_weights(state.model)
@@ -381,8 +338,6 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
                 "metrics": metrics, "grads": full,
                 "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e],
             }
-    finally:
-        step_module.finalize_grads = real_finalize
     return out if layout.rank == 0 else {}
 
 

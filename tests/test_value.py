@@ -25,7 +25,10 @@ import torch
 
 import fnppo
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.loss_helpers import aggregate
 from tests.messages import check_message
+from tests.step_helpers import finalize_dropped, finalized_grads, gather_dp, max_update_error
+from tests.step_helpers import rel_err as _rel
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 N_SAMPLES = 8
@@ -65,16 +68,6 @@ def _build(sequence_parallel: bool = False, lr: float = 1e4, **opt):
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=lr, adam_eps=10.0, clip_grad=0.0, **opt))
 
 
-def _gather_dp(per_sample: list, layout) -> list:
-    if layout.dp == 1:
-        return per_sample
-    import torch.distributed as dist
-
-    out: list = [None] * layout.dp
-    dist.all_gather_object(out, per_sample, group=layout.dp_group)
-    return [t for part in out for t in part]
-
-
 def _one_update(mode: str, split: str, sequence_parallel: bool = False) -> dict:
     """compute_values and one critic_step on this rank's share; full weights before and after."""
     layout = fnppo.current_layout()
@@ -85,11 +78,7 @@ def _one_update(mode: str, split: str, sequence_parallel: bool = False) -> dict:
     before = fnppo.gather_full_weights(state.model)
     state, metrics = fnppo.critic_step(state, samples, cfg)
     return {"metrics": metrics, "before": before, "weights": fnppo.gather_full_weights(state.model),
-            "values": _gather_dp(values, layout), "step": state.step}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+            "values": gather_dp(values, layout), "step": state.step}
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
@@ -102,14 +91,7 @@ def _compare(ref: dict, got: dict, what: str) -> float:
         assert err <= REL, f"{what}: metric {key} {g} vs one process {r} (rel {err:.2e})"
         worst = max(worst, err)
     assert set(ref["weights"]) == set(got["weights"]), what
-    for name, w in ref["weights"].items():
-        assert torch.equal(got["before"][name], ref["before"][name]), f"{what}: initial {name} differs"
-        update_ref = w.double() - ref["before"][name].double()
-        update_got = got["weights"][name].double() - got["before"][name].double()
-        assert float(update_ref.abs().max()) > 0, f"{what}: {name} did not move"
-        err = _rel(update_got, update_ref)
-        assert err <= REL, f"{what}: update of {name} rel err {err:.2e}"
-        worst = max(worst, err)
+    worst = max(worst, max_update_error(ref, got, what, REL))
     assert len(got["values"]) == len(ref["values"]) == N_SAMPLES, what
     for i, (a, b) in enumerate(zip(got["values"], ref["values"], strict=True)):
         assert a.shape == b.shape, f"{what}: values of sample {i}: {a.shape} vs {b.shape}"
@@ -144,15 +126,7 @@ def _plain_loss(values: list, samples: list, mode: str, clip: float | None, scal
         if terms:
             seqs.append(terms)
     n_tok = sum(len(t) for t in seqs)
-    if mode == "token-mean":
-        loss = sum(sum(t) for t in seqs) / n_tok
-    elif mode == "seq-mean-token-sum":
-        loss = sum(sum(t) for t in seqs) / len(seqs)
-    elif mode == "seq-mean-token-mean":
-        loss = sum(sum(t) / len(t) for t in seqs) / len(seqs)
-    else:
-        loss = sum(sum(t) / scale for t in seqs) / len(seqs)
-    return loss, clipped, n_tok, torch.tensor(rets, dtype=torch.float64), torch.tensor(errs, dtype=torch.float64)
+    return aggregate(seqs, mode, scale), clipped, n_tok, torch.tensor(rets, dtype=torch.float64), torch.tensor(errs, dtype=torch.float64)
 
 
 def _plain_reference(modes) -> dict:
@@ -180,19 +154,8 @@ def _plain_reference(modes) -> dict:
 
 def _finalized_grads(modes, split: str) -> dict:
     """critic_step's gradients as the optimizer receives them (captured right after finalize_grads)."""
-    import fnppo.step as step_module
-
-    real = step_module.finalize_grads
-    captured: dict = {}
-
-    def spy(model, **kw):
-        stats = real(model, **kw)
-        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.model.unwrap_model(c).parameters()] for c in model]
-        return stats
-
-    step_module.finalize_grads = spy
     out = {}
-    try:
+    with finalized_grads() as captured:
         for mode in modes:
             chunks = fnppo.build_gpt(_model_cfg(), head="value")
             fnppo.layout_invariant_init(chunks, seed=3)
@@ -201,8 +164,6 @@ def _finalized_grads(modes, split: str) -> dict:
             _, metrics = fnppo.critic_step(state, _samples(), _critic_cfg(mode, split))
             names = [n for n, _ in fnppo.model.unwrap_model(state.model[0]).named_parameters()]
             out[mode] = {"metrics": metrics, "grads": dict(zip(names, captured.pop("grads")[0], strict=True))}
-    finally:
-        step_module.finalize_grads = real
     return out
 
 
@@ -285,8 +246,6 @@ def _faults() -> dict:
     finalizer is detected; a checkpoint of two train states round-trips."""
     import tempfile
 
-    import megatron.core.pipeline_parallel as mpp
-
     out: dict = {}
     state = _build(lr=1e-2)
     samples = _samples()
@@ -299,26 +258,12 @@ def _faults() -> dict:
     state, out["m3"] = fnppo.critic_step(state, samples, cfg)
     out["moved_after"] = any(not torch.equal(before[k], v) for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters())
 
-    real = mpp.get_forward_backward_func
-
-    def dropping_finalize():
-        fb = real()
-
-        def run(**kw):
-            for m in kw["model"]:
-                fnppo.model.unwrap_model(m).config.finalize_model_grads_func = None
-            return fb(**kw)
-
-        return run
-
-    mpp.get_forward_backward_func = dropping_finalize
-    try:
-        fnppo.critic_step(state, samples, cfg)
-        out["finalize"] = "no error"
-    except fnppo.FinalizeNotCalledError as err:
-        out["finalize"] = str(err)
-    finally:
-        mpp.get_forward_backward_func = real
+    with finalize_dropped():
+        try:
+            fnppo.critic_step(state, samples, cfg)
+            out["finalize"] = "no error"
+        except fnppo.FinalizeNotCalledError as err:
+            out["finalize"] = str(err)
 
     # checkpoints: {"policy", "critic"} in one manifest, loaded into freshly built states
     policy_chunks = fnppo.build_gpt(_model_cfg())

@@ -18,6 +18,7 @@ import fnppo
 from fnppo.batch import Sample, collate_microbatch, unpack_per_sample
 from fnppo.testing import run_ranks
 from fnppo.typing import InputError
+from tests.step_helpers import gather_dp, max_metric_error
 
 IMG = 5  # the placeholder token
 N_TOK = 4  # tokens per image: 8x8 images, 4x4 patches
@@ -201,19 +202,11 @@ def _update(split: str, freeze: bool) -> dict:
     logprobs, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
     state, metrics = fnppo.train_step(state, samples, cfg)
     after = fnppo.gather_full_weights(state.model)
-    logprobs = _gather_dp(logprobs, layout)
+    logprobs = gather_dp(logprobs, layout)
     megatron_norm = float(state.optimizer.get_grad_norm())  # collective
     if layout.rank != 0:
         return {}
     return {"metrics": metrics, "before": before, "weights": after, "logprobs": logprobs, "megatron_norm": megatron_norm}
-
-
-def _gather_dp(per_sample: list[torch.Tensor], layout) -> list[torch.Tensor]:
-    if layout.dp == 1:
-        return per_sample
-    parts: list = [None] * layout.dp
-    torch.distributed.all_gather_object(parts, per_sample, group=layout.dp_group)
-    return [t for p in parts for t in p]
 
 
 def _layout_cases(splits: tuple[str, ...]) -> dict:
@@ -281,12 +274,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
-    worst = 0.0
-    for key in ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"):
-        r, g = ref["metrics"][key], got["metrics"][key]
-        err = abs(g - r) / max(abs(r), 1e-12)
-        assert err <= REL, f"{what}: metric {key} {g} vs reference {r} (rel {err:.2e})"
-        worst = max(worst, err)
+    worst = max_metric_error(ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL)
     assert set(ref["weights"]) == set(got["weights"]), what
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)
