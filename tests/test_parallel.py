@@ -352,9 +352,15 @@ def test_harmless_warning_filters_are_installed_and_can_be_shown():
         "import warnings, fnppo\n"
         "warnings.warn_explicit('Apex is not installed. Falling back to Torch Norm', UserWarning, 'x.py', 1, module='megatron.core.models.backends')\n"
         "warnings.warn_explicit('something else', UserWarning, 'x.py', 2, module='megatron.core.models.backends')\n"
+        # the distributed optimizer's read of its shard views' .grad, as attributed on a GPU; the same
+        # message from anywhere else still shows
+        "leaf = 'The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.'\n"
+        "warnings.warn_explicit(leaf, UserWarning, 'o.py', 3, module='megatron.core.optimizer.optimizer')\n"
+        "warnings.warn_explicit(leaf + ' (elsewhere)', UserWarning, 'y.py', 4, module='mypackage.train')\n"
     )
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "Apex is not installed" not in quiet.stderr and "something else" in quiet.stderr, quiet.stderr
+    assert "o.py" not in quiet.stderr and "(elsewhere)" in quiet.stderr, quiet.stderr
     loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "FNPPO_SHOW_WARNINGS": "1"})
     assert "Apex is not installed" in loud.stderr, loud.stderr
