@@ -7,9 +7,11 @@ state is read through :func:`fnppo.parallel.current_layout`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ __all__ = [
     "ModelConfig",
     "transformer_config",
     "fusion_fields",
+    "deterministic_algorithms",
     "install_fused_rope",
     "build_gpt",
     "wrap_ddp",
@@ -75,6 +78,20 @@ class ModelConfig:
 
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
     them on where the model is built for CUDA (NCCL) and off on CPU; True or False forces them.
+
+    ``deterministic``: bitwise repeatable forward and backward on a GPU, at some speed. Megatron's
+    ``deterministic_mode`` (the embedding lookup by indexing instead of ``F.embedding``, whose
+    backward adds atomically; Transformer Engine's attention then needs
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which :func:`build_gpt` sets where it is unset), and
+    every schedule run of fnppo's steps on the model under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)`` (restored afterwards), under which
+    Megatron's MoE layers route with ``index_put`` and un-permute expert outputs with ``index_add``
+    instead of the atomic ``scatter_add``. Without it an MoE model in bf16 on a GPU gives a
+    slightly different forward each call, which moves tokens whose top-k choice is a near tie to
+    another expert (BENCHMARKS.md, "MoE log-probs from one forward to the next"). On CPU every
+    kernel is deterministic already. For repeatable cuBLAS products set
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns once
+    otherwise).
     """
 
     num_layers: int
@@ -120,6 +137,7 @@ class ModelConfig:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool | None = None
     fusions: bool | None = None
+    deterministic: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -139,6 +157,8 @@ class ModelConfig:
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
         if self.fusions not in (None, True, False):
             raise input_error(fn, "fusions", "None, True or False", repr(self.fusions))
+        if not isinstance(self.deterministic, bool):
+            raise input_error(fn, "deterministic", "True or False", repr(self.deterministic))
         if self.num_experts is not None:
             self._check_moe(fn)
 
@@ -193,6 +213,30 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Run the block under ``torch.use_deterministic_algorithms(True, warn_only=True)`` when
+    ``enabled`` (a model built with ``ModelConfig(deterministic=True)``), and restore torch's
+    previous setting afterwards, also on an exception; with ``enabled`` False, change nothing.
+
+    Megatron-core consults ``torch.are_deterministic_algorithms_enabled()`` at call time: its MoE
+    router then builds the routing map with ``index_put`` and its un-permutation adds the experts'
+    outputs with ``index_add`` instead of ``scatter_add`` (atomic on CUDA, so the sum's order and
+    bf16 rounding change from call to call). ``warn_only``: an operation without a deterministic
+    implementation warns instead of failing the step. Reference: PyTorch "Reproducibility" notes
+    (``torch.use_deterministic_algorithms``).
+    """
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
@@ -341,6 +385,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **fusion_fields(cfg, layout),
+        deterministic_mode=cfg.deterministic,
         deallocate_pipeline_outputs=layout.backend != "gloo",
         # gloo mismatches concurrent batched p2p messages between the same pair of ranks
         # (seen with the interleaved schedule: later micro-batches got wrong activations).
@@ -469,6 +514,8 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
         model_class = GPTModel
     layout = layout or current_layout()
     tcfg = transformer_config(cfg, layout, **config_overrides)
+    if tcfg.deterministic_mode:  # Transformer Engine's attention refuses deterministic_mode without it
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     dense_spec = None
     if cfg.num_experts is not None:
         _moe_without_te()

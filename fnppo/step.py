@@ -63,7 +63,7 @@ from fnppo.loss import (
     value_loss,
 )
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
-from fnppo.model import check_head, forward_hidden, forward_logits, forward_values, unwrap_model
+from fnppo.model import check_head, deterministic_algorithms, forward_hidden, forward_logits, forward_values, unwrap_model
 from fnppo.moe import is_moe, router_derived_metrics, router_step
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.routing import RoutingRecorder, routed, routing_spec
@@ -701,6 +701,9 @@ def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forwar
     ``variable_seq_lengths=False`` (restored afterwards) and the one shape ``[seq_length / cp
     (/ tp with sequence parallelism), micro_batch_size, hidden]`` that the callers give every
     micro-batch (:func:`_check_interleaved`, the ``same_length`` padding of the split).
+
+    A model built with ``ModelConfig(deterministic=True)`` (Megatron's ``deterministic_mode``) runs
+    under torch's deterministic algorithms (:func:`fnppo.model.deterministic_algorithms`).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -713,15 +716,16 @@ def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forwar
     saved = config.variable_seq_lengths
     config.variable_seq_lengths = saved and not interleaved
     try:
-        return fb(
-            forward_step_func=forward_step,
-            data_iterator=data if interleaved else data[0],
-            model=list(chunks),
-            num_microbatches=len(mbs),
-            seq_length=seq_len,
-            micro_batch_size=int(mbs[0].input_ids.shape[0]),
-            forward_only=forward_only,
-        )
+        with deterministic_algorithms(config.deterministic_mode):
+            return fb(
+                forward_step_func=forward_step,
+                data_iterator=data if interleaved else data[0],
+                model=list(chunks),
+                num_microbatches=len(mbs),
+                seq_length=seq_len,
+                micro_batch_size=int(mbs[0].input_ids.shape[0]),
+                forward_only=forward_only,
+            )
     finally:
         config.variable_seq_lengths = saved
 

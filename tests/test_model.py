@@ -238,6 +238,7 @@ def sharded(request, single) -> tuple[str, list[dict]]:
         ({"dtype": "fp8"}, "dtype", "one of 'fp32', 'bf16', 'fp16'"),
         ({"normalization": "BatchNorm"}, "normalization", "'RMSNorm' or 'LayerNorm'"),
         ({"fusions": "yes"}, "fusions", "None, True or False"),
+        ({"deterministic": 1}, "deterministic", "True or False"),
     ],
 )
 def test_model_config_rejects_bad_values(kw, arg, expected):
@@ -261,6 +262,36 @@ def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str 
         world_size=tp * pp, rank=0, tp=tp, pp=pp, dp=1, vpp=vpp, tp_rank=0, pp_rank=0, dp_rank=0,
         tp_group=None, pp_group=None, dp_group=None, backend=backend,
     )
+
+
+def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it():
+    from fnppo.model import deterministic_algorithms
+
+    def state():
+        return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+    before = state()
+    assert before == (False, False)
+    with deterministic_algorithms(True):
+        assert state() == (True, True)
+    assert state() == before
+    with pytest.raises(RuntimeError, match="planted"):
+        with deterministic_algorithms(True):
+            raise RuntimeError("planted")
+    assert state() == before  # restored on an exception too
+    torch.use_deterministic_algorithms(True)  # a caller's own strict setting survives both ways
+    try:
+        with deterministic_algorithms(True):
+            assert state() == (True, True)
+        assert state() == (True, False)
+        with deterministic_algorithms(False):
+            assert state() == (True, False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with deterministic_algorithms(False):
+        assert state() == before
+    assert transformer_config(_cfg(deterministic=True), _fake_layout()).deterministic_mode
+    assert not transformer_config(_cfg(), _fake_layout()).deterministic_mode
 
 
 def test_fusions_follow_the_device_unless_forced(monkeypatch):

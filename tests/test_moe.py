@@ -218,6 +218,7 @@ def _settings() -> dict:
         # must not keep the first model's layer count
         "deeper": dict(num_layers=3),
     }
+    out["deterministic"] = _deterministic_runs(samples)
     for name, overrides in variants.items():
         cfg = _cfg(**overrides)
         full = _full_weights(cfg)
@@ -226,6 +227,35 @@ def _settings() -> dict:
         weights = fnppo.gather_full_weights(state.model)
         biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.moe.routers(state.model)]
         out[name] = {"metrics": metrics, "full": full, "weights": weights, "biases": biases}
+    return out
+
+
+def _deterministic_runs(samples) -> dict:
+    """compute_logprobs and one train_step with and without ModelConfig(deterministic=True) from the
+    same weights, and what Megatron's MoE un-permutation saw of torch's deterministic switch."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    seen: list[bool] = []
+    original = token_dispatcher.unpermute
+
+    def spy(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return original(*args, **kwargs)
+
+    token_dispatcher.unpermute = spy
+    out = {}
+    try:
+        full = _full_weights(_cfg())
+        for det in (False, True):
+            seen.clear()
+            state = _state(_cfg(deterministic=det), full)
+            lp, _ = fnppo.compute_logprobs(state.model, samples, config=_step_cfg(2))
+            state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
+            out[det] = {"seen": list(seen), "after": torch.are_deterministic_algorithms_enabled(), "logprobs": lp,
+                        "metrics": metrics, "weights": fnppo.gather_full_weights(state.model),
+                        "mode": fnppo.model.unwrap_model(state.model[0]).config.deterministic_mode}
+    finally:
+        token_dispatcher.unpermute = original
     return out
 
 
@@ -263,6 +293,21 @@ def test_a_deeper_moe_model_after_another_in_the_same_process(settings):
     m = settings["deeper"]["metrics"]
     assert math.isfinite(m["loss"]) and m["updates"] == 1.0
     assert all(math.isfinite(m[f"moe_z_loss_l{layer}"]) and m[f"moe_z_loss_l{layer}"] > 0 for layer in range(3))
+
+
+def test_deterministic_model_runs_megatron_moe_under_deterministic_algorithms(settings):
+    off, on = settings["deterministic"][False], settings["deterministic"][True]
+    assert on["mode"] and not off["mode"]  # Megatron's deterministic_mode
+    # every un-permutation (compute_logprobs, the step's forward and router metrics) ran with torch's switch on
+    assert on["seen"] and all(on["seen"]), on["seen"]
+    assert off["seen"] and not any(off["seen"]), off["seen"]
+    assert not on["after"] and not off["after"]  # restored after each call
+    # on CPU every kernel is deterministic already: the same numbers
+    for a, b in zip(on["logprobs"], off["logprobs"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert on["metrics"]["loss"] == pytest.approx(off["metrics"]["loss"], rel=1e-6)
+    for name, w in off["weights"].items():
+        torch.testing.assert_close(on["weights"][name], w, rtol=1e-6, atol=1e-7)
 
 
 def test_model_config_refuses_bad_moe_settings():
