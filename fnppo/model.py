@@ -27,6 +27,7 @@ __all__ = [
     "transformer_config",
     "fusion_fields",
     "deterministic_algorithms",
+    "choose_layer_spec",
     "install_fused_rope",
     "build_gpt",
     "wrap_ddp",
@@ -213,6 +214,24 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
+
+
+def choose_layer_spec(cfg: ModelConfig, layout: ParallelLayout, **options: Any):
+    """The layer spec :func:`build_gpt` builds when it is given none.
+
+    :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec where TE is installed,
+    else the local spec), except under context parallelism (``layout.cp > 1``): there the local
+    spec, whose packed attention computes exact document-causal attention across the CP group
+    (:func:`fnppo.context_parallel.context_parallel_attention`, tested against one process).
+    Megatron's own CP inside Transformer Engine's attention stays selectable with
+    ``layer_spec=fnppo.default_layer_spec(cfg)``; its agreement with fnppo's CP has not been
+    measured (it needs two GPUs).
+    """
+    from fnppo.attention import default_layer_spec, local_layer_spec
+
+    if layout.cp > 1:
+        return local_layer_spec(cfg, **options)
+    return default_layer_spec(cfg, **options)
 
 
 @contextlib.contextmanager
@@ -487,10 +506,10 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     or a Hugging Face checkpoint's trunk (:func:`load_full_weights` with ``fresh_head=True``,
     :func:`fnppo.hf.load_hf_weights`).
 
-    ``layer_spec`` defaults to :func:`fnppo.attention.default_layer_spec` (Transformer Engine's spec
-    when installed, else the local spec with packed-sequence attention); pass
-    ``layer_spec=fnppo.local_layer_spec(cfg)`` to force the local spec where Transformer Engine is
-    installed. With MoE layers ``layer_spec`` is the spec of the MoE layers, and dense layers
+    ``layer_spec`` defaults to :func:`choose_layer_spec`: Transformer Engine's spec when installed,
+    else the local spec with packed-sequence attention, and the local spec under context
+    parallelism; pass ``layer_spec=fnppo.local_layer_spec(cfg)`` or
+    ``layer_spec=fnppo.default_layer_spec(cfg)`` to force either. With MoE layers ``layer_spec`` is the spec of the MoE layers, and dense layers
     (``moe_layer_freq``) get the default dense spec. Every router's replay slot is its own
     (``fnppo.routing``): it is taken off Megatron's global list of replay instances, so models built
     earlier never see a later replay. Half-precision models are
@@ -503,8 +522,6 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
-
-    from fnppo.attention import default_layer_spec
 
     if head not in HEADS:
         raise input_error("fnppo.build_gpt", "head", f"one of {HEADS}", repr(head))
@@ -519,11 +536,11 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     dense_spec = None
     if cfg.num_experts is not None:
         _moe_without_te()
-        spec = layer_spec if layer_spec is not None else default_layer_spec(cfg, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+        spec = layer_spec if layer_spec is not None else choose_layer_spec(cfg, layout, moe_grouped_gemm=tcfg.moe_grouped_gemm)
         if len(cfg.moe_layers) < cfg.num_layers:
-            dense_spec = default_layer_spec(dataclasses.replace(cfg, num_experts=None))
+            dense_spec = choose_layer_spec(dataclasses.replace(cfg, num_experts=None), layout)
     else:
-        spec = layer_spec if layer_spec is not None else default_layer_spec(cfg)
+        spec = layer_spec if layer_spec is not None else choose_layer_spec(cfg, layout)
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     from megatron.core import parallel_state as ps

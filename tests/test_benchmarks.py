@@ -105,3 +105,22 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     for path in ("A", "B", "C"):
         assert result[path]["tokens_per_s"] > 0 and math.isfinite(result[path]["first_grad_norm"]), path
     assert result["first_logprobs_max_abs_diff"] <= 1e-5 and result["first_logprobs_max_abs_diff_C_vs_A"] <= 1e-5
+
+
+def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/moe_determinism.py --device cpu: on CPU every kernel is deterministic, so the three
+    calls, path B's stages and the routing replay agree exactly, and every (token, layer) row is counted."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "det.json"
+    cmd = [sys.executable, "benchmarks/moe_determinism.py", "--device", "cpu", "--variants", "local,local_det", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for variant in ("local", "local_det"):
+        r = result[variant]
+        assert r["routing_rows"] == 4 * 64 * 4 and r["routing_rows_differing"] == 0, r  # 4 samples x 64 tokens x 4 layers
+        assert r["A1_vs_A2"] == r["A1_vs_A3"] == r["A1_vs_B"] == r["A1_vs_A1replay"] == 0.0, r

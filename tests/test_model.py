@@ -257,10 +257,10 @@ def test_model_config_is_frozen_and_derives_dtype_and_vocab():
         cfg.num_layers = 3  # type: ignore[misc]
 
 
-def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo") -> ParallelLayout:
+def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo", cp: int = 1) -> ParallelLayout:
     return ParallelLayout(
-        world_size=tp * pp, rank=0, tp=tp, pp=pp, dp=1, vpp=vpp, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, backend=backend,
+        world_size=tp * pp * cp, rank=0, tp=tp, pp=pp, dp=1, vpp=vpp, tp_rank=0, pp_rank=0, dp_rank=0,
+        tp_group=None, pp_group=None, dp_group=None, backend=backend, cp=cp,
     )
 
 
@@ -292,6 +292,20 @@ def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it()
         assert state() == before
     assert transformer_config(_cfg(deterministic=True), _fake_layout()).deterministic_mode
     assert not transformer_config(_cfg(), _fake_layout()).deterministic_mode
+
+
+def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
+    """build_gpt's default spec: default_layer_spec (TE's where installed) except under CP, where the
+    local spec's packed attention does the exact CP attention."""
+    import fnppo.attention
+    from fnppo.attention import PackedDotProductAttention
+    from fnppo.model import choose_layer_spec
+
+    monkeypatch.setattr(fnppo.attention, "default_layer_spec", lambda cfg, **kw: ("default_layer_spec", kw))
+    assert choose_layer_spec(_cfg(), _fake_layout()) == ("default_layer_spec", {})
+    assert choose_layer_spec(_cfg(), _fake_layout(tp=2)) == ("default_layer_spec", {})
+    spec = choose_layer_spec(_cfg(), _fake_layout(cp=2))
+    assert spec.submodules.self_attention.submodules.core_attention is PackedDotProductAttention
 
 
 def test_fusions_follow_the_device_unless_forced(monkeypatch):
