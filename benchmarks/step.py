@@ -260,53 +260,33 @@ def fits(state, args, path, budget, layout, device, *, seq: int | None = None) -
     return bool(flag.item())
 
 
-def search(state, args, path, layout, device) -> int:
-    unit = args.seq
-    lo, hi = 0, None
-    b = args.mb_tokens
-    while b <= args.search_max:
-        if fits(state, args, path, b, layout, device):
-            lo = b
-            b *= 2
-        else:
-            hi = b
+def largest(ok, start: int, cap: int, unit: int) -> int:
+    """The largest size ``n`` with ``ok(n)``: doubling from ``start`` up to ``cap``, then bisection
+    to a multiple of ``unit`` between the last size that fit (or 0) and the first that did not;
+    the last doubling's size when the cap is reached."""
+    lo, hi, n = 0, None, start
+    while n <= cap:
+        if not ok(n):
+            hi = n
             break
-    if hi is None:
-        return lo
-    while hi - lo > unit:
+        lo, n = n, n * 2
+    while hi is not None and hi - lo > unit:
         mid = (lo + hi) // 2 // unit * unit
         if mid <= lo:
             break
-        if fits(state, args, path, mid, layout, device):
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def search(state, args, path, layout, device) -> int:
+    """The largest micro-batch token budget that trains (samples of ``args.seq`` tokens)."""
+    return largest(lambda b: fits(state, args, path, b, layout, device), args.mb_tokens, args.search_max, args.seq)
 
 
 def search_seq(state, args, path, layout, device) -> int:
     """The longest single sequence (one sample, one micro-batch) that trains: doubling from
     ``args.seq``, then bisection to a multiple of ``args.search_seq_unit`` tokens."""
-    unit = args.search_seq_unit
-    lo, hi = 0, None
-    s = args.seq
-    while s <= args.search_seq_max:
-        if fits(state, args, path, s, layout, device, seq=s):
-            lo, s = s, s * 2
-        else:
-            hi = s
-            break
-    if hi is None:
-        return lo
-    while hi - lo > unit:
-        mid = (lo + hi) // 2 // unit * unit
-        if mid <= lo:
-            break
-        if fits(state, args, path, mid, layout, device, seq=mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return largest(lambda s: fits(state, args, path, s, layout, device, seq=s), args.seq, args.search_seq_max, args.search_seq_unit)
 
 
 # ---------------------------------------------------------------------------------------------

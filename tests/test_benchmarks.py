@@ -124,3 +124,22 @@ def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
         r = result[variant]
         assert r["routing_rows"] == 4 * 64 * 4 and r["routing_rows_differing"] == 0, r  # 4 samples x 64 tokens x 4 layers
         assert r["A1_vs_A2"] == r["A1_vs_A3"] == r["A1_vs_B"] == r["A1_vs_A1replay"] == 0.0, r
+
+
+def test_largest_size_search_doubles_then_bisects():
+    """benchmarks/step.py's search for the largest micro-batch / sequence, against the true limit."""
+    from step import largest
+
+    for limit in (0, 1023, 1024, 5000, 8192, 9999, 40960, 10**6):
+        tried = []
+
+        def ok(n, limit=limit):
+            tried.append(n)
+            return n <= limit
+
+        found = largest(ok, 1024, 65536, 512)
+        if limit >= 65536:
+            assert found == 65536, (limit, found)  # the cap
+        else:
+            assert found <= limit < found + 512 and found % 512 == 0, (limit, found)
+        assert len(tried) <= 20, tried
