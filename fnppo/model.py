@@ -80,7 +80,8 @@ class ModelConfig:
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
     them on where the model is built for CUDA (NCCL) and off on CPU; True or False forces them.
 
-    ``deterministic``: bitwise repeatable forward and backward on a GPU, at some speed. Megatron's
+    ``deterministic``: repeatable results on a GPU (measured: repeated MoE forwards agree bit for
+    bit; the backward uses torch's deterministic kernels where torch has them). Megatron's
     ``deterministic_mode`` (the embedding lookup by indexing instead of ``F.embedding``, whose
     backward adds atomically; Transformer Engine's attention then needs
     ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which :func:`build_gpt` sets where it is unset), and
@@ -91,7 +92,7 @@ class ModelConfig:
     slightly different forward each call, which moves tokens whose top-k choice is a near tie to
     another expert (BENCHMARKS.md, "MoE log-probs from one forward to the next"). On CPU every
     kernel is deterministic already. For repeatable cuBLAS products set
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns once
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns
     otherwise).
     """
 
