@@ -461,6 +461,16 @@ def _interleaved_cases() -> dict:
     return out
 
 
+def _interleaved_cp_case() -> dict:
+    return _reduced_grads_of_train_step([INTERLEAVED_CASE], {"num_microbatches": 2})
+
+
+def test_interleaved_schedule_under_context_parallelism_matches_plain_reference(plain_reference):
+    """CP=2 x PP=2 x VPP=2 (4 ranks): each CP rank's shard through the interleaved schedule."""
+    got = run_ranks(_interleaved_cp_case, 4, pp=2, vpp=2, cp=2, timeout_s=90)[0]
+    _compare_with_plain_reference({INTERLEAVED_CASE: plain_reference[INTERLEAVED_CASE]}, got, "cp2-pp2-vpp2")
+
+
 def test_interleaved_schedule_runs_every_split_and_refuses_what_it_cannot(plain_reference):
     got = run_ranks(_interleaved_cases, 2, pp=2, vpp=2, timeout_s=60)[0]
     ref = {INTERLEAVED_CASE: plain_reference[INTERLEAVED_CASE]}
