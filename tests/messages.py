@@ -44,3 +44,19 @@ def raises_message(fn: str, arg: str, expected: str, received: str, exc: type = 
     with pytest.raises(exc) as info:
         yield
     check_message(info.value, exc, fn, arg, expected, received)
+
+
+def messages_of(calls: dict) -> dict:
+    """Run each call (one that should raise) and return its outcome by name: an InputError's message,
+    ``"no error"``, or ``"<type>: <message>"`` for any other exception (for the assertions to report,
+    e.g. from inside a rank function, where raising would hide the other cases)."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except InputError as err:
+            out[name] = str(err)
+        except Exception as err:  # noqa: BLE001 - reported by the caller's assertions
+            out[name] = f"{type(err).__name__}: {err}"
+    return out

@@ -19,7 +19,7 @@ import torch
 
 import fnppo
 from fnppo.testing import run_ranks, synthetic_samples
-from tests.messages import check_message
+from tests.messages import check_message, messages_of
 from tests.test_moe import _cfg as _moe_cfg
 from tests.test_moe import _compare
 
@@ -77,18 +77,6 @@ class _RouterTap:
         for h in self.handles:
             h.remove()
         return self.calls
-
-
-def _messages(cases: dict) -> dict:
-    """Each case is a call that must raise InputError: its message."""
-    out = {}
-    for name, call in cases.items():
-        try:
-            call()
-            out[name] = "no error"
-        except fnppo.InputError as err:
-            out[name] = str(err)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +174,7 @@ def _wide_model() -> dict:
     lp2, _ = fnppo.compute_logprobs(chunks, _with(samples, routed_experts=routes))
     as_uint8 = _with(samples, routed_experts=[r.to(torch.uint8) for r in routes])
     return {"routes": routes, "lp": lp, "lp_replay": lp2,
-            "errors": _messages({"uint8": lambda: fnppo.compute_logprobs(chunks, as_uint8)})}
+            "errors": messages_of({"uint8": lambda: fnppo.compute_logprobs(chunks, as_uint8)})}
 
 
 def _error_cases(state, samples: list, routes: list) -> dict:
@@ -203,7 +191,7 @@ def _error_cases(state, samples: list, routes: list) -> dict:
     replayed = _with(samples, routed_experts=routes)
     mixed = [replayed[0], samples[1], *replayed[2:]]
     mb = fnppo.collate_microbatch(replayed[:2])
-    return _messages({
+    return messages_of({
         "float": lambda: dataclasses.replace(samples[0], routed_experts=routes[0].float()),
         "rows": lambda: dataclasses.replace(samples[0], routed_experts=routes[0][:-2]),
         "range": lambda: fnppo.compute_logprobs(model, changed(2, 3, 1, [1, 4])),

@@ -15,6 +15,7 @@ import torch
 
 import fnppo
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.messages import messages_of
 from tests.step_helpers import finalize_dropped, finalized_grads, max_metric_error, max_update_error
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -424,16 +425,7 @@ def _interleaved_refusals() -> dict:
         "fwd-count": lambda: fnppo.forward_only(chunks, [pad_microbatch(mb, longest) for mb in mbs] + mbs[:1], lambda lg, mb: None),
         "fwd-shapes": lambda: fnppo.forward_only(chunks, mbs, lambda lg, mb: None),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except fnppo.InputError as err:
-            out[name] = str(err)
-        except Exception as err:  # noqa: BLE001 - reported by the assertions in the parent
-            out[name] = f"{type(err).__name__}: {err}"
-    return out
+    return messages_of(calls)
 
 
 def _interleaved_cases() -> dict:
