@@ -135,7 +135,12 @@ class Sample:
       ``t`` of ``prompt ++ response``, one entry per MoE layer in global layer order (dense layers
       skipped); ``len(sample)`` rows, or ``len(sample) - 1`` (an inference engine returns no route
       for the last generated token, whose output predicts nothing: there, as on padding, the router
-      chooses itself). In one batch either every sample has them or none.
+      chooses itself). A row of ``-1`` (every entry) is a token without a route: the router chooses
+      there too. In one batch either every sample has them or none. A sample with multi-modal
+      items may carry the rows of the sequence the model runs, where an item takes several
+      positions (an image placeholder expanded by :class:`fnppo.vlm.VLMCollate`, which checks the
+      exact count): construction then asks for at least ``len(sample) - 1`` rows, and
+      :func:`collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen in :func:`collate_microbatch`. :meth:`from_lists` builds one from Python lists.
@@ -183,13 +188,23 @@ class Sample:
         self._check_routed_experts(fn)
 
     def _check_routed_experts(self, fn: str) -> None:
-        """``routed_experts``: None or an integer ``[tokens, layers, topk]`` with ``len`` or ``len - 1`` rows."""
+        """``routed_experts``: None or an integer ``[tokens, layers, topk]`` with ``len`` or ``len - 1``
+        rows; at least ``len - 1`` rows on a sample with multi-modal items (the exact count is the
+        check of the collate stage that expands them)."""
         t = self.routed_experts
         if t is None:
             return
         if not isinstance(t, torch.Tensor) or t.ndim != 3 or t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
             raise input_error(fn, "routed_experts", "None or an integer tensor [tokens, layers, topk]", _describe_any(t))
         n = len(self)
+        if any(int(v.shape[0]) for v in self.multi_modal.values()):
+            if t.shape[0] < n - 1 or t.shape[1] < 1 or t.shape[2] < 1:
+                raise input_error(
+                    fn, "routed_experts",
+                    f"at least {n - 1} rows (one per position of the sequence the model runs, whose multi-modal items may take "
+                    "several positions each), at least one MoE layer and one expert per row", describe(t),
+                )
+            return
         if t.shape[0] not in (n, n - 1) or t.shape[1] < 1 or t.shape[2] < 1:
             raise input_error(
                 fn, "routed_experts",
@@ -432,9 +447,10 @@ def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int 
     With ``routed_experts`` on the samples (:func:`check_same_fields` checks all-or-none): every
     sample's ``[tokens, layers, topk]`` has the layers and top-k of the first sample (and
     ``num_layers`` / ``topk`` when given: the model's MoE layers and router top-k); its dtype holds
-    ``num_experts - 1``; with ``values``, every index lies in ``[0, num_experts)`` (``>= 0`` when
-    ``num_experts`` is None) and the ``topk`` indices of a row are distinct (duplicates would route
-    a token to fewer experts than top-k, and the dispatcher's token counts would no longer match).
+    ``num_experts - 1``; with ``values``, every row is either ``-1`` in every entry (no route: the
+    router chooses) or indices in ``[0, num_experts)`` (``>= 0`` when ``num_experts`` is None) whose
+    ``topk`` entries are distinct (duplicates would route a token to fewer experts than top-k, and
+    the dispatcher's token counts would no longer match).
     One host sync for the values; the samples are searched one by one only to name the first offender.
 
     Raises:
@@ -463,7 +479,8 @@ def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int 
     def bad_rows(t: Tensor) -> Tensor:
         rows = t.reshape(-1, k).to(torch.int64)
         ordered = rows.sort(dim=-1).values
-        return ((rows < 0) | (rows >= high)).any(-1) | (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+        unset = (rows == -1).all(-1)  # no route: the router chooses
+        return ~unset & (((rows < 0) | (rows >= high)).any(-1) | (ordered[:, 1:] == ordered[:, :-1]).any(-1))
 
     if not bool(bad_rows(torch.cat([s.routed_experts.reshape(-1, k).to(torch.int64) for s in have])).any()):
         return
@@ -477,7 +494,8 @@ def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int 
             token, layer = divmod(flat, want[0])
             row = t.reshape(-1, k)[flat].tolist()
             if min(row) < 0 or max(row) >= high:
-                expected = f"expert indices in [0, {num_experts}) (the model's num_experts)" if num_experts is not None else "expert indices >= 0"
+                expected = (f"expert indices in [0, {num_experts}) (the model's num_experts)" if num_experts is not None
+                            else "expert indices >= 0") + ", or -1 in every entry of a row (no route: the router chooses)"
             else:
                 expected = f"{k} distinct experts per token and MoE layer"
             raise input_error(fn, f"{arg}[{i}].routed_experts", expected, f"experts {row} for token {token}, MoE layer {layer}")
@@ -574,8 +592,8 @@ def collate_microbatch(
         InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,
             token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob,
             advantage, value or return, ref/rollout log-probs, values or returns given for some
-            samples only, mismatched multi-modal
-            items, samples on different devices.
+            samples only, mismatched multi-modal items, samples on different devices, routed
+            experts that are not one row per token (or one fewer) or hold invalid indices.
     """
     fn = "collate_microbatch"
     samples = list(samples)
@@ -621,7 +639,26 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
     _check_values(fn, samples)
     present = check_same_fields(fn, samples)
     check_routed_experts(fn, samples)
+    check_routing_rows(fn, samples)
     return sample_index, present
+
+
+def check_routing_rows(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> None:
+    """Every sample's ``routed_experts`` has ``len(sample)`` or ``len(sample) - 1`` rows: one per
+    token of the sequence being collated (shapes only, no host sync). :class:`Sample` checks this
+    when it is built, except on a sample with multi-modal items, whose rows may be those of the
+    sequence with its items expanded (:class:`fnppo.vlm.VLMCollate` expands both).
+
+    Raises:
+        InputError: naming ``<arg>[i].routed_experts``, the row counts expected and its shape.
+    """
+    for i, s in enumerate(samples):
+        t = s.routed_experts
+        if t is not None and t.shape[0] not in (len(s), len(s) - 1):
+            raise input_error(fn, f"{arg}[{i}].routed_experts",
+                              f"{len(s)} or {len(s) - 1} rows (one per token collated; routes of a sequence whose multi-modal "
+                              "items take several positions need the collate stage that expands them, e.g. fnppo.VLMCollate)",
+                              describe(t))
 
 
 

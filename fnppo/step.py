@@ -1110,8 +1110,10 @@ def compute_logprobs(
         order of ``batch`` (restored by :meth:`~fnppo.split.SplitPlan.restore`), and the entropies
         likewise (or ``None``). Under context parallelism each CP rank computes its shard and the
         shards are gathered (:func:`~fnppo.context_parallel.gather_per_sample`). With
-        ``return_routing``, a third list: per sample ``[len(sample), MoE layers, topk]`` expert
-        indices (:func:`fnppo.routing.record_dtype`; gathered over sequence, context and pipeline
+        ``return_routing``, a third list: per sample ``[tokens, MoE layers, topk]`` expert
+        indices, one row per token of the sample as collated (``len(sample)``; under
+        :class:`fnppo.vlm.VLMCollate` its expanded length, every image ``tokens_per_image`` rows)
+        (:func:`fnppo.routing.record_dtype`; gathered over sequence, context and pipeline
         parallelism), ready for ``Sample.routed_experts``.
 
     Raises:

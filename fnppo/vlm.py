@@ -32,6 +32,15 @@ no other stage knows about images; responses are untouched, so results per respo
 Images travel with their sample (``Sample.multi_modal["images"]``, ``[k, 3, H, W]``, ``k >= 0``);
 a micro-batch without any image has no ``"images"`` key and never runs the vision encoder.
 
+**Routing replay on an MoE language model.** An inference engine records the experts of the
+sequence it ran, each image ``tokens_per_image`` positions; so does :func:`fnppo.compute_logprobs`
+with ``return_routing=True`` under :class:`VLMCollate`. Such rows go on the sample as it is (one
+placeholder per image) as ``Sample.routed_experts`` and the collate stage keeps them aligned with
+the expanded tokens; rows of the unexpanded tokens with ``-1`` at each placeholder are accepted too
+(the image positions are then left to the router), and a row count that fits both readings, or
+neither, is refused (:func:`expand_image_routes`). Replaying a record reproduces its log-probs bit
+for bit (``tests/test_vlm.py``).
+
 **Layouts.** Tensor parallelism: the ViT's attention and MLP and the projector are TP-sharded like
 the language model; the patch convolution, position embeddings and norms are replicated (their
 gradients are equal on the TP ranks, as for layer norms). Data parallelism: images follow their
@@ -82,7 +91,7 @@ from torch import nn
 from fnppo.batch import Microbatch, Sample, collate_microbatch
 from fnppo.model import ModelConfig, transformer_config
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import Float, Int, Tensor, describe, input_error, typechecked, typechecking_enabled
+from fnppo.typing import Bool, Float, Int, Integer, Tensor, describe, input_error, typechecked, typechecking_enabled
 
 __all__ = [
     "VisionConfig",
@@ -90,6 +99,7 @@ __all__ = [
     "VisionLanguageGPT",
     "build_vlm",
     "expand_image_placeholders",
+    "expand_image_routes",
     "scatter_image_features",
     "vision_layer_spec",
 ]
@@ -157,9 +167,15 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
     image of ``sample.multi_modal[image_key]`` (dim 0; no key: zero images). The layout follows
     LLaVA (arXiv:2304.08485): image features take the placeholder's place in the sequence.
 
+    Routed experts (routing replay, :mod:`fnppo.routing`) come out with one row per position of the
+    expanded sequence ``z' = x' ++ y`` (``L' = L + k (N - 1)`` for ``L = len(sample)`` and ``k``
+    images); :func:`expand_image_routes` says which rows a sample may carry and how they expand.
+
     Raises:
         InputError: a placeholder count that differs from the image count, a placeholder in the
-            response, images whose trailing shape is not ``image_shape``.
+            response, images whose trailing shape is not ``image_shape``, routed experts that fit
+            neither the expanded nor the unexpanded sequence, or both (see
+            :func:`expand_image_routes`).
     """
     k = _image_count(sample, image_key)
     prompt = sample.prompt_ids
@@ -173,19 +189,82 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
         images = sample.multi_modal[image_key]
         if tuple(images.shape[1:]) != tuple(image_shape) or not images.is_floating_point():
             raise input_error(fn, f"{arg}.multi_modal[{image_key!r}]", f"floating images [k, {', '.join(map(str, image_shape))}]", describe(images))
+    routes = sample.routed_experts
+    if routes is not None:
+        is_image_token = torch.cat([is_image, torch.zeros_like(sample.response_ids, dtype=torch.bool)])
+        routes = expand_image_routes(routes, is_image_token, tokens_per_image, fn=fn, arg=f"{arg}.routed_experts")
     if k == 0 or tokens_per_image == 1:
         return sample
     repeats = torch.where(is_image, tokens_per_image, 1)
-    return dataclasses.replace(sample, prompt_ids=prompt.repeat_interleave(repeats))
+    return dataclasses.replace(sample, prompt_ids=prompt.repeat_interleave(repeats), routed_experts=routes)
+
+
+@typechecked
+def expand_image_routes(routes: Integer[Tensor, "rows layers topk"], is_image: Bool[Tensor, " tokens"], tokens_per_image: int, *,
+                        fn: str = "fnppo.vlm.expand_image_routes", arg: str = "routes") -> Integer[Tensor, "expanded layers topk"]:
+    """A VLM sample's routed experts, one row per position of its expanded sequence (pure).
+
+    ``is_image[t]`` marks the image placeholders among the ``L`` tokens ``z = prompt ++ response``;
+    with ``k`` placeholders and ``N = tokens_per_image`` the model runs ``L' = L + k (N - 1)``
+    positions (each image takes ``N``). An inference engine (vLLM, SGLang) records routes for that
+    sequence, and so does :func:`fnppo.compute_logprobs` (``return_routing=True``) under
+    :class:`VLMCollate`. ``routes`` (``R``, ``r`` rows) may be:
+
+    * **expanded**: ``r = L'`` or ``L' - 1`` (no row for the last token): row ``t`` is position ``t``
+      of the expanded sequence; returned as is (``R' = R``);
+    * **unexpanded**: ``r = L`` or ``L - 1``, the row of every placeholder ``-1`` in each entry (the
+      image has no recorded route): ``R' = repeat_interleave(R_pad, where(is_image, N, 1))`` with
+      ``R_pad`` the rows padded to ``L`` with ``-1`` rows, so every image position (and the missing
+      last token) is left to the router, and every text token keeps its own row;
+
+    ``-1`` rows are routed by the router itself (:mod:`fnppo.routing`), so only the expanded form
+    replays the rollout's experts at the image positions. With ``k (N - 1) = 0`` both forms are the
+    sequence itself. Row counts that fit both forms (``k (N - 1) = 1``, ``r = L = L' - 1``) are
+    refused: the rows could be shifted by one against the tokens. Layout as LLaVA
+    (arXiv:2304.08485): an image's positions stand where its placeholder stood; routing replay as
+    Rollout Routing Replay (arXiv:2510.11370).
+
+    Raises:
+        InputError: naming ``arg``: a row count that fits neither form (expected ``L'`` or
+            ``L' - 1``, or ``L`` or ``L - 1`` with ``-1`` placeholder rows), one that fits both, an
+            unexpanded form whose placeholder rows are not ``-1`` (one host sync).
+    """
+    n = int(is_image.shape[0])
+    k = int(is_image.sum())
+    extra = k * (tokens_per_image - 1)
+    full, rows = n + extra, int(routes.shape[0])
+    expanded = rows in (full, full - 1)
+    unexpanded = extra > 0 and rows in (n, n - 1)
+    if expanded and unexpanded:
+        raise input_error(fn, arg, f"{full} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} positions; "
+                          f"{rows} rows are ambiguous: the expanded sequence without its last row, or the {n} tokens with the placeholders unexpanded)",
+                          describe(routes))
+    if not expanded and not unexpanded:
+        other = f", or {n} or {n - 1} (one per token, a row of -1 at each placeholder)" if extra else ""
+        raise input_error(fn, arg, f"{full} or {full - 1} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} "
+                          f"positions){other}", describe(routes))
+    if expanded:
+        return routes
+    placeholders = is_image[:rows].nonzero().squeeze(1).to(routes.device)
+    set_rows = ~(routes[placeholders].to(torch.int64) == -1).flatten(1).all(1)
+    if bool(set_rows.any()):
+        t = int(placeholders[set_rows.nonzero()[0, 0]])
+        raise input_error(fn, arg, f"a row of -1 at each image placeholder ({rows} rows: one per token of the unexpanded sequence, the "
+                          f"{tokens_per_image} positions of an image left to the router)", f"experts {routes[t].tolist()} at placeholder token {t}")
+    dtype = torch.promote_types(routes.dtype, torch.int16)  # signed: holds the -1 of the missing last row
+    fill = torch.full((n - rows, *routes.shape[1:]), -1, dtype=dtype, device=routes.device)
+    repeats = torch.where(is_image, tokens_per_image, 1).to(routes.device)
+    return torch.cat([routes.to(dtype), fill]).repeat_interleave(repeats, dim=0)
 
 
 @dataclass(frozen=True)
 class VLMCollate:
     """The collate stage of a vision-language model (a :class:`fnppo.step.CollateFn`).
 
-    Each sample's placeholders are expanded (:func:`expand_image_placeholders`), then
-    :func:`fnppo.batch.collate_microbatch` builds the micro-batch on the expanded sequences, with
-    ``max_seq_len`` checked on the expanded length. Use ``StepConfig(fns=StepFns(collate=...))``.
+    Each sample's placeholders are expanded (:func:`expand_image_placeholders`; its routed experts
+    with them, :func:`expand_image_routes`), then :func:`fnppo.batch.collate_microbatch` builds the
+    micro-batch on the expanded sequences, with ``max_seq_len`` checked on the expanded length. Use
+    ``StepConfig(fns=StepFns(collate=...))``.
     """
 
     image_token_id: int

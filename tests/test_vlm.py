@@ -10,6 +10,7 @@ splits, the padded layout, DP=2, TP=2 and PP=2 as one process with one micro-bat
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -161,6 +162,145 @@ def test_scatter_image_features_against_a_loop():
 
 
 # ---------------------------------------------------------------------------------------------
+# routing replay: the routes follow the expanded tokens (no Megatron)
+# ---------------------------------------------------------------------------------------------
+LAYERS, TOPK = 2, 2
+UNSET = torch.full((LAYERS, TOPK), -1)
+
+
+def _position_routes(n: int, offset: int = 0) -> torch.Tensor:
+    """``[n, LAYERS, TOPK]`` int16 routes whose row ``t`` names ``t`` (``t + offset``): a row out of place shows."""
+    t = torch.arange(n)[:, None, None] + offset
+    return (t + 1000 * torch.arange(LAYERS * TOPK).view(1, LAYERS, TOPK)).to(torch.int16)
+
+
+def _unexpanded_rows(expanded: torch.Tensor, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """The expanded rows of one sample cut to its unexpanded tokens, a row of -1 at each placeholder."""
+    rows, t = [], 0
+    for tok in prompt + response:
+        rows.append(UNSET.to(expanded.dtype) if tok == IMG else expanded[t])
+        t += N_TOK if tok == IMG else 1
+    return torch.stack(rows)
+
+
+def _rows_by_hand(routes: torch.Tensor, prompt: list[int], response: list[int], expanded: bool) -> list[torch.Tensor]:
+    """One row per position of the expanded sequence, built token by token: the rows as given
+    (``expanded``), else each token's own row and N rows of -1 per placeholder; -1 past the rows."""
+    full = len(_expanded_by_hand(prompt)) + len(response)
+    if expanded:
+        rows = list(routes)
+    else:
+        rows = []
+        for u, tok in enumerate(prompt + response):
+            rows += [UNSET] * N_TOK if tok == IMG else [routes[u] if u < len(routes) else UNSET]
+    return [r.to(torch.int32) for r in rows] + [UNSET.to(torch.int32)] * (full - len(rows))
+
+
+# per sample of LAYOUT: (expanded form?, rows left out at the end); text samples have one form
+FORMS = {
+    "expanded": [(True, 0), (True, 1), (True, 0), (True, 1), (True, 0), (True, 1), (True, 0), (True, 0)],
+    "unexpanded": [(True, 0), (True, 1), (False, 0), (False, 1), (True, 0), (False, 1), (False, 0), (True, 1)],
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_routes_follow_the_expanded_tokens(form):
+    """Routes of the expanded sequence (what an engine records) or of the unexpanded tokens with -1
+    at the placeholders: after collation every position holds the row of its own token (-1 at the
+    image positions of the unexpanded form, at a missing last row and on padding), against a
+    micro-batch assembled by hand; the caller's tensors are not written."""
+    batch = []
+    for i, ((p, r, _), (expanded, missing)) in enumerate(zip(LAYOUT, FORMS[form], strict=True)):
+        rows = _position_routes(len(_expanded_by_hand(p)) + len(r), offset=100 * i)
+        if not expanded:
+            rows = _unexpanded_rows(rows, p, r)
+        batch.append(dataclasses.replace(_batch()[i], routed_experts=rows[: len(rows) - missing]))
+    batch[4] = dataclasses.replace(batch[4], routed_experts=batch[4].routed_experts.clone().index_fill_(0, torch.tensor([2]), -1))
+    before = [(s.prompt_ids.clone(), s.prompt_ids._version, s.routed_experts.clone(), s.routed_experts._version) for s in batch]
+    for layout in ("packed", "padded"):
+        mb = _collate()(batch, layout=layout, pad_to_multiple_of=4)
+        segments = []
+        for s, (p, r, _), (expanded, _) in zip(batch, LAYOUT, FORMS[form], strict=True):
+            rows = _rows_by_hand(s.routed_experts, p, r, expanded)
+            width = mb.input_ids.shape[1] if layout == "padded" else -(-len(rows) // 4) * 4
+            segments.append(torch.stack(rows + [UNSET.to(torch.int32)] * (width - len(rows))))
+        want = torch.cat(segments)[None] if layout == "packed" else torch.stack(segments)
+        assert mb.routed_experts.dtype == torch.int32 and torch.equal(mb.routed_experts, want), (form, layout)
+        # every row given names its own sample and expanded position: nothing shifted against the tokens
+        given = (mb.seq_ids >= 0) & (mb.routed_experts[..., 0, 0] >= 0)
+        pos = mb.routed_experts[..., 0, 0] - 100 * mb.seq_ids
+        assert torch.equal(pos[given], mb.position_ids[given])
+        at_images = mb.routed_experts[mb.input_ids == IMG]
+        assert bool((at_images >= 0).all() if form == "expanded" else (at_images == -1).all()), form
+    for s, (ids, ids_v, routes, routes_v) in zip(batch, before, strict=True):
+        assert torch.equal(s.prompt_ids, ids) and s.prompt_ids._version == ids_v
+        assert torch.equal(s.routed_experts, routes) and s.routed_experts._version == routes_v
+
+
+def test_expand_image_routes_against_a_loop():
+    """The public function alone: several images, a missing last row, an unsigned engine dtype."""
+    from fnppo.vlm import expand_image_routes
+
+    prompt, response = [IMG, 1, IMG, IMG, 2], [3, 4]
+    is_image = torch.tensor([t == IMG for t in prompt + response])
+    full = _position_routes(len(_expanded_by_hand(prompt)) + len(response))
+    assert torch.equal(expand_image_routes(full[:-1], is_image, N_TOK), full[:-1])
+    short = _unexpanded_rows(full, prompt, response)[:-1]
+    got = expand_image_routes(short, is_image, N_TOK)
+    assert got.dtype == torch.int16 and torch.equal(got.int(), torch.stack(_rows_by_hand(short, prompt, response, False)))
+    # uint8 rows of an image-only prompt (the placeholder's row missing): signed output, -1 at the image
+    got = expand_image_routes(torch.tensor([[[1, 2], [3, 4]]], dtype=torch.uint8), torch.tensor([False, True]), N_TOK)
+    assert got.dtype == torch.int16 and got[0].tolist() == [[1, 2], [3, 4]] and bool((got[1:] == -1).all()) and len(got) == 1 + N_TOK
+
+
+def _route_errors() -> dict:
+    """Routes that do not fit the expanded sequence, each refused: case -> message."""
+    from fnppo.vlm import VLMCollate
+
+    image = {"images": torch.zeros(1, 3, 8, 8)}
+    p, r = [1, IMG, 2], [7, 8]  # 5 tokens, 8 expanded
+    full = _position_routes(8)
+
+    def sample(rows: torch.Tensor, prompt: list[int] = p) -> Sample:
+        return Sample.from_lists(prompt, r, multi_modal=image, routed_experts=rows)
+
+    cases = {
+        "neither": lambda: _collate()([sample(full[:6])]),
+        "ambiguous": lambda: VLMCollate(IMG, 2)([sample(full[:5])]),  # 5 = 6 expanded - 1 = the 5 tokens
+        "placeholder-row": lambda: _collate()([sample(full[:5])]),  # unexpanded rows, a real route at the placeholder
+        "plain-collate": lambda: collate_microbatch([sample(full)]),
+        "too-few": lambda: sample(full[:3]),
+    }
+    out = {}
+    for name, fn in cases.items():
+        with pytest.raises(InputError) as err:
+            fn()
+        out[name] = err.value
+    return out
+
+
+ROUTE_ERRORS = {  # case -> (function, argument, expected, received)
+    "neither": ("VLMCollate", "samples[0].routed_experts",
+                "8 or 7 rows (one per position of the expanded sequence: 1 image(s) x 4 positions), or 5 or 4 (one per token, a row of -1 at each placeholder)",
+                "int16[6,2,2]"),
+    "ambiguous": ("VLMCollate", "samples[0].routed_experts", "6 rows (one per position of the expanded sequence: 1 image(s) x 2 positions; 5 rows are ambiguous",
+                  "int16[5,2,2]"),
+    "placeholder-row": ("VLMCollate", "samples[0].routed_experts", "a row of -1 at each image placeholder (5 rows: one per token of the unexpanded sequence",
+                        "experts [[1, 1001], [2001, 3001]] at placeholder token 1"),
+    "plain-collate": ("collate_microbatch", "samples[0].routed_experts", "5 or 4 rows (one per token collated; routes of a sequence whose multi-modal "
+                      "items take several positions need the collate stage that expands them, e.g. fnppo.VLMCollate)", "int16[8,2,2]"),
+    "too-few": ("Sample", "routed_experts", "at least 4 rows (one per position of the sequence the model runs", "int16[3,2,2]"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTE_ERRORS))
+def test_routes_that_do_not_fit_the_expanded_sequence_are_refused(case):
+    from tests.messages import check_message
+
+    check_message(_route_errors()[case], InputError, *ROUTE_ERRORS[case])
+
+
+# ---------------------------------------------------------------------------------------------
 # real Megatron: one run_ranks call per layout, every case inside it
 # ---------------------------------------------------------------------------------------------
 def _lm_cfg() -> fnppo.ModelConfig:
@@ -260,8 +400,47 @@ def _reference_extras() -> dict:
     return {"placement": placement, "lp": lp, "lp_other_pixels": lp_other_pixels, "lp_text": lp_text, "lp_gpt": lp_gpt}
 
 
+def _moe_replay() -> dict:
+    """An MoE language model under the vision tower: record the routing of the expanded batch, replay
+    it as recorded, as the unexpanded tokens with -1 at the placeholders, shifted by one row (a
+    misalignment of the right length), with the image rows dropped (refused); training steps on the
+    record and on the shifted rows, the record's log-probs as the old ones."""
+    from fnppo.vlm import VLMCollate, build_vlm
+
+    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48)
+    chunks = build_vlm(cfg, _vision())
+    fnppo.layout_invariant_init(chunks, seed=3, std=0.2)  # large router logits: replay and free routing tell apart
+    col = VLMCollate.from_config(_vision(), max_seq_len=64)
+    step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4)
+    batch = _batch()
+    lp, _, routes = fnppo.compute_logprobs(chunks, batch, config=step, return_routing=True)
+
+    def replay(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        return fnppo.compute_logprobs(chunks, [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, rows, strict=True)], config=step)[0]
+
+    out = {"lp": lp, "routes": routes, "lengths": [col.collated_length(s) for s in batch]}
+    out["replay"] = replay(routes)
+    out["unexpanded"] = replay([_unexpanded_rows(r, p, y) for r, (p, y, _) in zip(routes, LAYOUT, strict=True)])
+    out["shifted"] = replay([r.roll(1, dims=0) for r in routes])
+    def without_images(s: Sample, r: torch.Tensor) -> torch.Tensor:  # the rows of the text tokens only
+        z = torch.cat([s.prompt_ids, s.response_ids])
+        return r[(z != IMG).repeat_interleave(torch.where(z == IMG, N_TOK, 1))]
+
+    for case, which in (("dropped-one-image", 2), ("dropped-two-images", 3)):  # samples with 1 and 2 images
+        try:
+            replay([without_images(s, r) if i == which else r for i, (s, r) in enumerate(zip(batch, routes, strict=True))])
+        except InputError as e:
+            out[case] = str(e)
+    ddp = fnppo.wrap_ddp(chunks)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))  # lr 0: both steps see these weights
+    for case, rows in (("train", routes), ("train_shifted", [r.roll(1, dims=0) for r in routes])):
+        replayed = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)]
+        _, out[case] = fnppo.train_step(state, replayed, step)
+    return out
+
+
 def _reference() -> dict:
-    return {"cases": _layout_cases(("1mb", "4mb", "budget", "padded-4mb")), **_reference_extras()}
+    return {"cases": _layout_cases(("1mb", "4mb", "budget", "padded-4mb")), **_reference_extras(), "moe": _moe_replay()}
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +497,33 @@ def test_pixels_change_the_response_logprobs_of_their_own_sample_only(reference)
 def test_text_only_batch_equals_the_plain_language_model(reference):
     for a, b in zip(reference["lp_text"], reference["lp_gpt"], strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
+    from tests.messages import check_message
+
+    moe = reference["moe"]
+    for r, n in zip(moe["routes"], moe["lengths"], strict=True):  # one row per position of the expanded sequence
+        assert r.dtype == torch.int16 and r.shape == (n, 2, 2), (r.shape, n)
+    for got, want in zip(moe["replay"], moe["lp"], strict=True):
+        assert torch.equal(got, want)
+    # the image positions left to the router: it chooses what it chose when recording
+    for got, want in zip(moe["unexpanded"], moe["lp"], strict=True):
+        assert torch.equal(got, want)
+    # the routes are forced: one row out of place changes the log-probs
+    assert min(float((a - b).abs().max()) for a, b in zip(moe["shifted"], moe["lp"], strict=True)) > 1e-3
+    # the rows of the text tokens only (the image rows dropped): refused where the count shows it
+    # (one image: the unexpanded token count less one, whose placeholder row is the next token's)
+    n, at = len(LAYOUT[2][0]) + len(LAYOUT[2][1]), LAYOUT[2][0].index(IMG)
+    msg = moe["dropped-one-image"]
+    assert re.match(r"fnppo\.vlm\.VLMCollate: argument 'samples\[\d\]\.routed_experts' expected a row of -1 at each image "
+                    rf"placeholder \({n - 1} rows: one per token of the unexpanded sequence", msg), msg
+    assert re.search(rf", received experts \[\[.*\]\] at placeholder token {at}$", msg), msg
+    n = len(LAYOUT[3][0]) + len(LAYOUT[3][1])
+    check_message(InputError(moe["dropped-two-images"]), InputError, "Sample", "routed_experts", f"at least {n - 1} rows", f"int16[{n - 2},2,2]")
+    # training on the record: the first forward reproduces the old log-probs exactly
+    assert moe["train"]["ppo_kl"] == 0.0 and moe["train"]["pg_clipfrac"] == 0.0, moe["train"]
+    assert abs(moe["train_shifted"]["ppo_kl"]) > 1e-4, moe["train_shifted"]
 
 
 @pytest.mark.parametrize(
