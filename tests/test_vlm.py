@@ -4,7 +4,9 @@ The collate stage expands placeholders (checked against lists built by hand), th
 image features at the placeholders (checked against a per-sample forward assembled by hand), and
 ``train_step`` / ``compute_logprobs`` give the same loss, grad norm, updated parameters (vision
 tower included) and log-probs for micro-batches with no image, all images and a mix, token-budget
-splits, the padded layout, DP=2, TP=2 and PP=2 as one process with one micro-batch.
+splits, the padded layout, DP=2, TP=2 and PP=2 as one process with one micro-batch. Routing replay
+on an MoE language model: routed experts expand with the placeholders (checked against micro-batches
+assembled by hand), misaligned ones are refused, and a recorded routing replays bit for bit.
 """
 
 from __future__ import annotations
@@ -253,8 +255,8 @@ def test_expand_image_routes_against_a_loop():
     assert got.dtype == torch.int16 and got[0].tolist() == [[1, 2], [3, 4]] and bool((got[1:] == -1).all()) and len(got) == 1 + N_TOK
 
 
-def _route_errors() -> dict:
-    """Routes that do not fit the expanded sequence, each refused: case -> message."""
+def _route_error(case: str) -> InputError:
+    """The error of one case of routes that do not fit the expanded sequence."""
     from fnppo.vlm import VLMCollate
 
     image = {"images": torch.zeros(1, 3, 8, 8)}
@@ -271,12 +273,9 @@ def _route_errors() -> dict:
         "plain-collate": lambda: collate_microbatch([sample(full)]),
         "too-few": lambda: sample(full[:3]),
     }
-    out = {}
-    for name, fn in cases.items():
-        with pytest.raises(InputError) as err:
-            fn()
-        out[name] = err.value
-    return out
+    with pytest.raises(InputError) as err:
+        cases[case]()
+    return err.value
 
 
 ROUTE_ERRORS = {  # case -> (function, argument, expected, received)
@@ -297,7 +296,7 @@ ROUTE_ERRORS = {  # case -> (function, argument, expected, received)
 def test_routes_that_do_not_fit_the_expanded_sequence_are_refused(case):
     from tests.messages import check_message
 
-    check_message(_route_errors()[case], InputError, *ROUTE_ERRORS[case])
+    check_message(_route_error(case), InputError, *ROUTE_ERRORS[case])
 
 
 # ---------------------------------------------------------------------------------------------
