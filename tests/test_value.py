@@ -4,7 +4,7 @@ Three multi-rank launches hold every check of this file:
 
 * one process: a float64 plain-torch reference of the critic's loss and gradient (one forward of
   the whole batch, the documented per-token loss written out, autograd; no schedule, split or
-  DDP), the values against a Hugging Face model's own hidden states, the micro-batch splits, the
+  DDP), the values against a Hugging Face model's own hidden states (and against transformers' token classifier exported from the critic), the micro-batch splits, the
   non-finite skip, the finalize check, checkpoints of two train states, and every refusal;
 * two ranks, re-initializing Megatron's layout in the same processes: DP=2, TP=2, TP=2 with
   sequence parallelism, PP=2, PP=2 with virtual pipeline 2, CP=2;
