@@ -3,11 +3,16 @@ siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 
 * :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.model.ModelConfig`;
 * :func:`build_gpt_from_hf` builds this rank's model chunks from it;
-* :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard (into a
-  value model's trunk too: ``build_gpt_from_hf(path, head="value")`` gives the critic of PPO a
-  policy checkpoint's trunk and a fresh value head; the loader returns what it skipped);
+* :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard. A value
+  model (``build_gpt_from_hf(path, head="value")``, the critic of PPO) takes a value or reward
+  model's trunk and scalar head (``*ForTokenClassification`` or ``*ForSequenceClassification`` with
+  ``num_labels=1``: ``score.weight`` ``[1, hidden]``, ``score.bias`` ``[1]`` when stored), or a
+  policy checkpoint's trunk with a fresh value head (``lm_head`` skipped); the loader returns what it
+  skipped;
 * :func:`export_hf_weights` writes the inverse (HF names, safetensors shards, ``config.json``), so
-  a trained policy can be served by an inference engine.
+  a trained policy can be served by an inference engine, and a trained critic is a
+  ``*ForTokenClassification`` checkpoint with ``num_labels=1`` (transformers'
+  ``AutoModelForTokenClassification``: ``logits[..., 0]`` are the values).
 
 Name and layout conversion (per layer ``i``; ``G`` key/value groups, ``h = heads / G`` query heads
 per group, ``d`` the head dimension)::
@@ -23,9 +28,15 @@ per group, ``d`` the head dimension)::
     model.layers.i.mlp.down_proj.weight            -> decoder.layers.i.mlp.linear_fc2.weight
     model.norm.weight                              -> decoder.final_layernorm.weight
     lm_head.weight                                 -> output_layer.weight (model.embed_tokens.weight when tied)
+    score.weight [1, hidden], score.bias [1]       -> value_head.weight, value_head.bias (a value model)
 
 (with Transformer Engine's layer spec the two layer norms are ``linear_qkv.layer_norm_weight`` and
-``linear_fc1.layer_norm_weight``). In an MoE layer (``e`` = ``mlp.`` for Qwen-MoE, ``block_sparse_moe.``
+``linear_fc1.layer_norm_weight``). ``score`` is transformers' per-token scalar head
+(``logits = score(norm(h))``, the value model's ``values = value_head(norm(h))``: the same linear
+map of the same hidden state); the value head is replicated on the TP ranks of the last pipeline
+stage, so each of them reads the whole tensor. A checkpoint without ``score.bias``
+(``*ForSequenceClassification``, or ``token_classification_bias=false``) gives a zero bias; export
+always writes it. In an MoE layer (``e`` = ``mlp.`` for Qwen-MoE, ``block_sparse_moe.``
 for Mixtral; expert ``j`` is global, Megatron's local expert ``j - ep_rank * E / ep`` on its EP rank)::
 
     model.layers.i.<e>gate.weight                  -> decoder.layers.i.mlp.router.weight
@@ -96,12 +107,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.model import ModelConfig, _global_name, _is_expert, _is_gated_fc1, _tp_of, build_gpt, check_head, model_head, unwrap_model
+from fnppo.model import ModelConfig, _global_name, _is_expert, _is_gated_fc1, _tp_of, build_gpt, model_head, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.typing import Tensor, input_error
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "TOKEN_CLASSIFICATION_ARCHITECTURES",
+    "SEQUENCE_CLASSIFICATION_ARCHITECTURES",
     "model_config_from_hf",
     "build_gpt_from_hf",
     "load_hf_weights",
@@ -117,7 +130,16 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
-"""``model_type`` -> ``architectures`` entry of the supported Hugging Face families."""
+"""``model_type`` -> ``architectures`` entry of the supported Hugging Face families (policies)."""
+_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
+TOKEN_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = {t: c + "ForTokenClassification" for t, c in _CLASSES.items()}
+"""``model_type`` -> transformers' per-token classifier of the family (``score.weight`` ``[num_labels,
+hidden]`` and, unless ``token_classification_bias`` is false, ``score.bias``): with ``num_labels=1``
+a value model, what :func:`export_hf_weights` writes for one."""
+SEQUENCE_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = {t: c + "ForSequenceClassification" for t, c in _CLASSES.items()}
+"""``model_type`` -> transformers' sequence classifier of the family (``score.weight`` ``[num_labels,
+hidden]``, no bias, applied per token and read at the last one): with ``num_labels=1`` a reward or
+value model, loadable into a value model."""
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # sliding window switched by use_sliding_window
 
@@ -155,10 +177,58 @@ def _family(fn: str, hf: Mapping[str, Any]) -> str:
     supported = ", ".join(f"{a} (model_type {t!r})" for t, a in SUPPORTED_ARCHITECTURES.items())
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise input_error(fn, "config.model_type", f"one of: {supported}", f"model_type={model_type!r}, architectures={list(archs)!r}")
-    bad = [a for a in archs if a != SUPPORTED_ARCHITECTURES[model_type]]
-    if bad:
-        raise input_error(fn, "config.architectures", f"[{SUPPORTED_ARCHITECTURES[model_type]!r}] for model_type {model_type!r}", repr(list(archs)))
+    _checkpoint_head(fn, model_type, hf, "config")
     return model_type
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What a checkpoint's ``config.json`` says it ends in."""
+
+    kind: str  # "lm" (*ForCausalLM), "token" (*ForTokenClassification), "sequence" (*ForSequenceClassification)
+    bias: bool  # a classifier's score.bias (token: token_classification_bias, default true; sequence: never)
+
+
+def _key(label: str, name: str) -> str:
+    """How an entry of a config is named in errors: ``config.num_labels`` or ``config.json['num_labels']``."""
+    return f"{label}.{name}" if label == "config" else f"{label}[{name!r}]"
+
+
+def _checkpoint_head(fn: str, family: str, hf: Mapping[str, Any], label: str) -> _Head | None:
+    """The head a Hugging Face config of ``family`` describes (``None``: no ``architectures``).
+
+    A policy is ``<Family>ForCausalLM``; a value or reward model ``<Family>ForTokenClassification``
+    or ``<Family>ForSequenceClassification`` with one label: transformers counts the labels as
+    ``len(id2label)`` where ``id2label`` is given, else ``num_labels``, else 2 (its default).
+    ``label``: how errors name the config (``"config"``, ``"config.json"``, ``"hf_config"``).
+
+    Raises:
+        InputError: another architecture, more than one entry, or a classifier without exactly one
+            label (naming the key the config uses).
+    """
+    archs = list(hf.get("architectures") or [])
+    if not archs:
+        return None
+    kinds = {SUPPORTED_ARCHITECTURES[family]: "lm", TOKEN_CLASSIFICATION_ARCHITECTURES[family]: "token",
+             SEQUENCE_CLASSIFICATION_ARCHITECTURES[family]: "sequence"}
+    if len(archs) != 1 or archs[0] not in kinds:
+        names = [repr([a]) for a in kinds]
+        raise input_error(fn, _key(label, "architectures"),
+                          f"{names[0]} (a policy) or {names[1]} / {names[2]} (a value or reward model, num_labels=1) for model_type {family!r}",
+                          repr(archs))
+    kind = kinds[archs[0]]
+    if kind == "lm":
+        return _Head("lm", False)
+    if hf.get("id2label") is not None:
+        key, n, have = "id2label", len(hf["id2label"]), repr(hf["id2label"])
+    elif hf.get("num_labels") is not None:
+        key, n, have = "num_labels", hf["num_labels"], repr(hf["num_labels"])
+    else:
+        key, n, have = "num_labels", 2, "neither id2label nor num_labels (transformers' default: 2 labels)"
+    if n != 1:
+        want = "one entry" if key == "id2label" else "1"
+        raise input_error(fn, _key(label, key), f"{want} (num_labels=1: one value per token, the value head; {archs[0]})", have)
+    return _Head(kind, kind == "token" and bool(hf.get("token_classification_bias", True)))
 
 
 def _rope(fn: str, hf: Mapping[str, Any]) -> tuple[float, bool, float]:
@@ -326,7 +396,10 @@ def build_gpt_from_hf(
     """This rank's chunks of a Megatron ``GPTModel`` configured like a Hugging Face checkpoint.
 
     ``head="value"``: the value model of the same trunk (:func:`fnppo.build_gpt`'s ``head``), to be
-    filled by :func:`load_hf_weights` from a policy checkpoint (its ``lm_head`` is skipped).
+    filled by :func:`load_hf_weights` from a value or reward model (``*ForTokenClassification`` /
+    ``*ForSequenceClassification``, ``num_labels=1``: trunk and head) or from a policy checkpoint
+    (the trunk; the head stays fresh, ``lm_head`` is skipped). A classifier's config needs
+    ``head="value"``.
 
     ``model_config_from_hf(config_or_path, **overrides)`` (``dtype``: ``"fp32"``/``"bf16"``/``"fp16"``,
     default the checkpoint's) built with :func:`fnppo.model.build_gpt` for the current Megatron
@@ -345,6 +418,9 @@ def build_gpt_from_hf(
         overrides["dtype"] = dtype
     hf = _read_hf_config(fn, "config_or_path", config_or_path)
     cfg = model_config_from_hf(hf, **overrides)
+    described = _checkpoint_head(fn, hf["model_type"], hf, "config")
+    if described is not None and described.kind != "lm" and head != "value":
+        raise input_error(fn, "head", f"'value' for a {hf['architectures'][0]} checkpoint (its score head is a value head; it has no lm_head)", repr(head))
     chunks = build_gpt(cfg, head=head, layer_spec=layer_spec, layout=layout)
     for chunk in chunks:  # which family's tensor names the model has (Qwen2-MoE and Mixtral can look alike)
         unwrap_model(chunk).fnppo_hf_family = hf["model_type"]
@@ -366,7 +442,7 @@ class _Arch:
     qkv_bias: bool
     qk_norm: bool
     tied: bool  # the checkpoint's tie_word_embeddings (a value model keeps no output layer either way)
-    value: bool = False  # a value model: lm_head is skipped, the value head has no HF counterpart
+    value: bool = False  # a value model: its head is a classifier's score (or fresh on a policy's trunk)
     family: str = "llama"
     moe_layers: tuple[int, ...] = ()  # global indices of the MoE layers (none: a dense model)
     experts: int = 0
@@ -447,12 +523,21 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
     )
 
 
-def _expected_hf(a: _Arch, vocab: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor of the HF checkpoint of architecture ``a``."""
+def _expected_hf(a: _Arch, vocab: int, head: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the HF checkpoint of architecture ``a``.
+
+    ``head``: ``"lm"`` (``lm_head.weight`` unless tied), ``"score"`` (``score.weight`` ``[1, hidden]``
+    and ``score.bias`` ``[1]``) or ``"score-no-bias"``; default: ``"score"`` for a value model,
+    ``"lm"`` otherwise."""
     H, d = a.hidden, a.head_dim
+    head = head or ("score" if a.value else "lm")
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, H), "model.norm.weight": (H,)}
-    if not a.tied:
+    if head == "lm" and not a.tied:
         out["lm_head.weight"] = (vocab, H)
+    if head.startswith("score"):
+        out["score.weight"] = (1, H)
+        if head == "score":
+            out["score.bias"] = (1,)
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (H,)
@@ -500,7 +585,9 @@ def _expected_moe(a: _Arch, p: str) -> dict[str, tuple[int, ...]]:
 
 
 def hf_tensor_shapes(model_chunks: Sequence[nn.Module], vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the Hugging Face tensors of the whole model (all ranks' shards together).
+    """Names and shapes of the Hugging Face tensors of the whole model (all ranks' shards together),
+    as :func:`export_hf_weights` writes them (a value model: the ``*ForTokenClassification`` layout,
+    ``score.weight`` and ``score.bias``).
 
     ``vocab_size``: the checkpoint's vocabulary (defaults to the model's padded vocabulary).
     """
@@ -526,6 +613,10 @@ _TOP_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("copy", ("model.norm.weight",)),
     "output_layer.weight": ("vocab", ("lm_head.weight",)),
+}
+_VALUE_HEAD_RULES: dict[str, tuple[str, tuple[str, ...]]] = {  # a value model's last stage (replicated over TP)
+    "value_head.weight": ("copy", ("score.weight",)),
+    "value_head.bias": ("copy", ("score.bias",)),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -563,8 +654,8 @@ def _rule(fn: str, a: _Arch, gname: str) -> tuple[str, tuple[str, ...]]:
         if rule is not None:
             prefix = f"model.layers.{m.group(1)}."
             return rule[0], tuple(prefix + s for s in rule[1])
-    elif a.value and gname.startswith("value_head."):
-        return "fresh", ()  # kept as built
+    elif a.value and gname in _VALUE_HEAD_RULES:
+        return _VALUE_HEAD_RULES[gname]
     elif gname in _TOP_RULES:
         kind, names = _TOP_RULES[gname]
         if gname == "output_layer.weight" and a.tied:
@@ -595,6 +686,8 @@ def _read_shard(read: Any, a: _Arch, kind: str, names: tuple[str, ...], param: T
     """This rank's shard of one Megatron parameter, reading only the needed HF slices."""
     dim, n = _split(param, tp)
     r = tp_rank if n > 1 else 0
+    if kind == "zero":
+        return torch.zeros_like(param, device="cpu")
     if kind == "copy":
         if dim is None:
             return read(names[0], None)
@@ -669,6 +762,8 @@ def _model_fields(core: nn.Module, a: _Arch) -> dict[str, Any]:
     }
     if family not in ("qwen2", "qwen2_moe"):
         out["attention_bias"] = False  # Qwen2's q/k/v bias is part of its family
+    if a.value:  # a policy's trunk or a classifier's trunk and head: _checkpoint_head checks which
+        del out["architectures"]
     if family == "mixtral":
         out.update(intermediate_size=a.moe_ffn, num_experts=a.experts, num_experts_per_tok=a.topk, router_jitter_noise=0.0)
     elif family in MOE_FAMILIES:
@@ -761,14 +856,15 @@ def _same(want: Any, have: Any) -> bool:
     return want == have
 
 
-def _check_hf_config(fn: str, core: nn.Module, a: _Arch, hf: Mapping[str, Any], label: str, where: str) -> None:
+def _check_hf_config(fn: str, core: nn.Module, a: _Arch, hf: Mapping[str, Any], label: str, where: str) -> _Head | None:
     """Refuse a Hugging Face config whose architecture differs from the model's, naming every differing
-    key (as the file spells it) with both values. ``label``: how the argument is named."""
+    key (as the file spells it) with both values. ``label``: how the argument is named. Returns the
+    head the config describes (:func:`_checkpoint_head`; a language model's is ``lm``)."""
     model = _model_fields(core, a)
     diffs = [(path, model[field], have, field) for field, path, have in _file_fields(hf)
              if field in model and not _same(model[field], have)]
     if not diffs:
-        return
+        return _checkpoint_head(fn, a.family, hf, label)
     path, want, have, field = diffs[0]
     why = ": full attention" if field in _FULL_ATTENTION else ""
     others = "".join(
@@ -818,11 +914,17 @@ def _checkpoint_vocab(path: Path, shapes: Mapping[str, Sequence[int]]) -> int:
 def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) -> list[str]:
     """Load a Hugging Face safetensors checkpoint into this rank's TP/PP shard of the model.
 
-    A value model (``build_gpt_from_hf(path, head="value")``) gets the trunk (embedding, layers,
-    final norm) of a policy checkpoint; its value head keeps its fresh weights and the
-    checkpoint's ``lm_head.weight`` (when stored) is skipped. Returns the names of the
-    checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied model's
-    stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
+    A value model (``build_gpt_from_hf(path, head="value")``) loads a value or reward model whole:
+    a checkpoint whose ``config.json`` names ``<Family>ForTokenClassification`` or
+    ``<Family>ForSequenceClassification`` with ``num_labels=1`` (or, without a ``config.json``,
+    one that holds ``score.weight``) fills the trunk and the value head (``score.weight`` ``[1,
+    hidden]`` -> ``value_head.weight``, ``score.bias`` -> ``value_head.bias``, zero where the
+    checkpoint has none: sequence classifiers, ``token_classification_bias=false``), on every TP
+    rank of the last pipeline stage (the head is replicated there). From a policy checkpoint
+    (``*ForCausalLM``) it gets the trunk (embedding, layers, final norm) only: its value head keeps
+    its fresh weights and the checkpoint's ``lm_head.weight`` (when stored) is skipped. Returns the
+    names of the checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied
+    model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
 
     ``path``: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
     its shards (or one ``.safetensors`` file). Names and layouts are converted as in the module
@@ -833,9 +935,10 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     ``head_dim``, ``vocab_size`` (the real one), ``rms_norm_eps``, rope (``rope_parameters`` of
     transformers 5 or ``rope_theta`` / ``rope_scaling``: type, theta, llama3 factors),
     ``partial_rotary_factor``, no sliding window (``sliding_window``, ``use_sliding_window``,
-    ``layer_types``), ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``, ``hidden_act``;
-    a difference raises ``InputError`` naming the key as the file spells it, the model's value and
-    the file's (and every other differing key). Then every tensor name, shape and dtype of the
+    ``layer_types``), ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``, ``hidden_act``,
+    and for a value model the head (``architectures``; a classifier's ``id2label`` / ``num_labels``
+    must give one label); a difference raises ``InputError`` naming the key as the file spells it,
+    the model's value and the file's (and every other differing key). Then every tensor name, shape and dtype of the
     checkpoint is checked against the whole model (all layers, all ranks) from the safetensors
     headers alone: a missing tensor, an unexpected one (``*.rotary_emb.inv_freq`` buffers are
     tolerated and ignored), a wrong shape, a non-floating dtype raise ``InputError`` naming the
@@ -855,9 +958,10 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     root = Path(path)
     files = _shard_files(fn, root)
     cfg_file = _config_path(root)
+    described = None
     if cfg_file.is_file():
         hf = _read_hf_config(fn, "path", cfg_file)
-        _check_hf_config(fn, unwrap_model(model_chunks[0]), a, hf, "config.json", f"in {cfg_file}")
+        described = _check_hf_config(fn, unwrap_model(model_chunks[0]), a, hf, "config.json", f"in {cfg_file}")
     with ExitStack() as stack:
         where: dict[str, Any] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -879,27 +983,34 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
         built = getattr(unwrap_model(model_chunks[0]), "fnppo_config", None)
         if built is not None and vocab != built.vocab_size:  # rows beyond it would be taken for real tokens
             raise input_error(fn, "checkpoint['model.embed_tokens.weight']", f"{built.vocab_size} rows (the model's vocab_size)", f"{vocab} rows")
-        expected = _expected_hf(a, vocab)
-        for name in sorted(expected):
+        head = _loaded_head(a, described, shapes)
+        expected = _expected_hf(a, vocab, head)
+        for name in sorted(expected, key=lambda n: (n != "score.weight", n)):  # the head's labels first
             if name not in shapes:
                 raise input_error(fn, "path", f"a tensor named {name!r}", f"a checkpoint without it ({len(shapes)} tensors in {str(root)!r})")
             if shapes[name] != expected[name]:
-                raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}", f"shape {shapes[name]}")
-        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))}  # if equal (or a value model): below
+                note = " (num_labels=1: one value per token)" if name.startswith("score.") else ""
+                raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}{note}", f"shape {shapes[name]}")
+        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))} if head == "lm" else {}  # if equal (or a value model): below
         for name in sorted(shapes):
             if name in expected or name.endswith(".rotary_emb.inv_freq"):
                 continue
             if name in tolerated and shapes[name] == tolerated[name]:
                 continue
-            raise input_error(fn, "path", "only the tensors of the model's architecture", f"an unexpected tensor {name!r} of shape {shapes[name]}")
+            hint = " (a value or reward model's head: load it into build_gpt_from_hf(path, head='value'))" if name.startswith("score.") and not a.value else ""
+            raise input_error(fn, "path", "only the tensors of the model's architecture", f"an unexpected tensor {name!r} of shape {shapes[name]}{hint}")
 
         plan: list[tuple[Tensor, str, tuple[str, ...]]] = []
         for chunk in model_chunks:
             core = unwrap_model(chunk)
             for name, param in core.named_parameters():
                 kind, names = _rule(fn, a, _global_name(core, name))
-                if kind != "fresh":
-                    plan.append((param, kind, names))
+                if names and names[0].startswith("score."):
+                    if head == "lm":  # a policy's trunk: the value head stays as built
+                        continue
+                    if names[0] not in expected:  # no score.bias in the checkpoint: a head without bias
+                        kind = "zero"
+                plan.append((param, kind, names))
 
         def read(name: str, index: tuple[slice, ...] | None) -> Tensor:
             sl = where[name].get_slice(name)
@@ -916,6 +1027,21 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
                 del shard
     loaded = set(expected) - ({"lm_head.weight"} if a.value else set())  # by the whole model (all ranks)
     return sorted(set(shapes) - loaded)
+
+
+def _loaded_head(a: _Arch, described: _Head | None, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """Which head of :func:`_expected_hf` a checkpoint is loaded with: a language model's ``lm``; a
+    value model's ``score`` / ``score-no-bias`` for a classifier (as its ``config.json`` says, or
+    without one, as its tensors say) and ``lm`` for a policy (its trunk only)."""
+    if not a.value:
+        return "lm"
+    if described is None:
+        if "score.weight" not in shapes:
+            return "lm"
+        return "score" if "score.bias" in shapes else "score-no-bias"
+    if described.kind == "lm":
+        return "lm"
+    return "score" if described.bias else "score-no-bias"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -967,14 +1093,28 @@ def _write_hf_config(path: Path, hf_config: Any) -> None:
         fh.write("\n")
 
 
-def _check_config_matches(fn: str, core: nn.Module, a: _Arch, hf_config: Any) -> int:
-    """Check that ``hf_config`` describes the model; returns its vocabulary size."""
+def _check_config_matches(fn: str, core: nn.Module, a: _Arch, hf_config: Any) -> tuple[int, Any]:
+    """Check that ``hf_config`` describes the model; returns its vocabulary size and the config to
+    write (for a value model: :func:`_token_classification_config` of it)."""
     hf = _read_hf_config(fn, "hf_config", hf_config)
-    _check_hf_config(fn, core, a, hf, "hf_config", "in hf_config")
+    described = _check_hf_config(fn, core, a, hf, "hf_config", "in hf_config")
     cfg = model_config_from_hf(hf)
     if cfg.vocab_size > a.padded_vocab:
         raise input_error(fn, "hf_config.vocab_size", f"at most {a.padded_vocab} (the model's)", repr(cfg.vocab_size))
-    return cfg.vocab_size
+    return cfg.vocab_size, _token_classification_config(a, hf, described) if a.value else hf_config
+
+
+def _token_classification_config(a: _Arch, hf: Mapping[str, Any], described: _Head | None) -> dict[str, Any]:
+    """A value model's ``config.json``: ``hf`` (a policy's, a value or reward model's) as transformers'
+    ``<Family>ForTokenClassification`` with one label and a bias, the tensors export writes. The
+    label count is stored both ways transformers reads it (``id2label``, ``num_labels``); a
+    one-entry ``id2label`` of ``hf`` keeps its name."""
+    out = dict(hf)
+    out["architectures"] = [TOKEN_CLASSIFICATION_ARCHITECTURES[a.family]]
+    labels = hf.get("id2label") if described is not None and described.kind != "lm" else None
+    name = str(next(iter(labels.values()))) if labels else "LABEL_0"
+    out.update(num_labels=1, id2label={"0": name}, label2id={name: 0}, token_classification_bias=True)
+    return out
 
 
 def export_hf_weights(
@@ -998,16 +1138,22 @@ def export_hf_weights(
     a ``config.json`` path / directory; checked against the model) if given. ``path`` must be on a
     file system all writing ranks see. ``dtype``: the stored dtype (default: the parameters').
     Tied embeddings store only ``model.embed_tokens.weight``.
+
+    A value model (``head="value"``) is written as transformers' ``<Family>ForTokenClassification``
+    with ``num_labels=1``: the trunk as above, ``score.weight`` ``[1, hidden]`` and ``score.bias``
+    ``[1]`` from the value head (written by the last pipeline stage), and, from ``hf_config`` (the
+    policy's or a value or reward model's config), a ``config.json`` naming that class with one
+    label (``id2label``, ``label2id``, ``num_labels``) and ``token_classification_bias: true``:
+    ``AutoModelForTokenClassification.from_pretrained(path)(ids).logits[..., 0]`` are the values.
     """
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     fn = "fnppo.hf.export_hf_weights"
-    check_head(fn, "model_chunks", model_chunks[0], "lm")  # a value head has no Hugging Face counterpart
     a = _arch(fn, model_chunks)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise input_error(fn, "max_shard_bytes", "an int >= 1", repr(max_shard_bytes))
-    vocab = a.padded_vocab if hf_config is None else _check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
+    vocab, written_config = (a.padded_vocab, None) if hf_config is None else _check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
     layout = current_layout()
     out = Path(path)
     # (gathers, writes) for dense tensors and for experts (expert parallelism splits the experts)
@@ -1064,7 +1210,7 @@ def export_hf_weights(
     error: list[str | None] = [None]
     if layout.rank == 0:
         try:
-            _finalize_export(out, parts, hf_config)
+            _finalize_export(out, parts, written_config)
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             error[0] = f"{type(err).__name__}: {err}"
     dist.broadcast_object_list(error, src=0)

@@ -504,8 +504,9 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     PPO, a :class:`fnppo.value.GPTValueModel` with the same trunk and a scalar head per token on the
     last stage instead of the vocabulary output layer (values, :func:`forward_values`); it never
     ties its embedding (``cfg.tie_embeddings`` is ignored), and its fresh head can sit on an actor's
-    or a Hugging Face checkpoint's trunk (:func:`load_full_weights` with ``fresh_head=True``,
-    :func:`fnppo.hf.load_hf_weights`).
+    or a Hugging Face policy's trunk (:func:`load_full_weights` with ``fresh_head=True``,
+    :func:`fnppo.hf.load_hf_weights`), or trunk and head come from a Hugging Face value or reward
+    model (``*ForTokenClassification`` / ``*ForSequenceClassification``, ``num_labels=1``).
 
     ``layer_spec`` defaults to :func:`choose_layer_spec`: Transformer Engine's spec when installed,
     else the local spec with packed-sequence attention, and the local spec under context

@@ -22,6 +22,11 @@ embedding to an output layer (``share_embeddings_and_output_weights=False`` on e
 stage builds or all-reduces a copy of the word embedding, so the first and last stages always agree
 on the embedding-group collectives of ``finalize_model_grads``.
 
+Hugging Face. The head is transformers' per-token scalar head of ``*ForTokenClassification`` with
+``num_labels=1`` (``score.weight`` ``[1, hidden]``, ``score.bias`` ``[1]``) on the same normed
+hidden state: :mod:`fnppo.hf` loads it from such a checkpoint (or from a ``*ForSequenceClassification``
+reward model, bias 0), into every TP rank of the last stage, and exports a value model in that layout.
+
 Reference: the value network of PPO, arXiv:1707.06347; a scalar head on a language model's last
 hidden state as in Ziegler et al., arXiv:1909.08593.
 """

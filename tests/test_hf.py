@@ -5,6 +5,9 @@ Tiny random models are built with ``transformers`` (fp32), saved as safetensors,
 Megatron on CPU under TP=1 (two data-parallel replicas), TP=2 and PP=2 (MoE: also EP=2), and their
 logits compared with ``transformers``' own forward pass on the same tokens. Every layout also
 exports the model and the exported tensors must equal the original checkpoint's bit for bit.
+Value models (the critic) do the same in the same launches with a ``Qwen2ForTokenClassification``
+and a ``LlamaForSequenceClassification`` (``num_labels=1``): their values against transformers'
+per-token scores, their export against the checkpoint, and a moved critic exported and reloaded.
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ def _transformers():
     return pytest.importorskip("transformers")
 
 
-def _hf_model(family: str, seed: int):
+def _hf_model(family: str, seed: int, model_class: str = "AutoModelForCausalLM", **config_changes):
     transformers = _transformers()
     cls_name, kwargs = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**kwargs)
+    config = getattr(transformers, cls_name)(**kwargs, **config_changes)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    cls = getattr(transformers, model_class)
+    model = (cls.from_config(config) if model_class.startswith("Auto") else cls(config)).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # larger than the default init, so every weight matters in the logits
         for name, p in model.named_parameters():
@@ -122,7 +126,8 @@ def _megatron_logits(chunks, ids: torch.Tensor):
 
 
 def _layout_worker(
-    ckpts: dict, export_root: str, *, logprobs: bool = False, pad_vocab: bool = False, bad: dict | None = None
+    ckpts: dict, export_root: str, *, logprobs: bool = False, pad_vocab: bool = False, bad: dict | None = None,
+    values: dict | None = None, value_bad: dict | None = None,
 ) -> dict:
     """Load every family, return full logits, export; optionally also the other checks below."""
     from fnppo.model import unwrap_model
@@ -157,6 +162,10 @@ def _layout_worker(
         export_hf_weights(chunks, f"{export_root}/qwen2-padded", hf_config=path, max_shard_bytes=20_000)
     if bad is not None:
         res["errors"] = _error_checks(ckpts, bad)
+    if values is not None:
+        res["values"] = _value_worker(values, export_root)
+    if value_bad is not None:
+        res["value_errors"] = _value_error_checks(values, ckpts, value_bad)
     return res
 
 
@@ -197,7 +206,7 @@ _BAD_CASES = {
 
 
 @pytest.fixture(scope="module")
-def tp1_run(checkpoints, tmp_path_factory):
+def tp1_run(checkpoints, value_checkpoints, tmp_path_factory):
     """One run_ranks call (TP=1, two data-parallel replicas): logits, export and the refusals."""
     root = tmp_path_factory.mktemp("tp1")
     src = Path(checkpoints["llama"][0])
@@ -210,7 +219,9 @@ def tp1_run(checkpoints, tmp_path_factory):
         save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
         (d / "config.json").write_text((src / "config.json").read_text())
         bad[case] = str(d)
-    results = run_ranks(_layout_worker, 2, checkpoints, str(root / "export"), bad=bad, tp=1, pp=1)
+    value_bad = _bad_value_checkpoints(value_checkpoints, root / "bad-value")
+    results = run_ranks(_layout_worker, 2, checkpoints, str(root / "export"), bad=bad, values=value_checkpoints,
+                        value_bad=value_bad, tp=1, pp=1)
     return results, root / "export"
 
 
@@ -247,8 +258,20 @@ def test_logits_and_export_tp1_dp2(checkpoints, tp1_run):
     _assert_export_equal(export_root, checkpoints)
 
 
-def test_logits_and_export_tp2_padded_vocab(checkpoints, tmp_path):
-    results = run_ranks(_layout_worker, 2, checkpoints, str(tmp_path), pad_vocab=True, tp=2, pp=1)
+@pytest.fixture(scope="module")
+def tp2_run(checkpoints, value_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp2")
+    return run_ranks(_layout_worker, 2, checkpoints, str(root), pad_vocab=True, values=value_checkpoints, tp=2, pp=1), root
+
+
+@pytest.fixture(scope="module")
+def pp2_run(checkpoints, value_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp2")
+    return run_ranks(_layout_worker, 2, checkpoints, str(root), logprobs=True, values=value_checkpoints, tp=1, pp=2), root
+
+
+def test_logits_and_export_tp2_padded_vocab(checkpoints, tp2_run):
+    results, tmp_path = tp2_run
     _assert_close_logits(results, 2, 2, 1, checkpoints)
     _assert_export_equal(tmp_path, checkpoints, [*checkpoints, "qwen2-padded"])
     _, ids, ref = checkpoints["qwen2"]
@@ -265,14 +288,134 @@ def test_logits_and_export_tp2_padded_vocab(checkpoints, tmp_path):
         assert (_hf_logits(reloaded.eval(), ids) - ref).abs().max().item() <= 1e-5, family
 
 
-def test_logits_export_and_compute_logprobs_pp2(checkpoints, tmp_path):
-    results = run_ranks(_layout_worker, 2, checkpoints, str(tmp_path), logprobs=True, tp=1, pp=2)
+def test_logits_export_and_compute_logprobs_pp2(checkpoints, pp2_run):
+    results, tmp_path = pp2_run
     _assert_close_logits(results, 2, 1, 2, checkpoints)
     _assert_export_equal(tmp_path, checkpoints)
     for family, (_, ids, ref) in checkpoints.items():  # log p(ids[t] | ids[<t]) for response tokens t >= 4
         ref_lp = torch.log_softmax(ref[0, 3:-1].double(), -1).gather(-1, ids[0, 4:, None])[:, 0]
         for res in results:
             assert (res[family + "/logprobs"].double() - ref_lp).abs().max().item() <= TOL, family
+
+
+# ---------------------------------------------------------------------------------------------
+# Value models: a token classifier and a sequence classifier (num_labels=1) in, a token classifier out
+# ---------------------------------------------------------------------------------------------
+VALUE_CHECKPOINTS = {  # name: (family, transformers class, the class export writes)
+    "qwen2-token": ("qwen2", "Qwen2ForTokenClassification", "Qwen2ForTokenClassification"),  # tied, q/k/v bias, score.bias
+    "llama-sequence": ("llama", "LlamaForSequenceClassification", "LlamaForTokenClassification"),  # llama3 rope, no score.bias
+}
+
+
+@pytest.fixture(scope="module")
+def value_checkpoints(tmp_path_factory):
+    """name -> (checkpoint dir, token ids [1, SEQ], transformers' per-token score [SEQ] in float64)."""
+    root = tmp_path_factory.mktemp("hf-value")
+    out = {}
+    for i, (name, (family, cls_name, _)) in enumerate(VALUE_CHECKPOINTS.items()):
+        model = _hf_model(family, seed=40 + i, model_class=cls_name, num_labels=1)
+        with torch.no_grad():
+            if model.score.bias is not None:
+                model.score.bias.fill_(0.5)  # far from the zero a dropped bias would leave
+            ids = torch.randint(0, _COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(50 + i))
+            if cls_name.endswith("TokenClassification"):
+                ref = model(input_ids=ids).logits[0, :, 0]
+            else:  # the score of every position; transformers' reward is the last one's
+                ref = model.score(model.model(input_ids=ids).last_hidden_state)[0, :, 0]
+                assert torch.allclose(model(input_ids=ids).logits[0, 0], ref[-1], rtol=0, atol=1e-6)
+        model.save_pretrained(str(root / name))
+        out[name] = (str(root / name), ids, ref.double())
+    assert "score.bias" in _hf_tensors(root / "qwen2-token") and "score.bias" not in _hf_tensors(root / "llama-sequence")
+    return out
+
+
+def _move(chunks) -> None:
+    """A trained critic: every parameter moved by noise seeded by its local name (so the TP ranks that
+    replicate a parameter move it alike)."""
+    import zlib
+
+    from fnppo.model import unwrap_model
+
+    for chunk in chunks:
+        with torch.no_grad():
+            for name, p in unwrap_model(chunk).named_parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
+
+
+def _value_worker(ckpts: dict, export_root: str) -> dict:
+    """Per value checkpoint: what the loader skipped, compute_values of one sample (prompt: the first
+    token), an export; then every parameter moved, exported, reloaded into a new value model."""
+    from fnppo.batch import Sample
+    from fnppo.model import unwrap_model
+    from fnppo.step import compute_values
+
+    out = {}
+    for name, (path, ids, _) in ckpts.items():
+        sample = [Sample(prompt_ids=ids[0, :1], response_ids=ids[0, 1:])]  # values of positions 0 .. SEQ-2
+        chunks = build_gpt_from_hf(path, head="value", dtype="fp32")
+        skipped = load_hf_weights(chunks, path)
+        (values,) = compute_values(chunks, sample)
+        export_hf_weights(chunks, f"{export_root}/{name}", hf_config=path)
+        _move(chunks)
+        (moved,) = compute_values(chunks, sample)
+        export_hf_weights(chunks, f"{export_root}/{name}-moved", hf_config=path)
+        again = build_gpt_from_hf(f"{export_root}/{name}-moved", head="value", dtype="fp32")
+        skipped_again = load_hf_weights(again, f"{export_root}/{name}-moved")
+        (reloaded,) = compute_values(again, sample)
+        mine, theirs = (dict(unwrap_model(c[0]).named_parameters()) for c in (chunks, again))
+        out[name] = {"skipped": skipped, "skipped_again": skipped_again, "values": values, "moved": moved, "reloaded": reloaded,
+                     "params": sorted(mine), "differ": sorted(k for k in mine if not torch.equal(mine[k], theirs[k]))}
+    return out
+
+
+def _assert_values_and_value_export(results: list, value_checkpoints, export_root: Path) -> None:
+    """Every rank's values equal transformers' scores; the exports equal the checkpoints; a moved
+    critic reloads bit for bit."""
+    for res in results:
+        for name, (_, _, ref) in value_checkpoints.items():
+            r = res["values"][name]
+            assert r["skipped"] == [] and r["skipped_again"] == [], (name, r["skipped"], r["skipped_again"])
+            assert r["values"].shape == (SEQ - 1,), name
+            diff = (r["values"].double() - ref[:-1]).abs().max().item()
+            assert diff <= TOL, (name, diff)
+            assert (r["moved"] - r["values"]).abs().max().item() > 100 * TOL, name  # the critic really moved
+            assert r["differ"] == [] and torch.equal(r["reloaded"], r["moved"]), (name, r["differ"])
+    for name, (path, _, _) in value_checkpoints.items():
+        original, exported = _hf_tensors(Path(path)), _hf_tensors(export_root / name)
+        if "score.bias" not in original:  # a sequence classifier has none: the head's bias, zero, is written
+            assert torch.equal(exported.pop("score.bias"), torch.zeros(1)), name
+        assert sorted(exported) == sorted(original), name
+        for key, t in original.items():
+            assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), (name, key)
+        for d in (name, name + "-moved"):
+            cfg = json.loads((export_root / d / "config.json").read_text())
+            assert cfg["architectures"] == [VALUE_CHECKPOINTS[name][2]] and cfg["num_labels"] == 1, (d, cfg)
+            assert cfg["id2label"] == {"0": "LABEL_0"} and cfg["token_classification_bias"] is True, (d, cfg)
+
+
+def test_value_models_load_and_export_tp1_dp2(value_checkpoints, tp1_run):
+    results, export_root = tp1_run
+    _assert_values_and_value_export(results, value_checkpoints, export_root)
+
+
+def test_value_models_load_and_export_tp2_and_transformers_reads_the_export(value_checkpoints, tp2_run):
+    results, root = tp2_run
+    _assert_values_and_value_export(results, value_checkpoints, root)
+    # the moved critic's export is a transformers token classifier whose logits[..., 0] are fnppo's values
+    transformers = _transformers()
+    for name, (_, ids, _) in value_checkpoints.items():
+        hf = transformers.AutoModelForTokenClassification.from_pretrained(str(root / f"{name}-moved"), dtype=torch.float32).eval()
+        assert type(hf).__name__ == VALUE_CHECKPOINTS[name][2] and hf.config.num_labels == 1
+        with torch.no_grad():
+            scores = hf(input_ids=ids).logits[0, :-1, 0].double()
+        for res in results:
+            assert (res["values"][name]["moved"].double() - scores).abs().max().item() <= TOL, name
+
+
+def test_value_models_load_and_export_pp2(value_checkpoints, pp2_run):
+    results, root = pp2_run
+    _assert_values_and_value_export(results, value_checkpoints, root)
+    assert ["value_head.weight" in r["values"]["qwen2-token"]["params"] for r in results] == [False, True]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +446,74 @@ def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
         assert res["bf16"] is True
 
 
+def _bad_value_checkpoints(value_checkpoints, root: Path) -> dict:
+    """Variants of the Qwen2 token classifier that a value model must refuse (and one a policy must)."""
+    path = value_checkpoints["qwen2-token"][0]
+    two = {"score.weight": torch.zeros(2, 64), "score.bias": torch.zeros(2)}
+    cases = {
+        "two-labels": _variant(path, root / "two-labels", {"id2label": {"0": "A", "1": "B"}, "label2id": {"A": 0, "B": 1}}, tensors=two),
+        "two-labels-no-config": _variant(path, root / "two-labels-no-config", tensors=two),
+        "no-bias": _variant(path, root / "no-bias", drop=("score.bias",)),
+        "question-answering": _variant(path, root / "question-answering", {"architectures": ["Qwen2ForQuestionAnswering"]}),
+        "into-a-policy": _variant(path, root / "into-a-policy"),
+    }
+    for case in ("two-labels-no-config", "into-a-policy"):
+        (Path(cases[case]) / "config.json").unlink()
+    return cases
+
+
+def _value_error_checks(values: dict, ckpts: dict, bad: dict) -> dict:
+    """case -> (message, the model untouched) for each bad value checkpoint; a classifier's config
+    built with the default head."""
+    from fnppo.model import unwrap_model
+
+    token = values["qwen2-token"][0]
+    models = {"value": build_gpt_from_hf(token, head="value", dtype="fp32"), "policy": build_gpt_from_hf(ckpts["qwen2"][0], dtype="fp32")}
+    res: dict = {}
+    for case, path in bad.items():
+        chunks = models["policy" if case == "into-a-policy" else "value"]
+        before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
+        try:
+            load_hf_weights(chunks, path)
+            res[case] = ("no error", True)
+        except InputError as err:
+            now = dict(unwrap_model(chunks[0]).named_parameters())
+            res[case] = (str(err), all(torch.equal(before[k], now[k]) for k in before))
+    for case, call in (("default-head", lambda: build_gpt_from_hf(token, dtype="fp32")),
+                       ("export-two-labels", lambda: export_hf_weights(models["value"], bad["two-labels"] + "-export", hf_config=bad["two-labels"]))):
+        try:
+            call()
+            res[case] = ("no error", True)
+        except InputError as err:
+            res[case] = (str(err), True)
+    return res
+
+
+_VALUE_ERRORS = {  # case -> (function, argument, expected, received)
+    "two-labels": ("load_hf_weights", "config.json['id2label']", "one entry (num_labels=1: one value per token, the value head; Qwen2ForTokenClassification)",
+                   "{'0': 'A', '1': 'B'}"),
+    "two-labels-no-config": ("load_hf_weights", "checkpoint['score.weight']", "shape (1, 64) (num_labels=1: one value per token)", "shape (2, 64)"),
+    "no-bias": ("load_hf_weights", "path", "a tensor named 'score.bias'", "a checkpoint without it"),
+    "question-answering": ("load_hf_weights", "config.json['architectures']",
+                           "['Qwen2ForCausalLM'] (a policy) or ['Qwen2ForTokenClassification'] / ['Qwen2ForSequenceClassification'] "
+                           "(a value or reward model, num_labels=1) for model_type 'qwen2'", "['Qwen2ForQuestionAnswering']"),
+    "into-a-policy": ("load_hf_weights", "path", "only the tensors of the model's architecture",
+                      "an unexpected tensor 'score.bias' of shape (1,) (a value or reward model's head: load it into build_gpt_from_hf(path, head='value'))"),
+    "export-two-labels": ("export_hf_weights", "hf_config['id2label']", "one entry (num_labels=1", "{'0': 'A', '1': 'B'}"),
+    "default-head": ("build_gpt_from_hf", "head", "'value' for a Qwen2ForTokenClassification checkpoint (its score head is a value head; it has no lm_head)", "'lm'"),
+}
+
+
+def test_bad_value_checkpoints_are_refused_and_load_nothing(tp1_run):
+    results, _ = tp1_run
+    for res in results:
+        assert set(res["value_errors"]) == set(_VALUE_ERRORS)
+        for case, (fn, arg, expected, received) in _VALUE_ERRORS.items():
+            msg, untouched = res["value_errors"][case]
+            check_message(InputError(msg), InputError, fn, arg, expected, received)
+            assert untouched, case
+
+
 def _hf_dict(family: str, **changes) -> dict:
     cls_name, kwargs = FAMILIES[family]
     d = getattr(_transformers(), cls_name)(**kwargs).to_dict()
@@ -320,8 +531,14 @@ _SUPPORTED = "one of: LlamaForCausalLM (model_type 'llama'), Qwen2ForCausalLM (m
          "model_type='mistral', architectures=['MistralForCausalLM']"),
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "config.model_type", _SUPPORTED,
          "model_type='gpt2', architectures=['GPT2LMHeadModel']"),
-        (dict(architectures=["LlamaForSequenceClassification"]), "config.architectures",
-         "['LlamaForCausalLM'] for model_type 'llama'", "['LlamaForSequenceClassification']"),
+        (dict(architectures=["LlamaForQuestionAnswering"]), "config.architectures",
+         "['LlamaForCausalLM'] (a policy) or ['LlamaForTokenClassification'] / ['LlamaForSequenceClassification'] "
+         "(a value or reward model, num_labels=1) for model_type 'llama'", "['LlamaForQuestionAnswering']"),
+        (dict(architectures=["LlamaForTokenClassification"]), "config.id2label", "one entry (num_labels=1",
+         "{0: 'LABEL_0', 1: 'LABEL_1'}"),  # transformers' default: two labels
+        (dict(architectures=["LlamaForSequenceClassification"], id2label=None, num_labels=3), "config.num_labels", "1 (num_labels=1", "3"),
+        (dict(architectures=["LlamaForTokenClassification"], id2label=None), "config.num_labels", "1 (num_labels=1",
+         "neither id2label nor num_labels (transformers' default: 2 labels)"),
         (dict(hidden_act="gelu"), "config.hidden_act", "'silu' (SwiGLU)", "'gelu'"),
         (dict(attention_bias=True), "config.attention_bias", "False (o_proj bias without MLP bias", "True"),
         (dict(mlp_bias=True), "config.mlp_bias", "False", "True"),

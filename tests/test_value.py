@@ -4,7 +4,7 @@ Three multi-rank launches hold every check of this file:
 
 * one process: a float64 plain-torch reference of the critic's loss and gradient (one forward of
   the whole batch, the documented per-token loss written out, autograd; no schedule, split or
-  DDP), the values against a Hugging Face model's own hidden states, the micro-batch splits, the
+  DDP), the values against a Hugging Face model's own hidden states (and against transformers' token classifier exported from the critic), the micro-batch splits, the
   non-finite skip, the finalize check, checkpoints of two train states, and every refusal;
 * two ranks, re-initializing Megatron's layout in the same processes: DP=2, TP=2, TP=2 with
   sequence parallelism, PP=2, PP=2 with virtual pipeline 2, CP=2;
@@ -172,7 +172,8 @@ def _finalized_grads(modes, split: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _hf_values(path: str) -> dict:
     """A value model on a Hugging Face policy checkpoint: trunk loaded, lm_head skipped, head fresh;
-    its values against transformers' own final hidden states times the head."""
+    its values against transformers' own final hidden states times the head; exported with the
+    policy's config (a token classifier, read by transformers in the test)."""
     import transformers
 
     chunks = fnppo.build_gpt_from_hf(path, head="value", dtype="fp32")
@@ -194,13 +195,9 @@ def _hf_values(path: str) -> dict:
             hidden = hf.model(input_ids=ids).last_hidden_state[0].double()  # after the final norm
             v = hidden @ head_after["value_head.weight"].double()[0] + head_after["value_head.bias"].double()
             want.append(v[s.prompt_len - 1 : s.prompt_len - 1 + s.response_len].float())
-    export_error = None
-    try:
-        fnppo.export_hf_weights(chunks, path + "-export")
-    except fnppo.InputError as err:
-        export_error = str(err)
+    fnppo.export_hf_weights(chunks, path + "-export", hf_config=path)
     return {"skipped": skipped, "skipped_policy": skipped_policy, "head_kept": all(torch.equal(head_before[k], head_after[k]) for k in head_before),
-            "got": got, "want": want, "export_error": export_error}
+            "got": got, "want": want, "samples": samples, "export": path + "-export"}
 
 
 def _structure() -> dict:
@@ -391,7 +388,16 @@ def test_value_model_on_a_hugging_face_policy_checkpoint(single):
     for got, want in zip(h["got"], h["want"], strict=True):
         assert got.shape == want.shape == (5,)
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (got, want)
-    assert h["export_error"] and "export_hf_weights: argument 'model_chunks' expected a language model" in h["export_error"]
+    # exported with the policy's config: a Qwen2ForTokenClassification whose logits[..., 0] are these values
+    import transformers
+
+    hf = transformers.AutoModelForTokenClassification.from_pretrained(h["export"], dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2ForTokenClassification" and hf.config.num_labels == 1
+    for s, got in zip(h["samples"], h["got"], strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.cat([s.prompt_ids, s.response_ids])[None]).logits[0, :, 0]
+        want = logits[s.prompt_len - 1 : s.prompt_len - 1 + s.response_len]
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
