@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -232,15 +233,18 @@ def backward_parts(h, W, labels, reps):
     gt, bv = sizes["group_tokens"], sizes["block_vocab"]
     hd, wd = h.detach(), W.detach()
     f32 = dict(dtype=torch.float32, device=h.device)
-    coef = (torch.randn(n, **f32), torch.randn(n, **f32), torch.randn(n, **f32), torch.full((n,), 12.0, **f32))
+    coef = k.scaled_coefficients((torch.randn(n, **f32), torch.randn(n, **f32), torch.randn(n, **f32), torch.full((n,), 12.0, **f32)), 1.0)
     dz = torch.zeros((min(gt, n), min(bv, v)), dtype=h.dtype, device=h.device)
     acc = torch.zeros((min(gt, n), hid), **f32)
     dw = torch.empty_like(wd)
     blocks = [(g0, min(n, g0 + gt), c0, min(v, c0 + bv)) for g0 in range(0, n, gt) for c0 in range(0, v, bv)]
+    tma = k._tma_wanted(h.device) and k._tma_ok(hd, wd, dz)
+    ptrs = (k._desc(hd), k._desc(wd), k._desc(dz)) if tma else (hd, wd, dz)
+    strides = (hd.stride(0), wd.stride(0), dz.stride(0))
 
     def kern():
         for g0, g1, c0, c1 in blocks:
-            k._launch_dz(hd[g0:g1], wd[c0:c1], labels[g0:g1], tuple(t[g0:g1] for t in coef), dz[: g1 - g0, : c1 - c0], c0, 1.0, True)
+            k._launch_dz(ptrs, labels, coef, (g0, g1 - g0, c0, c1 - c0), strides, c0, k.LOG2E, True, tma)
 
     def dh_part():
         for g0, g1, c0, c1 in blocks:
@@ -256,25 +260,28 @@ def backward_parts(h, W, labels, reps):
     return out
 
 
-FWD_VARIANTS = [  # (BN, BK, num_warps, num_stages) of the forward kernel (BM = 128)
-    (256, 64, 8, 3), (256, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2),
-    (128, 64, 4, 4), (128, 128, 4, 3), (256, 32, 8, 5), (128, 64, 8, 5),
+FWD_VARIANTS = [  # (BN, BK, num_warps, num_stages, TMA) of the forward kernel (BM = 128)
+    (256, 64, 8, 3, False), (256, 64, 8, 4, False), (128, 64, 8, 4, False),
+    (256, 64, 8, 3, True), (256, 64, 8, 4, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 3, True),
+    (256, 128, 8, 2, True), (128, 64, 4, 4, True),
 ]
-DZ_VARIANTS = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M) of the logit-gradient kernel
-    (128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 3, 8),
-    (128, 256, 128, 8, 2, 8), (128, 128, 128, 8, 3, 8), (256, 128, 64, 8, 3, 8), (64, 256, 64, 4, 4, 8),
-    (128, 256, 64, 8, 4, 8), (128, 256, 32, 8, 5, 8), (128, 256, 64, 8, 3, 16),
+DZ_VARIANTS = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, TMA) of the logit-gradient kernel
+    (128, 256, 64, 8, 3, 8, False), (128, 256, 64, 8, 4, 8, False), (256, 128, 64, 8, 3, 8, False),
+    (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 4, 8, True), (256, 128, 64, 8, 3, 8, True),
+    (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 3, 8, True), (128, 128, 64, 4, 4, 8, True),
+    (128, 256, 128, 8, 2, 8, True), (64, 256, 64, 4, 4, 8, True),
 ]
 
 
-def kernel_variants(tokens, hidden, vocab, reps):
+def kernel_variants(tokens, hidden, vocab, reps, device=None):
     """The fused kernels launched with each tile/pipeline variant (no autotuning), timed alone at
     one shape: the forward over the whole vocabulary, the logit-gradient kernel over one backward
-    block of the function's own size; each against the dense bf16 product of the same size."""
+    block of the function's own size; each against the dense bf16 product of the same size.
+    ``TMA``: tiles read (and written) through tensor descriptors, else pointer loads."""
     from fnppo import linear_logprob as ll
     from fnppo.kernels import linear_logprob_triton as k
 
-    device = torch.device("cuda")
+    device = device or torch.device("cuda")
     h, W, labels, _, _ = make_problem(tokens, hidden, vocab, device)
     hd, wd = h.detach(), W.detach()
     n = tokens
@@ -283,46 +290,93 @@ def kernel_variants(tokens, hidden, vocab, reps):
     splits = k._num_splits(n, vocab, device, k._FWD_BM)
     per = -(-(-(-vocab // splits)) // 256) * 256
     splits = -(-vocab // per)
-    bufs = [torch.empty((splits, n), **f32) for _ in range(4)]
+    bufs = [torch.empty((splits, n), **f32) for _ in range(3)]
     dense_fwd = time_ms(lambda: torch.mm(hd, wd.t()), device, reps, 3)
-    for bn, bk, warps, stages in FWD_VARIANTS:
+    for bn, bk, warps, stages, tma in FWD_VARIANTS:
+        ptrs = (k._with_blocks(k._desc(hd), [k._FWD_BM, bk]), k._with_blocks(k._desc(wd), [bn, bk])) if tma else (hd, wd)
+
         def fwd():
             k._fwd_kernel[(splits, -(-n // k._FWD_BM))](
-                hd, wd, labels, *bufs, n, vocab, hidden, hd.stride(0), wd.stride(0), 0, k.LOG2E, per,
-                WITH_ENT=True, BM=k._FWD_BM, BN=bn, BK=bk, IEEE=False, EVEN_K=hidden % bk == 0, num_warps=warps, num_stages=stages)
+                *ptrs, *bufs, n, vocab, hidden, hd.stride(0), wd.stride(0), k.LOG2E, per,
+                WITH_ENT=True, BM=k._FWD_BM, BN=bn, BK=bk, IEEE=False, EVEN_K=hidden % bk == 0, TMA=tma,
+                num_warps=warps, num_stages=stages)
+        name = f"BN={bn} BK={bk} warps={warps} stages={stages} {'TMA' if tma else 'pointers'}"
         try:
             ms = time_ms(fwd, device, reps, 2)
         except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: report and go on
             ms = float("nan")
-            print(f"  forward {bn, bk, warps, stages}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-        rows.append(("forward", f"BN={bn} BK={bk} warps={warps} stages={stages}", ms, dense_fwd))
-        print(f"  forward BN={bn} BK={bk} warps={warps} stages={stages}: {ms:.3f} ms (dense {dense_fwd:.3f})", flush=True)
+            print(f"  forward {name}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        rows.append(("forward", name, ms, dense_fwd))
+        print(f"  forward {name}: {ms:.3f} ms (dense {dense_fwd:.3f})", flush=True)
     cfg = ll._Cfg(1.0, True, None, 1, 0, vocab, vocab, "triton", None, None)
     sizes = ll._backward_chunks(n, vocab, hidden, h.element_size(), cfg)
     gt, bv = min(sizes["group_tokens"], n), min(sizes["block_vocab"], vocab)
-    coef = (torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0 * k.LOG2E, **f32))
+    coef = k.scaled_coefficients((torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0, **f32)), 1.0)
     dz = torch.empty((gt, bv), dtype=h.dtype, device=device)
     hg, wb = hd[:gt], wd[:bv]
     dense_blk = time_ms(lambda: torch.mm(hg, wb.t(), out=dz), device, reps, 3)
-    for bm, bn, bk, warps, stages, gm in DZ_VARIANTS:
+    for bm, bn, bk, warps, stages, gm, tma in DZ_VARIANTS:
+        if tma:
+            ptrs = (k._with_blocks(k._desc(hg), [bm, bk]), k._with_blocks(k._desc(wb), [bn, bk]), k._with_blocks(k._desc(dz), [bm, bn]))
+        else:
+            ptrs = (hg, wb, dz)
+
         def dzk():
             grid = (triton_cdiv(gt, bm) * triton_cdiv(bv, bn),)
-            k._dz_kernel[grid](hg, wb, labels[:gt], *coef, dz, gt, bv, hidden, hg.stride(0), wb.stride(0), dz.stride(0), 0,
-                               k.LOG2E, 1.0, HAS_GH=True, BM=bm, BN=bn, BK=bk, GROUP_M=gm, IEEE=False, EVEN_K=hidden % bk == 0,
+            k._dz_kernel[grid](ptrs[0], ptrs[1], labels[:gt], *coef, ptrs[2], 0, gt, 0, bv, hidden, hg.stride(0), wb.stride(0), dz.stride(0), 0,
+                               k.LOG2E, HAS_GH=True, BM=bm, BN=bn, BK=bk, GROUP_M=gm, IEEE=False, EVEN_K=hidden % bk == 0, TMA=tma,
                                num_warps=warps, num_stages=stages)
+        name = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm} {'TMA' if tma else 'pointers'}"
         try:
             ms = time_ms(dzk, device, reps, 2)
         except Exception as err:  # noqa: BLE001
             ms = float("nan")
-            print(f"  dz {bm, bn, bk, warps, stages, gm}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-        rows.append(("logit-gradient block", f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm}", ms, dense_blk))
-        print(f"  dz BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm}: {ms:.3f} ms (dense block {dense_blk:.3f})", flush=True)
+            print(f"  dz {name}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        rows.append(("logit-gradient block", name, ms, dense_blk))
+        print(f"  dz {name}: {ms:.3f} ms (dense block {dense_blk:.3f})", flush=True)
     print(f"\n{tokens} x {hidden} x {vocab}; backward block {gt} x {bv} ({-(-vocab // bv)} blocks)")
     print("| kernel | variant | ms | dense product ms | ratio |")
     print("|---|---|---|---|---|")
     for kind, var, ms, dense in rows:
         print(f"| {kind} | {var} | {ms:.3f} | {dense:.3f} | {ms / dense:.2f} |")
     return rows
+
+
+def profile_fused(tokens, hidden, vocab, device):
+    """Kernels of one fused forward + backward (torch.profiler): time per kernel name, and the GPU idle time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
+    step = fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name = {}
+    for e in kernels:
+        t = by_name.setdefault(e.name[:90], [0.0, 0])
+        t[0] += (e.time_range.end - e.time_range.start) / 1e3
+        t[1] += 1
+    print(f"\nprofile {tokens} x {hidden} x {vocab} (checks off): wall {wall:.2f} ms, kernels {busy / 1e3:.2f} ms, "
+          f"first kernel to last {(spans[-1][1] - spans[0][0]) / 1e3:.2f} ms")
+    for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {ms:8.3f} ms  {count:4d}x  {name}")
+    seq = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(seq, seq[1:])), reverse=True)
+    print(f"  idle between kernels: {sum(max(0, g[0]) for g in gaps) / 1e3:.2f} ms; largest gaps (us, after -> before):")
+    for g, a, b in gaps[:8]:
+        print(f"    {g:8.1f}  {a} -> {b}")
 
 
 def triton_cdiv(a, b):
@@ -341,6 +395,7 @@ def main():
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
+    p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop")
     args = p.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -355,6 +410,11 @@ def main():
         print("fp32-accumulating addmm available:", k._addmm_fp32_ok("cuda"), flush=True)
         if args.variants:
             kernel_variants(tokens_list[0], hidden_list[0], vocab, reps)
+            return
+        if args.profile:
+            for hidden in hidden_list:
+                for tokens in tokens_list:
+                    profile_fused(tokens, hidden, vocab, device)
             return
         if not args.no_check:
             device_checks(device)

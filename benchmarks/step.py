@@ -294,7 +294,7 @@ def search_seq(state, args, path, layout, device) -> int:
 # ---------------------------------------------------------------------------------------------
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("flex attention", ("flex", "triton_tem_fused")),
-    ("fnppo triton (log-prob, fused output, rope)", ("_fwd_kernel", "_bwd_kernel", "_dz_kernel", "_rope_kernel", "_lse", "_grad_kernel")),
+    ("fnppo triton (log-prob, fused output, rope)", ("_fwd_kernel", "_bwd_kernel", "_dz_kernel", "_label_kernel", "_rope_kernel", "_lse", "_grad_kernel")),
     ("cuDNN / TE attention", ("cudnn", "fmha", "flash", "fused_attn")),
     ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "wgmma")),
     ("optimizer", ("adam", "multi_tensor", "l2norm")),

@@ -287,14 +287,14 @@ _INTERP_SCRIPT = textwrap.dedent(
     from tests.test_linear_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
-        for hid, vocab, vs, ent_on, ct in ((24, 70, None, True, None), (32, 100, 93, True, 9), (24, 40, None, False, None)):
+        for hid, vocab, vs, ent_on, ct, cv in ((24, 70, None, True, None, 33), (32, 100, 93, True, 9, 64), (24, 40, None, False, None, 16)):
             h = torch.randn(37, hid, generator=g).to(dtype)
             w = (torch.randn(vocab, hid, generator=g) * 0.7).to(dtype)
             labels = torch.randint(0, vs or vocab, (37,), generator=g)
             g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
             hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
             lp, ent = linear_logprob_and_entropy(hg, wg, labels, temperature=0.7, with_entropy=ent_on, vocab_size=vs,
-                                                 chunk_tokens=ct, chunk_vocab=33, impl="triton")
+                                                 chunk_tokens=ct, chunk_vocab=cv, impl="triton")
             ((lp * g_lp).sum() + ((ent * g_h).sum() if ent_on else 0)).backward()
             rlp, rent, rdh, rdw = reference(h, w, labels, 0.7, g_lp, g_h if ent_on else None, vocab_size=vs)
             assert (lp.double() - rlp).abs().max() < 2e-5
@@ -307,17 +307,31 @@ _INTERP_SCRIPT = textwrap.dedent(
                 assert err < tol, (dtype, hid, vocab, err)
             if vs is not None:
                 assert bool((wg.grad[vs:] == 0).all())
+    # One TP shard's statistics (rows 30..59 of 100): labels outside it add nothing to zl.
+    from fnppo.kernels import linear_logprob_triton as k
+    from fnppo.linear_logprob import _forward_stats_torch
+    h = torch.randn(37, 32, generator=g).bfloat16()
+    w = (torch.randn(100, 32, generator=g) * 0.7).bfloat16()
+    labels = torch.randint(0, 100, (37,), generator=g)
+    got = k.forward_stats(h, w[30:60], labels, 30, 1 / 0.7, True)
+    want = _forward_stats_torch(h, w[30:60], labels, 30, 1 / 0.7, True, 37, 30)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max() < 1e-5, (x, y)
+    inside = (labels >= 30) & (labels < 60)
+    assert bool((got[3][~inside] == 0).all()) and bool((got[3][inside] != 0).all())
     print("interpreter ok")
     """
 )
 
 
-def test_triton_kernels_in_interpreter():
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_triton_kernels_in_interpreter(tma):
+    """Both ways of reading tiles: pointer loads, and TMA descriptors (Hopper's path on a GPU)."""
     pytest.importorskip("triton")
     np = pytest.importorskip("numpy")
     if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
         pytest.skip("Triton 3.6's interpreter needs numpy < 2.3 (range() over int arguments)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", FNPPO_TRITON_TMA=tma, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
 
