@@ -169,30 +169,35 @@ def _layout_worker(
     return res
 
 
-def _error_checks(ckpts: dict, bad: dict) -> dict:
-    """Each bad checkpoint is refused with a message naming the tensor, and loads nothing."""
+def _refused_load(chunks, path) -> tuple[str, bool]:
+    """``(message, the model untouched)`` of ``load_hf_weights(chunks, path)`` (``"no error"`` if it loads)."""
     from fnppo.model import unwrap_model
 
+    before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
+    try:
+        load_hf_weights(chunks, path)
+        return "no error", True
+    except InputError as err:
+        now = dict(unwrap_model(chunks[0]).named_parameters())
+        return str(err), all(torch.equal(before[k], now[k]) for k in before)
+
+
+def _refused_call(call) -> tuple[str, bool]:
+    """``(message, True)`` of a call that must raise ``InputError`` (``"no error"`` if it does not)."""
+    try:
+        call()
+        return "no error", True
+    except InputError as err:
+        return str(err), True
+
+
+def _error_checks(ckpts: dict, bad: dict) -> dict:
+    """Each bad checkpoint is refused with a message naming the tensor, and loads nothing."""
     path = ckpts["llama"][0]
     chunks = build_gpt_from_hf(path, dtype="fp32")
-    before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
-    res: dict = {}
-    for case, bad_path in bad.items():
-        try:
-            load_hf_weights(chunks, bad_path)
-            res[case] = ("no error", True)
-        except InputError as err:
-            params = dict(unwrap_model(chunks[0]).named_parameters())
-            res[case] = (str(err), all(torch.equal(before[k], params[k]) for k in before))
-    for case, call in (
-        ("tp mismatch", lambda: build_gpt_from_hf(path, tp=2)),
-        ("export config mismatch", lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0])),
-    ):
-        try:
-            call()
-            res[case] = ("no error", True)
-        except InputError as err:
-            res[case] = (str(err), True)
+    res = {case: _refused_load(chunks, bad_path) for case, bad_path in bad.items()}
+    res["tp mismatch"] = _refused_call(lambda: build_gpt_from_hf(path, tp=2))
+    res["export config mismatch"] = _refused_call(lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0]))
     return res
 
 
@@ -465,27 +470,12 @@ def _bad_value_checkpoints(value_checkpoints, root: Path) -> dict:
 def _value_error_checks(values: dict, ckpts: dict, bad: dict) -> dict:
     """case -> (message, the model untouched) for each bad value checkpoint; a classifier's config
     built with the default head."""
-    from fnppo.model import unwrap_model
-
     token = values["qwen2-token"][0]
     models = {"value": build_gpt_from_hf(token, head="value", dtype="fp32"), "policy": build_gpt_from_hf(ckpts["qwen2"][0], dtype="fp32")}
-    res: dict = {}
-    for case, path in bad.items():
-        chunks = models["policy" if case == "into-a-policy" else "value"]
-        before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
-        try:
-            load_hf_weights(chunks, path)
-            res[case] = ("no error", True)
-        except InputError as err:
-            now = dict(unwrap_model(chunks[0]).named_parameters())
-            res[case] = (str(err), all(torch.equal(before[k], now[k]) for k in before))
-    for case, call in (("default-head", lambda: build_gpt_from_hf(token, dtype="fp32")),
-                       ("export-two-labels", lambda: export_hf_weights(models["value"], bad["two-labels"] + "-export", hf_config=bad["two-labels"]))):
-        try:
-            call()
-            res[case] = ("no error", True)
-        except InputError as err:
-            res[case] = (str(err), True)
+    res = {case: _refused_load(models["policy" if case == "into-a-policy" else "value"], path) for case, path in bad.items()}
+    res["default-head"] = _refused_call(lambda: build_gpt_from_hf(token, dtype="fp32"))
+    res["export-two-labels"] = _refused_call(
+        lambda: export_hf_weights(models["value"], bad["two-labels"] + "-export", hf_config=bad["two-labels"]))
     return res
 
 
