@@ -342,6 +342,36 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     return rows
 
 
+def host_time(tokens, hidden, vocab, device):
+    """Host side of one fused forward + backward (checks off): when the host returns from it and when
+    the GPU is done (no syncs inside), then cProfile's top functions over 5 steps."""
+    import cProfile
+    import io
+    import pstats
+
+    h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
+    step = fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(f"\nhost time {tokens} x {hidden} x {vocab} (checks off): one step returns to the host after "
+          f"{1e3 * (t1 - t0):.2f} ms, the GPU is done after {1e3 * (t2 - t0):.2f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    print(out.getvalue())
+
+
 def profile_fused(tokens, hidden, vocab, device):
     """Kernels of one fused forward + backward (torch.profiler): time per kernel name, and the GPU idle time."""
     from torch.profiler import ProfilerActivity, profile
@@ -396,6 +426,7 @@ def main():
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop")
+    p.add_argument("--host-time", action="store_true", help="host time of one fused fwd+bwd per shape (and cProfile), then stop")
     args = p.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -411,10 +442,10 @@ def main():
         if args.variants:
             kernel_variants(tokens_list[0], hidden_list[0], vocab, reps)
             return
-        if args.profile:
+        if args.profile or args.host_time:
             for hidden in hidden_list:
                 for tokens in tokens_list:
-                    profile_fused(tokens, hidden, vocab, device)
+                    (profile_fused if args.profile else host_time)(tokens, hidden, vocab, device)
             return
         if not args.no_check:
             device_checks(device)
