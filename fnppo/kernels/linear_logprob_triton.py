@@ -309,18 +309,21 @@ def _num_splits(n: int, n_voc: int, device: torch.device, bm: int) -> int:
     return best
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return TensorDescriptor is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_wanted(device: torch.device) -> bool:
     """Whether the 16-bit kernels read (and write) their tiles through TMA tensor descriptors.
 
     On CUDA devices of compute capability 9 (Hopper) and newer; ``FNPPO_TRITON_TMA=0`` turns them
-    off (``=1`` turns them on in the interpreter, to check both variants on CPU).
+    off there (``=1`` turns them on in the interpreter, to check both variants on CPU).
     """
-    env = os.environ.get("FNPPO_TRITON_TMA")
-    if env is not None:
-        return env.strip() == "1" and (device.type == "cuda" or triton_interpreting())
-    if device.type != "cuda" or TensorDescriptor is None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    env = os.environ.get("FNPPO_TRITON_TMA", "").strip()
+    if device.type != "cuda":
+        return env == "1" and triton_interpreting()
+    return env != "0" and _has_tma(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -373,7 +376,7 @@ def forward_stats(
     if interp:
         cfg = dict(BM=bm, BN=_INTERP["BN"], BK=_INTERP["BK"])
         if tma:
-            _with_blocks(hp, [cfg["BM"], cfg["BK"]]), _with_blocks(wp, [cfg["BN"], cfg["BK"]])
+            _fwd_blocks({**cfg, "TMA": True, "h_ptr": hp, "w_ptr": wp})
         _fwd_kernel[grid](*args, WITH_ENT=with_entropy, IEEE=ieee, EVEN_K=hid % _INTERP["BK"] == 0, TMA=tma, **cfg)
     else:
         _fwd_tuned[grid](*args, WITH_ENT=with_entropy, BM=bm, IEEE=ieee, TMA=tma)
