@@ -6,9 +6,11 @@ siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 * :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard. A value
   model (``build_gpt_from_hf(path, head="value")``, the critic of PPO) takes a value or reward
   model's trunk and scalar head (``*ForTokenClassification`` or ``*ForSequenceClassification`` with
-  ``num_labels=1``: ``score.weight`` ``[1, hidden]``, ``score.bias`` ``[1]`` when stored), or a
-  policy checkpoint's trunk with a fresh value head (``lm_head`` skipped); the loader returns what it
-  skipped;
+  ``num_labels=1``: ``score.weight`` ``[1, hidden]``, ``score.bias`` ``[1]`` when stored), a critic
+  saved by TRL (``v_head.summary.*``), OpenRLHF (``CriticModel`` / ``RewardModel``, its reward
+  normalisation folded into the head) or verl's Megatron critic (``lm_head.weight`` ``[1, hidden]``)
+  (:data:`VALUE_HEAD_LAYOUTS`), or a policy checkpoint's trunk with a fresh value head (``lm_head``
+  skipped); the loader returns what it skipped;
 * :func:`export_hf_weights` writes the inverse (HF names, safetensors shards, ``config.json``), so
   a trained policy can be served by an inference engine, and a trained critic is a
   ``*ForTokenClassification`` checkpoint with ``num_labels=1`` (transformers'
@@ -28,7 +30,8 @@ per group, ``d`` the head dimension)::
     model.layers.i.mlp.down_proj.weight            -> decoder.layers.i.mlp.linear_fc2.weight
     model.norm.weight                              -> decoder.final_layernorm.weight
     lm_head.weight                                 -> output_layer.weight (model.embed_tokens.weight when tied)
-    score.weight [1, hidden], score.bias [1]       -> value_head.weight, value_head.bias (a value model)
+    score.weight [1, hidden], score.bias [1]       -> value_head.weight, value_head.bias (a value model;
+                                                      other stacks' names: VALUE_HEAD_LAYOUTS)
 
 (with Transformer Engine's layer spec the two layer norms are ``linear_qkv.layer_norm_weight`` and
 ``linear_fc1.layer_norm_weight``). ``score`` is transformers' per-token scalar head
@@ -96,6 +99,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -115,6 +119,8 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "TOKEN_CLASSIFICATION_ARCHITECTURES",
     "SEQUENCE_CLASSIFICATION_ARCHITECTURES",
+    "OPENRLHF_ARCHITECTURES",
+    "VALUE_HEAD_LAYOUTS",
     "model_config_from_hf",
     "build_gpt_from_hf",
     "load_hf_weights",
@@ -185,8 +191,34 @@ def _family(fn: str, hf: Mapping[str, Any]) -> str:
 class _Head:
     """What a checkpoint's ``config.json`` says it ends in."""
 
-    kind: str  # "lm" (*ForCausalLM), "token" (*ForTokenClassification), "sequence" (*ForSequenceClassification)
+    kind: str  # "lm" (*ForCausalLM), "token" (*ForTokenClassification), "sequence" (*ForSequenceClassification),
+    # "openrlhf" (OpenRLHF's CriticModel / RewardModel)
     bias: bool  # a classifier's score.bias (token: token_classification_bias, default true; sequence: never)
+
+
+OPENRLHF_ARCHITECTURES = ("CriticModel", "RewardModel")
+"""``architectures`` of a value or reward model saved by OpenRLHF (``get_llm_for_sequence_regression``:
+transformers' ``save_pretrained`` names the class it builds, for every family)."""
+
+VALUE_HEAD_LAYOUTS: Mapping[str, tuple[str, str | None]] = {
+    # transformers' *ForTokenClassification, num_labels=1 (what export writes; verl's FSDP critic,
+    # built with AutoModelForTokenClassification and saved with save_pretrained)
+    "score": ("score.weight", "score.bias"),
+    # transformers' *ForSequenceClassification (TRL's reward models); OpenRLHF with
+    # value_head_prefix="score" (its default since OpenRLHF commit e742e014, 2024-12): nn.Linear(hidden, 1, bias=False)
+    "score-no-bias": ("score.weight", None),
+    # OpenRLHF with value_head_prefix="value_head" (its default from 2024-07 to 2024-12)
+    "value_head": ("value_head.weight", None),
+    # TRL's AutoModelForCausalLMWithValueHead (trl/experimental/ppo/modeling_value_head.py): the causal
+    # LM's own state dict plus ValueHead.summary = nn.Linear(hidden, 1) under "v_head."
+    "v_head.summary": ("v_head.summary.weight", "v_head.summary.bias"),
+    # verl's Megatron critic (verl/models/mcore/saver.py): the output layer [1, hidden] saved as lm_head.weight
+    # into the policy's *ForCausalLM config
+    "lm_head": ("lm_head.weight", None),
+}
+"""The one table of value-head layouts a value model loads: name -> (the head's weight ``[1, hidden]``,
+its bias ``[1]`` or ``None``: a head without bias). The trunk is the family's (``model.``-prefixed
+names) in every one of them; :func:`_value_head` picks the layout of a checkpoint."""
 
 
 def _key(label: str, name: str) -> str:
@@ -210,15 +242,16 @@ def _checkpoint_head(fn: str, family: str, hf: Mapping[str, Any], label: str) ->
     if not archs:
         return None
     kinds = {SUPPORTED_ARCHITECTURES[family]: "lm", TOKEN_CLASSIFICATION_ARCHITECTURES[family]: "token",
-             SEQUENCE_CLASSIFICATION_ARCHITECTURES[family]: "sequence"}
+             SEQUENCE_CLASSIFICATION_ARCHITECTURES[family]: "sequence", **dict.fromkeys(OPENRLHF_ARCHITECTURES, "openrlhf")}
     if len(archs) != 1 or archs[0] not in kinds:
         names = [repr([a]) for a in kinds]
         raise input_error(fn, _key(label, "architectures"),
-                          f"{names[0]} (a policy) or {names[1]} / {names[2]} (a value or reward model, num_labels=1) for model_type {family!r}",
+                          f"{names[0]} (a policy) or {names[1]} / {names[2]} (a value or reward model, num_labels=1) for model_type {family!r}"
+                          f" or {names[3]} / {names[4]} (OpenRLHF's critic / reward model)",
                           repr(archs))
     kind = kinds[archs[0]]
-    if kind == "lm":
-        return _Head("lm", False)
+    if kind in ("lm", "openrlhf"):  # OpenRLHF's head has one output whatever the config's labels say
+        return _Head(kind, False)
     if hf.get("id2label") is not None:
         key, n, have = "id2label", len(hf["id2label"]), repr(hf["id2label"])
     elif hf.get("num_labels") is not None:
@@ -523,21 +556,21 @@ def _arch(fn: str, model_chunks: Sequence[nn.Module]) -> _Arch:
     )
 
 
-def _expected_hf(a: _Arch, vocab: int, head: str | None = None) -> dict[str, tuple[int, ...]]:
+def _expected_hf(a: _Arch, vocab: int, head: str | tuple[str, str | None] | None = None) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of the HF checkpoint of architecture ``a``.
 
-    ``head``: ``"lm"`` (``lm_head.weight`` unless tied), ``"score"`` (``score.weight`` ``[1, hidden]``
-    and ``score.bias`` ``[1]``) or ``"score-no-bias"``; default: ``"score"`` for a value model,
-    ``"lm"`` otherwise."""
+    ``head``: ``"lm"`` (``lm_head.weight`` unless tied) or a value head's ``(weight name, bias name
+    or None)`` (``[1, hidden]`` and ``[1]``; :data:`VALUE_HEAD_LAYOUTS`); default: ``score.weight``
+    and ``score.bias`` for a value model, ``"lm"`` otherwise."""
     H, d = a.hidden, a.head_dim
-    head = head or ("score" if a.value else "lm")
+    head = head or (VALUE_HEAD_LAYOUTS["score"] if a.value else "lm")
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, H), "model.norm.weight": (H,)}
     if head == "lm" and not a.tied:
         out["lm_head.weight"] = (vocab, H)
-    if head.startswith("score"):
-        out["score.weight"] = (1, H)
-        if head == "score":
-            out["score.bias"] = (1,)
+    if head != "lm":
+        out[head[0]] = (1, H)
+        if head[1] is not None:
+            out[head[1]] = (1,)
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (H,)
@@ -922,7 +955,13 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     checkpoint has none: sequence classifiers, ``token_classification_bias=false``), on every TP
     rank of the last pipeline stage (the head is replicated there). From a policy checkpoint
     (``*ForCausalLM``) it gets the trunk (embedding, layers, final norm) only: its value head keeps
-    its fresh weights and the checkpoint's ``lm_head.weight`` (when stored) is skipped. Returns the
+    its fresh weights and the checkpoint's ``lm_head.weight`` (when stored) is skipped. Critics of
+    other RL stacks (:data:`VALUE_HEAD_LAYOUTS`, :func:`_value_head`): TRL's
+    ``AutoModelForCausalLMWithValueHead`` (a ``*ForCausalLM`` config with ``v_head.summary.weight``
+    / ``.bias``; its ``lm_head.weight`` skipped), OpenRLHF's ``CriticModel`` / ``RewardModel``
+    (``<value_head_prefix>.weight``, no bias; ``normalize_reward: true`` folds
+    ``(v - mean) / std`` into the head), verl's Megatron critic (a ``*ForCausalLM`` config with a
+    one-row ``lm_head.weight``). Returns the
     names of the checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied
     model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
 
@@ -958,7 +997,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     root = Path(path)
     files = _shard_files(fn, root)
     cfg_file = _config_path(root)
-    described = None
+    described, hf = None, None
     if cfg_file.is_file():
         hf = _read_hf_config(fn, "path", cfg_file)
         described = _check_hf_config(fn, unwrap_model(model_chunks[0]), a, hf, "config.json", f"in {cfg_file}")
@@ -983,15 +1022,19 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
         built = getattr(unwrap_model(model_chunks[0]), "fnppo_config", None)
         if built is not None and vocab != built.vocab_size:  # rows beyond it would be taken for real tokens
             raise input_error(fn, "checkpoint['model.embed_tokens.weight']", f"{built.vocab_size} rows (the model's vocab_size)", f"{vocab} rows")
-        head = _loaded_head(a, described, shapes)
-        expected = _expected_hf(a, vocab, head)
-        for name in sorted(expected, key=lambda n: (n != "score.weight", n)):  # the head's labels first
+        value_head = _value_head(fn, a, described, hf, shapes, vocab)
+        expected = _expected_hf(a, vocab, "lm" if value_head is None else value_head.names)
+        head_names = () if value_head is None else value_head.names
+        for name in sorted(expected, key=lambda n: (n not in head_names[:1], n)):  # the head's weight first (its labels)
             if name not in shapes:
                 raise input_error(fn, "path", f"a tensor named {name!r}", f"a checkpoint without it ({len(shapes)} tensors in {str(root)!r})")
             if shapes[name] != expected[name]:
-                note = " (num_labels=1: one value per token)" if name.startswith("score.") else ""
+                note = " (num_labels=1: one value per token)" if name in head_names else ""
                 raise input_error(fn, f"checkpoint[{name!r}]", f"shape {expected[name]}{note}", f"shape {shapes[name]}")
-        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))} if head == "lm" else {}  # if equal (or a value model): below
+        # a language model's lm_head where the model ties it (checked below), a value model's skipped
+        # lm_head: a policy's or, beside TRL's v_head, its causal LM's
+        lm_rows = value_head is None or value_head.layout == "v_head.summary"
+        tolerated = {"lm_head.weight": expected.get("lm_head.weight", (vocab, a.hidden))} if lm_rows else {}
         for name in sorted(shapes):
             if name in expected or name.endswith(".rotary_emb.inv_freq"):
                 continue
@@ -1004,12 +1047,13 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
         for chunk in model_chunks:
             core = unwrap_model(chunk)
             for name, param in core.named_parameters():
-                kind, names = _rule(fn, a, _global_name(core, name))
-                if names and names[0].startswith("score."):
-                    if head == "lm":  # a policy's trunk: the value head stays as built
+                gname = _global_name(core, name)
+                kind, names = _rule(fn, a, gname)
+                if a.value and gname in _VALUE_HEAD_RULES:
+                    if value_head is None:  # a policy's trunk: the value head stays as built
                         continue
-                    if names[0] not in expected:  # no score.bias in the checkpoint: a head without bias
-                        kind = "zero"
+                    stored = value_head.names[gname == "value_head.bias"]
+                    kind, names = ("head", (stored,)) if stored is not None else ("zero", ())
                 plan.append((param, kind, names))
 
         def read(name: str, index: tuple[slice, ...] | None) -> Tensor:
@@ -1020,28 +1064,98 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
 
         with torch.no_grad():
             for param, kind, names in plan:
-                shard = _read_shard(read, a, kind, names, param, *_tp_of(param, layout), vocab)
+                if kind in ("head", "zero") and value_head is not None:  # the value head, with its normalisation
+                    shard = torch.zeros(param.shape, dtype=torch.float64) if kind == "zero" else read(names[0], None).double()
+                    is_bias = param.dim() == 1
+                    shard = shard * value_head.scale + (value_head.shift if is_bias else 0.0)
+                else:
+                    shard = _read_shard(read, a, kind, names, param, *_tp_of(param, layout), vocab)
                 if tuple(shard.shape) != tuple(param.shape):  # cannot happen after the checks above
                     raise AssertionError(f"{fn}: shard of {names} has shape {tuple(shard.shape)}, parameter {tuple(param.shape)}")
                 param.copy_(shard.to(dtype=param.dtype, device=param.device))
                 del shard
-    loaded = set(expected) - ({"lm_head.weight"} if a.value else set())  # by the whole model (all ranks)
+    skipped = {"lm_head.weight"} if a.value and (value_head is None or value_head.layout != "lm_head") else set()
+    loaded = set(expected) - skipped  # by the whole model (all ranks)
     return sorted(set(shapes) - loaded)
 
 
-def _loaded_head(a: _Arch, described: _Head | None, shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """Which head of :func:`_expected_hf` a checkpoint is loaded with: a language model's ``lm``; a
-    value model's ``score`` / ``score-no-bias`` for a classifier (as its ``config.json`` says, or
-    without one, as its tensors say) and ``lm`` for a policy (its trunk only)."""
+@dataclasses.dataclass(frozen=True)
+class _ValueHead:
+    """How a value model's head is read from a checkpoint: ``values = scale * (w . h + b) + shift``
+    with ``w``, ``b`` the tensors ``names`` (``b = 0`` where there is none) of layout ``layout``
+    (a key of :data:`VALUE_HEAD_LAYOUTS`, or ``"openrlhf"`` for a ``value_head_prefix`` of its own);
+    loaded as ``value_head.weight = scale * w``, ``value_head.bias = scale * b + shift``."""
+
+    layout: str
+    names: tuple[str, str | None]
+    scale: float = 1.0
+    shift: float = 0.0
+
+
+def _value_head(fn: str, a: _Arch, described: _Head | None, hf: Mapping[str, Any] | None,
+                shapes: Mapping[str, tuple[int, ...]], vocab: int) -> _ValueHead | None:
+    """The value head a checkpoint holds (``None``: a language model, or a policy's trunk only).
+
+    With a ``config.json``: a classifier's ``score`` (with ``score.bias`` as the config says);
+    OpenRLHF's ``CriticModel`` / ``RewardModel``: ``<value_head_prefix>.weight`` (the config's
+    ``value_head_prefix``, else whichever of ``score.weight`` / ``value_head.weight`` is stored) and
+    its reward normalisation (below); a ``*ForCausalLM``: TRL's ``v_head.summary.*`` or verl's
+    ``lm_head.weight`` of one row when stored, else the trunk only. Without one: the one of those
+    heads the tensors hold. OpenRLHF with ``normalize_reward: true`` computes
+    ``(w . h - mean) / std`` (``mean``, ``std`` from ``config.json``, 0 and 1 where absent; its
+    ``mean``/``std`` buffers are not saved): folded into the head, ``scale = 1 / std``,
+    ``shift = -mean / std``; with ``normalize_reward`` false or absent it computes ``w . h`` and
+    so does the value model.
+
+    Raises:
+        InputError: two candidate heads (naming them and the way to choose), a ``value_head_prefix``
+            that is not a name, a ``mean`` / ``std`` that is not a finite number (``std > 0``).
+    """
     if not a.value:
-        return "lm"
-    if described is None:
-        if "score.weight" not in shapes:
-            return "lm"
-        return "score" if "score.bias" in shapes else "score-no-bias"
-    if described.kind == "lm":
-        return "lm"
-    return "score" if described.bias else "score-no-bias"
+        return None
+    layouts = VALUE_HEAD_LAYOUTS
+    if described is not None and described.kind in ("token", "sequence"):
+        key = "score" if described.bias else "score-no-bias"
+        return _ValueHead(key, layouts[key])
+    if described is not None and described.kind == "openrlhf":
+        assert hf is not None
+        prefix = hf.get("value_head_prefix")
+        if prefix is None:
+            found = [p for p in ("score", "value_head") if f"{p}.weight" in shapes]
+            if len(found) != 1:
+                raise input_error(fn, "config.json['value_head_prefix']",
+                                  "the name of OpenRLHF's value head (its --value_head_prefix: 'score' or 'value_head'), "
+                                  "needed when the checkpoint does not hold exactly one of 'score.weight' / 'value_head.weight'",
+                                  f"no such key, and {'both' if found else 'neither'} of them stored")
+            prefix = found[0]
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", prefix):
+            raise input_error(fn, "config.json['value_head_prefix']", "a module name such as 'score' or 'value_head'", repr(prefix))
+        head = _ValueHead("openrlhf", (f"{prefix}.weight", None))
+        if not hf.get("normalize_reward"):
+            return head
+        stats = {}
+        for key, default in (("mean", 0.0), ("std", 1.0)):
+            v = hf.get(key, default)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (key == "mean" or v > 0)
+            if not ok:
+                raise input_error(fn, f"config.json[{key!r}]",
+                                  f"a finite number{' > 0' if key == 'std' else ''} (OpenRLHF's reward {key}: normalize_reward is true)", repr(v))
+            stats[key] = float(v)
+        return dataclasses.replace(head, scale=1.0 / stats["std"], shift=-stats["mean"] / stats["std"])
+    # a *ForCausalLM config, or none: the heads recognised by their tensors
+    found = []
+    if described is None and "score.weight" in shapes:
+        found.append("score" if "score.bias" in shapes else "score-no-bias")
+    if described is None and "value_head.weight" in shapes:
+        found.append("value_head")
+    if "v_head.summary.weight" in shapes:
+        found.append("v_head.summary")
+    if vocab != 1 and shapes.get("lm_head.weight", (0,))[0] == 1:  # a language model's lm_head has vocab rows
+        found.append("lm_head")
+    if len(found) > 1:
+        raise input_error(fn, "path", "one value head (one of: " + ", ".join(f"{layouts[k][0]!r}" for k in layouts if k != "score-no-bias") + ")",
+                          "a checkpoint with " + " and ".join(repr(layouts[k][0]) for k in found))
+    return _ValueHead(found[0], layouts[found[0]]) if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1111,9 +1225,12 @@ def _token_classification_config(a: _Arch, hf: Mapping[str, Any], described: _He
     one-entry ``id2label`` of ``hf`` keeps its name."""
     out = dict(hf)
     out["architectures"] = [TOKEN_CLASSIFICATION_ARCHITECTURES[a.family]]
-    labels = hf.get("id2label") if described is not None and described.kind != "lm" else None
+    labels = hf.get("id2label") if described is not None and described.kind in ("token", "sequence") else None
     name = str(next(iter(labels.values()))) if labels else "LABEL_0"
     out.update(num_labels=1, id2label={"0": name}, label2id={name: 0}, token_classification_bias=True)
+    if described is not None and described.kind == "openrlhf":  # its head and normalisation are in the weights now
+        for key in ("value_head_prefix", "normalize_reward", "mean", "std"):
+            out.pop(key, None)
     return out
 
 

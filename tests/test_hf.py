@@ -8,6 +8,8 @@ exports the model and the exported tensors must equal the original checkpoint's 
 Value models (the critic) do the same in the same launches with a ``Qwen2ForTokenClassification``
 and a ``LlamaForSequenceClassification`` (``num_labels=1``): their values against transformers'
 per-token scores, their export against the checkpoint, and a moved critic exported and reloaded.
+Critics saved by TRL, OpenRLHF and verl (each built as that stack writes it) load in the TP=1 and
+PP=2 launches, their values against the stack's own computation.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ def _transformers():
     return pytest.importorskip("transformers")
 
 
-def _hf_model(family: str, seed: int, model_class: str = "AutoModelForCausalLM", **config_changes):
+def _hf_model(family: str, seed: int, model_class="AutoModelForCausalLM", **config_changes):
     transformers = _transformers()
     cls_name, kwargs = FAMILIES[family]
     config = getattr(transformers, cls_name)(**kwargs, **config_changes)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    cls = getattr(transformers, model_class)
-    model = (cls.from_config(config) if model_class.startswith("Auto") else cls(config)).float()
+    cls = getattr(transformers, model_class) if isinstance(model_class, str) else model_class
+    model = (cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)).float()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # larger than the default init, so every weight matters in the logits
         for name, p in model.named_parameters():
@@ -127,7 +129,7 @@ def _megatron_logits(chunks, ids: torch.Tensor):
 
 def _layout_worker(
     ckpts: dict, export_root: str, *, logprobs: bool = False, pad_vocab: bool = False, bad: dict | None = None,
-    values: dict | None = None, value_bad: dict | None = None,
+    values: dict | None = None, value_bad: dict | None = None, foreign: dict | None = None,
 ) -> dict:
     """Load every family, return full logits, export; optionally also the other checks below."""
     from fnppo.model import unwrap_model
@@ -166,6 +168,8 @@ def _layout_worker(
         res["values"] = _value_worker(values, export_root)
     if value_bad is not None:
         res["value_errors"] = _value_error_checks(values, ckpts, value_bad)
+    if foreign is not None:
+        res["foreign"] = _foreign_worker(*foreign)
     return res
 
 
@@ -211,7 +215,7 @@ _BAD_CASES = {
 
 
 @pytest.fixture(scope="module")
-def tp1_run(checkpoints, value_checkpoints, tmp_path_factory):
+def tp1_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
     """One run_ranks call (TP=1, two data-parallel replicas): logits, export and the refusals."""
     root = tmp_path_factory.mktemp("tp1")
     src = Path(checkpoints["llama"][0])
@@ -226,7 +230,7 @@ def tp1_run(checkpoints, value_checkpoints, tmp_path_factory):
         bad[case] = str(d)
     value_bad = _bad_value_checkpoints(value_checkpoints, root / "bad-value")
     results = run_ranks(_layout_worker, 2, checkpoints, str(root / "export"), bad=bad, values=value_checkpoints,
-                        value_bad=value_bad, tp=1, pp=1)
+                        value_bad=value_bad, foreign=foreign_critics, tp=1, pp=1)
     return results, root / "export"
 
 
@@ -270,9 +274,10 @@ def tp2_run(checkpoints, value_checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pp2_run(checkpoints, value_checkpoints, tmp_path_factory):
+def pp2_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
     root = tmp_path_factory.mktemp("pp2")
-    return run_ranks(_layout_worker, 2, checkpoints, str(root), logprobs=True, values=value_checkpoints, tp=1, pp=2), root
+    foreign = (foreign_critics[0], {})  # the heads on the last stage; the refusals run under TP=1
+    return run_ranks(_layout_worker, 2, checkpoints, str(root), logprobs=True, values=value_checkpoints, foreign=foreign, tp=1, pp=2), root
 
 
 def test_logits_and_export_tp2_padded_vocab(checkpoints, tp2_run):
@@ -421,6 +426,166 @@ def test_value_models_load_and_export_pp2(value_checkpoints, pp2_run):
     results, root = pp2_run
     _assert_values_and_value_export(results, value_checkpoints, root)
     assert ["value_head.weight" in r["values"]["qwen2-token"]["params"] for r in results] == [False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Critics saved by other RL stacks (each built here as that stack writes it; sources in the comments)
+# ---------------------------------------------------------------------------------------------
+def _openrlhf_class(family: str, cls_name: str, prefix: str):
+    """OpenRLHF's critic / reward model class for a family: ``get_llm_for_sequence_regression`` in
+    openrlhf/models/model.py (OpenRLHF/OpenRLHF) subclasses the family's ``PreTrainedModel``, puts
+    the trunk at ``base_model_prefix`` (``model``) and ``nn.Linear(hidden, 1, bias=False)`` at
+    ``value_head_prefix``; ``save_pretrained`` names the class in ``architectures``."""
+    transformers = _transformers()
+    base = getattr(transformers, {"llama": "LlamaModel", "qwen2": "Qwen2Model"}[family])
+    parent = base.__base__
+
+    def __init__(self, config):
+        parent.__init__(self, config)
+        setattr(self, self.base_model_prefix, base(config))
+        setattr(self, prefix, torch.nn.Linear(config.hidden_size, 1, bias=False))
+        self.post_init()
+
+    return type(cls_name, (parent,), {"__init__": __init__})
+
+
+# name -> (family, what fnppo must skip); values: the source's own computation on the last hidden state
+FOREIGN_CRITICS = {
+    # TRL's AutoModelForCausalLMWithValueHead (trl/experimental/ppo/modeling_value_head.py, also verl's
+    # FSDP critic when built from it): save_pretrained of the causal LM with a state dict holding its
+    # own tensors plus v_head.summary.{weight,bias}; values = v_head.summary(hidden_states[-1])
+    "trl-v-head": ("llama", ["lm_head.weight"]),
+    # OpenRLHF's CriticModel, value_head_prefix 'score' (the default) saved in config.json with
+    # normalize_reward and the reward model's mean/std (openrlhf/cli/train_rm.py, trainer/rm_trainer.py):
+    # values = (score(h) - mean) / std
+    "openrlhf-critic": ("llama", []),
+    # OpenRLHF's RewardModel of the older default prefix 'value_head', not named in config.json;
+    # normalize_reward false: mean/std stored but not applied
+    "openrlhf-reward": ("qwen2", []),
+    # verl's Megatron critic (verl/models/mcore/saver.py, utils/checkpoint/megatron_checkpoint_manager.py):
+    # the [1, hidden] output layer saved as lm_head.weight into the policy's LlamaForCausalLM config
+    "verl-megatron": ("llama", []),
+}
+_MEAN, _STD = 0.3, 2.5
+
+
+@pytest.fixture(scope="module")
+def foreign_critics(tmp_path_factory):
+    """(name -> (checkpoint dir, token ids, the source's values [SEQ] in float64), refused variants)."""
+    root = tmp_path_factory.mktemp("hf-foreign")
+    g = torch.Generator().manual_seed(70)
+    out = {}
+    for i, (name, (family, _)) in enumerate(FOREIGN_CRITICS.items()):
+        ids = torch.randint(0, _COMMON["vocab_size"], (1, SEQ), generator=g)
+        w, b = 0.15 * torch.randn(1, 64, generator=g), torch.full((1,), 0.5)
+        with torch.no_grad():
+            if name.startswith("openrlhf"):
+                prefix = "score" if name == "openrlhf-critic" else "value_head"
+                cls = _openrlhf_class(family, "CriticModel" if name == "openrlhf-critic" else "RewardModel", prefix)
+                model = _hf_model(family, seed=60 + i, model_class=cls)
+                model.config.update(dict(normalize_reward=name == "openrlhf-critic", mean=_MEAN, std=_STD))
+                if name == "openrlhf-critic":
+                    model.config.value_head_prefix = prefix
+                v = getattr(model, prefix)(model.model(input_ids=ids).last_hidden_state)[0, :, 0].double()
+                ref = (v - _MEAN) / _STD if name == "openrlhf-critic" else v
+                model.save_pretrained(str(root / name))
+            else:
+                model = _hf_model(family, seed=60 + i, model_class="LlamaForCausalLM")
+                state = model.state_dict()
+                h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0].double()
+                if name == "trl-v-head":
+                    state.update({"v_head.summary.weight": w, "v_head.summary.bias": b})
+                    ref = (h @ w.double().T + b.double())[:, 0]
+                else:
+                    state["lm_head.weight"] = w
+                    ref = (h @ w.double().T)[:, 0]
+                model.save_pretrained(str(root / name), state_dict=state)
+        out[name] = (str(root / name), ids, ref)
+    cfg = json.loads((root / "openrlhf-critic" / "config.json").read_text())
+    assert cfg["architectures"] == ["CriticModel"] and cfg["value_head_prefix"] == "score" and cfg["normalize_reward"] is True
+    assert sorted(k for k in _hf_tensors(root / "openrlhf-reward") if not k.startswith("model.")) == ["value_head.weight"]
+    assert {"v_head.summary.weight", "v_head.summary.bias", "lm_head.weight"} <= set(_hf_tensors(root / "trl-v-head"))
+    assert _hf_tensors(root / "verl-megatron")["lm_head.weight"].shape == (1, 64)
+    trl, critic, reward = (out[n][0] for n in ("trl-v-head", "openrlhf-critic", "openrlhf-reward"))
+    bad = {
+        "both-prefixes": _variant(critic, root / "bad" / "both-prefixes", {"value_head_prefix": _DROP},
+                                  tensors={"value_head.weight": torch.zeros(1, 64)}),
+        "std-zero": _variant(critic, root / "bad" / "std-zero", {"std": 0.0}),
+        "mean-text": _variant(critic, root / "bad" / "mean-text", {"mean": "0.3"}),
+        "prefix-not-a-name": _variant(critic, root / "bad" / "prefix-not-a-name", {"value_head_prefix": "score weight"}),
+        "prefix-elsewhere": _variant(reward, root / "bad" / "prefix-elsewhere", {"value_head_prefix": "score"}),
+        "v-head-and-verl": _variant(trl, root / "bad" / "v-head-and-verl", tensors={"lm_head.weight": torch.zeros(1, 64)}),
+        "v-head-two-rows": _variant(trl, root / "bad" / "v-head-two-rows", tensors={"v_head.summary.weight": torch.zeros(2, 64)}),
+        "v-head-no-bias": _variant(trl, root / "bad" / "v-head-no-bias", drop=("v_head.summary.bias",)),
+    }
+    return out, bad
+
+
+def _foreign_worker(critics: dict, bad: dict) -> dict:
+    """Per foreign critic: what the loader skipped and compute_values of one sample; each bad variant's refusal."""
+    from fnppo.batch import Sample
+    from fnppo.parallel import current_layout
+    from fnppo.step import compute_values
+
+    out = {}
+    for name, (path, ids, _) in critics.items():
+        chunks = build_gpt_from_hf(path, head="value", dtype="fp32")
+        skipped = load_hf_weights(chunks, path)
+        (values,) = compute_values(chunks, [Sample(prompt_ids=ids[0, :1], response_ids=ids[0, 1:])])
+        out[name] = (skipped, values)
+        if name == "openrlhf-critic":  # out as a token classifier, the normalisation in its head
+            layout = current_layout()
+            export_hf_weights(chunks, f"{path}-export-pp{layout.pp}", hf_config=path)
+    for case, path in bad.items():
+        src = critics["trl-v-head" if case.startswith("v-head") else "openrlhf-reward" if case == "prefix-elsewhere" else "openrlhf-critic"][0]
+        out[case] = _refused_load(build_gpt_from_hf(src, head="value", dtype="fp32"), path)
+    return out
+
+
+def _assert_foreign_values(results: list, critics: dict) -> None:
+    for res in results:
+        for name, (_, _, ref) in critics.items():
+            skipped, values = res["foreign"][name]
+            assert skipped == FOREIGN_CRITICS[name][1], (name, skipped)
+            diff = (values.double() - ref[:-1]).abs().max().item()
+            assert values.shape == (SEQ - 1,) and diff <= TOL, (name, diff)
+
+
+_FOREIGN_ERRORS = {  # case -> (argument, expected, received)
+    "both-prefixes": ("config.json['value_head_prefix']", "the name of OpenRLHF's value head (its --value_head_prefix: 'score' or 'value_head')",
+                      "no such key, and both of them stored"),
+    "std-zero": ("config.json['std']", "a finite number > 0 (OpenRLHF's reward std: normalize_reward is true)", "0.0"),
+    "mean-text": ("config.json['mean']", "a finite number (OpenRLHF's reward mean: normalize_reward is true)", "'0.3'"),
+    "prefix-not-a-name": ("config.json['value_head_prefix']", "a module name such as 'score' or 'value_head'", "'score weight'"),
+    "prefix-elsewhere": ("path", "a tensor named 'score.weight'", "a checkpoint without it"),
+    "v-head-and-verl": ("path", "one value head (one of: 'score.weight', 'value_head.weight', 'v_head.summary.weight', 'lm_head.weight')",
+                        "a checkpoint with 'v_head.summary.weight' and 'lm_head.weight'"),
+    "v-head-two-rows": ("checkpoint['v_head.summary.weight']", "shape (1, 64) (num_labels=1: one value per token)", "shape (2, 64)"),
+    "v-head-no-bias": ("path", "a tensor named 'v_head.summary.bias'", "a checkpoint without it"),
+}
+
+
+def test_critics_of_other_rl_stacks_load_dp2_and_pp2(foreign_critics, tp1_run, pp2_run):
+    """TRL's v_head, OpenRLHF's critic (its reward normalisation folded into the head) and reward
+    model, verl's Megatron critic: values equal each stack's own computation, under DP=2 and PP=2;
+    the ambiguous or inconsistent ones are refused by name and load nothing."""
+    critics, _ = foreign_critics
+    _assert_foreign_values(tp1_run[0], critics)
+    _assert_foreign_values(pp2_run[0], critics)
+    path, ids, ref = critics["openrlhf-critic"]
+    transformers = _transformers()
+    for pp in (1, 2):  # transformers reads the export: OpenRLHF's normalised values, no OpenRLHF keys left
+        export = f"{path}-export-pp{pp}"
+        cfg = json.loads(Path(export, "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForTokenClassification"] and not {"normalize_reward", "mean", "std", "value_head_prefix"} & set(cfg)
+        hf = transformers.AutoModelForTokenClassification.from_pretrained(export, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert (hf(input_ids=ids).logits[0, :, 0].double() - ref).abs().max().item() <= TOL, pp
+    for res in tp1_run[0]:
+        for case, (arg, expected, received) in _FOREIGN_ERRORS.items():
+            msg, untouched = res["foreign"][case]
+            check_message(InputError(msg), InputError, "load_hf_weights", arg, expected, received)
+            assert untouched, case
 
 
 # ---------------------------------------------------------------------------------------------
