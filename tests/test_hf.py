@@ -7,8 +7,9 @@ logits compared with ``transformers``' own forward pass on the same tokens. Ever
 exports the model and the exported tensors must equal the original checkpoint's bit for bit.
 Value models (the critic) do the same in the same launches with a ``Qwen2ForTokenClassification``
 and a ``LlamaForSequenceClassification`` (``num_labels=1``): their values against transformers'
-per-token scores, their export against the checkpoint, and a moved critic exported and reloaded.
-Critics saved by TRL, OpenRLHF and verl (each built as that stack writes it) load in the TP=1 and
+per-token scores, their export against the checkpoint, and a moved critic exported and reloaded;
+a ``Qwen2MoeForTokenClassification`` critic the same way in the MoE launches, under EP=2 and one
+model per rank. Critics saved by TRL, OpenRLHF and verl (each built as that stack writes it) load in the TP=1 and
 PP=2 launches, their values against the stack's own computation.
 """
 
@@ -378,9 +379,10 @@ def _value_worker(ckpts: dict, export_root: str) -> dict:
     return out
 
 
-def _assert_values_and_value_export(results: list, value_checkpoints, export_root: Path) -> None:
+def _assert_values_and_value_export(results: list, value_checkpoints, export_root: Path, classes: dict | None = None) -> None:
     """Every rank's values equal transformers' scores; the exports equal the checkpoints; a moved
-    critic reloads bit for bit."""
+    critic reloads bit for bit. ``classes``: name -> the class export writes (default: VALUE_CHECKPOINTS')."""
+    classes = classes or {name: v[2] for name, v in VALUE_CHECKPOINTS.items()}
     for res in results:
         for name, (_, _, ref) in value_checkpoints.items():
             r = res["values"][name]
@@ -399,7 +401,7 @@ def _assert_values_and_value_export(results: list, value_checkpoints, export_roo
             assert exported[key].dtype == t.dtype and torch.equal(exported[key], t), (name, key)
         for d in (name, name + "-moved"):
             cfg = json.loads((export_root / d / "config.json").read_text())
-            assert cfg["architectures"] == [VALUE_CHECKPOINTS[name][2]] and cfg["num_labels"] == 1, (d, cfg)
+            assert cfg["architectures"] == [classes[name]] and cfg["num_labels"] == 1, (d, cfg)
             assert cfg["id2label"] == {"0": "LABEL_0"} and cfg["token_classification_bias"] is True, (d, cfg)
 
 
@@ -991,8 +993,37 @@ def moe_checkpoints(tmp_path_factory):
     return out
 
 
-def _moe_worker(ckpts: dict, export_root: str, layouts: list) -> dict:
-    """Per layout and family: full logits on the last stage, and an export."""
+MOE_VALUE = "qwen2_moe-token"  # the MoE critic: a Qwen2-MoE token classifier (shared expert, q/k/v bias, score.bias)
+MOE_VALUE_LAYOUTS = ("ep2", "tp1")  # the layouts that also load, run, export and reload it
+
+
+@pytest.fixture(scope="module")
+def moe_value_checkpoint(tmp_path_factory):
+    """{MOE_VALUE: (checkpoint dir, token ids [1, SEQ], transformers' logits[0, :, 0] in float64)}."""
+    transformers = _transformers()
+    cls_name, kwargs = MOE_FAMILIES["qwen2_moe"]
+    config = getattr(transformers, cls_name)(**kwargs, num_labels=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(60)
+    model = transformers.Qwen2MoeForTokenClassification(config).float()
+    g = torch.Generator().manual_seed(60)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.15 * noise)
+        model.score.bias.fill_(0.5)  # far from the zero a dropped bias would leave
+        ids = torch.randint(0, _COMMON["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(61))
+        ref = model.eval()(input_ids=ids).logits[0, :, 0].double()
+    path = tmp_path_factory.mktemp("hf-moe-value") / MOE_VALUE
+    model.save_pretrained(str(path))
+    tensors = _hf_tensors(path)
+    assert "score.bias" in tensors and "model.layers.1.mlp.shared_expert_gate.weight" in tensors and "lm_head.weight" not in tensors
+    return {MOE_VALUE: (str(path), ids, ref)}
+
+
+def _moe_worker(ckpts: dict, export_root: str, layouts: list, value: dict | None = None) -> dict:
+    """Per layout and family: full logits on the last stage, and an export; in MOE_VALUE_LAYOUTS
+    also the MoE critic's checks of _value_worker."""
     import fnppo
 
     res: dict = {}
@@ -1003,6 +1034,8 @@ def _moe_worker(ckpts: dict, export_root: str, layouts: list) -> dict:
             load_hf_weights(chunks, path)
             res[(name, family)] = _megatron_logits(chunks, ids)
             export_hf_weights(chunks, f"{export_root}/{name}/{family}", hf_config=path)
+        if value is not None and name in MOE_VALUE_LAYOUTS:
+            res[(name, "values")] = _value_worker(value, f"{export_root}/{name}")
         if name == "tp1":
             res["errors"] = _moe_errors(ckpts, export_root)
         res[(name, "layout")] = (layout.tp, layout.pp, layout.ep, layout.etp)
@@ -1030,9 +1063,10 @@ def _moe_errors(ckpts: dict, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def moe_runs(moe_checkpoints, tmp_path_factory):
+def moe_runs(moe_checkpoints, moe_value_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-export")
-    return {run: run_ranks(_moe_worker, 2, moe_checkpoints, str(root / run), layouts) for run, layouts in MOE_RUNS.items()}, root
+    return {run: run_ranks(_moe_worker, 2, moe_checkpoints, str(root / run), layouts, value=moe_value_checkpoint)
+            for run, layouts in MOE_RUNS.items()}, root
 
 
 @pytest.mark.parametrize("run", list(MOE_RUNS))
@@ -1060,6 +1094,29 @@ def test_moe_export_loads_in_transformers(moe_checkpoints, moe_runs):
     for family, (_, ids, ref) in moe_checkpoints.items():
         reloaded = _transformers().AutoModelForCausalLM.from_pretrained(str(root / "ep2-pp2" / "ep2" / family)).float().eval()
         assert (_hf_logits(reloaded, ids) - ref).abs().max().item() <= 1e-5, family
+
+
+def test_moe_value_model_loads_and_exports_under_ep2_and_one_model_per_rank(moe_value_checkpoint, moe_runs):
+    """A Qwen2-MoE token classifier (num_labels=1) as a value model under EP=2 (two experts per rank)
+    and one model per rank: compute_values equals transformers' logits[..., 0] on every rank, nothing
+    is skipped, the export is the checkpoint bit for bit, a moved critic reloads bit for bit, and
+    transformers reads the moved export with the same values."""
+    results, root = moe_runs
+    (path, ids, _), = moe_value_checkpoint.values()
+    transformers = _transformers()
+    for layout in MOE_VALUE_LAYOUTS:
+        run = next(run for run, layouts in MOE_RUNS.items() if layout in [entry[0] for entry in layouts])
+        ranks = [{"values": r[(layout, "values")]} for r in results[run]]
+        assert len(ranks) == 2
+        _assert_values_and_value_export(ranks, moe_value_checkpoint, root / run / layout, {MOE_VALUE: "Qwen2MoeForTokenClassification"})
+        hf = transformers.AutoModelForTokenClassification.from_pretrained(str(root / run / layout / f"{MOE_VALUE}-moved"), dtype=torch.float32)
+        assert type(hf).__name__ == "Qwen2MoeForTokenClassification" and hf.config.num_labels == 1
+        with torch.no_grad():
+            scores = hf.eval()(input_ids=ids).logits[0, :-1, 0].double()
+        for r in ranks:
+            assert (r["values"][MOE_VALUE]["moved"].double() - scores).abs().max().item() <= TOL, layout
+            local = {n.split("local_experts.")[1].split(".")[0] for n in r["values"][MOE_VALUE]["params"] if "local_experts." in n}
+            assert local == ({"0", "1"} if layout == "ep2" else {"0", "1", "2", "3"}), (layout, local)  # EP=2: 2 of 4 experts a rank
 
 
 def test_moe_config_mapping():
