@@ -319,6 +319,15 @@ _INTERP_SCRIPT = textwrap.dedent(
         assert (x - y).abs().max() < 1e-5, (x, y)
     inside = (labels >= 30) & (labels < 60)
     assert bool((got[3][~inside] == 0).all()) and bool((got[3][inside] != 0).all())
+    # A vocabulary of 2,500 columns: three splits (the last one partial), merged by the merge kernel.
+    assert k._num_splits(37, 2500, h.device, k._INTERP["BM"]) == 3
+    w = (torch.randn(2500, 32, generator=g) * 0.7).bfloat16()
+    labels = torch.randint(0, 2500, (37,), generator=g)
+    for ent_on in (True, False):
+        got = k.forward_stats(h, w, labels, 0, 1.3, ent_on)
+        want = _forward_stats_torch(h, w, labels, 0, 1.3, ent_on, 37, 700)
+        for x, y in zip(got, want):
+            assert (x is None) == (y is None) and (x is None or (x - y).abs().max() < 1e-5), (x, y)
     print("interpreter ok")
     """
 )

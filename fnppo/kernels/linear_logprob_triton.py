@@ -54,6 +54,7 @@ __all__ = ["forward_stats", "backward_grads"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(LN2)
 _FWD_BM = 128  # fixed: the forward grid (and so the number of vocabulary splits) depends on it
 _INTERP = dict(BM=16, BN=32, BK=16)  # the CPU interpreter: small tiles exercise the multi-tile logic
 # Triton's interpreter (3.6) multiplies bf16 tiles wrongly in tl.dot: there, upcast them first.
@@ -223,6 +224,36 @@ def _label_kernel(
 
 
 @triton.jit
+def _merge_kernel(
+    m_ptr, s_ptr, w_ptr, mo_ptr, so_ptr, wo_ptr, n_tok, splits,
+    WITH_ENT: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+):
+    """The splits' ``(m, s, w)`` (base-2, ``[splits, tokens]``) merged per token, in natural units::
+
+        M = max_k m_k,  S = sum_k s_k 2^(m_k - M),  W = ln2 sum_k 2^(m_k - M) (w_k + s_k (m_k - M))
+
+    and ``M ln 2``; splits with ``m_k = -inf`` add nothing (the merge of
+    :func:`fnppo.linear_logprob._merge_stats`, in one launch instead of a dozen small ones).
+    """
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ks = tl.arange(0, BS)
+    ok = (ks < splits)[:, None] & (rows < n_tok)[None, :]
+    idx = ks.to(tl.int64)[:, None] * n_tok + rows[None, :]
+    m = tl.load(m_ptr + idx, mask=ok, other=float("-inf"))
+    s = tl.load(s_ptr + idx, mask=ok, other=0.0)
+    big = tl.max(m, 0)
+    shift = tl.where(big == float("-inf"), 0.0, big)
+    a = tl.exp2(m - shift[None, :])
+    row_ok = rows < n_tok
+    tl.store(mo_ptr + rows, big * _LN2, mask=row_ok)
+    tl.store(so_ptr + rows, tl.sum(s * a, 0), mask=row_ok)
+    if WITH_ENT:
+        w = tl.load(w_ptr + idx, mask=ok, other=0.0)
+        rel = tl.where(s > 0, s * (m - shift[None, :]), 0.0)
+        tl.store(wo_ptr + rows, tl.sum(a * (w + rel), 0) * _LN2, mask=row_ok)
+
+
+@triton.jit
 def _dz_kernel(
     h_ptr, w_ptr, labels_ptr, a_ptr, b_ptr, c_ptr, lse2_ptr, dz_ptr,
     row_base, n_tok, col_base, n_cols, hid, stride_h, stride_w, stride_dz, col_start, scale2,
@@ -350,8 +381,6 @@ def forward_stats(
     h2: torch.Tensor, w_valid: torch.Tensor, labels: torch.Tensor, vocab_start: int, inv_t: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-token ``(m, s, w, zl)`` of this shard in natural units; ``w`` is None without entropy."""
-    from fnppo.linear_logprob import _merge_stats
-
     n, hid = h2.shape
     n_voc = w_valid.shape[0]
     f32 = dict(dtype=torch.float32, device=h2.device)
@@ -359,10 +388,7 @@ def forward_stats(
         empty = torch.zeros(n, **f32)
         return torch.full((n,), float("-inf"), **f32), empty, (empty.clone() if with_entropy else None), empty.clone()
     w_valid = w_valid if w_valid.stride(-1) == 1 else w_valid.contiguous()
-    zl = torch.empty(n, **f32)
     interp = _fwd_tuned is None
-    br, bh = (16, 16) if interp else (16, 128)
-    _label_kernel[(-(-n // br),)](h2, w_valid, labels, zl, n, n_voc, hid, h2.stride(0), w_valid.stride(0), vocab_start, inv_t, BR=br, BH=bh)
     bm = _INTERP["BM"] if interp else _FWD_BM
     splits = _num_splits(n, n_voc, h2.device, bm)
     per = -(-(-(-n_voc // splits)) // 256) * 256  # columns per split, a multiple of every BN
@@ -380,7 +406,15 @@ def forward_stats(
         _fwd_kernel[grid](*args, WITH_ENT=with_entropy, IEEE=ieee, EVEN_K=hid % _INTERP["BK"] == 0, TMA=tma, **cfg)
     else:
         _fwd_tuned[grid](*args, WITH_ENT=with_entropy, BM=bm, IEEE=ieee, TMA=tma)
-    m_all, s_all, w_all = _merge_stats(m * LN2, s, (w * LN2) if with_entropy else None, dim=0)
+    # Launched after the tiles (the GPU starts on the long kernel sooner): label logits, the merge.
+    zl = torch.empty(n, **f32)
+    br, bh = (16, 16) if interp else (16, 128)
+    _label_kernel[(-(-n // br),)](h2, w_valid, labels, zl, n, n_voc, hid, h2.stride(0), w_valid.stride(0), vocab_start, inv_t, BR=br, BH=bh)
+    m_all, s_all = torch.empty(n, **f32), torch.empty(n, **f32)
+    w_all = torch.empty(n, **f32) if with_entropy else None
+    br = 16 if interp else 128
+    _merge_kernel[(-(-n // br),)](m, s, w, m_all, s_all, w_all if with_entropy else s_all, n, splits,
+                                  WITH_ENT=with_entropy, BR=br, BS=triton.next_power_of_2(splits))
     return m_all, s_all, w_all, zl
 
 
