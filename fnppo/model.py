@@ -416,9 +416,31 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         kwargs.update(_moe_kwargs(cfg, layout))
     kwargs.update(dict(cfg.extra))
     kwargs.update(overrides)
+    _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
         install_fused_rope()  # Megatron checks for a fused RoPE when the config is built
     return TransformerConfig(**kwargs)
+
+
+# Megatron-core 0.16's output-discarding checkpoint (``CheckpointWithoutOutput``) takes its FP8 path
+# whatever the precision (``self.fp8 = fp8 is not None`` with ``fp8=False``) and needs Transformer
+# Engine there: these selective-recomputation modules fail at the first forward without it.
+_TE_ONLY_RECOMPUTE = ("layernorm", "moe_act", "mla_up_proj")
+
+
+def _check_recompute_modules(kwargs: dict[str, Any]) -> None:
+    """Refuse, at build time, selective recomputation that Megatron cannot run without Transformer Engine."""
+    if kwargs.get("recompute_granularity") != "selective":
+        return
+    from fnppo.attention import te_available
+
+    bad = [m for m in kwargs.get("recompute_modules") or () if m in _TE_ONLY_RECOMPUTE]
+    if bad and not te_available():
+        raise input_error(
+            "transformer_config", "recompute_modules",
+            "modules that run without Transformer Engine (e.g. 'mlp', 'core_attn', 'moe', 'shared_experts'; "
+            f"Megatron's {', '.join(repr(m) for m in _TE_ONLY_RECOMPUTE)} need it)", repr(list(kwargs["recompute_modules"])),
+        )
 
 
 def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:

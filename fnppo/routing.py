@@ -40,11 +40,12 @@ replay lets the router choose for rows marked ``-1``), kept off Megatron's globa
 :func:`routed` sets the slots of the routers of *one model chunk* from *one micro-batch's*
 routes, around that chunk's forward, and nothing else reaches them. Each router reads the rows of
 the tokens it sees, in its own order (``[seq, batch]`` flattened, seq-major; under sequence
-parallelism the tensor-parallel rank's slice of the sequence). When the model recomputes
-activations (``recompute_granularity``), the slots are left on ``REPLAY_BACKWARD`` after a
-training forward: a recomputed forward in the backward pops the same micro-batch's target from the
-slot's FIFO (micro-batches are recomputed in forward order per chunk); without recomputation no
-target is kept past its forward. :func:`clear_routing` empties every slot when the schedule ends.
+parallelism the tensor-parallel rank's slice of the sequence). When a router's forward is
+recomputed in the backward (full recomputation of its layer, or selective recomputation with
+``"moe"`` in ``recompute_modules``), its slot is left on ``REPLAY_BACKWARD`` after a training
+forward: the recomputed forward pops the same micro-batch's target from the slot's FIFO
+(micro-batches are recomputed in forward order per chunk); otherwise no target is kept past its
+forward. :func:`clear_routing` empties every slot when the schedule ends.
 
 **Checks** (where the routes enter, :func:`fnppo.batch.check_routed_experts`): every sample or
 none carries routes, of the model's MoE layers and top-k, in a dtype that holds ``num_experts - 1``
@@ -243,9 +244,33 @@ def _gather_record(router: nn.Module, indices: Tensor, mb: Microbatch) -> Tensor
     return t
 
 
-def _recomputes(router: nn.Module) -> bool:
-    """Whether the router's model recomputes activations in the backward (its forward runs again)."""
-    return router.config.recompute_granularity is not None
+def _recomputes(router: nn.Module, first_layer: int) -> bool:
+    """Whether the router's forward runs again in the backward (Megatron's activation recomputation).
+
+    ``recompute_granularity="full"``: every layer with ``recompute_method="uniform"``, the first
+    ``recompute_num_layers`` layers of each model chunk with ``"block"`` (``first_layer``: the
+    chunk's first global layer number); ``"selective"``: only when ``recompute_modules`` holds
+    ``"moe"`` (the MoE layer, router included, is checkpointed; ``"mlp"``, ``"layernorm"``,
+    ``"core_attn"`` or ``"moe_act"`` leave the router's forward alone). A router that is not
+    recomputed keeps no target for the backward: Megatron's replay FIFO would otherwise grow by
+    one target per micro-batch.
+    """
+    cfg = router.config
+    if cfg.recompute_granularity == "selective":
+        return "moe" in (cfg.recompute_modules or ())
+    if cfg.recompute_granularity == "full":
+        if cfg.recompute_method == "block":
+            return router.layer_number - first_layer < (cfg.recompute_num_layers or 0)
+        return True
+    return False
+
+
+def _first_layer(model: nn.Module) -> int:
+    """The global (1-based) number of the first transformer layer of one model chunk."""
+    from fnppo.model import unwrap_model
+
+    layers = unwrap_model(model).decoder.layers
+    return min((layer.layer_number for layer in layers), default=1)
 
 
 @contextlib.contextmanager
@@ -274,11 +299,12 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise input_error("forward_only", "recorder", "None for micro-batches that carry routed_experts (those are replayed, not recorded)",
                           "a RoutingRecorder")
     slots = _slots(model)
+    first = _first_layer(model) if replay else 1
     for router, layer in slots:
         slot = router.router_replay
         if replay:
             slot.set_target_indices(replay_target(mb.routed_experts, router, layer))
-            if not _recomputes(router):  # the FIFO serves recomputation only: keep no targets for it
+            if not _recomputes(router, first):  # the FIFO serves recomputation only: keep no targets for it
                 slot.replay_backward_list.clear()
             slot.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
@@ -293,7 +319,7 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise
     for router, layer in slots:
         slot = router.router_replay
-        if replay and torch.is_grad_enabled() and _recomputes(router):
+        if replay and torch.is_grad_enabled() and _recomputes(router, first):
             slot.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             continue
         if not replay:

@@ -14,6 +14,7 @@ from fnppo.model import transformer_config, unwrap_model
 from fnppo.parallel import ParallelLayout, current_layout
 from fnppo.testing import run_ranks, synthetic_samples
 from fnppo.typing import InputError
+from tests.messages import check_message
 
 VOCAB = 64
 LAYERS = 2
@@ -501,3 +502,20 @@ def test_grad_clipping_norm_without_syncs_matches_float64():
     ref = math.sqrt(sum(float(t.double().square().sum()) for grp in groups for t in grp))
     assert none is None and norm.shape == (1,) and norm.dtype == torch.float32
     assert abs(float(norm) - ref) < 1e-6 * ref
+
+
+def test_transformer_config_refuses_recompute_modules_that_need_transformer_engine(monkeypatch):
+    # Megatron 0.16's output-discarding checkpoint ("layernorm", "moe_act") imports Transformer Engine
+    # at the first forward whatever the precision: refused when the config is built, not mid-step.
+    import fnppo.attention
+
+    monkeypatch.setattr(fnppo.attention, "te_available", lambda: False)
+    with pytest.raises(InputError) as info:
+        transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"])
+    check_message(info.value, InputError, "transformer_config", "recompute_modules",
+                  "modules that run without Transformer Engine", "['mlp', 'layernorm']")
+    ok = transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"])
+    assert ok.recompute_modules == ["mlp", "core_attn"]
+    monkeypatch.setattr(fnppo.attention, "te_available", lambda: True)  # with TE Megatron runs them
+    assert transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective",
+                              recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]

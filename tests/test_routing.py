@@ -79,6 +79,30 @@ class _RouterTap:
         return self.calls
 
 
+class _FifoTap:
+    """Forward pre-hooks on every router: (global layer, targets kept for the backward) per call."""
+
+    def __init__(self, model) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.handles = [r.register_forward_pre_hook(self._hook) for r in fnppo.moe.routers(model)]
+
+    def _hook(self, module, args) -> None:
+        self.calls.append((module.layer_number - 1, len(module.router_replay.replay_backward_list)))
+
+    def close(self) -> list:
+        for h in self.handles:
+            h.remove()
+        return self.calls
+
+
+# Recomputation settings and the global layers whose router runs again in the backward.
+PARTIAL_RECOMPUTE = {
+    "selective_moe": (dict(recompute_granularity="selective", recompute_modules=["moe"]), {1, 2, 3}),
+    "selective_core_attn": (dict(recompute_granularity="selective", recompute_modules=["core_attn"]), set()),
+    "block_2": (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2), {1}),
+}
+
+
 # --------------------------------------------------------------------------------------------
 # one process: the record, every reference, recomputation, 300 experts, the refusals
 # --------------------------------------------------------------------------------------------
@@ -131,6 +155,12 @@ def _reference() -> dict:
     out["tap_train"] = tap.close()
     s1 = _state(full1, _cfg(extra=recompute))
     _, out["train_recompute_free"] = fnppo.train_step(s1, _with(layout_samples, old_logprobs=old), _step())
+
+    for name, (extra, _) in PARTIAL_RECOMPUTE.items():
+        s1 = _state(full1, _cfg(extra=extra))
+        tap = _FifoTap(s1.model)
+        _, out[f"train_{name}"] = fnppo.train_step(s1, replayed_layout, _step())
+        out[f"fifo_{name}"] = tap.close()
 
     out["wide"] = _wide_model()
     out["errors"] = _error_cases(s0, samples, routes)
@@ -323,6 +353,24 @@ def test_train_step_replays_and_recomputation_replays_too(reference):
     for key in ("loss", "grad_norm", "moe_aux_loss"):
         assert abs(recomputed[key] - plain[key]) <= 1e-6 * abs(plain[key]), key
     assert abs(free["grad_norm"] - plain["grad_norm"]) > 1e-3 * plain["grad_norm"]  # replay mattered
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL_RECOMPUTE))
+def test_routers_outside_the_recomputation_keep_no_targets(reference, name):
+    """Selective recomputation without "moe", and "block" recomputation past its layers, leave some
+    routers' forward alone: those keep no target for the backward (Megatron's FIFO would grow by one
+    per micro-batch), the recomputed ones pop theirs, and the step equals the plain one."""
+    recomputed = PARTIAL_RECOMPUTE[name][1]
+    calls = reference[f"fifo_{name}"]
+    for layer in (1, 2, 3):
+        kept = [n for lay, n in calls if lay == layer]
+        if layer in recomputed:  # forward and recomputation per micro-batch, each seeing the one target
+            assert kept == [1] * (2 * NMB), (layer, kept)
+        else:
+            assert kept == [0] * NMB, (layer, kept)
+    plain, got = reference["train"]["metrics"], reference[f"train_{name}"]
+    for key in ("loss", "grad_norm", "moe_aux_loss"):
+        assert abs(got[key] - plain[key]) <= 1e-6 * abs(plain[key]), key
 
 
 def test_300_experts_are_recorded_without_overflow(reference):
