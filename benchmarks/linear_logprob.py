@@ -99,7 +99,7 @@ def extra_memory(step, h, W, device, logits_bytes):
     return (raw - grads) / logits_bytes, raw / logits_bytes
 
 
-def dense_matmuls_ms(h, W, device, reps):
+def dense_matmuls_ms(h, W, device, reps, b2b=1):
     """Median times of the 4 dense products the fused method does, each one torch.mm (bf16)."""
     t, hid = h.shape
     v = W.shape[0]
@@ -108,9 +108,9 @@ def dense_matmuls_ms(h, W, device, reps):
     grad = torch.randn((t, v), device=device, dtype=torch.float32).to(h.dtype) * 1e-3
     out_h = torch.empty((t, hid), dtype=h.dtype, device=device)
     out_w = torch.empty((v, hid), dtype=h.dtype, device=device)
-    fwd = time_ms(lambda: torch.mm(hd, wd.t(), out=out_logits), device, reps, 3)
-    dh = time_ms(lambda: torch.mm(grad, wd, out=out_h), device, reps, 3)
-    dw = time_ms(lambda: torch.mm(grad.t(), hd, out=out_w), device, reps, 3)
+    fwd = time_ms(lambda: torch.mm(hd, wd.t(), out=out_logits), device, reps, 3, b2b)
+    dh = time_ms(lambda: torch.mm(grad, wd, out=out_h), device, reps, 3, b2b)
+    dw = time_ms(lambda: torch.mm(grad.t(), hd, out=out_w), device, reps, 3, b2b)
     del out_logits, grad, out_h, out_w
     return {"logits (fwd)": fwd, "logits (recompute)": fwd, "dh = G @ W": dh, "dW = G.T @ h": dw}
 
@@ -372,6 +372,66 @@ def host_time(tokens, hidden, vocab, device):
     print(out.getvalue())
 
 
+def _host_us(fn, n=48):
+    """Host time per call of ``fn`` while the GPU is busy far ahead (so that no call waits for it)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))  # GPU work queued first: the calls below only enqueue
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def launch_cost(tokens, hidden, vocab, device):
+    """Host time of the backward's pieces, per call: the logit-gradient kernel through Triton's
+    autotuner, launched directly with its chosen config, and through ``_launch_dz`` (what the
+    backward calls); the two cuBLAS products of a block; one whole ``backward_grads``."""
+    import triton
+
+    from fnppo.kernels import linear_logprob_triton as k
+    from fnppo.linear_logprob import _backward_chunks
+
+    h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
+    fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)()  # autotunes both kernels
+    h2, wv = h.detach(), W.detach()
+    n = tokens
+    cfg = type("Cfg", (), {"inv_t": 1.0, "vocab_start": 0, "n_valid": vocab, "chunk_tokens": None, "chunk_vocab": None})()
+    chunks = _backward_chunks(n, vocab, hidden, 2, cfg)
+    cols = chunks["block_vocab"]
+    dz_buf = torch.empty((n, cols), dtype=h2.dtype, device=device)
+    acc = torch.zeros((n, hidden), dtype=torch.float32, device=device)
+    dw = torch.empty_like(wv)
+    coef = (g_lp.float(), g_h.float(), -g_lp.float(), torch.randn(n, device=device) + 12)
+    coef2 = k.scaled_coefficients(coef, 1.0)
+    print(f"\nhost time per call, {tokens} x {hidden} x {vocab} (blocks of {chunks['group_tokens']} x {cols}):")
+    for tma in ([True, False] if k._tma_wanted(device) else [False]):
+        ptrs = (k._desc(h2), k._desc(wv), k._desc(dz_buf)) if tma else (h2, wv, dz_buf)
+        strides = (h2.stride(0), wv.stride(0), dz_buf.stride(0))
+        args = (ptrs[0], ptrs[1], labels, *coef2[:3], coef2[3], ptrs[2], 0, n, 0, cols, hidden, *strides, 0, k.LOG2E)
+        tuned = lambda: k._dz_tuned[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(cols, meta["BN"]),)](  # noqa: E731
+            *args, HAS_GH=True, IEEE=False, TMA=tma)
+        tuned()
+        best = k._dz_tuned.best_config
+        kw = best.kwargs
+        grid = (triton.cdiv(n, kw["BM"]) * triton.cdiv(cols, kw["BN"]),)
+        direct = lambda: k._dz_kernel[grid](*args, HAS_GH=True, IEEE=False, EVEN_K=hidden % kw["BK"] == 0, TMA=tma, **kw,  # noqa: E731
+                                            num_warps=best.num_warps, num_stages=best.num_stages)
+        wrapped = lambda: k._launch_dz(ptrs, labels, coef2, (0, n, 0, cols), strides, 0, k.LOG2E, True, tma)  # noqa: E731
+        direct()
+        wrapped()
+        print(f"  logit-gradient kernel ({'TMA' if tma else 'pointer loads'}, {best}): autotuner {_host_us(tuned):.1f} us, "
+              f"direct {_host_us(direct):.1f} us, _launch_dz {_host_us(wrapped):.1f} us")
+    dz, wb = dz_buf, wv[:cols]
+    print(f"  dh += dz @ W_b (fp32 addmm) {_host_us(lambda: k._accumulate(acc, dz, wb)):.1f} us; "
+          f"dW_b = dz.T @ h (mm, out=) {_host_us(lambda: torch.mm(dz.t(), h2, out=dw[:cols])):.1f} us")
+    whole = lambda: k.backward_grads(h2, wv, labels, coef, True, cfg, True, dw, **chunks)  # noqa: E731
+    whole()
+    blocks = -(-n // chunks["group_tokens"]) * -(-vocab // cols)
+    print(f"  backward_grads: {_host_us(whole, 6) / 1e3:.2f} ms per call ({blocks} blocks)")
+
+
 def profile_fused(tokens, hidden, vocab, device):
     """Kernels of one fused forward + backward (torch.profiler): time per kernel name, and the GPU idle time."""
     from torch.profiler import ProfilerActivity, profile
@@ -426,6 +486,9 @@ def main():
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop")
+    p.add_argument("--back-to-back", type=int, default=1, metavar="N",
+                   help="time N calls issued back to back per sample (host launch latency hidden, as inside a step)")
+    p.add_argument("--launch-cost", action="store_true", help="host time per launch of the backward's pieces, per shape, then stop")
     p.add_argument("--host-time", action="store_true", help="host time of one fused fwd+bwd per shape (and cProfile), then stop")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -442,10 +505,11 @@ def main():
         if args.variants:
             kernel_variants(tokens_list[0], hidden_list[0], vocab, reps)
             return
-        if args.profile or args.host_time:
+        if args.profile or args.host_time or args.launch_cost:
+            fn = profile_fused if args.profile else (host_time if args.host_time else launch_cost)
             for hidden in hidden_list:
                 for tokens in tokens_list:
-                    (profile_fused if args.profile else host_time)(tokens, hidden, vocab, device)
+                    fn(tokens, hidden, vocab, device)
             return
         if not args.no_check:
             device_checks(device)
@@ -466,8 +530,9 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
     h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
     logits_bytes = tokens * vocab * 2
     flops = 6 * tokens * vocab * hidden
-    print(f"\n{tokens} tokens x {hidden} hidden x {vocab} vocab (bf16 logits would be {logits_bytes / 2**30:.2f} GiB)", flush=True)
-    dense = dense_matmuls_ms(h, W, device, reps) if on_gpu else None
+    b2b = f", {args.back_to_back} calls back to back per timed sample" if args.back_to_back > 1 else ""
+    print(f"\n{tokens} tokens x {hidden} hidden x {vocab} vocab (bf16 logits would be {logits_bytes / 2**30:.2f} GiB){b2b}", flush=True)
+    dense = dense_matmuls_ms(h, W, device, reps, args.back_to_back) if on_gpu else None
     dense_total = sum(dense.values()) if dense else None
     if dense:
         print("  dense bf16 torch.mm ms: " + ", ".join(f"{k} {v:.2f}" for k, v in dense.items()) + f"; total of 4: {dense_total:.2f}", flush=True)
@@ -481,7 +546,7 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
         step = fwd_bwd(method, h, W, labels, g_lp, g_h)
         r = 2 if "torch'" in name else reps
         try:
-            ms = time_ms(step, device, r, 1 if "torch'" in name else 3)
+            ms = time_ms(step, device, r, 1 if "torch'" in name else 3, 1 if "torch'" in name else args.back_to_back)
             extra, raw = extra_memory(step, h, W, device, logits_bytes)
         except torch.OutOfMemoryError:
             ms, extra, raw = float("nan"), float("nan"), float("nan")

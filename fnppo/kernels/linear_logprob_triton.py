@@ -454,6 +454,9 @@ def scaled_coefficients(coef: tuple[torch.Tensor, ...], inv_t: float) -> tuple[t
     return a * inv_t, b * (LN2 * inv_t), c * inv_t, lse * LOG2E
 
 
+_DZ_CHOSEN: dict[tuple, "triton.Config"] = {}  # the autotuner's pick per key (as its own cache's key)
+
+
 def _launch_dz(ptrs, labels, coef2, block, strides, col_start, scale2, has_gh, tma):  # noqa: ANN001
     """One block of logit gradients, ``dz[:n_tok, :n_cols] = f(h[g0 : g0 + n_tok] @ w[c0 : c0 + n_cols].T)``.
 
@@ -472,8 +475,22 @@ def _launch_dz(ptrs, labels, coef2, block, strides, col_start, scale2, has_gh, t
             _dz_blocks({**cfg, "TMA": True, "h_ptr": ptrs[0], "w_ptr": ptrs[1], "dz_ptr": ptrs[2]})
         grid = (-(-n // cfg["BM"]) * -(-n_cols // cfg["BN"]),)
         _dz_kernel[grid](*args, HAS_GH=has_gh, IEEE=ieee, EVEN_K=hid % cfg["BK"] == 0, TMA=tma, **cfg)
-    else:
+        return
+    key = (hid, has_gh, ieee, tma, str(labels.device), str((ptrs[0].base if tma else ptrs[0]).dtype))
+    best = _DZ_CHOSEN.get(key)
+    if best is None:  # first call for this key: the autotuner times its configs, then picks one
         _dz_tuned[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(n_cols, meta["BN"]),)](*args, HAS_GH=has_gh, IEEE=ieee, TMA=tma)
+        _DZ_CHOSEN[key] = _dz_tuned.best_config
+        return
+    # Later calls launch the chosen config directly: on an H200 machine a launch through the
+    # autotuner took 56-92 us of host time, directly 33-53 us (`benchmarks/linear_logprob.py
+    # --launch-cost`, BENCHMARKS.md), and the backward launches one per block (32 at 8,192 x 151,936).
+    kw = best.kwargs
+    if tma and ptrs[0].block_shape != [kw["BM"], kw["BK"]]:
+        _dz_blocks({**kw, "TMA": True, "h_ptr": ptrs[0], "w_ptr": ptrs[1], "dz_ptr": ptrs[2]})
+    grid = (-(-n // kw["BM"]) * -(-n_cols // kw["BN"]),)
+    _dz_kernel[grid](*args, HAS_GH=has_gh, IEEE=ieee, EVEN_K=hid % kw["BK"] == 0, TMA=tma, **kw,
+                     num_warps=best.num_warps, num_stages=best.num_stages)
 
 
 def backward_grads(
