@@ -87,8 +87,13 @@ def parse_args(argv=None):
                    help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's")
     p.add_argument("--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)")
     p.add_argument("--checks", choices=["on", "off"], default="off", help="fnppo's call-time checks during the steps")
-    p.add_argument("--recompute", choices=["none", "full"], default="none",
-                   help="activation recomputation: full = Megatron's recompute_granularity='full' (uniform, 1 layer per checkpoint)")
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
+                   help="activation recomputation: full = Megatron's recompute_granularity='full' (uniform, 1 layer per checkpoint); "
+                        "selective = recompute_granularity='selective' with --recompute-modules")
+    p.add_argument("--recompute-modules", default="mlp",
+                   help="comma-separated recompute_modules of --recompute selective (Megatron's names: mlp, layernorm, core_attn, moe, ...)")
+    p.add_argument("--fused-chunk-vocab", type=int, default=None,
+                   help="path C: StepConfig.fused_output_chunk_vocab (vocabulary rows per block of the fused backward)")
     p.add_argument("--overlap", action="store_true", help="DDP overlap_grad_reduce (data parallelism)")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
     p.add_argument("--search-max", type=int, default=262144)
@@ -209,6 +214,8 @@ def build_state(args, layout):
     overrides = {"sequence_parallel": True} if args.sp else {}
     if args.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif args.recompute == "selective":
+        overrides.update(recompute_granularity="selective", recompute_modules=[m for m in args.recompute_modules.split(",") if m])
     chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg), **overrides)
     fnppo.layout_invariant_init(chunks, seed=0)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True, overlap_grad_reduce=args.overlap)
@@ -222,10 +229,12 @@ def spec_name(state) -> str:
     return type(layer.self_attention.linear_qkv).__name__
 
 
-def step_config(path: str, mb_tokens: int) -> fnppo.StepConfig:
+def step_config(path: str, mb_tokens: int, chunk_vocab: int | None = None) -> fnppo.StepConfig:
     loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3")
     fns = actor_fns() if path == "B" else fnppo.StepFns()
-    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=path == "C")
+    fused = path == "C"
+    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=fused,
+                            fused_output_chunk_vocab=chunk_vocab if fused else None)
 
 
 def sync(device):
@@ -247,7 +256,7 @@ def fits(state, args, path, budget, layout, device, *, seq: int | None = None) -
     seq = seq or args.seq
     n = max(1, budget // seq)
     samples = make_samples(n, seq, args.vocab, seed=123)
-    cfg = step_config(path, budget)
+    cfg = step_config(path, budget, args.fused_chunk_vocab)
     try:
         fnppo.train_step(state, samples, cfg)
         sync(device)
@@ -434,7 +443,7 @@ def run(args, layout, device) -> int:
     samples = make_samples(n_per_rank * layout.dp, args.seq, args.vocab, seed=1)
     mine = fnppo.shard_for_data_parallel(samples, layout)
     tokens_per_step = sum(len(s) for s in samples)
-    cfgs = {p: step_config(p, args.mb_tokens) for p in paths}
+    cfgs = {p: step_config(p, args.mb_tokens, args.fused_chunk_vocab) for p in paths}
     flops = model_flops_per_token(MODELS[args.model], args.vocab, args.seq)
 
     # First step from identical weights: log-probs of each path (no update applied).
@@ -470,7 +479,7 @@ def run(args, layout, device) -> int:
             except Exception as err:  # noqa: BLE001
                 syncs = {"error": repr(err)}
     result = {
-        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "recompute": args.recompute, "seq": args.seq, "tp": layout.tp,
+        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "fused_chunk_vocab": args.fused_chunk_vocab, "recompute": args.recompute if args.recompute != "selective" else f"selective:{args.recompute_modules}", "seq": args.seq, "tp": layout.tp,
         "sp": args.sp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
         "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,

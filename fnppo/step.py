@@ -174,6 +174,10 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     (:func:`~fnppo.model.forward_hidden`) and computes log-probs and entropy with
     :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
     ``forward`` and ``logprob`` stages of ``fns`` (which must then be the defaults).
+    ``fused_output_chunk_vocab``: the fused backward's block of vocabulary rows (its
+    ``chunk_vocab``; None: the function's default, about 3-5 % of the logits per block). Larger
+    blocks mean fewer kernel launches per micro-batch (host time, which bounds steps of small
+    models) for ``tokens x chunk_vocab`` more elements of memory.
 
     Raises:
         InputError: an unknown layout, two split modes, a size that is not an int >= 1, a
@@ -192,10 +196,14 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     ppo_epochs: int = 1
     fns: StepFns = field(default_factory=StepFns)
     fused_output: bool = False
+    fused_output_chunk_vocab: int | None = None
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
         _check_batching_fields(fn, self)
+        chunk = self.fused_output_chunk_vocab
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise input_error(fn, "fused_output_chunk_vocab", "None or an int >= 1", repr(chunk))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
         if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):
@@ -683,7 +691,7 @@ def _token_logprobs(
     if weight is None:
         _check_logits(fn, out, spec.vocab_size, layout)
         return config.fns.logprob(out, mb.labels, **kwargs)
-    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, **kwargs)
+    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, chunk_vocab=config.fused_output_chunk_vocab, **kwargs)
 
 
 def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool,

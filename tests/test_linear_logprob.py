@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import fnppo
 from fnppo.linear_logprob import linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.typing import InputError, ShapeError, typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
+from tests.messages import check_message
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -429,7 +431,7 @@ def _step_model_cfg(tied: bool):
     )
 
 
-def step_worker(tied: bool = True) -> dict:
+def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None) -> dict:
     """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
     import fnppo
     import fnppo.step as step_mod
@@ -441,9 +443,9 @@ def step_worker(tied: bool = True) -> dict:
     real = step_mod.linear_logprob_and_entropy
     for fused in (False, True):
         calls = []
-        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append(k.get("chunk_vocab")), real(*a, **k))[1]
         try:
-            chunks = fnppo.build_gpt(_step_model_cfg(tied))
+            chunks = fnppo.build_gpt(_step_model_cfg(tied), **(build or {}))
             fnppo.layout_invariant_init(chunks, seed=3)
             core = fnppo.model.unwrap_model(chunks[-1])
             layer_calls = []
@@ -454,7 +456,8 @@ def step_worker(tied: bool = True) -> dict:
             init = fnppo.gather_full_weights(state.model)
             frozen = fnppo.snapshot_params(state.model)
             samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
-            cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fused_output=fused)
+            cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fused_output=fused,
+                                   fused_output_chunk_vocab=chunk_vocab if fused else None)
             lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
             state, metrics = fnppo.train_step(state, samples, cfg)
             lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
@@ -462,6 +465,7 @@ def step_worker(tied: bool = True) -> dict:
         finally:
             step_mod.linear_logprob_and_entropy = real
         out["calls"][fused] = len(calls)
+        out.setdefault("chunk_vocab", {})[fused] = set(calls)
         out["output_layer_calls"][fused] = len(layer_calls)
         out[fused] = dict(lp=lp, ent=ent, lp_ref=lp_ref, metrics=metrics, update={k: full[k] - init[k] for k in full})
     return out
@@ -491,6 +495,35 @@ def test_step_fused_output_equals_unfused_one_process():
         # the fused path ran, and the output layer did not
         assert out["calls"][True] > 0 and out["calls"][False] == 0
         assert out["output_layer_calls"][True] == 0 and out["output_layer_calls"][False] > 0
+
+
+def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_number():
+    from fnppo.testing import run_ranks
+
+    out = run_ranks(step_worker, 1, True, None, 7)[0]  # 7 of 64 rows per block: 10 blocks
+    _compare_fused(out, "fused_output_chunk_vocab=7")
+    assert out["calls"][True] > 0 and out["chunk_vocab"][True] == {7}
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(InputError) as info:
+            fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
+        check_message(info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "None or an int >= 1", repr(bad))
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+], ids=["selective-mlp", "full"])
+def test_step_fused_output_with_activation_recomputation(recompute):
+    """Recomputation (what lets the fused path's larger micro-batches fit) changes no number: fused
+    equals unfused, and both equal the step without recomputation."""
+    from fnppo.testing import run_ranks
+
+    plain, out = run_ranks(step_worker, 1, True)[0], run_ranks(step_worker, 1, True, recompute)[0]
+    _compare_fused(out, f"recompute {recompute}")
+    for fused in (False, True):
+        for key in ("loss", "grad_norm"):
+            r, g = plain[fused]["metrics"][key], out[fused]["metrics"][key]
+            assert abs(g - r) <= 1e-6 * abs(r), (fused, key, g, r)
 
 
 @pytest.mark.slow
