@@ -265,12 +265,20 @@ def _recomputes(router: nn.Module, first_layer: int) -> bool:
     return False
 
 
-def _first_layer(model: nn.Module) -> int:
-    """The global (1-based) number of the first transformer layer of one model chunk."""
+def _first_layers(model: nn.Module) -> dict[int, int]:
+    """``id(router) -> `` the global (1-based) number of the first layer of the transformer block
+    that holds it, in one model chunk (a vision-language model's language decoder included)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
     from fnppo.model import unwrap_model
 
-    layers = unwrap_model(model).decoder.layers
-    return min((layer.layer_number for layer in layers), default=1)
+    out: dict[int, int] = {}
+    for block in unwrap_model(model).modules():
+        if isinstance(block, TransformerBlock):
+            first = min((layer.layer_number for layer in block.layers), default=1)
+            out.update((id(m), first) for m in block.modules() if isinstance(m, TopKRouter))
+    return out
 
 
 @contextlib.contextmanager
@@ -299,12 +307,13 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise input_error("forward_only", "recorder", "None for micro-batches that carry routed_experts (those are replayed, not recorded)",
                           "a RoutingRecorder")
     slots = _slots(model)
-    first = _first_layer(model) if replay else 1
+    blocks = any(r.config.recompute_method == "block" for r, _ in slots)
+    first = _first_layers(model) if replay and blocks else {}
     for router, layer in slots:
         slot = router.router_replay
         if replay:
             slot.set_target_indices(replay_target(mb.routed_experts, router, layer))
-            if not _recomputes(router, first):  # the FIFO serves recomputation only: keep no targets for it
+            if not _recomputes(router, first.get(id(router), 1)):  # the FIFO serves recomputation only: keep no targets for it
                 slot.replay_backward_list.clear()
             slot.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
@@ -319,7 +328,7 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise
     for router, layer in slots:
         slot = router.router_replay
-        if replay and torch.is_grad_enabled() and _recomputes(router, first):
+        if replay and torch.is_grad_enabled() and _recomputes(router, first.get(id(router), 1)):
             slot.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             continue
         if not replay:

@@ -435,6 +435,18 @@ def _moe_replay() -> dict:
     for case, rows in (("train", routes), ("train_shifted", [r.roll(1, dims=0) for r in routes])):
         replayed = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)]
         _, out[case] = fnppo.train_step(state, replayed, step)
+    # Megatron's "block" recomputation of the first layer only: its router replays again in the
+    # backward (from the language decoder's block, below the vision tower), the other keeps nothing.
+    from fnppo.routing import _first_layers
+
+    blocky = build_vlm(cfg, _vision(), recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+    fnppo.layout_invariant_init(blocky, seed=3, std=0.2)
+    out["first_layers"] = sorted(_first_layers(blocky[0]).values())
+    ddp = fnppo.wrap_ddp(blocky)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))
+    for case, rows in (("train_block", routes), ("train_block_shifted", [r.roll(1, dims=0) for r in routes])):
+        replayed = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)]
+        _, out[case] = fnppo.train_step(state, replayed, step)
     return out
 
 
@@ -523,6 +535,13 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
     # training on the record: the first forward reproduces the old log-probs exactly
     assert moe["train"]["ppo_kl"] == 0.0 and moe["train"]["pg_clipfrac"] == 0.0, moe["train"]
     assert abs(moe["train_shifted"]["ppo_kl"]) > 1e-4, moe["train_shifted"]
+    # with the first layer recomputed: the routers belong to the decoder's block (first layer 1), and
+    # the step (its gradients through the recomputed, replayed router) equals the plain one
+    assert moe["first_layers"] == [1, 1], moe["first_layers"]
+    # (the shifted rows are not what the router would choose: a recomputation routing freely would differ)
+    for case in ("train", "train_shifted"):
+        got, want = moe[case.replace("train", "train_block")], moe[case]
+        assert abs(got["ppo_kl"] - want["ppo_kl"]) <= 1e-7 and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"], case
 
 
 @pytest.mark.parametrize(
