@@ -307,13 +307,15 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise input_error("forward_only", "recorder", "None for micro-batches that carry routed_experts (those are replayed, not recorded)",
                           "a RoutingRecorder")
     slots = _slots(model)
-    blocks = any(r.config.recompute_method == "block" for r, _ in slots)
-    first = _first_layers(model) if replay and blocks else {}
+    recomputed: dict[int, bool] = {}  # id(router) -> whether its forward runs again in the backward
+    if replay:
+        first = _first_layers(model) if any(r.config.recompute_method == "block" for r, _ in slots) else {}
+        recomputed = {id(r): _recomputes(r, first.get(id(r), 1)) for r, _ in slots}
     for router, layer in slots:
         slot = router.router_replay
         if replay:
             slot.set_target_indices(replay_target(mb.routed_experts, router, layer))
-            if not _recomputes(router, first.get(id(router), 1)):  # the FIFO serves recomputation only: keep no targets for it
+            if not recomputed[id(router)]:  # the FIFO serves recomputation only: keep no targets for it
                 slot.replay_backward_list.clear()
             slot.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
@@ -328,7 +330,7 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         raise
     for router, layer in slots:
         slot = router.router_replay
-        if replay and torch.is_grad_enabled() and _recomputes(router, first.get(id(router), 1)):
+        if replay and torch.is_grad_enabled() and recomputed[id(router)]:
             slot.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             continue
         if not replay:

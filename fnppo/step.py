@@ -201,9 +201,7 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     def __post_init__(self) -> None:
         fn = "StepConfig"
         _check_batching_fields(fn, self)
-        chunk = self.fused_output_chunk_vocab
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise input_error(fn, "fused_output_chunk_vocab", "None or an int >= 1", repr(chunk))
+        check_positive_int(fn, "fused_output_chunk_vocab", self.fused_output_chunk_vocab, allow_none=True)
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
         if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):

@@ -506,7 +506,7 @@ def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_numbe
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InputError) as info:
             fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
-        check_message(info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "None or an int >= 1", repr(bad))
+        check_message(info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "an int >= 1 or None", repr(bad))
 
 
 @pytest.mark.parametrize("recompute", [
