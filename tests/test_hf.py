@@ -8,8 +8,8 @@ exports the model and the exported tensors must equal the original checkpoint's 
 Value models (the critic) do the same in the same launches with a ``Qwen2ForTokenClassification``
 and a ``LlamaForSequenceClassification`` (``num_labels=1``): their values against transformers'
 per-token scores, their export against the checkpoint, and a moved critic exported and reloaded;
-a ``Qwen2MoeForTokenClassification`` critic the same way in the MoE launches, under EP=2 and one
-model per rank. Critics saved by TRL, OpenRLHF and verl (each built as that stack writes it) load in the TP=1 and
+a ``Qwen2MoeForTokenClassification`` critic the same way in the MoE launches, under EP=2, PP=2,
+TP=2 (expert TP 2) and one model per rank. Critics saved by TRL, OpenRLHF and verl (each built as that stack writes it) load in the TP=1 and
 PP=2 launches, their values against the stack's own computation.
 """
 
@@ -994,7 +994,7 @@ def moe_checkpoints(tmp_path_factory):
 
 
 MOE_VALUE = "qwen2_moe-token"  # the MoE critic: a Qwen2-MoE token classifier (shared expert, q/k/v bias, score.bias)
-MOE_VALUE_LAYOUTS = ("ep2", "tp1")  # the layouts that also load, run, export and reload it
+MOE_VALUE_LAYOUTS = ("ep2", "tp1", "pp2", "tp2")  # the layouts that also load, run, export and reload it (tp2: expert TP 2)
 
 
 @pytest.fixture(scope="module")
@@ -1096,9 +1096,9 @@ def test_moe_export_loads_in_transformers(moe_checkpoints, moe_runs):
         assert (_hf_logits(reloaded, ids) - ref).abs().max().item() <= 1e-5, family
 
 
-def test_moe_value_model_loads_and_exports_under_ep2_and_one_model_per_rank(moe_value_checkpoint, moe_runs):
-    """A Qwen2-MoE token classifier (num_labels=1) as a value model under EP=2 (two experts per rank)
-    and one model per rank: compute_values equals transformers' logits[..., 0] on every rank, nothing
+def test_moe_value_model_loads_and_exports_under_ep2_pp2_tp2_and_one_model_per_rank(moe_value_checkpoint, moe_runs):
+    """A Qwen2-MoE token classifier (num_labels=1) as a value model under EP=2 (two experts per rank),
+    PP=2 (the value head on the last stage), TP=2 (expert TP 2) and one model per rank: compute_values equals transformers' logits[..., 0] on every rank, nothing
     is skipped, the export is the checkpoint bit for bit, a moved critic reloads bit for bit, and
     transformers reads the moved export with the same values."""
     results, root = moe_runs
