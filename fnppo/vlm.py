@@ -49,7 +49,10 @@ no image contributes zeros). Pipeline parallelism: the ViT and projector live on
 (the chunk with ``pre_process``; with a virtual pipeline, virtual stage 0 of pipeline rank 0);
 the other stages only receive hidden states, whose shape is the expanded micro-batch's. Sequence
 parallelism is refused (the placeholder scatter would have to happen before the scatter to
-sequence-parallel regions; the CPU path has no sequence parallelism to test it against).
+sequence-parallel regions; the CPU path has no sequence parallelism to test it against), and with
+it tensor parallelism for a Mixture-of-Experts language model (Megatron trains MoE layers under TP
+only with sequence parallelism); expert parallelism (``ep``) is the MoE VLM's model parallelism
+besides the pipeline. The ViT and projector are dense: the expert grid is the language model's only.
 
 **Freezing.** ``VisionConfig.freeze_vision`` sets ``requires_grad=False`` on the ViT (the
 projector still trains, as in LLaVA's second stage): Megatron's DDP and optimizer then hold no
@@ -338,8 +341,9 @@ def vision_layer_spec() -> Any:
 
 
 def _vision_configs(lm: Any, vision: VisionConfig, layout: ParallelLayout) -> tuple[Any, Any]:
-    """Transformer configs of the ViT and of the projector (TP as the language model, no pipeline)."""
-    flat = dataclasses.replace(layout, pp=1, vpp=None)
+    """Transformer configs of the ViT and of the projector (TP as the language model, no pipeline,
+    no experts: an MoE language model's expert grid is not theirs)."""
+    flat = dataclasses.replace(layout, pp=1, vpp=None, ep=1, etp=layout.tp)
     common = dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True, add_qkv_bias=True, dtype=_dtype_name(lm.params_dtype),
                   init_method_std=lm.init_method_std, vocab_size=layout.tp, max_seq_len=vision.tokens_per_image, layernorm_epsilon=1e-5)
     vit = ModelConfig(num_layers=vision.num_layers, hidden_size=vision.hidden_size, num_attention_heads=vision.num_attention_heads,
@@ -445,7 +449,8 @@ def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None,
     chunk in ``Float16Module``. Returns chunks not yet wrapped by DDP (see :func:`fnppo.wrap_ddp`).
 
     Raises:
-        InputError: ``image_token_id`` outside the vocabulary, sequence parallelism, and everything
+        InputError: ``image_token_id`` outside the vocabulary, sequence parallelism, TP > 1 with an
+            MoE language model, and everything
             :func:`fnppo.model.transformer_config` refuses.
     """
     from megatron.core.transformer.module import Float16Module
@@ -458,6 +463,11 @@ def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None,
     if config_overrides.get("sequence_parallel") or dict(cfg.extra).get("sequence_parallel"):
         raise input_error(fn, "sequence_parallel", "False (image features are placed before any sequence-parallel scatter)", "True")
     layout = layout or current_layout()
+    if cfg.num_experts is not None and layout.tp > 1:
+        # Megatron's MoE layer refuses to train under TP without sequence parallelism (above)
+        raise input_error(fn, "layout", "tp=1 for a Mixture-of-Experts language model (Megatron trains MoE layers under "
+                          "tensor parallelism only with sequence parallelism, which a VLM does not take; use ep)",
+                          f"tp={layout.tp}")
     chunks = []
     for chunk in build_gpt(cfg, layer_spec=layer_spec, layout=layout, **config_overrides):
         lm = chunk.module if isinstance(chunk, Float16Module) else chunk

@@ -450,6 +450,37 @@ def _moe_replay() -> dict:
     return out
 
 
+def _moe_layout_replay() -> dict:
+    """The MoE VLM of :func:`_moe_replay` on a parallel layout, every rank with the whole batch: its
+    record, its replay of the single-process record, and training steps on that record and on the
+    record shifted by one row."""
+    from fnppo.vlm import VLMCollate, build_vlm
+
+    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48)
+    chunks = build_vlm(cfg, _vision())
+    fnppo.layout_invariant_init(chunks, seed=3, std=0.2)
+    col = VLMCollate.from_config(_vision(), max_seq_len=64)
+    step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4)
+    batch = _batch()
+    lp, _, routes = fnppo.compute_logprobs(chunks, batch, config=step, return_routing=True)
+    return {"chunks": chunks, "step": step, "batch": batch, "lp": lp, "routes": routes}
+
+
+def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
+    run = _moe_layout_replay()
+    chunks, step, batch = run["chunks"], run["step"], run["batch"]
+    replayed = [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, reference_routes, strict=True)]
+    out = {"routes": run["routes"], "lp": run["lp"], "replay": fnppo.compute_logprobs(chunks, replayed, config=step)[0]}
+    ddp = fnppo.wrap_ddp(chunks)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))
+    for case, rows in (("train", reference_routes), ("train_shifted", [r.roll(1, dims=0) for r in reference_routes])):
+        samples = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, reference_lp, strict=True)]
+        _, out[case] = fnppo.train_step(state, samples, step)
+    layout = fnppo.current_layout()
+    out["layout"] = (layout.tp, layout.pp, layout.ep)
+    return out
+
+
 def _reference() -> dict:
     return {"cases": _layout_cases(("1mb", "4mb", "budget", "padded-4mb")), **_reference_extras(), "moe": _moe_replay()}
 
@@ -542,6 +573,41 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
     for case in ("train", "train_shifted"):
         got, want = moe[case.replace("train", "train_block")], moe[case]
         assert abs(got["ppo_kl"] - want["ppo_kl"]) <= 1e-7 and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"], case
+
+
+def _moe_vlm_under_tp2() -> str:
+    from fnppo.vlm import build_vlm
+
+    try:
+        build_vlm(dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48), _vision())
+    except InputError as err:
+        return str(err)
+    return "no error"
+
+
+def test_moe_vlm_refuses_tensor_parallelism():
+    from tests.messages import check_message
+
+    msg = run_ranks(_moe_vlm_under_tp2, 2, tp=2)[0]
+    check_message(InputError(msg), InputError, "fnppo.build_vlm", "layout", "tp=1 for a Mixture-of-Experts language model", "tp=2")
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 2, 1)], ids=["ep2", "pp2"])
+def test_moe_vlm_records_and_replays_the_same_routes_on_a_parallel_layout(reference, tp, pp, ep):
+    """Under EP=2 (two experts a rank; the ViT and projector stay dense) and PP=2, every rank records
+    the routes of the single process, replays the single-process record to its log-probs, and trains
+    on it with the old log-probs reproduced (a record shifted by one row does not)."""
+    moe = reference["moe"]
+    ranks = run_ranks(_moe_layout_worker, 2, moe["routes"], moe["lp"], tp=tp, pp=pp, ep=ep)
+    for r in ranks:
+        assert r["layout"] == (tp, pp, ep)
+        for got, want in zip(r["routes"], moe["routes"], strict=True):
+            assert torch.equal(got, want)
+        for name in ("lp", "replay"):
+            for got, want in zip(r[name], moe["lp"], strict=True):
+                assert (got - want).abs().max().item() <= 1e-5, name
+        assert abs(r["train"]["ppo_kl"]) <= 1e-6 and r["train"]["pg_clipfrac"] == 0.0, r["train"]
+        assert abs(r["train_shifted"]["ppo_kl"]) > 1e-4, r["train_shifted"]
 
 
 @pytest.mark.parametrize(
