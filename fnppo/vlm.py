@@ -52,7 +52,8 @@ parallelism is refused (the placeholder scatter would have to happen before the 
 sequence-parallel regions; the CPU path has no sequence parallelism to test it against), and with
 it tensor parallelism for a Mixture-of-Experts language model (Megatron trains MoE layers under TP
 only with sequence parallelism); expert parallelism (``ep``) is the MoE VLM's model parallelism
-besides the pipeline. The ViT and projector are dense: the expert grid is the language model's only.
+besides the pipeline. Context parallelism is refused too (the features are placed on the whole
+expanded sequence, before any context-parallel split). The ViT and projector are dense: the expert grid is the language model's only.
 
 **Freezing.** ``VisionConfig.freeze_vision`` sets ``requires_grad=False`` on the ViT (the
 projector still trains, as in LLaVA's second stage): Megatron's DDP and optimizer then hold no
@@ -449,8 +450,8 @@ def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None,
     chunk in ``Float16Module``. Returns chunks not yet wrapped by DDP (see :func:`fnppo.wrap_ddp`).
 
     Raises:
-        InputError: ``image_token_id`` outside the vocabulary, sequence parallelism, TP > 1 with an
-            MoE language model, and everything
+        InputError: ``image_token_id`` outside the vocabulary, sequence parallelism, context
+            parallelism, TP > 1 with an MoE language model, and everything
             :func:`fnppo.model.transformer_config` refuses.
     """
     from megatron.core.transformer.module import Float16Module
@@ -463,6 +464,9 @@ def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None,
     if config_overrides.get("sequence_parallel") or dict(cfg.extra).get("sequence_parallel"):
         raise input_error(fn, "sequence_parallel", "False (image features are placed before any sequence-parallel scatter)", "True")
     layout = layout or current_layout()
+    if layout.cp > 1:
+        raise input_error(fn, "layout", "cp=1 (image features are placed on the whole expanded sequence, before any "
+                          "context-parallel split; the ViT's attention has no context parallelism)", f"cp={layout.cp}")
     if cfg.num_experts is not None and layout.tp > 1:
         # Megatron's MoE layer refuses to train under TP without sequence parallelism (above)
         raise input_error(fn, "layout", "tp=1 for a Mixture-of-Experts language model (Megatron trains MoE layers under "

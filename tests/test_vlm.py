@@ -575,21 +575,28 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
         assert abs(got["ppo_kl"] - want["ppo_kl"]) <= 1e-7 and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"], case
 
 
-def _moe_vlm_under_tp2() -> str:
+def _build_error(moe: bool) -> str:
     from fnppo.vlm import build_vlm
 
+    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48) if moe else _lm_cfg()
     try:
-        build_vlm(dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48), _vision())
+        build_vlm(cfg, _vision())
     except InputError as err:
         return str(err)
     return "no error"
 
 
-def test_moe_vlm_refuses_tensor_parallelism():
+@pytest.mark.parametrize("moe,kw,expected,received", [
+    (True, dict(tp=2), "tp=1 for a Mixture-of-Experts language model", "tp=2"),
+    (False, dict(cp=2), "cp=1 (image features are placed on the whole expanded sequence", "cp=2"),
+], ids=["moe-tp2", "cp2"])
+def test_build_vlm_refuses_layouts_it_cannot_train(moe, kw, expected, received):
+    """An MoE VLM under TP (Megatron's MoE layers train under TP only with sequence parallelism) and
+    any VLM under context parallelism are refused by name when built, not deep inside Megatron."""
     from tests.messages import check_message
 
-    msg = run_ranks(_moe_vlm_under_tp2, 2, tp=2)[0]
-    check_message(InputError(msg), InputError, "fnppo.build_vlm", "layout", "tp=1 for a Mixture-of-Experts language model", "tp=2")
+    msg = run_ranks(_build_error, 2, moe, **kw)[0]
+    check_message(InputError(msg), InputError, "fnppo.build_vlm", "layout", expected, received)
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 2, 1)], ids=["ep2", "pp2"])
