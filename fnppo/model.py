@@ -862,21 +862,25 @@ def forward_hidden(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     the output layer's weight shard, the word embedding when embeddings are tied
     (``GPTModel.shared_embedding_or_output_weight``; taken from ``params`` when given there). Feed
     both to :func:`fnppo.linear_logprob_and_entropy`: ``hidden @ weight.T`` are this rank's
-    logits. On other stages: ``(hidden state to send, None)``, as :func:`forward_logits`.
+    logits. On other stages: ``(hidden state to send, None)``, as :func:`forward_logits`. A model
+    that wraps its ``GPTModel`` as ``language_model`` (:class:`fnppo.vlm.VisionLanguageGPT`) stops
+    the same way; ``params`` are then named from the wrapper (``language_model.…``).
     """
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
     check_head("fnppo.forward_hidden", "model", model, "lm")
     core = unwrap_model(model)
-    if not core.post_process:
+    # a model that wraps its GPTModel (fnppo.vlm.VisionLanguageGPT: ``language_model``)
+    lm, prefix = (core.language_model, "language_model.") if hasattr(core, "language_model") else (core, "")
+    if not lm.post_process:
         return _forward(model, microbatch, params), None
-    weight = _output_weight(core, params)
-    core.post_process = False  # GPTModel._postprocess then returns the decoder's (normed) output
+    weight = _output_weight(lm, params, prefix)
+    lm.post_process = False  # GPTModel._postprocess then returns the decoder's (normed) output
     try:
         hidden = _forward(model, microbatch, params)
     finally:
-        core.post_process = True
-    layer = core.output_layer
+        lm.post_process = True
+    layer = lm.output_layer
     if layer.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=layer.tp_group)
     else:
@@ -884,13 +888,15 @@ def forward_hidden(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
     return hidden, weight
 
 
-def _output_weight(core: nn.Module, params: Mapping[str, Tensor] | None) -> Tensor:
-    """The output layer's weight shard as ``GPTModel._postprocess`` would use it."""
+def _output_weight(core: nn.Module, params: Mapping[str, Tensor] | None, prefix: str = "") -> Tensor:
+    """The output layer's weight shard as ``GPTModel._postprocess`` would use it (``params`` named
+    from the unwrapped model, whose GPTModel sits under ``prefix``)."""
     if core.share_embeddings_and_output_weights:
         name = "embedding.word_embeddings.weight" if (core.pre_process or core.mtp_process) else "output_layer.weight"
         own = core.shared_embedding_or_output_weight()
     else:
         name, own = "output_layer.weight", core.output_layer.weight
+    name = prefix + name
     return params[name] if params is not None and name in params else own
 
 

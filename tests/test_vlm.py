@@ -481,6 +481,32 @@ def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
     return out
 
 
+def _fused_worker() -> dict:
+    """compute_logprobs (current weights, and a snapshot as ``params``) and a train_step of the VLM,
+    unfused then with ``StepConfig(fused_output=True)``, from the same weights; the updates."""
+    from fnppo.vlm import VLMCollate, build_vlm
+
+    out = {}
+    for fused in (False, True):
+        chunks = build_vlm(_lm_cfg(), _vision())
+        fnppo.layout_invariant_init(chunks, seed=3, std=0.2)
+        col = VLMCollate.from_config(_vision(), max_seq_len=64)
+        step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4,
+                                fused_output=fused, temperature=0.9)
+        batch = _batch()
+        frozen = fnppo.snapshot_params(chunks)
+        lp, ent = fnppo.compute_logprobs(chunks, batch, with_entropy=True, config=step)
+        ddp = fnppo.wrap_ddp(chunks)
+        state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
+        init = fnppo.gather_full_weights(state.model)
+        samples = [dataclasses.replace(s, old_logprobs=o.detach() - 0.05) for s, o in zip(batch, lp, strict=True)]
+        state, metrics = fnppo.train_step(state, samples, step)
+        lp_ref, _ = fnppo.compute_logprobs(state.model, batch, params=frozen, config=step)
+        full = fnppo.gather_full_weights(state.model)
+        out[fused] = {"lp": lp, "ent": ent, "lp_ref": lp_ref, "metrics": metrics, "update": {k: full[k] - init[k] for k in full}}
+    return out
+
+
 def _reference() -> dict:
     return {"cases": _layout_cases(("1mb", "4mb", "budget", "padded-4mb")), **_reference_extras(), "moe": _moe_replay()}
 
@@ -597,6 +623,23 @@ def test_build_vlm_refuses_layouts_it_cannot_train(moe, kw, expected, received):
 
     msg = run_ranks(_build_error, 2, moe, **kw)[0]
     check_message(InputError(msg), InputError, "fnppo.build_vlm", "layout", expected, received)
+
+
+@pytest.mark.parametrize("world,pp", [(1, 1), (2, 2)], ids=["1-process", "pp2"])
+def test_fused_output_layer_equals_the_unfused_step(world, pp):
+    """StepConfig(fused_output=True) on a VLM (whose GPTModel sits under ``language_model``): the
+    log-probs, entropies, a snapshot's log-probs (``params``), the step's metrics and every weight's
+    update equal the unfused path's."""
+    for r in run_ranks(_fused_worker, world, pp=pp):
+        a, b = r[False], r[True]
+        for name in ("lp", "ent", "lp_ref"):
+            for x, y in zip(b[name], a[name], strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=name)
+        for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+            assert abs(b["metrics"][key] - a["metrics"][key]) <= 1e-5 * max(abs(a["metrics"][key]), 1e-12), key
+        assert set(a["update"]) == set(b["update"]) and any(k.startswith("vision_model.") for k in a["update"])
+        for k, u in a["update"].items():
+            assert float((b["update"][k] - u).abs().max()) <= 1e-5 * max(float(u.abs().max()), 1e-12) + 1e-9, k
 
 
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 2, 1)], ids=["ep2", "pp2"])
