@@ -19,7 +19,9 @@ first-step log-probs of the paths, flex-attention compilations, and (``--search`
 micro-batch token budget that fits for each path. ``--spec`` picks the layer spec (``te`` needs
 Transformer Engine), ``--fusions off`` builds the model without Megatron's fused kernels, ``--checks
 on`` keeps fnppo's call-time checks (host syncs) on during the timed steps, ``--profile FILE``
-writes a torch.profiler summary of one step per path.
+writes a torch.profiler summary of one step per path, ``--recompute full|selective`` (with
+``--recompute-modules``) turns on Megatron's activation recomputation, and ``--fused-chunk-vocab N``
+sets path C's ``StepConfig.fused_output_chunk_vocab``.
 
     python benchmarks/step.py --model tiny --device cpu                       # anywhere (CPU)
     python benchmarks/step.py --model tiny-moe --device cpu                   # the MoE code path on CPU
