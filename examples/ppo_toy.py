@@ -12,7 +12,9 @@ k3 KL to the reference, optional TIS).
 
 ``--algo ppo``: PPO with a critic instead of group advantages. A value model
 (``build_gpt(cfg, head="value")``, its own ``TrainState`` and optimizer, starting from the actor's
-initial trunk with a fresh value head) gives the values of the response tokens
+initial trunk with a fresh value head, or from a Hugging Face value model with
+``--critic-checkpoint DIR``: a token or sequence classifier with one label, or a TRL / OpenRLHF /
+verl critic, read by ``fnppo.hf``) gives the values of the response tokens
 (``compute_values``); each response token earns its own reward (1/4 when it is right, so the
 tokens' rewards sum to the sequence reward), and GAE (``--gamma``, ``--lam``) turns rewards and
 values into per-token advantages and returns. Every step runs one ``train_step`` of the actor and
@@ -60,8 +62,8 @@ RUN_DEFINING = (
     "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff", "spec",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
-PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip")
-SETTING_DEFAULTS = {"algo": "grpo", "spec": "default"}  # what a checkpoint without the key was written with
+PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint")
+SETTING_DEFAULTS = {"algo": "grpo", "spec": "default", "critic_checkpoint": None}  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
 EPILOG = """\
@@ -109,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
     p.add_argument("--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)")
     p.add_argument("--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)")
+    p.add_argument("--critic-checkpoint", type=str, default=None,
+                   help="--algo ppo: start the critic from this Hugging Face value model (default: the actor's initial trunk, a fresh value head)")
     p.add_argument("--spec", choices=["default", "local", "te"], default="default",
                    help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te")
     p.add_argument("--hidden", type=int, default=64)
@@ -170,6 +174,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
     if args.overwrite and args.resume:
         raise ArgumentError("--overwrite and --resume exclude each other")
+    if args.critic_checkpoint and (args.algo != "ppo" or args.moe):
+        raise ArgumentError("--critic-checkpoint needs --algo ppo (a critic) and runs without --moe")
     if args.algo == "ppo":
         if args.advantage != "grpo":
             raise ArgumentError("--advantage chooses the group advantage of --algo grpo; --algo ppo uses GAE (--gamma, --lam)")
@@ -295,15 +301,17 @@ def build(args: argparse.Namespace, head: str = "lm"):
     """The actor's (``head="lm"``) or the critic's (``head="value"``) train state.
 
     The critic has the actor's architecture and initial trunk (the same checkpoint, or the same
-    layout-invariant initialization from ``--seed``) and a fresh value head.
+    layout-invariant initialization from ``--seed``) and a fresh value head; with
+    ``--critic-checkpoint`` it is that value model, head included.
     """
     import fnppo
 
-    if args.hf_checkpoint:
+    checkpoint = args.critic_checkpoint if head == "value" and args.critic_checkpoint else args.hf_checkpoint
+    if checkpoint:
         from fnppo.hf import build_gpt_from_hf, load_hf_weights
 
-        chunks = build_gpt_from_hf(args.hf_checkpoint, dtype=args.dtype, head=head)
-        load_hf_weights(chunks, args.hf_checkpoint)  # a value model: the trunk; lm_head is skipped
+        chunks = build_gpt_from_hf(checkpoint, dtype=args.dtype, head=head)
+        load_hf_weights(chunks, checkpoint)  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
     else:
         cfg = fnppo.ModelConfig(
             num_layers=args.layers,

@@ -190,6 +190,31 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(r["skipped"] == 0.0 for r in rows)
 
 
+def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
+    """--critic-checkpoint: the critic is the checkpoint's value model, head included. Its score head
+    is 0 * h + 3, so every value it predicts before its first update is 3.0 (a fresh head: about 0),
+    and its trunk (another width than the actor's) trains."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+    )
+    model = transformers.Qwen2ForTokenClassification(cfg)
+    with torch.no_grad():
+        model.score.weight.zero_()
+        model.score.bias.fill_(3.0)
+    model.save_pretrained(tmp_path / "critic")
+    common = ["--algo", "ppo", "--steps", "1", "--minibatches", "1", "--critic-lr", "1e-9", *SMALL]
+    _run(["--critic-checkpoint", str(tmp_path / "critic"), *common, "--out-dir", str(tmp_path / "run")])
+    _run([*common, "--out-dir", str(tmp_path / "fresh")])
+    (row,), (fresh,) = _rows(tmp_path / "run" / "metrics.jsonl"), _rows(tmp_path / "fresh" / "metrics.jsonl")
+    assert abs(row["vpred_mean"] - 3.0) <= 1e-5 and abs(fresh["vpred_mean"] - 3.0) > 1.0, (row["vpred_mean"], fresh["vpred_mean"])
+    assert row["critic_grad_norm"] > 0 and row["skipped"] == 0.0, row
+
+
 # ---------------------------------------------------------------------------------------------
 # the command line: errors, run directories, resume rules
 # ---------------------------------------------------------------------------------------------
@@ -203,10 +228,11 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
         (["--resume", "--overwrite"], "--overwrite and --resume exclude each other"),
         (["--kl-horizon", "100"], "--kl-horizon needs --kl-target"),
         (["--algo", "ppo", "--advantage", "rloo"], "--advantage chooses the group advantage of --algo grpo"),
+        (["--critic-checkpoint", "/nonexistent"], "--critic-checkpoint needs --algo ppo (a critic) and runs without --moe"),
         (["--algo", "ppo", "--lam", "1.5"], "--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1"),
     ],
     ids=["negative-steps", "cuda-without-cuda", "tp-does-not-divide", "zero-prompts", "resume-and-overwrite",
-         "kl-horizon-without-target", "ppo-with-group-advantage", "ppo-lambda-out-of-range"],
+         "kl-horizon-without-target", "ppo-with-group-advantage", "critic-checkpoint-without-ppo", "ppo-lambda-out-of-range"],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
     if "cuda" in args:
