@@ -404,15 +404,10 @@ def _moe_replay() -> dict:
     it as recorded, as the unexpanded tokens with -1 at the placeholders, shifted by one row (a
     misalignment of the right length), with the image rows dropped (refused); training steps on the
     record and on the shifted rows, the record's log-probs as the old ones."""
-    from fnppo.vlm import VLMCollate, build_vlm
+    from fnppo.vlm import build_vlm
 
-    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48)
-    chunks = build_vlm(cfg, _vision())
-    fnppo.layout_invariant_init(chunks, seed=3, std=0.2)  # large router logits: replay and free routing tell apart
-    col = VLMCollate.from_config(_vision(), max_seq_len=64)
-    step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4)
-    batch = _batch()
-    lp, _, routes = fnppo.compute_logprobs(chunks, batch, config=step, return_routing=True)
+    run = _moe_record()
+    chunks, step, batch, lp, routes, col, cfg = (run[k] for k in ("chunks", "step", "batch", "lp", "routes", "collate", "cfg"))
 
     def replay(rows: list[torch.Tensor]) -> list[torch.Tensor]:
         return fnppo.compute_logprobs(chunks, [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, rows, strict=True)], config=step)[0]
@@ -450,24 +445,29 @@ def _moe_replay() -> dict:
     return out
 
 
-def _moe_layout_replay() -> dict:
-    """The MoE VLM of :func:`_moe_replay` on a parallel layout, every rank with the whole batch: its
-    record, its replay of the single-process record, and training steps on that record and on the
-    record shifted by one row."""
+def _moe_lm_cfg() -> fnppo.ModelConfig:
+    return dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48)
+
+
+def _moe_record() -> dict:
+    """The MoE VLM (large router logits: replay and free routing tell apart), its step config and
+    batch, and the batch's log-probs and recorded routes on this rank's layout."""
     from fnppo.vlm import VLMCollate, build_vlm
 
-    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48)
+    cfg = _moe_lm_cfg()
     chunks = build_vlm(cfg, _vision())
     fnppo.layout_invariant_init(chunks, seed=3, std=0.2)
     col = VLMCollate.from_config(_vision(), max_seq_len=64)
     step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4)
     batch = _batch()
     lp, _, routes = fnppo.compute_logprobs(chunks, batch, config=step, return_routing=True)
-    return {"chunks": chunks, "step": step, "batch": batch, "lp": lp, "routes": routes}
+    return {"cfg": cfg, "collate": col, "chunks": chunks, "step": step, "batch": batch, "lp": lp, "routes": routes}
 
 
 def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
-    run = _moe_layout_replay()
+    """The MoE VLM on a parallel layout, every rank with the whole batch: its record, its replay of
+    the single-process record, and training steps on that record and on it shifted by one row."""
+    run = _moe_record()
     chunks, step, batch = run["chunks"], run["step"], run["batch"]
     replayed = [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, reference_routes, strict=True)]
     out = {"routes": run["routes"], "lp": run["lp"], "replay": fnppo.compute_logprobs(chunks, replayed, config=step)[0]}
@@ -604,7 +604,7 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
 def _build_error(moe: bool) -> str:
     from fnppo.vlm import build_vlm
 
-    cfg = dataclasses.replace(_lm_cfg(), num_experts=4, moe_topk=2, moe_ffn_hidden_size=48) if moe else _lm_cfg()
+    cfg = _moe_lm_cfg() if moe else _lm_cfg()
     try:
         build_vlm(cfg, _vision())
     except InputError as err:
