@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
 from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
-from fnppo.linear_logprob import linear_logprob_and_entropy  # noqa: E402
+from fnppo.linear_logprob import BackwardGraphs, linear_logprob_and_entropy  # noqa: E402
 from fnppo.logprob import logprob_and_entropy  # noqa: E402
 from fnppo.typing import typechecking  # noqa: E402
 
@@ -56,6 +56,17 @@ def fused(h, W, labels, g_lp, g_h, impl="triton"):
 def fused_unchecked(h, W, labels, g_lp, g_h):
     with typechecking(False):
         return fused(h, W, labels, g_lp, g_h)
+
+
+GRAPHS = {}  # one BackwardGraphs per problem (by the weight's address), for the "graphs" method
+
+
+def fused_graphed(h, W, labels, g_lp, g_h):
+    """Checks off, the backward replayed as a CUDA graph (``graphs=fnppo.BackwardGraphs()``)."""
+    graphs = GRAPHS.setdefault(W.data_ptr(), BackwardGraphs())
+    with typechecking(False):
+        lp, ent = linear_logprob_and_entropy(h, W, labels, graphs=graphs)
+    return (lp * g_lp).sum() + (ent * g_h).sum()
 
 
 def fused_torch(h, W, labels, g_lp, g_h):
@@ -77,6 +88,7 @@ def plain_torch(h, W, labels, g_lp, g_h):
 METHODS = [
     ("fused linear_logprob_and_entropy (triton)", fused, "cuda"),
     ("fused, checks off", fused_unchecked, "cuda"),
+    ("fused, checks off, backward graphs", fused_graphed, "cuda"),
     ("fused, impl='torch' (chunked fp32 path)", fused_torch, None),
     ("h @ W.T, then logprob_and_entropy", materialized_fnppo, None),
     ("plain torch: h @ W.T, log_softmax", plain_torch, None),
@@ -199,6 +211,88 @@ def device_checks(device):
     return not fails
 
 
+def graph_checks(device):
+    """``graphs=BackwardGraphs()`` against the same call without it: for each case a sequence of
+    token counts (shrinking within the buffers' rows, growing past them, repeated so that calls run
+    eagerly, are captured and are replayed), the weight updated in place, then replaced by a new
+    tensor, gradients accumulated over two backward passes into ``.grad``, and stale rows of a
+    larger call holding NaN. Passes when every call's gradients equal the call without graphs
+    within the dtype's rounding, and the cache's results (captured or replayed) equal bit for bit
+    those of a fresh cache's eager call on the same padded problem."""
+    g = torch.Generator(device=device).manual_seed(11)
+    n_ok, n_all, fails = 0, 0, []
+    cases = [(torch.bfloat16, 256, 5000, "plain"), (torch.bfloat16, 1000, 3001, "no_entropy"), (torch.bfloat16, 256, 5000, "entropy_only"),
+             (torch.float32, 256, 5000, "plain"), (torch.bfloat16, 896, 151936, "plain"), (torch.float16, 256, 4999, "masked")]
+
+    def loss_of(use, hg, W, labels, g_lp, g_h, kind, vs):
+        lp, ent = linear_logprob_and_entropy(hg, W, labels, with_entropy=kind != "no_entropy", vocab_size=vs, graphs=use)
+        return ((lp * g_lp).sum() if g_lp is not None else 0) + ((ent * g_h).sum() if g_h is not None else 0)
+
+    def grads(use, h, W, labels, g_lp, g_h, kind, vs):
+        hg = h.clone().requires_grad_()
+        return torch.autograd.grad(loss_of(use, hg, W, labels, g_lp, g_h, kind, vs), (hg, W))
+
+    for dtype, hid, vocab, kind in cases:
+        graphs = BackwardGraphs()
+        W = (torch.randn(vocab, hid, generator=g, device=device) * 3.0 / hid**0.5).to(dtype).requires_grad_()
+        vs = vocab - 37 if kind == "masked" else None
+        small = vocab < 100000
+        seq = [300, 300, 300, 200, 200, 700, 700, 700, 260] if small else [8192, 8192, 8192, 8000, 8000]
+        for step, n in enumerate(seq):
+            if step == 2:
+                with torch.no_grad():
+                    W.add_(0.01 * torch.randn(W.shape, generator=g, device=device).to(dtype))  # updated in place
+            elif step == 4:
+                W = (W.detach() + 0.01 * torch.randn(W.shape, generator=g, device=device).to(dtype)).requires_grad_()  # a new tensor
+            h = torch.randn(n, hid, generator=g, device=device).to(dtype)
+            nan_step = small and step == 7
+            if nan_step:
+                h[250:] = float("nan")  # rows this call leaves in the buffers: the next, smaller call must not see them
+            labels = torch.randint(0, vs or vocab, (n,), generator=g, device=device)
+            g_lp = None if kind == "entropy_only" else torch.randn(n, generator=g, device=device)
+            g_h = None if kind == "no_entropy" else torch.randn(n, generator=g, device=device)
+            outs = [grads(use, h, W, labels, g_lp, g_h, kind, vs) for use in (None, graphs, BackwardGraphs())]
+            n_all += 2
+            if nan_step:
+                errs, ok = [], True
+            elif small:  # both against fp64: the cache's error within twice the plain call's (or the dtype's rounding)
+                _, _, rdh, rdw = reference64(h, W, labels, 1.0, g_lp, g_h, vs)
+                rel = lambda a, r: ((a.double() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()  # noqa: E731
+                floor = 1e-5 if dtype == torch.float32 else 2.0**-9
+                errs = [(rel(b, r), rel(a, r)) for a, b, r in zip(outs[0], outs[1], (rdh, rdw))]
+                ok = all(eb <= 2 * max(ea, floor) for eb, ea in errs)
+            else:  # 8,192 x 151,936: against the call without graphs, within a few bf16 roundings
+                errs = [((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item() for a, b in zip(outs[0], outs[1])]
+                ok = all(e <= 2.0**-6 for e in errs)
+            n_ok += int(ok)
+            if not ok:
+                fails.append((str(dtype), hid, vocab, kind, step, n, "vs without graphs", errs))
+            same = all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in zip(outs[1], outs[2]))
+            n_ok += int(same)
+            if not same:
+                fails.append((str(dtype), hid, vocab, kind, step, n, "differs from a fresh cache's eager call of the same padded problem"))
+            if step == 1:  # two backward passes accumulate into .grad: the returned gradients do not alias the buffers
+                W.grad = None
+                for _ in range(2):
+                    loss_of(graphs, h, W, labels, g_lp, g_h, kind, vs).backward()
+                n_all += 1
+                one = outs[1][1].float()
+                ok = bool(((W.grad.float() - 2 * one).abs().max() <= one.abs().max() * 2.0**-6))
+                n_ok += int(ok)
+                if not ok:
+                    fails.append((str(dtype), hid, vocab, kind, "accumulation over two backward passes"))
+                W.grad = None
+        print(f"  graphs {str(dtype)} {hid} x {vocab} {kind}: {graphs}", flush=True)
+        n_all += 1
+        n_ok += int(graphs.captures > 0 and graphs.replays > 0)
+        if graphs.captures == 0 or graphs.replays == 0:
+            fails.append((str(dtype), hid, vocab, kind, f"no capture or no replay: {graphs}"))
+    print(f"graph checks against the call without graphs: {n_ok}/{n_all} passed", flush=True)
+    for f in fails:
+        print("  FAILED:", f, flush=True)
+    return not fails
+
+
 def full_size_check(h, W, labels, g_lp, g_h):
     """At the benchmark size: fused (triton) against fp64 on the first 256 tokens' values, and its
     gradients against the materialized bf16 path and the fp32 torch path."""
@@ -228,7 +322,7 @@ def backward_parts(h, W, labels, reps):
 
     n, hid = h.shape
     v = W.shape[0]
-    cfg = ll._Cfg(1.0, True, None, 1, 0, v, v, "triton", None, None)
+    cfg = ll._Cfg(1.0, True, None, 1, 0, v, v, "triton", None, None, None)
     sizes = ll._backward_chunks(n, v, hid, h.element_size(), cfg)
     gt, bv = sizes["group_tokens"], sizes["block_vocab"]
     hd, wd = h.detach(), W.detach()
@@ -308,7 +402,7 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
             print(f"  forward {name}: {type(err).__name__}: {str(err)[:160]}", flush=True)
         rows.append(("forward", name, ms, dense_fwd))
         print(f"  forward {name}: {ms:.3f} ms (dense {dense_fwd:.3f})", flush=True)
-    cfg = ll._Cfg(1.0, True, None, 1, 0, vocab, vocab, "triton", None, None)
+    cfg = ll._Cfg(1.0, True, None, 1, 0, vocab, vocab, "triton", None, None, None)
     sizes = ll._backward_chunks(n, vocab, hidden, h.element_size(), cfg)
     gt, bv = min(sizes["group_tokens"], n), min(sizes["block_vocab"], vocab)
     coef = k.scaled_coefficients((torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0, **f32)), 1.0)
@@ -430,6 +524,11 @@ def launch_cost(tokens, hidden, vocab, device):
     whole()
     blocks = -(-n // chunks["group_tokens"]) * -(-vocab // cols)
     print(f"  backward_grads: {_host_us(whole, 6) / 1e3:.2f} ms per call ({blocks} blocks)")
+    for name, method in (("without graphs", fused_unchecked), ("backward graphs", fused_graphed)):
+        step = fwd_bwd(method, h, W, labels, g_lp, g_h)
+        for _ in range(3):
+            step()
+        print(f"  whole fused forward + backward, checks off, {name}: {_host_us(step, 6) / 1e3:.2f} ms host per call")
 
 
 def profile_fused(tokens, hidden, vocab, device):
@@ -513,6 +612,7 @@ def main():
             return
         if not args.no_check:
             device_checks(device)
+            graph_checks(device)
         if args.check_only:
             return
     rows = []

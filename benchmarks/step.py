@@ -11,7 +11,8 @@ entropy and loss, written from scratch in ``benchmarks/actor_baseline.py`` and d
 
 Path C is A with ``StepConfig(fused_output=True)``: the last stage stops before the output layer and
 ``linear_logprob_and_entropy`` computes log-probs and entropy from the hidden states and the output
-weight, never materializing the logits.
+weight, never materializing the logits. Path D is C with ``fused_output_graphs=fnppo.BackwardGraphs()``
+(the fused backward replayed as a CUDA graph).
 
 Prints: tokens/s (median over the timed steps), model FLOPs utilization (MFU: model FLOPs per token
 times tokens/s over the bf16 matrix-product rate measured in the same run), peak memory,
@@ -234,9 +235,10 @@ def spec_name(state) -> str:
 def step_config(path: str, mb_tokens: int, chunk_vocab: int | None = None) -> fnppo.StepConfig:
     loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3")
     fns = actor_fns() if path == "B" else fnppo.StepFns()
-    fused = path == "C"
+    fused = path in ("C", "D")
     return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=fused,
-                            fused_output_chunk_vocab=chunk_vocab if fused else None)
+                            fused_output_chunk_vocab=chunk_vocab if fused else None,
+                            fused_output_graphs=fnppo.BackwardGraphs() if path == "D" else None)
 
 
 def sync(device):
@@ -495,7 +497,7 @@ def run(args, layout, device) -> int:
     for p in paths:
         med = statistics.median(times[p])
         tps = tokens_per_step / med
-        result[p] = {"step_s_median": med, "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        result[p] = {"step_s_median": med, "step_s": times[p], "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
         if peak_tflops:
             result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
             result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
@@ -513,6 +515,14 @@ def run(args, layout, device) -> int:
     if "A" in paths and "C" in paths:
         result["first_logprobs_max_abs_diff_C_vs_A"] = float((first["C"]["logprobs"] - first["A"]["logprobs"]).abs().max())
         result["speedup_C_over_A"] = result["C"]["tokens_per_s"] / result["A"]["tokens_per_s"]
+    for p in paths:  # per round (the paths' steps of one round run back to back): A's step time over p's, median over rounds
+        if p != "A" and "A" in paths:
+            result[f"speedup_{p}_over_A_per_round_median"] = statistics.median(a / b for a, b in zip(times["A"], times[p]))
+    if "A" in paths and "D" in paths:
+        result["first_logprobs_max_abs_diff_D_vs_A"] = float((first["D"]["logprobs"] - first["A"]["logprobs"]).abs().max())
+        result["speedup_D_over_A"] = result["D"]["tokens_per_s"] / result["A"]["tokens_per_s"]
+        g = cfgs["D"].fused_output_graphs
+        result["D"]["graphs"] = {"captures": g.captures, "replays": g.replays, "eager_calls": g.eager_calls, "gib": g.nbytes() / 2**30}
     if profile is not None:
         result["profile"] = profile
     if syncs is not None:

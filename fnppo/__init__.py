@@ -31,6 +31,7 @@ from fnppo.batch import collate_microbatch as collate_microbatch
 from fnppo.batch import padding_multiple as padding_multiple
 from fnppo.batch import unpack_per_sample as unpack_per_sample
 from fnppo.logprob import logprob_and_entropy as logprob_and_entropy
+from fnppo.linear_logprob import BackwardGraphs as BackwardGraphs
 from fnppo.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
 from fnppo.rope import apply_rotary as apply_rotary
 from fnppo.rope import thd_positions as thd_positions
@@ -132,7 +133,7 @@ __all__ = [
     # batching
     "Microbatch", "Sample", "SplitPlan", "collate_microbatch", "padding_multiple", "split_batch", "unpack_per_sample",
     # log-probs, losses, metrics
-    "logprob_and_entropy", "linear_logprob_and_entropy", "apply_rotary", "thd_positions", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
+    "logprob_and_entropy", "linear_logprob_and_entropy", "BackwardGraphs", "apply_rotary", "thd_positions", "PolicyLossConfig", "PolicyLossInputs", "compute_tis_weights", "finalize_metrics",
     "get_policy_loss", "kl_penalty", "loss_normalizer", "merge_metrics", "ppo_loss", "register_policy_loss",
     "registered_policy_losses", "value_loss", "ValueLossConfig",
     # more advantage estimators, KL control

@@ -51,7 +51,7 @@ from fnppo.batch import (
 )
 from fnppo.context_parallel import gather_per_sample
 from fnppo.grads import FinalizeNotCalledError, GradStats, finalize_grads
-from fnppo.linear_logprob import linear_logprob_and_entropy
+from fnppo.linear_logprob import BackwardGraphs, linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.loss import (
     SEQ_REJECTION_CRITERIA,
@@ -177,7 +177,11 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     ``fused_output_chunk_vocab``: the fused backward's block of vocabulary rows (its
     ``chunk_vocab``; None: the function's default, about 3-5 % of the logits per block). Larger
     blocks mean fewer kernel launches per micro-batch (host time, which bounds steps of small
-    models) for ``tokens x chunk_vocab`` more elements of memory.
+    models) for ``tokens x chunk_vocab`` more elements of memory. ``fused_output_graphs``: a
+    :class:`~fnppo.linear_logprob.BackwardGraphs` cache passed to the fused function (its
+    ``graphs``): on CUDA the fused backward is replayed as a CUDA graph, for steps whose host time
+    binds, at the cost of the cache's static buffers (about 0.17 of one logits tensor at the 0.5B
+    shape).
 
     Raises:
         InputError: an unknown layout, two split modes, a size that is not an int >= 1, a
@@ -197,11 +201,18 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     fns: StepFns = field(default_factory=StepFns)
     fused_output: bool = False
     fused_output_chunk_vocab: int | None = None
+    fused_output_graphs: BackwardGraphs | None = None
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
         _check_batching_fields(fn, self)
         check_positive_int(fn, "fused_output_chunk_vocab", self.fused_output_chunk_vocab, allow_none=True)
+        if self.fused_output_graphs is not None:
+            if not isinstance(self.fused_output_graphs, BackwardGraphs):
+                raise input_error(fn, "fused_output_graphs", "a fnppo.BackwardGraphs or None", repr(self.fused_output_graphs))
+            if not self.fused_output:
+                raise input_error(fn, "fused_output_graphs", "None unless fused_output=True (the graphs are the fused backward's)",
+                                  repr(self.fused_output_graphs))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
         if self.fused_output and (self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy):
@@ -689,7 +700,8 @@ def _token_logprobs(
     if weight is None:
         _check_logits(fn, out, spec.vocab_size, layout)
         return config.fns.logprob(out, mb.labels, **kwargs)
-    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, chunk_vocab=config.fused_output_chunk_vocab, **kwargs)
+    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels, chunk_vocab=config.fused_output_chunk_vocab,
+                                      graphs=config.fused_output_graphs, **kwargs)
 
 
 def _run_schedule(chunks: Sequence[nn.Module], mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.linear_logprob import linear_logprob_and_entropy
+from fnppo.linear_logprob import BackwardGraphs, linear_logprob_and_entropy
 from fnppo.logprob import logprob_and_entropy
 from fnppo.typing import InputError, ShapeError, typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
@@ -277,6 +277,115 @@ def test_exported_from_package():
     import fnppo
 
     assert fnppo.linear_logprob_and_entropy is linear_logprob_and_entropy
+    assert fnppo.BackwardGraphs is BackwardGraphs
+
+
+# ---------------------------------------------------------------------------------------------
+# BackwardGraphs: static (padded) buffers; off CUDA the same buffers without capture
+# ---------------------------------------------------------------------------------------------
+def _grads(graphs, h, w, labels, g_lp, g_h, **kw):
+    """``(lp, ent, dh, dW)`` of ``sum(g_lp lp + g_h ent)`` with ``w`` itself (same address every call)."""
+    hg = h.detach().clone().requires_grad_()
+    lp, ent = linear_logprob_and_entropy(hg, w, labels, graphs=graphs, **kw)
+    loss = (lp * g_lp).sum() if g_lp is not None else 0
+    loss = loss + ((ent * g_h).sum() if g_h is not None and ent is not None else 0)
+    dh, dw = torch.autograd.grad(loss, (hg, w))
+    return lp.detach(), None if ent is None else ent.detach(), dh, dw
+
+
+@pytest.mark.parametrize("kind", ["plain", "no_entropy", "entropy_only", "logprob_only", "masked", "temperature"])
+def test_backward_graphs_give_the_gradients_of_a_call_without_them(kind):
+    """A sequence of token counts through one cache: equal rows, fewer (stale rows of the larger
+    call must be zeroed), more than the buffers hold (reallocated). Every call equals the call
+    without the cache and the fp64 reference; inputs are untouched."""
+    g = torch.Generator().manual_seed(21)
+    hid, vocab = 24, 61
+    vs = 50 if kind == "masked" else None
+    t = 0.6 if kind == "temperature" else 1.0
+    w = (torch.randn(vocab, hid, generator=g) * 0.8).requires_grad_()
+    graphs = BackwardGraphs(row_multiple=16)
+    seq = [20, 20, 7, 33, 33, 12, 48]
+    for n in seq:
+        h = torch.randn(n, hid, generator=g) * 2
+        labels = torch.randint(0, vs or vocab, (n,), generator=g)
+        g_lp = None if kind == "entropy_only" else torch.randn(n, generator=g)
+        g_h = None if kind in ("no_entropy", "logprob_only") else torch.randn(n, generator=g)
+        kw = dict(temperature=t, with_entropy=kind != "no_entropy", vocab_size=vs)
+        before = [(x._version, x.clone()) for x in (h, w, labels)]
+        got = _grads(graphs, h, w, labels, g_lp, g_h, **kw)
+        want = _grads(None, h, w, labels, g_lp, g_h, **kw)
+        for x, (ver, val) in zip((h, w, labels), before):
+            assert x._version == ver and torch.equal(x.detach(), val)
+        rlp, rent, rdh, rdw = reference(h, w, labels, t, g_lp, g_h, vocab_size=vs)
+        for a, b, ref, name in zip(got, want, (rlp, rent, rdh, rdw), ("lp", "ent", "dh", "dW")):
+            if a is None:
+                assert b is None and name == "ent"
+                continue
+            scale = ref.abs().max().clamp_min(1e-12)
+            assert float((a.double() - b.double()).abs().max() / scale) < 4e-6, (kind, n, name)  # fp32 sums in other blocks
+            assert float((a.double() - ref).abs().max() / scale) < 2e-5, (kind, n, name)
+        if vs is not None:
+            assert bool((got[3][vs:] == 0).all())
+    assert (graphs.eager_calls, graphs.captures, graphs.replays) == (len(seq), 0, 0)  # CPU: never captured
+    # one buffer set, reallocated for 33 (48 rows): hidden, its gradient, labels, 4 per-token rows, the weight's gradient
+    assert graphs.nbytes() == 48 * hid * 4 * 2 + 48 * 8 + 4 * 48 * 4 + vocab * hid * 4
+
+
+def test_backward_graphs_stale_rows_never_reach_a_later_call():
+    """Rows a larger call left in the buffers (here NaN hidden states) are zeroed before a smaller
+    call of the same padded size reads them."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 16, generator=g).requires_grad_()
+    graphs = BackwardGraphs(row_multiple=64)
+    h = torch.randn(50, 16, generator=g)
+    h[10:] = float("nan")
+    labels = torch.randint(0, 40, (50,), generator=g)
+    _grads(graphs, h, w, labels, torch.randn(50, generator=g), torch.randn(50, generator=g))
+    h, labels, g_lp, g_h = torch.randn(30, 16, generator=g), torch.randint(0, 40, (30,), generator=g), torch.randn(30, generator=g), torch.randn(30, generator=g)
+    got = _grads(graphs, h, w, labels, g_lp, g_h)
+    want = _grads(None, h, w, labels, g_lp, g_h)
+    for a, b in zip(got[2:], want[2:]):
+        assert bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_backward_graphs_keep_at_most_max_weights_and_clear():
+    g = torch.Generator().manual_seed(8)
+    ws = [torch.randn(30 + i, 8, generator=g).requires_grad_() for i in range(3)]
+    graphs = BackwardGraphs(row_multiple=8, max_weights=2)
+    h, labels = torch.randn(5, 8, generator=g), torch.randint(0, 30, (5,), generator=g)
+    g_lp, g_h = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    sizes = []
+    for w in ws + ws[:1]:
+        got, want = _grads(graphs, h, w, labels, g_lp, g_h), _grads(None, h, w, labels, g_lp, g_h)
+        for a, b in zip(got[2:], want[2:]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        sizes.append(graphs.nbytes())
+    per = lambda v: 8 * 8 * 4 * 2 + 8 * 8 + 4 * 8 * 4 + v * 8 * 4  # noqa: E731
+    assert sizes == [per(30), per(30) + per(31), per(31) + per(32), per(32) + per(30)]
+    assert "weights=2" in repr(graphs)
+    graphs.clear()
+    assert graphs.nbytes() == 0 and "weights=0" in repr(graphs)
+
+
+def test_backward_graphs_refuse_bad_arguments():
+    import fnppo
+
+    for name in ("row_multiple", "max_graphs", "max_weights"):
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(InputError) as info:
+                BackwardGraphs(**{name: bad})
+            check_message(info.value, InputError, "fnppo.BackwardGraphs", name, "an int >= 1", repr(bad))
+    h, w, labels, _, _ = problem()
+    with pytest.raises(InputError) as info:
+        linear_logprob_and_entropy(h, w, labels, graphs="yes")
+    check_message(info.value, InputError, "fnppo.linear_logprob_and_entropy", "graphs", "a fnppo.BackwardGraphs or None", "'yes'")
+    with pytest.raises(InputError) as info:
+        fnppo.StepConfig(fused_output_graphs=BackwardGraphs())
+    check_message(info.value, InputError, "StepConfig", "fused_output_graphs", "None unless fused_output=True", "BackwardGraphs(")
+    with pytest.raises(InputError) as info:
+        fnppo.StepConfig(fused_output=True, fused_output_graphs=object())
+    check_message(info.value, InputError, "StepConfig", "fused_output_graphs", "a fnppo.BackwardGraphs or None", "<object object")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +439,22 @@ _INTERP_SCRIPT = textwrap.dedent(
         want = _forward_stats_torch(h, w, labels, 0, 1.3, ent_on, 37, 700)
         for x, y in zip(got, want):
             assert (x is None) == (y is None) and (x is None or (x - y).abs().max() < 1e-5), (x, y)
+    # The backward through BackwardGraphs' buffers (preallocated dz / accumulator / dh; no capture on CPU).
+    from fnppo.linear_logprob import BackwardGraphs
+    graphs = BackwardGraphs(row_multiple=16)
+    w = (torch.randn(70, 24, generator=g) * 0.7).bfloat16().requires_grad_()
+    for n in (20, 9, 33, 20):
+        h = torch.randn(n, 24, generator=g).bfloat16()
+        labels = torch.randint(0, 70, (n,), generator=g)
+        g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        res = []
+        for use in (None, graphs):
+            hg = h.clone().requires_grad_()
+            lp, ent = linear_logprob_and_entropy(hg, w, labels, chunk_vocab=32, impl="triton", graphs=use)
+            res.append(torch.autograd.grad((lp * g_lp).sum() + (ent * g_h).sum(), (hg, w)))
+        for x, y in zip(*res):
+            assert ((x.float() - y.float()).abs().max() / y.float().abs().max()) < 1e-2, (n, x, y)
+    assert graphs.eager_calls == 4, graphs
     print("interpreter ok")
     """
 )
@@ -431,7 +556,7 @@ def _step_model_cfg(tied: bool):
     )
 
 
-def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None) -> dict:
+def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None, graphs: bool = False) -> dict:
     """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
     import fnppo
     import fnppo.step as step_mod
@@ -443,7 +568,7 @@ def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int |
     real = step_mod.linear_logprob_and_entropy
     for fused in (False, True):
         calls = []
-        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append(k.get("chunk_vocab")), real(*a, **k))[1]
+        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append((k.get("chunk_vocab"), k.get("graphs"))), real(*a, **k))[1]
         try:
             chunks = fnppo.build_gpt(_step_model_cfg(tied), **(build or {}))
             fnppo.layout_invariant_init(chunks, seed=3)
@@ -456,8 +581,9 @@ def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int |
             init = fnppo.gather_full_weights(state.model)
             frozen = fnppo.snapshot_params(state.model)
             samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
+            cache = fnppo.BackwardGraphs(row_multiple=8) if graphs and fused else None
             cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fused_output=fused,
-                                   fused_output_chunk_vocab=chunk_vocab if fused else None)
+                                   fused_output_chunk_vocab=chunk_vocab if fused else None, fused_output_graphs=cache)
             lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
             state, metrics = fnppo.train_step(state, samples, cfg)
             lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
@@ -465,7 +591,9 @@ def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int |
         finally:
             step_mod.linear_logprob_and_entropy = real
         out["calls"][fused] = len(calls)
-        out.setdefault("chunk_vocab", {})[fused] = set(calls)
+        out.setdefault("chunk_vocab", {})[fused] = {c for c, _ in calls}
+        out.setdefault("graphs", {})[fused] = {id(g) if g is not None else None for _, g in calls}
+        out.setdefault("graph_calls", {})[fused] = None if not (graphs and fused) else (id(cache), cache.eager_calls, cache.nbytes())
         out["output_layer_calls"][fused] = len(layer_calls)
         out[fused] = dict(lp=lp, ent=ent, lp_ref=lp_ref, metrics=metrics, update={k: full[k] - init[k] for k in full})
     return out
@@ -507,6 +635,17 @@ def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_numbe
         with pytest.raises(InputError) as info:
             fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
         check_message(info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "an int >= 1 or None", repr(bad))
+
+
+def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
+    """``StepConfig.fused_output_graphs``: every fused call gets the cache, the backward runs
+    through its buffers (eagerly on CPU), and the step's numbers equal the unfused step's."""
+    from fnppo.testing import run_ranks
+
+    out = run_ranks(step_worker, 1, True, None, None, True)[0]
+    _compare_fused(out, "fused_output_graphs")
+    cache_id, eager_calls, nbytes = out["graph_calls"][True]
+    assert out["graphs"][True] == {cache_id} and eager_calls == 2 and nbytes > 0  # two micro-batches, one backward each
 
 
 @pytest.mark.parametrize("recompute", [

@@ -496,11 +496,18 @@ def _launch_dz(ptrs, labels, coef2, block, strides, col_start, scale2, has_gh, t
 def backward_grads(
     h2: torch.Tensor, w_valid: torch.Tensor, labels: torch.Tensor, coef: tuple[torch.Tensor, ...], has_gh: bool,
     cfg, need_h: bool, dw: torch.Tensor | None, *, group_tokens: int, block_vocab: int,  # noqa: ANN001
+    dh_out: torch.Tensor | None = None, dz_space: torch.Tensor | None = None, acc_space: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """``dh`` (or None) in ``h2``'s dtype; writes the valid rows' weight gradient into ``dw``."""
+    """``dh`` (or None) in ``h2``'s dtype; writes the valid rows' weight gradient into ``dw``.
+
+    ``dh_out``, ``dz_space``, ``acc_space``: optional preallocated ``dh``, logit-gradient block
+    and fp32 accumulator (at least ``[group, block]`` and ``[group, hidden]``; their leading views
+    are used), so that nothing is allocated here (the backward's CUDA graphs,
+    :class:`fnppo.linear_logprob.BackwardGraphs`).
+    """
     n, hid = h2.shape
     n_valid = w_valid.shape[0]
-    dh = torch.empty_like(h2) if need_h else None
+    dh = (torch.empty_like(h2) if dh_out is None else dh_out) if need_h else None
     if n == 0:
         if dw is not None:
             dw.zero_()
@@ -508,8 +515,14 @@ def backward_grads(
     w_valid = w_valid if w_valid.stride(-1) == 1 else w_valid.contiguous()
     coef2 = scaled_coefficients(coef, cfg.inv_t)
     scale2 = cfg.inv_t * LOG2E
-    dz_buf = torch.empty((min(group_tokens, n), min(block_vocab, max(n_valid, 1))), dtype=h2.dtype, device=h2.device)
-    acc_buf = torch.empty((min(group_tokens, n), hid), dtype=torch.float32, device=h2.device) if need_h else None
+    dz_shape = (min(group_tokens, n), min(block_vocab, max(n_valid, 1)))
+    if dz_space is None:
+        dz_buf = torch.empty(dz_shape, dtype=h2.dtype, device=h2.device)
+    else:
+        dz_buf = dz_space[: dz_shape[0], : dz_shape[1]]
+    acc_buf = None
+    if need_h:
+        acc_buf = torch.empty((dz_shape[0], hid), dtype=torch.float32, device=h2.device) if acc_space is None else acc_space[: dz_shape[0]]
     tma = _tma_wanted(h2.device) and _tma_ok(h2, w_valid, dz_buf)
     ptrs = (_desc(h2), _desc(w_valid), _desc(dz_buf)) if tma else (h2, w_valid, dz_buf)
     strides = (h2.stride(0), w_valid.stride(0), dz_buf.stride(0))
