@@ -434,7 +434,7 @@ def _backward_torch(
 class _Workspace:
     """Static buffers of one weight (see :class:`BackwardGraphs`); rows beyond ``dirty`` are zero."""
 
-    __slots__ = ("rows", "h", "labels", "tok", "dh", "dw", "dz", "acc", "graphs", "seen", "dirty", "stream")
+    __slots__ = ("rows", "h", "labels", "tok", "dh", "dw", "dz", "acc", "graphs", "seen", "failed", "dirty", "stream")
 
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.h, self.labels, self.tok, self.dh, self.dw, self.dz, self.acc) if t is not None]
@@ -549,9 +549,10 @@ class BackwardGraphs:
             ws.graphs.move_to_end(key)
             graph.replay()
             self.replays += 1
-        elif ws.stream is not None and key in ws.seen:
+        elif ws.stream is not None and key in ws.seen and key not in ws.failed:
             graph = self._capture(ws, body)
-            if graph is None:
+            if graph is None:  # ran eagerly; this key is not captured again
+                ws.failed.add(key)
                 self.eager_calls += 1
             else:
                 ws.graphs[key] = graph
@@ -578,7 +579,7 @@ class BackwardGraphs:
         ws.dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
         ws.dw[cfg.n_valid :].zero_()  # padding rows beyond the real vocabulary
         ws.dz = ws.acc = None
-        ws.graphs, ws.seen = OrderedDict(), set()
+        ws.graphs, ws.seen, ws.failed = OrderedDict(), set(), set()
         ws.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" and cfg.impl == "triton" else None
         return ws
 
