@@ -21,8 +21,10 @@ micro-batch token budget that fits for each path. ``--spec`` picks the layer spe
 Transformer Engine), ``--fusions off`` builds the model without Megatron's fused kernels, ``--checks
 on`` keeps fnppo's call-time checks (host syncs) on during the timed steps, ``--profile FILE``
 writes a torch.profiler summary of one step per path, ``--recompute full|selective`` (with
-``--recompute-modules``) turns on Megatron's activation recomputation, and ``--fused-chunk-vocab N``
-sets path C's ``StepConfig.fused_output_chunk_vocab``.
+``--recompute-modules``) turns on Megatron's activation recomputation, ``--fused-chunk-vocab N``
+sets path C's ``StepConfig.fused_output_chunk_vocab``, and ``--rotate`` starts each round of steps
+with the next path and collects Python's garbage before every step, outside its time (the JSON has
+every step's time and, per path, the median over rounds of A's step time over the path's).
 
     python benchmarks/step.py --model tiny --device cpu                       # anywhere (CPU)
     python benchmarks/step.py --model tiny-moe --device cpu                   # the MoE code path on CPU
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -105,6 +108,8 @@ def parse_args(argv=None):
     p.add_argument("--search-seq-max", type=int, default=524288)
     p.add_argument("--search-seq-unit", type=int, default=4096, help="bisection step of --search-seq (tokens)")
     p.add_argument("--paths", default="A,B,C")
+    p.add_argument("--rotate", action="store_true",
+                   help="each round of steps starts with the next path, and Python's garbage is collected before every step (outside its time)")
     p.add_argument("--profile", default=None, help="write a torch.profiler summary of one step per path to this file")
     p.add_argument("--sync-report", default=None, help="write where one step of each path synchronizes with the device")
     p.add_argument("--json", default=None, help="append the results as one JSON line to this file")
@@ -461,9 +466,11 @@ def run(args, layout, device) -> int:
     compiles_before = fnppo.flex_compile_count()
     with fnppo.typechecking(args.checks == "on"):
         for i in range(args.warmup + args.steps):
-            for p in paths:
+            for p in (paths[i % len(paths):] + paths[: i % len(paths)]) if args.rotate else paths:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
+                if args.rotate:
+                    gc.collect()
                 state, metrics, dt = timed_step(state, mine, cfgs[p], device)
                 gnorm[p].append(metrics["grad_norm"])
                 if i >= args.warmup:
@@ -483,7 +490,7 @@ def run(args, layout, device) -> int:
             except Exception as err:  # noqa: BLE001
                 syncs = {"error": repr(err)}
     result = {
-        "model": args.model, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "fused_chunk_vocab": args.fused_chunk_vocab, "recompute": args.recompute if args.recompute != "selective" else f"selective:{args.recompute_modules}", "seq": args.seq, "tp": layout.tp,
+        "model": args.model, "rotate": args.rotate, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "fused_chunk_vocab": args.fused_chunk_vocab, "recompute": args.recompute if args.recompute != "selective" else f"selective:{args.recompute_modules}", "seq": args.seq, "tp": layout.tp,
         "sp": args.sp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
         "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,

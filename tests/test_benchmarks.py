@@ -89,7 +89,8 @@ def test_moe_flops_count_the_active_experts_and_memory_all_of_them():
 
 def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     """benchmarks/step.py --model tiny-moe --device cpu: the three paths step on an MoE model, whose
-    parameter count is the shape's, with selective recomputation and path C's block option."""
+    parameter count is the shape's, with selective recomputation, path C's block option and path D
+    (C with ``BackwardGraphs``: on CPU every backward runs eagerly through its buffers)."""
     import json
     import os
     import subprocess
@@ -98,15 +99,19 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     out = tmp_path / "step.jsonl"
     cmd = [sys.executable, "benchmarks/step.py", "--model", "tiny-moe", "--device", "cpu", "--vocab", "512", "--seq", "64",
            "--mb-tokens", "128", "--microbatches", "2", "--steps", "1", "--warmup", "0", "--json", str(out),
-           "--recompute", "selective", "--recompute-modules", "moe,core_attn", "--fused-chunk-vocab", "100"]
+           "--recompute", "selective", "--recompute-modules", "moe,core_attn", "--fused-chunk-vocab", "100",
+           "--paths", "A,B,C,D", "--rotate"]
     done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["params_total"] == result["params_this_rank"]  # the formula counts the built model
     assert result["recompute"] == "selective:moe,core_attn" and result["fused_chunk_vocab"] == 100
-    for path in ("A", "B", "C"):
+    for path in ("A", "B", "C", "D"):
         assert result[path]["tokens_per_s"] > 0 and math.isfinite(result[path]["first_grad_norm"]), path
+        assert len(result[path]["step_s"]) == 1
     assert result["first_logprobs_max_abs_diff"] <= 1e-5 and result["first_logprobs_max_abs_diff_C_vs_A"] <= 1e-5
+    assert result["first_logprobs_max_abs_diff_D_vs_A"] <= 1e-5 and result["rotate"] is True
+    assert result["D"]["graphs"]["eager_calls"] == 2 and result["D"]["graphs"]["captures"] == 0  # one step of 2 micro-batches
 
 
 def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
