@@ -24,7 +24,11 @@ writes a torch.profiler summary of one step per path, ``--recompute full|selecti
 ``--recompute-modules``) turns on Megatron's activation recomputation, ``--fused-chunk-vocab N``
 sets path C's ``StepConfig.fused_output_chunk_vocab``, and ``--rotate`` starts each round of steps
 with the next path and collects Python's garbage before every step, outside its time (the JSON has
-every step's time and, per path, the median over rounds of A's step time over the path's).
+every step's time and, per path, the median over rounds of A's step time over the path's). Every
+step also records the time until ``train_step`` returned, the garbage collector's time, the caching
+allocator's device allocations and a host-speed probe (a fixed pure-Python loop timed just before
+the step), and ``--host-profile FILE`` writes a cProfile summary of one step per path;
+``benchmarks/step_stats.py`` summarizes the JSON lines across runs.
 
     python benchmarks/step.py --model tiny --device cpu                       # anywhere (CPU)
     python benchmarks/step.py --model tiny-moe --device cpu                   # the MoE code path on CPU
@@ -110,6 +114,7 @@ def parse_args(argv=None):
     p.add_argument("--paths", default="A,B,C")
     p.add_argument("--rotate", action="store_true",
                    help="each round of steps starts with the next path, and Python's garbage is collected before every step (outside its time)")
+    p.add_argument("--host-profile", help="write a cProfile summary (host Python time) of one step per path to this file")
     p.add_argument("--profile", default=None, help="write a torch.profiler summary of one step per path to this file")
     p.add_argument("--sync-report", default=None, help="write where one step of each path synchronizes with the device")
     p.add_argument("--json", default=None, help="append the results as one JSON line to this file")
@@ -251,12 +256,66 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+class GcClock:
+    """Time Python's garbage collector spends per generation (``gc.callbacks``), for the steps'
+    host-time accounting."""
+
+    def __init__(self):
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.counts[g] += 1
+
+    def snapshot(self):
+        return list(self.seconds), list(self.counts)
+
+
+GC_CLOCK = GcClock()
+gc.callbacks.append(GC_CLOCK)
+
+
+def host_probe_s(n: int = 200_000) -> float:
+    """Seconds a fixed pure-Python loop takes: the host's speed just before a step (to tell host
+    jitter from device jitter when step times spread)."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(n):
+        x += i & 7
+    return time.perf_counter() - t0
+
+
+def _allocator_counts(device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return 0, 0
+    m = torch.cuda.memory_stats()
+    return m.get("num_device_alloc", 0), m.get("num_device_free", 0)
+
+
 def timed_step(state, samples, cfg, device):
+    """One ``train_step``: (state, metrics, seconds until the device is done, seconds until the
+    host returned, diagnostics: garbage collections during the step (seconds and counts per
+    generation), device allocations and frees by the caching allocator, a host-speed probe)."""
+    probe = host_probe_s()
     sync(device)
+    a0, f0 = _allocator_counts(device)
+    s0, c0 = GC_CLOCK.snapshot()
     t0 = time.perf_counter()
     state, metrics = fnppo.train_step(state, samples, cfg)
+    t1 = time.perf_counter()
     sync(device)
-    return state, metrics, time.perf_counter() - t0
+    t2 = time.perf_counter()
+    s1, c1 = GC_CLOCK.snapshot()
+    a1, f1 = _allocator_counts(device)
+    diag = {"s": [b - a for a, b in zip(s0, s1)], "n": [b - a for a, b in zip(c0, c1)],
+            "device_allocs": a1 - a0, "device_frees": f1 - f0, "host_probe_s": probe}
+    return state, metrics, t2 - t0, t1 - t0, diag
 
 
 def fits(state, args, path, budget, layout, device, *, seq: int | None = None) -> bool:
@@ -336,6 +395,32 @@ def _category(name: str) -> str:
         if any(k in name for k in keys):
             return cat
     return "other"
+
+
+def host_profile(state, samples, cfgs, paths, device, out: Path) -> dict:
+    """cProfile of one ``train_step`` per path: where the host's time goes (Python and the calls
+    it waits in). Written to ``out``; returns each path's profiled host time in seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    lines, summary = [], {}
+    for p in paths:
+        sync(device)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        state, _ = fnppo.train_step(state, samples, cfgs[p])
+        sync(device)
+        prof.disable()
+        summary[p] = time.perf_counter() - t0
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
+            lines.append(f"== path {p}: one step under cProfile {summary[p] * 1e3:.1f} ms, sorted by {key}")
+            lines.append(buf.getvalue())
+    out.write_text("\n".join(lines))
+    return summary
 
 
 def profile_steps(state, samples, cfgs, paths, device, out: Path) -> dict:
@@ -461,6 +546,8 @@ def run(args, layout, device) -> int:
         lp, _ = fnppo.compute_logprobs(state.model, mine[:2], config=cfgs[p])
         first[p] = {"logprobs": torch.cat(lp)}
     times = {p: [] for p in paths}
+    host = {p: [] for p in paths}  # time until train_step returned, before waiting for the device
+    gc_stats = {p: [] for p in paths}
     peak = {p: 0.0 for p in paths}
     gnorm = {p: [] for p in paths}
     compiles_before = fnppo.flex_compile_count()
@@ -471,10 +558,12 @@ def run(args, layout, device) -> int:
                     torch.cuda.reset_peak_memory_stats()
                 if args.rotate:
                     gc.collect()
-                state, metrics, dt = timed_step(state, mine, cfgs[p], device)
+                state, metrics, dt, dt_host, gcs = timed_step(state, mine, cfgs[p], device)
                 gnorm[p].append(metrics["grad_norm"])
                 if i >= args.warmup:
                     times[p].append(dt)
+                    host[p].append(dt_host)
+                    gc_stats[p].append(gcs)
                     if device.type == "cuda":
                         peak[p] = max(peak[p], torch.cuda.max_memory_allocated() / 2**30)
         profile = None
@@ -483,6 +572,12 @@ def run(args, layout, device) -> int:
                 profile = profile_steps(state, mine, cfgs, paths, device, Path(args.profile))
             except Exception as err:  # noqa: BLE001 - the timings above still count
                 profile = {"error": repr(err)}
+        hostprof = None
+        if args.host_profile:
+            try:
+                hostprof = host_profile(state, mine, cfgs, paths, device, Path(args.host_profile))
+            except Exception as err:  # noqa: BLE001
+                hostprof = {"error": repr(err)}
         syncs = None
         if args.sync_report and device.type == "cuda":
             try:
@@ -504,7 +599,10 @@ def run(args, layout, device) -> int:
     for p in paths:
         med = statistics.median(times[p])
         tps = tokens_per_step / med
-        result[p] = {"step_s_median": med, "step_s": times[p], "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        result[p] = {"step_s_median": med, "step_s": times[p], "host_return_s": host[p], "gc_s": [sum(g["s"]) for g in gc_stats[p]],
+                     "gc_collections": [g["n"] for g in gc_stats[p]],
+                     "device_allocs": [g["device_allocs"] for g in gc_stats[p]], "device_frees": [g["device_frees"] for g in gc_stats[p]],
+                     "host_probe_s": [g["host_probe_s"] for g in gc_stats[p]], "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
         if peak_tflops:
             result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
             result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
@@ -534,6 +632,8 @@ def run(args, layout, device) -> int:
         result["profile"] = profile
     if syncs is not None:
         result["syncs_per_step"] = syncs
+    if hostprof is not None:
+        result["host_profile_s"] = hostprof
     if args.search and device.type == "cuda":
         with fnppo.typechecking(args.checks == "on"):
             for p in paths:

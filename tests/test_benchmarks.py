@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -100,7 +101,7 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     cmd = [sys.executable, "benchmarks/step.py", "--model", "tiny-moe", "--device", "cpu", "--vocab", "512", "--seq", "64",
            "--mb-tokens", "128", "--microbatches", "2", "--steps", "1", "--warmup", "0", "--json", str(out),
            "--recompute", "selective", "--recompute-modules", "moe,core_attn", "--fused-chunk-vocab", "100",
-           "--paths", "A,B,C,D", "--rotate"]
+           "--paths", "A,B,C,D", "--rotate", "--host-profile", str(tmp_path / "host.txt")]
     done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
@@ -109,9 +110,15 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     for path in ("A", "B", "C", "D"):
         assert result[path]["tokens_per_s"] > 0 and math.isfinite(result[path]["first_grad_norm"]), path
         assert len(result[path]["step_s"]) == 1
+        r = result[path]  # per-step diagnostics: host return <= step, the host probe, garbage collection
+        assert 0 < r["host_return_s"][0] <= r["step_s"][0] and r["host_probe_s"][0] > 0 and r["gc_s"][0] >= 0
+        assert len(r["gc_collections"][0]) == 3 and r["device_allocs"] == [0]
+        assert result["host_profile_s"][path] > 0
+    assert (tmp_path / "host.txt").read_text().count("one step under cProfile") == 8  # 4 paths x 2 orders
     assert result["first_logprobs_max_abs_diff"] <= 1e-5 and result["first_logprobs_max_abs_diff_C_vs_A"] <= 1e-5
     assert result["first_logprobs_max_abs_diff_D_vs_A"] <= 1e-5 and result["rotate"] is True
-    assert result["D"]["graphs"]["eager_calls"] == 2 and result["D"]["graphs"]["captures"] == 0  # one step of 2 micro-batches
+    # two steps of 2 micro-batches (the timed one and the one under cProfile), all eager on CPU
+    assert result["D"]["graphs"]["eager_calls"] == 4 and result["D"]["graphs"]["captures"] == 0
 
 
 def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
@@ -150,3 +157,31 @@ def test_largest_size_search_doubles_then_bisects():
         else:
             assert found <= limit < found + 512 and found % 512 == 0, (limit, found)
         assert len(tried) <= 20, tried
+
+
+def test_step_stats_per_round_ratios_quartiles_and_probe_correlation(tmp_path):
+    """benchmarks/step_stats.py against hand-computed figures: per-round ratios A / D of
+    [1, 2, 3, 4] over [2, 2, 2, 2] s are [0.5, 1, 1.5, 2] (median 1.25, inclusive quartiles 0.875
+    and 1.625), the summed ratio 10 / 8; a probe proportional to A's steps correlates with r = 1."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import step_stats
+
+    run = {"model": "m", "rotate": True,
+           "A": {"step_s": [1.0, 2.0, 3.0, 4.0], "host_probe_s": [0.01, 0.02, 0.03, 0.04]},
+           "D": {"step_s": [2.0, 2.0, 2.0, 2.0], "host_probe_s": [0.01, 0.01, 0.02, 0.01]},
+           "B": {"tokens_per_s": 1.0}}  # no per-step data: skipped
+    s = step_stats.run_summary(run)
+    assert set(s["paths"]) == {"A", "D"}
+    d = s["paths"]["D"]
+    assert d["ratio_median"] == pytest.approx(1.25) and d["ratio_of_sums"] == pytest.approx(1.25)
+    assert (d["ratio_q1"], d["ratio_q3"]) == (pytest.approx(0.875), pytest.approx(1.625))
+    assert s["paths"]["A"]["probe_step_r"] == pytest.approx(1.0) and s["paths"]["A"]["median_ms"] == pytest.approx(2500.0)
+    assert s["paths"]["D"]["probe_step_r"] is None  # no spread in D's steps
+    other = dict(run, D={"step_s": [1.0, 1.0, 1.0, 1.0]})
+    across = step_stats.across([s, step_stats.run_summary(other)])
+    assert across["m"]["D"] == {"runs": 2, "median": pytest.approx((1.25 + 2.5) / 2), "min": 1.25, "max": 2.5}
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps(run) + "\n\n" + json.dumps(dict(run, model="other")) + "\n")
+    assert step_stats.main([str(f), "--model", "m", "--markdown"]) == 0
