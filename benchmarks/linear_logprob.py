@@ -293,6 +293,65 @@ def graph_checks(device):
     return not fails
 
 
+def fallback_checks(device):
+    """A capture that fails falls back to eager: the fused backward made to synchronize with the
+    device while its first capture runs (an operation CUDA graphs forbid) must warn once, give the
+    gradients of a fresh cache's eager call bit for bit, run that key eagerly from then on without
+    warning again, and leave the device healthy: another token count is then captured and replayed
+    with the right results. Passes when all of that holds."""
+    import warnings
+
+    import fnppo.linear_logprob as ll
+
+    g = torch.Generator(device=device).manual_seed(13)
+    hid, vocab = 256, 5000
+    W = (torch.randn(vocab, hid, generator=g, device=device) * 3.0 / hid**0.5).to(torch.bfloat16).requires_grad_()
+    graphs = BackwardGraphs()
+    real, broken = ll._grads, [0]
+
+    def syncing_grads(*a, **kw):  # noqa: ANN002, ANN003
+        if torch.cuda.is_current_stream_capturing() and broken[0] == 0:
+            broken[0] += 1
+            torch.cuda.synchronize()  # not permitted while capturing: the capture fails
+        return real(*a, **kw)
+
+    def grads(use, n, seed):
+        gg = torch.Generator(device=device).manual_seed(seed)
+        h = torch.randn(n, hid, generator=gg, device=device).to(torch.bfloat16).requires_grad_()
+        labels = torch.randint(0, vocab, (n,), generator=gg, device=device)
+        lp, ent = linear_logprob_and_entropy(h, W, labels, graphs=use)
+        return torch.autograd.grad((lp * torch.randn(n, generator=gg, device=device)).sum() + ent.sum(), (h, W))
+
+    results, fails = [], []
+    ll._grads = syncing_grads
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i, n in enumerate([300, 300, 300, 300, 700, 700, 700]):
+                got = grads(graphs, n, 100 + i)
+                want = grads(BackwardGraphs(), n, 100 + i)  # a fresh cache: its first call runs eagerly
+                results.append(all(torch.equal(a, b) for a, b in zip(got, want)))
+                torch.cuda.synchronize()
+    finally:
+        ll._grads = real
+    ours = [w for w in seen if "capturing the fused backward failed" in str(w.message)]
+    checks = {
+        "the capture was made to fail once": broken[0] == 1,
+        "one warning": len(ours) == 1,
+        "every call's gradients equal a fresh cache's eager call": all(results),
+        "the failed key ran eagerly (1 first sight + failed capture + 2 later calls), the other key was captured": graphs.eager_calls == 5 and graphs.captures == 1,
+        "the other key was replayed": graphs.replays == 1,
+    }
+    for name, ok in checks.items():
+        if not ok:
+            fails.append(name)
+    print(f"  fallback: {graphs}; results equal: {results}; warnings: {[str(w.message)[:120] for w in ours]}", flush=True)
+    print(f"capture-failure checks: {sum(checks.values())}/{len(checks)} passed", flush=True)
+    for f in fails:
+        print("  FAILED:", f, flush=True)
+    return not fails
+
+
 def full_size_check(h, W, labels, g_lp, g_h):
     """At the benchmark size: fused (triton) against fp64 on the first 256 tokens' values, and its
     gradients against the materialized bf16 path and the fp32 torch path."""
@@ -582,6 +641,7 @@ def main():
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--methods", default=None, help="comma-separated substrings of method names")
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--fallback-only", action="store_true", help="with --check-only: only the capture-failure checks of BackwardGraphs")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop")
@@ -611,8 +671,10 @@ def main():
                     fn(tokens, hidden, vocab, device)
             return
         if not args.no_check:
-            device_checks(device)
-            graph_checks(device)
+            if not args.fallback_only:
+                device_checks(device)
+                graph_checks(device)
+            fallback_checks(device)
         if args.check_only:
             return
     rows = []
