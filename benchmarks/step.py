@@ -298,9 +298,12 @@ def _allocator_counts(device) -> tuple[int, int]:
     return m.get("num_device_alloc", 0), m.get("num_device_free", 0)
 
 
+DIAGNOSTICS = ("host_return_s", "gc_s", "gc_collections", "device_allocs", "device_frees", "host_probe_s")
+
+
 def timed_step(state, samples, cfg, device):
-    """One ``train_step``: (state, metrics, seconds until the device is done, seconds until the
-    host returned, diagnostics: garbage collections during the step (seconds and counts per
+    """One ``train_step``: (state, metrics, seconds until the device is done, diagnostics: seconds
+    until the host returned, garbage collections during the step (seconds and counts per
     generation), device allocations and frees by the caching allocator, a host-speed probe)."""
     probe = host_probe_s()
     sync(device)
@@ -313,9 +316,9 @@ def timed_step(state, samples, cfg, device):
     t2 = time.perf_counter()
     s1, c1 = GC_CLOCK.snapshot()
     a1, f1 = _allocator_counts(device)
-    diag = {"s": [b - a for a, b in zip(s0, s1)], "n": [b - a for a, b in zip(c0, c1)],
+    diag = {"host_return_s": t1 - t0, "gc_s": sum(s1) - sum(s0), "gc_collections": [b - a for a, b in zip(c0, c1)],
             "device_allocs": a1 - a0, "device_frees": f1 - f0, "host_probe_s": probe}
-    return state, metrics, t2 - t0, t1 - t0, diag
+    return state, metrics, t2 - t0, diag
 
 
 def fits(state, args, path, budget, layout, device, *, seq: int | None = None) -> bool:
@@ -546,8 +549,7 @@ def run(args, layout, device) -> int:
         lp, _ = fnppo.compute_logprobs(state.model, mine[:2], config=cfgs[p])
         first[p] = {"logprobs": torch.cat(lp)}
     times = {p: [] for p in paths}
-    host = {p: [] for p in paths}  # time until train_step returned, before waiting for the device
-    gc_stats = {p: [] for p in paths}
+    diags = {p: [] for p in paths}  # per timed step: timed_step's diagnostics
     peak = {p: 0.0 for p in paths}
     gnorm = {p: [] for p in paths}
     compiles_before = fnppo.flex_compile_count()
@@ -558,12 +560,11 @@ def run(args, layout, device) -> int:
                     torch.cuda.reset_peak_memory_stats()
                 if args.rotate:
                     gc.collect()
-                state, metrics, dt, dt_host, gcs = timed_step(state, mine, cfgs[p], device)
+                state, metrics, dt, diag = timed_step(state, mine, cfgs[p], device)
                 gnorm[p].append(metrics["grad_norm"])
                 if i >= args.warmup:
                     times[p].append(dt)
-                    host[p].append(dt_host)
-                    gc_stats[p].append(gcs)
+                    diags[p].append(diag)
                     if device.type == "cuda":
                         peak[p] = max(peak[p], torch.cuda.max_memory_allocated() / 2**30)
         profile = None
@@ -599,10 +600,7 @@ def run(args, layout, device) -> int:
     for p in paths:
         med = statistics.median(times[p])
         tps = tokens_per_step / med
-        result[p] = {"step_s_median": med, "step_s": times[p], "host_return_s": host[p], "gc_s": [sum(g["s"]) for g in gc_stats[p]],
-                     "gc_collections": [g["n"] for g in gc_stats[p]],
-                     "device_allocs": [g["device_allocs"] for g in gc_stats[p]], "device_frees": [g["device_frees"] for g in gc_stats[p]],
-                     "host_probe_s": [g["host_probe_s"] for g in gc_stats[p]], "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        result[p] = {"step_s_median": med, "step_s": times[p], **{k: [d[k] for d in diags[p]] for k in DIAGNOSTICS}, "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
         if peak_tflops:
             result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
             result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
