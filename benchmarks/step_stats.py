@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -33,12 +32,10 @@ def correlation(xs: list[float], ys: list[float]) -> float | None:
     """Pearson's r, or None for fewer than 3 pairs or no spread."""
     if len(xs) < 3 or len(xs) != len(ys):
         return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx == 0 or syy == 0:
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # a constant series
         return None
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / math.sqrt(sxx * syy)
 
 
 def paths_of(run: dict) -> list[str]:
