@@ -17,6 +17,7 @@ and the few microseconds per call matter, with either
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -276,7 +277,7 @@ class InputError(ValueError):
     """An argument has the right type and shape but an invalid value (range, NaN, 0/1, ...)."""
 
 
-__all__ += ["InputError", "input_error", "check_mask01", "check_finite", "check_range", "describe"]
+__all__ += ["InputError", "input_error", "check_mask01", "check_finite", "check_range", "describe", "check_bool_fields"]
 
 
 def describe(t: Any) -> str:
@@ -324,3 +325,20 @@ def check_range(fn: str, arg: str, t: torch.Tensor, low: int, high: int) -> None
     lo, hi = int(t.min().item()), int(t.max().item())
     if lo < low or hi >= high:
         raise input_error(fn, arg, f"values in [{low}, {high})", f"{describe(t)} with values in [{lo}, {hi}]")
+
+
+def check_bool_fields(fn: str, config: Any) -> None:
+    """Raise unless every field of the dataclass ``config`` annotated ``bool`` (or ``bool | None``)
+    holds a real ``bool`` (``None`` where allowed): ``"yes"``, ``0`` or ``1`` are refused, never
+    stored as given and read as truthy later."""
+    for f in dataclasses.fields(config):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
+        kind = kind.replace(" ", "")
+        if kind not in ("bool", "bool|None", "None|bool", "Optional[bool]"):
+            continue
+        value = getattr(config, f.name)
+        if value is None and kind != "bool":
+            continue
+        if not isinstance(value, bool):
+            expected = "a bool" if kind == "bool" else "a bool or None"
+            raise input_error(fn, f.name, expected, f"{value!r} ({type(value).__name__})")
