@@ -20,7 +20,7 @@ from torch import nn
 
 from fnppo.batch import Microbatch
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import Float, InputError, Tensor, input_error, typechecked
+from fnppo.typing import Float, InputError, Tensor, check_bool_fields, input_error, typechecked
 
 __all__ = [
     "ModelConfig",
@@ -65,13 +65,15 @@ class ModelConfig:
       (not renormalized: Qwen2/3-MoE with ``norm_topk_prob=False``); False (default): the softmax
       over the chosen experts' logits (Mixtral; Qwen-MoE with ``norm_topk_prob=True``);
     * ``moe_load_balancing``: ``"none"``, ``"aux_loss"`` (switch load-balancing loss over a
-      micro-batch) or ``"seq_aux_loss"`` (per sequence), weighted by ``moe_aux_loss_coeff``;
+      micro-batch) or ``"seq_aux_loss"`` (per sequence: a row of the micro-batch, so with the packed
+      layout, one row per micro-batch, it equals ``"aux_loss"``; per sample with
+      ``StepConfig(layout="padded")``), weighted by ``moe_aux_loss_coeff``;
       ``moe_z_loss_coeff``: router z-loss (ST-MoE), None for none;
     * ``moe_score_function``: ``"softmax"`` or ``"sigmoid"``; ``moe_router_dtype``: ``"fp32"``,
       ``"fp64"`` or None (the model's dtype) for the routing computation;
     * ``moe_expert_bias``: aux-loss-free balancing (a per-expert bias added to the scores for
       the choice of experts, updated after every step by ``moe_bias_update_rate`` times the sign of
-      the load error; a rate of 0 keeps it fixed);
+      the load error; a rate of 0 keeps it fixed); only with ``moe_score_function="sigmoid"``;
     * ``moe_freeze_router``: the router weights get no gradient and are not updated;
     * ``moe_dispatcher``: ``"alltoall"`` or ``"allgather"`` token dispatch over expert parallelism;
     * ``moe_grouped_gemm``: one grouped GEMM for the local experts (Transformer Engine); None
@@ -94,6 +96,13 @@ class ModelConfig:
     kernel is deterministic already. For repeatable cuBLAS products set
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns
     otherwise).
+
+    Raises:
+        InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions`` and
+            ``moe_grouped_gemm``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
+            are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
+            unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
+            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``.
     """
 
     num_layers: int
@@ -144,6 +153,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         fn = "ModelConfig"
+        check_bool_fields(fn, self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -157,10 +167,6 @@ class ModelConfig:
             raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
-        if self.fusions not in (None, True, False):
-            raise input_error(fn, "fusions", "None, True or False", repr(self.fusions))
-        if not isinstance(self.deterministic, bool):
-            raise input_error(fn, "deterministic", "True or False", repr(self.deterministic))
         if self.num_experts is not None:
             self._check_moe(fn)
 
@@ -197,6 +203,10 @@ class ModelConfig:
             raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
         if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
             raise input_error(fn, "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True")
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":  # Megatron refuses it at build time
+            raise input_error(fn, "moe_expert_bias",
+                              "False unless moe_score_function='sigmoid' (aux-loss-free balancing)",
+                              f"True with moe_score_function={self.moe_score_function!r}")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

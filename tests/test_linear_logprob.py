@@ -681,3 +681,77 @@ def test_fused_output_refuses_replaced_stages():
 
     with pytest.raises(InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"):
         fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns(logprob=lambda *a, **k: None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism with shard maxima far apart and with ties across shards (fused path)
+# ---------------------------------------------------------------------------------------------
+LARGE_HIDDEN, LARGE_VOCAB = 10, 48  # 24 weight rows per rank under TP=2
+
+
+def _large_tp_problem():
+    """Hidden states and weight whose logits sit near +105 on rank 0's rows and +15 on rank 1's
+    (maxima ~90 apart) for tokens 0-3, the reverse (-5 / +85) for tokens 4-7, and, for tokens 8-11,
+    the same values on both ranks (rank 1's rows repeat rank 0's): tied maxima. Column 0 of the
+    hidden state is a constant 1 carrying +50, column 1 the +-45 split between the halves."""
+    g = torch.Generator().manual_seed(32)
+    half, free = LARGE_VOCAB // 2, LARGE_HIDDEN - 2
+    w_free = torch.randn(half, free, generator=g) * 0.5
+    w = torch.cat([
+        torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), 45.0), w_free], dim=1),
+        torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), -45.0), w_free], dim=1),
+    ])
+    side = torch.tensor([1.0] * 4 + [-1.0] * 4 + [0.0] * 4)
+    h = torch.cat([torch.ones(12, 1), side[:, None], torch.randn(12, free, generator=g)], dim=1)
+    labels = torch.randint(0, LARGE_VOCAB, (12,), generator=g)
+    labels[:4] = torch.tensor([0, half - 1, half, LARGE_VOCAB - 1])  # labels in both halves
+    labels[8:10] = torch.tensor([3, half + 3])  # the same logit on both ranks
+    return h, w, labels, torch.randn(12, generator=g), torch.randn(12, generator=g)
+
+
+LARGE_CASES = [(dtype, t) for dtype in ("float32", "bfloat16") for t in (1.0, 0.5)]
+
+
+def large_tp_worker() -> dict:
+    """Each rank's rows of the weight: (log-probs, entropy, hidden gradient share, weight gradient shard)."""
+    from fnppo.parallel import current_layout
+
+    layout = current_layout()
+    h, w, labels, g_lp, g_h = _large_tp_problem()
+    shard = LARGE_VOCAB // layout.tp
+    out = {}
+    for dtype, t in LARGE_CASES:
+        hs = h.to(getattr(torch, dtype)).clone().requires_grad_()
+        ws = w[layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(getattr(torch, dtype)).clone().requires_grad_()
+        lp, ent = linear_logprob_and_entropy(hs, ws, labels, tp_group=layout.tp_group, temperature=t, chunk_vocab=5)
+        ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+        out[dtype, t] = (lp.detach(), ent.detach(), hs.grad, ws.grad)
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_large_magnitudes_and_ties_match_fp64():
+    """TP=2 log-probs, entropies and both gradients equal the fp64 reference over the full weight when
+    the shards' maxima are ~90 apart (either way round) and when they tie."""
+    from fnppo.testing import run_ranks
+
+    outs = run_ranks(large_tp_worker, 2, tp=2)
+    h, w, labels, g_lp, g_h = _large_tp_problem()
+    for dtype_name, t in LARGE_CASES:
+        dtype = getattr(torch, dtype_name)
+        hd, wd = h.to(dtype), w.to(dtype)
+        rlp, rent, rdh, rdw = reference(hd, wd, labels, t, g_lp, g_h)
+        what = f"{dtype_name} T={t}"
+        for o in outs:
+            lp, ent, _, _ = o[dtype_name, t]
+            assert bool(torch.isfinite(lp).all() and torch.isfinite(ent).all()), what
+            torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=1e-4, msg=what)
+            torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=1e-4, msg=what)
+        dh = outs[0][dtype_name, t][2].double() + outs[1][dtype_name, t][2].double()  # Megatron sums the shares
+        dw = torch.cat([o[dtype_name, t][3] for o in outs], dim=0)
+        assert bool(torch.isfinite(dh).all() and torch.isfinite(dw).all()), what
+        eps = 2.0**-7 if dtype == torch.bfloat16 else 2e-6  # dh: two bf16 shares added
+        for got, ref in ((dh, rdh), (dw.double(), rdw)):
+            err = (got - ref).abs()
+            tol = eps * ref.abs() + 1e-5 * max(1.0, ref.abs().max().item())
+            assert bool((err <= tol).all()), f"{what}: gradient max err {err.max().item():.3g}"

@@ -620,3 +620,83 @@ def test_megatron_inplace_bug_is_avoided(tp2_outputs):
         torch.testing.assert_close(t["ours_lp"], t["ref_lp64"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(t["ours_ent"], t["ref_ent64"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(t["ref_ent"], t["ref_ent64"], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism with shard maxima far apart and with exact ties across shards: the rescaling
+# to the global maximum (the all-reduce MAX of the shard maxima) is what keeps these finite.
+# ---------------------------------------------------------------------------------------------
+LARGE_VOCAB = 48  # 24 columns per rank under TP=2
+
+
+def _large_tp_problems() -> dict:
+    """name -> (full logits [tokens, 48], labels, g_lp, g_h). Per token, rank 0's columns sit near +100
+    and rank 1's near +10 (maxima ~90 apart), or the reverse, or both halves hold the same maximum."""
+    g = torch.Generator().manual_seed(31)
+    half = LARGE_VOCAB // 2
+    n = 8
+
+    def noise():
+        return torch.randn(n, half, generator=g)
+
+    hi, lo = 100.0 + noise(), 10.0 + noise()
+    far = torch.cat([torch.cat([hi[:4], lo[:4]]), torch.cat([lo[4:], hi[4:]])], dim=1)  # rows 0-3: rank 0 high
+    shared = noise().round(decimals=1)
+    tie = torch.cat([shared, shared.flip(-1)], dim=1) + 60.0  # each half holds the same values: tied maxima
+    flat = torch.full((n, LARGE_VOCAB), 75.0)  # every column equal: all ties
+    spread = torch.cat([1e4 + noise(), 1e4 - 90.0 + noise()], dim=1)  # offset 1e4, maxima still ~90 apart
+    out = {}
+    for name, x in (("far", far), ("tie", tie), ("flat", flat), ("spread", spread)):
+        labels = torch.randint(0, LARGE_VOCAB, (n,), generator=g)
+        labels[:4] = torch.tensor([0, half - 1, half, LARGE_VOCAB - 1])  # labels in both halves
+        out[name] = (x, labels, torch.randn(n, generator=g), torch.randn(n, generator=g))
+    return out
+
+
+LARGE_CASES = [(dtype, t) for dtype in ("float32", "bfloat16") for t in (1.0, 0.5)]
+
+
+def large_tp_worker() -> dict:
+    """Each rank's shard of every large-magnitude problem: (log-probs, entropy, gradient shard)."""
+    from fnppo.parallel import current_layout
+
+    layout = current_layout()
+    shard = LARGE_VOCAB // layout.tp
+    out = {}
+    for name, (x, labels, g_lp, g_h) in _large_tp_problems().items():
+        for dtype, t in LARGE_CASES:
+            xs = x[:, layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(getattr(torch, dtype))
+            xs = xs.clone().requires_grad_()
+            lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=t, chunk_tokens=3)
+            ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+            out[name, dtype, t] = (lp.detach(), ent.detach(), xs.grad)
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_large_magnitudes_and_ties_match_fp64():
+    """TP=2 log-probs, entropies and logit gradients equal the fp64 reference over the gathered
+    logits when the shards' maxima are ~90 apart (either way round, also at an offset of 1e4) and when
+    they tie exactly."""
+    from fnppo.testing import run_ranks
+
+    outs = run_ranks(large_tp_worker, 2, tp=2)
+    for name, (x, labels, g_lp, g_h) in _large_tp_problems().items():
+        for dtype_name, t in LARGE_CASES:
+            dtype = getattr(torch, dtype_name)
+            xd = x.to(dtype)
+            rlp, rent, rgrad = reference(xd, labels, t, g_lp, g_h)
+            grad = torch.cat([o[name, dtype_name, t][2] for o in outs], dim=-1)
+            what = f"{name} {dtype_name} T={t}"
+            for o in outs:  # every rank returns every token's values
+                lp, ent, _ = o[name, dtype_name, t]
+                assert bool(torch.isfinite(lp).all() and torch.isfinite(ent).all()), what
+                # fp32 statistics of logits near |x| <= 1e4 / T: absolute rounding of the logsumexp
+                atol = 2e-3 if name == "spread" else 1e-4
+                torch.testing.assert_close(lp.double(), rlp, rtol=1e-6, atol=atol, msg=what)
+                torch.testing.assert_close(ent.double(), rent, rtol=1e-6, atol=atol, msg=what)
+            assert bool(torch.isfinite(grad).all()), what
+            eps = 2.0**-8 if dtype == torch.bfloat16 else 2e-6
+            err = (grad.double() - rgrad).abs()
+            tol = eps * rgrad.abs() + (3e-3 if name == "spread" else 1e-5) * max(1.0, rgrad.abs().max().item())
+            assert bool((err <= tol).all()), f"{what}: gradient max err {err.max().item():.3g}"

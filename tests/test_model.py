@@ -238,14 +238,47 @@ def sharded(request, single) -> tuple[str, list[dict]]:
         ({"num_query_groups": 3}, "num_query_groups", "a divisor of num_attention_heads=4"),  # does not divide 4 heads
         ({"dtype": "fp8"}, "dtype", "one of 'fp32', 'bf16', 'fp16'"),
         ({"normalization": "BatchNorm"}, "normalization", "'RMSNorm' or 'LayerNorm'"),
-        ({"fusions": "yes"}, "fusions", "None, True or False"),
-        ({"deterministic": 1}, "deterministic", "True or False"),
     ],
 )
 def test_model_config_rejects_bad_values(kw, arg, expected):
     with pytest.raises(InputError) as info:
         _cfg(**kw)
     assert str(info.value) == f"ModelConfig: argument '{arg}' expected {expected}, received {next(iter(kw.values()))!r}"
+
+
+def _bool_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(fnppo.ModelConfig) if f.type in ("bool", "bool | None")]
+
+
+@pytest.mark.parametrize("name", _bool_fields())
+@pytest.mark.parametrize("value", ["yes", 1, 0, "False"])
+def test_model_config_switches_take_real_bools_only(name, value):
+    """Every switch (``bool`` or ``bool | None``) refuses truthy stand-ins instead of storing them."""
+    kind = {f.name: f.type for f in dataclasses.fields(fnppo.ModelConfig)}[name]
+    expected = "a bool or None" if kind == "bool | None" else "a bool"
+    with pytest.raises(InputError) as info:
+        _cfg(num_experts=4, moe_shared_expert_size=16, **{name: value})
+    received = f"{value!r} ({type(value).__name__})"
+    assert str(info.value) == f"ModelConfig: argument '{name}' expected {expected}, received {received}"
+
+
+def test_model_config_refuses_expert_bias_without_sigmoid_scores():
+    with pytest.raises(InputError) as info:
+        _cfg(num_experts=4, moe_expert_bias=True)
+    assert str(info.value) == (
+        "ModelConfig: argument 'moe_expert_bias' expected False unless moe_score_function='sigmoid' "
+        "(aux-loss-free balancing), received True with moe_score_function='softmax'")
+    assert _cfg(num_experts=4, moe_expert_bias=True, moe_score_function="sigmoid").moe_expert_bias
+
+
+def test_model_config_switches_accept_bools_and_none_where_allowed():
+    names = _bool_fields()
+    assert {"swiglu", "tie_embeddings", "deterministic", "fusions", "moe_grouped_gemm"} <= set(names)
+    for name in names:
+        moe = dict(num_experts=4, moe_shared_expert_size=16, moe_score_function="sigmoid")
+        assert getattr(_cfg(**moe, **{name: True}), name) is True
+        assert getattr(_cfg(**{name: False}), name) is False
+    assert _cfg(fusions=None).fusions is None and _cfg(moe_grouped_gemm=None).moe_grouped_gemm is None
 
 
 def test_model_config_is_frozen_and_derives_dtype_and_vocab():
@@ -519,3 +552,255 @@ def test_transformer_config_refuses_recompute_modules_that_need_transformer_engi
     monkeypatch.setattr(fnppo.attention, "te_available", lambda: True)  # with TE Megatron runs them
     assert transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective",
                               recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every ModelConfig field reaches the Megatron model it builds (no setting silently dropped)
+# ---------------------------------------------------------------------------------------------
+MOE = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48, moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05)
+
+
+def _layer0(core):
+    return core.decoder.layers[0]
+
+
+def _router(core, layer: int = 0):
+    return core.decoder.layers[layer].mlp.router
+
+
+def _norm_class(core) -> str:
+    norm = core.decoder.final_layernorm
+    return type(getattr(norm, "norm", norm)).__name__
+
+
+def _inv_freq(core):
+    return core.rotary_pos_emb.inv_freq.double()
+
+
+def _rope_reference(base: float, dim: int, scaling_factor: float | None = None) -> torch.Tensor:
+    """RoPE frequencies ``base^(-2i/dim)``; with ``scaling_factor``, Llama 3.1's rule (original context
+    8192, low/high frequency factors 1/4): wavelengths below 2048 kept, above 8192 divided by the
+    factor, linear in ``8192 / wavelength`` between."""
+    f = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if scaling_factor is None:
+        return f
+    out = []
+    for x in f.tolist():
+        wavelen = 2 * math.pi / x
+        if wavelen < 2048:
+            out.append(x)
+        elif wavelen > 8192:
+            out.append(x / scaling_factor)
+        else:
+            s = (8192 / wavelen - 1) / 3
+            out.append((1 - s) * x / scaling_factor + s * x)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+# field: (ModelConfig keywords (the field set away from its default, plus what it needs),
+#         read-back from (tcfg: the built TransformerConfig, core: the unwrapped GPTModel, chunk: as built),
+#         expected read-back). Every field of ModelConfig has a row (test_every_model_config_field_has_a_row).
+SETTINGS = {
+    "num_layers": (dict(num_layers=3), lambda t, c, k: (t.num_layers, len(c.decoder.layers)), (3, 3)),
+    "hidden_size": (
+        dict(hidden_size=48), lambda t, c, k: (t.hidden_size, c.embedding.word_embeddings.weight.shape[1]), (48, 48)),
+    "num_attention_heads": (
+        dict(num_attention_heads=8), lambda t, c, k: (t.num_attention_heads, t.kv_channels), (8, 4)),
+    "ffn_hidden_size": (
+        dict(ffn_hidden_size=80), lambda t, c, k: (t.ffn_hidden_size, _layer0(c).mlp.linear_fc2.weight.shape[1]),
+        (80, 80)),
+    "vocab_size": (
+        dict(vocab_size=50), lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]), (50, 50)),
+    "max_seq_len": (dict(max_seq_len=48), lambda t, c, k: c.max_sequence_length, 48),
+    # q: 4 heads x 8, k and v: 4 groups x 8 each
+    "num_query_groups": (
+        dict(num_query_groups=4),
+        lambda t, c, k: (t.num_query_groups, _layer0(c).self_attention.linear_qkv.weight.shape[0]), (4, 96)),
+    "kv_channels": (
+        dict(kv_channels=16),
+        lambda t, c, k: (t.kv_channels, _layer0(c).self_attention.linear_proj.weight.shape[1]), (16, 64)),
+    # expected: ("LayerNorm", the final norm's class), checked in the test
+    "normalization": (dict(normalization="LayerNorm"), lambda t, c, k: (t.normalization, _norm_class(c)), None),
+    "layernorm_epsilon": (dict(layernorm_epsilon=1e-3), lambda t, c, k: t.layernorm_epsilon, 1e-3),
+    "swiglu": (
+        dict(swiglu=False),
+        lambda t, c, k: (t.gated_linear_unit, t.activation_func is torch.nn.functional.gelu,
+                         _layer0(c).mlp.linear_fc1.weight.shape[0]),
+        (False, True, 64)),
+    "add_bias_linear": (
+        dict(add_bias_linear=True), lambda t, c, k: (t.add_bias_linear, _layer0(c).mlp.linear_fc2.bias is not None),
+        (True, True)),
+    "add_qkv_bias": (
+        dict(add_qkv_bias=True),
+        lambda t, c, k: (t.add_qkv_bias, _layer0(c).self_attention.linear_qkv.bias is not None), (True, True)),
+    "qk_layernorm": (
+        dict(qk_layernorm=True),
+        lambda t, c, k: (t.qk_layernorm, _layer0(c).self_attention.q_layernorm is not None), (True, True)),
+    "position_embedding_type": (
+        dict(position_embedding_type="learned_absolute"),
+        lambda t, c, k: (c.position_embedding_type, hasattr(c.embedding, "position_embeddings")),
+        ("learned_absolute", True)),
+    "rotary_base": (dict(rotary_base=500000.0), lambda t, c, k: _inv_freq(c), _rope_reference(500000.0, 8)),
+    "rotary_percent": (dict(rotary_percent=0.5), lambda t, c, k: _inv_freq(c), _rope_reference(10000.0, 4)),
+    "rope_scaling": (
+        dict(rope_scaling=True, rotary_base=1e6), lambda t, c, k: _inv_freq(c), _rope_reference(1e6, 8, 8.0)),
+    "rope_scaling_factor": (
+        dict(rope_scaling=True, rope_scaling_factor=2.0, rotary_base=1e6), lambda t, c, k: _inv_freq(c),
+        _rope_reference(1e6, 8, 2.0)),
+    "tie_embeddings": (
+        dict(tie_embeddings=False),
+        lambda t, c, k: (c.share_embeddings_and_output_weights, c.output_layer.weight is not None), (False, True)),
+    "init_method_std": (dict(init_method_std=0.5), lambda t, c, k: t.init_method_std, 0.5),
+    "dtype": (
+        dict(dtype="bf16"),
+        lambda t, c, k: (t.params_dtype, t.bf16, type(k).__name__, c.embedding.word_embeddings.weight.dtype),
+        (torch.bfloat16, True, "Float16Module", torch.bfloat16)),
+    "attention_dropout": (
+        dict(attention_dropout=0.25),
+        lambda t, c, k: (t.attention_dropout, _layer0(c).self_attention.core_attention.attention_dropout.p),
+        (0.25, 0.25)),
+    "hidden_dropout": (
+        dict(hidden_dropout=0.25), lambda t, c, k: (t.hidden_dropout, _layer0(c).hidden_dropout), (0.25, 0.25)),
+    "make_vocab_size_divisible_by": (
+        dict(make_vocab_size_divisible_by=48),
+        lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]), (96, 96)),
+    # no token dropping: Megatron's capacity factor stays None
+    "num_experts": (
+        dict(MOE),
+        lambda t, c, k: (t.num_moe_experts, len(_layer0(c).mlp.experts.local_experts), t.moe_expert_capacity_factor),
+        (4, 4, None)),
+    "moe_topk": (dict(MOE, moe_topk=3), lambda t, c, k: (t.moe_router_topk, _router(c).topk), (3, 3)),
+    "moe_ffn_hidden_size": (
+        dict(MOE, moe_ffn_hidden_size=24),
+        lambda t, c, k: (t.moe_ffn_hidden_size, _layer0(c).mlp.experts.local_experts[0].linear_fc2.weight.shape[1]),
+        (24, 24)),
+    "moe_shared_expert_size": (
+        dict(MOE, moe_shared_expert_size=16),
+        lambda t, c, k: (t.moe_shared_expert_intermediate_size,
+                         _layer0(c).mlp.shared_experts.linear_fc2.weight.shape[1]),
+        (16, 16)),
+    "moe_shared_expert_gate": (
+        dict(MOE, moe_shared_expert_size=16, moe_shared_expert_gate=True),
+        lambda t, c, k: (t.moe_shared_expert_gate, _layer0(c).mlp.shared_experts.gate_weight is not None),
+        (True, True)),
+    "moe_layer_freq": (
+        dict(MOE, moe_layer_freq=(0, 1)),
+        lambda t, c, k: (t.moe_layer_freq, [hasattr(layer.mlp, "router") for layer in c.decoder.layers]),
+        ([0, 1], [False, True])),
+    "moe_pre_softmax": (dict(MOE, moe_pre_softmax=True), lambda t, c, k: t.moe_router_pre_softmax, True),
+    "moe_load_balancing": (
+        dict(MOE, moe_load_balancing="seq_aux_loss"), lambda t, c, k: t.moe_router_load_balancing_type, "seq_aux_loss"),
+    "moe_aux_loss_coeff": (dict(MOE, moe_aux_loss_coeff=0.25), lambda t, c, k: t.moe_aux_loss_coeff, 0.25),
+    "moe_z_loss_coeff": (dict(MOE, moe_z_loss_coeff=0.125), lambda t, c, k: t.moe_z_loss_coeff, 0.125),
+    "moe_score_function": (
+        dict(MOE, moe_score_function="sigmoid"),
+        lambda t, c, k: (t.moe_router_score_function, _router(c).score_function), ("sigmoid", "sigmoid")),
+    "moe_router_dtype": (dict(MOE, moe_router_dtype="fp64"), lambda t, c, k: t.moe_router_dtype, "fp64"),
+    "moe_expert_bias": (
+        dict(MOE, moe_expert_bias=True, moe_score_function="sigmoid"),
+        lambda t, c, k: (t.moe_router_enable_expert_bias, _router(c).expert_bias is not None), (True, True)),
+    "moe_bias_update_rate": (
+        dict(MOE, moe_expert_bias=True, moe_score_function="sigmoid", moe_bias_update_rate=0.25),
+        lambda t, c, k: t.moe_router_bias_update_rate, 0.25),
+    "moe_freeze_router": (
+        dict(MOE, moe_freeze_router=True), lambda t, c, k: [_router(c, i).weight.requires_grad for i in range(2)],
+        [False, False]),
+    "moe_dispatcher": (
+        dict(MOE, moe_dispatcher="allgather"),
+        lambda t, c, k: (t.moe_token_dispatcher_type, type(_layer0(c).mlp.token_dispatcher).__name__),
+        ("allgather", "MoEAllGatherTokenDispatcher")),
+    # config only (a grouped GEMM needs Transformer Engine to build); compared with moe_grouped_gemm=False
+    "moe_grouped_gemm": (dict(MOE, moe_grouped_gemm=True), lambda t, c, k: t.moe_grouped_gemm, True),
+    "fusions": (
+        dict(fusions=True), lambda t, c, k: (t.bias_activation_fusion, t.bias_dropout_fusion, t.apply_rope_fusion),
+        (True, True, True)),
+    "deterministic": (dict(deterministic=True), lambda t, c, k: t.deterministic_mode, True),
+    "extra": (
+        dict(extra=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
+        lambda t, c, k: (t.recompute_granularity, t.recompute_method, t.recompute_num_layers), ("full", "uniform", 1)),
+}
+CONFIG_ONLY = {"moe_grouped_gemm": dict(MOE, moe_grouped_gemm=False)}  # field -> the keywords to compare with
+
+
+def _read_settings() -> dict:
+    """Every row of SETTINGS: the read-back from a model built with that row's config, and from one
+    built with the row's config minus the field (the default), to show each row can tell them apart."""
+    out = {}
+    for name, (kw, read, _) in SETTINGS.items():
+        got = []
+        without = CONFIG_ONLY.get(name, {k: v for k, v in kw.items() if k != name})
+        for keywords in (kw, without if name != "num_experts" else {}):  # num_experts: against a dense model
+            try:
+                if name in CONFIG_ONLY:
+                    got.append(read(transformer_config(_cfg(**keywords), current_layout()), None, None))
+                    continue
+                (chunk,) = fnppo.build_gpt(_cfg(**keywords))
+                core = unwrap_model(chunk)
+                got.append(read(core.config, core, chunk))
+            except Exception as err:  # a read-back of a missing module: differs from the expected value
+                got.append(f"{type(err).__name__}: {err}")
+        out[name] = got
+    return out
+
+
+def test_every_model_config_field_has_a_row():
+    assert set(SETTINGS) == {f.name for f in dataclasses.fields(fnppo.ModelConfig)}
+
+
+@pytest.fixture(scope="module")
+def settings_read_back() -> dict:
+    return run_ranks(_read_settings, 1)[0]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return both and a.shape == b.shape and torch.allclose(a, b, rtol=1e-6, atol=0)
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_model_config_field_reaches_megatron(settings_read_back, name):
+    """The field's value is in the built Megatron config (and module structure where it is structural),
+    and the same read-back of a model built without it differs: a dropped field fails its row."""
+    kw, _, expected = SETTINGS[name]
+    got, without = settings_read_back[name]
+    if name == "normalization":
+        expected = ("LayerNorm", got[1])
+        assert "LayerNorm" in got[1] and without[0] == "RMSNorm" and "RMSNorm" in without[1], (got, without)
+    assert _same(got, expected), f"{name}={kw[name]!r}: read back {got!r}, expected {expected!r}"
+    assert not _same(without, expected), f"{name}: a model built without it reads back the same {without!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A registered policy loss is the loss the step optimizes (not only "it ran")
+# ---------------------------------------------------------------------------------------------
+def _scaled_loss_steps() -> dict:
+    """One step per registered loss ``k * (-logprob * sign(advantage))``, k = 0, 1, 2, from the same weights."""
+    from fnppo.loss import registered_policy_losses
+
+    out = {}
+    for k in (0.0, 1.0, 2.0):
+        name = f"test_model_scaled_sign_{k:g}"
+        if name not in registered_policy_losses():
+            fnppo.register_policy_loss(name)(lambda x, k=k: (-k * x.logprobs * torch.sign(x.advantages), {}))
+        chunks = fnppo.build_gpt(_cfg())
+        fnppo.layout_invariant_init(chunks, seed=3)
+        ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
+        opt = fnppo.build_optimizer(ddp, optimizer="sgd", lr=1.0, clip_grad=0.0)
+        state = fnppo.TrainState(model=ddp, optimizer=opt)
+        cfg = fnppo.StepConfig(loss=fnppo.PolicyLossConfig(policy_loss=name), num_microbatches=2)
+        _, out[k] = fnppo.train_step(state, _samples(), cfg)
+    return out
+
+
+def test_registered_policy_loss_is_the_loss_the_step_optimizes():
+    m = run_ranks(_scaled_loss_steps, 1)[0]
+    assert m[1.0]["grad_norm"] > 1e-6 and m[1.0]["loss"] != 0.0
+    assert m[0.0]["grad_norm"] == 0.0 and m[0.0]["loss"] == 0.0  # a zero loss moves nothing: it was used
+    assert m[2.0]["grad_norm"] == pytest.approx(2 * m[1.0]["grad_norm"], rel=1e-5)
+    assert m[2.0]["loss"] == pytest.approx(2 * m[1.0]["loss"], rel=1e-5)

@@ -151,18 +151,25 @@ def _router_grad_case(nmb: int) -> dict:
     cfg = _cfg()
     full = _full_weights(cfg)
     state = _state(cfg, full, distributed=False, optimizer="sgd")
-    captured: list[torch.Tensor] = []
-    router = fnppo.moe.routers(state.model)[-1]
-    handle = router.register_forward_hook(lambda mod, args, out: captured.append(args[0].detach().reshape(-1, cfg.hidden_size).clone()))
+    rs = fnppo.moe.routers(state.model)
+    captured: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(len(rs))}
+
+    def capture(layer):
+        return lambda mod, args, out: captured[layer].append(args[0].detach().reshape(-1, cfg.hidden_size).clone())
+
+    handles = [r.register_forward_hook(capture(layer)) for layer, r in enumerate(rs)]
 
     def zero_policy_loss(*args, **kwargs):
         loss, metrics = fnppo.ppo_loss(*args, **kwargs)
         return loss * 0.0, metrics
 
     step = fnppo.StepConfig(num_microbatches=nmb, pad_to_multiple_of=2, fns=fnppo.StepFns(loss=zero_policy_loss))
-    fnppo.train_step(state, synthetic_samples(N_SAMPLES, seed=5), step)
-    handle.remove()
-    return {"grad": router.weight.main_grad.detach().clone(), "weight": full["decoder.layers.1.mlp.router.weight"], "hidden": captured}
+    _, metrics = fnppo.train_step(state, synthetic_samples(N_SAMPLES, seed=5), step)
+    for h in handles:
+        h.remove()
+    return {"grad": rs[-1].weight.main_grad.detach().clone(), "weight": full["decoder.layers.1.mlp.router.weight"],
+            "hidden": captured[len(rs) - 1], "hidden_by_layer": captured, "metrics": metrics,
+            "weights": {layer: full[f"decoder.layers.{layer}.mlp.router.weight"] for layer in captured}}
 
 
 def _reference_router_loss(weight: torch.Tensor, hidden: list[torch.Tensor], *, k: int, aux: float, z: float) -> torch.Tensor:
@@ -199,6 +206,27 @@ def test_router_loss_gradient_matches_float64_reference(router_grads, nmb):
     assert err <= REL, f"router weight gradient rel err {err:.2e} with {nmb} micro-batches"
 
 
+@pytest.mark.parametrize("nmb", [1, 3])
+def test_reported_router_loss_metrics_match_float64_reference(router_grads, nmb):
+    """train_step's ``moe_aux_loss`` / ``moe_z_loss`` (per layer and their mean over layers) are the
+    float64 switch balance loss ``E * sum_e f_e P_e`` and z-loss, token-weighted over the micro-batches,
+    without coefficients, from the routers' own inputs and the weights the forward used."""
+    r = router_grads[nmb]
+    m = r["metrics"]
+    aux, z = {}, {}
+    for layer, hidden in r["hidden_by_layer"].items():
+        assert len(hidden) == nmb
+        w = r["weights"][layer].double()
+        aux[layer] = float(_reference_router_loss(w, hidden, k=2, aux=1.0, z=0.0))
+        z[layer] = float(_reference_router_loss(w, hidden, k=2, aux=0.0, z=1.0))
+        # a balanced router scores 1: the reference is of the order of 1, not E or 1/E
+        assert 0.9 < aux[layer] < 4.0, aux[layer]
+        assert m[f"moe_aux_loss_l{layer}"] == pytest.approx(aux[layer], rel=REL), (layer, nmb)
+        assert m[f"moe_z_loss_l{layer}"] == pytest.approx(z[layer], rel=REL), (layer, nmb)
+    assert m["moe_aux_loss"] == pytest.approx(sum(aux.values()) / len(aux), rel=REL)
+    assert m["moe_z_loss"] == pytest.approx(sum(z.values()) / len(z), rel=REL)
+
+
 # --------------------------------------------------------------------------------------------
 # router settings RL users rely on
 # --------------------------------------------------------------------------------------------
@@ -223,10 +251,20 @@ def _settings() -> dict:
         cfg = _cfg(**overrides)
         full = _full_weights(cfg)
         state = _state(cfg, full)
+        dtypes: set = set()  # the dtype of every router's output probabilities in the step
+        rs = fnppo.moe.routers(state.model)
+        hooks = [r.register_forward_hook(lambda mod, args, o: dtypes.add(o[0].dtype)) for r in rs]
         state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
+        for h in hooks:
+            h.remove()
         weights = fnppo.gather_full_weights(state.model)
         biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.moe.routers(state.model)]
-        out[name] = {"metrics": metrics, "full": full, "weights": weights, "biases": biases}
+        tcfg = fnppo.model.unwrap_model(state.model[0]).config
+        fields = ("moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                  "moe_shared_expert_intermediate_size", "num_layers")
+        megatron = {k: getattr(tcfg, k) for k in fields}
+        out[name] = {"metrics": metrics, "full": full, "weights": weights, "biases": biases, "router_dtypes": dtypes,
+                     "megatron": megatron, "routers": len(fnppo.moe.routers(state.model))}
     return out
 
 
@@ -286,13 +324,41 @@ def test_router_dtype_seq_aux_and_shared_expert_run(settings):
     for name in ("fp64", "seq_aux", "shared"):
         m = settings[name]["metrics"]
         assert math.isfinite(m["loss"]) and m["updates"] == 1.0 and m["grad_norm"] > 0, name
-    assert any("shared_experts" in k for k in settings["shared"]["weights"])
+        # the settings every variant shares reached Megatron too
+        mg = settings[name]["megatron"]
+        assert mg["moe_aux_loss_coeff"] == 0.05 and mg["moe_z_loss_coeff"] == 0.01, (name, mg)
+    # each setting arrived in the built Megatron config ...
+    assert settings["fp64"]["megatron"]["moe_router_dtype"] == "fp64"
+    assert settings["shared"]["megatron"]["moe_router_dtype"] == "fp32"  # ModelConfig's default
+    assert settings["seq_aux"]["megatron"]["moe_router_load_balancing_type"] == "seq_aux_loss"
+    assert settings["fp64"]["megatron"]["moe_router_load_balancing_type"] == "aux_loss"
+    assert settings["shared"]["megatron"]["moe_shared_expert_intermediate_size"] == 16
+    assert settings["fp64"]["megatron"]["moe_shared_expert_intermediate_size"] is None
+    # ... and has its effect: the routers compute in float64 (float32, the default, elsewhere)
+    assert settings["fp64"]["router_dtypes"] == {torch.float64}, settings["fp64"]["router_dtypes"]
+    assert settings["seq_aux"]["router_dtypes"] == {torch.float32}
+    # a shared expert of hidden size 16 in every layer, trained by the step
+    shared = settings["shared"]
+    fc2 = [k for k in shared["weights"] if "shared_experts" in k and k.endswith("linear_fc2.weight")]
+    assert len(fc2) == 2 and all(shared["weights"][k].shape == (32, 16) for k in fc2), fc2
+    assert all(not torch.equal(shared["weights"][k], shared["full"][k]) for k in fc2)
 
 
 def test_a_deeper_moe_model_after_another_in_the_same_process(settings):
-    m = settings["deeper"]["metrics"]
-    assert math.isfinite(m["loss"]) and m["updates"] == 1.0
+    r = settings["deeper"]
+    m = r["metrics"]
+    assert math.isfinite(m["loss"]) and m["updates"] == 1.0 and m["grad_norm"] > 0
+    assert r["megatron"]["num_layers"] == 3 and r["routers"] == 3  # the depth reached Megatron
     assert all(math.isfinite(m[f"moe_z_loss_l{layer}"]) and m[f"moe_z_loss_l{layer}"] > 0 for layer in range(3))
+    assert all(math.isfinite(m[f"moe_aux_loss_l{layer}"]) and m[f"moe_aux_loss_l{layer}"] > 0 for layer in range(3))
+    assert "moe_z_loss_l3" not in m and "moe_aux_loss_l3" not in m
+    # the layer mean covers all three layers
+    assert m["moe_z_loss"] == pytest.approx(sum(m[f"moe_z_loss_l{layer}"] for layer in range(3)) / 3, rel=1e-5)
+    # every layer's loads sum to top-k (its router ran on every token), and its weights were updated
+    for layer in range(3):
+        assert abs(sum(m[f"moe_load_l{layer}_e{e}"] for e in range(4)) - 2.0) < 1e-5, layer
+        name = f"decoder.layers.{layer}.mlp.router.weight"
+        assert not torch.equal(r["weights"][name], r["full"][name]), name
 
 
 def test_deterministic_model_runs_megatron_moe_under_deterministic_algorithms(settings):
