@@ -22,10 +22,15 @@ reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, k3 KL
     torchrun --nproc-per-node 2 examples/vlm_toy.py --tp 2       # gloo on CPU (--pp 2 and DP work too)
 
 Each run writes to its own directory (``runs/vlm_toy/run000``, ... or ``--out-dir``):
-``metrics.jsonl`` and ``vlm_toy.png``. The command line's skeleton (argument errors, exit status,
-parallel set-up), the run directory, the learning-rate schedule, the sampling collectives (the
-logits gathered over TP, the draw sent from the last pipeline stage), smoothing and saving the
-plot are those of ``examples/ppo_toy.py`` (imported from it).
+``metrics.jsonl``, ``vlm_toy.png`` and, with ``--save-every N``, a checkpoint every N steps
+(``checkpoints/stepNNNNNN``: the model, the optimizer, every RNG state, the reference parameters and
+the run's settings). ``--resume`` continues the newest run (or ``--out-dir``) from its newest
+checkpoint, bit-identical to an uninterrupted run (data and sampling are functions of (seed, step));
+``--exit-after N`` stops after N steps (a preempted job). The command line's skeleton (argument
+errors, exit status, parallel set-up), the run directory, the metrics file on resume, the
+learning-rate schedule, the sampling collectives (the logits gathered over TP, the draw sent from
+the last pipeline stage), smoothing and saving the plot are those of ``examples/ppo_toy.py``
+(imported from it).
 """
 
 from __future__ import annotations
@@ -49,11 +54,15 @@ IMAGE_SIZE, PATCH, GRID = 8, 4, 2
 PALETTE = [(1.0, 0.5, 0.0), (1.0, 0.0, 0.5), (0.5, 1.0, 0.0), (0.0, 1.0, 0.5), (0.5, 0.0, 1.0), (0.0, 0.5, 1.0)]  # equal brightness
 FINAL_WINDOW = text_toy.FINAL_WINDOW
 RUNS_ROOT = Path("runs/vlm_toy")
+#: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
+RUN_DEFINING = ("seed", "tp", "pp", "prompts", "group_size", "num_microbatches", "minibatches", "lr", "lr_final",
+                "schedule_steps", "temperature", "kl_coef", "entropy_coeff", "hidden", "layers", "freeze_vision")
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps, over all
 prompts and over the image prompts alone) reached --target-reward (pass --target-reward 0 to skip
-the check); 1 when it missed the target; 2 for invalid arguments.
+the check), or it stopped at --exit-after; 1 when it missed the target; 2 for invalid arguments
+(checked before anything is imported or created) or a refused --resume.
 """
 
 
@@ -71,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--lr-final", type=float, default=0.1, help="final lr as a fraction of --lr (linear decay)")
+    p.add_argument("--schedule-steps", type=int, default=None, help="steps over which the lr decays (default: --steps)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--kl-coef", type=float, default=0.001)
     p.add_argument("--entropy-coeff", type=float, default=0.05, help="entropy bonus (keeps the image prompts exploring)")
@@ -80,22 +90,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/vlm_toy/runNNN)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue --out-dir (default: the newest run) from its newest checkpoint")
+    p.add_argument("--exit-after", type=int, default=None,
+                   help="stop after this many steps of this invocation (simulates a preempted job)")
     p.add_argument("--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    args.schedule_steps = args.steps
-    args.resume = False
+    if args.schedule_steps is None:
+        args.schedule_steps = args.steps
     return args
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
-    """Raise :class:`ArgumentError` for a command line that cannot run (checked before any set-up)."""
-    for name in ("steps", "prompts", "group_size", "minibatches", "num_microbatches", "hidden", "layers", "tp", "pp"):
+    """Raise :class:`ArgumentError` for a command line that cannot run: numbers out of range (NaN
+    included), combinations, the run directory (a run in ``--out-dir`` without ``--resume`` /
+    ``--overwrite``, ``--resume`` with no run). Checked before torch is imported (``cuda_available``
+    is asked only for ``--device cuda``) and before anything is created."""
+    for name in ("steps", "prompts", "group_size", "minibatches", "num_microbatches", "hidden", "layers", "tp", "pp",
+                 "schedule_steps"):
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.exit_after is not None and args.exit_after < 1:
+        raise ArgumentError(f"--exit-after must be >= 1, got {args.exit_after}")
+    if args.save_every < 0:
+        raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
         raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+    if not (args.kl_coef >= 0 and args.entropy_coeff >= 0):
+        raise ArgumentError(f"need --kl-coef >= 0 and --entropy-coeff >= 0, got {args.kl_coef}, {args.entropy_coeff}")
+    if args.overwrite and args.resume:
+        raise ArgumentError("--overwrite and --resume exclude each other")
+    if args.prompts % 16:
+        raise ArgumentError(f"--prompts {args.prompts} must be divisible by 16 (8 blocks, half of them with images)")
     if args.device == "cuda" and not cuda_available:
         raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
     if world_size % (args.tp * args.pp):
@@ -107,6 +136,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.prompts // dp * args.group_size % args.minibatches or args.num_microbatches > per_minibatch:
         raise ArgumentError(f"--minibatches {args.minibatches} and --num-microbatches {args.num_microbatches} do not fit "
                             f"{args.prompts // dp * args.group_size} samples per data-parallel rank")
+    text_toy.choose_run_dir(args, RUNS_ROOT)  # read-only: a run in the way, --resume with nothing to resume
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,6 +374,60 @@ def main(argv: list[str] | None = None) -> int:
     return text_toy.cli_main("vlm_toy.py", argv, parse_args, validate_args, run)
 
 
+def run_settings(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in RUN_DEFINING}
+
+
+def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
+    """Refuse a resume whose run-defining flags differ from the checkpoint's."""
+    now = run_settings(args)
+    diff = [k for k in RUN_DEFINING if stored.get(k) != now[k]]
+    if diff:
+        parts = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)} (now {now[k]})" for k in diff)
+        hint = ""
+        if "schedule_steps" in diff:
+            hint = f"; to train longer on the stored schedule, pass --schedule-steps {stored.get('schedule_steps')}"
+        raise ArgumentError(f"--resume: the checkpoint was written with {parts}; resume with the stored values{hint}")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a checkpoint restores (Python's, NumPy's, torch's): a run is a function of its settings."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_run(args: argparse.Namespace, layout):
+    """Run directory, state and reference parameters; with ``--resume`` restored from the newest
+    checkpoint (model, optimizer, RNG states, reference parameters), its settings checked. Nothing
+    is written before the checkpoint loaded: a refused resume leaves the run as it was."""
+    import fnppo
+
+    out_dir = text_toy.agreed_run_dir(args, layout, RUNS_ROOT)
+    state = build(args)
+    ref_params = fnppo.snapshot_params(state.model)
+    if args.resume:
+        latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
+        if latest is None:
+            raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
+        try:
+            state, extra = fnppo.load_checkpoint(latest, state)
+        except fnppo.CheckpointError as err:
+            raise ArgumentError(f"--resume: {' '.join(str(err).split())}") from err
+        check_resume_settings(extra.get("settings", {}), args)
+        ref_params = [dict(p) for p in extra["ref_params"]]
+        if layout.rank == 0:
+            print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
+    if args.overwrite and layout.rank == 0:
+        text_toy._replace_run(out_dir)  # the replaced run's checkpoints must not be resumed later
+    return out_dir, state, ref_params
+
+
 def run(args: argparse.Namespace, layout) -> int:
     import torch
 
@@ -351,21 +435,24 @@ def run(args: argparse.Namespace, layout) -> int:
     from fnppo.vlm import VLMCollate
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    torch.manual_seed(args.seed)
-    out_dir = text_toy.agreed_run_dir(args, layout, RUNS_ROOT)
-    state = build(args)
-    ref_params = fnppo.snapshot_params(state.model)
+    seed_everything(args.seed)
+    out_dir, state, ref_params = setup_run(args, layout)
     rank0 = layout.rank == 0
-    metrics_path, rows = text_toy._metrics_file(args, out_dir, 0) if rank0 else (None, [])
+    start_step = state.step // args.minibatches
+    metrics_path, rows = text_toy._metrics_file(args, out_dir, start_step) if rank0 else (None, [])
     recorder = MixRecorder(VLMCollate.from_config(vision_config(args), max_seq_len=16))
     train_cfg, lp_cfg = step_configs(args, recorder)
     progress = None
     if rank0 and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, desc="vlm", unit="step", dynamic_ncols=True)
+        progress = tqdm(total=args.steps, initial=start_step, desc="vlm", unit="step", dynamic_ncols=True)
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
+        if args.exit_after is not None and step - start_step >= args.exit_after:
+            if rank0:
+                print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
+            return 0
         samples, rewards = rollout(state, ref_params, args, layout, device, step, recorder.collate, lp_cfg)
         text_toy.set_lr(state.optimizer, text_toy.learning_rate(args, step))
         recorder.seen.clear()
@@ -376,14 +463,17 @@ def run(args: argparse.Namespace, layout) -> int:
             if progress is not None:
                 progress.set_postfix(reward=f"{rewards['reward']:.3f}", image=f"{rewards['reward_image']:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}")
                 progress.update(1)
+        if args.save_every and (step + 1) % args.save_every == 0:
+            extra = {"ref_params": ref_params, "settings": run_settings(args)}
+            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step + 1:06d}", state, extra=extra)
     if progress is not None:
         progress.close()
     if not rank0:
         return 0
-    return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start)
+    return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, args.steps - start_step)
 
 
-def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float) -> int:
+def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float, steps_run: int) -> int:
     last = rows[-FINAL_WINDOW:]
     final = sum(r["reward"] for r in last) / len(last)
     final_image = sum(r["reward_image"] for r in last) / len(last)
@@ -391,12 +481,14 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
     verdict = "PASS" if ok else "FAIL"
     none, every, mixed, images = (sum(r[k] for r in rows) for k in ("mb_no_image", "mb_all_images", "mb_mixed", "mb_images"))
     total = none + every + mixed
-    print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / len(rows):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+    print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_run):.3f} s/step), "
+          f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
     print(f"image-count mix of the {total} micro-batches train_step ran: no image {none}, all images {every}, mixed {mixed}; "
           f"{images} images in all ({images / max(1, total):.2f} per micro-batch)")
     print(f"metrics: {metrics_path}")
     if not args.no_plot:
         plot = out_dir / "vlm_toy.png"
+        plot.parent.mkdir(parents=True, exist_ok=True)  # the run directory, also when the metrics went elsewhere
         title = (f"fnppo VLM toy GRPO run (count the squares): {verdict}, final reward {final:.3f}, image prompts {final_image:.3f} "
                  f"(target {args.target_reward:g})\nseed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, lr {args.lr:g}, "
                  f"{args.prompts} prompts x {args.group_size}, vision {'frozen' if args.freeze_vision else 'trained'}")

@@ -95,13 +95,16 @@ from torch import nn
 from fnppo.batch import Microbatch, Sample, collate_microbatch
 from fnppo.model import ModelConfig, transformer_config
 from fnppo.parallel import ParallelLayout, current_layout
-from fnppo.typing import Bool, Float, Int, Integer, Tensor, describe, input_error, typechecked, typechecking_enabled
+from fnppo.typing import (
+    Bool, Float, Int, Integer, Tensor, check_bool_fields, describe, input_error, typechecked, typechecking_enabled,
+)
 
 __all__ = [
     "VisionConfig",
     "VLMCollate",
     "VisionLanguageGPT",
     "build_vlm",
+    "check_images",
     "expand_image_placeholders",
     "expand_image_routes",
     "scatter_image_features",
@@ -131,6 +134,7 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         fn = "VisionConfig"
+        check_bool_fields(fn, self)
         for name in ("image_size", "patch_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -160,6 +164,36 @@ def _image_count(sample: Sample, image_key: str) -> int:
     return 0 if t is None else int(t.shape[0])
 
 
+def check_images(images: Tensor | None, image_shape: tuple[int, ...] | None, *, fn: str, arg: str,
+                 values: bool = True) -> None:
+    """Images ``[k, C, H, W]`` as a vision tower takes them: floating, 4-D, trailing shape ``image_shape``
+    when given, and (``values``) finite.
+
+    The shape is checked before anything counts items: an image without its leading item dimension
+    (``[C, H, W]``) would otherwise be read as ``C`` images. The finiteness check reads every pixel
+    (one host sync for device tensors); callers run it while call-time checking is on
+    (:func:`fnppo.typing.typechecking_enabled`).
+
+    Raises:
+        InputError: naming ``arg``: a tensor that is not floating, not 4-D, of another trailing
+            shape than ``image_shape``, or (``values``) with NaN/inf pixels (their count and the first
+            offending image).
+    """
+    if images is None:
+        return
+    want = "[k, C, H, W]" if image_shape is None else f"[k, {', '.join(map(str, image_shape))}]"
+    rank = 4 if image_shape is None else 1 + len(image_shape)
+    if images.dim() != rank or not images.is_floating_point() or (
+            image_shape is not None and tuple(images.shape[1:]) != tuple(image_shape)):
+        hint = " (an image without its leading item dimension k?)" if images.dim() == rank - 1 else ""
+        raise input_error(fn, arg, f"floating images {want}{hint}", describe(images))
+    if values and images.numel() and not bool(torch.isfinite(images).all()):
+        bad = ~torch.isfinite(images).flatten(1)
+        first = int(bad.any(1).nonzero()[0, 0])
+        raise input_error(fn, arg, "finite pixel values", f"{describe(images)} with {int(bad.sum())} NaN/inf pixels "
+                          f"(the first in image {first})")
+
+
 def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per_image: int, image_key: str = "images",
                               image_shape: tuple[int, ...] | None = None, fn: str = "fnppo.vlm.expand_image_placeholders",
                               arg: str = "sample") -> Sample:
@@ -176,11 +210,15 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
     images); :func:`expand_image_routes` says which rows a sample may carry and how they expand.
 
     Raises:
-        InputError: a placeholder count that differs from the image count, a placeholder in the
-            response, images whose trailing shape is not ``image_shape``, routed experts that fit
-            neither the expanded nor the unexpanded sequence, or both (see
-            :func:`expand_image_routes`).
+        InputError: images that are not ``[k, C, H, W]`` floating tensors (checked first, so an image
+            without its leading item dimension is named as such), whose trailing shape is not
+            ``image_shape``, or (while call-time checking is on: :func:`check_images`) with NaN/inf
+            pixels; a placeholder count that differs from the image count, a placeholder in the
+            response, routed experts that fit neither the expanded nor the unexpanded sequence, or
+            both (see :func:`expand_image_routes`).
     """
+    check_images(sample.multi_modal.get(image_key), image_shape, fn=fn, arg=f"{arg}.multi_modal[{image_key!r}]",
+                 values=typechecking_enabled())
     k = _image_count(sample, image_key)
     prompt = sample.prompt_ids
     is_image = prompt == image_token_id
@@ -189,10 +227,6 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
         raise input_error(fn, f"{arg}.prompt_ids", f"one image placeholder (token {image_token_id}) per image: {k}", f"{count} placeholders")
     if bool((sample.response_ids == image_token_id).any()):
         raise input_error(fn, f"{arg}.response_ids", f"no image placeholder (token {image_token_id}) in the response", "a placeholder")
-    if k and image_shape is not None:
-        images = sample.multi_modal[image_key]
-        if tuple(images.shape[1:]) != tuple(image_shape) or not images.is_floating_point():
-            raise input_error(fn, f"{arg}.multi_modal[{image_key!r}]", f"floating images [k, {', '.join(map(str, image_shape))}]", describe(images))
     routes = sample.routed_experts
     if routes is not None:
         is_image_token = torch.cat([is_image, torch.zeros_like(sample.response_ids, dtype=torch.bool)])
@@ -269,6 +303,12 @@ class VLMCollate:
     with them, :func:`expand_image_routes`), then :func:`fnppo.batch.collate_microbatch` builds the
     micro-batch on the expanded sequences, with ``max_seq_len`` checked on the expanded length. Use
     ``StepConfig(fns=StepFns(collate=...))``.
+
+    Each sample's images are checked before its placeholders are counted (:func:`check_images`):
+    ``[k, *image_shape]`` floating (``image_shape=None``: any ``[k, C, H, W]``; the model then checks
+    its own image shape in :meth:`VisionLanguageGPT.forward`), and finite while call-time checking
+    is on. Errors name ``samples[i]`` (the position in the samples this stage was called with) and
+    the key, e.g. ``samples[3].multi_modal['images']``.
     """
 
     image_token_id: int
@@ -427,10 +467,20 @@ class VisionLanguageGPT(_megatron_module()):  # type: ignore[misc]
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, decoder_input: Tensor | None = None,
                 *, packed_seq_params: Any = None, multi_modal: Mapping[str, Tensor] | None = None,
                 multi_modal_counts: Mapping[str, Tensor] | None = None, **kwargs: Any) -> Tensor:
-        """Logits (last stage) or hidden states; images enter on the first stage only."""
+        """Logits (last stage) or hidden states; images enter on the first stage only.
+
+        Raises:
+            InputError: ``multi_modal[image_key]`` that is not ``[k, *VisionConfig.image_shape]``
+                floating (e.g. 1-channel images for this 3-channel model, from a collate stage built
+                without ``image_shape``), named with both shapes before the vision tower runs; image
+                placeholders without images (while call-time checking is on).
+        """
         if self.pre_process and decoder_input is None:
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)
             images = (multi_modal or {}).get(self.vision.image_key)
+            # the model's own image shape, checked before the ViT sees the images (no host sync)
+            check_images(images, self.vision.image_shape, fn="fnppo.vlm.VisionLanguageGPT.forward",
+                         arg=f"multi_modal[{self.vision.image_key!r}]", values=False)
             if images is not None and images.shape[0] > 0:
                 emb = scatter_image_features(emb, input_ids, self.image_features(images), self.vision.image_token_id)
             elif typechecking_enabled() and bool((input_ids == self.vision.image_token_id).any()):

@@ -124,6 +124,77 @@ def test_collate_refuses_placeholders_that_do_not_match_the_images(change, arg, 
     assert msg.startswith("fnppo.vlm.VLMCollate") and arg in msg and expected in msg, msg
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_collate_refuses_non_finite_pixels_naming_the_sample_and_key(bad):
+    """A NaN/inf pixel is refused (while call-time checking is on) naming the sample and the key;
+    with checking off it is not read (no host sync), as the other value checks."""
+    from tests.messages import check_message
+
+    batch = _batch()
+    images = batch[3].multi_modal["images"].clone()
+    images[1, 2, 5, 6] = bad
+    batch[3] = dataclasses.replace(batch[3], multi_modal={"images": images})
+    with pytest.raises(InputError) as err:
+        _collate()(batch)
+    check_message(err.value, InputError, "fnppo.vlm.VLMCollate", "samples[3].multi_modal['images']",
+                  "finite pixel values", "f32[2,3,8,8] with 1 NaN/inf pixels (the first in image 1)")
+    with fnppo.typing.typechecking(False):
+        mb = _collate()(batch)
+    assert not bool(torch.isfinite(mb.multi_modal["images"]).all())
+
+
+@pytest.mark.parametrize("image_shape", [(3, 8, 8), None], ids=["with-image-shape", "without-image-shape"])
+def test_an_image_without_its_item_dimension_is_named_not_the_prompt(image_shape):
+    """``[3, 8, 8]`` instead of ``[1, 3, 8, 8]`` would be read as 3 images: the image is refused by
+    its key before the placeholders are counted, with or without ``image_shape``."""
+    from fnppo.vlm import VLMCollate
+    from tests.messages import check_message
+
+    s = Sample.from_lists([1, IMG, 2], [7, 8], multi_modal={"images": torch.zeros(3, 8, 8)})
+    want = "floating images [k, 3, 8, 8]" if image_shape else "floating images [k, C, H, W]"
+    with pytest.raises(InputError) as err:
+        VLMCollate(IMG, N_TOK, image_shape=image_shape)([_batch()[0], s])
+    check_message(err.value, InputError, "fnppo.vlm.VLMCollate", "samples[1].multi_modal['images']",
+                  f"{want} (an image without its leading item dimension k?)", "f32[3,8,8]")
+
+
+def test_vision_config_takes_bools_only():
+    from fnppo.vlm import VisionConfig
+    from tests.messages import check_message
+
+    for value in ("yes", 0, 1):
+        with pytest.raises(InputError) as err:
+            VisionConfig(image_token_id=IMG, freeze_vision=value)
+        check_message(err.value, InputError, "VisionConfig", "freeze_vision", "a bool", repr(value))
+
+
+def _one_channel_error() -> str:
+    """compute_logprobs through a collate stage built without image_shape, on 1-channel images."""
+    from fnppo.vlm import VLMCollate, build_vlm
+
+    chunks = build_vlm(_lm_cfg(), _vision())
+    fnppo.layout_invariant_init(chunks, seed=3)
+    cfg = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=VLMCollate(IMG, N_TOK)))
+    good = _batch()[:3]
+    fnppo.compute_logprobs(chunks, good, config=cfg)  # 3-channel images run
+    bad = dataclasses.replace(good[2], multi_modal={"images": torch.zeros(1, 1, 8, 8)})
+    try:
+        fnppo.compute_logprobs(chunks, [*good[:2], bad], config=cfg)
+    except InputError as err:
+        return str(err)
+    return "no error"
+
+
+def test_the_model_refuses_images_of_another_shape_than_its_own():
+    """A hand-built VLMCollate without image_shape passes 1-channel images on; the model knows its
+    image shape (VisionConfig) and refuses them by name before its ViT runs."""
+    from tests.messages import check_message
+
+    msg = run_ranks(_one_channel_error, 1)[0]
+    check_message(InputError(msg), InputError, "fnppo.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
+                  "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
+
+
 def test_collate_checks_the_expanded_length():
     s = Sample.from_lists([1, IMG, 2], [7], multi_modal={"images": torch.zeros(1, 3, 8, 8)})  # 4 tokens, 7 expanded
     _collate(max_seq_len=7)([s])
