@@ -13,7 +13,10 @@ of micro-batches:
 
 The sample checks live here, one function each, called where samples enter (collation, the
 split, the training step): :func:`check_lengths`, :func:`check_same_fields`,
-:func:`check_token_ids`, :func:`check_positive_int`.
+:func:`check_token_ids`, :func:`check_sample_values`, :func:`check_devices`,
+:func:`check_routed_experts`, :func:`check_routing_rows`, :func:`check_positive_int`. Each names
+``<arg>[i]``, ``i`` the position in the list it is given: ``samples[i]`` of
+:func:`collate_microbatch`'s argument, ``batch[i]`` of the caller's batch in the training step.
 
 Alignment (both layouts). Position ``t`` holds the input token ``input_ids[b, t]`` and predicts
 ``labels[b, t] = input_ids[b, t + 1]`` of the same sample (0 where there is none). Response token
@@ -143,7 +146,9 @@ class Sample:
       :func:`collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
-    happen in :func:`collate_microbatch`. :meth:`from_lists` builds one from Python lists.
+    happen where samples enter a computation: :func:`collate_microbatch`, and the training step's
+    entry check of the whole batch (:func:`check_sample_values`). :meth:`from_lists` builds one
+    from Python lists.
     """
 
     prompt_ids: Int[Tensor, " p"]
@@ -520,21 +525,34 @@ def check_token_ids(fn: str, samples: Sequence[Sample], vocab_size: int | None, 
             check_range(fn, f"{arg}[{i}].{name}", getattr(s, name), 0, high)
 
 
-def _check_devices(fn: str, samples: Sequence[Sample]) -> None:
-    """Every tensor of every sample is on the device of ``samples[0]``."""
+def check_devices(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> None:
+    """Every tensor of every sample is on the device of the first sample.
+
+    Raises:
+        InputError: naming ``<arg>[i].<field>``, the device expected and the one received.
+    """
     device = samples[0].prompt_ids.device
     for i, s in enumerate(samples):
         for name in ("prompt_ids", "response_ids", *_PER_TOKEN_FLOAT, "response_mask", "routed_experts"):
             t = getattr(s, name)
             if t is not None and t.device != device:
-                raise input_error(fn, f"samples[{i}].{name}", f"a tensor on {device} (the device of samples[0])", f"{describe(t)} on {t.device}")
+                raise input_error(fn, f"{arg}[{i}].{name}", f"a tensor on {device} (the device of {arg}[0])",
+                                  f"{describe(t)} on {t.device}")
 
 
-def _check_values(fn: str, samples: Sequence[Sample]) -> None:
-    """Response masks are 0/1 and the per-token values finite.
+def check_sample_values(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> None:
+    """Response masks are 0/1 and the per-token values (advantages, old / ref / rollout log-probs,
+    values, returns) finite, in every sample.
 
-    One check over all samples per field (one host sync for device tensors); only when it fails are
-    the samples checked one by one, to name the first offender.
+    The one home of these value checks: :func:`collate_microbatch` runs it on the samples it is
+    given, :func:`fnppo.train_step` (and the other step entry points) on the caller's whole batch
+    before anything runs, with ``arg="batch"``. One check over all samples per field (one host sync
+    for device tensors); only when it fails are the samples checked one by one, to name the first
+    offender.
+
+    Raises:
+        InputError: naming ``<arg>[i].response_mask`` (a 0/1 mask) or ``<arg>[i].<field>`` (finite
+            values), ``i`` the sample's position in ``samples``.
     """
     masks = [s.response_mask for s in samples if s.response_mask is not None and s.response_mask.dtype != torch.bool]
     fields = {name: [getattr(s, name) for s in samples if getattr(s, name) is not None] for name in _PER_TOKEN_FLOAT}
@@ -549,9 +567,9 @@ def _check_values(fn: str, samples: Sequence[Sample]) -> None:
         return
     for i, s in enumerate(samples):
         if s.response_mask is not None:
-            check_mask01(fn, f"samples[{i}].response_mask", s.response_mask)
+            check_mask01(fn, f"{arg}[{i}].response_mask", s.response_mask)
         for name in _PER_TOKEN_FLOAT:
-            check_finite(fn, f"samples[{i}].{name}", getattr(s, name))
+            check_finite(fn, f"{arg}[{i}].{name}", getattr(s, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -632,11 +650,11 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
         sample_index = range(n)
     elif len(sample_index) != n:
         raise input_error(fn, "sample_index", f"{n} indices (one per sample)", f"{len(sample_index)} indices")
-    _check_devices(fn, samples)
+    check_devices(fn, samples)
     if max_seq_len is not None:
         check_lengths(fn, samples, max_seq_len, f"at most max_seq_len={max_seq_len} tokens")
     check_token_ids(fn, samples, vocab_size)
-    _check_values(fn, samples)
+    check_sample_values(fn, samples)
     present = check_same_fields(fn, samples)
     check_routed_experts(fn, samples)
     check_routing_rows(fn, samples)

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero"]
+from fnppo.typing import InputError
+
+__all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero", "agree_on_refusal"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -217,3 +222,64 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_refusal(check: Callable[[], _T], layout: ParallelLayout | None = None) -> _T:
+    """Run ``check`` (an entry point's input checks, which run no collective) and agree on its
+    verdict over every rank of the world, so that a refusal is raised on all ranks or on none.
+
+    Each rank catches its own :class:`~fnppo.typing.InputError`; one all-reduce (MAX) of a 0/1
+    verdict over the whole world (every DP, TP, PP, CP and EP rank) decides. When some rank refused,
+    the refusing ranks' messages are gathered (only then) and every rank raises an InputError with
+    the message of the lowest refusing rank; unless every rank refused with that same message, it is
+    followed by which ranks refused, e.g. ``(refused on rank 1 of 2: data-parallel rank 1)``. A rank
+    that refused alone would otherwise leave the others waiting in the step's first collective.
+    Without ``torch.distributed`` (or with one rank) it is ``check()`` itself: no collective.
+
+    Args:
+        check: the checks; its result is returned when no rank refused.
+        layout: the parallel layout, for the ranks' coordinates in the message (default:
+            :func:`current_layout` when a refusal is reported).
+
+    Returns:
+        ``check()``'s result.
+
+    Raises:
+        InputError: on every rank, when ``check`` raised one on any rank.
+    """
+    refusal: InputError | None = None
+    result: Any = None
+    try:
+        result = check()
+    except InputError as err:
+        refusal = err
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if refusal is not None:
+            raise refusal
+        return result
+    verdict = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    if int(verdict.item()) == 0:
+        return result
+    lay = layout or current_layout()
+    mine = None if refusal is None else (str(refusal), lay.dp_rank, lay.pp_rank)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    refused = [(rank, r) for rank, r in enumerate(every) if r is not None]
+    if refusal is not None and len(refused) == len(every) and len({r[0] for _, r in refused}) == 1:
+        raise refusal  # one refusal, everywhere alike: this rank's own error is that error
+    ranks = ", ".join(str(rank) for rank, _ in refused)
+    dp = ", ".join(str(d) for d in sorted({r[1] for _, r in refused}))
+    where = f"data-parallel rank{'s' if ',' in dp else ''} {dp}"
+    if lay.pp > 1:
+        pp = ", ".join(str(p) for p in sorted({r[2] for _, r in refused}))
+        where += f", pipeline stage{'s' if ',' in pp else ''} {pp}"
+    suffix = f" (refused on rank{'s' if len(refused) > 1 else ''} {ranks} of {dist.get_world_size()}: {where})"
+    raise InputError(refused[0][1][0] + suffix) from refusal

@@ -36,7 +36,8 @@ from fnppo.batch import (
 )
 from fnppo.typing import input_error, typechecked
 
-__all__ = ["SplitPlan", "split_batch", "split_mode", "build_microbatches", "SPLIT_MODES"]
+__all__ = ["SplitPlan", "split_batch", "split_mode", "check_split", "plan_microbatches", "build_microbatches",
+           "SPLIT_MODES"]
 
 SPLIT_MODES = ("num_microbatches", "microbatch_size", "max_tokens_per_microbatch")
 """The three ways to split a batch; exactly one is used."""
@@ -294,16 +295,14 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
     fn = "split_batch"
     n = len(samples)
     name, size = mode
+    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length)
     lengths = [_round_up(length(s), pad_to_multiple_of) for s in samples]
     local: list[list[int]] | None = None
     if name == "num_microbatches":
         k = size
-        if k > n:
-            raise input_error(fn, "num_microbatches", f"at most the batch size {n} (no empty micro-batches)", str(k))
     elif name == "microbatch_size":
         k = -(-n // size)
     else:
-        _check_budget(fn, samples, lengths, size, pad_to_multiple_of)
         local = _first_fit_decreasing(lengths, size, layout)
         k = len(local)
     agreed, smallest = _agree(k, n, dp_group)
@@ -325,15 +324,60 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
     return SplitPlan.from_groups(groups)
 
 
-def _check_budget(fn: str, samples: Sequence[Sample], lengths: list[int], budget: int, pad_to_multiple_of: int) -> None:
+def check_split(fn: str, samples: Sequence[Sample], mode: tuple[str, int], *, pad_to_multiple_of: int,
+                length: Callable[[Sample], int] = len, parts: int = 1, arg: str = "samples",
+                count_arg: str = "num_microbatches") -> None:
+    """The checks of a split that only the data can answer, before any agreement over ranks: an
+    explicit micro-batch count of at most the (mini-)batch size, and every (padded) sample within
+    the token budget on its own.
+
+    The one home of both checks: :func:`split_batch` runs it on its samples; the training step runs
+    it on the caller's whole batch, cut into ``parts`` equal mini-batches (``num_minibatches``), before
+    anything runs, with ``arg="batch"`` and ``count_arg="config.num_microbatches"``.
+
+    Args:
+        fn, arg, count_arg: the function, the samples' argument and the count's argument named in errors.
+        samples: the samples (``len(samples)`` divisible by ``parts``).
+        mode: ``(name, size)`` from :func:`split_mode`.
+        pad_to_multiple_of, length: a sample counts ``round_up(length(sample), pad_to_multiple_of)`` tokens.
+        parts: the number of equal mini-batches the samples are split into.
+
+    Raises:
+        InputError: naming ``count_arg`` (more micro-batches than samples per mini-batch) or
+            ``<arg>[i]`` (a sample longer than ``max_tokens_per_microbatch``).
+    """
+    name, size = mode
+    if name == "num_microbatches":
+        n = len(samples) // parts
+        if size > n:
+            where = (f"the batch size {n} (" if parts == 1
+                     else f"the mini-batch size {n} ({len(samples)} samples / num_minibatches={parts}; ")
+            raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(size))
+    elif name == "max_tokens_per_microbatch":
+        lengths = [_round_up(length(s), pad_to_multiple_of) for s in samples]
+        _check_budget(fn, samples, lengths, size, pad_to_multiple_of, arg)
+
+
+def _check_budget(fn: str, samples: Sequence[Sample], lengths: list[int], budget: int, pad_to_multiple_of: int,
+                  arg: str) -> None:
     """Every (padded) sample fits the token budget on its own."""
     for i, ln in enumerate(lengths):
         if ln > budget:
             raise input_error(
-                fn, f"samples[{i}]",
+                fn, f"{arg}[{i}]",
                 f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget cannot be split)",
                 f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}" + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
             )
+
+
+def plan_microbatches(samples: Sequence[Sample], mode: tuple[str, int], *, layout: str, pad_to_multiple_of: int,
+                      collate: Callable[..., Microbatch], dp_group: Any = None, count_multiple: int = 1) -> SplitPlan:
+    """The plan of :func:`build_microbatches` (the same arguments), without collating: the training
+    step plans every mini-batch before its first update, so that a refusal of the plan (too few
+    samples for the count agreed over ``dp_group``, raised on every rank) comes before anything changed."""
+    length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
+    return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length,
+                 count_multiple=count_multiple)
 
 
 def build_microbatches(
@@ -348,12 +392,14 @@ def build_microbatches(
     same_length: bool = False,
     context_parallel: tuple[int, int] = (1, 0),
     count_multiple: int = 1,
+    plan: SplitPlan | None = None,
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
     The arguments are trusted (the step checked them where they entered: :class:`fnppo.StepConfig`
-    and the batch check of :func:`fnppo.train_step`); the checks only the data can answer run here
-    (see :func:`_plan`), and ``collate`` checks the values of its samples.
+    and the batch check of :func:`fnppo.train_step`, which runs :func:`check_split` and the value
+    checks on the whole batch before anything runs). The plan's own checks (:func:`_plan`) and
+    those of ``collate`` still run for other callers; the step does not rely on them to refuse.
 
     Args:
         samples: the (mini-)batch.
@@ -372,13 +418,15 @@ def build_microbatches(
             ``max_tokens_per_microbatch`` decides up to a multiple of this (after the DP agreement;
             the interleaved pipeline schedule runs micro-batches in groups of ``pp``); the groups
             stay within the size or token cap. An explicit ``num_microbatches`` is not changed.
+        plan: the plan of these samples from :func:`plan_microbatches` with the same arguments (None:
+            planned here).
 
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
     """
-    length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
-    plan = _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length,
-                 count_multiple=count_multiple)
+    if plan is None:
+        plan = plan_microbatches(samples, mode, layout=layout, pad_to_multiple_of=pad_to_multiple_of, collate=collate,
+                                 dp_group=dp_group, count_multiple=count_multiple)
     mbs = [
         to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))

@@ -18,9 +18,11 @@ signature (a custom loss, a custom log-prob); :class:`CollateFn`, :class:`Forwar
 optimizer, step counter) lives in :class:`TrainState`, which is passed in and returned.
 
 Checks happen once, where data enters: :class:`StepConfig` checks the configuration when built,
-:func:`_check_batch` the samples when :func:`train_step` / :func:`compute_logprobs` receive them,
-the collate stage the values of each micro-batch, :func:`_check_logits` the logits a forward stage
-returns. Everything downstream trusts them.
+:func:`_check_batch` the samples (their values included, for every mini-batch and epoch) when
+:func:`train_step` / :func:`compute_logprobs` receive them, :func:`_check_logits` the logits a
+forward stage returns. Everything downstream trusts them. The entry checks run before any
+collective and their verdict is agreed over every rank (:func:`~fnppo.parallel.agree_on_refusal`):
+a refusal is raised on all ranks, with one message, or on none.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ from fnppo.batch import (
     LAYOUTS,
     Microbatch,
     Sample,
+    check_devices,
     check_lengths,
     check_positive_int,
     check_routed_experts,
+    check_routing_rows,
     check_same_fields,
+    check_sample_values,
     check_token_ids,
     collate_microbatch,
     padding_multiple,
@@ -65,10 +70,10 @@ from fnppo.loss import (
 from fnppo.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.model import check_head, deterministic_algorithms, forward_hidden, forward_logits, forward_values, unwrap_model
 from fnppo.moe import is_moe, router_derived_metrics, router_step
-from fnppo.parallel import ParallelLayout, current_layout
+from fnppo.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.routing import RoutingRecorder, routed, routing_spec
-from fnppo.split import SPLIT_MODES, build_microbatches, split_mode
-from fnppo.typing import describe, input_error, typechecking_enabled
+from fnppo.split import SPLIT_MODES, SplitPlan, build_microbatches, check_split, plan_microbatches, split_mode
+from fnppo.typing import check_bool_fields, describe, input_error, typechecking_enabled
 
 __all__ = [
     "StepFns", "StepConfig", "TrainState", "train_step", "compute_logprobs", "forward_only", "shard_for_data_parallel",
@@ -184,8 +189,8 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
     shape).
 
     Raises:
-        InputError: an unknown layout, two split modes, a size that is not an int >= 1, a
-            temperature that is not a finite float > 0.
+        InputError: ``fused_output`` that is not a bool (``"yes"``, ``0``), an unknown layout, two
+            split modes, a size that is not an int >= 1, a temperature that is not a finite float > 0.
     """
 
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -205,6 +210,7 @@ parallelism, :func:`~fnppo.batch.padding_multiple`). ``max_seq_len`` caps the
 
     def __post_init__(self) -> None:
         fn = "StepConfig"
+        check_bool_fields(fn, self)
         _check_batching_fields(fn, self)
         check_positive_int(fn, "fused_output_chunk_vocab", self.fused_output_chunk_vocab, allow_none=True)
         if self.fused_output_graphs is not None:
@@ -259,7 +265,8 @@ class CriticConfig:
     ``ppo_epochs``) mean what they mean in :class:`StepConfig`.
 
     Raises:
-        InputError: as :class:`StepConfig` for the batching fields.
+        InputError: as :class:`StepConfig` for the batching fields; a bool field holding anything
+            but a bool.
     """
 
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
@@ -274,6 +281,7 @@ class CriticConfig:
     fns: CriticFns = field(default_factory=CriticFns)
 
     def __post_init__(self) -> None:
+        check_bool_fields("CriticConfig", self)
         _check_batching_fields("CriticConfig", self)
 
 
@@ -442,20 +450,28 @@ def _with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
     return dataclasses.replace(layout, dp=layout.dp * layout.cp, dp_group=layout.dp_cp_group)
 
 
-def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatches: int = 1) -> None:
+def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, collate: CollateFn,
+                 num_minibatches: int = 1) -> None:
     """Refuse a batch the step cannot take, before anything runs (the step's one sample check).
 
-    A non-empty list of :class:`~fnppo.batch.Sample`, of a length divisible by ``num_minibatches``;
-    no sample longer than ``spec.max_seq_len``; reference and rollout log-probs for every sample or
-    for none (micro-batches that separate them would each look fine on their own); token ids in
-    ``[0, vocab_size)`` of the model (while call-time checking is on: one host sync); routed
-    experts only for an MoE model, of its MoE layers and top-k, in a dtype that holds its expert
-    indices, and (while call-time checking is on) valid and distinct indices
-    (:func:`~fnppo.batch.check_routed_experts`). The values of each sample (0/1 mask, finite
-    log-probs and advantages) are the collate stage's check.
+    Every check runs on the caller's whole batch, for every mini-batch and epoch the step will run,
+    and names ``batch[i]`` with ``i`` the sample's position in it: a non-empty list of
+    :class:`~fnppo.batch.Sample`, of a length divisible by ``num_minibatches``; no sample longer
+    than ``spec.max_seq_len``; a split each mini-batch can take (an explicit ``num_microbatches`` of
+    at most the mini-batch size, every sample within ``max_tokens_per_microbatch``:
+    :func:`~fnppo.split.check_split`); every tensor on one device; reference and rollout
+    log-probs (values, returns) for every sample or for none (micro-batches that separate them
+    would each look fine on their own); 0/1 response masks and finite per-token values
+    (:func:`~fnppo.batch.check_sample_values`); token ids in ``[0, vocab_size)`` of the model
+    (while call-time checking is on; otherwise ``>= 0``, as the collate stage checks; one host
+    sync); routed experts only for an MoE model, of its MoE layers and top-k, in a dtype that holds
+    its expert indices, and (while call-time checking is on) valid and distinct indices
+    (:func:`~fnppo.batch.check_routed_experts`), and, with the default collate stage, one row per
+    token (:func:`~fnppo.batch.check_routing_rows`). The collate stage checks its micro-batch
+    again; the step never relies on that to refuse.
 
     Raises:
-        InputError: naming ``batch`` or ``batch[i]...``.
+        InputError: naming ``batch``, ``batch[i]...`` or ``config.num_microbatches``.
     """
     if not samples:
         raise input_error(fn, "batch", "a non-empty list of samples", "an empty list")
@@ -467,14 +483,20 @@ def _check_batch(fn: str, samples: Sequence[Any], spec: _Batching, num_minibatch
     if spec.max_seq_len is not None:
         limit = spec.max_seq_len
         check_lengths(fn, samples, limit, f"at most {limit} tokens ({spec.max_seq_len_source})", arg="batch")
+    check_split(fn, samples, spec.split, pad_to_multiple_of=spec.pad_to_multiple_of,
+                length=getattr(collate, "collated_length", len), parts=num_minibatches, arg="batch",
+                count_arg="config.num_microbatches")
+    check_devices(fn, samples, arg="batch")
     check_same_fields(fn, samples, arg="batch")
-    if spec.real_vocab_size is not None and typechecking_enabled():
-        check_token_ids(fn, samples, spec.real_vocab_size, arg="batch")
+    check_sample_values(fn, samples, arg="batch")
+    check_token_ids(fn, samples, spec.real_vocab_size if typechecking_enabled() else None, arg="batch")
     if samples[0].routed_experts is not None:  # check_same_fields: all samples or none
         if spec.routing is None:
             raise input_error(fn, "batch[0].routed_experts", "None (the model has no MoE layers)", describe(samples[0].routed_experts))
         layers, topk, experts = spec.routing
         check_routed_experts(fn, samples, num_layers=layers, topk=topk, num_experts=experts, arg="batch", values=typechecking_enabled())
+        if collate is collate_microbatch:  # a stage that expands multi-modal items (VLMCollate) checks its own rows
+            check_routing_rows(fn, samples, arg="batch")
 
 
 def _checked_batching(fn: str, config: StepConfig | CriticConfig, chunks: Sequence[nn.Module], samples: Sequence[Any],
@@ -486,17 +508,24 @@ def _checked_batching(fn: str, config: StepConfig | CriticConfig, chunks: Sequen
     spec = _batching(config, chunks, layout)
     _check_context_parallel(fn, config if cp_config is None else cp_config, spec, layout)
     _check_interleaved(fn, config, spec, layout)
-    _check_batch(fn, samples, spec, num_minibatches)
+    _check_batch(fn, samples, spec, config.fns.collate, num_minibatches)
     return spec
 
 
-def _microbatches(samples: Sequence[Sample], spec: _Batching, collate: CollateFn, device: torch.device) -> tuple[Any, list[Microbatch]]:
-    """``(plan, micro-batches)`` of ``samples`` split and collated as ``spec`` says
-    (:func:`~fnppo.split.build_microbatches`)."""
+def _plan(samples: Sequence[Sample], spec: _Batching, collate: CollateFn) -> SplitPlan:
+    """The split of ``samples`` as ``spec`` says (:func:`~fnppo.split.plan_microbatches`; agreed over DP)."""
+    return plan_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
+                             collate=collate, dp_group=spec.dp_group, count_multiple=spec.count_multiple)
+
+
+def _microbatches(samples: Sequence[Sample], spec: _Batching, collate: CollateFn, device: torch.device,
+                  plan: SplitPlan | None = None) -> tuple[Any, list[Microbatch]]:
+    """``(plan, micro-batches)`` of ``samples`` split (by ``plan`` when given, else by :func:`_plan`)
+    and collated as ``spec`` says (:func:`~fnppo.split.build_microbatches`)."""
     return build_microbatches(samples, spec.split, layout=spec.layout, pad_to_multiple_of=spec.pad_to_multiple_of,
                               collate=collate, device=device, dp_group=spec.dp_group,
                               same_length=spec.same_length, context_parallel=spec.context_parallel,
-                              count_multiple=spec.count_multiple)
+                              count_multiple=spec.count_multiple, plan=plan)
 
 
 def _unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], list[torch.Tensor]]:
@@ -768,10 +797,10 @@ class _Objective(NamedTuple):
     loss_key: str  # the metric whose non-finite value skips the update
 
 
-def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objective, spec: _Batching,
+def _update(state: TrainState, minibatch: Sequence[Sample], plan: SplitPlan, objective: _Objective, spec: _Batching,
             layout: ParallelLayout, device: torch.device) -> tuple[dict[str, torch.Tensor], float, bool]:
-    """One optimizer update on one mini-batch: the five steps of :func:`train_step` (and of
-    :func:`critic_step`, with its objective).
+    """One optimizer update on one mini-batch (split by ``plan``): the five steps of :func:`train_step`
+    (and of :func:`critic_step`, with its objective).
 
     Returns:
         ``(metrics, grad_norm, stepped)``: metric pairs reduced over micro-batches and DP ranks
@@ -781,7 +810,7 @@ def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objectiv
         FinalizeNotCalledError: Megatron's schedule returned without calling the finalizer.
     """
     chunks, optimizer = state.model, state.optimizer
-    _, mbs = _microbatches(minibatch, spec, objective.collate, device)
+    _, mbs = _microbatches(minibatch, spec, objective.collate, device, plan)
     sums = objective.global_sums(mbs, _with_cp_in_dp(layout), device)
     for c in chunks:
         c.zero_grad_buffer()
@@ -809,15 +838,20 @@ def _update(state: TrainState, minibatch: Sequence[Sample], objective: _Objectiv
 
 def _train(state: TrainState, samples: list[Sample], objective: _Objective, config: StepConfig | CriticConfig,
            spec: _Batching, layout: ParallelLayout, device: torch.device) -> tuple[TrainState, dict[str, float]]:
-    """``ppo_epochs`` passes of ``num_minibatches`` updates (:func:`_update`); the step's metrics."""
+    """``ppo_epochs`` passes of ``num_minibatches`` updates (:func:`_update`); the step's metrics.
+
+    Every mini-batch is planned before the first update (the plan is the same in every epoch), so
+    that a split refused over the data-parallel group changes nothing."""
     totals: dict[str, torch.Tensor] = {}
     grad_norms: list[float] = []
     skipped = 0
+    # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
+    # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
+    minibatches = [samples[k :: config.num_minibatches] for k in range(config.num_minibatches)]
+    plans = [_plan(mb, spec, objective.collate) for mb in minibatches]
     for _epoch in range(config.ppo_epochs):
-        for k in range(config.num_minibatches):
-            # Strided mini-batches: with contiguous DP shards (shard_for_data_parallel) of a length
-            # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
-            metrics, norm, stepped = _update(state, samples[k :: config.num_minibatches], objective, spec, layout, device)
+        for minibatch, plan in zip(minibatches, plans, strict=True):
+            metrics, norm, stepped = _update(state, minibatch, plan, objective, spec, layout, device)
             totals = merge_metrics([totals, metrics])
             grad_norms.append(norm)
             skipped += 0 if stepped else 1
@@ -876,25 +910,39 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         :mod:`fnppo.moe` (aux and z losses, expert loads and imbalance).
 
     Raises:
-        InputError: before anything runs, nothing changed: a value model (``head="value"``: use
-            :func:`critic_step`), an empty batch, a batch length not
-            divisible by ``num_minibatches``, a sample longer than ``config.max_seq_len``
-            (default: the model's ``max_sequence_length``), token ids outside the model's
-            vocabulary (while call-time checking is on), ``ref_logprobs`` / ``rollout_logprobs``
-            given for some samples only, no ``rollout_logprobs`` in bypass mode or with rollout
-            correction, routed experts that do not fit the model
-            (:func:`~fnppo.batch.check_routed_experts`); under a virtual pipeline (``vpp``), a
-            ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the padded layout
-            (:func:`_check_interleaved`). Inside the schedule: logits from ``config.fns.forward``
-            whose last dimension is not this rank's vocab shard. ``docs/errors.md`` lists every
-            error.
+        InputError: before anything runs, nothing changed (no parameter, optimizer state or
+            ``state.step``, whichever mini-batch or epoch the offending sample would have been
+            trained in), raised on every rank alike (the verdict is agreed over all ranks, the
+            message is the lowest refusing rank's, followed by which ranks refused unless all
+            refused alike), naming
+            ``batch[i]`` with ``i`` the position in ``batch``: a value model (``head="value"``: use
+            :func:`critic_step`), an empty batch, a batch length not divisible by
+            ``num_minibatches``, a sample longer than ``config.max_seq_len`` (default: the model's
+            ``max_sequence_length``), a ``num_microbatches`` above the mini-batch size, a sample
+            longer than ``max_tokens_per_microbatch``, tensors on different devices, a response mask
+            that is not 0/1, NaN/inf in advantages, log-probs, values or returns, token ids outside
+            the model's vocabulary (while call-time checking is on; negative ones always),
+            ``ref_logprobs`` / ``rollout_logprobs`` given for some samples only, no
+            ``rollout_logprobs`` in bypass mode or with rollout correction, routed experts that do
+            not fit the model (:func:`~fnppo.batch.check_routed_experts`); under a virtual pipeline
+            (``vpp``), a ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the
+            padded layout (:func:`_check_interleaved`). Before the first update, on every rank: too
+            few samples for the micro-batch count agreed over data parallelism. Inside the
+            schedule: logits from ``config.fns.forward`` whose last dimension is not this rank's
+            vocab shard. ``docs/errors.md`` lists every error.
         FinalizeNotCalledError: see step 4.
     """
     layout = current_layout()
     samples = list(batch)
-    check_head("train_step", "state.model", state.model[0], "lm")
-    spec = _checked_batching("train_step", config, state.model, samples, layout, num_minibatches=config.num_minibatches)
-    _check_rollout_logprobs("train_step", samples, config.loss)
+
+    def entry() -> _Batching:
+        check_head("train_step", "state.model", state.model[0], "lm")
+        checked = _checked_batching("train_step", config, state.model, samples, layout,
+                                    num_minibatches=config.num_minibatches)
+        _check_rollout_logprobs("train_step", samples, config.loss)
+        return checked
+
+    spec = agree_on_refusal(entry, layout)
     device = _device_of(state.model)
 
     def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -941,17 +989,24 @@ def critic_step(state: TrainState, batch: Sequence[Sample], config: CriticConfig
         updates), ``skipped``, ``updates``, ``step``, ``lr``.
 
     Raises:
-        InputError: before anything runs: a model without a value head; the batch errors and
-            the virtual-pipeline errors of :func:`train_step`; no ``returns``, or no ``values``
-            while the loss clips. Inside the schedule: values from ``config.fns.forward`` that
-            are not ``[batch, seq]``.
+        InputError: before anything runs, nothing changed, on every rank alike (as in
+            :func:`train_step`): a model without a value head; the batch errors (NaN/inf
+            ``returns`` or ``values`` included, naming ``batch[i]``) and the virtual-pipeline errors
+            of :func:`train_step`; no ``returns``, or no ``values`` while the loss clips. Inside the
+            schedule: values from ``config.fns.forward`` that are not ``[batch, seq]``.
         FinalizeNotCalledError: the schedule did not call the finalizer.
     """
     layout = current_layout()
     samples = _without_routes(batch)
-    check_head("critic_step", "state.model", state.model[0], "value")
-    spec = _checked_batching("critic_step", config, state.model, samples, layout, num_minibatches=config.num_minibatches)
-    _check_critic_targets("critic_step", samples, config.loss)
+
+    def entry() -> _Batching:
+        check_head("critic_step", "state.model", state.model[0], "value")
+        checked = _checked_batching("critic_step", config, state.model, samples, layout,
+                                    num_minibatches=config.num_minibatches)
+        _check_critic_targets("critic_step", samples, config.loss)
+        return checked
+
+    spec = agree_on_refusal(entry, layout)
     device = _device_of(state.model)
 
     def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> torch.Tensor:
@@ -1139,16 +1194,22 @@ def compute_logprobs(
             per chunk; invalid keywords (as :class:`StepConfig`); ``return_routing`` for a dense
             model or for samples that carry ``routed_experts``.
     """
-    cfg = _logprob_config(config, temperature=temperature, layout=layout, num_microbatches=num_microbatches,
-                          microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                          pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, fns=fns)
     chunks = list(model_chunks)
-    check_head("compute_logprobs", "model_chunks", chunks[0], "lm")
     par = current_layout()
-    device = _device_of(chunks)
     samples = list(batch)
-    spec = _checked_batching("compute_logprobs", cfg, chunks, samples, par, cp_config=dataclasses.replace(cfg, loss=PolicyLossConfig()))
-    recorder = _routing_recorder(return_routing, samples, spec)
+
+    def entry() -> tuple[StepConfig, _Batching, RoutingRecorder | None]:
+        cfg = _logprob_config(config, temperature=temperature, layout=layout, num_microbatches=num_microbatches,
+                              microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                              pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, fns=fns)
+        check_head("compute_logprobs", "model_chunks", chunks[0], "lm")
+        _per_chunk(params, len(chunks))
+        checked = _checked_batching("compute_logprobs", cfg, chunks, samples, par,
+                                    cp_config=dataclasses.replace(cfg, loss=PolicyLossConfig()))
+        return cfg, checked, _routing_recorder(return_routing, samples, checked)
+
+    cfg, spec, recorder = agree_on_refusal(entry, par)
+    device = _device_of(chunks)
     plan, mbs = _microbatches(samples, spec, cfg.fns.collate, device)
     unpack = _unpacker(par)
     weights: dict[str, torch.Tensor | None] = {"w": None}
@@ -1228,11 +1289,17 @@ def compute_values(
     """
     cfg = config or CriticConfig()
     chunks = list(model_chunks)
-    check_head("compute_values", "model_chunks", chunks[0], "value")
     par = current_layout()
-    device = _device_of(chunks)
     samples = _without_routes(batch)
-    spec = _checked_batching("compute_values", cfg, chunks, samples, par, cp_config=dataclasses.replace(cfg, loss=ValueLossConfig()))
+
+    def entry() -> _Batching:
+        check_head("compute_values", "model_chunks", chunks[0], "value")
+        _per_chunk(params, len(chunks))
+        return _checked_batching("compute_values", cfg, chunks, samples, par,
+                                 cp_config=dataclasses.replace(cfg, loss=ValueLossConfig()))
+
+    spec = agree_on_refusal(entry, par)
+    device = _device_of(chunks)
     plan, mbs = _microbatches(samples, spec, cfg.fns.collate, device)
     unpack = _unpacker(par)
 

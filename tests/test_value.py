@@ -457,7 +457,7 @@ ERRORS = {
     "no-returns": ("InputError", "critic_step", "batch[0].returns", "a tensor (the critic's targets", "None"),
     "no-values-with-clip": ("InputError", "critic_step", "batch[0].values", "since ValueLossConfig.clip_range=0.2", "None"),
     "returns-for-some": ("InputError", "critic_step", "batch[1].returns", "a tensor (batch[0] has returns; all samples or none)", "None"),
-    "nan-returns": ("InputError", "collate_microbatch", "samples[0].returns", "finite values", "NaN/inf"),
+    "nan-returns": ("InputError", "critic_step", "batch[0].returns", "finite values", "NaN/inf"),
     "values-shape": ("InputError", "critic_step", "values", "(one value per position of the micro-batch)", "f32[1,"),
     "compute-values-shape": ("InputError", "compute_values", "values", "(one value per position of the micro-batch)", "f32[1,"),
     "fresh-head-of-policy": ("InputError", "load_full_weights", "fresh_head", "False for a model without a value head", "True"),
