@@ -43,25 +43,57 @@ _ERROR_CLIP = 0.2
 """The proportional error is clipped to ``[-0.2, 0.2]`` (Ziegler et al.)."""
 
 
-class KLControllerState(NamedTuple):
-    """Immutable controller state.
-
-    Attributes:
-        coef: the current KL coefficient (``>= 0``), e.g. ``PolicyLossConfig.kl_coef``.
-        target: the target KL per token (``> 0``) of the adaptive controller; None: fixed.
-        horizon: the adaptive controller's horizon in samples (``> 0``); None: fixed.
-    """
-
-    coef: float
-    target: float | None = None
-    horizon: float | None = None
-
-
 def _number(fn: str, arg: str, value: Any, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
             value <= 0 if positive else value < 0):
         raise input_error(fn, arg, f"a finite number {'> 0' if positive else '>= 0'}", repr(value))
     return float(value)
+
+
+class _Fields(NamedTuple):
+    coef: float
+    target: float | None = None
+    horizon: float | None = None
+
+
+class KLControllerState(_Fields):
+    """Immutable controller state (a named tuple), validated whenever one is built.
+
+    ``KLControllerState(coef)`` is the fixed controller's state,
+    ``KLControllerState(coef, target, horizon)`` the adaptive one's. Every way of building one
+    checks its fields: the constructor (e.g. ``KLControllerState(**saved._asdict())`` when resuming
+    from a checkpoint), ``_make`` and ``_replace``. The numbers are stored as floats.
+
+    Attributes:
+        coef: the current KL coefficient, a finite number ``>= 0``, e.g. ``PolicyLossConfig.kl_coef``.
+        target: the target KL per token of the adaptive controller, a finite number ``> 0`` (a
+            negative one would move the coefficient the wrong way, 0 would divide by zero); None:
+            fixed.
+        horizon: the adaptive controller's horizon in samples, a finite number ``> 0``; None: fixed.
+
+    Raises:
+        InputError: ``fnppo.KLControllerState: argument '<field>' ...`` for a field out of range,
+            NaN/inf, or not a number; ``target`` and ``horizon`` not both None or both numbers.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, coef: float, target: float | None = None, horizon: float | None = None) -> KLControllerState:
+        fn = "fnppo.KLControllerState"
+        coef = _number(fn, "coef", coef, positive=False)
+        if target is None and horizon is None:
+            return super().__new__(cls, coef, None, None)
+        for arg, value, other in (("target", target, "horizon"), ("horizon", horizon, "target")):
+            if value is None:
+                raise input_error(fn, arg, f"a finite number > 0 since {other} is set (both None: a fixed "
+                                  "controller)", "None")
+        return super().__new__(cls, coef, _number(fn, "target", target, positive=True),
+                               _number(fn, "horizon", horizon, positive=True))
+
+    @classmethod
+    def _make(cls, iterable: Any) -> KLControllerState:
+        """Build from an iterable of the fields, validated like the constructor (``_replace`` uses it)."""
+        return cls(*iterable)
 
 
 def _observed(fn: str, observed_kl: Any) -> float:
@@ -132,7 +164,7 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: float | torch.Tens
     if n * _ERROR_CLIP >= state.horizon:
         raise input_error(fn, "n_steps", f"an int < 5 * horizon = {5 * state.horizon!r}", repr(n_steps))
     error = min(max(kl / state.target - 1.0, -_ERROR_CLIP), _ERROR_CLIP)
-    return state._replace(coef=state.coef * (1.0 + error * n / state.horizon))
+    return KLControllerState(state.coef * (1.0 + error * n / state.horizon), state.target, state.horizon)
 
 
 def fixed_kl_init(coef: float) -> KLControllerState:

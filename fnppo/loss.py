@@ -36,8 +36,11 @@ numerator and the local denominator, so the finalized ``loss`` equals the full-b
 (``ppo_kl``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ...) are means over valid tokens.
 
 Validation (mask is 0/1, no NaN/inf at trained positions, sequence ids in range, normalizer >= 0)
-costs one device-to-host sync; it runs while call-time type checking is on (see
-:mod:`fnppo.typing`) and is skipped together with it.
+costs one device-to-host sync. Positions where the mask is 0 are never read: whatever they hold,
+NaN and inf included, the loss, its gradient and the metrics are those of any finite value there
+(:func:`fnppo.collate_microbatch`, which builds the micro-batches of :func:`fnppo.train_step` from
+samples, is stricter: it refuses NaN/inf at every response position). Validation runs while
+call-time type checking is on (see :mod:`fnppo.typing`) and is skipped together with it.
 """
 
 from __future__ import annotations
@@ -65,8 +68,14 @@ from fnppo.policy_losses import (  # noqa: F401 - the built-in losses stay impor
     registered_policy_losses,
     sapo_loss,
 )
-from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA, Rules, TISWeights, check_seq_rejection, correction
-from fnppo.rollout_correction import TIS_LEVELS as _TIS_LEVELS
+from fnppo.rollout_correction import (
+    SEQ_REJECTION_CRITERIA,
+    Rules,
+    TISWeights,
+    check_seq_rejection,
+    check_weight_rules,
+    correction,
+)
 from fnppo.segments import Segments, segments
 from fnppo.typing import (
     Integer,
@@ -76,6 +85,7 @@ from fnppo.typing import (
     Shaped,
     Tensor,
     TokenFloat,
+    check_bool_fields,
     check_finite,
     check_mask01,
     describe,
@@ -133,9 +143,11 @@ class PolicyLossConfig:
         clip_ratio_low, clip_ratio_high: asymmetric clipping of the ratio to
             ``[1 - clip_ratio_low, 1 + clip_ratio_high]`` (DAPO clip-higher, arXiv:2503.14476).
             ``gmpo`` reads them as log-space bounds ``[-clip_ratio_low, clip_ratio_high]``.
-            ``gspo`` uses them on its sequence ratio (the paper uses ~3e-4 / 4e-4).
+            ``gspo`` uses them on its sequence ratio (the paper uses ~3e-4 / 4e-4). A ratio exactly
+            on a bound is not clipped (not counted in ``pg_clipfrac``, full gradient).
         clip_ratio_c: dual-clip bound for negative advantages (arXiv:1912.09729), ``> 1``;
-            ``None`` disables it. Used by ``ppo`` and ``clip_cov``.
+            ``None`` disables it. Used by ``ppo`` and ``clip_cov``. A ratio exactly at
+            ``clip_ratio_c`` is not clipped (not counted in ``pg_clipfrac_lower``, full gradient).
         loss_agg_mode: one of :data:`LOSS_AGG_MODES` (see :func:`ppo_loss`).
         loss_scale_factor: the constant ``C`` of ``seq-mean-token-sum-norm`` (Dr. GRPO,
             arXiv:2503.20783; e.g. the maximum response length). Required for that mode, must be
@@ -145,11 +157,14 @@ class PolicyLossConfig:
         kl_coef: weight of the KL penalty ``KL(policy || ref)`` (needs ``ref_logprobs``), ``>= 0``.
         kl_estimator: one of :data:`KL_ESTIMATORS` (see :func:`kl_penalty`).
         tis_cap: truncation cap of the importance weight against the rollout engine's log-probs
-            (Yao et al. 2025); ``None``: no reweighting. Must be > 0.
+            (Yao et al. 2025); ``None``: no reweighting. Must be > 0. A weight exactly equal to the
+            cap is not counted in ``tis_truncated_frac``.
         tis_level: ``"token"`` (per-token weight) or ``"sequence"`` (product over the sequence).
         tis_reject_low, tis_reject_high: optional rejection bounds on the untruncated weight:
-            tokens (or sequences) whose weight lies outside ``[low, high]`` are dropped from the
-            loss numerator (they still count in the denominator). ``None``: no bound.
+            tokens (or sequences) whose weight lies outside the closed interval ``[low, high]`` are
+            dropped from the loss numerator (they still count in the denominator); a weight exactly
+            on a bound is kept. ``None``: no bound. ``low >= 0``, ``high > 0``, ``low < high``
+            (the same rule as the arguments of :func:`compute_tis_weights`).
         tis_reject_level: level of the rejection, ``"token"``, ``"sequence"``, or ``None`` (same as
             ``tis_level``).
         log_ratio_clamp: log-ratios are clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` before
@@ -180,6 +195,8 @@ class PolicyLossConfig:
         reject_seq_mean_log_ratio: ``(low, high)``: reject a sequence whose mean ``d`` lies outside
             ``[low, high]`` (log of the geometric-mean ratio). ``None``: off.
         reject_seq_max_abs_log_ratio: reject a sequence with ``max_t |d_t|`` above it. ``None``: off.
+            Each ``reject_seq_*`` criterion fires strictly above its threshold (resp. strictly
+            outside ``[low, high]``): a statistic exactly at the threshold keeps its sequence.
             Rejected sequences leave every numerator and stay in the denominator (as
             ``tis_reject_*``); metrics ``rollout_rejected_frac`` and ``<field>_frac``.
     """
@@ -217,6 +234,7 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         fn = "fnppo.PolicyLossConfig"
+        check_bool_fields(fn, self)
 
         def need(ok: bool, arg: str, expected: str) -> None:
             if not ok:
@@ -235,18 +253,7 @@ class PolicyLossConfig:
         for arg in ("entropy_coeff", "kl_coef"):
             need(num(arg) and getattr(self, arg) >= 0, arg, "a finite number >= 0")
         need(self.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"one of {list(KL_ESTIMATORS)}")
-        need(self.tis_cap is None or (num("tis_cap") and self.tis_cap > 0), "tis_cap", "a number > 0 or None")
-        need(self.tis_level in _TIS_LEVELS, "tis_level", f"one of {list(_TIS_LEVELS)}")
-        need(self.tis_reject_level is None or self.tis_reject_level in _TIS_LEVELS, "tis_reject_level",
-             f"one of {list(_TIS_LEVELS)} or None")
-        need(self.tis_reject_low is None or (num("tis_reject_low") and self.tis_reject_low >= 0), "tis_reject_low",
-             "a number >= 0 or None")
-        need(self.tis_reject_high is None or (num("tis_reject_high") and self.tis_reject_high > 0),
-             "tis_reject_high", "a number > 0 or None")
-        if self.tis_reject_low is not None and self.tis_reject_high is not None:
-            need(self.tis_reject_low < self.tis_reject_high, "tis_reject_high",
-                 f"a number > tis_reject_low={self.tis_reject_low!r}")
-        need(num("log_ratio_clamp") and self.log_ratio_clamp > 0, "log_ratio_clamp", "a number > 0")
+        check_weight_rules(fn, lambda name: getattr(self, name if name == "log_ratio_clamp" else "tis_" + name), "tis_")
         need(num("cispo_clip_low") and 0 <= self.cispo_clip_low <= 1, "cispo_clip_low", "a number in [0, 1]")
         need(num("cispo_clip_high") and self.cispo_clip_high >= 0, "cispo_clip_high", "a number >= 0")
         for arg in ("sapo_tau_pos", "sapo_tau_neg"):
@@ -261,8 +268,6 @@ class PolicyLossConfig:
 
     def _check_rollout_correction(self, fn: str, need: Any) -> None:
         """The bypass, batch-normalization and sequence-rejection fields, and how they combine."""
-        for arg in ("bypass_old_logprobs", "tis_batch_normalize"):
-            need(isinstance(getattr(self, arg), bool), arg, "a bool")
         bounds = check_seq_rejection(fn, lambda arg: getattr(self, arg))
         object.__setattr__(self, "reject_seq_mean_log_ratio", bounds)  # a list becomes a tuple
         if self.bypass_old_logprobs and self.policy_loss not in _RATIO_FREE:
@@ -308,16 +313,19 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
         logprobs: ``[*tok]`` log-probs of the policy (carry the gradient).
         ref_logprobs: ``[*tok]`` log-probs of the reference policy.
         estimator: one of :data:`KL_ESTIMATORS`.
-        log_ratio_clamp: bound of ``|d|`` (keeps ``exp`` finite).
+        log_ratio_clamp: bound of ``|d|`` (keeps ``exp`` finite), a finite number > 0. A ``|d|``
+            exactly at the bound is kept as it is, with its gradient.
 
     Returns:
         ``[*tok]`` per-token estimates in the inputs' dtype.
 
     Raises:
-        InputError: an unknown ``estimator``.
+        InputError: an unknown ``estimator``; a ``log_ratio_clamp`` that is not a finite number > 0.
     """
     if estimator not in KL_ESTIMATORS:
         raise input_error("fnppo.kl_penalty", "estimator", f"one of {list(KL_ESTIMATORS)}", repr(estimator))
+    if not (_is_number(log_ratio_clamp) and log_ratio_clamp > 0):
+        raise input_error("fnppo.kl_penalty", "log_ratio_clamp", "a number > 0", repr(log_ratio_clamp))
     straight_through = estimator.endswith("+")
     base = _KL_BASE[estimator.rstrip("+")]
     d = torch.clamp(logprobs - ref_logprobs, -log_ratio_clamp, log_ratio_clamp)
@@ -355,11 +363,14 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
     Token level: ``w_t = exp(logp_old_t - logp_rollout_t)``; sequence level:
     ``w_i = exp(sum_t (logp_old_t - logp_rollout_t))`` (valid tokens of sequence i, broadcast to its
     tokens). Log-weights are clamped to ``[-log_ratio_clamp, log_ratio_clamp]``. The applied weight
-    is ``min(w, cap)``, detached (``cap=None``: weight 1, only rejection). Optional rejection (at
-    ``reject_level``, default ``level``): tokens or sequences whose untruncated weight is outside
-    ``[reject_low, reject_high]`` get weight 0 and ``keep`` 0; so do sequences rejected by the
-    ``reject_seq_*`` criteria (k2, k3, mean and max-abs of the clamped log-ratio ``d``, see
-    :mod:`fnppo.rollout_correction`). ``batch_normalize``: the kept weights are divided by
+    is ``min(w, cap)``, detached (``cap=None``: weight 1, only rejection); a weight exactly equal to
+    ``cap`` is not counted in ``tis_truncated_frac``. Optional rejection (at ``reject_level``,
+    default ``level``): tokens or sequences whose untruncated weight is outside the closed interval
+    ``[reject_low, reject_high]`` get weight 0 and ``keep`` 0 (a weight exactly on a bound is kept:
+    on-policy data, ``w = 1`` exactly, is kept with ``reject_low=1``); so do sequences rejected by
+    the ``reject_seq_*`` criteria (k2, k3, mean and max-abs of the clamped log-ratio ``d``, see
+    :mod:`fnppo.rollout_correction`; each fires strictly above its threshold, resp. strictly
+    outside its closed interval). ``batch_normalize``: the kept weights are divided by
     ``tis_mean`` (the global mean from :func:`tis_batch_stats`; None: their mean in this call).
 
     Reference: F. Yao et al. (2025), "Your efficient RL framework secretly brings you off-policy RL
@@ -382,19 +393,19 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
         :class:`TISWeights` ``(weights, keep, metrics)``.
 
     Raises:
-        InputError: a bad cap, level, bound or criterion, ``tis_mean`` without ``batch_normalize``;
-            with checking on, a mask that is not 0/1, NaN/inf at valid positions, ``seq_ids`` out
-            of range, a negative or non-finite ``tis_mean``.
+        InputError: the rule of :class:`PolicyLossConfig` for its ``tis_*`` fields, applied to the
+            arguments of the same name: a ``cap`` or ``reject_high`` that is not a finite number > 0,
+            a ``reject_low`` that is not a finite number >= 0, ``reject_low >= reject_high`` (named
+            ``reject_high``), an unknown ``level`` / ``reject_level``, a ``log_ratio_clamp`` that
+            is not a finite number > 0; a bad ``reject_seq_*`` criterion; ``tis_mean`` without
+            ``batch_normalize``; with checking on, a mask that is not 0/1, NaN/inf at valid
+            positions (values where ``loss_mask`` is 0 are never read), ``seq_ids`` out of range,
+            a negative or non-finite ``tis_mean``.
     """
     fn = "fnppo.compute_tis_weights"
-    if cap is not None and not (_is_number(cap) and cap > 0):
-        raise input_error(fn, "cap", "a number > 0 or None", repr(cap))
-    for arg, value in (("level", level), ("reject_level", reject_level)):
-        if value is not None and value not in _TIS_LEVELS:
-            raise input_error(fn, arg, f"one of {list(_TIS_LEVELS)}", repr(value))
-    for arg, value in (("reject_low", reject_low), ("reject_high", reject_high)):
-        if value is not None and not (_is_number(value) and value >= 0):
-            raise input_error(fn, arg, "a number >= 0 or None", repr(value))
+    rules = {"cap": cap, "level": level, "reject_low": reject_low, "reject_high": reject_high,
+             "reject_level": reject_level, "log_ratio_clamp": log_ratio_clamp}
+    check_weight_rules(fn, rules.__getitem__)
     given = {"reject_seq_k2": reject_seq_k2, "reject_seq_k3": reject_seq_k3,
              "reject_seq_mean_log_ratio": reject_seq_mean_log_ratio,
              "reject_seq_max_abs_log_ratio": reject_seq_max_abs_log_ratio}
@@ -707,7 +718,9 @@ def ppo_loss(
     the sum of micro-batch losses equal the full-batch loss), else the local count. ``N = 0`` (no
     valid token anywhere) gives a loss of exactly 0 with zero gradient. ``logprobs`` itself is not
     checked for NaN/inf: it is the model's output, and a non-finite loss makes
-    :func:`fnppo.train_step` skip the update.
+    :func:`fnppo.train_step` skip the update. Positions where ``loss_mask`` is 0 are never read, in
+    any argument, whatever the policy loss and layout: NaN or inf there leaves the loss, the
+    gradient and the metrics unchanged.
 
     Bypass mode (``config.bypass_old_logprobs``): ``rollout_logprobs`` replace ``old_logprobs``
     (which may be None and are ignored), so every ratio is ``pi_theta / pi_rollout``, and the
@@ -745,9 +758,10 @@ def ppo_loss(
         ShapeError: shapes or dtypes that disagree (call-time check).
         InputError: an empty batch; an input the config needs left out (``old_logprobs`` outside
             bypass mode, ``rollout_logprobs`` in it); ``tis_mean`` without
-            ``tis_batch_normalize``; with checking on, a mask that is not 0/1, NaN/inf at valid
-            positions, ``seq_ids`` out of range, a negative or non-finite ``normalizer`` or
-            ``tis_mean``; a policy loss whose output is not per-token.
+            ``tis_batch_normalize``; with checking on, a mask that is not 0/1, NaN/inf in
+            ``advantages``, ``old_logprobs``, ``ref_logprobs`` or ``rollout_logprobs`` at positions
+            where ``loss_mask`` is 1 (only there), ``seq_ids`` out of range, a negative or
+            non-finite ``normalizer`` or ``tis_mean``; a policy loss whose output is not per-token.
     """
     fn = "fnppo.ppo_loss"
     _check_non_empty(fn, "logprobs", logprobs)
@@ -852,7 +866,8 @@ def value_loss(
 
     Raises:
         InputError: an empty batch, a bad ``clip_range`` or mode; with checking on, as
-            :func:`ppo_loss` for the mask, NaN/inf, ``seq_ids`` and ``normalizer``.
+            :func:`ppo_loss` for the mask, NaN/inf (in ``values``, ``old_values``, ``returns``
+            where ``mask`` is 1; other positions are never read), ``seq_ids`` and ``normalizer``.
     """
     fn = "fnppo.value_loss"
     _check_non_empty(fn, "values", values)

@@ -165,15 +165,20 @@ def registered_policy_losses() -> tuple[str, ...]:
 # Built-in policy losses
 # =============================================================================================
 def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: PolicyLossConfig, dual: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO pessimistic surrogate; returns (loss, clipped, dual_clipped) per token."""
+    """PPO pessimistic surrogate; returns (loss, clipped, dual_clipped) per token.
+
+    A token is clipped only where the clipped term is strictly larger (resp. the dual bound
+    strictly smaller); on a bound (equal terms) it is not clipped and keeps the unclipped gradient
+    (``torch.where``, not ``torch.minimum``, whose gradient a tie would split in half).
+    """
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    loss = torch.maximum(l1, l2)
     clipped = l2 > l1
+    loss = torch.where(clipped, l2, l1)
     if dual and cfg.clip_ratio_c is not None:
         l3 = -adv * cfg.clip_ratio_c
         lower = (adv < 0) & (loss > l3)
-        loss = torch.where(adv < 0, torch.minimum(loss, l3), loss)
+        loss = torch.where(lower, l3, loss)
     else:
         lower = torch.zeros_like(clipped)
     return loss, clipped, lower
@@ -184,7 +189,10 @@ def ppo_clip_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric and dual clipping.
 
     ``r = exp(logp - logp_old)``, ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` and, for
-    ``A < 0``, ``l = min(l, -A c)`` (dual clip, ``c = clip_ratio_c``).
+    ``A < 0``, ``l = min(l, -A c)`` (dual clip, ``c = clip_ratio_c``). ``pg_clipfrac`` counts the
+    tokens where the clipped term is strictly larger, ``pg_clipfrac_lower`` those where ``-A c`` is
+    strictly smaller; a ratio exactly on ``1 - eps_low``, ``1 + eps_high`` or ``c`` is not clipped
+    and keeps the gradient of ``-A r``.
 
     References: PPO, arXiv:1707.06347; dual-clip PPO, arXiv:1912.09729; clip-higher (asymmetric
     bounds), DAPO, arXiv:2503.14476.

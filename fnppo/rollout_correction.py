@@ -133,6 +133,41 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def check_weight_rules(fn: str, get: Callable[[str], Any], prefix: str = "") -> None:
+    """Check the importance-weight settings, read by ``get(name)``; ``prefix`` names them in the message.
+
+    The names are ``cap``, ``level``, ``reject_low``, ``reject_high``, ``reject_level`` and
+    ``log_ratio_clamp``; the config calls its fields ``tis_cap`` ... ``tis_reject_level``
+    (``prefix="tis_"``; ``log_ratio_clamp`` is never prefixed), :func:`fnppo.loss.compute_tis_weights`
+    its arguments by the bare names. The one rule for both:
+
+    * ``cap``: a finite number > 0 or None; ``level``: one of :data:`TIS_LEVELS`;
+      ``reject_level``: one of them or None;
+    * ``reject_low``: a finite number >= 0 or None; ``reject_high``: a finite number > 0 or None;
+      both given: ``reject_low < reject_high`` (else every unit would be rejected, or, at equality,
+      every unit whose weight is not exactly that number);
+    * ``log_ratio_clamp``: a finite number > 0.
+
+    Raises:
+        InputError: naming the first value that breaks the rule (``reject_high`` for a pair out of order).
+    """
+    def need(ok: bool, name: str, expected: str) -> None:
+        if not ok:
+            raise input_error(fn, name if name == "log_ratio_clamp" else prefix + name, expected, repr(get(name)))
+
+    cap, low, high = get("cap"), get("reject_low"), get("reject_high")
+    need(cap is None or (_finite(cap) and cap > 0), "cap", "a number > 0 or None")
+    need(get("level") in TIS_LEVELS, "level", f"one of {list(TIS_LEVELS)}")
+    need(get("reject_level") is None or get("reject_level") in TIS_LEVELS, "reject_level",
+         f"one of {list(TIS_LEVELS)} or None")
+    need(low is None or (_finite(low) and low >= 0), "reject_low", "a number >= 0 or None")
+    need(high is None or (_finite(high) and high > 0), "reject_high", "a number > 0 or None")
+    if low is not None and high is not None:
+        need(low < high, "reject_high", f"a number > {prefix}reject_low={low!r}")
+    clamp = get("log_ratio_clamp")
+    need(_finite(clamp) and clamp > 0, "log_ratio_clamp", "a number > 0")
+
+
 def check_seq_rejection(fn: str, get: Callable[[str], Any]) -> tuple[float, float] | None:
     """Check the four ``reject_seq_*`` values (``get(name)`` reads one); return the mean bounds as a tuple.
 

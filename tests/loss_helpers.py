@@ -8,6 +8,7 @@ by the plain-loop references) and the split-invariance check of ``ppo_loss``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +96,39 @@ def check_split_invariance(batch: tuple, cfg: Any, cuts: Sequence[int],
     for key in whole:
         assert merged[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key  # fp32 metrics
     assert torch.isfinite(g_full).all()
+
+
+def log_hitting(value: float, base: float = 0.0, dtype: torch.dtype = torch.float64) -> float:
+    """A number ``x`` of ``dtype`` with ``exp(x - base) == value`` exactly in ``dtype`` (``x - base``
+    computed in ``dtype``): log-probs whose ratio sits exactly on a threshold."""
+    x0 = torch.tensor(math.log(value) + base, dtype=dtype)
+    up, down = x0.clone(), x0.clone()
+    for _ in range(64):
+        for x in (up, down):
+            if torch.exp(x - torch.tensor(base, dtype=dtype)).item() == value:
+                return x.item()
+        up = torch.nextafter(up, torch.tensor(math.inf, dtype=dtype))
+        down = torch.nextafter(down, torch.tensor(-math.inf, dtype=dtype))
+    raise AssertionError(f"no {dtype} x with exp(x - {base}) == {value}")
+
+
+def log_beyond(value: float, up: bool) -> float:
+    """The float64 ``x`` nearest to ``log(value)`` with ``exp(x)`` strictly above (``up``) or below ``value``:
+    a ratio one step beyond a threshold."""
+    x = log_hitting(value)
+    while torch.exp(torch.tensor(x, dtype=torch.float64)).item() == value:
+        x = math.nextafter(x, math.inf if up else -math.inf)
+    return x
+
+
+def next_up(x: float) -> float:
+    """The next float64 above ``x``."""
+    return math.nextafter(x, math.inf)
+
+
+def next_down(x: float) -> float:
+    """The next float64 below ``x``."""
+    return math.nextafter(x, -math.inf)
 
 
 def unchanged_check(inputs: dict[str, torch.Tensor]) -> Callable[[], None]:

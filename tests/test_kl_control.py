@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fnppo.kl_control import (
 )
 from fnppo.loss import PolicyLossConfig
 from fnppo.typing import InputError
+from tests.messages import raises_message
 
 
 def reference_controller(coef, target, horizon, observations):
@@ -121,3 +123,58 @@ def test_with_kl_coef_updates_policy_loss_config():
 def test_validation(call, arg):
     with pytest.raises(InputError, match=rf"fnppo\.\w+_kl_\w+: argument '{arg}' expected .+, received .+"):
         call()
+
+
+# the state checks its own fields however it is built: the constructor (a checkpoint rebuilds it with
+# KLControllerState(**saved)), _make and _replace; (fields, field named, expected, received)
+BAD_STATES = {
+    "negative-target": (dict(coef=0.1, target=-0.02, horizon=100.0), "target", "a finite number > 0", "-0.02"),
+    "zero-target": (dict(coef=0.1, target=0.0, horizon=100.0), "target", "a finite number > 0", "0.0"),
+    "nan-target": (dict(coef=0.1, target=math.nan, horizon=100.0), "target", "a finite number > 0", "nan"),
+    "bool-target": (dict(coef=0.1, target=True, horizon=100.0), "target", "a finite number > 0", "True"),
+    "negative-coef": (dict(coef=-0.1, target=0.02, horizon=100.0), "coef", "a finite number >= 0", "-0.1"),
+    "inf-coef": (dict(coef=math.inf), "coef", "a finite number >= 0", "inf"),
+    "string-coef": (dict(coef="0.1"), "coef", "a finite number >= 0", "'0.1'"),
+    "zero-horizon": (dict(coef=0.1, target=0.02, horizon=0.0), "horizon", "a finite number > 0", "0.0"),
+    "inf-horizon": (dict(coef=0.1, target=0.02, horizon=math.inf), "horizon", "a finite number > 0", "inf"),
+    "target-without-horizon": (dict(coef=0.1, target=0.02), "horizon", "a finite number > 0 since target is set",
+                               "None"),
+    "horizon-without-target": (dict(coef=0.1, horizon=10.0), "target", "a finite number > 0 since horizon is set",
+                               "None"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATES))
+def test_state_is_validated_however_it_is_built(case):
+    fields, arg, expected, received = BAD_STATES[case]
+    good = adaptive_kl_init(0.1, 0.02, 100.0)
+    full = {"coef": fields["coef"], "target": fields.get("target"), "horizon": fields.get("horizon")}
+    builds = {
+        "constructor": lambda: KLControllerState(**fields),
+        "positional": lambda: KLControllerState(*full.values()),
+        "_make": lambda: KLControllerState._make([full["coef"], full["target"], full["horizon"]]),
+        "_replace": lambda: good._replace(**full),
+    }
+    for build in builds.values():
+        with raises_message("KLControllerState", arg, expected, received):
+            build()
+
+
+def test_a_refused_target_never_reaches_the_update():
+    # without the check, target < 0 would raise the coefficient for a KL below target, and target = 0
+    # would divide by zero; a state rebuilt from a checkpoint goes through the same constructor
+    saved = adaptive_kl_init(0.1, 0.02, 100.0)._asdict()
+    assert KLControllerState(**saved) == adaptive_kl_init(0.1, 0.02, 100.0)
+    for target in (-0.02, 0.0):
+        with raises_message("KLControllerState", "target", "a finite number > 0", repr(target)):
+            adaptive_kl_update(KLControllerState(**{**saved, "target": target}), 0.01, 10)
+
+
+def test_valid_states_round_trip():
+    for state in (adaptive_kl_init(0.1, 0.02, 1000), fixed_kl_init(0.0), KLControllerState(0)):
+        again = KLControllerState(**state._asdict())
+        assert again == state and type(again) is KLControllerState
+        assert state._replace(coef=0.5) == KLControllerState(0.5, state.target, state.horizon)
+        assert pickle.loads(pickle.dumps(state)) == state
+        assert all(v is None or type(v) is float for v in state)  # stored as floats
+    assert KLControllerState(1, 2, 3) == (1.0, 2.0, 3.0)  # still a tuple

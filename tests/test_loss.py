@@ -29,10 +29,21 @@ from fnppo.loss import (
     weighted_metric,
 )
 from fnppo.typing import InputError, ShapeError
-from tests.loss_helpers import aggregate, check_split_invariance, grad_of, leaf, random_batch, t, unchanged_check
-from tests.loss_helpers import float64_default  # noqa: F401  (autouse: float64 default dtype in this module)
-from tests.messages import raises_message
-
+from tests.loss_helpers import (
+    aggregate,
+    check_split_invariance,
+    float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
+    grad_of,
+    leaf,
+    log_beyond,
+    log_hitting,
+    next_down,
+    next_up,
+    random_batch,
+    t,
+    unchanged_check,
+)
+from tests.messages import check_message, raises_message
 
 DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo")
 BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
@@ -562,6 +573,198 @@ def test_packed_layout_matches_padded(name, mode):
     fp, fq = finalize_metrics(pm), finalize_metrics(qm)
     for key in fp:
         assert fq[key] == pytest.approx(fp[key], rel=1e-5, abs=1e-6), key
+
+
+# =============================================================================================
+# Clip bounds at equality: a ratio exactly on a bound is not clipped and keeps its gradient
+# =============================================================================================
+# (policy loss, config, ratio exactly on the bound, advantage, the metric counting that bound,
+#  the gradient one float beyond the bound, per unit of -A)
+CLIP_EDGES = {
+    "ppo-upper": ("ppo", dict(clip_ratio_high=0.25), 1.25, 1.0, "pg_clipfrac", 0.0),
+    "ppo-lower": ("ppo", dict(clip_ratio_low=0.5), 0.5, -1.0, "pg_clipfrac", 0.0),
+    "ppo-dual": ("ppo", dict(clip_ratio_c=2.0, clip_ratio_high=0.25), 2.0, -1.0, "pg_clipfrac_lower", 0.0),
+    "clip_cov-dual": ("clip_cov", dict(clip_ratio_c=2.0, clip_ratio_high=0.25, clip_cov_ub=1e9, clip_cov_lb=1e8),
+                      2.0, -1.0, "pg_clipfrac_lower", 0.0),
+    "gspo-upper": ("gspo", dict(clip_ratio_high=0.25), 1.25, 1.0, "pg_clipfrac", 0.0),
+    "gspo-lower": ("gspo", dict(clip_ratio_low=0.5), 0.5, -1.0, "pg_clipfrac", 0.0),
+    "cispo-upper": ("cispo", dict(cispo_clip_high=0.25), 1.25, 1.0, "pg_clipfrac", 1.25),  # weight stays at 1.25
+    "cispo-lower": ("cispo", dict(cispo_clip_low=0.5), 0.5, 1.0, "pg_clipfrac", 0.5),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIP_EDGES))
+def test_ratio_exactly_on_a_clip_bound_is_not_clipped(case):
+    name, kw, bound, a, metric, beyond_grad = CLIP_EDGES[case]
+    x = log_hitting(bound)  # exp(x - 0) == bound exactly in float64
+    outward = log_beyond(bound, up=bound > 1)  # the nearest ratio beyond the bound
+    for lp_value, clipped in ((x, False), (outward, True)):
+        lp = leaf(t([lp_value]))
+        loss, m = ppo_loss(lp, t([0.0]), t([a]), torch.ones(1, 1), cfg_for(name, **kw))
+        r = math.exp(lp_value)  # float64 reference of the unclipped ratio
+        assert finalize_metrics(m)[metric] == float(clipped), (lp_value, finalize_metrics(m))
+        # unclipped: d(-A r)/dlogp = -A r (cispo: d(-sg(r) A logp)/dlogp = -A r); clipped: see the table
+        expected = -a * (beyond_grad if clipped else r)
+        assert grad_of(loss, lp).item() == pytest.approx(expected, rel=1e-15, abs=0), (lp_value, clipped)
+
+
+def test_gmpo_log_ratio_exactly_on_its_bound_is_not_clipped():
+    # gmpo clips the log-ratio to [-clip_ratio_low, clip_ratio_high]: log r = 0.25 exactly (-0.75 - (-1))
+    cfg = cfg_for("gmpo", clip_ratio_low=0.25, clip_ratio_high=0.25)
+    for lp_value, a, clipped in ((-0.75, 1.0, False), (next_up(-0.75), 1.0, True),
+                                 (-1.25, -1.0, False), (next_down(-1.25), -1.0, True)):
+        lp = leaf(t([lp_value]))
+        loss, m = ppo_loss(lp, t([-1.0]), t([a]), torch.ones(1, 1), cfg)
+        assert finalize_metrics(m)["pg_clipfrac"] == float(clipped), lp_value
+        expected = 0.0 if clipped else -a * math.exp(lp_value + 1.0)  # l = -A exp(u), u = log r
+        assert grad_of(loss, lp).item() == pytest.approx(expected, rel=1e-12, abs=0), lp_value
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "clip_cov"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_on_policy_with_zero_clip_width_is_the_plain_policy_gradient(name, packed):
+    # logprobs == old_logprobs: every ratio is exactly 1 = 1 - 0 = 1 + 0, on both bounds at once
+    lp0, _, adv, mask, *_ = random_batch(21, 3, 5)
+    mask[0, 0] = 1.0
+    kw = dict(clip_ratio_low=0.0, clip_ratio_high=0.0, cispo_clip_low=0.0, cispo_clip_high=0.0)
+    if name == "clip_cov":
+        kw.update(clip_cov_lb=1e8, clip_cov_ub=1e9)  # no token in the covariance band: plain ppo
+    seq_ids = None
+    if packed:
+        lp0, adv, mask = (x.reshape(1, -1) for x in (lp0, adv, mask))
+        seq_ids = torch.arange(3).repeat_interleave(5)[None]
+    lp = leaf(lp0)
+    loss, m = ppo_loss(lp, lp0.clone(), adv, mask, cfg_for(name, **kw), seq_ids=seq_ids)
+    fin = finalize_metrics(m)
+    assert fin["pg_clipfrac"] == 0.0 and fin["pg_clipfrac_lower"] == 0.0
+    # token-mean of -A r with r = 1: value -sum(A m) / N; gradient -A m / N (float64 loops)
+    n = sum(float(v) for v in mask.reshape(-1))
+    expected_grad = [-float(a) * float(v) / n for a, v in zip(adv.reshape(-1), mask.reshape(-1), strict=True)]
+    got = grad_of(loss, lp).reshape(-1).tolist()
+    assert got == pytest.approx(expected_grad, rel=1e-15, abs=1e-300)
+    if name != "cispo":  # cispo's value contains logp
+        assert loss.item() == pytest.approx(-sum(float(a) * float(v) for a, v in zip(
+            adv.reshape(-1), mask.reshape(-1), strict=True)) / n, rel=1e-14)
+
+
+def test_value_clip_at_equality():
+    # |V - old_V| == clip_range exactly (1.25 - 1.0 = 0.25): the clip is not active, the loss is 1/2 (V - R)^2
+    # with its gradient V - R; one float beyond (towards R = 1.5), V_clip = old_V + 0.25 gives the larger
+    # term: clipped, no gradient.
+    for v_value, clipped in ((1.25, False), (next_up(1.25), True)):
+        v = leaf(t([v_value]))
+        loss, m = value_loss(v, t([1.0]), t([1.5]), torch.ones(1, 1), 0.25)
+        assert finalize_metrics(m)["vf_clipfrac"] == float(clipped)
+        assert grad_of(loss, v).item() == (0.0 if clipped else v_value - 1.5), v_value
+    # float32, |V - old_V| rounds to exactly clip_range while old_V + 0.25 rounds away from V: at equality the
+    # clip is not active (V_clip = V), so rounding cannot pick the clipped term (here it would be larger)
+    f32 = dict(dtype=torch.float32)
+    v32, old32 = torch.tensor([[0.07251190394163132]], **f32), torch.tensor([[-0.17748808860778809]], **f32)
+    assert (v32 - old32).item() == 0.25 and (old32 + 0.25).item() != v32.item()  # the premise
+    v = leaf(v32)
+    loss, m = value_loss(v, old32, torch.zeros(1, 1, **f32), torch.ones(1, 1, **f32), 0.25)
+    assert finalize_metrics(m)["vf_clipfrac"] == 0.0 and torch.equal(grad_of(loss, v), v32)
+    # both terms equal while the clip is active (old_V = 0, V = 1, R = 0.75: V_clip = 0.5, (V - R)^2 = (V_clip - R)^2):
+    # the loss is the unclipped term, with its gradient V - R, and the token is not counted as clipped
+    v = leaf(t([1.0]))
+    loss, m = value_loss(v, t([0.0]), t([0.75]), torch.ones(1, 1), 0.5)
+    assert loss.item() == 0.5 * 0.25 ** 2 and finalize_metrics(m)["vf_clipfrac"] == 0.0
+    assert grad_of(loss, v).item() == 0.25
+
+
+# =============================================================================================
+# NaN at masked-out positions: the loss ignores it; a Sample refuses it (collate_microbatch)
+# =============================================================================================
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
+    # ppo_loss reads no position where loss_mask is 0: NaN / inf there give the loss, gradient and metrics
+    # of zeros there, in both layouts (with rollout correction, KL and entropy terms in use)
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(31, 3, 5)
+    mask[:, 0] = 1.0
+    mask[:, -1] = 0.0
+    cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=1.5, tis_reject_low=0.5,
+                  reject_seq_max_abs_log_ratio=5.0)
+    seq_ids = None
+    if packed:
+        lp0, old, adv, mask, ent, ref, rollout = (x.reshape(1, -1) for x in (lp0, old, adv, mask, ent, ref, rollout))
+        seq_ids = torch.arange(3).repeat_interleave(5)[None]
+    off = mask == 0
+
+    def fill(x, value):
+        return torch.where(off, torch.full_like(x, value), x)
+
+    def run(value):
+        lp = leaf(fill(lp0, value))
+        loss, m = ppo_loss(lp, fill(old, value), fill(adv, value), mask, cfg, entropy=fill(ent, value),
+                           ref_logprobs=fill(ref, value), rollout_logprobs=fill(rollout, value), seq_ids=seq_ids)
+        return loss, grad_of(loss, lp), finalize_metrics(m)
+
+    loss0, g0, m0 = run(0.0)
+    for value in (math.nan, math.inf, -math.inf):
+        loss, g, m = run(value)
+        assert torch.equal(loss, loss0) and torch.equal(g, g0), value
+        assert m == m0, value
+
+
+def _masked_nan_samples(field: str) -> list:
+    from fnppo.batch import Sample
+
+    good = [Sample.from_lists([1, 2], [3, 4, 5], advantages=[0.5, -0.5, 1.0], old_logprobs=[-1.0, -2.0, -1.5],
+                              rollout_logprobs=[-1.1, -2.0, -1.4], ref_logprobs=[-1.0, -1.0, -1.0]) for _ in range(2)]
+    values = {"advantages": [0.5, 1.0, math.nan], "old_logprobs": [-1.0, -2.0, math.nan],
+              "rollout_logprobs": [-1.0, -2.0, math.nan], "ref_logprobs": [-1.0, -2.0, math.inf]}
+    lists = {name: [0.5, 1.0, 0.0] if name == "advantages" else [-1.0, -2.0, -1.0] for name in values}
+    lists[field] = values[field]
+    bad = Sample.from_lists([1], [6, 7, 8], response_mask=[1.0, 1.0, 0.0], **lists)  # the NaN is masked out
+    return [*good, bad]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@pytest.mark.parametrize("field", ["advantages", "old_logprobs", "rollout_logprobs", "ref_logprobs"])
+def test_nan_at_a_masked_response_position_is_refused_by_collate(layout, field):
+    # documented refusal (docs/errors.md): a Sample's per-token values are finite at every response
+    # position, response_mask 0 included; the error names the sample and the field
+    from fnppo.batch import collate_microbatch
+
+    with raises_message("collate_microbatch", f"samples[2].{field}", "finite values", "f32[3] with 1 NaN/inf"):
+        collate_microbatch(_masked_nan_samples(field), layout=layout)
+
+
+def _train_step_masked_nan() -> dict:
+    """train_step on one rank with a NaN advantage at a masked-out response position, for each
+    policy loss and layout: the error (type, message) of each call; were the parameters untouched."""
+    import fnppo
+    from fnppo.model import ModelConfig, unwrap_model
+
+    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=32,
+                      vocab_size=16, max_seq_len=16)
+    ddp = fnppo.wrap_ddp(fnppo.build_gpt(cfg))
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
+    before = [p.detach().clone() for p in unwrap_model(ddp[0]).parameters()]
+    out: dict = {}
+    for name in ("ppo", "gspo", "cispo"):
+        for layout in ("packed", "padded"):
+            step = fnppo.StepConfig(layout=layout, loss=fnppo.PolicyLossConfig(policy_loss=name))
+            try:
+                fnppo.train_step(state, _masked_nan_samples("advantages"), step)
+                out[(name, layout)] = ("no error", "")
+            except Exception as err:  # noqa: BLE001 - reported to the test
+                out[(name, layout)] = (type(err).__name__, str(err))
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, unwrap_model(ddp[0]).parameters(), strict=True))
+    return out
+
+
+def test_train_step_refuses_nan_at_a_masked_position_for_every_loss_and_layout():
+    from fnppo.testing import run_ranks
+
+    (out,) = run_ranks(_train_step_masked_nan, 1)
+    assert out.pop("untouched")
+    assert len(out) == 6
+    for key, (kind, msg) in out.items():
+        assert kind == "InputError", (key, kind, msg)
+        check_message(InputError(msg), InputError, "train_step", "batch[2].advantages", "finite values",
+                      "f32[3] with 1 NaN/inf")
 
 
 # =============================================================================================

@@ -22,6 +22,7 @@ from fnppo.loss import (
     PolicyLossConfig,
     compute_tis_weights,
     finalize_metrics,
+    kl_penalty,
     loss_normalizer,
     ppo_loss,
     register_policy_loss,
@@ -29,8 +30,20 @@ from fnppo.loss import (
 )
 from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA
 from fnppo.typing import InputError
-from tests.loss_helpers import aggregate, check_split_invariance, grad_of, leaf, random_batch, t, unchanged_check
-from tests.loss_helpers import float64_default  # noqa: F401  (autouse: float64 default dtype in this module)
+from tests.loss_helpers import (
+    aggregate,
+    check_split_invariance,
+    float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
+    grad_of,
+    leaf,
+    log_hitting,
+    next_down,
+    next_up,
+    random_batch,
+    t,
+    unchanged_check,
+)
+from tests.messages import raises_message
 
 LN = math.log
 
@@ -483,6 +496,157 @@ def test_inputs_not_modified():
     compute_tis_weights(old, rollout, mask, cap=2.0, reject_seq_k2=0.01, reject_seq_max_abs_log_ratio=0.3,
                         batch_normalize=True)
     unchanged()
+
+
+# =============================================================================================
+# One rule for the weight settings: compute_tis_weights refuses what PolicyLossConfig refuses
+# =============================================================================================
+# (arguments of compute_tis_weights, the argument named, expected ({p}: "tis_" in the config), received)
+WEIGHT_RULE_CASES = {
+    "low-above-high": (dict(reject_low=3.0, reject_high=1.0), "reject_high", "a number > {p}reject_low=3.0", "1.0"),
+    "low-equals-high": (dict(reject_low=1.0, reject_high=1.0), "reject_high", "a number > {p}reject_low=1.0", "1.0"),
+    "negative-low": (dict(reject_low=-0.5), "reject_low", "a number >= 0 or None", "-0.5"),
+    "nan-low": (dict(reject_low=math.nan), "reject_low", "a number >= 0 or None", "nan"),
+    "zero-high": (dict(reject_high=0.0), "reject_high", "a number > 0 or None", "0.0"),
+    "inf-high": (dict(reject_high=math.inf), "reject_high", "a number > 0 or None", "inf"),
+    "zero-cap": (dict(cap=0.0), "cap", "a number > 0 or None", "0.0"),
+    "nan-cap": (dict(cap=math.nan), "cap", "a number > 0 or None", "nan"),
+    "unknown-level": (dict(level="batch"), "level", "one of ['token', 'sequence']", "'batch'"),
+    "unknown-reject-level": (dict(reject_level="word"), "reject_level", "one of ['token', 'sequence'] or None",
+                             "'word'"),
+    "zero-clamp": (dict(log_ratio_clamp=0.0), "log_ratio_clamp", "a number > 0", "0.0"),
+    "negative-clamp": (dict(log_ratio_clamp=-1.0), "log_ratio_clamp", "a number > 0", "-1.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(WEIGHT_RULE_CASES))
+def test_compute_tis_weights_refuses_what_the_config_refuses(case):
+    kw, arg, expected, received = WEIGHT_RULE_CASES[case]
+    x = torch.zeros(2, 3)
+    with raises_message("compute_tis_weights", arg, expected.format(p=""), received):
+        compute_tis_weights(x, x, torch.ones(2, 3), **{"cap": None, **kw})
+    in_config = {name if name == "log_ratio_clamp" else f"tis_{name}": value for name, value in kw.items()}
+    config_arg = arg if arg == "log_ratio_clamp" else f"tis_{arg}"
+    with raises_message("PolicyLossConfig", config_arg, expected.format(p="tis_"), received):
+        PolicyLossConfig(**in_config)
+
+
+def test_kl_penalty_refuses_a_clamp_that_is_not_positive():
+    x = torch.zeros(3)
+    for bad in (0.0, -1.0, math.nan):
+        with raises_message("kl_penalty", "log_ratio_clamp", "a number > 0", repr(bad)):
+            kl_penalty(x, x, "k3", log_ratio_clamp=bad)
+
+
+# =============================================================================================
+# Thresholds at equality: every bound is hit exactly in floating point
+# =============================================================================================
+# The documented rules: the applied weight is min(w, cap) and a weight equal to the cap is not
+# counted as truncated; a unit is rejected when its weight lies outside the closed interval
+# [reject_low, reject_high]; a reject_seq_* criterion fires strictly above its threshold (mean:
+# strictly outside its closed interval). So a value exactly on a threshold is kept, and one float
+# beyond it is not.
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_on_policy_weights_of_exactly_one_sit_on_every_bound(level):
+    # old == rollout: every weight is exp(0) = 1 exactly, at both levels
+    _, old, _, mask, *_ = random_batch(11, 4, 6)
+    mask[0, 0] = 1.0
+    for kw in (dict(cap=1.0), dict(cap=None, reject_low=1.0), dict(cap=None, reject_high=1.0),
+               dict(cap=1.0, reject_low=1.0, reject_high=2.0), dict(cap=1.0, reject_low=0.5, reject_high=1.0)):
+        res = compute_tis_weights(old, old.clone(), mask, level=level, **kw)
+        assert torch.equal(res.keep, mask) and torch.equal(res.weights, mask), kw
+        fin = finalize_metrics(res.metrics)
+        assert fin["tis_rejected_frac"] == 0.0 and fin["tis_truncated_frac"] == 0.0, (kw, fin)
+        assert fin["tis_weight"] == 1.0, kw
+    # one float beyond: every valid unit rejected (the bounds really are applied)
+    for kw in (dict(reject_low=next_up(1.0)), dict(reject_high=next_down(1.0))):
+        res = compute_tis_weights(old, old.clone(), mask, cap=None, level=level, **kw)
+        assert res.keep.sum() == 0 and finalize_metrics(res.metrics)["tis_rejected_frac"] == 1.0, kw
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_on_policy_rejection_bound_of_one_leaves_ppo_loss_unchanged(level):
+    # the failure mode of an exclusive bound: reject_low=1.0 on on-policy data would reject every token
+    lp0, old, adv, mask, *_ = random_batch(12, 3, 5)
+    lp = leaf(lp0)
+    plain, _ = ppo_loss(lp, old, adv, mask, PolicyLossConfig())
+    g_plain = grad_of(plain, lp)
+    for kw in (dict(tis_reject_low=1.0), dict(tis_reject_high=1.0), dict(tis_cap=1.0, tis_reject_low=1.0)):
+        lp = leaf(lp0)
+        loss, m = ppo_loss(lp, old, adv, mask, PolicyLossConfig(tis_level=level, **kw), rollout_logprobs=old.clone())
+        torch.testing.assert_close(loss, plain, rtol=0, atol=0)
+        torch.testing.assert_close(grad_of(loss, lp), g_plain, rtol=0, atol=0)
+        assert finalize_metrics(m)["tis_rejected_frac"] == 0.0, kw
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("w", [2.0, 0.5])
+def test_weight_exactly_on_the_cap_and_the_rejection_bounds(level, w):
+    # row 0: one valid token with log-weight x, exp(x) == w exactly (so the sequence weight is w too);
+    # row 1: on-policy (weight 1)
+    x = log_hitting(w)
+    old = t([x, 0.0], [-1.0, -2.0])
+    rollout = t([0.0, 0.0], [-1.0, -2.0])
+    mask = t([1.0, 0.0], [1.0, 1.0])
+    weights = [w, 1.0] if level == "sequence" else [w, 1.0, 1.0]  # per unit
+    units = len(weights)
+
+    def run(**kw):
+        res = compute_tis_weights(old, rollout, mask, level=level, **{"cap": None, **kw})
+        return res, finalize_metrics(res.metrics)
+
+    # exactly at the cap: applied weight w, not truncated; just below: truncated to the cap
+    for cap in (w, next_down(w)):
+        res, fin = run(cap=cap)
+        assert res.weights[0, 0].item() == min(w, cap)
+        assert fin["tis_truncated_frac"] == pytest.approx(sum(v > cap for v in weights) / units, abs=0), cap
+    # the rejection interval is closed: [w, .] and [., w] keep row 0; one float inside it rejects row 0
+    low, high = min(w, 1.0), max(w, 1.0)
+    for kw, rejected in ((dict(reject_low=low, reject_high=high), False),
+                         (dict(reject_low=w) if w == low else dict(reject_high=w), False),
+                         (dict(reject_low=next_up(w)) if w == low else dict(reject_high=next_down(w)), True)):
+        res, fin = run(**kw)
+        assert bool(res.keep[0, 0] == 0) == rejected, kw
+        assert torch.equal(res.keep[1], mask[1]), kw  # the on-policy row is always kept
+        assert fin["tis_rejected_frac"] == pytest.approx(rejected / units, abs=0), kw
+
+
+# d = old - rollout = 0.5 on every valid token of row 0 (exact: -0.5 - (-1.0)); rows 1, 2: other values
+D_EXACT = t([0.5, 0.5, 0.5, 0.0], [0.25, -0.25, 0.0, 0.0], [-0.5, 0.0, 0.0, 0.0])
+MASK_EXACT = t([1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0])
+
+
+def _seq_thresholds():
+    """Per criterion: the threshold equal to row 0's statistic (by the documented formula, in float64),
+    and the same statistic one float lower (where row 0 must be rejected)."""
+    d = 0.5
+    k3 = (torch.exp(torch.tensor(d)) - 1.0 - d).item()  # the mean of equal terms is that term
+    return {
+        "reject_seq_k2": (d * d / 2, next_down(d * d / 2)),  # 0.125, exact
+        "reject_seq_k3": (k3, next_down(k3)),
+        "reject_seq_max_abs_log_ratio": (d, next_down(d)),
+        "reject_seq_mean_log_ratio": ((-1.0, d), (-1.0, next_down(d))),  # row 0's mean is exactly 0.5
+    }
+
+
+@pytest.mark.parametrize("name", SEQ_REJECTION_CRITERIA)
+def test_sequence_statistic_exactly_at_its_threshold_keeps_the_sequence(name):
+    rollout = torch.full((3, 4), -1.0)
+    old = rollout + D_EXACT
+    assert torch.equal(old - rollout, D_EXACT)  # d exact in float64
+    at, beyond = _seq_thresholds()[name]
+    if name == "reject_seq_k3":  # the statistic of row 0 is the mean of three equal terms: check it is exact
+        term = torch.exp(torch.tensor(0.5)) - 1.0 - 0.5
+        assert ((term + term + term) / 3).item() == at
+    for thr, row0_rejected in ((at, False), (beyond, True)):
+        res = compute_tis_weights(old, rollout, MASK_EXACT, cap=None, **{name: thr})
+        assert bool(res.keep[0].sum() == 0) == row0_rejected, (thr, res.keep)
+    # the lower bound of the mean, hit exactly by row 2 (mean -0.5)
+    if name == "reject_seq_mean_log_ratio":
+        for bounds, row2_rejected in (((-0.5, 1.0), False), ((next_up(-0.5), 1.0), True)):
+            res = compute_tis_weights(old, rollout, MASK_EXACT, cap=None, reject_seq_mean_log_ratio=bounds)
+            assert bool(res.keep[2].sum() == 0) == row2_rejected, bounds
+            assert res.keep[0].sum() == 3  # row 0's mean 0.5 is inside
 
 
 # =============================================================================================
