@@ -509,7 +509,20 @@ def _checked_batching(fn: str, config: StepConfig | CriticConfig, chunks: Sequen
     _check_context_parallel(fn, config if cp_config is None else cp_config, spec, layout)
     _check_interleaved(fn, config, spec, layout)
     _check_batch(fn, samples, spec, config.fns.collate, num_minibatches)
+    _check_collate_inputs(fn, config.fns.collate, samples, chunks)
     return spec
+
+
+def _check_collate_inputs(fn: str, collate: CollateFn, samples: Sequence[Sample], chunks: Sequence[nn.Module]) -> None:
+    """A collate stage's own input checks, on the caller's whole batch before anything runs.
+
+    A stage with a ``check_batch(fn, samples, *, arg, model)`` method (:class:`~fnppo.vlm.VLMCollate`:
+    images, placeholders and their routed-expert rows, against the model's own image shape) is
+    asked here, so its refusals name ``batch[i]`` and come before the first update, agreed over ranks.
+    """
+    check = getattr(collate, "check_batch", None)
+    if check is not None:
+        check(fn, samples, arg="batch", model=unwrap_model(chunks[0]))
 
 
 def _plan(samples: Sequence[Sample], spec: _Batching, collate: CollateFn) -> SplitPlan:

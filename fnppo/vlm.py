@@ -326,6 +326,26 @@ class VLMCollate:
         return expand_image_placeholders(sample, image_token_id=self.image_token_id, tokens_per_image=self.tokens_per_image,
                                          image_key=self.image_key, image_shape=self.image_shape, fn="fnppo.vlm.VLMCollate", arg=arg)
 
+    def check_batch(self, fn: str, samples: Sequence[Sample], *, arg: str = "batch", model: Any = None) -> None:
+        """The step's entry check of this stage's inputs (:func:`fnppo.train_step` and the other steps
+        call it on the caller's whole batch before anything runs): every sample's images
+        (:func:`check_images`, against ``image_shape`` and the image shape of ``model``, a
+        :class:`VisionLanguageGPT`, when given) and placeholders, as :meth:`__call__` would expand
+        them, naming ``{arg}[i]``.
+
+        Raises:
+            InputError: as :func:`expand_image_placeholders`, naming ``fn`` and ``{arg}[i]``.
+        """
+        vision = getattr(model, "vision", None)
+        own = None if vision is None else vision.image_shape
+        for i, s in enumerate(samples):
+            where = f"{arg}[{i}]"
+            expand_image_placeholders(s, image_token_id=self.image_token_id, tokens_per_image=self.tokens_per_image,
+                                      image_key=self.image_key, image_shape=self.image_shape, fn=fn, arg=where)
+            if own is not None:
+                check_images(s.multi_modal.get(self.image_key), own, fn=fn,
+                             arg=f"{where}.multi_modal[{self.image_key!r}]", values=False)
+
     def collated_length(self, sample: Sample) -> int:
         """Tokens the sample takes once collated: ``len(sample) + k * (tokens_per_image - 1)``."""
         return len(sample) + _image_count(sample, self.image_key) * (self.tokens_per_image - 1)

@@ -168,31 +168,64 @@ def test_vision_config_takes_bools_only():
         check_message(err.value, InputError, "VisionConfig", "freeze_vision", "a bool", repr(value))
 
 
-def _one_channel_error() -> str:
-    """compute_logprobs through a collate stage built without image_shape, on 1-channel images."""
-    from fnppo.vlm import VLMCollate, build_vlm
+def _entry_refusals() -> dict:
+    """The step's entry check of the VLM collate stage, and the model's own image-shape check.
 
-    chunks = build_vlm(_lm_cfg(), _vision())
-    fnppo.layout_invariant_init(chunks, seed=3)
-    cfg = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=VLMCollate(IMG, N_TOK)))
+    ``one_channel``: compute_logprobs through a collate stage built without image_shape, on 1-channel
+    images (the model knows its image shape); ``forward``: the model itself on such a micro-batch;
+    ``nan_pixel``: train_step with a NaN pixel in the last sample of the last mini-batch of the last
+    epoch (``changed``: the weights it changed, none expected)."""
+    from fnppo.vlm import VLMCollate
+
+    out = {}
+    state = _state(False)
+    chunks = state.model
+    loose = VLMCollate(IMG, N_TOK)
+    cfg = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=loose))
     good = _batch()[:3]
     fnppo.compute_logprobs(chunks, good, config=cfg)  # 3-channel images run
     bad = dataclasses.replace(good[2], multi_modal={"images": torch.zeros(1, 1, 8, 8)})
+    for key, call in {
+        "one_channel": lambda: fnppo.compute_logprobs(chunks, [*good[:2], bad], config=cfg),
+        "forward": lambda: fnppo.forward_logits(chunks[0], loose([bad])),
+    }.items():
+        try:
+            call()
+            out[key] = "no error"
+        except InputError as err:
+            out[key] = str(err)
+    samples = _batch()[:4]
+    nan = _images(LAYOUT[3][2], 7)  # sample 3 has two images: the second gets one NaN pixel
+    nan[1, 1, 2, 3] = float("nan")
+    samples[3] = dataclasses.replace(samples[3], multi_modal={"images": nan})
+    step_cfg = fnppo.StepConfig(loss=_loss_cfg(), num_minibatches=2, ppo_epochs=2,
+                                fns=fnppo.StepFns(collate=VLMCollate.from_config(_vision(), max_seq_len=64)))
+    before = fnppo.gather_full_weights(state.model)
     try:
-        fnppo.compute_logprobs(chunks, [*good[:2], bad], config=cfg)
+        fnppo.train_step(state, samples, step_cfg)
+        out["nan_pixel"] = "no error"
     except InputError as err:
-        return str(err)
-    return "no error"
+        out["nan_pixel"] = str(err)
+    after = fnppo.gather_full_weights(state.model)
+    out["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
+    return out
 
 
-def test_the_model_refuses_images_of_another_shape_than_its_own():
-    """A hand-built VLMCollate without image_shape passes 1-channel images on; the model knows its
-    image shape (VisionConfig) and refuses them by name before its ViT runs."""
+def test_the_step_and_the_model_refuse_images_of_another_shape_or_nan_pixels():
+    """A hand-built VLMCollate without image_shape passes 1-channel images on; the step's entry check
+    knows the model's image shape (VisionConfig) and refuses them naming the caller's sample, before
+    anything runs; the model itself refuses them by name before its ViT runs; a NaN pixel in the last
+    mini-batch of the last epoch is refused before the first update, naming batch[3]."""
     from tests.messages import check_message
 
-    msg = run_ranks(_one_channel_error, 1)[0]
-    check_message(InputError(msg), InputError, "fnppo.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
+    out = run_ranks(_entry_refusals, 1)[0]
+    check_message(InputError(out["one_channel"]), InputError, "compute_logprobs", "batch[2].multi_modal['images']",
                   "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
+    check_message(InputError(out["forward"]), InputError, "fnppo.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
+                  "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
+    check_message(InputError(out["nan_pixel"]), InputError, "train_step", "batch[3].multi_modal['images']",
+                  "finite pixel values", "1 NaN/inf pixels (the first in image 1)")
+    assert out["changed"] == []
 
 
 def test_collate_checks_the_expanded_length():
