@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.metrics import weighted_metric
+from fnppo.core.metrics import weighted_metric
 
 __all__ = ["InplaceVocabParallelEntropy", "actor_logprob", "actor_loss", "actor_fns"]
 
@@ -78,7 +78,7 @@ class InplaceVocabParallelEntropy(torch.autograd.Function):
 def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any = None, temperature: float = 1.0,
                   with_entropy: bool = True, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs from Megatron's cross-entropy on a clone, entropy from :class:`InplaceVocabParallelEntropy`
-    (a :class:`fnppo.step.LogprobFn`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
+    (a :class:`fnppo.steps.step.LogprobFn`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     x = logits / temperature if temperature != 1.0 else logits
@@ -92,7 +92,7 @@ def actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
                rollout_logprobs: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
                seq_ids: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG001
     """Vanilla dual-clip PPO + entropy bonus + k3 KL, each token-summed over one global token count
-    (a :class:`fnppo.step.LossFn`; module docstring)."""
+    (a :class:`fnppo.steps.step.LossFn`; module docstring)."""
     mask = loss_mask.to(logprobs.dtype)
     denom = normalizer if normalizer is not None else mask.sum().clamp_min(1.0)
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)

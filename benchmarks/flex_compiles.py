@@ -2,9 +2,9 @@
 
 A "run" of ``--steps`` steps x ``--microbatches`` packed micro-batches: each pack holds sequences of
 random lengths in ``[--min-len, --max-len]`` up to a ``--budget`` token total, so nearly every pack
-has a new total length. Each micro-batch runs ``fnppo.attention.packed_causal_attention`` forward
+has a new total length. Each micro-batch runs ``fnppo.megatron.attention.packed_causal_attention`` forward
 and backward (bf16, Qwen2.5-1.5B attention shape: 12 heads, 2 key/value groups of 128). Printed:
-compilations of the flex kernel (``fnppo.attention.flex_compile_count``) and all graphs that
+compilations of the flex kernel (``fnppo.megatron.attention.flex_compile_count``) and all graphs that
 ``torch.compile`` produced, without fnppo's bucket padding (the default) and with it
 (``FNPPO_FLEX_BUCKETS=1``), each in its own process (compiled kernels are cached per process).
 
@@ -24,7 +24,7 @@ import time
 def one_run(args) -> dict:
     import torch
 
-    from fnppo.attention import packed_causal_attention
+    from fnppo.megatron.attention import packed_causal_attention
 
     g = torch.Generator().manual_seed(args.seed)
     device = torch.device("cuda")
@@ -52,7 +52,7 @@ def one_run(args) -> dict:
 def _row(totals, t0) -> dict:
     from torch._dynamo.utils import counters
 
-    from fnppo.attention import flex_bucket_length, flex_compile_count
+    from fnppo.megatron.attention import flex_bucket_length, flex_compile_count
 
     return {"buckets": os.environ.get("FNPPO_FLEX_BUCKETS", "0"), "flex_compiles": flex_compile_count(),
             "dynamo_unique_graphs": counters["stats"]["unique_graphs"], "distinct_pack_lengths": len(set(totals)),

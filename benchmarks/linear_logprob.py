@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
 from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
-from fnppo.linear_logprob import BackwardGraphs, linear_logprob_and_entropy  # noqa: E402
-from fnppo.logprob import logprob_and_entropy  # noqa: E402
-from fnppo.typing import typechecking  # noqa: E402
+from fnppo.core.linear_logprob import BackwardGraphs, linear_logprob_and_entropy  # noqa: E402
+from fnppo.core.logprob import logprob_and_entropy  # noqa: E402
+from fnppo.core.typing import typechecking  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def fallback_checks(device):
     with the right results. Passes when all of that holds."""
     import warnings
 
-    import fnppo.linear_logprob as ll
+    import fnppo.core.linear_logprob as ll
 
     g = torch.Generator(device=device).manual_seed(13)
     hid, vocab = 256, 5000
@@ -376,8 +376,8 @@ def backward_parts(h, W, labels, reps):
     """The fused backward's three parts timed alone with its own block sizes: the Triton kernel that
     recomputes the logits and writes the logit-gradient blocks; dh += dz @ W_block (fp32
     accumulator); dW_block = dz.T @ h_group."""
-    from fnppo import linear_logprob as ll
-    from fnppo.kernels import linear_logprob_triton as k
+    from fnppo.core import linear_logprob as ll
+    from fnppo.core.kernels import linear_logprob_triton as k
 
     n, hid = h.shape
     v = W.shape[0]
@@ -431,8 +431,8 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     one shape: the forward over the whole vocabulary, the logit-gradient kernel over one backward
     block of the function's own size; each against the dense bf16 product of the same size.
     ``TMA``: tiles read (and written) through tensor descriptors, else pointer loads."""
-    from fnppo import linear_logprob as ll
-    from fnppo.kernels import linear_logprob_triton as k
+    from fnppo.core import linear_logprob as ll
+    from fnppo.core.kernels import linear_logprob_triton as k
 
     device = device or torch.device("cuda")
     h, W, labels, _, _ = make_problem(tokens, hidden, vocab, device)
@@ -543,8 +543,8 @@ def launch_cost(tokens, hidden, vocab, device):
     backward calls); the two cuBLAS products of a block; one whole ``backward_grads``."""
     import triton
 
-    from fnppo.kernels import linear_logprob_triton as k
-    from fnppo.linear_logprob import _backward_chunks
+    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.linear_logprob import _backward_chunks
 
     h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
     fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)()  # autotunes both kernels
@@ -657,7 +657,7 @@ def main():
     vocab = args.vocab or (151936 if on_gpu else 8192)
     reps = args.reps or (10 if on_gpu else 3)
     if on_gpu:
-        from fnppo.kernels import linear_logprob_triton as k
+        from fnppo.core.kernels import linear_logprob_triton as k
 
         print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__, flush=True)
         print("fp32-accumulating addmm available:", k._addmm_fp32_ok("cuda"), flush=True)
@@ -728,7 +728,7 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
         f_ms = time_ms(fwd_only, device, reps, 2)
         print(f"  fused forward alone {f_ms:.2f} ms (dense logits mm {dense['logits (fwd)']:.2f}); backward by difference "
               f"{float(rows[0][3]) - f_ms:.2f} ms", flush=True)
-        from fnppo.kernels import linear_logprob_triton as k
+        from fnppo.core.kernels import linear_logprob_triton as k
 
         print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward dz {k._dz_tuned.best_config}", flush=True)
         print("  backward parts, ms (each timed alone over all blocks):", backward_parts(h, W, labels, reps), flush=True)

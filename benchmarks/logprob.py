@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
 from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
-from fnppo.logprob import logprob_and_entropy  # noqa: E402
+from fnppo.core.logprob import logprob_and_entropy  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def plain_torch(x, labels, g_lp, g_h):
 
 
 def fnppo_triton_unchecked(x, labels, g_lp, g_h):
-    from fnppo.typing import typechecking
+    from fnppo.core.typing import typechecking
 
     with typechecking(False):  # no shape checks, no label-range sync (production setting)
         return fnppo_triton(x, labels, g_lp, g_h)
@@ -391,7 +391,7 @@ def main():
                     f_ms = time_ms(fwd_only, device, reps, 3)
                     print(f"  fnppo (triton) {tokens}: forward {f_ms:.2f} ms ({nbytes / (f_ms * 1e-3) / 1e9:.0f} GB/s), "
                           f"backward {ms - f_ms:.2f} ms ({2 * nbytes / ((ms - f_ms) * 1e-3) / 1e9:.0f} GB/s)", flush=True)
-                    from fnppo.kernels import logprob_kernels
+                    from fnppo.core.kernels import logprob_kernels
 
                     k = logprob_kernels()
                     print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward {k._bwd_tuned.best_config}", flush=True)

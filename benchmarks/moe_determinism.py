@@ -82,7 +82,7 @@ def measure(variant: str, device: torch.device) -> dict:
         if not cpu:
             torch.cuda.synchronize()
 
-    r: dict = {"experts": type(fnppo.model.unwrap_model(model[0]).decoder.layers[0].mlp.experts).__name__}
+    r: dict = {"experts": type(fnppo.megatron.model.unwrap_model(model[0]).decoder.layers[0].mlp.experts).__name__}
     with torch.no_grad():
         lp1, _, rt1 = fnppo.compute_logprobs(model, samples, config=a, return_routing=True)
         lp2, _, rt2 = fnppo.compute_logprobs(model, samples, config=a, return_routing=True)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             out[v] = measure(v, device)
             print(v, json.dumps(out[v]), flush=True)
     finally:
-        fnppo.parallel.destroy_parallel()
+        fnppo.megatron.parallel.destroy_parallel()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -40,7 +40,7 @@ def _run(cmd: list[str]) -> str:
 
 
 def layout_check_block(tmp: Path) -> str:
-    from fnppo.parallel import free_port
+    from fnppo.megatron.parallel import free_port
 
     one = _run([sys.executable, str(TOY), *CHECK_ARGS, "--no-progress", "--no-plot", "--out-dir", str(tmp / "lc1")])
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",

@@ -237,7 +237,7 @@ def build_state(args, layout):
 
 
 def spec_name(state) -> str:
-    core = fnppo.model.unwrap_model(state.model[0])
+    core = fnppo.megatron.model.unwrap_model(state.model[0])
     layer = core.decoder.layers[0]
     return type(layer.self_attention.linear_qkv).__name__
 
@@ -527,7 +527,7 @@ def main(argv=None) -> int:
         try:
             return run(args, layout, device)
         finally:
-            fnppo.parallel.destroy_parallel()
+            fnppo.megatron.parallel.destroy_parallel()
 
 
 def run(args, layout, device) -> int:
@@ -591,7 +591,7 @@ def run(args, layout, device) -> int:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "matmul_peak_tflops": peak_tflops, **flops,
         "params_total": param_count(MODELS[args.model], args.vocab), "params_this_rank": sum(
-            p.numel() for c in state.model for p in fnppo.model.unwrap_model(c).parameters()),
+            p.numel() for c in state.model for p in fnppo.megatron.model.unwrap_model(c).parameters()),
         "static_memory_gib_estimate": static_memory_gib(param_count(MODELS[args.model], args.vocab), dtype="bf16" if device.type == "cuda" else "fp32",
                                                         dp=layout.dp, tp=layout.tp),
         "flex_compiles": fnppo.flex_compile_count(), "flex_compiles_in_timed_steps": fnppo.flex_compile_count() - compiles_before,

@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     try:
         return run(args, device)
     finally:
-        fnppo.parallel.destroy_parallel()
+        fnppo.megatron.parallel.destroy_parallel()
 
 
 def run(args, device) -> int:
@@ -228,7 +228,7 @@ def run(args, device) -> int:
     local32 = build("local", "fp32", None)
     full = fnppo.gather_full_weights(local32)
     default_spec = fnppo.default_layer_spec(model_cfg("fp32"))
-    result["build_gpt_default_spec"] = type(fnppo.model.unwrap_model(fnppo.build_gpt(model_cfg("fp32"))[0]).decoder.layers[0].self_attention.linear_qkv).__name__
+    result["build_gpt_default_spec"] = type(fnppo.megatron.model.unwrap_model(fnppo.build_gpt(model_cfg("fp32"))[0]).decoder.layers[0].self_attention.linear_qkv).__name__
     result["default_layer_spec_core_attention"] = getattr(default_spec.submodules.self_attention.submodules.core_attention, "__name__", "?")
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = run_once(local32, samples, device)

@@ -2,7 +2,7 @@
 
 For ``ppo_loss``, ``logprob_and_entropy`` and ``collate_microbatch`` on small CPU inputs (4 sequences
 of 64 tokens, vocabulary 128), times single calls with checking on and off
-(``fnppo.typing.typechecking(False)``) and prints the median per-call time of each and the
+(``fnppo.core.typing.typechecking(False)``) and prints the median per-call time of each and the
 difference. The on/off measurements alternate in rounds so that drift affects both alike. For
 context it also prints the wall time of a tiny ``train_step`` (real Megatron on CPU, one process)
 with checking on and off.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 import fnppo
-from fnppo.typing import typechecking
+from fnppo.core.typing import typechecking
 
 BATCH, SEQ, VOCAB = 4, 64, 128
 
@@ -117,7 +117,7 @@ def train_step_times(steps: int) -> tuple[float, float]:
                         state, _ = fnppo.train_step(state, samples, step_cfg)
                         times[enabled].append((time.perf_counter() - t0) * 1e3)
         finally:
-            fnppo.parallel.destroy_parallel()
+            fnppo.megatron.parallel.destroy_parallel()
     return statistics.median(times[True]), statistics.median(times[False])
 
 

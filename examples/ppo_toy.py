@@ -14,7 +14,7 @@ k3 KL to the reference, optional TIS).
 (``build_gpt(cfg, head="value")``, its own ``TrainState`` and optimizer, starting from the actor's
 initial trunk with a fresh value head, or from a Hugging Face value model with
 ``--critic-checkpoint DIR``: a token or sequence classifier with one label, or a TRL / OpenRLHF /
-verl critic, read by ``fnppo.hf``) gives the values of the response tokens
+verl critic, read by ``fnppo.io.hf``) gives the values of the response tokens
 (``compute_values``); each response token earns its own reward (1/4 when it is right, so the
 tokens' rewards sum to the sequence reward), and GAE (``--gamma``, ``--lam``) turns rewards and
 values into per-token advantages and returns. Every step runs one ``train_step`` of the actor and
@@ -308,7 +308,7 @@ def build(args: argparse.Namespace, head: str = "lm"):
 
     checkpoint = args.critic_checkpoint if head == "value" and args.critic_checkpoint else args.hf_checkpoint
     if checkpoint:
-        from fnppo.hf import build_gpt_from_hf, load_hf_weights
+        from fnppo.io.hf import build_gpt_from_hf, load_hf_weights
 
         chunks = build_gpt_from_hf(checkpoint, dtype=args.dtype, head=head)
         load_hf_weights(chunks, checkpoint)  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
@@ -616,11 +616,11 @@ def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
     try:
         return run_fn(args, layout)
     except ArgumentError as err:
-        if fnppo.parallel.is_rank_zero():
+        if fnppo.megatron.parallel.is_rank_zero():
             print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     finally:
-        fnppo.parallel.destroy_parallel()
+        fnppo.megatron.parallel.destroy_parallel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,9 @@ micro-batches with no image, with only images and with both occur in every step;
 prompts exploring: without it the policy settles on one count for every image (reward 1/3)
 before the vision tower has learnt anything.
 
-The model is :func:`fnppo.vlm.build_vlm`: a one-layer ViT (4 patches of 4x4 pixels per image),
+The model is :func:`fnppo.megatron.vlm.build_vlm`: a one-layer ViT (4 patches of 4x4 pixels per image),
 an MLP projector and a 2-layer GPT. The image placeholder becomes 4 positions in the collate stage
-(:class:`fnppo.vlm.VLMCollate`). Each step: prompts -> one answer token sampled per prompt and
+(:class:`fnppo.megatron.vlm.VLMCollate`). Each step: prompts -> one answer token sampled per prompt and
 group member through Megatron's forward-only schedule -> rewards -> GRPO advantages -> old and
 reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, k3 KL to the reference).
 
@@ -205,7 +205,7 @@ def to_sample(prompt: list[int], image, response: list[int], **values):
 
 
 def vision_config(args: argparse.Namespace):
-    from fnppo.vlm import VisionConfig
+    from fnppo.megatron.vlm import VisionConfig
 
     return VisionConfig(image_token_id=IMG, image_size=IMAGE_SIZE, patch_size=PATCH, num_layers=1, hidden_size=32,
                         num_attention_heads=2, ffn_hidden_size=64, projector_hidden_size=args.hidden, freeze_vision=args.freeze_vision)
@@ -221,7 +221,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
     import fnppo
 
     samples = [to_sample(p, img, []) for p, img, _ in prompts]
-    mb = fnppo.batch.to_device(collate(samples, layout="packed", pad_to_multiple_of=1, sample_index=range(len(samples))), device)
+    mb = fnppo.core.batch.to_device(collate(samples, layout="packed", pad_to_multiple_of=1, sample_index=range(len(samples))), device)
 
     def last_logits(logits, mb):
         ends = mb.cu_seqlens[:-1].long() + torch.tensor(mb.seq_lens, device=logits.device) - 1
@@ -242,7 +242,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
 # ---------------------------------------------------------------------------------------------
 def build(args: argparse.Namespace):
     import fnppo
-    from fnppo.vlm import build_vlm
+    from fnppo.megatron.vlm import build_vlm
 
     cfg = fnppo.ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=2 * args.hidden, vocab_size=VOCAB, max_seq_len=16, tie_embeddings=True)
@@ -432,7 +432,7 @@ def run(args: argparse.Namespace, layout) -> int:
     import torch
 
     import fnppo
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     seed_everything(args.seed)

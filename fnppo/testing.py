@@ -26,11 +26,11 @@ TP/PP layout, and returns every rank's result. If any rank raises, all ranks are
 first error is re-raised with its remote traceback. The rank processes are kept for the next call
 of the same size (imports are paid once; ``fresh=True`` for new ones).
 
-Sequence parallelism works with fnppo's local spec (:mod:`fnppo.norms`); Megatron's
+Sequence parallelism works with fnppo's local spec (:mod:`fnppo.megatron.norms`); Megatron's
 tensor-parallel layers and mappings see a ``torch`` whose tensor factories map CUDA devices to the
 CPU (their backward functions run outside the function mode). Limits: no Transformer Engine
 layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off). Context
-parallelism runs through fnppo's own packed attention (:mod:`fnppo.context_parallel`). Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
+parallelism runs through fnppo's own packed attention (:mod:`fnppo.core.context_parallel`). Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP,
 distributed optimizer) is the real Megatron code path.
 """
 
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fnppo.parallel import free_port
+from fnppo.megatron.parallel import free_port
 
 __all__ = ["megatron_on_cpu", "run_ranks", "RankError", "synthetic_samples"]
 
@@ -333,8 +333,8 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     is back in its starting state (process group destroyed, environment, dtype, threads and
     call-time checking restored), which a reusable worker needs to take the next call.
     """
-    from fnppo.parallel import destroy_parallel, init_parallel
-    from fnppo.typing import set_typechecking, typechecking_enabled
+    from fnppo.megatron.parallel import destroy_parallel, init_parallel
+    from fnppo.core.typing import set_typechecking, typechecking_enabled
 
     saved_env = dict(os.environ)
     saved = (torch.get_default_dtype(), torch.get_num_threads(), typechecking_enabled())
@@ -534,14 +534,14 @@ def synthetic_samples(
     masked_tokens: bool = True,
     multi_modal_every: int = 0,
 ):
-    """``n`` random :class:`~fnppo.batch.Sample` s with varied lengths, for tests and demos.
+    """``n`` random :class:`~fnppo.core.batch.Sample` s with varied lengths, for tests and demos.
 
     Old/ref/rollout log-probs are drawn around -2 (plausible values), advantages are standard
     normal, and with ``masked_tokens`` some response tokens are masked out (tool output in a
     multi-turn response). With ``multi_modal_every=k``, every k-th sample carries an ``"images"``
     tensor. Deterministic in ``seed``.
     """
-    from fnppo.batch import Sample
+    from fnppo.core.batch import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []

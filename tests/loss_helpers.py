@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from fnppo.loss import finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
+from fnppo.core.loss import finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fnppo.typing import InputError, ShapeError
+from fnppo.core.typing import InputError, ShapeError
 
 
 def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: str, received: str) -> None:

@@ -71,7 +71,7 @@ def finalize_dropped() -> Iterator[None]:
 
         def run(**kw):
             for m in kw["model"]:
-                fnppo.model.unwrap_model(m).config.finalize_model_grads_func = None
+                fnppo.megatron.model.unwrap_model(m).config.finalize_model_grads_func = None
             return fb(**kw)
 
         return run
@@ -86,15 +86,15 @@ def finalize_dropped() -> Iterator[None]:
 @contextlib.contextmanager
 def finalized_grads() -> Iterator[dict]:
     """Yields a dict whose ``"grads"`` is, after each step, the ``main_grad`` of every parameter (one
-    list per model chunk) as :func:`fnppo.grads.finalize_grads` hands them to the optimizer."""
-    import fnppo.step as step_module
+    list per model chunk) as :func:`fnppo.megatron.grads.finalize_grads` hands them to the optimizer."""
+    import fnppo.steps.step as step_module
 
     real = step_module.finalize_grads
     captured: dict = {}
 
     def spy(model, **kw):
         stats = real(model, **kw)
-        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.model.unwrap_model(c).parameters()] for c in model]
+        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.megatron.model.unwrap_model(c).parameters()] for c in model]
         return stats
 
     step_module.finalize_grads = spy

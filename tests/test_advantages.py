@@ -1,4 +1,4 @@
-"""Tests of fnppo.advantages: closed forms and loop references."""
+"""Tests of fnppo.core.advantages: closed forms and loop references."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.advantages import (
+from fnppo.core.advantages import (
     broadcast_to_tokens,
     discounted_scan,
     gae_advantages,
@@ -17,7 +17,7 @@ from fnppo.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from fnppo.typing import InputError, ShapeError
+from fnppo.core.typing import InputError, ShapeError
 from tests.messages import raises_message
 
 F64 = torch.float64
@@ -222,7 +222,7 @@ def test_broadcast_to_tokens():
 # =============================================================================================
 import itertools  # noqa: E402
 
-from fnppo.advantages import (  # noqa: E402
+from fnppo.core.advantages import (  # noqa: E402
     gpg_advantages,
     gpg_batch_counts,
     masked_moments,

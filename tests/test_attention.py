@@ -1,4 +1,4 @@
-"""Tests for fnppo.attention: packed (THD) causal attention for Megatron's local layer spec."""
+"""Tests for fnppo.megatron.attention: packed (THD) causal attention for Megatron's local layer spec."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.attention import (
+from fnppo.megatron.attention import (
     PackedDotProductAttention,
     default_layer_spec,
     document_causal_mask,
@@ -24,7 +24,7 @@ from fnppo.attention import (
     thd_packed_seq_params,
 )
 from fnppo.testing import megatron_on_cpu, run_ranks
-from fnppo.typing import InputError, ShapeError
+from fnppo.core.typing import InputError, ShapeError
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")
 
@@ -256,7 +256,7 @@ def test_local_layer_spec():
     assert megatron.submodules.self_attention.submodules.core_attention is DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from fnppo.norms import SequenceParallelNorm
+    from fnppo.megatron.norms import SequenceParallelNorm
 
     def expected(module):  # Megatron's torch norms become the same norms usable with sequence parallelism
         return SequenceParallelNorm if module is WrappedTorchNorm else module
@@ -289,7 +289,7 @@ def test_spec_options_come_from_a_config():
 
 
 def test_default_layer_spec_picks_te_or_local(monkeypatch):
-    import fnppo.attention as attention
+    import fnppo.megatron.attention as attention
     from megatron.core.models.gpt import gpt_layer_specs
 
     monkeypatch.setattr(attention, "te_available", lambda: False)
@@ -365,7 +365,7 @@ def _gpt(tp: int, rope_fusion: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if rope_fusion:
-        from fnppo.model import install_fused_rope
+        from fnppo.megatron.model import install_fused_rope
 
         install_fused_rope()  # fnppo's one-pass RoPE (Transformer Engine is absent here)
 

@@ -50,9 +50,9 @@ from fnppo import (
     split_batch,
     value_loss,
 )
-from fnppo.advantages import broadcast_to_tokens
-from fnppo.loss import LOSS_AGG_MODES
-from fnppo.parallel import ParallelLayout
+from fnppo.core.advantages import broadcast_to_tokens
+from fnppo.core.loss import LOSS_AGG_MODES
+from fnppo.megatron.parallel import ParallelLayout
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.messages import check_message
 
@@ -210,7 +210,7 @@ def _step_errors() -> dict:
     good = synthetic_samples(4, vocab_size=VOCAB, seed=2, with_ref=False)
     step = StepConfig()
     gathered = StepConfig(fns=fnppo.StepFns(forward=_gathered_forward))
-    before = [p.detach().clone() for p in fnppo.model.unwrap_model(ddp[0]).parameters()]
+    before = [p.detach().clone() for p in fnppo.megatron.model.unwrap_model(ddp[0]).parameters()]
     full_logits = torch.randn(3, VOCAB)  # what the gathered forward would hand to logprob_and_entropy
 
     calls = {
@@ -239,11 +239,11 @@ def _step_errors() -> dict:
             out[name] = ("no error", "")
         except Exception as err:  # noqa: BLE001 - reported to the test
             out[name] = (type(err).__name__, str(err)[:3000])
-    after = [p.detach().clone() for p in fnppo.model.unwrap_model(ddp[0]).parameters()]
+    after = [p.detach().clone() for p in fnppo.megatron.model.unwrap_model(ddp[0]).parameters()]
     out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     state, metrics = fnppo.train_step(state, good, step)
     out["good_step"] = metrics
-    out["moved"] = any(not torch.equal(a, p) for a, p in zip(after, fnppo.model.unwrap_model(ddp[0]).parameters(), strict=True))
+    out["moved"] = any(not torch.equal(a, p) for a, p in zip(after, fnppo.megatron.model.unwrap_model(ddp[0]).parameters(), strict=True))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Tests for fnppo.batch: Sample, collate_microbatch, unpack_per_sample, split_batch, SplitPlan."""
+"""Tests for fnppo.core.batch: Sample, collate_microbatch, unpack_per_sample, split_batch, SplitPlan."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fnppo import batch as B
-from fnppo import split as S
+from fnppo.core import batch as B
+from fnppo.core import split as S
 from tests.messages import raises_message
-from fnppo.batch import (
+from fnppo.core.batch import (
     Microbatch,
     Sample,
     SplitPlan,
@@ -25,7 +25,7 @@ from fnppo.batch import (
     split_batch,
     unpack_per_sample,
 )
-from fnppo.typing import InputError, ShapeError
+from fnppo.core.typing import InputError, ShapeError
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MM_KEYS = ("image_grid_thw", "pixel_values")
@@ -306,7 +306,7 @@ def test_unpack_shape_error_and_gradient():
     mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=4)
     with pytest.raises(ShapeError) as err:
         unpack_per_sample(torch.zeros(1, 5), mb)
-    assert str(err.value) == ("fnppo.batch.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
+    assert str(err.value) == ("fnppo.core.batch.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
                               "mb.input_ids), received f32[1,5]")
     with raises_message("unpack_per_sample", "values", "Shaped[Tensor, 'batch seq']", "f32[12]", ShapeError):
         unpack_per_sample(torch.zeros(12), mb)
@@ -676,7 +676,7 @@ def test_fuzz_split_then_collate(samples, layout, m, mode, size, max_seq_len):
 # Data parallel: the micro-batch count is agreed over the group (2 gloo ranks, real Megatron groups)
 # ---------------------------------------------------------------------------------------------
 def _dp_rank_fn():
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     lay = current_layout()
     r = lay.dp_rank

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.context_parallel import cp_token_index, shard_microbatch, shard_tokens, unshard_tokens
+from fnppo.core.context_parallel import cp_token_index, shard_microbatch, shard_tokens, unshard_tokens
 from fnppo.testing import run_ranks, synthetic_samples
-from fnppo.typing import InputError
+from fnppo.core.typing import InputError
 
 
 @st.composite
@@ -89,7 +89,7 @@ def _dense_reference(q, k, v, cu, scale):
 def _attention_cases(n_cases: int) -> float:
     from megatron.core import parallel_state as ps
 
-    from fnppo.context_parallel import context_parallel_attention
+    from fnppo.core.context_parallel import context_parallel_attention
 
     import fnppo
 

@@ -23,7 +23,7 @@ def _call(args: list[str], nproc: int = 1, cwd: Path | None = None) -> subproces
     if nproc == 1:
         cmd = [sys.executable, str(EXAMPLE), *args]
     else:
-        from fnppo.parallel import free_port
+        from fnppo.megatron.parallel import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", str(EXAMPLE), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)

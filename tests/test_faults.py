@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.model import unwrap_model
+from fnppo.megatron.model import unwrap_model
 from fnppo.testing import RankError, run_ranks, synthetic_samples
 
 N_STEPS = 4  # uninterrupted run length
@@ -112,7 +112,7 @@ def _params(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
 
 def _opt_state(state: fnppo.TrainState):
     """Everything a checkpoint keeps of the optimizer (this rank's distributed-optimizer shard too)."""
-    from fnppo.checkpoint import _optimizer_state
+    from fnppo.io.checkpoint import _optimizer_state
 
     return _clone_tree(_optimizer_state(state.optimizer))
 

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from fnppo.advantages import (
+from fnppo.core.advantages import (
     broadcast_to_tokens,
     discounted_scan,
     gae_advantages,
@@ -27,7 +27,7 @@ from fnppo.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from fnppo.loss import (
+from fnppo.core.loss import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     PolicyLossConfig,

@@ -1,4 +1,4 @@
-"""Tests of fnppo.grads: the global grad norm over unique parameters (TP duplicates and the tied
+"""Tests of fnppo.megatron.grads: the global grad norm over unique parameters (TP duplicates and the tied
 output embedding counted once) against an independent computation and Megatron's optimizer, with
 and without the distributed optimizer; the data-parallel reduction of finalize_grads; errors."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.model import unwrap_model
-from fnppo.parallel import current_layout
+from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.parallel import current_layout
 from fnppo.testing import run_ranks, synthetic_samples
 
 VOCAB = 64
@@ -38,7 +38,7 @@ def _backward(ddp, mbs) -> None:
     """Megatron's schedule, forward + backward (no finalize: the config has no finalize function)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from fnppo.batch import pad_microbatch
+    from fnppo.core.batch import pad_microbatch
 
     total = sum(mb.loss_mask.sum() for mb in mbs)
     n = len(mbs)

@@ -1,4 +1,4 @@
-"""Tests for fnppo.hf: Hugging Face Llama / Qwen2 / Qwen3 (and Qwen2-MoE / Qwen3-MoE / Mixtral)
+"""Tests for fnppo.io.hf: Hugging Face Llama / Qwen2 / Qwen3 (and Qwen2-MoE / Qwen3-MoE / Mixtral)
 checkpoints <-> Megatron GPT models.
 
 Tiny random models are built with ``transformers`` (fp32), saved as safetensors, loaded into
@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fnppo.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
+from fnppo.io.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
 from fnppo.testing import run_ranks
-from fnppo.typing import InputError
+from fnppo.core.typing import InputError
 from tests.messages import check_message, raises_message
 
 SEQ = 12
@@ -106,8 +106,8 @@ def _megatron_logits(chunks, ids: torch.Tensor):
     """Full-vocabulary logits [1, s, V] on the last pipeline stage (None elsewhere)."""
     import torch.distributed as dist
 
-    from fnppo.model import unwrap_model
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.model import unwrap_model
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     core = unwrap_model(chunks[0]).eval()
@@ -133,8 +133,8 @@ def _layout_worker(
     values: dict | None = None, value_bad: dict | None = None, foreign: dict | None = None,
 ) -> dict:
     """Load every family, return full logits, export; optionally also the other checks below."""
-    from fnppo.model import unwrap_model
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.model import unwrap_model
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     res: dict = {}
@@ -152,8 +152,8 @@ def _layout_worker(
         res[family] = _megatron_logits(chunks, ids)
         export_hf_weights(chunks, f"{export_root}/{family}", hf_config=path)
         if logprobs:
-            from fnppo.batch import Sample
-            from fnppo.step import compute_logprobs
+            from fnppo.core.batch import Sample
+            from fnppo.steps.step import compute_logprobs
 
             (lp,), _ = compute_logprobs(chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])])
             res[family + "/logprobs"] = lp
@@ -176,7 +176,7 @@ def _layout_worker(
 
 def _refused_load(chunks, path) -> tuple[str, bool]:
     """``(message, the model untouched)`` of ``load_hf_weights(chunks, path)`` (``"no error"`` if it loads)."""
-    from fnppo.model import unwrap_model
+    from fnppo.megatron.model import unwrap_model
 
     before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
     try:
@@ -345,7 +345,7 @@ def _move(chunks) -> None:
     replicate a parameter move it alike)."""
     import zlib
 
-    from fnppo.model import unwrap_model
+    from fnppo.megatron.model import unwrap_model
 
     for chunk in chunks:
         with torch.no_grad():
@@ -356,9 +356,9 @@ def _move(chunks) -> None:
 def _value_worker(ckpts: dict, export_root: str) -> dict:
     """Per value checkpoint: what the loader skipped, compute_values of one sample (prompt: the first
     token), an export; then every parameter moved, exported, reloaded into a new value model."""
-    from fnppo.batch import Sample
-    from fnppo.model import unwrap_model
-    from fnppo.step import compute_values
+    from fnppo.core.batch import Sample
+    from fnppo.megatron.model import unwrap_model
+    from fnppo.steps.step import compute_values
 
     out = {}
     for name, (path, ids, _) in ckpts.items():
@@ -525,9 +525,9 @@ def foreign_critics(tmp_path_factory):
 
 def _foreign_worker(critics: dict, bad: dict) -> dict:
     """Per foreign critic: what the loader skipped and compute_values of one sample; each bad variant's refusal."""
-    from fnppo.batch import Sample
-    from fnppo.parallel import current_layout
-    from fnppo.step import compute_values
+    from fnppo.core.batch import Sample
+    from fnppo.megatron.parallel import current_layout
+    from fnppo.steps.step import compute_values
 
     out = {}
     for name, (path, ids, _) in critics.items():
@@ -611,7 +611,7 @@ def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
         check_message(InputError(errors["tp mismatch"][0]), InputError, "build_gpt_from_hf", "tp",
                       "1 (the current Megatron layout; set it with fnppo.init_parallel)", "2")
         assert errors["export config mismatch"][0].startswith(
-            "fnppo.hf.export_hf_weights: argument 'hf_config['model_type']' expected 'llama' (what the model was built "
+            "fnppo.io.hf.export_hf_weights: argument 'hf_config['model_type']' expected 'llama' (what the model was built "
             "for), received 'qwen2' (in hf_config; also differs: architectures: ['Qwen2ForCausalLM'] (model: "
             "['LlamaForCausalLM'])"), errors["export config mismatch"][0]
         assert "tie_word_embeddings: True (model: False)" in errors["export config mismatch"][0]
@@ -772,8 +772,8 @@ def qwen2_v151(tmp_path_factory):
 
 
 def _padded_vocab_worker(path: str, ids: torch.Tensor) -> dict:
-    from fnppo.batch import Sample
-    from fnppo.step import compute_logprobs
+    from fnppo.core.batch import Sample
+    from fnppo.steps.step import compute_logprobs
 
     out = {}
     for divisible in (1, 2, 128):
@@ -825,7 +825,7 @@ _DROP = object()
 
 def _load_cases(model_path: str, cases: dict, ids: torch.Tensor, build_from: dict | None = None) -> dict:
     """case -> error message (and whether the model stayed untouched), or the loaded model's logits."""
-    from fnppo.model import unwrap_model
+    from fnppo.megatron.model import unwrap_model
 
     out = {}
     for case, path in cases.items():
@@ -851,7 +851,7 @@ def test_tied_checkpoint_with_a_different_lm_head(checkpoints, tmp_path):
     res = run_ranks(_load_cases, 1, path, {"different": different, "same": same, "untied": untied}, ids,
                     build_from={"untied": untied})[0]
     msg, untouched = res["different"]
-    assert msg.startswith("fnppo.hf.load_hf_weights: argument 'checkpoint['lm_head.weight']' expected "), msg
+    assert msg.startswith("fnppo.io.hf.load_hf_weights: argument 'checkpoint['lm_head.weight']' expected "), msg
     for part in ("equal to 'model.embed_tokens.weight'", "tie_word_embeddings", "set tie_word_embeddings to false",
                  "delete 'lm_head.weight'", "received a different tensor (max |difference|"):
         assert part in msg, (part, msg)
@@ -921,7 +921,7 @@ def test_checkpoint_config_must_match_the_model(checkpoints, tmp_path):
     assert (res.pop("unchanged") - ref).abs().max().item() <= TOL
     for case, (_, key, want, have) in _CONFIG_CASES.items():
         msg, untouched = res[case]
-        head = f"fnppo.hf.load_hf_weights: argument 'config.json{key}' expected {want} (what the model was built for"
+        head = f"fnppo.io.hf.load_hf_weights: argument 'config.json{key}' expected {want} (what the model was built for"
         assert msg.startswith(head), (case, msg)
         assert f", received {have} (in {cases[case]}/config.json" in msg, (case, msg)
         assert untouched, case
@@ -934,7 +934,7 @@ def test_qwen2_sliding_window_checkpoint_is_refused_by_the_loader(checkpoints, t
     path, ids, _ = checkpoints["qwen2"]
     bad = _variant(path, tmp_path / "sw", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
     msg, untouched = run_ranks(_load_cases, 1, path, {"sw": bad}, ids)[0]["sw"]
-    assert msg.startswith("fnppo.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
+    assert msg.startswith("fnppo.io.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
                           "(what the model was built for: full attention), received True"), msg
     assert untouched
 
@@ -947,7 +947,7 @@ def test_rope_errors_name_the_key_the_file_uses(key):
     d[key] = dict(rope, rope_theta=1e4) if key == "rope_parameters" else rope
     with pytest.raises(InputError) as err:
         model_config_from_hf(d)
-    assert str(err.value).startswith(f"fnppo.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
+    assert str(err.value).startswith(f"fnppo.io.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
                                      "expected 1 (the llama3 scaling Megatron implements), received 2.0"), str(err.value)
 
 
@@ -1049,7 +1049,7 @@ def _moe_errors(ckpts: dict, root: str) -> dict:
 
     path = ckpts["qwen3_moe"][0]
     out = {}
-    sigmoid = fnppo.build_gpt(fnppo.hf.model_config_from_hf(path, moe_score_function="sigmoid"))
+    sigmoid = fnppo.build_gpt(fnppo.io.hf.model_config_from_hf(path, moe_score_function="sigmoid"))
     chunks = build_gpt_from_hf(path, dtype="fp32")
     flipped = _variant(path, Path(root) / f"flipped-{fnppo.current_layout().rank}", {"norm_topk_prob": False})
     for case, call in (("sigmoid", lambda: export_hf_weights(sigmoid, f"{root}/never")),
@@ -1160,4 +1160,4 @@ def test_moe_models_the_families_cannot_hold_are_refused(moe_runs):
         check_message(InputError(errors["sigmoid"]), InputError, "export_hf_weights", "model_chunks[0].config.moe_router_score_function",
                       "'softmax' (Llama/Qwen/Mixtral layout)", "'sigmoid'")
         assert errors["norm_topk_prob"].startswith(
-            "fnppo.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"), errors["norm_topk_prob"]
+            "fnppo.io.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"), errors["norm_topk_prob"]

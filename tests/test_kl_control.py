@@ -1,4 +1,4 @@
-"""Tests of fnppo.kl_control: closed forms, a plain-loop reference, purity, validation."""
+"""Tests of fnppo.core.kl_control: closed forms, a plain-loop reference, purity, validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.kl_control import (
+from fnppo.core.kl_control import (
     KLControllerState,
     adaptive_kl_init,
     adaptive_kl_update,
@@ -19,8 +19,8 @@ from fnppo.kl_control import (
     fixed_kl_update,
     with_kl_coef,
 )
-from fnppo.loss import PolicyLossConfig
-from fnppo.typing import InputError
+from fnppo.core.loss import PolicyLossConfig
+from fnppo.core.typing import InputError
 from tests.messages import raises_message
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.linear_logprob import BackwardGraphs, linear_logprob_and_entropy
-from fnppo.logprob import logprob_and_entropy
-from fnppo.typing import InputError, ShapeError, typechecking
+from fnppo.core.linear_logprob import BackwardGraphs, linear_logprob_and_entropy
+from fnppo.core.logprob import logprob_and_entropy
+from fnppo.core.typing import InputError, ShapeError, typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import check_message
 
@@ -394,7 +394,7 @@ def test_backward_graphs_refuse_bad_arguments():
 _INTERP_SCRIPT = textwrap.dedent(
     """
     import torch
-    from fnppo.linear_logprob import linear_logprob_and_entropy
+    from fnppo.core.linear_logprob import linear_logprob_and_entropy
     from tests.test_linear_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
@@ -419,8 +419,8 @@ _INTERP_SCRIPT = textwrap.dedent(
             if vs is not None:
                 assert bool((wg.grad[vs:] == 0).all())
     # One TP shard's statistics (rows 30..59 of 100): labels outside it add nothing to zl.
-    from fnppo.kernels import linear_logprob_triton as k
-    from fnppo.linear_logprob import _forward_stats_torch
+    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.linear_logprob import _forward_stats_torch
     h = torch.randn(37, 32, generator=g).bfloat16()
     w = (torch.randn(100, 32, generator=g) * 0.7).bfloat16()
     labels = torch.randint(0, 100, (37,), generator=g)
@@ -440,7 +440,7 @@ _INTERP_SCRIPT = textwrap.dedent(
         for x, y in zip(got, want):
             assert (x is None) == (y is None) and (x is None or (x - y).abs().max() < 1e-5), (x, y)
     # The backward through BackwardGraphs' buffers (preallocated dz / accumulator / dh; no capture on CPU).
-    from fnppo.linear_logprob import BackwardGraphs
+    from fnppo.core.linear_logprob import BackwardGraphs
     graphs = BackwardGraphs(row_multiple=16)
     w = (torch.randn(70, 24, generator=g) * 0.7).bfloat16().requires_grad_()
     for n in (20, 9, 33, 20):
@@ -490,7 +490,7 @@ def tp_worker():
     """Each rank takes its rows of the same full weight; returns values, grads and the collectives."""
     import torch.distributed as dist
 
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     h, w, labels, g_lp, g_h = _tp_problem()
@@ -559,7 +559,7 @@ def _step_model_cfg(tied: bool):
 def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None, graphs: bool = False) -> dict:
     """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
     import fnppo
-    import fnppo.step as step_mod
+    import fnppo.steps.step as step_mod
     from fnppo.testing import synthetic_samples
 
     layout = fnppo.current_layout()
@@ -572,7 +572,7 @@ def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int |
         try:
             chunks = fnppo.build_gpt(_step_model_cfg(tied), **(build or {}))
             fnppo.layout_invariant_init(chunks, seed=3)
-            core = fnppo.model.unwrap_model(chunks[-1])
+            core = fnppo.megatron.model.unwrap_model(chunks[-1])
             layer_calls = []
             if core.post_process:
                 core.output_layer.register_forward_hook(lambda *a: layer_calls.append(1))
@@ -714,7 +714,7 @@ LARGE_CASES = [(dtype, t) for dtype in ("float32", "bfloat16") for t in (1.0, 0.
 
 def large_tp_worker() -> dict:
     """Each rank's rows of the weight: (log-probs, entropy, hidden gradient share, weight gradient shard)."""
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     h, w, labels, g_lp, g_h = _large_tp_problem()

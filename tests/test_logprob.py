@@ -1,4 +1,4 @@
-"""Tests of fnppo.logprob.logprob_and_entropy against an fp64 autograd reference."""
+"""Tests of fnppo.core.logprob.logprob_and_entropy against an fp64 autograd reference."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.logprob import _chunk_rows, logprob_and_entropy
-from fnppo.typing import InputError, ShapeError, typechecking
+from fnppo.core.logprob import _chunk_rows, logprob_and_entropy
+from fnppo.core.typing import InputError, ShapeError, typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import raises_message
 
@@ -318,7 +318,7 @@ def test_label_in_padding_raises():
 
 def padded_tp_worker() -> dict:
     """Each rank's shard of the padded logits, for every ``make_vocab_size_divisible_by``."""
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     out = {}
@@ -371,7 +371,7 @@ def test_bad_impl_raises(monkeypatch):
         logprob_and_entropy(x, labels)
     monkeypatch.delenv("FNPPO_LOGPROB_IMPL")
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        from fnppo.kernels import triton_available
+        from fnppo.core.kernels import triton_available
 
         expected = "'torch' or 'auto' for CPU tensors" if triton_available() else "'torch' or 'auto' (Triton is not installed)"
         with raises_message("logprob_and_entropy", "impl", expected, "'triton'"):
@@ -414,7 +414,7 @@ def test_property_matches_reference_and_shift_invariance(lead, vocab, temperatur
 _INTERP_SCRIPT = textwrap.dedent(
     """
     import torch
-    from fnppo.logprob import logprob_and_entropy
+    from fnppo.core.logprob import logprob_and_entropy
     from tests.test_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
@@ -472,7 +472,7 @@ def tp_worker(dtype_name: str, megatron_bug: bool = False):
     """
     import torch.distributed as dist
 
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     dtype = getattr(torch, dtype_name)
@@ -658,7 +658,7 @@ LARGE_CASES = [(dtype, t) for dtype in ("float32", "bfloat16") for t in (1.0, 0.
 
 def large_tp_worker() -> dict:
     """Each rank's shard of every large-magnitude problem: (log-probs, entropy, gradient shard)."""
-    from fnppo.parallel import current_layout
+    from fnppo.megatron.parallel import current_layout
 
     layout = current_layout()
     shard = LARGE_VOCAB // layout.tp

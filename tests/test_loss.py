@@ -1,4 +1,4 @@
-"""Tests of fnppo.loss: closed forms, a loop-based reference, split invariance, validation."""
+"""Tests of fnppo.core.loss: closed forms, a loop-based reference, split invariance, validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.loss import (
+from fnppo.core.loss import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     PolicyLossConfig,
@@ -28,7 +28,7 @@ from fnppo.loss import (
     value_loss,
     weighted_metric,
 )
-from fnppo.typing import InputError, ShapeError
+from fnppo.core.typing import InputError, ShapeError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
@@ -493,7 +493,7 @@ DTYPES = pytest.mark.parametrize("dtype", list(DTYPE_TOL), ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("name", DETERMINISTIC)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_matches_loop_reference(name, mode, dtype, checking):
-    from fnppo.typing import typechecking
+    from fnppo.core.typing import typechecking
 
     # a seed fixed by the case (hash() of a str changes with PYTHONHASHSEED, i.e. from run to run)
     batch = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 1000, 4, 6)
@@ -708,7 +708,7 @@ def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
 
 
 def _masked_nan_samples(field: str) -> list:
-    from fnppo.batch import Sample
+    from fnppo.core.batch import Sample
 
     good = [Sample.from_lists([1, 2], [3, 4, 5], advantages=[0.5, -0.5, 1.0], old_logprobs=[-1.0, -2.0, -1.5],
                               rollout_logprobs=[-1.1, -2.0, -1.4], ref_logprobs=[-1.0, -1.0, -1.0]) for _ in range(2)]
@@ -725,7 +725,7 @@ def _masked_nan_samples(field: str) -> list:
 def test_nan_at_a_masked_response_position_is_refused_by_collate(layout, field):
     # documented refusal (docs/errors.md): a Sample's per-token values are finite at every response
     # position, response_mask 0 included; the error names the sample and the field
-    from fnppo.batch import collate_microbatch
+    from fnppo.core.batch import collate_microbatch
 
     with raises_message("collate_microbatch", f"samples[2].{field}", "finite values", "f32[3] with 1 NaN/inf"):
         collate_microbatch(_masked_nan_samples(field), layout=layout)
@@ -735,7 +735,7 @@ def _train_step_masked_nan() -> dict:
     """train_step on one rank with a NaN advantage at a masked-out response position, for each
     policy loss and layout: the error (type, message) of each call; were the parameters untouched."""
     import fnppo
-    from fnppo.model import ModelConfig, unwrap_model
+    from fnppo.megatron.model import ModelConfig, unwrap_model
 
     cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=32,
                       vocab_size=16, max_seq_len=16)
@@ -879,7 +879,7 @@ def test_bad_values_raise_input_error():
 
 
 def test_validation_skipped_when_typechecking_off():
-    from fnppo.typing import typechecking
+    from fnppo.core.typing import typechecking
 
     x = torch.zeros(1, 2)
     with typechecking(False):
@@ -1027,7 +1027,7 @@ def reference_value_loss(v, old, ret, mask, clip, mode, scale):
 @DTYPES
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_value_loss_matches_loop_reference(mode, dtype, checking):
-    from fnppo.typing import typechecking
+    from fnppo.core.typing import typechecking
 
     g = torch.Generator().manual_seed(11)
     v0, old, ret = (torch.randn(3, 5, generator=g).to(dtype) for _ in range(3))

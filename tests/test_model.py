@@ -1,4 +1,4 @@
-"""Tests of fnppo.model: config validation, forward_logits (functional parameters, packed vs padded,
+"""Tests of fnppo.megatron.model: config validation, forward_logits (functional parameters, packed vs padded,
 half precision), full-weight load/gather under TP=2 and PP=2, and the layout-invariant init."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.model import transformer_config, unwrap_model
-from fnppo.parallel import ParallelLayout, current_layout
+from fnppo.megatron.model import transformer_config, unwrap_model
+from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.testing import run_ranks, synthetic_samples
-from fnppo.typing import InputError
+from fnppo.core.typing import InputError
 from tests.messages import check_message
 
 VOCAB = 64
@@ -299,7 +299,7 @@ def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str 
 
 
 def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it():
-    from fnppo.model import deterministic_algorithms
+    from fnppo.megatron.model import deterministic_algorithms
 
     def state():
         return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -331,11 +331,11 @@ def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it()
 def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
     """build_gpt's default spec: default_layer_spec (TE's where installed) except under CP, where the
     local spec's packed attention does the exact CP attention."""
-    import fnppo.attention
-    from fnppo.attention import PackedDotProductAttention
-    from fnppo.model import choose_layer_spec
+    import fnppo.megatron.attention
+    from fnppo.megatron.attention import PackedDotProductAttention
+    from fnppo.megatron.model import choose_layer_spec
 
-    monkeypatch.setattr(fnppo.attention, "default_layer_spec", lambda cfg, **kw: ("default_layer_spec", kw))
+    monkeypatch.setattr(fnppo.megatron.attention, "default_layer_spec", lambda cfg, **kw: ("default_layer_spec", kw))
     assert choose_layer_spec(_cfg(), _fake_layout()) == ("default_layer_spec", {})
     assert choose_layer_spec(_cfg(), _fake_layout(tp=2)) == ("default_layer_spec", {})
     spec = choose_layer_spec(_cfg(), _fake_layout(cp=2))
@@ -344,7 +344,7 @@ def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
 
 def test_fusions_follow_the_device_unless_forced(monkeypatch):
     """Megatron's fused kernels: on for a model built for CUDA (NCCL), off on CPU (gloo), or forced."""
-    from fnppo.model import fusion_fields
+    from fnppo.megatron.model import fusion_fields
 
     names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
     assert fusion_fields(_cfg(), _fake_layout()) == dict.fromkeys(names, False)
@@ -527,7 +527,7 @@ def test_load_strict_refuses_unknown_tensor(sharded):
 
 def test_grad_clipping_norm_without_syncs_matches_float64():
     """The replacement of Megatron's per-tensor-sync grad-norm fallback: the same global L2 norm."""
-    from fnppo.model import _l2_norm_without_syncs
+    from fnppo.megatron.model import _l2_norm_without_syncs
 
     g = torch.Generator().manual_seed(0)
     groups = [[torch.randn(5, 3, generator=g), torch.randn(7, generator=g)], [torch.randn(2, 2, 2, generator=g)]]
@@ -540,16 +540,16 @@ def test_grad_clipping_norm_without_syncs_matches_float64():
 def test_transformer_config_refuses_recompute_modules_that_need_transformer_engine(monkeypatch):
     # Megatron 0.16's output-discarding checkpoint ("layernorm", "moe_act") imports Transformer Engine
     # at the first forward whatever the precision: refused when the config is built, not mid-step.
-    import fnppo.attention
+    import fnppo.megatron.attention
 
-    monkeypatch.setattr(fnppo.attention, "te_available", lambda: False)
+    monkeypatch.setattr(fnppo.megatron.attention, "te_available", lambda: False)
     with pytest.raises(InputError) as info:
         transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"])
     check_message(info.value, InputError, "transformer_config", "recompute_modules",
                   "modules that run without Transformer Engine", "['mlp', 'layernorm']")
     ok = transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"])
     assert ok.recompute_modules == ["mlp", "core_attn"]
-    monkeypatch.setattr(fnppo.attention, "te_available", lambda: True)  # with TE Megatron runs them
+    monkeypatch.setattr(fnppo.megatron.attention, "te_available", lambda: True)  # with TE Megatron runs them
     assert transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective",
                               recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]
 
@@ -781,7 +781,7 @@ def test_model_config_field_reaches_megatron(settings_read_back, name):
 # ---------------------------------------------------------------------------------------------
 def _scaled_loss_steps() -> dict:
     """One step per registered loss ``k * (-logprob * sign(advantage))``, k = 0, 1, 2, from the same weights."""
-    from fnppo.loss import registered_policy_losses
+    from fnppo.core.loss import registered_policy_losses
 
     out = {}
     for k in (0.0, 1.0, 2.0):

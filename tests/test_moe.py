@@ -2,7 +2,7 @@
 
 Invariance: the same full weights loaded into every layout (1 process, EP=2, EP=2 x DP=2, TP=2 x
 EP=2 with sequence parallelism, PP=2) give the same loss, grad norm, updated parameters and router losses as one process
-that forms the same micro-batches (fnppo.moe defines the balance loss per micro-batch, so a
+that forms the same micro-batches (fnppo.megatron.moe defines the balance loss per micro-batch, so a
 layout with ``dp`` ranks of ``k`` micro-batches is compared with one process of ``dp * k``
 contiguous micro-batches). One ``run_ranks`` call per layout covers all its cases.
 """
@@ -151,7 +151,7 @@ def _router_grad_case(nmb: int) -> dict:
     cfg = _cfg()
     full = _full_weights(cfg)
     state = _state(cfg, full, distributed=False, optimizer="sgd")
-    rs = fnppo.moe.routers(state.model)
+    rs = fnppo.megatron.moe.routers(state.model)
     captured: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(len(rs))}
 
     def capture(layer):
@@ -252,19 +252,19 @@ def _settings() -> dict:
         full = _full_weights(cfg)
         state = _state(cfg, full)
         dtypes: set = set()  # the dtype of every router's output probabilities in the step
-        rs = fnppo.moe.routers(state.model)
+        rs = fnppo.megatron.moe.routers(state.model)
         hooks = [r.register_forward_hook(lambda mod, args, o: dtypes.add(o[0].dtype)) for r in rs]
         state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
         for h in hooks:
             h.remove()
         weights = fnppo.gather_full_weights(state.model)
-        biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.moe.routers(state.model)]
-        tcfg = fnppo.model.unwrap_model(state.model[0]).config
+        biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.megatron.moe.routers(state.model)]
+        tcfg = fnppo.megatron.model.unwrap_model(state.model[0]).config
         fields = ("moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                   "moe_shared_expert_intermediate_size", "num_layers")
         megatron = {k: getattr(tcfg, k) for k in fields}
         out[name] = {"metrics": metrics, "full": full, "weights": weights, "biases": biases, "router_dtypes": dtypes,
-                     "megatron": megatron, "routers": len(fnppo.moe.routers(state.model))}
+                     "megatron": megatron, "routers": len(fnppo.megatron.moe.routers(state.model))}
     return out
 
 
@@ -291,7 +291,7 @@ def _deterministic_runs(samples) -> dict:
             state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
             out[det] = {"seen": list(seen), "after": torch.are_deterministic_algorithms_enabled(), "logprobs": lp,
                         "metrics": metrics, "weights": fnppo.gather_full_weights(state.model),
-                        "mode": fnppo.model.unwrap_model(state.model[0]).config.deterministic_mode}
+                        "mode": fnppo.megatron.model.unwrap_model(state.model[0]).config.deterministic_mode}
     finally:
         token_dispatcher.unpermute = original
     return out
@@ -399,8 +399,8 @@ def _allgather_check_on_rank(tokens_per_rank: list[int]):
     """One rank: ``_check_allgather`` on a micro-batch of this rank's token count (EP=2)."""
     import types
 
-    from fnppo.moe import _check_allgather
-    from fnppo.typing import InputError
+    from fnppo.megatron.moe import _check_allgather
+    from fnppo.core.typing import InputError
 
     layout = fnppo.current_layout()
     mb = types.SimpleNamespace(input_ids=torch.zeros(1, tokens_per_rank[layout.ep_rank], dtype=torch.long))
@@ -414,7 +414,7 @@ def _allgather_check_on_rank(tokens_per_rank: list[int]):
 
 def test_allgather_dispatcher_refuses_unequal_token_counts():
     from tests.messages import check_message
-    from fnppo.typing import InputError
+    from fnppo.core.typing import InputError
 
     equal = run_ranks(_allgather_check_on_rank, 2, [8, 8], ep=2)
     assert equal == [None, None]

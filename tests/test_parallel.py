@@ -1,4 +1,4 @@
-"""Tests of fnppo.parallel and fnppo.testing: argument validation, the N-rank launcher, the CPU
+"""Tests of fnppo.megatron.parallel and fnppo.testing: argument validation, the N-rank launcher, the CPU
 redirection, and a tiny GPTModel forward/backward through Megatron's own schedule on 1 rank and on
 2 ranks (TP=2, PP=2, DP=2), which must all give the loss and gradients of plain autograd on one
 process with the same full weights.
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.model import unwrap_model
-from fnppo.parallel import current_layout, init_parallel
+from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.parallel import current_layout, init_parallel
 from fnppo.testing import RankError, megatron_on_cpu, run_ranks, synthetic_samples
 
 VOCAB = 64
@@ -317,11 +317,11 @@ chunks = fnppo.build_gpt(fnppo.ModelConfig(num_layers=1, hidden_size=16, num_att
                                            ffn_hidden_size=32, vocab_size=8, max_seq_len=8))
 lp, _ = fnppo.compute_logprobs(chunks, [fnppo.Sample.from_lists([1, 2], [3, 4])])
 assert lp[0].shape == (2,) and bool(torch.isfinite(lp[0]).all())
-fnppo.parallel.destroy_parallel()
+fnppo.megatron.parallel.destroy_parallel()
 assert not cpu_mode_active()                         # destroy_parallel leaves the CPU mode
 with fnppo.testing.megatron_on_cpu():                # explicit use still works, and nests
     fnppo.init_parallel()
-    fnppo.parallel.destroy_parallel()
+    fnppo.megatron.parallel.destroy_parallel()
     assert cpu_mode_active()
 assert not cpu_mode_active()
 print("ok")
@@ -372,7 +372,7 @@ def test_harmless_warning_filters_are_installed_and_can_be_shown():
 def _what_a_call_sees(fail: bool = False) -> dict:
     """What this rank sees on entry, then changes everything a call may change (and the next must not see)."""
     seen = {"pid": os.getpid(), "env": os.environ.get("FNPPO_TEST_LEAK"), "dtype": torch.get_default_dtype(),
-            "checking": fnppo.typing.typechecking_enabled(), "world": dist.get_world_size(),
+            "checking": fnppo.core.typing.typechecking_enabled(), "world": dist.get_world_size(),
             "tp": current_layout().tp, "draw": float(torch.rand(()))}
     os.environ["FNPPO_TEST_LEAK"] = "set by an earlier call"
     torch.set_default_dtype(torch.float64)

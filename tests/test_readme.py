@@ -34,7 +34,7 @@ def _run_file(path: Path, nproc: int, timeout: int = 600) -> subprocess.Complete
     if nproc == 1:
         cmd = [sys.executable, str(path)]
     else:
-        from fnppo.parallel import free_port
+        from fnppo.megatron.parallel import free_port
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
@@ -117,7 +117,7 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
     assert args[-5:] == ["examples/ppo_toy.py", "--steps", "1", "--layout-check", "--target-reward", "0"][-5:]
     run_args = ["--no-progress", "--no-plot", "--out-dir", str(tmp_path / "run"), "--steps", "1", "--layout-check", "--target-reward", "0"]
     if args[0] == "torchrun":
-        from fnppo.parallel import free_port
+        from fnppo.megatron.parallel import free_port
 
         full = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", str(ROOT / "examples/ppo_toy.py"), *run_args]
     else:

@@ -28,7 +28,7 @@ def _optimizer_state(state) -> dict[str, torch.Tensor]:
     """The parameters of every model chunk, the optimizer's own (fp32 shard) parameters and Adam's
     moments, cloned: everything a step changes."""
     out = {f"chunk{c}.{n}": p.detach().clone()
-           for c, m in enumerate(state.model) for n, p in fnppo.model.unwrap_model(m).named_parameters()}
+           for c, m in enumerate(state.model) for n, p in fnppo.megatron.model.unwrap_model(m).named_parameters()}
     for i, sub in enumerate(getattr(state.optimizer, "chained_optimizers", None) or [state.optimizer]):
         for j, group in enumerate(sub.optimizer.param_groups):
             for k, p in enumerate(group["params"]):

@@ -1,5 +1,5 @@
 """Tests of the rollout-correction options of the loss: bypass mode, batch-normalized importance
-weights, rejection on sequence statistics (fnppo.rollout_correction, fnppo.loss).
+weights, rejection on sequence statistics (fnppo.core.rollout_correction, fnppo.core.loss).
 
 Closed forms in float64, a plain-loop reference of the documented formulas, hypothesis split
 invariance (micro-batches summing to the full batch with the global normalizer and the global mean
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.loss import (
+from fnppo.core.loss import (
     PolicyLossConfig,
     compute_tis_weights,
     finalize_metrics,
@@ -28,8 +28,8 @@ from fnppo.loss import (
     register_policy_loss,
     tis_batch_stats,
 )
-from fnppo.rollout_correction import SEQ_REJECTION_CRITERIA
-from fnppo.typing import InputError
+from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
+from fnppo.core.typing import InputError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
@@ -701,7 +701,7 @@ def _step_reference() -> dict:
                                    rollout_logprobs=lp + 0.1 * torch.randn(lp.shape, generator=g),
                                    ref_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g))
                for s, lp in zip(base, lps, strict=True)]
-    core = fnppo.model.unwrap_model(chunks[0])
+    core = fnppo.megatron.model.unwrap_model(chunks[0])
     params = dict(core.named_parameters())
     out = {"samples": samples, "cases": {}}
     for name in STEP_CASES:

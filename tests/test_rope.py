@@ -1,4 +1,4 @@
-"""fnppo.rope: the one-pass RoPE against a float64 closed form, Megatron's unfused THD/BSHD paths,
+"""fnppo.core.rope: the one-pass RoPE against a float64 closed form, Megatron's unfused THD/BSHD paths,
 and the Triton kernel (in Triton's interpreter) against the torch path."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fnppo.rope import apply_rotary, thd_positions
+from fnppo.core.rope import apply_rotary, thd_positions
 from tests.messages import raises_message
 
 
@@ -59,7 +59,7 @@ def test_matches_closed_form_and_its_gradient_is_the_inverse_rotation(rot):
 def test_adapters_match_megatron_unfused_thd_and_bshd():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from fnppo.model import _fused_rope_bshd, _fused_rope_thd
+    from fnppo.megatron.model import _fused_rope_bshd, _fused_rope_thd
 
     class OneRank:
         def size(self):

@@ -1,4 +1,4 @@
-"""Routing replay (fnppo.routing) over real Megatron on CPU.
+"""Routing replay (fnppo.megatron.routing) over real Megatron on CPU.
 
 The model has a dense first layer and three MoE layers (global layers 1, 2, 3 are MoE layers 0, 1,
 2), so the route of MoE layer ``j`` must reach the router of global layer ``j + 1`` on whichever
@@ -67,7 +67,7 @@ class _RouterTap:
 
     def __init__(self, model) -> None:
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.handles = [r.register_forward_hook(self._hook) for r in fnppo.moe.routers(model)]
+        self.handles = [r.register_forward_hook(self._hook) for r in fnppo.megatron.moe.routers(model)]
 
     def _hook(self, module, args, output) -> None:
         hidden = args[0].detach().reshape(-1, args[0].shape[-1]).double()
@@ -84,7 +84,7 @@ class _FifoTap:
 
     def __init__(self, model) -> None:
         self.calls: list[tuple[int, int]] = []
-        self.handles = [r.register_forward_pre_hook(self._hook) for r in fnppo.moe.routers(model)]
+        self.handles = [r.register_forward_pre_hook(self._hook) for r in fnppo.megatron.moe.routers(model)]
 
     def _hook(self, module, args) -> None:
         self.calls.append((module.layer_number - 1, len(module.router_replay.replay_backward_list)))
@@ -232,7 +232,7 @@ def _error_cases(state, samples: list, routes: list) -> dict:
         "dense": lambda: fnppo.compute_logprobs(dense, replayed),
         "dense_record": lambda: fnppo.compute_logprobs(dense, samples, return_routing=True),
         "record_replayed": lambda: fnppo.compute_logprobs(model, replayed, return_routing=True),
-        "forward_only": lambda: fnppo.forward_only(model, [mb], lambda logits, m: None, recorder=fnppo.routing.RoutingRecorder(4)),
+        "forward_only": lambda: fnppo.forward_only(model, [mb], lambda logits, m: None, recorder=fnppo.megatron.routing.RoutingRecorder(4)),
         "no_slot": lambda: fnppo.compute_logprobs(no_slot, replayed),
     })
 

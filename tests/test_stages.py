@@ -38,7 +38,7 @@ def _state(optimizer: str = "adam") -> fnppo.TrainState:
 
 
 def _weights(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
-    core = fnppo.model.unwrap_model(state.model[0])
+    core = fnppo.megatron.model.unwrap_model(state.model[0])
     return {k: v.detach().clone() for k, v in core.named_parameters()}
 
 
@@ -124,7 +124,7 @@ def _megatron_config(samples) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     state = _state()
-    config = fnppo.model.unwrap_model(state.model[0]).config
+    config = fnppo.megatron.model.unwrap_model(state.model[0]).config
     calls: list[str] = []
 
     def user_finalize(model, num_tokens=None, *args, **kwargs):

@@ -196,14 +196,14 @@ def _nan_step() -> dict:
     good = synthetic_samples(4, seed=2)
     cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_microbatches=2)
     state, m1 = fnppo.train_step(state, good, cfg)  # a real step so Adam has state
-    before = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
+    before = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()}
     moments_before = _adam_moments(state.optimizer)
     bad_cfg = dataclasses.replace(cfg, fns=fnppo.StepFns(loss=_nan_loss_finite_grad(bad_call=1)))
     state, m2 = fnppo.train_step(state, good, bad_cfg)
-    after = {k: v.detach().clone() for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters()}
+    after = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()}
     moments_after = _adam_moments(state.optimizer)
     state, m3 = fnppo.train_step(state, good, cfg)
-    moved = any(not torch.equal(after[k], v) for k, v in fnppo.model.unwrap_model(state.model[0]).named_parameters())
+    moved = any(not torch.equal(after[k], v) for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters())
     moments_later = _adam_moments(state.optimizer)
     return {
         "m1": m1, "m2": m2, "m3": m3, "moved": moved,
@@ -232,7 +232,7 @@ def test_non_finite_step_is_skipped_and_state_untouched():
 # custom stages: a user-registered loss through train_step
 # --------------------------------------------------------------------------------------------
 def _custom_loss_step() -> dict:
-    from fnppo.loss import registered_policy_losses
+    from fnppo.core.loss import registered_policy_losses
 
     if "test_reinforce_sign" not in registered_policy_losses():
         @fnppo.register_policy_loss("test_reinforce_sign")
@@ -281,7 +281,7 @@ def _case_model_cfg(case: tuple) -> fnppo.ModelConfig:
 def _plain_reference(cases: list) -> dict:
     """case -> loss, full gradients, per-sample log-probs and entropies (1 process); a case is
     ``(mode, divisible)`` or ``(mode, divisible, layers)``."""
-    from fnppo.batch import collate_microbatch, unpack_per_sample
+    from fnppo.core.batch import collate_microbatch, unpack_per_sample
 
     out = {}
     for case in cases:
@@ -330,7 +330,7 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
             # the captured gradients, gathered like weights: copy them into the parameters, gather
             with torch.no_grad():
                 for c, grads in zip(state.model, captured.pop("grads"), strict=True):
-                    for p, g in zip(fnppo.model.unwrap_model(c).parameters(), grads, strict=True):
+                    for p, g in zip(fnppo.megatron.model.unwrap_model(c).parameters(), grads, strict=True):
                         p.copy_(g)
             full = fnppo.gather_full_weights(state.model)
             every = [None] * layout.dp
@@ -404,7 +404,7 @@ INTERLEAVED_SPLITS = {
 
 def _interleaved_refusals() -> dict:
     """The message of every configuration the interleaved schedule cannot run (or "no error")."""
-    from fnppo.batch import collate_microbatch, pad_microbatch
+    from fnppo.core.batch import collate_microbatch, pad_microbatch
 
     chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE))
     value_chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE), head="value")
@@ -432,7 +432,7 @@ def _interleaved_cases() -> dict:
     """Refusals first (every rank raises before any communication: the runs after them would
     time out otherwise), then train_step + compute_logprobs per split, recording the number of
     micro-batches each schedule ran."""
-    import fnppo.step as step_module
+    import fnppo.steps.step as step_module
 
     out = {"refusals": _interleaved_refusals(), "runs": {}}
     real = step_module._run_schedule

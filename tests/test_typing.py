@@ -1,4 +1,4 @@
-"""Tests of fnppo.typing: the call-time shape/dtype checker, its on/off switch, and the value checks."""
+"""Tests of fnppo.core.typing: the call-time shape/dtype checker, its on/off switch, and the value checks."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo import typing as ft
-from fnppo.typing import (
+from fnppo.core import typing as ft
+from fnppo.core.typing import (
     Float,
     InputError,
     Int,
@@ -120,7 +120,7 @@ def test_shape_error_first_line_points_at_the_mismatch(values, ids, expected):
 
 
 def test_library_shape_error_names_both_arguments_and_sizes():
-    from fnppo.loss import PolicyLossConfig, ppo_loss
+    from fnppo.core.loss import PolicyLossConfig, ppo_loss
 
     lp, adv, mask = torch.zeros(2, 4), torch.zeros(2, 5), torch.ones(2, 4)
     with pytest.raises(ShapeError) as info:
@@ -163,7 +163,7 @@ def test_wrapper_keeps_metadata():
 
 
 def test_library_function_is_checked():
-    from fnppo.logprob import logprob_and_entropy
+    from fnppo.core.logprob import logprob_and_entropy
 
     with pytest.raises(ShapeError) as info:
         logprob_and_entropy(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.int64))
@@ -216,7 +216,7 @@ def test_env_variable_disables_checking_at_import(tmp_path):
     script = textwrap.dedent(
         """
         import torch
-        from fnppo.typing import Float, Tensor, typechecked, typechecking_enabled, set_typechecking, ShapeError
+        from fnppo.core.typing import Float, Tensor, typechecked, typechecking_enabled, set_typechecking, ShapeError
 
         @typechecked
         def f(a: Float[Tensor, "b n"]) -> Float[Tensor, "b"]:

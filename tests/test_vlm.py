@@ -1,4 +1,4 @@
-"""fnppo.vlm: images reach the model, through every split and layout (real Megatron on CPU).
+"""fnppo.megatron.vlm: images reach the model, through every split and layout (real Megatron on CPU).
 
 The collate stage expands placeholders (checked against lists built by hand), the model writes
 image features at the placeholders (checked against a per-sample forward assembled by hand), and
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.batch import Sample, collate_microbatch, unpack_per_sample
+from fnppo.core.batch import Sample, collate_microbatch, unpack_per_sample
 from fnppo.testing import run_ranks
-from fnppo.typing import InputError
+from fnppo.core.typing import InputError
 from tests.step_helpers import gather_dp, max_metric_error
 
 IMG = 5  # the placeholder token
@@ -29,7 +29,7 @@ REL = 1e-5
 
 
 def _vision(freeze: bool = False):
-    from fnppo.vlm import VisionConfig
+    from fnppo.megatron.vlm import VisionConfig
 
     return VisionConfig(image_token_id=IMG, image_size=8, patch_size=4, num_layers=1, hidden_size=32,
                         num_attention_heads=2, ffn_hidden_size=64, projector_hidden_size=48, freeze_vision=freeze)
@@ -70,7 +70,7 @@ def _batch(pixel_seed: int = 0) -> list[Sample]:
 # placeholder expansion and collation (no Megatron)
 # ---------------------------------------------------------------------------------------------
 def _collate(**kw):
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     return VLMCollate(IMG, N_TOK, image_shape=(3, 8, 8), **kw)
 
@@ -121,7 +121,7 @@ def test_collate_refuses_placeholders_that_do_not_match_the_images(change, arg, 
     with pytest.raises(InputError) as err:
         _collate()([dataclasses.replace(s, **change)])
     msg = str(err.value)
-    assert msg.startswith("fnppo.vlm.VLMCollate") and arg in msg and expected in msg, msg
+    assert msg.startswith("fnppo.megatron.vlm.VLMCollate") and arg in msg and expected in msg, msg
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -136,9 +136,9 @@ def test_collate_refuses_non_finite_pixels_naming_the_sample_and_key(bad):
     batch[3] = dataclasses.replace(batch[3], multi_modal={"images": images})
     with pytest.raises(InputError) as err:
         _collate()(batch)
-    check_message(err.value, InputError, "fnppo.vlm.VLMCollate", "samples[3].multi_modal['images']",
+    check_message(err.value, InputError, "fnppo.megatron.vlm.VLMCollate", "samples[3].multi_modal['images']",
                   "finite pixel values", "f32[2,3,8,8] with 1 NaN/inf pixels (the first in image 1)")
-    with fnppo.typing.typechecking(False):
+    with fnppo.core.typing.typechecking(False):
         mb = _collate()(batch)
     assert not bool(torch.isfinite(mb.multi_modal["images"]).all())
 
@@ -147,19 +147,19 @@ def test_collate_refuses_non_finite_pixels_naming_the_sample_and_key(bad):
 def test_an_image_without_its_item_dimension_is_named_not_the_prompt(image_shape):
     """``[3, 8, 8]`` instead of ``[1, 3, 8, 8]`` would be read as 3 images: the image is refused by
     its key before the placeholders are counted, with or without ``image_shape``."""
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
     from tests.messages import check_message
 
     s = Sample.from_lists([1, IMG, 2], [7, 8], multi_modal={"images": torch.zeros(3, 8, 8)})
     want = "floating images [k, 3, 8, 8]" if image_shape else "floating images [k, C, H, W]"
     with pytest.raises(InputError) as err:
         VLMCollate(IMG, N_TOK, image_shape=image_shape)([_batch()[0], s])
-    check_message(err.value, InputError, "fnppo.vlm.VLMCollate", "samples[1].multi_modal['images']",
+    check_message(err.value, InputError, "fnppo.megatron.vlm.VLMCollate", "samples[1].multi_modal['images']",
                   f"{want} (an image without its leading item dimension k?)", "f32[3,8,8]")
 
 
 def test_vision_config_takes_bools_only():
-    from fnppo.vlm import VisionConfig
+    from fnppo.megatron.vlm import VisionConfig
     from tests.messages import check_message
 
     for value in ("yes", 0, 1):
@@ -175,7 +175,7 @@ def _entry_refusals() -> dict:
     images (the model knows its image shape); ``forward``: the model itself on such a micro-batch;
     ``nan_pixel``: train_step with a NaN pixel in the last sample of the last mini-batch of the last
     epoch (``changed``: the weights it changed, none expected)."""
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     out = {}
     state = _state(False)
@@ -221,7 +221,7 @@ def test_the_step_and_the_model_refuse_images_of_another_shape_or_nan_pixels():
     out = run_ranks(_entry_refusals, 1)[0]
     check_message(InputError(out["one_channel"]), InputError, "compute_logprobs", "batch[2].multi_modal['images']",
                   "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
-    check_message(InputError(out["forward"]), InputError, "fnppo.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
+    check_message(InputError(out["forward"]), InputError, "fnppo.megatron.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
                   "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
     check_message(InputError(out["nan_pixel"]), InputError, "train_step", "batch[3].multi_modal['images']",
                   "finite pixel values", "1 NaN/inf pixels (the first in image 1)")
@@ -236,7 +236,7 @@ def test_collate_checks_the_expanded_length():
 
 
 def test_token_budget_counts_expanded_lengths():
-    from fnppo.split import build_microbatches
+    from fnppo.core.split import build_microbatches
 
     budget = 16
     plan, mbs = build_microbatches(_batch(), ("max_tokens_per_microbatch", budget), layout="packed", pad_to_multiple_of=1,
@@ -248,7 +248,7 @@ def test_token_budget_counts_expanded_lengths():
 
 
 def test_scatter_image_features_against_a_loop():
-    from fnppo.vlm import scatter_image_features
+    from fnppo.megatron.vlm import scatter_image_features
 
     g = torch.Generator().manual_seed(0)
     ids = torch.tensor([[1, IMG, IMG, 2, 0], [IMG, IMG, 3, IMG, IMG]])  # padded [b, s]: sample-major order
@@ -345,7 +345,7 @@ def test_routes_follow_the_expanded_tokens(form):
 
 def test_expand_image_routes_against_a_loop():
     """The public function alone: several images, a missing last row, an unsigned engine dtype."""
-    from fnppo.vlm import expand_image_routes
+    from fnppo.megatron.vlm import expand_image_routes
 
     prompt, response = [IMG, 1, IMG, IMG, 2], [3, 4]
     is_image = torch.tensor([t == IMG for t in prompt + response])
@@ -361,7 +361,7 @@ def test_expand_image_routes_against_a_loop():
 
 def _route_error(case: str) -> InputError:
     """The error of one case of routes that do not fit the expanded sequence."""
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     image = {"images": torch.zeros(1, 3, 8, 8)}
     p, r = [1, IMG, 2], [7, 8]  # 5 tokens, 8 expanded
@@ -416,7 +416,7 @@ def _loss_cfg() -> fnppo.PolicyLossConfig:
 
 
 def _state(freeze: bool):
-    from fnppo.vlm import build_vlm
+    from fnppo.megatron.vlm import build_vlm
 
     chunks = build_vlm(_lm_cfg(), _vision(freeze))
     fnppo.layout_invariant_init(chunks, seed=3)
@@ -435,7 +435,7 @@ SPLITS = {
 
 
 def _update(split: str, freeze: bool) -> dict:
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     layout = fnppo.current_layout()
     state = _state(freeze)
@@ -459,7 +459,7 @@ def _layout_cases(splits: tuple[str, ...]) -> dict:
 def _by_hand_logits(model, batch: list[Sample]) -> list[torch.Tensor]:
     """Each sample alone ([1, L] padded), its embeddings assembled by hand: text rows from the word
     embedding, each image's N rows from the vision tower run on that image alone."""
-    vlm = fnppo.model.unwrap_model(model)
+    vlm = fnppo.megatron.model.unwrap_model(model)
     out = []
     for s in batch:
         rows, images = [], list(s.multi_modal.get("images", torch.zeros(0, 3, 8, 8)))
@@ -477,7 +477,7 @@ def _by_hand_logits(model, batch: list[Sample]) -> list[torch.Tensor]:
 
 def _reference_extras() -> dict:
     """One process: placement against a hand-built forward, pixels matter, text-only batches."""
-    from fnppo.vlm import VLMCollate
+    from fnppo.megatron.vlm import VLMCollate
 
     state = _state(False)
     model = state.model[0]
@@ -508,7 +508,7 @@ def _moe_replay() -> dict:
     it as recorded, as the unexpanded tokens with -1 at the placeholders, shifted by one row (a
     misalignment of the right length), with the image rows dropped (refused); training steps on the
     record and on the shifted rows, the record's log-probs as the old ones."""
-    from fnppo.vlm import build_vlm
+    from fnppo.megatron.vlm import build_vlm
 
     run = _moe_record()
     chunks, step, batch, lp, routes, col, cfg = (run[k] for k in ("chunks", "step", "batch", "lp", "routes", "collate", "cfg"))
@@ -536,7 +536,7 @@ def _moe_replay() -> dict:
         _, out[case] = fnppo.train_step(state, replayed, step)
     # Megatron's "block" recomputation of the first layer only: its router replays again in the
     # backward (from the language decoder's block, below the vision tower), the other keeps nothing.
-    from fnppo.routing import _first_layers
+    from fnppo.megatron.routing import _first_layers
 
     blocky = build_vlm(cfg, _vision(), recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
     fnppo.layout_invariant_init(blocky, seed=3, std=0.2)
@@ -556,7 +556,7 @@ def _moe_lm_cfg() -> fnppo.ModelConfig:
 def _moe_record() -> dict:
     """The MoE VLM (large router logits: replay and free routing tell apart), its step config and
     batch, and the batch's log-probs and recorded routes on this rank's layout."""
-    from fnppo.vlm import VLMCollate, build_vlm
+    from fnppo.megatron.vlm import VLMCollate, build_vlm
 
     cfg = _moe_lm_cfg()
     chunks = build_vlm(cfg, _vision())
@@ -588,7 +588,7 @@ def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
 def _fused_worker() -> dict:
     """compute_logprobs (current weights, and a snapshot as ``params``) and a train_step of the VLM,
     unfused then with ``StepConfig(fused_output=True)``, from the same weights; the updates."""
-    from fnppo.vlm import VLMCollate, build_vlm
+    from fnppo.megatron.vlm import VLMCollate, build_vlm
 
     out = {}
     for fused in (False, True):
@@ -706,7 +706,7 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
 
 
 def _build_error(moe: bool) -> str:
-    from fnppo.vlm import build_vlm
+    from fnppo.megatron.vlm import build_vlm
 
     cfg = _moe_lm_cfg() if moe else _lm_cfg()
     try:

@@ -1,0 +1,1 @@
+"""fnppo.megatron."""
