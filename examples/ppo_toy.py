@@ -30,10 +30,15 @@ controller of Ziegler et al. (``fnppo.adaptive_kl_init`` / ``adaptive_kl_update`
     torchrun --nproc-per-node 2 examples/ppo_toy.py --moe --ep 2 # experts split over 2 ranks
     python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
 
-Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``):
-``metrics.jsonl``, ``ppo_toy.png`` and, with ``--save-every``, checkpoints. ``--resume`` continues
-the newest run (or ``--out-dir``) from its newest checkpoint, bit-identical to an uninterrupted run
-(data and sampling are functions of (seed, step); the run's settings are stored in the checkpoint).
+Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``),
+created when its first file is written: ``metrics.jsonl`` (unless ``--metrics-out`` puts the metrics
+elsewhere), ``ppo_toy.png`` (unless ``--no-plot``), ``profile.txt`` (``--profile-step``, unless
+``--profile-out``) and, with ``--save-every``, checkpoints. ``--resume`` continues the newest run (or
+``--out-dir``) from its newest checkpoint, bit-identical to an uninterrupted run (data and sampling
+are functions of (seed, step); the run's settings are stored in the checkpoint); ``--overwrite``
+replaces the run in ``--out-dir`` (its metrics and checkpoints are removed when the run starts).
+Every argument is checked before anything is imported or created: an invalid one, or a refused
+``--resume`` (other settings, another layout, a damaged checkpoint), ends with one line and exit 2.
 """
 
 from __future__ import annotations
@@ -41,12 +46,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
-# torch and fnppo are imported after the arguments are parsed, so --help and argument errors are fast.
+# An example script may import its heavy dependencies late: torch, Megatron and fnppo are imported only
+# on the run path, after every argument (numbers, paths, the run directory, --resume) is validated, so
+# --help and a refused command line take a fraction of a second and create nothing.
 
 PAD, BOS = 0, 1
 FIRST_SYMBOL, NUM_SYMBOLS = 2, 8
@@ -146,17 +155,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda_available: bool) -> None:
-    """Raise :class:`ArgumentError` for a command line that cannot run (checked before any set-up)."""
-    for name in ("steps", "prompts", "group_size", "minibatches", "hidden", "layers", "tp", "pp", "schedule_steps"):
+    """Raise :class:`ArgumentError` for a command line that cannot run: numbers out of range (NaN and
+    infinities included), combinations, paths that must exist (``--hf-checkpoint`` /
+    ``--critic-checkpoint``: a Hugging Face checkpoint directory) or must not be in the way, the run
+    directory (a run in ``--out-dir`` without ``--resume`` / ``--overwrite``, ``--resume`` with nothing
+    to resume). Pure Python and read-only: runs before torch is imported and before anything is created."""
+    for name in ("steps", "prompts", "group_size", "minibatches", "hidden", "layers", "tp", "pp", "schedule_steps",
+                 "moe_experts", "moe_topk"):
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("num_microbatches", "max_tokens_per_microbatch", "exit_after"):
+    for name in ("num_microbatches", "max_tokens_per_microbatch", "exit_after", "profile_step"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
         raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+    _check_floats(args)
     if args.spec != "default" and args.hf_checkpoint:
         raise ArgumentError("--spec applies to the random model; --hf-checkpoint builds its own")
     if args.device == "cuda" and not cuda_available:
@@ -192,6 +207,101 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         if 0.2 * args.prompts * args.group_size >= horizon:
             raise ArgumentError(f"--kl-horizon {horizon:g} must exceed 0.2 x the {args.prompts * args.group_size} "
                                 "samples per step")
+    if args.profile_out is not None and args.profile_step is None:
+        raise ArgumentError("--profile-out needs --profile-step")
+    if args.profile_step is not None and args.profile_step > args.steps:
+        raise ArgumentError(f"--profile-step {args.profile_step} is beyond --steps {args.steps}: that step never runs")
+    for flag, path in (("--hf-checkpoint", args.hf_checkpoint), ("--critic-checkpoint", args.critic_checkpoint)):
+        if path is not None:
+            check_hf_directory(flag, path)
+    check_run_paths(args)
+
+
+def _check_floats(args: argparse.Namespace) -> None:
+    """Every float flag finite (NaN and infinities refused), coefficients >= 0, ``--tis-cap`` > 0."""
+    for name in ("lr", "lr_final", "temperature", "entropy_coeff", "kl_coef", "kl_target", "kl_horizon", "tis_cap",
+                 "gamma", "lam", "critic_lr", "value_clip", "moe_aux_coeff", "moe_z_coeff", "target_reward"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name in ("entropy_coeff", "kl_coef", "moe_aux_coeff", "moe_z_coeff"):
+        if getattr(args, name) < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.tis_cap is not None and args.tis_cap <= 0:
+        raise ArgumentError(f"--tis-cap must be > 0, got {args.tis_cap}")
+
+
+def check_hf_directory(flag: str, path: str) -> None:
+    """Refuse a ``flag`` path that is not a Hugging Face checkpoint directory: it must exist, be a
+    directory, hold a ``config.json`` with a JSON object and ``model.safetensors`` (or its index)."""
+    d = Path(path)
+    if not d.exists():
+        raise ArgumentError(f"{flag} {path}: does not exist")
+    if not d.is_dir():
+        raise ArgumentError(f"{flag} {path}: is not a directory (a Hugging Face checkpoint directory is expected)")
+    config = d / "config.json"
+    if not config.is_file():
+        raise ArgumentError(f"{flag} {path}: has no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, ValueError) as err:  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ArgumentError(f"{flag} {path}: config.json is not valid JSON ({err})") from None
+    if not isinstance(parsed, dict):
+        raise ArgumentError(f"{flag} {path}: config.json holds a {type(parsed).__name__}, not a JSON object")
+    if not ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()):
+        raise ArgumentError(f"{flag} {path}: has no model.safetensors or model.safetensors.index.json (the weights)")
+
+
+def _check_file_target(flag: str, path: str) -> None:
+    """``path`` can become a file: it is no directory, and its nearest existing ancestor is a directory."""
+    p = Path(path)
+    if p.is_dir():
+        raise ArgumentError(f"{flag} {path}: is a directory (a file path is expected)")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ArgumentError(f"{flag} {path}: {parent} is a file, not a directory")
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint (a directory with a readable ``manifest.json``) with the highest step
+    under ``root``, or None: what ``fnppo.latest_checkpoint`` finds, in plain Python (no torch)."""
+    best: tuple[int, Path] | None = None
+    for d in root.iterdir() if root.is_dir() else ():
+        try:
+            step = int(json.loads((d / "manifest.json").read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):  # (json.JSONDecodeError is a ValueError)
+            continue
+        if best is None or step > best[0]:
+            best = (step, d)
+    return None if best is None else best[1]
+
+
+def check_run_paths(args: argparse.Namespace, root: Path | None = None) -> None:
+    """The run directory and the files the run will write: ``--out-dir`` (a directory or nothing),
+    ``--metrics-out`` / ``--profile-out`` (file paths; a non-empty ``--metrics-out`` only with
+    ``--resume`` or ``--overwrite``), the run to resume (a complete checkpoint written with this
+    ``--algo``), no run to replace without ``--overwrite`` (:func:`choose_run_dir`)."""
+    if args.out_dir is not None and Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ArgumentError(f"--out-dir {args.out_dir}: is a file, not a directory")
+    for flag, path in (("--metrics-out", args.metrics_out), ("--profile-out", args.profile_out)):
+        if path is not None:
+            _check_file_target(flag, path)
+    out_dir = choose_run_dir(args, root)
+    if args.metrics_out is not None and not (args.resume or args.overwrite):
+        m = Path(args.metrics_out)
+        if m.is_file() and m.stat().st_size > 0:
+            raise ArgumentError(f"--metrics-out {m} already holds metrics; pass --resume to continue its run, "
+                                "--overwrite to replace it, or another --metrics-out")
+    if args.resume:
+        latest = newest_checkpoint(out_dir / "checkpoints")
+        if latest is None:
+            raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
+        stored = json.loads((latest / "manifest.json").read_text()).get("states")
+        if stored != (["policy", "critic"] if args.algo == "ppo" else None):
+            raise ArgumentError(f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} "
+                                f"(now {args.algo}); resume with the stored values")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +420,12 @@ def build(args: argparse.Namespace, head: str = "lm"):
     if checkpoint:
         from fnppo.io.hf import build_gpt_from_hf, load_hf_weights
 
-        chunks = build_gpt_from_hf(checkpoint, dtype=args.dtype, head=head)
-        load_hf_weights(chunks, checkpoint)  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
+        flag = "--critic-checkpoint" if checkpoint == args.critic_checkpoint and head == "value" else "--hf-checkpoint"
+        try:  # a checkpoint fnppo.io.hf refuses (architecture, names, shapes) is a refused argument: exit 2
+            chunks = build_gpt_from_hf(checkpoint, dtype=args.dtype, head=head)
+            load_hf_weights(chunks, checkpoint)  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
+        except fnppo.InputError as err:
+            raise ArgumentError(f"{flag} {checkpoint}: {err}") from None
     else:
         cfg = fnppo.ModelConfig(
             num_layers=args.layers,
@@ -566,8 +680,10 @@ def agreed_run_dir(args: argparse.Namespace, layout, root: Path | None = None) -
 
 
 def append_row(rows: list[dict], path: Path, row: dict) -> None:
-    """Rank 0: one step's metrics, kept in ``rows`` and appended to the JSONL file ``path``."""
+    """Rank 0: one step's metrics, kept in ``rows`` and appended to the JSONL file ``path`` (created,
+    with its directory, by the first row)."""
     rows.append(row)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -597,15 +713,24 @@ def _is_rank0_env() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
-    """A toy run's command line: ``parse(argv)``, ``validate`` it (an :class:`ArgumentError` is printed
-    as ``{prog}: error: ...`` on rank 0, exit status 2), set up the parallel layout, ``run_fn(args,
-    layout)`` (its ArgumentError likewise), tear the layout down."""
-    args = parse(argv)
+def _cuda_available(args: argparse.Namespace) -> bool:
+    """Whether torch sees a CUDA device; asked (importing torch) only for ``--device cuda``."""
+    if getattr(args, "device", "cpu") != "cuda":
+        return False
     import torch
 
+    return torch.cuda.is_available()
+
+
+def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
+    """A toy run's command line: ``parse(argv)``, ``validate(args, world_size, cuda_available)`` it
+    before torch is imported (``cuda_available`` is asked only for ``--device cuda``, else False; an
+    :class:`ArgumentError` is printed as ``{prog}: error: ...`` on rank 0 and every rank exits with
+    status 2), then import fnppo, set up the parallel layout, ``run_fn(args, layout)`` (its
+    ArgumentError likewise: one line from rank 0, exit 2 on every rank raising it), tear the layout down."""
+    args = parse(argv)
     try:
-        validate(args, int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.is_available())
+        validate(args, int(os.environ.get("WORLD_SIZE", "1")), _cuda_available(args))
     except ArgumentError as err:
         if _is_rank0_env():
             print(f"{prog}: error: {err}", file=sys.stderr)
@@ -648,18 +773,18 @@ def _setup_run(args, layout):
     critic = build(args, head="value") if args.algo == "ppo" else None
     ref_params = fnppo.snapshot_params(state.model)
     kl_state, _ = kl_controller(args)
-    if args.resume:
+    if args.resume:  # validate_args found a complete checkpoint written with this --algo
         latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
-        stored = json.loads((latest / "manifest.json").read_text()).get("states")
-        if stored != (["policy", "critic"] if critic is not None else None):  # the settings check below names the flag
-            raise ArgumentError(f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} (now {args.algo}); resume with the stored values")
-        if critic is not None:
-            states, extra = fnppo.load_checkpoint(latest, {"policy": state, "critic": critic})
-            state, critic = states["policy"], states["critic"]
-        else:
-            state, extra = fnppo.load_checkpoint(latest, state)
+        try:  # another layout, a damaged file: refused on every rank, nothing loaded
+            if critic is not None:
+                states, extra = fnppo.load_checkpoint(latest, {"policy": state, "critic": critic})
+                state, critic = states["policy"], states["critic"]
+            else:
+                state, extra = fnppo.load_checkpoint(latest, state)
+        except fnppo.CheckpointError as err:
+            raise ArgumentError(f"--resume: {err}") from None
         check_resume_settings(extra.get("settings", {}), args)
         ref_params = [dict(p) for p in extra["ref_params"]]
         if "kl_state" in extra:
@@ -670,15 +795,41 @@ def _setup_run(args, layout):
 
 
 def _metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
-    """Rank 0: the metrics file, holding exactly the rows of steps ``<= done`` (resume appends after them)."""
+    """Rank 0: the metrics file and its rows: on ``--resume`` exactly the rows of steps ``<= done``
+    (rewritten so; the run appends after them), else none (a replaced file is removed; the first row
+    creates the file, so a run that fails before its first step leaves no metrics behind)."""
     path = Path(args.metrics_out) if args.metrics_out else out_dir / "metrics.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     if args.resume and path.exists():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if r["step"] <= done]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.exists():
+        path.unlink()
     return path, rows
+
+
+def _replace_run(out_dir: Path) -> None:
+    """Rank 0, ``--overwrite``: remove the replaced run's metrics and checkpoints from ``out_dir`` (a later
+    ``--resume`` must not continue the old run's checkpoints)."""
+    if (out_dir / "checkpoints").is_dir():
+        shutil.rmtree(out_dir / "checkpoints")
+    if (out_dir / "metrics.jsonl").is_file():
+        (out_dir / "metrics.jsonl").unlink()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a checkpoint saves and restores: torch's, Python's and NumPy's (Megatron's
+    trackers are seeded by ``init_parallel``). The run itself draws only from torch's and from generators
+    of (seed, step); seeding the others makes a run's whole RNG state a function of its settings."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 def run(args: argparse.Namespace, layout) -> int:
@@ -687,14 +838,16 @@ def run(args: argparse.Namespace, layout) -> int:
     import fnppo
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
+    cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start
+    ccfg = critic_config(args) if args.algo == "ppo" else None
     out_dir, state, critic, ref_params, kl_state = _setup_run(args, layout)
     _, kl_update = kl_controller(args)
     rank0 = layout.rank == 0
     start_step = state.step // args.minibatches
+    if rank0 and args.overwrite:
+        _replace_run(out_dir)
     metrics_path, rows = _metrics_file(args, out_dir, start_step) if rank0 else (None, [])
-    cfg = step_config(args)
-    ccfg = critic_config(args) if critic is not None else None
     progress = None
     if rank0 and not args.no_progress:
         from tqdm import tqdm
@@ -846,7 +999,8 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
     print(f"metrics: {metrics_path}")
     verdict = "PASS" if ok else "FAIL"
     if not args.no_plot and rows:
-        plot = out_dir / "ppo_toy.png"
+        plot = out_dir / "ppo_toy.png"  # in the run directory, also when --metrics-out puts the metrics elsewhere
+        out_dir.mkdir(parents=True, exist_ok=True)
         algo = "GRPO" if args.algo == "grpo" else f"PPO (critic, GAE gamma {args.gamma:g} lambda {args.lam:g}, critic lr {args.critic_lr:g})"
         title = (
             f"fnppo toy {algo} run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"

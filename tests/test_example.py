@@ -1,4 +1,11 @@
-"""The main job (examples/ppo_toy.py): resume is bit-identical, and layouts agree on the first step."""
+"""The main job (examples/ppo_toy.py): resume is bit-identical, layouts agree on the first step, and
+its command line: refusals (one line, exit 2, before torch is imported and before anything is
+created) and where a run's files go for every combination of --out-dir, --metrics-out, --no-plot
+and --resume.
+
+These tests need only the ``[test]`` extra: runs pass --no-progress (tqdm is an ``[examples]``
+dependency), and a plot is checked only where matplotlib is installed.
+"""
 
 from __future__ import annotations
 
@@ -16,21 +23,57 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppo_toy.py"
 SMALL = ["--prompts", "4", "--group-size", "4", "--no-progress", "--no-plot", "--target-reward", "0"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+#: runs the example with every generator its checkpoints restore drawn once per step (torch's, Python's,
+#: NumPy's; CUDA's where it is initialized), the draws added to the step's metrics row: a generator
+#: that a resume does not restore gives the resumed steps other draws than the uninterrupted run's
+DRAWING = f"""
+import random, sys
+import numpy as np
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import ppo_toy
+
+def append_row(rows, path, row, _append=ppo_toy.append_row):
+    import torch
+    draws = {{"draw_torch": float(torch.rand(())), "draw_python": random.random(), "draw_numpy": float(np.random.random_sample())}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        draws["draw_cuda"] = float(torch.rand((), device="cuda"))
+    _append(rows, path, {{**row, **draws}})
+
+ppo_toy.append_row = append_row
+sys.exit(ppo_toy.main(sys.argv[1:]))
+"""
+#: runs the example and says on stdout whether torch was imported (refusals must come before it)
+IMPORTS = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import ppo_toy
+code = ppo_toy.main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(code)
+"""
 
 
-def _call(args: list[str], nproc: int = 1, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def _env() -> dict:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+
+
+def _call(args: list[str], nproc: int = 1, cwd: Path | None = None, code: str | None = None) -> subprocess.CompletedProcess:
+    """The example (or ``code``, a launcher given the example's arguments) as a subprocess."""
+    script = [str(EXAMPLE)] if code is None else ["-c", code]
     if nproc == 1:
-        cmd = [sys.executable, str(EXAMPLE), *args]
+        cmd = [sys.executable, *script, *args]
     else:
         from fnppo.megatron.parallel import free_port
 
+        assert code is None
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", str(EXAMPLE), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
 
 
-def _run(args: list[str], nproc: int = 1, cwd: Path | None = None) -> str:
-    out = _call(args, nproc, cwd)
+def _run(args: list[str], nproc: int = 1, cwd: Path | None = None, code: str | None = None) -> str:
+    out = _call(args, nproc, cwd, code)
     assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     assert "Warning" not in out.stderr, out.stderr[-3000:]  # quiet by default
     return out.stdout
@@ -73,26 +116,27 @@ def test_resume_continues_bit_identically(tmp_path):
     import torch
 
     steps = ["--steps", "4", "--kl-target", "0.0001", "--kl-horizon", "20", *SMALL]
-    _run([*steps, "--out-dir", str(tmp_path / "straight"), "--save-every", "2"])
+    _run([*steps, "--out-dir", str(tmp_path / "straight"), "--save-every", "2"], code=DRAWING)
     # a preempted run: stops after 2 steps (checkpoint at step 2), then resumes to the end
-    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--exit-after", "3"])
+    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--exit-after", "3"], code=DRAWING)
     assert (tmp_path / "resumed" / "checkpoints" / "step000002" / "manifest.json").is_file()
-    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--resume"])
+    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--resume"], code=DRAWING)
     assert "step000002 (checkpoint of step 2)" in out
     straight = _rows(tmp_path / "straight" / "metrics.jsonl")
     resumed = _rows(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     coefs = [r["kl_coef"] for r in straight]
     assert coefs[0] == 0.001 and len(set(coefs)) == 4  # adaptive: a new coefficient every step
-    assert straight == resumed  # every metric of every step, bit for bit, kl_coef included
+    for key in ("draw_torch", "draw_python", "draw_numpy"):  # every generator moves from step to step
+        assert len({r[key] for r in straight}) == 4, key
+    assert straight == resumed  # every metric of every step, bit for bit, kl_coef and the draws included
     # and the final state: every weight, optimizer tensor (Adam moments and steps), RNG state, extra
     final = [torch.load(d / "checkpoints" / "step000004" / "rank00000.pt", weights_only=False) for d in
              (tmp_path / "straight", tmp_path / "resumed")]
     assert final[0]["step"] == final[1]["step"] > 0
     assert final[0]["model"] and final[0]["optimizer"]["state_dict"] and final[0]["rng"]["torch"].numel()
-    for f in final:  # the example neither seeds nor uses Python's and NumPy's generators: their state is
-        del f["rng"]["python"], f["rng"]["numpy"]  # per process (test_faults.py checks their restoration)
-    diff = _bit_diff(*final)
+    assert {"torch", "python", "numpy"} <= set(final[0]["rng"])
+    diff = _bit_diff(*final)  # every RNG state too: the example seeds them all, the launcher draws from them
     assert diff == [], f"the resumed run's final state differs from the uninterrupted run's at {diff[:10]}"
 
 
@@ -102,9 +146,10 @@ def test_ppo_with_a_critic_resumes_bit_identically(tmp_path):
     import torch
 
     steps = ["--steps", "4", "--algo", "ppo", *SMALL]
-    _run([*[a for a in steps if a != "--no-plot"], "--out-dir", str(tmp_path / "straight"), "--save-every", "2"])
-    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--exit-after", "3"])
-    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--resume"])
+    plot = [a for a in steps if a != "--no-plot"] if HAS_MATPLOTLIB else steps  # the plot needs matplotlib
+    _run([*plot, "--out-dir", str(tmp_path / "straight"), "--save-every", "2"], code=DRAWING)
+    _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--exit-after", "3"], code=DRAWING)
+    out = _run([*steps, "--out-dir", str(tmp_path / "resumed"), "--save-every", "2", "--resume"], code=DRAWING)
     assert "step000002 (checkpoint of step 2)" in out
     straight = _rows(tmp_path / "straight" / "metrics.jsonl")
     resumed = _rows(tmp_path / "resumed" / "metrics.jsonl")
@@ -114,11 +159,11 @@ def test_ppo_with_a_critic_resumes_bit_identically(tmp_path):
     final = [torch.load(d / "checkpoints" / "step000004" / "rank00000.pt", weights_only=False) for d in
              (tmp_path / "straight", tmp_path / "resumed")]
     assert sorted(final[0]["states"]) == ["critic", "policy"] and final[0]["states"]["critic"]["optimizer"]["state_dict"]
-    for f in final:
-        del f["rng"]["python"], f["rng"]["numpy"]
+    assert {"torch", "python", "numpy"} <= set(final[0]["rng"])
     diff = _bit_diff(*final)
     assert diff == [], f"the resumed run's final state differs from the uninterrupted run's at {diff[:10]}"
-    assert (tmp_path / "straight" / "ppo_toy.png").stat().st_size > 10_000  # six panels with the critic's
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "straight" / "ppo_toy.png").stat().st_size > 10_000  # six panels with the critic's
     # a PPO checkpoint is not resumed as GRPO
     out = _call(["--steps", "4", *SMALL, "--out-dir", str(tmp_path / "resumed"), "--resume"])
     assert out.returncode == 2 and "--resume: the checkpoint was written with --algo ppo (now grpo)" in out.stderr, out.stderr
@@ -230,20 +275,108 @@ def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
         (["--algo", "ppo", "--advantage", "rloo"], "--advantage chooses the group advantage of --algo grpo"),
         (["--critic-checkpoint", "/nonexistent"], "--critic-checkpoint needs --algo ppo (a critic) and runs without --moe"),
         (["--algo", "ppo", "--lam", "1.5"], "--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1"),
+        (["--tis-cap", "-1"], "--tis-cap must be > 0, got -1.0"),
+        (["--kl-coef", "inf"], "--kl-coef must be a finite number, got inf"),
+        (["--entropy-coeff", "-0.1"], "--entropy-coeff must be >= 0, got -0.1"),
+        (["--lr", "nan"], "need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got nan"),
+        (["--moe-experts", "0"], "--moe-experts must be >= 1, got 0"),
+        (["--profile-step", "0"], "--profile-step must be >= 1, got 0"),
+        (["--profile-step", "5", "--steps", "2"], "--profile-step 5 is beyond --steps 2: that step never runs"),
+        (["--profile-out", "p.txt"], "--profile-out needs --profile-step"),
+        (["--hf-checkpoint", "/nonexistent"], "--hf-checkpoint /nonexistent: does not exist"),
+        (["--algo", "ppo", "--critic-checkpoint", "/nonexistent"], "--critic-checkpoint /nonexistent: does not exist"),
     ],
     ids=["negative-steps", "cuda-without-cuda", "tp-does-not-divide", "zero-prompts", "resume-and-overwrite",
-         "kl-horizon-without-target", "ppo-with-group-advantage", "critic-checkpoint-without-ppo", "ppo-lambda-out-of-range"],
+         "kl-horizon-without-target", "ppo-with-group-advantage", "critic-checkpoint-without-ppo", "ppo-lambda-out-of-range",
+         "negative-tis-cap", "infinite-kl-coef", "negative-entropy-coeff", "nan-lr", "no-experts", "profile-step-0",
+         "profile-step-beyond-steps", "profile-out-without-step", "hf-checkpoint-missing", "critic-checkpoint-missing"],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
+    """Refused before torch is imported (only --device cuda asks torch) and before anything is created."""
     if "cuda" in args:
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    out = _call([*args, "--out-dir", str(tmp_path / "run")])
+    _refused([*args, "--out-dir", str(tmp_path / "run")], message, tmp_path, torch_ok="cuda" in args)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(root.rglob("*"))}
+
+
+def _refused(args: list[str], message: str, cwd: Path, torch_ok: bool = False) -> None:
+    """``args`` end with exit 2 and the one line ``ppo_toy.py: error: {message}...`` on stderr, import no
+    torch (unless ``torch_ok``) and leave ``cwd`` as they found it."""
+    before = _tree(cwd)
+    out = _call(args, cwd=cwd, code=IMPORTS)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-    assert out.stderr.strip() == f"ppo_toy.py: error: {message}" or out.stderr.strip().startswith(f"ppo_toy.py: error: {message}")
+    assert out.stderr.strip().startswith(f"ppo_toy.py: error: {message}"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert torch_ok or "torch imported: False" in out.stdout, out.stdout
+    assert _tree(cwd) == before, "a refused command line created or changed files"
+
+
+def _hf_dir(root: Path, config: str | None = "{}", weights: bool = True) -> Path:
+    d = root / "hf"
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_text(config)
+    if weights:
+        (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def _ppo_manifest(root: Path) -> None:
+    """A run directory whose newest complete checkpoint holds a policy and a critic (``--algo ppo``)."""
+    ckpt = root / "run" / "checkpoints" / "step000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 2, "states": ["policy", "critic"]}))
+    (root / "run" / "checkpoints" / "step000003").mkdir()  # an interrupted save: no manifest, skipped
+
+
+PATH_CASES = {
+    "hf-file": (lambda r: (r / "hf").write_text("x"), ["--hf-checkpoint", "hf"], "--hf-checkpoint hf: is not a directory"),
+    "hf-without-config": (lambda r: _hf_dir(r, None), ["--hf-checkpoint", "hf"], "--hf-checkpoint hf: has no config.json"),
+    "hf-config-not-json": (lambda r: _hf_dir(r, "{half"), ["--hf-checkpoint", "hf"], "--hf-checkpoint hf: config.json is not valid JSON"),
+    "hf-config-not-object": (lambda r: _hf_dir(r, "[1]"), ["--hf-checkpoint", "hf"], "--hf-checkpoint hf: config.json holds a list"),
+    "hf-without-weights": (lambda r: _hf_dir(r, weights=False), ["--hf-checkpoint", "hf"], "--hf-checkpoint hf: has no model.safetensors"),
+    "critic-without-config": (lambda r: _hf_dir(r, None), ["--algo", "ppo", "--critic-checkpoint", "hf"],
+                              "--critic-checkpoint hf: has no config.json"),
+    "out-dir-is-a-file": (lambda r: (r / "run").write_text("x"), ["--out-dir", "run"], "--out-dir run: is a file, not a directory"),
+    "metrics-out-is-a-dir": (lambda r: (r / "m").mkdir(), ["--metrics-out", "m"], "--metrics-out m: is a directory"),
+    "metrics-out-under-a-file": (lambda r: (r / "f").write_text("x"), ["--metrics-out", "f/sub/m.jsonl"],
+                                 "--metrics-out f/sub/m.jsonl: f is a file, not a directory"),
+    "profile-out-is-a-dir": (lambda r: (r / "p").mkdir(), ["--profile-step", "1", "--steps", "1", "--profile-out", "p"],
+                             "--profile-out p: is a directory"),
+    "metrics-out-holds-metrics": (lambda r: (r / "m.jsonl").write_text('{"step": 1}\n'), ["--metrics-out", "m.jsonl"],
+                                  "--metrics-out m.jsonl already holds metrics; pass --resume"),
+    "resume-without-checkpoint": (lambda r: (r / "run").mkdir() or (r / "run" / "metrics.jsonl").write_text("{}\n"),
+                                  ["--resume", "--out-dir", "run"], "--resume: run has no complete checkpoint"),
+    "resume-ppo-as-grpo": (_ppo_manifest, ["--resume", "--out-dir", "run"],
+                           "--resume: the checkpoint was written with --algo ppo (now grpo)"),
+}
+
+
+def test_a_checkpoint_the_loader_refuses_is_one_line_and_exit_2(tmp_path):
+    """--hf-checkpoint passes the path checks (config.json, weights file) but fnppo.io.hf refuses its
+    architecture: exit 2 with fnppo's message, no traceback, nothing created."""
+    _hf_dir(tmp_path, json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    before = _tree(tmp_path)
+    out = _call(["--hf-checkpoint", "hf", *SMALL, "--steps", "1"], cwd=tmp_path)
+    err = out.stderr.strip()
+    assert out.returncode == 2 and err.startswith("ppo_toy.py: error: --hf-checkpoint hf: "), (out.returncode, err[-3000:])
+    assert "argument '" in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_invalid_paths_print_one_line_and_exit_2(case, tmp_path):
+    """Paths that must exist and look right (a Hugging Face directory: config.json with an object, the
+    weights), paths in the way of the files a run writes, and --resume with nothing to resume."""
+    setup, args, message = PATH_CASES[case]
+    setup(tmp_path)
+    _refused([*args, *SMALL], message, tmp_path)
 
 
 def test_invalid_layout_under_torchrun_is_one_line_from_rank_0(tmp_path):
@@ -309,3 +442,161 @@ def test_moe_first_step_agrees_between_one_process_and_ep2():
     loss, norm = _first_step(["--moe", "--ep", "2"], 2)
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (loss, ref_loss)
     assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (norm, ref_norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# where a run's files go: every combination of --out-dir, --metrics-out, --no-plot and --resume,
+# and refused resumes; all in one process (ppo_toy.main called in turn), so the imports are paid once
+# ---------------------------------------------------------------------------------------------
+COMBOS = [(out, metrics, plot, resume) for out in (False, True) for metrics in (False, True)
+          for plot in (False, True) for resume in (False, True)]
+
+
+def _combo_id(out: bool, metrics: bool, plot: bool, resume: bool) -> str:
+    return "-".join(["out-dir" if out else "numbered", "metrics-out" if metrics else "metrics-in-run",
+                     "plot" if plot else "no-plot", "resume" if resume else "fresh"])
+
+
+def _in_process(argv: list[str], cwd: Path) -> dict:
+    """``ppo_toy.main(argv)`` in ``cwd``: its exit status, stdout and stderr."""
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import ppo_toy
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = ppo_toy.main(argv)
+    except Exception as exc:  # noqa: BLE001 - reported as this call's outcome, so each test fails on its own
+        code = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.chdir(here)
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _scenarios(root: str) -> dict:
+    """Run in a subprocess (see the fixture): every combination, then the refused resumes."""
+    root = Path(root)
+    base = ["--prompts", "4", "--group-size", "4", "--no-progress", "--target-reward", "0", "--schedule-steps", "2"]
+    results: dict = {}
+    for out, metrics, plot, resume in COMBOS:
+        d = root / _combo_id(out, metrics, plot, resume)
+        d.mkdir()
+        args = [*base, *(["--out-dir", "out"] if out else []), *(["--metrics-out", "elsewhere/m.jsonl"] if metrics else []),
+                *([] if plot else ["--no-plot"])]
+        calls = [_in_process([*args, "--steps", "1", *(["--save-every", "1"] if resume else [])], d)]
+        if resume:
+            calls.append(_in_process([*args, "--steps", "2", "--save-every", "1", "--resume"], d))
+        results[d.name] = {"calls": calls, "files": _files(d)}
+    # a damaged checkpoint and one of another layout: --resume refused, nothing changed; --overwrite replaces the run
+    d = root / "refused"
+    d.mkdir()
+    args = [*base, "--no-plot", "--out-dir", "out"]
+    first = _in_process([*args, "--steps", "1", "--save-every", "1"], d)
+    ckpt = d / "out" / "checkpoints" / "step000001"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["layout"] = {**manifest["layout"], "world_size": 2, "tp": 2}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = _files(d)
+    layout = _in_process([*args, "--steps", "2", "--resume"], d)
+    after_layout = _files(d)
+    manifest["layout"] = {**manifest["layout"], "world_size": 1, "tp": 1}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    rank_file = ckpt / "rank00000.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[: rank_file.stat().st_size // 2])
+    damaged = _in_process([*args, "--steps", "2", "--resume"], d)
+    after_damaged = _files(d)
+    overwrite = _in_process([*args, "--steps", "1", "--overwrite"], d)
+    results["refused"] = {"first": first, "layout": layout, "damaged": damaged, "overwrite": overwrite, "before": before,
+                          "after_layout": after_layout, "after_damaged": after_damaged, "files": _files(d)}
+    # an invalid value creates nothing, so the same --out-dir then runs
+    d = root / "invalid-then-valid"
+    d.mkdir()
+    results["invalid-then-valid"] = {"invalid": _in_process([*args, "--steps", "1", "--tis-cap", "-1"], d), "files": _files(d),
+                                     "valid": _in_process([*args, "--steps", "1"], d)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("scenarios")
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_example; "
+            f"json.dump(test_example._scenarios({str(root)!r}), open({str(root / 'results.json')!r}, 'w'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=900, cwd=root, check=False)
+    assert out.returncode == 0, out.stderr[-5000:]
+    return {**json.loads((root / "results.json").read_text()), "root": str(root)}
+
+
+@pytest.mark.parametrize("out,metrics,plot,resume", COMBOS, ids=[_combo_id(*c) for c in COMBOS])
+def test_every_combination_of_run_directory_metrics_plot_and_resume(scenarios, out, metrics, plot, resume):
+    """The run directory (--out-dir, else runs/ppo_toy/run000) holds the plot and the checkpoints and is
+    created when the first of them is written; the metrics go to --metrics-out or the run directory; a
+    resume continues the same run and its metrics file."""
+    r = scenarios[_combo_id(out, metrics, plot, resume)]
+    for call in r["calls"]:
+        assert call["code"] == 0, call["stderr"][-3000:]
+    run_dir = "out" if out else "runs/ppo_toy/run000"
+    metrics_file = "elsewhere/m.jsonl" if metrics else f"{run_dir}/metrics.jsonl"
+    expected = {metrics_file}
+    if plot and HAS_MATPLOTLIB:
+        expected.add(f"{run_dir}/ppo_toy.png")
+        assert f"plot: {run_dir}/ppo_toy.png" in r["calls"][-1]["stdout"]
+    if resume:
+        expected |= {f"{run_dir}/checkpoints/step{s:06d}/{f}" for s in (1, 2) for f in ("manifest.json", "rank00000.pt")}
+        assert "resumed from" in r["calls"][1]["stdout"] and "(checkpoint of step 1)" in r["calls"][1]["stdout"]
+    assert set(r["files"]) == expected, r["files"]
+    assert f"metrics: {metrics_file}" in r["calls"][-1]["stdout"]
+
+
+def test_metrics_rows_of_every_combination(scenarios):
+    """The metrics file holds one row per step: [1] for a fresh run, [1, 2] after the resume."""
+    root = Path(scenarios["root"])
+    for out, metrics, plot, resume in COMBOS:
+        d = root / _combo_id(out, metrics, plot, resume)
+        path = d / ("elsewhere/m.jsonl" if metrics else f"{'out' if out else 'runs/ppo_toy/run000'}/metrics.jsonl")
+        assert [row["step"] for row in _rows(path)] == ([1, 2] if resume else [1]), d.name
+
+
+def test_refused_resume_exits_2_with_one_line_and_changes_nothing(scenarios):
+    """Another layout and a damaged checkpoint: load_checkpoint's refusal becomes one line and exit 2
+    (no traceback), the run directory is left as it was, and --overwrite then replaces the run (the old
+    checkpoints are removed with it, so a later --resume cannot continue them)."""
+    r = scenarios["refused"]
+    assert r["first"]["code"] == 0, r["first"]["stderr"][-3000:]
+    for case, needle in (("layout", "checkpoint layout {"), ("damaged", "is truncated or altered")):
+        err = r[case]["stderr"].strip()
+        assert r[case]["code"] == 2, (case, err[-3000:])
+        assert err.startswith("ppo_toy.py: error: --resume: load_checkpoint: argument 'directory' expected "), err
+        assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert r["after_layout"] == r["before"] and r["after_damaged"] == r["before"]
+    assert r["overwrite"]["code"] == 0, r["overwrite"]["stderr"][-3000:]
+    assert r["files"] == ["out/metrics.jsonl"], r["files"]
+
+
+def test_invalid_value_creates_nothing_and_the_next_run_goes_ahead(scenarios):
+    r = scenarios["invalid-then-valid"]
+    assert r["invalid"]["code"] == 2 and r["invalid"]["stderr"].strip() == "ppo_toy.py: error: --tis-cap must be > 0, got -1.0"
+    assert r["files"] == []
+    assert r["valid"]["code"] == 0, r["valid"]["stderr"][-3000:]
+
+
+def test_resume_in_another_layout_is_refused_on_every_rank(tmp_path):
+    """A one-process checkpoint resumed under torchrun with --tp 2: every rank exits 2, one line from rank 0."""
+    run = str(tmp_path / "run")
+    _run(["--steps", "1", "--save-every", "1", *SMALL, "--out-dir", run])
+    out = _call(["--steps", "2", "--tp", "2", "--resume", *SMALL, "--out-dir", run], nproc=2)
+    both = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert both.count("ppo_toy.py: error: --resume: load_checkpoint: argument 'directory' expected a checkpoint of this "
+                      "run's layout") == 1, both[-3000:]
+    assert 'ppo_toy.py", line' not in both  # no per-rank Python traceback
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", both)
+    assert codes and set(codes) == {"2"}, both[-3000:]

@@ -9,9 +9,12 @@ Everything runs real Megatron on CPU (gloo ranks through :func:`fnppo.testing.ru
 * A rank that raises inside Megatron's schedule: its error reaches the caller unchanged, and a
   rank left waiting in a collective raises after the documented timeout instead of hanging.
 * Checkpoints: resume is bit-identical (model, optimizer, RNG, step, data order) with one rank and
-  with DP=2 (the distributed optimizer's per-rank shards); an interrupted save, a missing manifest,
-  a truncated or altered file, another model shape and another TP layout are refused and load
-  nothing.
+  with DP=2 (the distributed optimizer's per-rank shards); the data of every step draws from every
+  generator a checkpoint restores (torch's, Python's, NumPy's; dropout draws from Megatron's
+  trackers), and a save / draw / load / draw round trip gives the same draws from each of them (CUDA's
+  too on a GPU machine). A missing directory, an interrupted save, a missing manifest, a truncated
+  or altered file, another model shape and another TP layout are refused in the standard message
+  format (the shape refusal names the first differing parameter and both shapes) and load nothing.
 * Determinism: two runs with the same seed and layout give bit-identical metrics and weights.
 """
 
@@ -21,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import struct
 import time
@@ -122,9 +126,11 @@ def _snapshot(state: fnppo.TrainState) -> dict:
 
 
 def _batch(data_rng: torch.Generator) -> list[fnppo.Sample]:
-    """This DP rank's share of a global batch whose content comes from ``data_rng`` and whose order
-    comes from Python's global RNG (both must be restored on resume)."""
-    seed = int(torch.randint(0, 2**31 - 1, (), generator=data_rng))
+    """This DP rank's share of a global batch whose content comes from ``data_rng`` and from the global
+    generators of torch, Python and NumPy, and whose order comes from Python's (each must be restored
+    on resume, or the resumed steps train on other data)."""
+    seed = int(torch.randint(0, 2**29, (), generator=data_rng)) + int(torch.randint(0, 2**29, ()))
+    seed += random.randrange(2**29) + int(np.random.randint(0, 2**29))
     samples = synthetic_samples(GLOBAL_BATCH, seed=seed, multi_modal_every=3)
     random.shuffle(samples)
     return fnppo.shard_for_data_parallel(samples)
@@ -180,6 +186,36 @@ def _quiet() -> None:
     # With dropout on CPU, Megatron's RNG tracker (whose "CUDA" generator is the CPU one here) logs a
     # warning per forked region; it is expected and only noise.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+
+def _rng_draws() -> dict[str, float]:
+    """One draw from every generator a checkpoint restores: torch's (CPU), Python's, NumPy's, Megatron's
+    model-parallel tracker (what dropout in tensor-parallel regions draws from) and, on a machine with
+    CUDA, CUDA's."""
+    from megatron.core import tensor_parallel
+
+    draws = {"torch": float(torch.rand(())), "python": random.random(), "numpy": float(np.random.random_sample())}
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        draws["megatron"] = float(torch.rand(()))
+    if torch.cuda.is_available():
+        draws["cuda"] = float(torch.rand((), device="cuda"))
+    return draws
+
+
+def _rng_round_trip(ckpt: Path, state: fnppo.TrainState) -> dict:
+    """Save, draw from every generator, load, draw again: the same draws (a generator the load does not
+    restore continues its sequence instead). Also the draws of a second load without the first draws
+    in between, so that a generator that never moves cannot pass."""
+    _seed_everything(5)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(5)
+        torch.rand((), device="cuda")  # initialized, so the checkpoint holds CUDA's state
+    fnppo.save_checkpoint(ckpt, state)
+    first = _rng_draws()
+    second = _rng_draws()  # without a load in between: each generator moved on
+    fnppo.load_checkpoint(ckpt, state)
+    again = _rng_draws()
+    return {"first": first, "second": second, "again": again}
 
 
 def _refusal(ckpt: Path, state: fnppo.TrainState) -> str:
@@ -265,6 +301,10 @@ def _one_rank_run(root: str) -> dict:
     # --- refusals; each loads into a mid-run state that must stay bit-identical ----------------
     state = _trained(_build(init_seed=7))
     good = root / "step2"
+    out["rng_round_trip"] = _rng_round_trip(root / "rng", state)
+    out["missing_dir"] = _refusal(root / "never_saved", state)
+    (root / "a_file").write_text("not a checkpoint")
+    out["not_a_dir"] = _refusal(root / "a_file", state)
 
     def variant(name: str, damage) -> str:
         d = root / name
@@ -290,7 +330,14 @@ def _one_rank_run(root: str) -> dict:
     out["altered"] = variant("altered", flip)
     out["missing_file"] = variant("missing_file", lambda d: (d / rank_file).unlink())
     out["not_json"] = variant("not_json", lambda d: (d / "manifest.json").write_text("{half a manif"))
-    out["other_shape"] = _refusal(good, _trained(_build(hidden=48)))
+    wider = _trained(_build(hidden=48))
+    out["other_shape"] = _refusal(good, wider)
+    # the first parameter (in the model's order) whose shape differs, from the two models themselves
+    saved_shapes, wider_shapes = (
+        {f"{i}.{k}": list(v.shape) for i, c in enumerate(s.model) for k, v in unwrap_model(c).named_parameters()}
+        for s in (_build(), wider))
+    first = next(k for k in wider_shapes if saved_shapes.get(k) != wider_shapes[k])
+    out["other_shape_first"] = (first, saved_shapes[first], wider_shapes[first])
 
     # --- a save that "crashes" between writing and renaming ------------------------------------
     real_replace = os.replace
@@ -401,21 +448,46 @@ def test_resume_is_bit_identical_dp2_distributed_optimizer(two_ranks):
     assert two_ranks[0]["straight_metrics"] == two_ranks[1]["straight_metrics"]
 
 
+_STANDARD = re.compile(r"^load_checkpoint: argument '(directory|state)' expected .+, received .+", re.DOTALL)
+
+
 @pytest.mark.parametrize(
-    "case, needle",
+    "case, arg, needle",
     [
-        ("no_manifest", "has no manifest.json"),
-        ("truncated", "is truncated or altered"),
-        ("altered", "sha256 differs from the manifest"),
-        ("missing_file", "rank00000.pt is missing"),
-        ("not_json", "is not valid JSON"),
-        ("other_shape", "model shape of rank 0 differs from the checkpoint's"),
+        ("missing_dir", "directory", "never_saved', which does not exist"),
+        ("not_a_dir", "directory", "a_file', which is not a directory"),
+        ("no_manifest", "directory", "has no manifest.json"),
+        ("truncated", "directory", "is truncated or altered"),
+        ("altered", "directory", "sha256 differs from the manifest"),
+        ("missing_file", "directory", "rank00000.pt is missing"),
+        ("not_json", "directory", "is not valid JSON"),
+        ("other_shape", "state", "a model that differs from the checkpoint's on rank 0: parameter"),
     ],
+    ids=["missing_dir", "not_a_dir", "no_manifest", "truncated", "altered", "missing_file", "not_json", "other_shape"],
 )
-def test_bad_checkpoint_is_refused_and_loads_nothing(one_rank, case, needle):
+def test_bad_checkpoint_is_refused_and_loads_nothing(one_rank, case, arg, needle):
     msg = one_rank[case]
-    assert msg.startswith("load_checkpoint: ") and needle in msg, msg
+    match = _STANDARD.match(msg)
+    assert match and match.group(1) == arg and needle in msg, msg
     assert "BUT STATE CHANGED" not in msg, msg
+
+
+def test_checkpoint_of_another_shape_names_the_first_differing_parameter(one_rank):
+    """Not digests: the parameter, the checkpoint's shape and this model's (both read off the models)."""
+    name, saved, ours = one_rank["other_shape_first"]
+    assert saved != ours
+    assert f"parameter '{name}': checkpoint {saved}, this model {ours}" in one_rank["other_shape"], one_rank["other_shape"]
+    assert "digest" not in one_rank["other_shape"]
+
+
+@pytest.mark.parametrize("generator", ["torch", "python", "numpy", "megatron", "cuda"])
+def test_load_restores_every_generator(one_rank, generator):
+    """After a load, each generator the checkpoint saved gives the draws it gave right after the save."""
+    if generator == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the CUDA generator is not saved")
+    r = one_rank["rng_round_trip"]
+    assert r["first"][generator] != r["second"][generator]  # it moves, so a missing restore shows
+    assert r["again"][generator] == r["first"][generator], (generator, r)
 
 
 def test_checkpoint_from_other_tp_layout_is_refused_on_every_rank(two_ranks):
@@ -423,6 +495,7 @@ def test_checkpoint_from_other_tp_layout_is_refused_on_every_rank(two_ranks):
         assert r["tp"] == 2
         msg = r["other_layout"]
         assert "checkpoint layout" in msg and "'tp': 1" in msg and "'tp': 2" in msg, msg
+        assert _STANDARD.match(msg) and msg.startswith("load_checkpoint: argument 'directory' expected"), msg
         assert "convert it first" in msg and "BUT STATE CHANGED" not in msg, msg
 
 
@@ -433,6 +506,7 @@ def test_interrupted_save_is_refused_and_skipped_by_latest(one_rank):
     assert "simulated crash" in c["save"]
     assert "rank00000.pt" in c["files"] and "manifest.json" not in c["files"], c["files"]
     assert "has no manifest.json" in c["load"] and "BUT STATE CHANGED" not in c["load"]
+    assert _STANDARD.match(c["load"]), c["load"]
     # crash before the rank file is renamed: no file under its final name, no manifest
     c = crashes["rank00000.pt"]
     assert "simulated crash" in c["save"]

@@ -41,12 +41,19 @@ import torch.distributed as dist
 
 from fnppo.megatron.model import unwrap_model
 from fnppo.megatron.parallel import current_layout
+from fnppo.core.typing import input_error
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the current run."""
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the current run. Its message has the
+    one format of every refusal: ``<function>: argument '<argument>' expected <what>, received <what>``."""
+
+
+def _error(fn: str, arg: str, expected: str, received: str) -> CheckpointError:
+    """The standard message (:func:`fnppo.core.typing.input_error`'s) as a :class:`CheckpointError`."""
+    return CheckpointError(str(input_error(fn, arg, expected, received)))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -157,9 +164,9 @@ def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
     optimizer.load_state_dict(saved["state_dict"])
     subs = _sub_optimizers(optimizer)
     if len(saved["param_state"]) != len(subs):
-        raise CheckpointError(
-            f"load_checkpoint: optimizer has {len(subs)} parts, checkpoint {len(saved['param_state'])}"
-        )
+        raise _error("load_checkpoint", "state",
+                     f"an optimizer of {len(saved['param_state'])} parts (the checkpoint's)",
+                     f"an optimizer of {len(subs)} parts")
     for sub, param_state in zip(subs, saved["param_state"]):
         if param_state is None:
             continue
@@ -194,7 +201,8 @@ def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, 
     path.mkdir(parents=True, exist_ok=True)
     named = _named(state)
     if isinstance(state, Mapping) and not (named and all(isinstance(k, str) and k for k in named)):
-        raise CheckpointError(f"save_checkpoint: argument 'state' expected a TrainState or a non-empty mapping of non-empty names to train states, received {list(named)!r}")
+        raise _error("save_checkpoint", "state",
+                     "a TrainState or a non-empty mapping of non-empty names to train states", repr(list(named)))
     first = next(iter(named.values()))
     payload: dict[str, Any] = {"rng": _rng_state(), "extra": dict(extra or {})}
     if isinstance(state, Mapping):
@@ -243,38 +251,90 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def _validate(path: Path, rank: int, state) -> str | None:
-    """Why this rank cannot load ``path`` (None if it can). Reads no state into the model."""
+    """Why this rank cannot load ``path`` (the full message), None if it can. Reads no state into the model."""
+    def refuse(arg: str, expected: str, received: str) -> str:
+        return str(_error("load_checkpoint", arg, expected, received))
+
+    if not path.exists():
+        return refuse("directory", "an existing checkpoint directory", f"{str(path)!r}, which does not exist")
+    if not path.is_dir():
+        return refuse("directory", "a checkpoint directory", f"{str(path)!r}, which is not a directory")
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        return f"{path} has no manifest.json (incomplete or not a checkpoint)"
+        return refuse("directory", "a complete checkpoint (a directory with manifest.json)",
+                      f"{str(path)!r}, which has no manifest.json (an interrupted save, or not a checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as err:
-        return f"{manifest_path} is not valid JSON ({err})"
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return refuse("directory", "a manifest.json holding JSON",
+                      f"{str(manifest_path)!r}, which is not valid JSON ({err})")
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), list)):
+        return refuse("directory", "a manifest.json of fnppo (an object with a list of rank 'files')",
+                      f"{str(manifest_path)!r} holding {type(manifest).__name__} without them")
     names = list(state) if isinstance(state, Mapping) else None
     if manifest.get("states") != names:
-        return f"checkpoint holds the train states {manifest.get('states') or 'of one TrainState'}, this run passes {names or 'one TrainState'}"
+        saved = manifest.get("states") or "of one TrainState"
+        passed = names or "one TrainState"
+        return refuse("state", "the train states the checkpoint holds",
+                      f"other ones (checkpoint holds the train states {saved}, this run passes {passed})")
     layout = _layout_dict()
     if _saved_layout(manifest) != layout:
-        return (
-            f"checkpoint layout {manifest.get('layout')} differs from this run's {layout}; "
-            "convert it first (gather_full_weights, then load_full_weights in the new layout)"
-        )
-    files = manifest.get("files", [])
+        return refuse("directory", f"a checkpoint of this run's layout {layout}",
+                      f"checkpoint layout {manifest.get('layout')}; convert it first "
+                      "(gather_full_weights, then load_full_weights in the new layout)")
+    files = manifest["files"]
     if rank >= len(files):
-        return f"checkpoint has {len(files)} rank files, this is rank {rank}"
+        return refuse("directory", f"a rank file for rank {rank}", f"a checkpoint of {len(files)} rank files")
     info = files[rank]
-    ours = _shapes_digest(state)
-    if info.get("shapes") != ours:
-        return f"model shape of rank {rank} differs from the checkpoint's (parameter names/shapes digest {info.get('shapes')} vs {ours})"
     fname = path / info["file"]
     if not fname.is_file():
-        return f"{fname} is missing"
+        return refuse("directory", f"the rank file {str(fname)!r} that the manifest lists",
+                      f"a checkpoint where {fname} is missing")
     if fname.stat().st_size != info["size"]:
-        return f"{fname} is truncated or altered: {fname.stat().st_size} bytes, manifest says {info['size']}"
+        return refuse("directory", f"{str(fname)!r} of {info['size']} bytes (the manifest's)",
+                      f"{fname.stat().st_size} bytes: {fname} is truncated or altered")
     if _sha256(fname) != info["sha256"]:
-        return f"{fname} is altered: sha256 differs from the manifest"
+        return refuse("directory", f"{str(fname)!r} with the sha256 of the manifest",
+                      f"a file whose sha256 differs from the manifest: {fname} is altered")
+    if info.get("shapes") != _shapes_digest(state):
+        first = _first_shape_difference(fname, state)
+        return refuse("state", f"the model shape of the checkpoint (rank {rank})",
+                      f"a model that differs from the checkpoint's on rank {rank}: {first}")
     return None
+
+
+def _saved_shapes(fname: Path, state) -> dict[str, list[int]]:
+    """The parameter-and-buffer shapes in the rank file ``fname``, named like :func:`_model_shapes`
+    (tensors memory-mapped, not read)."""
+    payload = torch.load(fname, map_location="cpu", weights_only=False, mmap=True)
+    saved = payload["states"] if isinstance(state, Mapping) else {"": payload}
+    out: dict[str, list[int]] = {}
+    for key, part in saved.items():
+        prefix = f"{key}/" if key else ""
+        for i, sd in enumerate(part["model"]):
+            for name, t in sd.items():
+                if isinstance(t, torch.Tensor) and not name.endswith("_extra_state"):
+                    out[f"{prefix}{i}.{name}"] = list(t.shape)
+    return out
+
+
+def _first_shape_difference(fname: Path, state) -> str:
+    """The first parameter whose shape differs between the rank file and ``state`` (absent on one side
+    included), with both shapes."""
+    ours = _model_shapes(state)
+    try:
+        saved = _saved_shapes(fname, state)
+    except Exception as err:  # noqa: BLE001 - the digests still tell that they differ
+        return f"parameter names/shapes digest {_shapes_digest(state)} (the rank file cannot be read: {err})"
+    buffers = {f"{f'{key}/' if key else ''}{i}.{name}" for key, one in _named(state).items()
+               for i, chunk in enumerate(one.model) for name, _ in unwrap_model(chunk).named_buffers()}
+    for name, shape in ours.items():
+        if saved.get(name) != shape:
+            return f"parameter {name!r}: checkpoint {saved.get(name, 'absent')}, this model {shape}"
+    for name, shape in saved.items():
+        if name not in ours and name not in buffers:
+            return f"parameter {name!r}: checkpoint {shape}, this model absent"
+    return "the parameter names/shapes digests differ"
 
 
 def _shapes_digest(state) -> str:
@@ -286,9 +346,12 @@ def load_checkpoint(directory: str | os.PathLike, state):
 
     ``state``: a :class:`~fnppo.steps.step.TrainState`, or the same mapping of names to train states that
     was saved. Returns ``(state, extra)`` (a new mapping for a mapping). Raises
-    :class:`CheckpointError` (nothing loaded) when the manifest is missing, holds other state
-    names, the layout or the model shapes differ from the current run, or a file is truncated or
-    altered.
+    :class:`CheckpointError` (nothing loaded), on every rank, in the standard format
+    ``load_checkpoint: argument 'directory' expected ..., received ...``: the directory does not
+    exist or is no directory, its manifest is missing (an interrupted save) or not JSON, the layout
+    differs from the current run's, a rank file is missing, truncated or altered (size, sha256); and
+    ``argument 'state' ...``: other train-state names, or another model shape (it names the first
+    differing parameter with the checkpoint's shape and this model's).
     """
     import dataclasses
 
@@ -300,7 +363,7 @@ def load_checkpoint(directory: str | os.PathLike, state):
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
     if problem:
-        raise CheckpointError(f"load_checkpoint: {problem}")
+        raise CheckpointError(problem)
     manifest = json.loads((path / "manifest.json").read_text())
     fname = path / manifest["files"][rank]["file"]
     payload = torch.load(fname, map_location="cpu", weights_only=False)
@@ -313,7 +376,8 @@ def load_checkpoint(directory: str | os.PathLike, state):
             missing, unexpected = core.load_state_dict(sd, strict=False)
             missing = [m for m in missing if not m.endswith("_extra_state")]
             if missing or unexpected:
-                raise CheckpointError(f"load_checkpoint: model state mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+                raise _error("load_checkpoint", "state", "the names of the checkpoint's model state",
+                             f"a model state missing {missing[:5]} and not expecting {unexpected[:5]}")
         _load_optimizer_state(one.optimizer, part["optimizer"])
         restored[key] = dataclasses.replace(one, step=int(part["step"]))
     _set_rng_state(payload["rng"])
