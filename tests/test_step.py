@@ -432,24 +432,28 @@ def _interleaved_cases() -> dict:
     """Refusals first (every rank raises before any communication: the runs after them would
     time out otherwise), then train_step + compute_logprobs per split, recording the number of
     micro-batches each schedule ran."""
-    import fnppo.steps.step as step_module
+    import fnppo.steps.schedule as schedule_module
+    import fnppo.steps.train as train_module
 
     out = {"refusals": _interleaved_refusals(), "runs": {}}
-    real = step_module._run_schedule
+    users = (schedule_module, train_module)  # the modules that run the schedule (forward-only, update)
+    real = schedule_module.run_schedule
     counts: list = []
 
-    def spy(chunks, mbs, *args, **kw):
+    def spy(model, mbs, *args, **kw):
         counts.append((kw["forward_only"], len(mbs), {tuple(mb.input_ids.shape) for mb in mbs}))
-        return real(chunks, mbs, *args, **kw)
+        return real(model, mbs, *args, **kw)
 
-    step_module._run_schedule = spy
+    for module in users:
+        module.run_schedule = spy
     try:
         for name, split in INTERLEAVED_SPLITS.items():
             counts.clear()
             got = _reduced_grads_of_train_step([INTERLEAVED_CASE], split)
             out["runs"][name] = {"counts": list(counts), **got}
     finally:
-        step_module._run_schedule = real
+        for module in users:
+            module.run_schedule = real
     return out
 
 
