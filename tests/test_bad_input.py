@@ -33,25 +33,30 @@ import fnppo
 from fnppo import (
     InputError,
     ModelConfig,
-    PolicyLossConfig,
     Sample,
     ShapeError,
     StepConfig,
     collate_microbatch,
-    compute_tis_weights,
     gae_advantages,
     grpo_advantages,
-    kl_penalty,
     logprob_and_entropy,
-    loss_normalizer,
-    ppo_loss,
     reinforce_pp_advantages,
     rloo_advantages,
     split_batch,
-    value_loss,
 )
 from fnppo.core.advantages import broadcast_to_tokens
-from fnppo.core.loss import LOSS_AGG_MODES
+from fnppo.core.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    Aggregation,
+    KLPenalty,
+    LossConfig,
+    compute_tis_weights,
+    kl_penalty,
+    loss_normalizer,
+    ppo_loss,
+    value_loss,
+)
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.messages import check_message
@@ -78,7 +83,7 @@ X = torch.zeros(2, 3)
 M = torch.ones(2, 3)
 NAN = torch.tensor([[0.0, math.nan, 0.0], [0.0, 0.0, 0.0]])
 INF = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, math.inf]])
-CFG = PolicyLossConfig()
+CFG = LossConfig()
 
 
 def _layout(tp: int = 1, dp: int = 1) -> ParallelLayout:
@@ -114,7 +119,7 @@ CASES = [
     Case("broadcast-mask-not-01", lambda: broadcast_to_tokens(torch.zeros(2), 3 * M),
          InputError, "broadcast_to_tokens", "mask", "a 0/1 mask", "containing 3.0"),
     # --- NaN / inf in advantages, log-probs, rewards --------------------------------------------
-    Case("ppo_loss-inf-ref-logprobs", lambda: ppo_loss(X, X, X, M, PolicyLossConfig(kl_coef=0.1), ref_logprobs=INF),
+    Case("ppo_loss-inf-ref-logprobs", lambda: ppo_loss(X, X, X, M, LossConfig(kl=KLPenalty(0.1)), ref_logprobs=INF),
          InputError, "ppo_loss", "ref_logprobs", "finite values", "1 NaN/inf"),
     Case("value_loss-inf-returns", lambda: value_loss(X, X, INF, M),
          InputError, "value_loss", "returns", "finite values", "1 NaN/inf"),
@@ -137,10 +142,10 @@ CASES = [
     Case("StepConfig-unknown-layout", lambda: StepConfig(layout="bshd"),
          InputError, "StepConfig", "layout", "'packed' or 'padded'", "'bshd'"),
     # --- impossible configs ----------------------------------------------------------------------
-    Case("entropy_coeff-negative", lambda: PolicyLossConfig(entropy_coeff=-0.01),
-         InputError, "PolicyLossConfig", "entropy_coeff", "a finite number >= 0", "-0.01"),
-    Case("kl_coef-negative", lambda: PolicyLossConfig(kl_coef=-0.1),
-         InputError, "PolicyLossConfig", "kl_coef", "a finite number >= 0", "-0.1"),
+    Case("entropy_coeff-negative", lambda: LossConfig(entropy_coef=-0.01),
+         InputError, "LossConfig", "entropy_coef", "a finite number >= 0", "-0.01"),
+    Case("kl_coef-negative", lambda: KLPenalty(coef=-0.1),
+         InputError, "KLPenalty", "coef", "a finite number >= 0", "-0.1"),
     Case("value_loss-negative-clip", lambda: value_loss(X, X, X, M, -0.1),
          InputError, "value_loss", "clip_range", "a number >= 0 or None", "-0.1"),
     Case("grpo-negative-eps", lambda: grpo_advantages(torch.zeros(4), torch.zeros(4, dtype=torch.long), eps=-1.0),
@@ -225,7 +230,7 @@ def _step_errors() -> dict:
         "compute_logprobs-token-out-of-vocab": lambda: fnppo.compute_logprobs(ddp, [_sample([VOCAB + 6, 1], [3])]),
         "train_step-nan-advantage": lambda: fnppo.train_step(state, [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan])], step),
         "train_step-ref-for-some-samples": lambda: fnppo.train_step(state, [*synthetic_samples(3, vocab_size=VOCAB, seed=2), _sample([1], [2, 3])], StepConfig(num_microbatches=4)),
-        "train_step-bypass-without-rollout": lambda: fnppo.train_step(state, good, StepConfig(loss=fnppo.PolicyLossConfig(bypass_old_logprobs=True))),
+        "train_step-bypass-without-rollout": lambda: fnppo.train_step(state, good, StepConfig(loss=LossConfig(bypass_old_logprobs=True))),
         "compute_logprobs-params-per-chunk": lambda: fnppo.compute_logprobs(ddp, good, params=[{}, {}]),
         "logprob-gathered-logits-with-tp-group": lambda: logprob_and_entropy(full_logits, torch.zeros(3, dtype=torch.long), tp_group=lay.tp_group, vocab_size=VOCAB),
         # these two raise inside Megatron's schedule (on every TP rank alike)
@@ -261,7 +266,7 @@ STEP_CASES = {
     "train_step-nan-advantage": (InputError, "train_step", "batch[3].advantages", "finite values",
                                  "f32[2] with 1 NaN/inf entries"),
     "train_step-ref-for-some-samples": (InputError, "train_step", "batch[3].ref_logprobs", "a tensor (batch[0] has ref_logprobs; all samples or none)", "None"),
-    "train_step-bypass-without-rollout": (InputError, "train_step", "batch[0].rollout_logprobs", "a tensor since bypass_old_logprobs=True in PolicyLossConfig", "None"),
+    "train_step-bypass-without-rollout": (InputError, "train_step", "batch[0].rollout_logprobs", "a tensor since bypass_old_logprobs=True in LossConfig", "None"),
     "compute_logprobs-params-per-chunk": (InputError, "compute_logprobs", "params", "1 dicts (one per model chunk)", "2"),
     "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"this rank's vocab shard: a last dimension below vocab_size={VOCAB} with tp_size=2", f"f32[3,{VOCAB}] (these look like logits already gathered over tensor parallelism"),
     "train_step-gathered-logits": (InputError, "train_step", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", f",{VOCAB}] (logits already gathered over tensor parallelism"),
@@ -366,14 +371,15 @@ def fuzz_batches(draw):
     return [Sample(**f) for f in samples], bad
 
 
-def _loss_config(draw) -> PolicyLossConfig:
+def _loss_config(draw) -> LossConfig:
     mode = draw(st.sampled_from(LOSS_AGG_MODES))
-    return PolicyLossConfig(
-        policy_loss=draw(st.sampled_from(["ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "clip_cov", "kl_cov"])),
-        loss_agg_mode=mode,
-        loss_scale_factor=8.0 if mode == "seq-mean-token-sum-norm" else None,
-        entropy_coeff=draw(st.sampled_from([0.0, 0.01])),
-        kl_coef=draw(st.sampled_from([0.0, 0.1])),
+    policy = draw(st.sampled_from(["ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "clip_cov", "kl_cov"]))
+    kl_coef = draw(st.sampled_from([0.0, 0.1]))
+    return LossConfig(
+        policy=POLICY_LOSSES[policy](),
+        agg=Aggregation(mode, 8.0 if mode == "seq-mean-token-sum-norm" else None),
+        entropy_coef=draw(st.sampled_from([0.0, 0.01])),
+        kl=KLPenalty(kl_coef) if kl_coef else None,
     )
 
 
@@ -418,11 +424,11 @@ def test_fuzz_split_collate_loss(batch, layout, m, mode, size, data):
         check_message(raised[0], InputError, "collate_microbatch", f"samples[{j}].{arg}", expected, "")
         return
     assert not raised, raised
-    if mbs[0].ref_logprobs is None and cfg.kl_coef:
+    if mbs[0].ref_logprobs is None and cfg.kl is not None:
         mb = mbs[0]
-        with pytest.raises(InputError, match="'ref_logprobs' expected a tensor since kl_coef"):
+        with pytest.raises(InputError, match="'ref_logprobs' expected a tensor since kl.coef"):
             ppo_loss(mb.old_logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=mb.old_logprobs)
-        cfg = dataclasses.replace(cfg, kl_coef=0.0)
+        cfg = dataclasses.replace(cfg, kl=None)
     normalizer = sum(float(loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids)) for mb in mbs)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     for mb in mbs:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.losses import KLPenalty, LossConfig, loss_normalizer, ppo_loss
 from fnppo.testing import run_ranks, synthetic_samples
 
 HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
@@ -42,8 +43,8 @@ def _weights(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in core.named_parameters()}
 
 
-def _loss_cfg() -> fnppo.PolicyLossConfig:
-    return fnppo.PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05)
+def _loss_cfg() -> LossConfig:
+    return LossConfig(entropy_coef=0.01, kl=KLPenalty(0.05))
 
 
 def _step(samples, **kw):
@@ -74,7 +75,7 @@ def _stage_swaps(samples) -> dict:
 
     def loss(*args, **kwargs):
         calls["loss"] += 1
-        value, metrics = fnppo.ppo_loss(*args, **kwargs)
+        value, metrics = ppo_loss(*args, **kwargs)
         return 3.0 * value, {**metrics, "user_metric": torch.tensor([6.0, 2.0])}
 
     flipped = [dataclasses.replace(s, advantages=-s.advantages) for s in samples]
@@ -107,7 +108,7 @@ def _epochs_vs_loop(samples) -> dict:
         for k in range(2):
             minibatch = samples[k::2]
             state, m = fnppo.train_step(state, minibatch, fnppo.StepConfig(loss=loss_cfg))
-            tokens = float(fnppo.loss_normalizer(fnppo.collate_microbatch(minibatch).loss_mask, loss_cfg))
+            tokens = float(loss_normalizer(fnppo.collate_microbatch(minibatch).loss_mask, loss_cfg))
             singles.append({"metrics": m, "tokens": tokens})
     loop = {"weights": _weights(state), "singles": singles, "step": state.step}
     # the same updates in another order end elsewhere (the comparison can tell orders apart)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, loss_normalizer, ppo_clip, ppo_loss
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.messages import messages_of
 from tests.step_helpers import finalize_dropped, finalized_grads, max_metric_error, max_update_error
@@ -30,10 +31,10 @@ def _model_cfg(layers: int = 4) -> fnppo.ModelConfig:
     )
 
 
-def _loss_cfg(mode: str) -> fnppo.PolicyLossConfig:
-    return fnppo.PolicyLossConfig(
-        policy_loss="ppo", loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3",
-        loss_scale_factor=8.0 if mode == "seq-mean-token-sum-norm" else None,
+def _loss_cfg(mode: str) -> LossConfig:
+    return LossConfig(
+        policy=ppo_clip(), agg=Aggregation(mode, 8.0 if mode == "seq-mean-token-sum-norm" else None),
+        entropy_coef=0.01, kl=KLPenalty(0.05, "k3"),
     )
 
 
@@ -177,7 +178,7 @@ def _nan_loss_finite_grad(bad_call: int):
     calls = [0]
 
     def loss_fn(*args, **kwargs):
-        loss, metrics = fnppo.ppo_loss(*args, **kwargs)
+        loss, metrics = ppo_loss(*args, **kwargs)
         i, calls[0] = calls[0], calls[0] + 1
         if i == bad_call:
             nan = torch.full((), float("nan"), dtype=loss.dtype, device=loss.device)
@@ -229,18 +230,15 @@ def test_non_finite_step_is_skipped_and_state_untouched():
 
 
 # --------------------------------------------------------------------------------------------
-# custom stages: a user-registered loss through train_step
+# custom stages: a user's own policy loss (any callable) through train_step
 # --------------------------------------------------------------------------------------------
+def _sign_loss(x):
+    return -x.logprobs * torch.sign(x.advantages), {}
+
+
 def _custom_loss_step() -> dict:
-    from fnppo.core.loss import registered_policy_losses
-
-    if "test_reinforce_sign" not in registered_policy_losses():
-        @fnppo.register_policy_loss("test_reinforce_sign")
-        def _sign_loss(x):
-            return -x.logprobs * torch.sign(x.advantages), {}
-
     state = _build_state()
-    cfg = fnppo.StepConfig(loss=fnppo.PolicyLossConfig(policy_loss="test_reinforce_sign"))
+    cfg = fnppo.StepConfig(loss=LossConfig(policy=_sign_loss))
     state, metrics = fnppo.train_step(state, synthetic_samples(4, seed=5), cfg)
     return metrics
 
@@ -296,9 +294,9 @@ def _plain_reference(cases: list) -> dict:
         lp = logp.gather(-1, mb.labels[..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1)
         cfg = _loss_cfg(mode)
-        loss, _ = fnppo.ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
-                                 ref_logprobs=mb.ref_logprobs, normalizer=fnppo.loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
-                                 seq_ids=mb.seq_ids)
+        loss, _ = ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
+                           ref_logprobs=mb.ref_logprobs, normalizer=loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
+                           seq_ids=mb.seq_ids)
         loss.backward()
         grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters()}
         out[case] = {

@@ -29,7 +29,7 @@ from fnppo.core.batch import (
     collate_microbatch,
     padding_multiple,
 )
-from fnppo.core.loss import SEQ_REJECTION_CRITERIA, PolicyLossConfig, ValueLossConfig
+from fnppo.core.losses import SEQ_REJECTION_CRITERIA, LossConfig, ValueLossConfig
 from fnppo.core.split import check_split
 from fnppo.core.typing import describe, input_error, typechecking_enabled
 from fnppo.megatron.parallel import ParallelLayout
@@ -78,18 +78,20 @@ def check_context_parallel(fn: str, config: Batching, plan: Plan, loss: Any) -> 
                           repr(plan.pad_to_multiple_of))
     if loss is None:
         return
-    if loss.loss_agg_mode != "token-mean":
-        raise input_error(fn, "config.loss.loss_agg_mode", f"'token-mean' with context parallelism (cp={layout.cp})",
-                          repr(loss.loss_agg_mode))
-    if not isinstance(loss, PolicyLossConfig):
+    if loss.agg.mode != "token-mean":
+        raise input_error(fn, "config.loss.agg.mode", f"'token-mean' with context parallelism (cp={layout.cp})",
+                          repr(loss.agg.mode))
+    correction = getattr(loss, "correction", None)  # the policy loss's rollout correction (the critic has none)
+    if correction is None:
         return
-    if loss.tis_active and "sequence" in (loss.tis_level, loss.tis_reject_level):
-        raise input_error(fn, "config.loss.tis_level", f"'token' with context parallelism (cp={layout.cp})",
-                          repr(loss.tis_level))
-    seq_criteria = [n for n in SEQ_REJECTION_CRITERIA if getattr(loss, n) is not None]
+    if correction.sequence_level:
+        name = "level" if correction.level == "sequence" else "reject_level"
+        raise input_error(fn, f"config.loss.correction.{name}", f"'token' with context parallelism (cp={layout.cp})",
+                          repr(getattr(correction, name)))
+    seq_criteria = [n for n in SEQ_REJECTION_CRITERIA if getattr(correction, n) is not None]
     if seq_criteria:  # sequence statistics need the whole sequence; a CP rank holds part of it
-        raise input_error(fn, f"config.loss.{seq_criteria[0]}", f"None with context parallelism (cp={layout.cp})",
-                          repr(getattr(loss, seq_criteria[0])))
+        raise input_error(fn, f"config.loss.correction.{seq_criteria[0]}",
+                          f"None with context parallelism (cp={layout.cp})", repr(getattr(correction, seq_criteria[0])))
 
 
 def interleaved_where(layout: ParallelLayout) -> str:
@@ -244,11 +246,11 @@ def check_critic_targets(fn: str, samples: Sequence[Sample], loss_cfg: ValueLoss
                           f"ValueLossConfig.clip_range={loss_cfg.clip_range!r}", "None")
 
 
-def check_rollout_logprobs(fn: str, samples: Sequence[Sample], loss_cfg: PolicyLossConfig) -> None:
+def check_rollout_logprobs(fn: str, samples: Sequence[Sample], loss_cfg: LossConfig) -> None:
     """Bypass mode and rollout correction need every sample's ``rollout_logprobs`` (checked before anything runs)."""
-    if (loss_cfg.bypass_old_logprobs or loss_cfg.tis_active) and samples[0].rollout_logprobs is None:
-        why = "bypass_old_logprobs=True" if loss_cfg.bypass_old_logprobs else "rollout correction is configured"
-        raise input_error(fn, "batch[0].rollout_logprobs", f"a tensor since {why} in PolicyLossConfig", "None")
+    if loss_cfg.needs_rollout_logprobs and samples[0].rollout_logprobs is None:
+        why = "bypass_old_logprobs=True" if loss_cfg.bypass_old_logprobs else "a rollout correction is configured"
+        raise input_error(fn, "batch[0].rollout_logprobs", f"a tensor since {why} in LossConfig", "None")
 
 
 def per_chunk(params: Any, n: int) -> list[Mapping[str, torch.Tensor] | None]:

@@ -17,7 +17,7 @@ from torch import nn
 from fnppo.core.batch import LAYOUTS, check_positive_int
 from fnppo.core.linear_logprob import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
-from fnppo.core.loss import PolicyLossConfig, ValueLossConfig
+from fnppo.core.losses import LossConfig, ValueLossConfig
 from fnppo.core.split import split_mode
 from fnppo.core.typing import check_bool_fields, input_error
 from fnppo.megatron.model import forward_logits
@@ -70,9 +70,10 @@ class StepConfig(Batching):
     """How :func:`~fnppo.steps.train.train_step` and :func:`~fnppo.steps.infer.compute_logprobs`
     turn a batch into micro-batches, log-probs and updates.
 
-    ``loss``: the policy loss (its aggregation, rollout correction and bypass mode are what the
-    step itself reads). The batching fields (``layout``, the split, ``pad_to_multiple_of``,
-    ``max_seq_len``, ``num_minibatches``, ``ppo_epochs``) are :class:`Batching`'s.
+    ``loss``: the policy loss, a :class:`~fnppo.core.losses.config.LossConfig` (the step itself reads
+    only its aggregation, rollout correction and bypass mode). The batching fields (``layout``, the
+    split, ``pad_to_multiple_of``, ``max_seq_len``, ``num_minibatches``, ``ppo_epochs``) are
+    :class:`Batching`'s.
     ``fused_output``: the last pipeline stage stops before the output layer
     (:func:`~fnppo.megatron.model.forward_hidden`) and computes log-probs and entropy with
     :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
@@ -91,7 +92,7 @@ class StepConfig(Batching):
             split modes, a size that is not an int >= 1, a temperature that is not a finite float > 0.
     """
 
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     temperature: float = 1.0
     fns: StepFns = field(default_factory=StepFns)
     fused_output: bool = False
@@ -123,7 +124,7 @@ class CriticConfig(Batching):
     """How :func:`~fnppo.steps.train.critic_step` and :func:`~fnppo.steps.infer.compute_values`
     turn a batch into micro-batches and updates.
 
-    ``loss``: the clipped value loss (:class:`~fnppo.core.loss.ValueLossConfig`). The batching fields
+    ``loss``: the clipped value loss (:class:`~fnppo.core.losses.value.ValueLossConfig`). The batching fields
     (``layout``, the split, ``pad_to_multiple_of``, ``max_seq_len``, ``num_minibatches``,
     ``ppo_epochs``) are :class:`Batching`'s, as in :class:`StepConfig`.
 

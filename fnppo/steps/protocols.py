@@ -17,7 +17,7 @@ from torch import nn
 
 from fnppo.core.batch import Microbatch, Sample, collate_microbatch
 from fnppo.core.logprob import logprob_and_entropy
-from fnppo.core.loss import PolicyLossConfig, ppo_loss, value_loss
+from fnppo.core.losses import LossConfig, ppo_loss, value_loss
 from fnppo.megatron.model import forward_logits, forward_values
 
 __all__ = ["CollateFn", "ForwardFn", "LogprobFn", "LossFn", "ValueLossFn", "StepFns", "CriticFns"]
@@ -60,14 +60,14 @@ class LogprobFn(Protocol):
 class LossFn(Protocol):
     """The loss stage: per-token tensors of one micro-batch -> ``(loss, metrics)``.
 
-    Default :func:`~fnppo.core.loss.ppo_loss`; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
+    Default :func:`~fnppo.core.losses.ppo.ppo_loss`; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
     In bypass mode (``config.bypass_old_logprobs``) ``old_logprobs`` are the rollout log-probs; the
     keyword ``tis_mean`` (the global mean TIS weight) is passed only when the rollout correction
-    normalizes its weights over the batch.
+    normalizes its weights over the batch (``config.correction.batch_normalize``).
     """
 
     def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 loss_mask: torch.Tensor, config: PolicyLossConfig, *, entropy: torch.Tensor | None,
+                 loss_mask: torch.Tensor, config: LossConfig, *, entropy: torch.Tensor | None,
                  ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
                  normalizer: torch.Tensor | None,
                  seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
@@ -76,9 +76,10 @@ class LossFn(Protocol):
 class ValueLossFn(Protocol):
     """The critic's loss stage: per-token values and targets of one micro-batch -> ``(loss, metrics)``.
 
-    Default :func:`~fnppo.core.loss.value_loss`; ``clip_range`` and the aggregation (``loss_agg_mode``,
-    ``loss_scale_factor``) come from the critic's value-loss config, ``normalizer`` is the step's
-    global denominator; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
+    Default :func:`~fnppo.core.losses.value.value_loss`; ``clip_range`` and the aggregation
+    (``loss_agg_mode``, ``loss_scale_factor``: the mode and scale of ``ValueLossConfig.agg``) come from
+    :class:`~fnppo.core.losses.value.ValueLossConfig`, ``normalizer`` is the step's global denominator;
+    ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
     """
 
     def __call__(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -95,7 +96,7 @@ class StepFns:
         collate: :class:`CollateFn` (default :func:`~fnppo.core.batch.collate_microbatch`).
         forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.model.forward_logits`).
         logprob: :class:`LogprobFn` (default :func:`~fnppo.core.logprob.logprob_and_entropy`).
-        loss: :class:`LossFn` (default :func:`~fnppo.core.loss.ppo_loss`).
+        loss: :class:`LossFn` (default :func:`~fnppo.core.losses.ppo.ppo_loss`).
     """
 
     collate: CollateFn = collate_microbatch
@@ -112,7 +113,7 @@ class CriticFns:
         collate: :class:`CollateFn` (default :func:`~fnppo.core.batch.collate_microbatch`).
         forward: :class:`ForwardFn` returning ``[batch, seq]`` values on the last stage (default
             :func:`~fnppo.megatron.model.forward_values`).
-        loss: :class:`ValueLossFn` (default :func:`~fnppo.core.loss.value_loss`).
+        loss: :class:`ValueLossFn` (default :func:`~fnppo.core.losses.value.value_loss`).
     """
 
     collate: CollateFn = collate_microbatch

@@ -21,7 +21,7 @@ from torch import nn
 
 from fnppo.core.batch import Microbatch
 from fnppo.core.linear_logprob import linear_logprob_and_entropy
-from fnppo.core.loss import PolicyLossConfig, loss_normalizer, tis_batch_stats
+from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.model import deterministic_algorithms, forward_hidden
 from fnppo.megatron.moe import router_step
@@ -127,14 +127,15 @@ def routers(model: ModelFacts, mbs: Sequence[Microbatch]):
     return router_step(list(model.chunks), mbs, model.layout, model.device)
 
 
-def global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig | str, layout: ParallelLayout,
+def global_normalizer(mbs: Sequence[Microbatch], agg: Aggregation, layout: ParallelLayout,
                       device: torch.device) -> torch.Tensor:
     """The loss denominator of the whole mini-batch: summed over micro-batches and DP ranks (fp64).
 
-    ``loss_cfg``: a :class:`~fnppo.core.loss.PolicyLossConfig` or an aggregation mode name (the value loss's)."""
+    ``agg``: the loss's :class:`~fnppo.core.losses.aggregate.Aggregation`
+    (:func:`~fnppo.core.losses.aggregate.loss_normalizer`)."""
     local = torch.zeros((), dtype=torch.float64, device=device)
     for mb in mbs:
-        norm = loss_normalizer(mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids)
+        norm = loss_normalizer(mb.loss_mask, agg, seq_ids=mb.seq_ids)
         local = local + norm.to(device=device, dtype=torch.float64)
     total = local.reshape(1).clone()
     if layout.dp > 1:
@@ -142,19 +143,19 @@ def global_normalizer(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig | st
     return total[0].float()
 
 
-def global_sums(mbs: Sequence[Microbatch], loss_cfg: PolicyLossConfig, layout: ParallelLayout,
+def global_sums(mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loss normalizer and, with ``tis_batch_normalize``, the mean TIS weight of the mini-batch.
+    """The loss normalizer and, with ``correction.batch_normalize``, the mean TIS weight of the mini-batch.
 
     Both are summed over micro-batches and DP ranks before the schedule, in one all-reduce (fp64):
-    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.loss.tis_batch_stats`).
+    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.rollout_correction.tis_batch_stats`).
     """
-    if not loss_cfg.tis_batch_normalize:
-        return global_normalizer(mbs, loss_cfg, layout, device), None
+    if loss_cfg.correction is None or not loss_cfg.correction.batch_normalize:
+        return global_normalizer(mbs, loss_cfg.agg, layout, device), None
     local = torch.zeros(3, dtype=torch.float64, device=device)
     for mb in mbs:
         pair = tis_batch_stats(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids)
-        norm = loss_normalizer(mb.loss_mask, loss_cfg, seq_ids=mb.seq_ids).reshape(1)
+        norm = loss_normalizer(mb.loss_mask, loss_cfg.agg, seq_ids=mb.seq_ids).reshape(1)
         local = local + torch.cat([norm, pair.reshape(2)]).to(device=device, dtype=torch.float64)
     if layout.dp > 1:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=layout.dp_group)
@@ -220,7 +221,7 @@ def value_forward_step(config: CriticConfig, *, normalizer: torch.Tensor,
             check_values("critic_step", values, mb)
             old = mb.values if mb.values is not None else values.detach()  # unused without clipping
             loss, metrics = fns.loss(values, old, mb.returns, mb.loss_mask, loss_cfg.clip_range,
-                                     loss_agg_mode=loss_cfg.loss_agg_mode, loss_scale_factor=loss_cfg.loss_scale_factor,
+                                     loss_agg_mode=loss_cfg.agg.mode, loss_scale_factor=loss_cfg.agg.scale,
                                      normalizer=normalizer, seq_ids=mb.seq_ids)
             return loss * loss_scale, {"metrics": metrics}
 

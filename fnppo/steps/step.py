@@ -29,7 +29,7 @@ from fnppo.steps.protocols import LogprobFn as LogprobFn
 from fnppo.steps.protocols import LossFn as LossFn
 from fnppo.steps.protocols import StepFns as StepFns
 from fnppo.steps.protocols import ValueLossFn as ValueLossFn
-from fnppo.steps.schedule import run_schedule as _run_schedule
+from fnppo.steps.schedule import run_schedule as _run_schedule  # noqa: F401 (set through _RENAMED)
 from fnppo.steps.train import critic_step as critic_step
 from fnppo.steps.train import train_step as train_step
 

@@ -145,10 +145,10 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     and PP ranks of one DP rank; see :func:`~fnppo.steps.infer.shard_for_data_parallel`). For each mini-batch:
 
     1. split into micro-batches (same count on every DP rank) and collate them;
-    2. the loss normalizer (tokens or sequences, by ``loss_agg_mode``) is summed over all
+    2. the loss normalizer (tokens or sequences, by ``config.loss.agg.mode``) is summed over all
        micro-batches and DP ranks *before* the schedule, so the sum of micro-batch losses is the
-       full-batch loss whatever the split (with ``tis_batch_normalize``, the mean TIS weight of the
-       mini-batch too, in the same all-reduce). Under context parallelism (``cp > 1``, packed layout,
+       full-batch loss whatever the split (with ``config.loss.correction.batch_normalize``, the mean
+       TIS weight of the mini-batch too, in the same all-reduce). Under context parallelism (``cp > 1``, packed layout,
        ``token-mean`` loss) every micro-batch is cut to this CP rank's tokens
        (:mod:`fnppo.core.context_parallel`), and the normalizer and the metric pairs are summed over
        Megatron's data-parallel-with-CP group, so each token counts once over CP x DP;
@@ -227,7 +227,7 @@ def critic_step(state: TrainState, batch: Sequence[Sample],
     """One update of the critic (or ``ppo_epochs`` x ``num_minibatches`` updates) on this rank's samples.
 
     The value-model counterpart of :func:`train_step`, through the same update mechanism: split and
-    collate, the loss normalizer of ``config.loss.loss_agg_mode`` summed over all micro-batches and
+    collate, the loss normalizer of ``config.loss.agg.mode`` summed over all micro-batches and
     DP ranks before the schedule (so the loss and its gradient do not depend on the split or the
     layout), Megatron's schedule running ``forward_values -> value_loss`` per micro-batch (scaled as
     in :func:`train_step`), :func:`~fnppo.megatron.grads.finalize_grads` installed for the schedule (else
@@ -235,8 +235,8 @@ def critic_step(state: TrainState, batch: Sequence[Sample],
     is not finite (then ``metrics["skipped"]`` counts it and nothing changes). Per token, with
     ``V`` the values the forward returns at the position of response token ``j`` (the state before
     it), ``old_V = sample.values[j]`` and ``R = sample.returns[j]``, the loss is
-    :func:`~fnppo.core.loss.value_loss`'s clipped ``1/2 max((V - R)^2, (V_clip - R)^2)``, aggregated by
-    ``loss_agg_mode`` over the tokens of ``response_mask``. Context parallelism as in
+    :func:`~fnppo.core.losses.value.value_loss`'s clipped ``1/2 max((V - R)^2, (V_clip - R)^2)``, aggregated by
+    ``config.loss.agg`` over the tokens of ``response_mask``. Context parallelism as in
     :func:`train_step` (``token-mean`` only).
 
     Reference: PPO, arXiv:1707.06347 (the value function trained on the same rollouts as the policy).
@@ -277,7 +277,7 @@ def critic_step(state: TrainState, batch: Sequence[Sample],
     plan = agree_on_refusal(entry, layout)
 
     def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> torch.Tensor:
-        return global_normalizer(mbs, config.loss.loss_agg_mode, lay, dev)
+        return global_normalizer(mbs, config.loss.agg, lay, dev)
 
     def forward_step(normalizer: torch.Tensor, scale: float) -> Callable:
         return value_forward_step(config, normalizer=normalizer, loss_scale=scale)
