@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 import fnppo
+import fnppo.megatron.unwrap
 
 
 def gather_dp(per_sample: list, layout) -> list:
@@ -71,7 +72,7 @@ def finalize_dropped() -> Iterator[None]:
 
         def run(**kw):
             for m in kw["model"]:
-                fnppo.megatron.model.unwrap_model(m).config.finalize_model_grads_func = None
+                fnppo.megatron.unwrap.unwrap_model(m).config.finalize_model_grads_func = None
             return fb(**kw)
 
         return run
@@ -94,7 +95,7 @@ def finalized_grads() -> Iterator[dict]:
 
     def spy(model, **kw):
         stats = real(model, **kw)
-        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.megatron.model.unwrap_model(c).parameters()] for c in model]
+        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.megatron.unwrap.unwrap_model(c).parameters()] for c in model]
         return stats
 
     step_module.finalize_grads = spy

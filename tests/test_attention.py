@@ -1,4 +1,4 @@
-"""Tests for fnppo.megatron.attention: packed (THD) causal attention for Megatron's local layer spec."""
+"""Tests for fnppo.megatron.packed_attention, core_attention and layer_specs: packed (THD) causal attention for Megatron's local layer spec."""
 
 from __future__ import annotations
 
@@ -12,17 +12,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.megatron.attention import (
-    PackedDotProductAttention,
-    default_layer_spec,
-    document_causal_mask,
-    flex_bucket_length,
-    local_layer_spec,
-    packed_causal_attention,
-    segment_ids,
-    te_available,
-    thd_packed_seq_params,
-)
+from fnppo.megatron.core_attention import PackedDotProductAttention, thd_packed_seq_params
+from fnppo.megatron.layer_specs import default_layer_spec, local_layer_spec, te_available
+from fnppo.megatron.packed_attention import document_causal_mask, flex_bucket_length, packed_causal_attention, segment_ids
 from fnppo.testing import megatron_on_cpu, run_ranks
 from fnppo.core.typing import InputError, ShapeError
 
@@ -289,14 +281,14 @@ def test_spec_options_come_from_a_config():
 
 
 def test_default_layer_spec_picks_te_or_local(monkeypatch):
-    import fnppo.megatron.attention as attention
+    import fnppo.megatron.layer_specs as layer_specs
     from megatron.core.models.gpt import gpt_layer_specs
 
-    monkeypatch.setattr(attention, "te_available", lambda: False)
+    monkeypatch.setattr(layer_specs, "te_available", lambda: False)
     spec = default_layer_spec(normalization="RMSNorm")
     assert spec.submodules.self_attention.submodules.core_attention is PackedDotProductAttention
     sentinel = object()
-    monkeypatch.setattr(attention, "te_available", lambda: True)
+    monkeypatch.setattr(layer_specs, "te_available", lambda: True)
     monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: (sentinel, kw))
     got, kw = default_layer_spec(qk_layernorm=True)
     assert got is sentinel and kw["qk_layernorm"] is True
@@ -365,7 +357,7 @@ def _gpt(tp: int, rope_fusion: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if rope_fusion:
-        from fnppo.megatron.model import install_fused_rope
+        from fnppo.megatron.fused_rope import install_fused_rope
 
         install_fused_rope()  # fnppo's one-pass RoPE (Transformer Engine is absent here)
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import current_layout
 from fnppo.testing import run_ranks, synthetic_samples
 

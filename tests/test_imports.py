@@ -107,7 +107,9 @@ print(json.dumps({"loaded": loaded, "after": "fnppo.steps.step" in sys.modules})
 ''')
     assert not any(m.startswith("megatron") for m in r["loaded"]), r["loaded"]
     heavy = {"fnppo.megatron.attention", "fnppo.megatron.model", "fnppo.steps.step", "fnppo.megatron.grads", "fnppo.io.checkpoint", "fnppo.io.hf",
-             "fnppo.megatron.parallel", "fnppo.testing"}
+             "fnppo.megatron.parallel", "fnppo.testing", "fnppo.megatron.runtime", "fnppo.megatron.config", "fnppo.megatron.build",
+             "fnppo.megatron.forward", "fnppo.megatron.weights", "fnppo.megatron.layer_specs", "fnppo.megatron.core_attention",
+             "fnppo.megatron.fused_rope", "fnppo.megatron.routing", "fnppo.megatron.moe", "fnppo.megatron.vlm_model"}
     assert not heavy & set(r["loaded"]), r["loaded"]
     assert r["after"]
 

@@ -1,4 +1,4 @@
-"""Tests of fnppo.megatron.model: config validation, forward_logits (functional parameters, packed vs padded,
+"""Tests of the model layer (fnppo.megatron.config, build, forward, weights): config validation, forward_logits (functional parameters, packed vs padded,
 half precision), full-weight load/gather under TP=2 and PP=2, and the layout-invariant init."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.megatron.model import transformer_config, unwrap_model
+from fnppo.megatron.config import transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples
 from fnppo.core.typing import InputError
 from tests.messages import check_message
@@ -299,7 +300,7 @@ def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str 
 
 
 def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it():
-    from fnppo.megatron.model import deterministic_algorithms
+    from fnppo.megatron.forward import deterministic_algorithms
 
     def state():
         return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -331,11 +332,11 @@ def test_deterministic_algorithms_switches_torch_for_the_block_and_restores_it()
 def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
     """build_gpt's default spec: default_layer_spec (TE's where installed) except under CP, where the
     local spec's packed attention does the exact CP attention."""
-    import fnppo.megatron.attention
-    from fnppo.megatron.attention import PackedDotProductAttention
-    from fnppo.megatron.model import choose_layer_spec
+    import fnppo.megatron.layer_specs
+    from fnppo.megatron.core_attention import PackedDotProductAttention
+    from fnppo.megatron.layer_specs import choose_layer_spec
 
-    monkeypatch.setattr(fnppo.megatron.attention, "default_layer_spec", lambda cfg, **kw: ("default_layer_spec", kw))
+    monkeypatch.setattr(fnppo.megatron.layer_specs, "default_layer_spec", lambda cfg, **kw: ("default_layer_spec", kw))
     assert choose_layer_spec(_cfg(), _fake_layout()) == ("default_layer_spec", {})
     assert choose_layer_spec(_cfg(), _fake_layout(tp=2)) == ("default_layer_spec", {})
     spec = choose_layer_spec(_cfg(), _fake_layout(cp=2))
@@ -344,7 +345,7 @@ def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
 
 def test_fusions_follow_the_device_unless_forced(monkeypatch):
     """Megatron's fused kernels: on for a model built for CUDA (NCCL), off on CPU (gloo), or forced."""
-    from fnppo.megatron.model import fusion_fields
+    from fnppo.megatron.config import fusion_fields
 
     names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
     assert fusion_fields(_cfg(), _fake_layout()) == dict.fromkeys(names, False)
@@ -527,7 +528,7 @@ def test_load_strict_refuses_unknown_tensor(sharded):
 
 def test_grad_clipping_norm_without_syncs_matches_float64():
     """The replacement of Megatron's per-tensor-sync grad-norm fallback: the same global L2 norm."""
-    from fnppo.megatron.model import _l2_norm_without_syncs
+    from fnppo.megatron.build import _l2_norm_without_syncs
 
     g = torch.Generator().manual_seed(0)
     groups = [[torch.randn(5, 3, generator=g), torch.randn(7, generator=g)], [torch.randn(2, 2, 2, generator=g)]]
@@ -540,16 +541,16 @@ def test_grad_clipping_norm_without_syncs_matches_float64():
 def test_transformer_config_refuses_recompute_modules_that_need_transformer_engine(monkeypatch):
     # Megatron 0.16's output-discarding checkpoint ("layernorm", "moe_act") imports Transformer Engine
     # at the first forward whatever the precision: refused when the config is built, not mid-step.
-    import fnppo.megatron.attention
+    import fnppo.megatron.config
 
-    monkeypatch.setattr(fnppo.megatron.attention, "te_available", lambda: False)
+    monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: False)
     with pytest.raises(InputError) as info:
         transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"])
     check_message(info.value, InputError, "transformer_config", "recompute_modules",
                   "modules that run without Transformer Engine", "['mlp', 'layernorm']")
     ok = transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"])
     assert ok.recompute_modules == ["mlp", "core_attn"]
-    monkeypatch.setattr(fnppo.megatron.attention, "te_available", lambda: True)  # with TE Megatron runs them
+    monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: True)  # with TE Megatron runs them
     assert transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective",
                               recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fnppo
+import fnppo.megatron.unwrap
 from fnppo.testing import run_ranks, synthetic_samples
 
 REL = 1e-5
@@ -259,7 +260,7 @@ def _settings() -> dict:
             h.remove()
         weights = fnppo.gather_full_weights(state.model)
         biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.megatron.moe.routers(state.model)]
-        tcfg = fnppo.megatron.model.unwrap_model(state.model[0]).config
+        tcfg = fnppo.megatron.unwrap.unwrap_model(state.model[0]).config
         fields = ("moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                   "moe_shared_expert_intermediate_size", "num_layers")
         megatron = {k: getattr(tcfg, k) for k in fields}
@@ -291,7 +292,7 @@ def _deterministic_runs(samples) -> dict:
             state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
             out[det] = {"seen": list(seen), "after": torch.are_deterministic_algorithms_enabled(), "logprobs": lp,
                         "metrics": metrics, "weights": fnppo.gather_full_weights(state.model),
-                        "mode": fnppo.megatron.model.unwrap_model(state.model[0]).config.deterministic_mode}
+                        "mode": fnppo.megatron.unwrap.unwrap_model(state.model[0]).config.deterministic_mode}
     finally:
         token_dispatcher.unpermute = original
     return out

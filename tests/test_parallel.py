@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import current_layout, init_parallel
 from fnppo.testing import RankError, megatron_on_cpu, run_ranks, synthetic_samples
 
@@ -309,7 +309,7 @@ def test_dp2_schedule_reduces_to_the_full_batch_gradient(reference):
 # ---------------------------------------------------------------------------------------------
 _AUTO_CPU = r"""
 import torch, fnppo
-from fnppo.testing import cpu_mode_active
+from fnppo.megatron.runtime import cpu_mode_active
 assert not cpu_mode_active()
 layout = fnppo.init_parallel()                       # no megatron_on_cpu() block around it
 assert cpu_mode_active() and layout.backend == "gloo"

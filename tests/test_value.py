@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import fnppo
+import fnppo.megatron.layer_specs
+import fnppo.megatron.unwrap
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.loss_helpers import aggregate
 from tests.messages import check_message
@@ -162,7 +164,7 @@ def _finalized_grads(modes, split: str) -> dict:
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
             state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
             _, metrics = fnppo.critic_step(state, _samples(), _critic_cfg(mode, split))
-            names = [n for n, _ in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()]
+            names = [n for n, _ in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()]
             out[mode] = {"metrics": metrics, "grads": dict(zip(names, captured.pop("grads")[0], strict=True))}
     return out
 
@@ -177,11 +179,11 @@ def _hf_values(path: str) -> dict:
     import transformers
 
     chunks = fnppo.build_gpt_from_hf(path, head="value", dtype="fp32")
-    head_before = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(chunks[0]).named_parameters() if k.startswith("value_head.")}
+    head_before = {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(chunks[0]).named_parameters() if k.startswith("value_head.")}
     skipped = fnppo.load_hf_weights(chunks, path)
     policy = fnppo.build_gpt_from_hf(path, dtype="fp32")
     skipped_policy = fnppo.load_hf_weights(policy, path)
-    core = fnppo.megatron.model.unwrap_model(chunks[0])
+    core = fnppo.megatron.unwrap.unwrap_model(chunks[0])
     head_after = {k: v.detach().clone() for k, v in core.named_parameters() if k.startswith("value_head.")}
     g = torch.Generator().manual_seed(4)
     samples = [fnppo.Sample(prompt_ids=torch.randint(0, 96, (3 + i,), generator=g), response_ids=torch.randint(0, 96, (5,), generator=g))
@@ -218,7 +220,7 @@ def _structure() -> dict:
     w5 = params["value_head.weight"].detach().clone()
     fnppo.layout_invariant_init([value], seed=6)
     # a given layer spec is used as given (for both heads): Megatron's own core attention here
-    spec = fnppo.megatron.attention.local_layer_spec(_model_cfg(), packed_attention=False)
+    spec = fnppo.megatron.layer_specs.local_layer_spec(_model_cfg(), packed_attention=False)
     attention = {head: type(fnppo.build_gpt(_model_cfg(), head=head, layer_spec=spec)[0].decoder.layers[0].self_attention.core_attention).__name__
                  for head in ("lm", "value")}
     attention["default"] = type(value.decoder.layers[0].self_attention.core_attention).__name__
@@ -248,12 +250,12 @@ def _faults() -> dict:
     samples = _samples()
     cfg = _critic_cfg("token-mean", "4mb")
     state, out["m1"] = fnppo.critic_step(state, samples, cfg)
-    before = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()}
+    before = {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()}
     state, out["m2"] = fnppo.critic_step(state, samples, dataclasses.replace(cfg, fns=fnppo.CriticFns(loss=_nan_loss)))
-    after = dict(fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters())
+    after = dict(fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters())
     out["changed_by_skip"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
     state, out["m3"] = fnppo.critic_step(state, samples, cfg)
-    out["moved_after"] = any(not torch.equal(before[k], v) for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters())
+    out["moved_after"] = any(not torch.equal(before[k], v) for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters())
 
     with finalize_dropped():
         try:
@@ -279,14 +281,14 @@ def _faults() -> dict:
         out["ckpt_same"] = all(
             torch.equal(a, b)
             for name in ("policy", "critic")
-            for a, b in zip(fnppo.megatron.model.unwrap_model((policy if name == "policy" else state).model[0]).parameters(),
-                            fnppo.megatron.model.unwrap_model(loaded[name].model[0]).parameters(), strict=True)
+            for a, b in zip(fnppo.megatron.unwrap.unwrap_model((policy if name == "policy" else state).model[0]).parameters(),
+                            fnppo.megatron.unwrap.unwrap_model(loaded[name].model[0]).parameters(), strict=True)
         )
         # the optimizer states too: one more update of the saved and of the loaded critic agrees bit for bit
         cont, _ = fnppo.critic_step(state, samples, cfg)
         cont_loaded, _ = fnppo.critic_step(loaded["critic"], samples, cfg)
         out["ckpt_continues"] = all(torch.equal(a, b) for a, b in zip(
-            fnppo.megatron.model.unwrap_model(cont.model[0]).parameters(), fnppo.megatron.model.unwrap_model(cont_loaded.model[0]).parameters(), strict=True))
+            fnppo.megatron.unwrap.unwrap_model(cont.model[0]).parameters(), fnppo.megatron.unwrap.unwrap_model(cont_loaded.model[0]).parameters(), strict=True))
         try:
             fnppo.load_checkpoint(tmp, {"critic": fresh["critic"]})
             out["ckpt_names"] = "no error"

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fnppo
+import fnppo.megatron.unwrap
 from fnppo.core.batch import Sample, collate_microbatch, unpack_per_sample
 from fnppo.testing import run_ranks
 from fnppo.core.typing import InputError
@@ -29,7 +30,7 @@ REL = 1e-5
 
 
 def _vision(freeze: bool = False):
-    from fnppo.megatron.vlm import VisionConfig
+    from fnppo.megatron.vlm_collate import VisionConfig
 
     return VisionConfig(image_token_id=IMG, image_size=8, patch_size=4, num_layers=1, hidden_size=32,
                         num_attention_heads=2, ffn_hidden_size=64, projector_hidden_size=48, freeze_vision=freeze)
@@ -70,7 +71,7 @@ def _batch(pixel_seed: int = 0) -> list[Sample]:
 # placeholder expansion and collation (no Megatron)
 # ---------------------------------------------------------------------------------------------
 def _collate(**kw):
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     return VLMCollate(IMG, N_TOK, image_shape=(3, 8, 8), **kw)
 
@@ -147,7 +148,7 @@ def test_collate_refuses_non_finite_pixels_naming_the_sample_and_key(bad):
 def test_an_image_without_its_item_dimension_is_named_not_the_prompt(image_shape):
     """``[3, 8, 8]`` instead of ``[1, 3, 8, 8]`` would be read as 3 images: the image is refused by
     its key before the placeholders are counted, with or without ``image_shape``."""
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
     from tests.messages import check_message
 
     s = Sample.from_lists([1, IMG, 2], [7, 8], multi_modal={"images": torch.zeros(3, 8, 8)})
@@ -159,7 +160,7 @@ def test_an_image_without_its_item_dimension_is_named_not_the_prompt(image_shape
 
 
 def test_vision_config_takes_bools_only():
-    from fnppo.megatron.vlm import VisionConfig
+    from fnppo.megatron.vlm_collate import VisionConfig
     from tests.messages import check_message
 
     for value in ("yes", 0, 1):
@@ -175,7 +176,7 @@ def _entry_refusals() -> dict:
     images (the model knows its image shape); ``forward``: the model itself on such a micro-batch;
     ``nan_pixel``: train_step with a NaN pixel in the last sample of the last mini-batch of the last
     epoch (``changed``: the weights it changed, none expected)."""
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     out = {}
     state = _state(False)
@@ -248,7 +249,7 @@ def test_token_budget_counts_expanded_lengths():
 
 
 def test_scatter_image_features_against_a_loop():
-    from fnppo.megatron.vlm import scatter_image_features
+    from fnppo.megatron.vlm_model import scatter_image_features
 
     g = torch.Generator().manual_seed(0)
     ids = torch.tensor([[1, IMG, IMG, 2, 0], [IMG, IMG, 3, IMG, IMG]])  # padded [b, s]: sample-major order
@@ -345,7 +346,7 @@ def test_routes_follow_the_expanded_tokens(form):
 
 def test_expand_image_routes_against_a_loop():
     """The public function alone: several images, a missing last row, an unsigned engine dtype."""
-    from fnppo.megatron.vlm import expand_image_routes
+    from fnppo.megatron.vlm_collate import expand_image_routes
 
     prompt, response = [IMG, 1, IMG, IMG, 2], [3, 4]
     is_image = torch.tensor([t == IMG for t in prompt + response])
@@ -361,7 +362,7 @@ def test_expand_image_routes_against_a_loop():
 
 def _route_error(case: str) -> InputError:
     """The error of one case of routes that do not fit the expanded sequence."""
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     image = {"images": torch.zeros(1, 3, 8, 8)}
     p, r = [1, IMG, 2], [7, 8]  # 5 tokens, 8 expanded
@@ -416,7 +417,7 @@ def _loss_cfg() -> fnppo.PolicyLossConfig:
 
 
 def _state(freeze: bool):
-    from fnppo.megatron.vlm import build_vlm
+    from fnppo.megatron.vlm_model import build_vlm
 
     chunks = build_vlm(_lm_cfg(), _vision(freeze))
     fnppo.layout_invariant_init(chunks, seed=3)
@@ -435,7 +436,7 @@ SPLITS = {
 
 
 def _update(split: str, freeze: bool) -> dict:
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     layout = fnppo.current_layout()
     state = _state(freeze)
@@ -459,7 +460,7 @@ def _layout_cases(splits: tuple[str, ...]) -> dict:
 def _by_hand_logits(model, batch: list[Sample]) -> list[torch.Tensor]:
     """Each sample alone ([1, L] padded), its embeddings assembled by hand: text rows from the word
     embedding, each image's N rows from the vision tower run on that image alone."""
-    vlm = fnppo.megatron.model.unwrap_model(model)
+    vlm = fnppo.megatron.unwrap.unwrap_model(model)
     out = []
     for s in batch:
         rows, images = [], list(s.multi_modal.get("images", torch.zeros(0, 3, 8, 8)))
@@ -477,7 +478,7 @@ def _by_hand_logits(model, batch: list[Sample]) -> list[torch.Tensor]:
 
 def _reference_extras() -> dict:
     """One process: placement against a hand-built forward, pixels matter, text-only batches."""
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     state = _state(False)
     model = state.model[0]
@@ -508,7 +509,7 @@ def _moe_replay() -> dict:
     it as recorded, as the unexpanded tokens with -1 at the placeholders, shifted by one row (a
     misalignment of the right length), with the image rows dropped (refused); training steps on the
     record and on the shifted rows, the record's log-probs as the old ones."""
-    from fnppo.megatron.vlm import build_vlm
+    from fnppo.megatron.vlm_model import build_vlm
 
     run = _moe_record()
     chunks, step, batch, lp, routes, col, cfg = (run[k] for k in ("chunks", "step", "batch", "lp", "routes", "collate", "cfg"))
@@ -556,7 +557,8 @@ def _moe_lm_cfg() -> fnppo.ModelConfig:
 def _moe_record() -> dict:
     """The MoE VLM (large router logits: replay and free routing tell apart), its step config and
     batch, and the batch's log-probs and recorded routes on this rank's layout."""
-    from fnppo.megatron.vlm import VLMCollate, build_vlm
+    from fnppo.megatron.vlm_collate import VLMCollate
+    from fnppo.megatron.vlm_model import build_vlm
 
     cfg = _moe_lm_cfg()
     chunks = build_vlm(cfg, _vision())
@@ -588,7 +590,8 @@ def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
 def _fused_worker() -> dict:
     """compute_logprobs (current weights, and a snapshot as ``params``) and a train_step of the VLM,
     unfused then with ``StepConfig(fused_output=True)``, from the same weights; the updates."""
-    from fnppo.megatron.vlm import VLMCollate, build_vlm
+    from fnppo.megatron.vlm_collate import VLMCollate
+    from fnppo.megatron.vlm_model import build_vlm
 
     out = {}
     for fused in (False, True):
@@ -706,7 +709,7 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
 
 
 def _build_error(moe: bool) -> str:
-    from fnppo.megatron.vlm import build_vlm
+    from fnppo.megatron.vlm_model import build_vlm
 
     cfg = _moe_lm_cfg() if moe else _lm_cfg()
     try:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
 from torch import nn
 
 __all__ = ["GradStats", "finalize_grads", "grad_norm", "FinalizeNotCalledError"]
@@ -86,8 +88,6 @@ def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
     rank holding its shard), never deduplicated across EP ranks; parameters replicated over expert
     TP count on expert-TP rank 0 only.
     """
-    from megatron.core import parallel_state as ps
-
     tp_rank = ps.get_tensor_model_parallel_rank()
     etp_rank = ps.get_expert_tensor_parallel_rank()
     distributed = False
@@ -131,8 +131,6 @@ def finalize_grads(model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tenso
 
     Reference: Megatron-LM ``megatron/core/distributed/finalize_model_grads.py``.
     """
-    from megatron.core.distributed import finalize_model_grads
-
     for chunk in model_chunks:
         if getattr(chunk, "ddp_config", None) is None:
             raise TypeError(

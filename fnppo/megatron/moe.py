@@ -47,25 +47,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_utils import (
+    compute_routing_scores_for_aux_loss,
+    get_moe_layer_wise_logging_tracker,
+)
+from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
 
 from fnppo.core.metrics import merge_metrics, pair_metric
+from fnppo.core.typing import input_error
 from fnppo.megatron.routing import clear_routing
+from fnppo.megatron.unwrap import unwrap_model
 
 __all__ = ["routers", "is_moe", "router_step", "RouterStep", "router_derived_metrics"]
 
 
 def routers(model_chunks: Sequence[nn.Module]) -> list[nn.Module]:
     """Megatron's MoE routers (``TopKRouter``) of this rank's model chunks, in module order."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
     return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
 def is_moe(model_chunks: Sequence[nn.Module]) -> bool:
     """Whether the model has MoE layers (its config sets ``num_moe_experts``)."""
-    from fnppo.megatron.model import unwrap_model
-
     return bool(getattr(unwrap_model(model_chunks[0]).config, "num_moe_experts", None))
 
 
@@ -98,8 +101,6 @@ def _check_allgather(config: Any, microbatches: Sequence[Any], layout: Any, devi
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=layout.ep_group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=layout.ep_group)
     if not torch.equal(high, low):
-        from fnppo.core.typing import input_error
-
         raise input_error(
             "train_step", "batch",
             "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather' (or use 'alltoall')",
@@ -133,8 +134,6 @@ def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
 @torch.no_grad()
 def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
     """Metric pairs of one router on one micro-batch (recomputes its logits without autograd)."""
-    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
-
     cfg = router.config
     layer = router.layer_number - 1
     logits = router.gating(hidden).reshape(-1, cfg.num_moe_experts).float()
@@ -188,8 +187,6 @@ def _drop_megatron_loss_tracker() -> None:
     so a second MoE model with more layers in the same process (another policy, a critic, a test)
     would index past it; dropping the entries before and after every step avoids that.
     """
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
     get_moe_layer_wise_logging_tracker().clear()
 
 
@@ -206,8 +203,6 @@ def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], 
     (instead of ``num_microbatches * dp``). After the block ``.metrics`` holds the reduced pairs
     (identical on every rank). Restores every router and config field it set.
     """
-    from fnppo.megatron.model import unwrap_model
-
     config = unwrap_model(model_chunks[0]).config
     _check_allgather(config, microbatches, layout, device)
     total = _total_tokens(microbatches, layout, device)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from fnppo.core.typing import InputError
+from fnppo.megatron.runtime import enter_cpu_mode_for_process, exit_cpu_mode_for_process
 
 __all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero", "agree_on_refusal"]
 
@@ -99,7 +102,7 @@ def init_parallel(
     :mod:`fnppo.core.context_parallel`): the world is ``tp * cp * pp * dp``.
 
     On the gloo backend (``device="cpu"``, or no CUDA device) it enters
-    :func:`fnppo.testing.megatron_on_cpu` for the process (until :func:`destroy_parallel`), which
+    :func:`fnppo.megatron.runtime.megatron_on_cpu` for the process (until :func:`destroy_parallel`), which
     redirects Megatron's CUDA-only calls to the CPU; an explicit ``with megatron_on_cpu():`` block
     around it works too.
 
@@ -110,8 +113,6 @@ def init_parallel(
         ValueError: ``tp``/``pp``/``vpp``/``ep``/``etp``/``timeout_s`` out of range, ``device="cuda"``
             without a CUDA device, or a world size that ``tp * pp`` or ``etp * ep * pp`` does not divide.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     etp_size = tp if etp is None else etp
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp_size), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
@@ -126,8 +127,6 @@ def init_parallel(
         raise ValueError("init_parallel: argument 'device' expected 'cpu' or None on this machine (torch.cuda.is_available() is False), received 'cuda'")
     backend = _default_backend(device)
     if backend == "gloo":
-        from fnppo.testing import enter_cpu_mode_for_process
-
         enter_cpu_mode_for_process()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
@@ -165,44 +164,38 @@ def init_parallel(
 
 def current_layout() -> ParallelLayout:
     """Read Megatron's parallel state (the one place fnppo does so)."""
-    from megatron.core import parallel_state as ps
-
     return ParallelLayout(
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(),
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
+        vpp=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
         backend=dist.get_backend(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-        edp=ps.get_expert_data_parallel_world_size(),
-        edp_rank=ps.get_expert_data_parallel_rank(),
-        ep_group=ps.get_expert_model_parallel_group(),
-        etp_group=ps.get_expert_tensor_parallel_group(),
-        edp_group=ps.get_expert_data_parallel_group(),
-        cp=ps.get_context_parallel_world_size(),
-        cp_rank=ps.get_context_parallel_rank(),
-        cp_group=ps.get_context_parallel_group(),
-        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        edp=parallel_state.get_expert_data_parallel_world_size(),
+        edp_rank=parallel_state.get_expert_data_parallel_rank(),
+        ep_group=parallel_state.get_expert_model_parallel_group(),
+        etp_group=parallel_state.get_expert_tensor_parallel_group(),
+        edp_group=parallel_state.get_expert_data_parallel_group(),
+        cp=parallel_state.get_context_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        cp_group=parallel_state.get_context_parallel_group(),
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
 
 
 def destroy_parallel() -> None:
     """Tear down Megatron's groups and the default process group (and the CPU mode init_parallel entered)."""
-    from megatron.core import parallel_state
-
-    from fnppo.testing import exit_cpu_mode_for_process
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -217,8 +210,6 @@ def is_rank_zero() -> bool:
 
 def free_port() -> int:
     """A TCP port that is free on this machine right now."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -7,8 +7,8 @@ program and that asks nothing of the user:
   falls back to torch implementations (norms, optimizers, multi-tensor kernels). On a CPU machine
   that is the only possible configuration; on a GPU it is the documented local layer spec.
 * megatron-core's distributed optimizer reads ``.grad`` of its fp32 shard views to zero them; on
-  CPU that access passes through :func:`fnppo.testing.megatron_on_cpu`'s torch-function mode, so
-  torch's "non-leaf ``.grad``" warning is attributed to ``fnppo.testing``; on a GPU the same
+  CPU that access passes through :func:`fnppo.megatron.runtime.megatron_on_cpu`'s torch-function
+  mode, so torch's "non-leaf ``.grad``" warning is attributed to ``fnppo.megatron.runtime``; on a GPU the same
   warning is attributed to ``megatron.core.optimizer``.
 * torch marks ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` as deprecated; megatron-core
   0.16.1 calls them inside its distributed optimizer.
@@ -29,7 +29,7 @@ HARMLESS_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, r"Apex is not installed\. Falling back to Torch Norm", r"megatron\.core"),
     (UserWarning, r"Transformer Engine and Apex are not installed\. Falling back", r"megatron\.core"),
     (UserWarning, r"Transformer Engine and Apex are not installed\. Falling back", r"megatron_fsdp"),
-    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"fnppo\.testing"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"fnppo\.megatron\.runtime"),
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer"),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed"),
     (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", r"torch\.distributed"),

@@ -64,10 +64,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from fnppo.core.batch import Microbatch
+from fnppo.core.context_parallel import gather_tokens
 from fnppo.core.typing import Tensor, input_error
+from fnppo.megatron.unwrap import unwrap_model
 
 __all__ = ["moe_layer_indices", "record_dtype", "replay_target", "routed", "RoutingRecorder", "clear_routing", "routing_spec"]
 
@@ -82,8 +87,6 @@ def moe_layer_indices(config: Any) -> list[int]:
 
 def routing_spec(model_chunks: Sequence[nn.Module]) -> tuple[int, int, int] | None:
     """``(MoE layers, top-k, num_experts)`` of the model, or None for a dense model."""
-    from fnppo.megatron.model import unwrap_model
-
     cfg = unwrap_model(model_chunks[0]).config
     if not getattr(cfg, "num_moe_experts", None):
         return None
@@ -95,46 +98,36 @@ def record_dtype(num_experts: int) -> torch.dtype:
     return torch.int16 if num_experts <= 2**15 else torch.int32
 
 
-_SLOT_CLASS: list[type] = []
+class PartialRouterReplay(RouterReplay):
+    """``RouterReplay`` with rows left to the router: target rows ``-1`` take its own top-k."""
+
+    def __init__(self) -> None:  # RouterReplay.__init__ would append to the global list
+        self.target_topk_idx = None
+        self.recorded_topk_idx = None
+        self.router_replay_action = None
+        self.replay_backward_list = []
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # noqa: ANN001
+        action = self.router_replay_action
+        if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        target = self.target_topk_idx if action is RouterReplayAction.REPLAY_FORWARD else self.replay_backward_list.pop(0)
+        target = target.to(scores.device)
+        # the router's own choice where there is no route (no host sync: computed for every row)
+        _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = torch.where(target[:, :1] < 0, own, target)
+        return scores.gather(1, target), target
 
 
-def replay_slot() -> Any:
+def replay_slot() -> PartialRouterReplay:
     """A new router replay slot: Megatron's ``RouterReplay`` whose replay keeps the router's own
     top-k choice for target rows marked ``-1`` (positions without a route), not on Megatron's
     global instance list (the slot is reached through its router only)."""
-    if not _SLOT_CLASS:
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-        class PartialRouterReplay(RouterReplay):
-            """``RouterReplay`` with rows left to the router: target rows ``-1`` take its own top-k."""
-
-            def __init__(self) -> None:  # RouterReplay.__init__ would append to the global list
-                self.target_topk_idx = None
-                self.recorded_topk_idx = None
-                self.router_replay_action = None
-                self.replay_backward_list = []
-
-            def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # noqa: ANN001
-                action = self.router_replay_action
-                if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
-                    return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-                target = self.target_topk_idx if action is RouterReplayAction.REPLAY_FORWARD else self.replay_backward_list.pop(0)
-                target = target.to(scores.device)
-                # the router's own choice where there is no route (no host sync: computed for every row)
-                _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                target = torch.where(target[:, :1] < 0, own, target)
-                return scores.gather(1, target), target
-
-        _SLOT_CLASS.append(PartialRouterReplay)
-    return _SLOT_CLASS[0]()
+    return PartialRouterReplay()
 
 
 def _slots(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """``(router, MoE layer index)`` of every router of one model chunk, in module order."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from fnppo.megatron.model import unwrap_model
-
     core = unwrap_model(model)
     index = {layer: j for j, layer in enumerate(moe_layer_indices(core.config))}
     out = []
@@ -228,8 +221,6 @@ class RoutingRecorder:
 
 def _gather_record(router: nn.Module, indices: Tensor, mb: Microbatch) -> Tensor:
     """A router's recorded ``[tokens, topk]`` as ``[batch, seq, topk]`` of the whole (CP-unsharded) micro-batch."""
-    from fnppo.core.context_parallel import gather_tokens
-
     batch = int(mb.input_ids.shape[0])
     t = indices.reshape(-1, batch, indices.shape[-1])  # [seq shard, batch, k]
     size, _, group = _sequence_shard(router)
@@ -268,11 +259,6 @@ def _recomputes(router: nn.Module, first_layer: int) -> bool:
 def _first_layers(model: nn.Module) -> dict[int, int]:
     """``id(router) -> `` the global (1-based) number of the first layer of the transformer block
     that holds it, in one model chunk (a vision-language model's language decoder included)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    from fnppo.megatron.model import unwrap_model
-
     out: dict[int, int] = {}
     for block in unwrap_model(model).modules():
         if isinstance(block, TransformerBlock):
@@ -297,8 +283,6 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         InputError: both given (``forward_only``'s ``recorder`` with micro-batches that carry
             routed experts: the record would be the forced routes).
     """
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     replay = mb.routed_experts is not None
     if not replay and recorder is None:
         yield

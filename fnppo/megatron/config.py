@@ -1,0 +1,365 @@
+"""Model configuration: :class:`ModelConfig` and its translation into Megatron's ``TransformerConfig``.
+
+:func:`transformer_config` maps a :class:`ModelConfig` and a :class:`~fnppo.megatron.parallel.ParallelLayout`
+to Megatron's ``TransformerConfig``: sizes and numerics, the parallel layout, the MoE fields
+(:func:`_moe_kwargs`), the fused kernels (:func:`fusion_fields`), and the checks Megatron would
+only fail on later (divisibility by the layout, selective recomputation without Transformer Engine).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from fnppo.core.typing import check_bool_fields, input_error
+from fnppo.megatron.fused_rope import install_fused_rope
+from fnppo.megatron.layer_specs import te_available
+from fnppo.megatron.parallel import ParallelLayout, current_layout
+
+__all__ = ["ModelConfig", "transformer_config", "fusion_fields"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only GPT (Llama/Qwen2 family by default).
+
+    ``dtype`` is the parameter/compute dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (half precision
+    models are wrapped in Megatron's ``Float16Module``; logits stay in that dtype).
+
+    Mixture of Experts (``num_experts`` set; Megatron's ``MoELayer`` with a top-k router and no
+    token dropping):
+
+    * ``moe_layer_freq``: which layers are MoE layers, as Megatron's ``moe_layer_freq``: an int
+      ``k`` (layers ``0, k, 2k, ...``; default 1: every layer) or one 0/1 per layer (1: MoE); the
+      other layers are dense MLPs of ``ffn_hidden_size``;
+    * ``moe_topk`` experts per token, each an MLP of ``moe_ffn_hidden_size`` (default
+      ``ffn_hidden_size``); ``moe_shared_expert_size``: the hidden size of an always-on shared
+      expert (Qwen2-MoE style), None for none; ``moe_shared_expert_gate``: the shared expert's
+      output is scaled by ``sigmoid(x . w)`` (Qwen2-MoE's ``shared_expert_gate``);
+    * ``moe_pre_softmax``: the gate weights are the softmax over *all* experts at the chosen ones
+      (not renormalized: Qwen2/3-MoE with ``norm_topk_prob=False``); False (default): the softmax
+      over the chosen experts' logits (Mixtral; Qwen-MoE with ``norm_topk_prob=True``);
+    * ``moe_load_balancing``: ``"none"``, ``"aux_loss"`` (switch load-balancing loss over a
+      micro-batch) or ``"seq_aux_loss"`` (per sequence: a row of the micro-batch, so with the packed
+      layout, one row per micro-batch, it equals ``"aux_loss"``; per sample with
+      ``StepConfig(layout="padded")``), weighted by ``moe_aux_loss_coeff``;
+      ``moe_z_loss_coeff``: router z-loss (ST-MoE), None for none;
+    * ``moe_score_function``: ``"softmax"`` or ``"sigmoid"``; ``moe_router_dtype``: ``"fp32"``,
+      ``"fp64"`` or None (the model's dtype) for the routing computation;
+    * ``moe_expert_bias``: aux-loss-free balancing (a per-expert bias added to the scores for
+      the choice of experts, updated after every step by ``moe_bias_update_rate`` times the sign of
+      the load error; a rate of 0 keeps it fixed); only with ``moe_score_function="sigmoid"``;
+    * ``moe_freeze_router``: the router weights get no gradient and are not updated;
+    * ``moe_dispatcher``: ``"alltoall"`` or ``"allgather"`` token dispatch over expert parallelism;
+    * ``moe_grouped_gemm``: one grouped GEMM for the local experts (Transformer Engine); None
+      chooses it when Transformer Engine is installed, else Megatron's ``SequentialMLP``.
+
+    ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
+    them on where the model is built for CUDA (NCCL) and off on CPU; True or False forces them.
+
+    ``deterministic``: repeatable results on a GPU (measured: repeated MoE forwards agree bit for
+    bit; the backward uses torch's deterministic kernels where torch has them). Megatron's
+    ``deterministic_mode`` (the embedding lookup by indexing instead of ``F.embedding``, whose
+    backward adds atomically; Transformer Engine's attention then needs
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, which :func:`fnppo.megatron.build.build_gpt` sets where it is unset), and
+    every schedule run of fnppo's steps on the model under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)`` (restored afterwards), under which
+    Megatron's MoE layers route with ``index_put`` and un-permute expert outputs with ``index_add``
+    instead of the atomic ``scatter_add``. Without it an MoE model in bf16 on a GPU gives a
+    slightly different forward each call, which moves tokens whose top-k choice is a near tie to
+    another expert (BENCHMARKS.md, "MoE log-probs from one forward to the next"). On CPU every
+    kernel is deterministic already. For repeatable cuBLAS products set
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns
+    otherwise).
+
+    Raises:
+        InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions`` and
+            ``moe_grouped_gemm``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
+            are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
+            unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
+            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    tie_embeddings: bool = True
+    init_method_std: float = 0.02
+    dtype: str = "fp32"
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    make_vocab_size_divisible_by: int = 1
+    num_experts: int | None = None
+    moe_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_pre_softmax: bool = False
+    moe_load_balancing: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_score_function: str = "softmax"
+    moe_router_dtype: str | None = "fp32"
+    moe_expert_bias: bool = False
+    moe_bias_update_rate: float = 1e-3
+    moe_freeze_router: bool = False
+    moe_dispatcher: str = "alltoall"
+    moe_grouped_gemm: bool | None = None
+    fusions: bool | None = None
+    deterministic: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        fn = "ModelConfig"
+        check_bool_fields(fn, self)
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise input_error(fn, name, "an int >= 1", repr(v))
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise input_error(fn, "hidden_size", f"a multiple of num_attention_heads={self.num_attention_heads}", repr(self.hidden_size))
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise input_error(fn, "num_query_groups", f"a divisor of num_attention_heads={self.num_attention_heads}", repr(groups))
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
+        if self.num_experts is not None:
+            self._check_moe(fn)
+
+    def _check_moe(self, fn: str) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise input_error(fn, "num_experts", "None or an int >= 1", repr(self.num_experts))
+        if not isinstance(self.moe_topk, int) or not 1 <= self.moe_topk <= self.num_experts:
+            raise input_error(fn, "moe_topk", f"an int in [1, num_experts={self.num_experts}]", repr(self.moe_topk))
+        choices = {
+            "moe_load_balancing": ("none", "aux_loss", "seq_aux_loss"),
+            "moe_score_function": ("softmax", "sigmoid"),
+            "moe_router_dtype": (None, "fp32", "fp64"),
+            "moe_dispatcher": ("alltoall", "allgather"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise input_error(fn, name, f"one of {allowed}", repr(getattr(self, name)))
+        for name in ("moe_aux_loss_coeff", "moe_bias_update_rate"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise input_error(fn, name, "a finite float >= 0", repr(v))
+        if self.moe_z_loss_coeff is not None and not (math.isfinite(self.moe_z_loss_coeff) and self.moe_z_loss_coeff >= 0):
+            raise input_error(fn, "moe_z_loss_coeff", "None or a finite float >= 0", repr(self.moe_z_loss_coeff))
+        if self.moe_load_balancing == "none" and self.moe_aux_loss_coeff > 0:
+            raise input_error(fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff))
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(freq))
+            freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq) or not any(freq):
+                raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+        elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+            raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+        if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
+            raise input_error(fn, "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True")
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":  # Megatron refuses it at build time
+            raise input_error(fn, "moe_expert_bias",
+                              "False unless moe_score_function='sigmoid' (aux-loss-free balancing)",
+                              f"True with moe_score_function={self.moe_score_function!r}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global 0-based indices of the MoE layers (none for a dense model)."""
+        if self.num_experts is None:
+            return ()
+        freq = self.moe_layer_freq
+        pattern = freq if isinstance(freq, tuple) else tuple(int(i % freq == 0) for i in range(self.num_layers))
+        return tuple(i for i, v in enumerate(pattern) if v)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+
+
+def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
+    """The ``TransformerConfig`` fusion switches for ``cfg`` on ``layout``.
+
+    With ``cfg.fusions`` (None: whether the model is built for CUDA, i.e. CUDA is present and the
+    backend is NCCL): ``bias_activation_fusion`` (SwiGLU, or GeLU with a bias, as one compiled
+    kernel that saves only its input for backward), ``bias_dropout_fusion`` (bias + dropout +
+    residual add in one kernel) and ``apply_rope_fusion`` (RoPE in one kernel: Transformer
+    Engine's when installed, else :func:`fnppo.core.rope.apply_rotary`, installed by
+    :func:`fnppo.megatron.fused_rope.install_fused_rope`). Megatron compiles the first two with ``torch.compile``.
+    Always off: ``masked_softmax_fusion`` and ``persist_layer_norm`` (Apex or Megatron's own CUDA
+    extensions; fnppo's packed attention has no masked softmax) and ``gradient_accumulation_fusion``
+    (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
+    for it).
+    """
+    on = cfg.fusions if cfg.fusions is not None else (torch.cuda.is_available() and layout.backend == "nccl")
+    return dict(
+        bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
+        bias_dropout_fusion=bool(on),
+        apply_rope_fusion=bool(on and cfg.position_embedding_type == "rope"),
+    )
+
+def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, **overrides: Any):
+    """Megatron ``TransformerConfig`` for ``cfg`` under ``layout``.
+
+    ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
+    (packed micro-batches differ in length); fnppo's steps run the interleaved schedule (``vpp``)
+    without it, on micro-batches of one shape (``fnppo.steps.step._run_schedule`` says why). Fusions: :func:`fusion_fields` (on where the model is
+    built for CUDA unless ``cfg.fusions`` is False; off on CPU).
+    """
+    layout = layout or current_layout()
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", groups)):
+        if n % layout.tp:
+            raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
+    if cfg.padded_vocab_size % layout.tp:
+        raise input_error("transformer_config", "vocab_size", f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)", repr(cfg.vocab_size))
+    if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
+        raise input_error(
+            "transformer_config", "make_vocab_size_divisible_by",
+            f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
+            f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
+            repr(cfg.make_vocab_size_divisible_by),
+        )
+    if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
+        raise input_error("transformer_config", "num_layers", f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}", repr(cfg.num_layers))
+    dtype = cfg.torch_dtype
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.kv_channels,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=torch.nn.functional.silu if cfg.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        init_method_std=cfg.init_method_std,
+        attention_dropout=cfg.attention_dropout,
+        hidden_dropout=cfg.hidden_dropout,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available() or layout.backend == "gloo",
+        variable_seq_lengths=True,  # off while fnppo runs the interleaved schedule (see step._run_schedule)
+        moe_token_dispatcher_type="alltoall",
+        cuda_graph_scope=[],  # the default ("full") is deprecated and warns on every build
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **fusion_fields(cfg, layout),
+        deterministic_mode=cfg.deterministic,
+        deallocate_pipeline_outputs=layout.backend != "gloo",
+        # gloo mismatches concurrent batched p2p messages between the same pair of ranks
+        # (seen with the interleaved schedule: later micro-batches got wrong activations).
+        batch_p2p_comm=layout.backend != "gloo",
+    )
+    kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    if cfg.num_experts is not None:
+        kwargs.update(_moe_kwargs(cfg, layout))
+    kwargs.update(dict(cfg.extra))
+    kwargs.update(overrides)
+    _check_recompute_modules(kwargs)
+    if kwargs.get("apply_rope_fusion"):
+        install_fused_rope()  # Megatron checks for a fused RoPE when the config is built
+    return TransformerConfig(**kwargs)
+
+
+# Megatron-core 0.16's output-discarding checkpoint (``CheckpointWithoutOutput``) takes its FP8 path
+# whatever the precision (``self.fp8 = fp8 is not None`` with ``fp8=False``) and needs Transformer
+# Engine there: these selective-recomputation modules fail at the first forward without it.
+_TE_ONLY_RECOMPUTE = ("layernorm", "moe_act", "mla_up_proj")
+
+
+def _check_recompute_modules(kwargs: dict[str, Any]) -> None:
+    """Refuse, at build time, selective recomputation that Megatron cannot run without Transformer Engine."""
+    if kwargs.get("recompute_granularity") != "selective":
+        return
+    bad = [m for m in kwargs.get("recompute_modules") or () if m in _TE_ONLY_RECOMPUTE]
+    if bad and not te_available():
+        raise input_error(
+            "transformer_config", "recompute_modules",
+            "modules that run without Transformer Engine (e.g. 'mlp', 'core_attn', 'moe', 'shared_experts'; "
+            f"Megatron's {', '.join(repr(m) for m in _TE_ONLY_RECOMPUTE)} need it)", repr(list(kwargs["recompute_modules"])),
+        )
+
+
+def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    """Megatron ``TransformerConfig`` fields of ``cfg``'s MoE settings (no token dropping)."""
+    if cfg.num_experts % layout.ep:
+        raise input_error("transformer_config", "num_experts", f"a multiple of ep={layout.ep}", repr(cfg.num_experts))
+    extra: dict[str, Any] = {}
+    if cfg.moe_dispatcher == "allgather":
+        # Megatron's allgather dispatcher refuses variable_seq_lengths, which fnppo needs only to
+        # exchange per-micro-batch shapes between pipeline stages.
+        if layout.pp > 1:
+            raise input_error("transformer_config", "moe_dispatcher", "'alltoall' under pipeline parallelism (pp > 1)", "'allgather'")
+        extra["variable_seq_lengths"] = False
+    return dict(
+        extra,
+        num_moe_experts=cfg.num_experts,
+        moe_layer_freq=list(cfg.moe_layer_freq) if isinstance(cfg.moe_layer_freq, tuple) else cfg.moe_layer_freq,
+        moe_router_topk=cfg.moe_topk,
+        moe_router_pre_softmax=cfg.moe_pre_softmax,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        # every router gets its own replay slot (fnppo.megatron.routing); inactive unless a step sets it
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type=cfg.moe_load_balancing,
+        moe_aux_loss_coeff=float(cfg.moe_aux_loss_coeff),
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_router_score_function=cfg.moe_score_function,
+        moe_router_dtype=cfg.moe_router_dtype,
+        moe_router_enable_expert_bias=cfg.moe_expert_bias,
+        moe_router_bias_update_rate=float(cfg.moe_bias_update_rate),
+        moe_token_dispatcher_type=cfg.moe_dispatcher,
+        moe_grouped_gemm=_grouped_gemm(cfg),
+        moe_expert_capacity_factor=None,
+    )
+
+
+def _grouped_gemm(cfg: ModelConfig) -> bool:
+    """Megatron's ``moe_grouped_gemm``: ``cfg``'s choice, else whether Transformer Engine is installed."""
+    if cfg.moe_grouped_gemm is not None:
+        return bool(cfg.moe_grouped_gemm)
+    return te_available()
