@@ -3,19 +3,25 @@
 The float64 default dtype (a module-scoped autouse fixture: ``from tests.loss_helpers import
 float64_default  # noqa: F401`` turns it on for a test module), fresh leaves and their gradients,
 the random batch of the property tests, the loop form of the documented aggregation modes (used
-by the plain-loop references) and the split-invariance check of ``ppo_loss``.
+by the plain-loop references), the flat view of a loss's settings that the references read
+(:func:`flat_view`) and the split-invariance check of ``ppo_loss``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from fnppo.core.loss import finalize_metrics, loss_normalizer, merge_metrics, ppo_loss
+from fnppo.core.losses.aggregate import loss_normalizer
+from fnppo.core.losses.flat import DEFAULTS, LOSS_FIELDS
+from fnppo.core.losses.ppo import ppo_loss
+from fnppo.core.metrics import finalize_metrics, merge_metrics
+from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -37,6 +43,22 @@ def leaf(x: torch.Tensor) -> torch.Tensor:
 def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     (g,) = torch.autograd.grad(loss, x, allow_unused=True)
     return torch.zeros_like(x) if g is None else g
+
+
+def flat_view(**fields: Any) -> SimpleNamespace:
+    """Every flat loss field (``fnppo.core.losses.flat.DEFAULTS`` overridden by ``fields``), as attributes,
+    plus ``tis_active`` (a rollout correction is configured): what the plain-loop references read.
+    ``from_flat(**fields)`` is the config they are compared with."""
+    v = {**DEFAULTS, **fields}
+    active = [v["tis_cap"], v["tis_reject_low"], v["tis_reject_high"], *(v[n] for n in SEQ_REJECTION_CRITERIA)]
+    return SimpleNamespace(**v, tis_active=any(x is not None for x in active))
+
+
+def read_by(name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` without the policy-loss parameters that the policy loss ``name`` does not read
+    (``from_flat`` refuses those unless they keep their default)."""
+    others = {f for loss_fields in LOSS_FIELDS.values() for f in loss_fields} - set(LOSS_FIELDS[name])
+    return {k: v for k, v in fields.items() if k not in others}
 
 
 def random_batch(seed: int, b: int, s: int, p_mask: float = 0.7):
@@ -79,7 +101,7 @@ def check_split_invariance(batch: tuple, cfg: Any, cuts: Sequence[int],
     g_full = grad_of(full, lp)
     bounds = sorted({0, b, *[c for c in cuts if c < b]})
     parts = list(zip(bounds[:-1], bounds[1:], strict=True))
-    n = sum(loss_normalizer(mask[i:j], cfg) for i, j in parts)
+    n = sum(loss_normalizer(mask[i:j], cfg.agg) for i, j in parts)
     extra = part_kwargs(parts) if part_kwargs is not None else {}
     lp2 = leaf(lp0)
     losses, metrics = [], []

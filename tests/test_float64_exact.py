@@ -6,8 +6,8 @@ error of ~5e-8, invisible at the usual 1e-5 tolerances. Here the default dtype s
 such a constant really is float32), all inputs are float64 values that float32 cannot represent,
 and every result must equal a plain Python-loop reference to 1e-12 relative.
 
-Covered: every built-in registered policy loss (a newly registered built-in without a reference
-fails :func:`test_every_builtin_policy_loss_has_a_reference`), with entropy, KL and TIS terms, in
+Covered: every built-in policy loss (a new entry of ``fnppo.core.losses.flat.POLICY_LOSSES`` without
+a reference fails :func:`test_every_builtin_policy_loss_has_a_reference`), with entropy, KL and TIS terms, in
 all aggregation modes; every KL estimator (value and gradient); GAE, GRPO, RLOO, REINFORCE++,
 ``broadcast_to_tokens``, ``discounted_scan``; ``value_loss``; ``compute_tis_weights``.
 """
@@ -27,18 +27,17 @@ from fnppo.core.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from fnppo.core.loss import (
+from fnppo.core.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
-    PolicyLossConfig,
+    POLICY_LOSSES,
     compute_tis_weights,
-    get_policy_loss,
+    from_flat,
     kl_penalty,
     ppo_loss,
-    registered_policy_losses,
     value_loss,
 )
-from tests.loss_helpers import aggregate
+from tests.loss_helpers import aggregate, flat_view, read_by
 
 F64 = torch.float64
 RTOL = 1e-12
@@ -105,8 +104,9 @@ def _covariances(lp, adv, valid):
     return {p: (float(adv[p]) - mean_a) * (float(lp[p]) - mean_lp) for p in valid}
 
 
-def ref_policy_terms(name: str, lp, old, adv, mask, cfg: PolicyLossConfig) -> dict:
-    """``{(b, j): per-token policy loss}`` (0-dim float64 tensors, differentiable in ``lp``)."""
+def ref_policy_terms(name: str, lp, old, adv, mask, cfg) -> dict:
+    """``{(b, j): per-token policy loss}`` (0-dim float64 tensors, differentiable in ``lp``); ``cfg`` is the
+    :func:`~tests.loss_helpers.flat_view` of the flat settings (so are the ``cfg`` of the references below)."""
     c, lo, hi = cfg.log_ratio_clamp, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high
     rows = [[(b, j) for j in range(lp.shape[1]) if mask[b, j] == 1] for b in range(lp.shape[0])]
     valid = [p for row in rows for p in row]
@@ -166,7 +166,7 @@ def ref_policy_terms(name: str, lp, old, adv, mask, cfg: PolicyLossConfig) -> di
     return out
 
 
-def ref_tis(old, rollout, mask, cfg: PolicyLossConfig) -> dict:
+def ref_tis(old, rollout, mask, cfg) -> dict:
     c = cfg.log_ratio_clamp
     out = {}
     for b in range(old.shape[0]):
@@ -178,7 +178,7 @@ def ref_tis(old, rollout, mask, cfg: PolicyLossConfig) -> dict:
     return out
 
 
-def ref_ppo_loss(lp, old, adv, mask, cfg: PolicyLossConfig, entropy, ref, rollout) -> torch.Tensor:
+def ref_ppo_loss(lp, old, adv, mask, cfg, entropy, ref, rollout) -> torch.Tensor:
     pg = ref_policy_terms(cfg.policy_loss, lp, old, adv, mask, cfg)
     w = ref_tis(old, rollout, mask, cfg) if cfg.tis_cap is not None else {}
     seqs = []
@@ -218,7 +218,7 @@ _EXTRAS = (
 
 
 def _builtin_losses() -> list[str]:
-    return [n for n in registered_policy_losses() if get_policy_loss(n).__module__.startswith("fnppo.")]
+    return list(POLICY_LOSSES)
 
 
 def test_every_builtin_policy_loss_has_a_reference():
@@ -231,15 +231,16 @@ def test_every_builtin_policy_loss_has_a_reference():
 def test_policy_loss_float64_matches_loop_reference(name, mode):
     lp0, old, adv, mask, ent, ref, rollout = _data(sum(map(ord, name + mode)))
     for i, extra in enumerate(_EXTRAS):
-        kw = dict(_LOSS_KW.get(name, {}), **extra)
+        kw = read_by(name, dict(_LOSS_KW.get(name, {}), **extra))  # the clip bounds where the loss reads them
         if mode == "seq-mean-token-sum-norm":
             kw["loss_scale_factor"] = 3.7
-        cfg = PolicyLossConfig(policy_loss=name, loss_agg_mode=mode, **kw)
+        flat = dict(policy_loss=name, loss_agg_mode=mode, **kw)
+        cfg = from_flat(flat)
         lp, ent_l = lp0.clone().requires_grad_(), ent.clone().requires_grad_()
         loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout,
                            generator=torch.Generator().manual_seed(0))
         lp_r, ent_r = lp0.clone().requires_grad_(), ent.clone().requires_grad_()
-        expected = ref_ppo_loss(lp_r, old, adv, mask, cfg, ent_r, ref, rollout)
+        expected = ref_ppo_loss(lp_r, old, adv, mask, flat_view(**flat), ent_r, ref, rollout)
         assert_exact(loss, expected, f"{name}/{mode}/{i} loss")
         got = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
         want = torch.autograd.grad(expected, [lp_r, ent_r], allow_unused=True)
@@ -253,7 +254,7 @@ def test_sapo_negative_advantage_exact():
     """One on-policy token, A = -100, token-mean: l = -A f(1) = 100 * 2 / tau_neg = 200 / 1.05."""
     lp = torch.full((1, 1), -0.7, dtype=F64, requires_grad=True)
     adv = torch.full((1, 1), -100.0, dtype=F64)
-    loss, _ = ppo_loss(lp, lp.detach(), adv, torch.ones(1, 1, dtype=F64), PolicyLossConfig(policy_loss="sapo"))
+    loss, _ = ppo_loss(lp, lp.detach(), adv, torch.ones(1, 1, dtype=F64), from_flat(policy_loss="sapo"))
     assert loss.dtype == F64
     assert abs(loss.item() - 200 / 1.05) <= 1e-12 * 200 / 1.05, loss.item()
 
@@ -417,7 +418,7 @@ def test_value_loss_float64_matches_loop(mode):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_tis_weights_float64_match_loop(level):
     _, old, _, mask, _, _, rollout = _data(12)
-    cfg = PolicyLossConfig(tis_cap=1.07, tis_level=level)
+    cfg = flat_view(tis_cap=1.07, tis_level=level)
     res = compute_tis_weights(old, rollout, mask, cap=1.07, level=level)
     ref = torch.zeros_like(old)
     for p, w in ref_tis(old, rollout, mask, cfg).items():

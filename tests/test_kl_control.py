@@ -19,7 +19,7 @@ from fnppo.core.kl_control import (
     fixed_kl_update,
     with_kl_coef,
 )
-from fnppo.core.loss import PolicyLossConfig
+from fnppo.core.losses import KLPenalty, LossConfig, from_flat, ppo_clip
 from fnppo.core.typing import InputError
 from tests.messages import raises_message
 
@@ -93,13 +93,18 @@ def test_pure_and_fixed():
         assert isinstance(s, KLControllerState)
 
 
-def test_with_kl_coef_updates_policy_loss_config():
-    cfg = PolicyLossConfig(kl_coef=0.0, clip_ratio_high=0.28)
+def test_with_kl_coef_updates_the_loss_config():
+    cfg = LossConfig(policy=ppo_clip(clip_high=0.28), kl=KLPenalty(0.0))
     out = with_kl_coef(cfg, adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 1000), 0.2, 100))
-    assert out == dataclasses.replace(cfg, kl_coef=0.1 * 1.02) and cfg.kl_coef == 0.0
-    assert out.clip_ratio_high == 0.28
-    with pytest.raises(InputError, match="with_kl_coef: argument 'config' expected a dataclass instance with a 'kl_coef' field"):
+    assert out == dataclasses.replace(cfg, kl=KLPenalty(0.1 * 1.02)) and cfg.kl.coef == 0.0
+    assert out.policy.clip_high == 0.28 and out.kl.estimator == "k3"
+    # the estimator is kept; a flat config with a KL coefficient works the same
+    assert with_kl_coef(LossConfig(kl=KLPenalty(0.5, "k2")), fixed_kl_init(0.25)).kl == KLPenalty(0.25, "k2")
+    assert with_kl_coef(from_flat(kl_coef=0.05), fixed_kl_init(0.25)) == from_flat(kl_coef=0.25)
+    with pytest.raises(InputError, match="with_kl_coef: argument 'config' expected a LossConfig, received dict"):
         with_kl_coef({"kl_coef": 0.1}, fixed_kl_init(0.1))
+    with pytest.raises(InputError, match="with_kl_coef: argument 'config' expected a LossConfig with a KL penalty"):
+        with_kl_coef(LossConfig(), fixed_kl_init(0.1))
     with pytest.raises(InputError, match="with_kl_coef: argument 'state' expected a KLControllerState"):
         with_kl_coef(cfg, 0.1)
 

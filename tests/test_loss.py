@@ -1,4 +1,5 @@
-"""Tests of fnppo.core.loss: closed forms, a loop-based reference, split invariance, validation."""
+"""Tests of the losses (fnppo.core.losses): the parts and from_flat, closed forms, a loop-based reference,
+split invariance, validation."""
 
 from __future__ import annotations
 
@@ -11,27 +12,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.core.loss import (
+from fnppo.core.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
-    PolicyLossConfig,
-    PolicyLossInputs,
+    POLICY_LOSSES,
+    LossConfig,
+    PolicyInputs,
     compute_tis_weights,
-    finalize_metrics,
-    get_policy_loss,
+    from_flat,
     kl_penalty,
     loss_normalizer,
-    merge_metrics,
     ppo_loss,
-    register_policy_loss,
-    registered_policy_losses,
     value_loss,
-    weighted_metric,
 )
+from fnppo.core.metrics import finalize_metrics, merge_metrics, weighted_metric
 from fnppo.core.typing import InputError, ShapeError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
+    flat_view,
     float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
     grad_of,
     leaf,
@@ -40,6 +39,7 @@ from tests.loss_helpers import (
     next_down,
     next_up,
     random_batch,
+    read_by,
     t,
     unchanged_check,
 )
@@ -49,25 +49,32 @@ DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo")
 BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
 
 
-def cfg_for(name: str = "ppo", mode: str = "token-mean", **kw) -> PolicyLossConfig:
+def flat_for(name: str = "ppo", mode: str = "token-mean", **kw) -> dict:
+    """The flat settings of a case (Dr. GRPO's constant 4 for seq-mean-token-sum-norm)."""
     if mode == "seq-mean-token-sum-norm":
         kw.setdefault("loss_scale_factor", 4.0)
-    return PolicyLossConfig(policy_loss=name, loss_agg_mode=mode, **kw)
+    return dict(policy_loss=name, loss_agg_mode=mode, **kw)
+
+
+def cfg_for(name: str = "ppo", mode: str = "token-mean", **kw) -> LossConfig:
+    return from_flat(flat_for(name, mode, **kw))
 
 
 LN = math.log
 
 
 # =============================================================================================
-# Config
+# Config (the parts are tested in tests/test_loss_parts.py)
 # =============================================================================================
 def test_config_defaults_and_frozen():
-    cfg = PolicyLossConfig()
-    assert cfg.policy_loss == "ppo" and cfg.clip_ratio_low == cfg.clip_ratio_high == 0.2
-    assert cfg.clip_ratio_c == 3.0 and cfg.loss_agg_mode == "token-mean" and cfg.tis_cap is None
+    cfg = from_flat()
+    assert cfg == LossConfig() and cfg.policy.clip_low == cfg.policy.clip_high == 0.2
+    assert cfg.policy.dual_clip == 3.0 and cfg.agg.mode == "token-mean" and cfg.correction is None
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.clip_ratio_low = 0.3  # type: ignore[misc]
-    assert set(BUILTIN) <= set(registered_policy_losses())
+        cfg.policy.clip_low = 0.3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.entropy_coef = 0.3  # type: ignore[misc]
+    assert set(BUILTIN) == set(POLICY_LOSSES)
 
 
 @pytest.mark.parametrize("kw, arg, expected, received", [
@@ -92,20 +99,22 @@ def test_config_defaults_and_frozen():
     (dict(log_ratio_clamp=0.0), "log_ratio_clamp", "a number > 0", "0.0"),
 ])
 def test_config_rejects_bad_values(kw, arg, expected, received):
-    with raises_message("PolicyLossConfig", arg, expected, received):
-        PolicyLossConfig(**kw)
+    with raises_message("from_flat", arg, expected, received):
+        from_flat(**kw)
 
 
 def test_config_replace_is_validated():
-    with raises_message("PolicyLossConfig", "clip_ratio_c", "a number > 1 or None", "0.9"):
-        dataclasses.replace(PolicyLossConfig(), clip_ratio_c=0.9)
-    assert PolicyLossConfig(clip_ratio_c=None).clip_ratio_c is None
+    with raises_message("ppo_clip", "dual_clip", "a number > 1 or None", "0.9"):
+        dataclasses.replace(from_flat().policy, dual_clip=0.9)
+    with raises_message("LossConfig", "entropy_coef", "a finite number >= 0", "-0.1"):
+        dataclasses.replace(from_flat(), entropy_coef=-0.1)
+    assert from_flat(clip_ratio_c=None).policy.dual_clip is None
 
 
 def test_unknown_loss_lists_names():
-    with raises_message("get_policy_loss", "name", "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo'",
-                        "'nope'"):
-        get_policy_loss("nope")
+    with raises_message("from_flat", "policy_loss",
+                        "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo'", "'nope'"):
+        from_flat(policy_loss="nope")
 
 
 # =============================================================================================
@@ -266,8 +275,9 @@ def test_aggregation_modes_closed_form(mode):
     loss, metrics = ppo_loss(lp, lp.detach(), adv, mask, cfg)
     assert loss.item() == pytest.approx(AGG_CASES[mode])
     expected_norm = 4.0 if mode == "token-mean" else 2.0
-    assert loss_normalizer(mask, cfg).item() == expected_norm
+    assert loss_normalizer(mask, cfg.agg).item() == expected_norm
     assert loss_normalizer(mask, mode).item() == expected_norm
+    assert loss_normalizer(mask, cfg).item() == expected_norm  # a config holding an Aggregation
     assert finalize_metrics(metrics)["loss"] == pytest.approx(AGG_CASES[mode])
     # with a global normalizer twice as large the loss halves
     loss2, _ = ppo_loss(lp, lp.detach(), adv, mask, cfg, normalizer=2 * expected_norm)
@@ -345,11 +355,12 @@ def test_entropy_and_kl_terms_compose():
 
 def test_missing_optional_inputs_raise():
     x = torch.zeros(1, 2)
-    with raises_message("ppo_loss", "entropy", "a tensor since entropy_coeff=0.1", "None"):
+    with raises_message("ppo_loss", "entropy", "a tensor since entropy_coef=0.1", "None"):
         ppo_loss(x, x, x, x, cfg_for(entropy_coeff=0.1))
-    with raises_message("ppo_loss", "ref_logprobs", "a tensor since kl_coef=0.1", "None"):
+    with raises_message("ppo_loss", "ref_logprobs", "a tensor since kl.coef=0.1", "None"):
         ppo_loss(x, x, x, x, cfg_for(kl_coef=0.1))
-    with raises_message("ppo_loss", "rollout_logprobs", "a tensor since rollout correction (tis_cap / tis_reject_* / reject_seq_*) is configured", "None"):
+    with raises_message("ppo_loss", "rollout_logprobs",
+                        "a tensor since rollout correction (LossConfig.correction) is configured", "None"):
         ppo_loss(x, x, x, x, cfg_for(tis_cap=2.0))
 
 
@@ -415,7 +426,8 @@ def test_tis_in_ppo_loss():
 # Loop-based reference: loss value and gradients for every deterministic loss and mode
 # =============================================================================================
 def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None):
-    """A straightforward per-sequence, per-token implementation of the documented formulas."""
+    """A straightforward per-sequence, per-token implementation of the documented formulas (``cfg``: the
+    :func:`~tests.loss_helpers.flat_view` of the flat settings)."""
     lo, hi, c = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high, cfg.clip_ratio_c
     name = cfg.policy_loss
     seqs = []
@@ -501,6 +513,7 @@ def test_matches_loop_reference(name, mode, dtype, checking):
     loss_tol, grad_tol = DTYPE_TOL[dtype]
     for extra in (dict(), dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
                   dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2)):
+        extra = read_by(name, extra)  # the clip bounds only where the loss reads them
         cfg = cfg_for(name, mode, **extra)
         lp = leaf(lp0)
         ent_l = leaf(ent)
@@ -509,7 +522,8 @@ def test_matches_loop_reference(name, mode, dtype, checking):
             loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
         assert loss.dtype == torch.promote_types(dtype, torch.float32)
         lp64, ent64 = leaf(lp0.double()), leaf(ent.double())
-        expected = reference_loss(lp64, old.double(), adv.double(), mask.double(), cfg, ent64, ref.double(),
+        flat = flat_view(**flat_for(name, mode, **extra))
+        expected = reference_loss(lp64, old.double(), adv.double(), mask.double(), flat, ent64, ref.double(),
                                   rollout.double())
         torch.testing.assert_close(loss.double(), expected, **loss_tol)
         g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
@@ -561,7 +575,7 @@ def test_packed_layout_matches_padded(name, mode):
     if name == "clip_cov":
         assert finalize_metrics(pm)["clip_cov_frac"] > 0  # some tokens were detached
         # the default ratio: the drawn tokens may differ, but detaching keeps every value
-        default = dataclasses.replace(cfg, clip_cov_ratio=2e-4)
+        default = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ratio=2e-4))
         v_padded, _ = ppo_loss(lp0, old, adv, mask, default, generator=torch.Generator().manual_seed(3), **others)
         v_packed, _ = ppo_loss(pack(lp0), pack(old, float("nan")), pack(adv), pack(mask), default, seq_ids=seq_ids,
                                generator=torch.Generator().manual_seed(3), **{k: pack(v) for k, v in others.items()})
@@ -569,7 +583,7 @@ def test_packed_layout_matches_padded(name, mode):
         torch.testing.assert_close(v_packed, padded)
     torch.testing.assert_close(packed, padded)
     torch.testing.assert_close(grad_of(packed, lp_p)[0, :-2].reshape(b, s), g_padded)
-    assert loss_normalizer(pack(mask), cfg, seq_ids=seq_ids).item() == loss_normalizer(mask, cfg).item()
+    assert loss_normalizer(pack(mask), cfg.agg, seq_ids=seq_ids).item() == loss_normalizer(mask, cfg.agg).item()
     fp, fq = finalize_metrics(pm), finalize_metrics(qm)
     for key in fp:
         assert fq[key] == pytest.approx(fp[key], rel=1e-5, abs=1e-6), key
@@ -634,7 +648,7 @@ def test_on_policy_with_zero_clip_width_is_the_plain_policy_gradient(name, packe
         lp0, adv, mask = (x.reshape(1, -1) for x in (lp0, adv, mask))
         seq_ids = torch.arange(3).repeat_interleave(5)[None]
     lp = leaf(lp0)
-    loss, m = ppo_loss(lp, lp0.clone(), adv, mask, cfg_for(name, **kw), seq_ids=seq_ids)
+    loss, m = ppo_loss(lp, lp0.clone(), adv, mask, cfg_for(name, **read_by(name, kw)), seq_ids=seq_ids)
     fin = finalize_metrics(m)
     assert fin["pg_clipfrac"] == 0.0 and fin["pg_clipfrac_lower"] == 0.0
     # token-mean of -A r with r = 1: value -sum(A m) / N; gradient -A m / N (float64 loops)
@@ -745,7 +759,7 @@ def _train_step_masked_nan() -> dict:
     out: dict = {}
     for name in ("ppo", "gspo", "cispo"):
         for layout in ("packed", "padded"):
-            step = fnppo.StepConfig(layout=layout, loss=fnppo.PolicyLossConfig(policy_loss=name))
+            step = fnppo.StepConfig(layout=layout, loss=from_flat(policy_loss=name))
             try:
                 fnppo.train_step(state, _masked_nan_samples("advantages"), step)
                 out[(name, layout)] = ("no error", "")
@@ -888,29 +902,29 @@ def test_validation_skipped_when_typechecking_off():
 
 
 def test_bad_custom_loss_output_raises():
-    @register_policy_loss("test_bad_shape", override=True)
-    def bad(x: PolicyLossInputs):
+    def test_bad_shape(x: PolicyInputs):  # named as in the message
         return x.logprobs.sum(), {}
 
     with raises_message("ppo_loss", "policy loss 'test_bad_shape'", "a per-token loss of shape (1, 2)", "f64[]"):
-        ppo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), cfg_for("test_bad_shape"))
+        ppo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+                 LossConfig(policy=test_bad_shape))
 
 
-def test_register_custom_loss_and_use_it():
-    @register_policy_loss("test_scaled_reinforce", override=True)
-    def scaled(x: PolicyLossInputs):
+def test_custom_loss_is_passed_as_a_callable():
+    def scaled(x: PolicyInputs):
         return -3.0 * x.advantages * x.logprobs, {"my_metric": x.token_metric(x.advantages)}
 
-    with raises_message("register_policy_loss", "name", "a name not registered yet (or override=True)",
-                        "'test_scaled_reinforce'"):
-        register_policy_loss("test_scaled_reinforce")(scaled)
+    # no registry: a name from_flat does not know is refused, listing the built-ins
+    with raises_message("from_flat", "policy_loss", "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', "
+                        "'ppo', 'reinforce', 'sapo']", "'test_scaled_reinforce'"):
+        from_flat(policy_loss="test_scaled_reinforce")
     lp = leaf(t([-1.0, -2.0]))
-    loss, m = ppo_loss(lp, lp.detach(), t([1.0, 3.0]), t([1.0, 0.0]), cfg_for("test_scaled_reinforce"))
+    loss, m = ppo_loss(lp, lp.detach(), t([1.0, 3.0]), t([1.0, 0.0]), LossConfig(policy=scaled))
     assert loss.item() == pytest.approx(3.0)
     torch.testing.assert_close(grad_of(loss, lp), t([-3.0, 0.0]))
     fin = finalize_metrics(m)
     assert fin["my_metric"] == 1.0 and fin["pg_clipfrac"] == 0.0
-    assert "test_scaled_reinforce" in registered_policy_losses()
+    assert "test_scaled_reinforce" not in POLICY_LOSSES and not hasattr(POLICY_LOSSES, "__setitem__")
 
 
 # =============================================================================================

@@ -1,5 +1,5 @@
 """Tests of the rollout-correction options of the loss: bypass mode, batch-normalized importance
-weights, rejection on sequence statistics (fnppo.core.rollout_correction, fnppo.core.loss).
+weights, rejection on sequence statistics (fnppo.core.rollout_correction, fnppo.core.losses).
 
 Closed forms in float64, a plain-loop reference of the documented formulas, hypothesis split
 invariance (micro-batches summing to the full batch with the global normalizer and the global mean
@@ -18,21 +18,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.core.loss import (
-    PolicyLossConfig,
-    compute_tis_weights,
-    finalize_metrics,
+from fnppo.core.losses import (
+    LossConfig,
+    RolloutCorrection,
+    from_flat,
+    gpg,
     kl_penalty,
     loss_normalizer,
     ppo_loss,
-    register_policy_loss,
-    tis_batch_stats,
 )
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
+from fnppo.core.metrics import finalize_metrics
+from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, compute_tis_weights, tis_batch_stats
 from fnppo.core.typing import InputError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
+    flat_view,
     float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
     grad_of,
     leaf,
@@ -69,31 +70,58 @@ EXACT = dict(rtol=1e-12, atol=1e-12)
     (dict(tis_batch_normalize=True, policy_loss="gpg", tis_cap=2.0, bypass_old_logprobs=True), "tis_batch_normalize"),
 ])
 def test_config_rejects_bad_values(kw, arg):
-    with pytest.raises(InputError, match=f"PolicyLossConfig: argument '{arg}' expected"):
-        PolicyLossConfig(**kw)
+    with pytest.raises(InputError, match=f"from_flat: argument '{arg}' expected"):
+        from_flat(**kw)
+
+
+# the same refusals, by the parts (fields named as the parts name them)
+@pytest.mark.parametrize("build, fn, arg", [
+    (lambda: RolloutCorrection(tis_cap=2.0, batch_normalize=1), "RolloutCorrection", "batch_normalize"),
+    (lambda: RolloutCorrection(reject_seq_k2=0.0), "RolloutCorrection", "reject_seq_k2"),
+    (lambda: RolloutCorrection(reject_seq_mean_log_ratio=(0.5, -0.5)), "RolloutCorrection",
+     "reject_seq_mean_log_ratio"),
+    (lambda: RolloutCorrection(batch_normalize=True), "RolloutCorrection", "tis_cap"),
+    (lambda: RolloutCorrection(), "RolloutCorrection", "tis_cap"),  # corrects nothing: use correction=None
+    (lambda: LossConfig(bypass_old_logprobs="yes"), "LossConfig", "bypass_old_logprobs"),
+    (lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)), "LossConfig",
+     "correction.tis_cap"),
+    (lambda: LossConfig(policy=gpg(), bypass_old_logprobs=True,
+                        correction=RolloutCorrection(tis_cap=2.0, batch_normalize=True)), "LossConfig",
+     "correction.batch_normalize"),
+])
+def test_parts_reject_bad_values(build, fn, arg):
+    with pytest.raises(InputError, match=f"{fn}: argument '{arg}' expected"):
+        build()
 
 
 def test_config_accepts_valid_combinations():
-    assert PolicyLossConfig(bypass_old_logprobs=True, policy_loss="gpg", tis_cap=2.0).tis_active
-    assert PolicyLossConfig(bypass_old_logprobs=True, tis_reject_high=2.0).tis_active  # ratio loss + rejection
-    cfg = PolicyLossConfig(reject_seq_mean_log_ratio=[-0.5, 0.25])
-    assert cfg.reject_seq_mean_log_ratio == (-0.5, 0.25) and cfg.tis_active
+    assert from_flat(bypass_old_logprobs=True, policy_loss="gpg", tis_cap=2.0).correction is not None
+    assert from_flat(bypass_old_logprobs=True, tis_reject_high=2.0).correction is not None  # ratio loss + rejection
+    cfg = from_flat(reject_seq_mean_log_ratio=[-0.5, 0.25])
+    assert cfg.correction.reject_seq_mean_log_ratio == (-0.5, 0.25) and cfg.needs_rollout_logprobs
     hash(cfg)  # frozen and hashable (a list became a tuple)
+    assert RolloutCorrection(reject_seq_mean_log_ratio=[-0.5, 0.25]) == cfg.correction
     for name in SEQ_REJECTION_CRITERIA:
         value = (-1.0, 1.0) if name == "reject_seq_mean_log_ratio" else 0.5
-        assert PolicyLossConfig(**{name: value}).tis_active
-    assert not PolicyLossConfig().tis_active and not PolicyLossConfig(bypass_old_logprobs=True).tis_active
+        assert from_flat(**{name: value}).correction is not None
+    assert from_flat().correction is None and from_flat(bypass_old_logprobs=True).correction is None
+    assert not from_flat().needs_rollout_logprobs and from_flat(bypass_old_logprobs=True).needs_rollout_logprobs
+    assert not RolloutCorrection(tis_cap=2.0).sequence_level
+    assert RolloutCorrection(tis_cap=2.0, level="sequence").sequence_level
+    assert RolloutCorrection(tis_cap=2.0, reject_level="sequence").sequence_level
 
 
 def test_custom_ratio_free_loss_may_take_tis_in_bypass_mode():
-    @register_policy_loss("test_ratio_free", override=True, uses_ratio=False)
+    def ratio_based(x):
+        return -x.advantages * x.logprobs, {}
+
     def ratio_free(x):
         return -x.advantages * x.logprobs, {}
 
-    PolicyLossConfig(policy_loss="test_ratio_free", bypass_old_logprobs=True, tis_cap=2.0)
-    register_policy_loss("test_ratio_free", override=True)(ratio_free)  # re-registered as ratio-based
-    with pytest.raises(InputError, match="tis_cap"):
-        PolicyLossConfig(policy_loss="test_ratio_free", bypass_old_logprobs=True, tis_cap=2.0)
+    ratio_free.uses_ratio = False
+    LossConfig(policy=ratio_free, bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0))
+    with pytest.raises(InputError, match="tis_cap"):  # no uses_ratio attribute: ratio-based
+        LossConfig(policy=ratio_based, bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0))
 
 
 # =============================================================================================
@@ -103,7 +131,7 @@ def test_bypass_ppo_uses_rollout_as_old():
     # rollout 0; pi/pi_rollout = 1.5 (A = 1: clipped at 1.2, no gradient) and 0.9 (A = -1, inside)
     lp = leaf(t([LN(1.5), LN(0.9)]))
     rollout, adv, mask = torch.zeros(1, 2), t([1.0, -1.0]), torch.ones(1, 2)
-    cfg = PolicyLossConfig(bypass_old_logprobs=True)
+    cfg = from_flat(bypass_old_logprobs=True)
     for old in (None, t([math.nan, math.inf]), t([5.0, -5.0])):  # old log-probs are ignored
         loss, m = ppo_loss(lp, old, adv, mask, cfg, rollout_logprobs=rollout)
         torch.testing.assert_close(loss, torch.tensor((-1.2 + 0.9) / 2), **EXACT)
@@ -113,7 +141,7 @@ def test_bypass_ppo_uses_rollout_as_old():
         assert fin["ppo_kl"] == pytest.approx(-(LN(1.5) + LN(0.9)) / 2, rel=1e-6)  # fp32 metric
         assert fin["rollout_kl"] == pytest.approx(fin["ppo_kl"], rel=1e-6)  # rollout vs the current policy
     # the same numbers as an ordinary call with old = rollout
-    plain, _ = ppo_loss(lp, rollout, adv, mask, PolicyLossConfig())
+    plain, _ = ppo_loss(lp, rollout, adv, mask, from_flat())
     torch.testing.assert_close(plain, loss, **EXACT)
 
 
@@ -121,7 +149,7 @@ def test_bypass_reinforce_takes_tis_weights_of_the_current_policy():
     # w = min(exp(sg(logp) - logp_rollout), 2): (3 -> 2, 0.5, 1); l = -w A logp
     lp = leaf(t([LN(3.0), LN(0.5), 0.0]))
     adv = t([1.0, 2.0, 3.0])
-    cfg = PolicyLossConfig(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=2.0)
+    cfg = from_flat(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=2.0)
     loss, m = ppo_loss(lp, None, adv, torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3))
     w = [2.0, 0.5, 1.0]
     expected = -sum(wi * a * x for wi, a, x in zip(w, [1.0, 2.0, 3.0], [LN(3.0), LN(0.5), 0.0])) / 3
@@ -133,7 +161,7 @@ def test_bypass_reinforce_takes_tis_weights_of_the_current_policy():
 
 def test_bypass_rejection_compares_the_current_policy_with_the_rollout():
     lp = leaf(t([LN(3.0), LN(0.5), 0.0]))
-    cfg = PolicyLossConfig(bypass_old_logprobs=True, tis_reject_high=2.5, clip_ratio_c=None)
+    cfg = from_flat(bypass_old_logprobs=True, tis_reject_high=2.5, clip_ratio_c=None)
     loss, m = ppo_loss(lp, None, t([1.0, 1.0, 1.0]), torch.ones(1, 3), cfg, rollout_logprobs=torch.zeros(1, 3))
     # token 0 (ratio 3) rejected; tokens 1, 2: ratio 0.5 (max(-0.5, -0.8): unclipped) and 1; denominator 3
     torch.testing.assert_close(loss, torch.tensor((-0.5 - 1.0) / 3), **EXACT)
@@ -144,11 +172,11 @@ def test_bypass_rejection_compares_the_current_policy_with_the_rollout():
 def test_bypass_and_missing_inputs():
     x = torch.zeros(1, 2)
     with pytest.raises(InputError, match="'rollout_logprobs' expected a tensor since bypass_old_logprobs"):
-        ppo_loss(x, None, x, x, PolicyLossConfig(bypass_old_logprobs=True))
+        ppo_loss(x, None, x, x, from_flat(bypass_old_logprobs=True))
     with pytest.raises(InputError, match="'old_logprobs' expected a tensor"):
-        ppo_loss(x, None, x, x, PolicyLossConfig(), rollout_logprobs=x)
+        ppo_loss(x, None, x, x, from_flat(), rollout_logprobs=x)
     with pytest.raises(InputError, match="'rollout_logprobs' expected a tensor since rollout correction"):
-        ppo_loss(x, x, x, x, PolicyLossConfig(reject_seq_k3=0.1))
+        ppo_loss(x, x, x, x, from_flat(reject_seq_k3=0.1))
 
 
 # =============================================================================================
@@ -239,7 +267,7 @@ def test_rejected_sequences_leave_numerators_and_stay_in_the_denominator():
     rollout = torch.zeros(4, 3)
     lp = leaf(-torch.ones(4, 3))
     adv = t([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [1.0, 1.0, 1.0])
-    cfg = PolicyLossConfig(policy_loss="gpg", entropy_coeff=0.5, reject_seq_max_abs_log_ratio=1.5)
+    cfg = from_flat(policy_loss="gpg", entropy_coeff=0.5, reject_seq_max_abs_log_ratio=1.5)
     loss, m = ppo_loss(lp, rollout + D, adv, MASK, cfg, rollout_logprobs=rollout, entropy=torch.ones(4, 3))
     # row 2 rejected; kept: row 0 (1, 2) and row 1 (4, 5) -> (12 - 0.5 * 4) / 5
     torch.testing.assert_close(loss, torch.tensor((12.0 - 0.5 * 4) / 5), **EXACT)
@@ -267,7 +295,7 @@ def test_batch_normalized_token_weights_closed_form():
     res = compute_tis_weights(old, rollout, mask, cap=2.0, batch_normalize=True, tis_mean=torch.tensor(1.25))
     torch.testing.assert_close(res.weights, t([2.0, 0.5, 1.0, 0.0]) / 1.25, **EXACT)
     # the pair of tis_batch_stats
-    cfg = PolicyLossConfig(tis_cap=2.0, tis_reject_high=2.5, tis_batch_normalize=True)
+    cfg = from_flat(tis_cap=2.0, tis_reject_high=2.5, tis_batch_normalize=True)
     torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(1.5, 2.0), **EXACT)
 
 
@@ -277,12 +305,13 @@ def test_batch_normalized_sequence_weights_closed_form():
     # sequence weights 1.5 and 4 -> 2 (capped): mean 1.75 over the two valid sequences
     res = compute_tis_weights(old, rollout, mask, cap=2.0, level="sequence", batch_normalize=True)
     torch.testing.assert_close(res.weights, t([1.5, 1.5, 0.0], [2.0, 2.0, 2.0], [0.0, 0.0, 0.0]) / 1.75, **EXACT)
-    cfg = PolicyLossConfig(tis_cap=2.0, tis_level="sequence", tis_batch_normalize=True)
+    cfg = from_flat(tis_cap=2.0, tis_level="sequence", tis_batch_normalize=True)
     torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(3.5, 2.0), **EXACT)
     # a sequence rejected by a token-level bound still counts if one of its tokens is kept
-    cfg = dataclasses.replace(cfg, tis_reject_high=3.5, tis_reject_level="token")  # token of weight 4 rejected
+    corr = dataclasses.replace(cfg.correction, reject_high=3.5, reject_level="token")  # token of weight 4 rejected
+    cfg = dataclasses.replace(cfg, correction=corr)
     torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(3.5, 2.0), **EXACT)
-    cfg = dataclasses.replace(cfg, tis_reject_level="sequence")  # sequence of weight 4 rejected
+    cfg = dataclasses.replace(cfg, correction=dataclasses.replace(corr, reject_level="sequence"))  # sequence rejected
     torch.testing.assert_close(tis_batch_stats(old, rollout, mask, cfg), t(1.5, 1.0), **EXACT)
 
 
@@ -290,7 +319,7 @@ def test_batch_normalized_weights_in_ppo_loss():
     # gpg, logp = -1: pg per token = A; weights (2, 0.5, 1) / (3.5 / 3)
     lp = leaf(-torch.ones(1, 3))
     old, rollout, adv = t([LN(3.0), LN(0.5), 0.0]), torch.zeros(1, 3), t([1.0, 2.0, 3.0])
-    cfg = PolicyLossConfig(policy_loss="gpg", tis_cap=2.0, tis_batch_normalize=True)
+    cfg = from_flat(policy_loss="gpg", tis_cap=2.0, tis_batch_normalize=True)
     loss, m = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=rollout)
     torch.testing.assert_close(loss, torch.tensor((2.0 + 1.0 + 3.0) / 3.5), **EXACT)
     loss2, _ = ppo_loss(lp, old, adv, torch.ones(1, 3), cfg, rollout_logprobs=rollout, tis_mean=2.0)
@@ -303,16 +332,16 @@ def test_batch_normalized_weights_in_ppo_loss():
 
 def test_batch_normalization_errors():
     x, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    with pytest.raises(InputError, match="'tis_mean' expected None since tis_batch_normalize=False"):
-        ppo_loss(x, x, x, mask, PolicyLossConfig(tis_cap=2.0), rollout_logprobs=x, tis_mean=1.0)
-    cfg = PolicyLossConfig(tis_cap=2.0, tis_batch_normalize=True)
+    with pytest.raises(InputError, match="'tis_mean' expected None unless correction.batch_normalize=True"):
+        ppo_loss(x, x, x, mask, from_flat(tis_cap=2.0), rollout_logprobs=x, tis_mean=1.0)
+    cfg = from_flat(tis_cap=2.0, tis_batch_normalize=True)
     for bad in (-1.0, math.nan, torch.tensor(-0.5), torch.tensor(math.inf)):
         with pytest.raises(InputError, match="'tis_mean' expected a finite number >= 0"):
             ppo_loss(x, x, x, mask, cfg, rollout_logprobs=x, tis_mean=bad)
     with pytest.raises(InputError, match="compute_tis_weights: argument 'tis_mean' expected None since batch_normalize"):
         compute_tis_weights(x, x, mask, cap=2.0, tis_mean=1.0)
-    with pytest.raises(InputError, match="tis_batch_stats: argument 'config' expected a PolicyLossConfig without bypass"):
-        tis_batch_stats(x, x, mask, PolicyLossConfig(bypass_old_logprobs=True))
+    with pytest.raises(InputError, match="tis_batch_stats: argument 'config' expected a LossConfig without bypass"):
+        tis_batch_stats(x, x, mask, from_flat(bypass_old_logprobs=True))
     with pytest.raises(InputError, match="compute_tis_weights: argument 'reject_seq_k3' expected a finite number > 0"):
         compute_tis_weights(x, x, mask, cap=None, reject_seq_k3=0.0)
 
@@ -324,7 +353,7 @@ def _clamp(x: float, c: float) -> float:
     return max(-c, min(c, x))
 
 
-def _seq_rejected(ds: list[float], cfg: PolicyLossConfig) -> bool:
+def _seq_rejected(ds: list[float], cfg) -> bool:
     n, c = len(ds), cfg.log_ratio_clamp
     ds = [_clamp(x, c) for x in ds]
     hits = []
@@ -341,7 +370,8 @@ def _seq_rejected(ds: list[float], cfg: PolicyLossConfig) -> bool:
 
 
 def reference_weights(train, rollout, mask, cfg, tis_mean=None):
-    """Per token: the applied weight (0 if rejected) and whether it is kept, by loops over the formulas."""
+    """Per token: the applied weight (0 if rejected) and whether it is kept, by loops over the formulas
+    (``cfg``: the :func:`~tests.loss_helpers.flat_view` of the flat settings)."""
     c = cfg.log_ratio_clamp
     rl = cfg.tis_reject_level or cfg.tis_level
     weights, kept_units, seq_of_unit = {}, [], {}
@@ -422,13 +452,14 @@ OPTIONS = {
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_matches_loop_reference(name, mode):
     lp0, old, adv, mask, ent, ref, rollout = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 997, 6, 7)
-    cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.03, kl_coef=0.2, **OPTIONS[name])
-    for tis_mean in ((None, 0.8) if cfg.tis_batch_normalize else (None,)):
+    flat = dict(loss_agg_mode=mode, entropy_coeff=0.03, kl_coef=0.2, **OPTIONS[name])
+    cfg = from_flat(flat)
+    for tis_mean in ((None, 0.8) if flat_view(**flat).tis_batch_normalize else (None,)):
         lp, ent_l = leaf(lp0), leaf(ent)
         loss, m = ppo_loss(lp, None if cfg.bypass_old_logprobs else old, adv, mask, cfg, entropy=ent_l,
                            ref_logprobs=ref, rollout_logprobs=rollout, tis_mean=tis_mean)
         lp64, ent64 = leaf(lp0), leaf(ent)
-        expected = reference_loss(lp64, old, adv, mask, rollout, cfg, ent64, ref, tis_mean)
+        expected = reference_loss(lp64, old, adv, mask, rollout, flat_view(**flat), ent64, ref, tis_mean)
         torch.testing.assert_close(loss, expected, **EXACT)
         for a, e in zip(torch.autograd.grad(loss, [lp, ent_l]), torch.autograd.grad(expected, [lp64, ent64])):
             torch.testing.assert_close(a, e, **EXACT)
@@ -449,10 +480,10 @@ def test_matches_loop_reference(name, mode):
 def test_split_invariance(seed, b, s, name, mode, cuts, p):
     batch = random_batch(seed, b, s, p)
     _, old, _, mask, _, _, rollout = batch
-    cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.1, **OPTIONS[name])
+    cfg = from_flat(loss_agg_mode=mode, entropy_coeff=0.01, kl_coef=0.1, **OPTIONS[name])
 
     def global_tis_mean(parts: list[tuple[int, int]]) -> dict:
-        if not cfg.tis_batch_normalize:
+        if not (cfg.correction is not None and cfg.correction.batch_normalize):
             return {}
         pair = sum(tis_batch_stats(old[i:j], rollout[i:j], mask[i:j], cfg) for i, j in parts)  # the parts' pairs
         return {"tis_mean": pair[0] / pair[1] if pair[1] > 0 else pair[0]}
@@ -463,7 +494,7 @@ def test_split_invariance(seed, b, s, name, mode, cuts, p):
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_empty_mask_gives_exact_zero(name):
     lp0, old, adv, _, ent, ref, rollout = random_batch(1, 2, 3)
-    cfg = PolicyLossConfig(entropy_coeff=0.1, kl_coef=0.1, **OPTIONS[name])
+    cfg = from_flat(entropy_coeff=0.1, kl_coef=0.1, **OPTIONS[name])
     empty = torch.zeros(2, 3)
     for normalizer in (None, 0.0, 5.0):
         lp, ent_l = leaf(lp0), leaf(ent)
@@ -473,7 +504,7 @@ def test_empty_mask_gives_exact_zero(name):
         for g in torch.autograd.grad(loss, [lp, ent_l]):
             assert torch.equal(g, torch.zeros_like(g))
         assert all(v == 0.0 for v in finalize_metrics(m).values())
-    if cfg.tis_active and not cfg.bypass_old_logprobs:
+    if cfg.correction is not None and not cfg.bypass_old_logprobs:
         assert torch.equal(tis_batch_stats(old, rollout, empty, cfg), torch.zeros(2))
 
 
@@ -488,7 +519,7 @@ def test_inputs_not_modified():
     lp, ent = leaf(lp0), leaf(ent)
     unchanged = unchanged_check(dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout))
     for opts in OPTIONS.values():
-        cfg = PolicyLossConfig(entropy_coeff=0.1, kl_coef=0.1, **opts)
+        cfg = from_flat(entropy_coeff=0.1, kl_coef=0.1, **opts)
         loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
         loss.backward()
         if not cfg.bypass_old_logprobs:
@@ -499,7 +530,7 @@ def test_inputs_not_modified():
 
 
 # =============================================================================================
-# One rule for the weight settings: compute_tis_weights refuses what PolicyLossConfig refuses
+# One rule for the weight settings: compute_tis_weights refuses what from_flat and RolloutCorrection refuse
 # =============================================================================================
 # (arguments of compute_tis_weights, the argument named, expected ({p}: "tis_" in the config), received)
 WEIGHT_RULE_CASES = {
@@ -527,8 +558,15 @@ def test_compute_tis_weights_refuses_what_the_config_refuses(case):
         compute_tis_weights(x, x, torch.ones(2, 3), **{"cap": None, **kw})
     in_config = {name if name == "log_ratio_clamp" else f"tis_{name}": value for name, value in kw.items()}
     config_arg = arg if arg == "log_ratio_clamp" else f"tis_{arg}"
-    with raises_message("PolicyLossConfig", config_arg, expected.format(p="tis_"), received):
-        PolicyLossConfig(**in_config)
+    with raises_message("from_flat", config_arg, expected.format(p="tis_"), received):
+        from_flat(**in_config)
+    if arg == "log_ratio_clamp":  # a setting of the whole loss
+        with raises_message("LossConfig", arg, expected, received):
+            LossConfig(**kw)
+        return
+    part = {("tis_cap" if name == "cap" else name): value for name, value in {"cap": 2.0, **kw}.items()}
+    with raises_message("RolloutCorrection", "tis_cap" if arg == "cap" else arg, expected.format(p=""), received):
+        RolloutCorrection(**part)
 
 
 def test_kl_penalty_refuses_a_clamp_that_is_not_positive():
@@ -569,11 +607,11 @@ def test_on_policy_rejection_bound_of_one_leaves_ppo_loss_unchanged(level):
     # the failure mode of an exclusive bound: reject_low=1.0 on on-policy data would reject every token
     lp0, old, adv, mask, *_ = random_batch(12, 3, 5)
     lp = leaf(lp0)
-    plain, _ = ppo_loss(lp, old, adv, mask, PolicyLossConfig())
+    plain, _ = ppo_loss(lp, old, adv, mask, from_flat())
     g_plain = grad_of(plain, lp)
     for kw in (dict(tis_reject_low=1.0), dict(tis_reject_high=1.0), dict(tis_cap=1.0, tis_reject_low=1.0)):
         lp = leaf(lp0)
-        loss, m = ppo_loss(lp, old, adv, mask, PolicyLossConfig(tis_level=level, **kw), rollout_logprobs=old.clone())
+        loss, m = ppo_loss(lp, old, adv, mask, from_flat(tis_level=level, **kw), rollout_logprobs=old.clone())
         torch.testing.assert_close(loss, plain, rtol=0, atol=0)
         torch.testing.assert_close(grad_of(loss, lp), g_plain, rtol=0, atol=0)
         assert finalize_metrics(m)["tis_rejected_frac"] == 0.0, kw
@@ -669,8 +707,8 @@ STEP_METRICS = ("loss", "pg_loss", "entropy", "kl_loss", "tis_weight", "tis_batc
                 "reject_seq_k3_frac", "tis_rejected_frac", "rollout_kl")
 
 
-def _step_loss_cfg(name: str) -> PolicyLossConfig:
-    return PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05, **STEP_CASES[name])
+def _step_loss_cfg(name: str) -> LossConfig:
+    return from_flat(entropy_coeff=0.01, kl_coef=0.05, **STEP_CASES[name])
 
 
 def _step_chunks():

@@ -6,7 +6,7 @@ checkpointed with it). No globals, no hidden mutation::
 
     state = fnppo.adaptive_kl_init(init_coef=0.05, target=0.02, horizon=10_000)
     for step in ...:
-        loss_cfg = fnppo.with_kl_coef(loss_cfg, state)     # dataclasses.replace(cfg, kl_coef=state.coef)
+        loss_cfg = fnppo.with_kl_coef(loss_cfg, state)     # replace(cfg, kl=replace(cfg.kl, coef=state.coef))
         state_train, metrics = fnppo.train_step(state_train, batch, dataclasses.replace(step_cfg, loss=loss_cfg))
         state = fnppo.adaptive_kl_update(state, metrics["kl_loss"], n_steps=len(batch))
 
@@ -14,7 +14,7 @@ checkpointed with it). No globals, no hidden mutation::
   et al. (2019): ``e = clip(KL / target - 1, -0.2, 0.2)``, ``coef <- coef * (1 + e * n_steps / horizon)``.
 * :func:`fixed_kl_init` / :func:`fixed_kl_update` -- the same signatures, the coefficient never
   changes (so the two are interchangeable in a training loop).
-* :func:`with_kl_coef` -- the loss configuration with the controller's coefficient.
+* :func:`with_kl_coef` -- the loss configuration with the controller's coefficient (``LossConfig.kl.coef``).
 
 Reference: Ziegler et al., Fine-Tuning Language Models from Human Preferences, arXiv:1909.08593
 (Section 2.2, the adaptive KL coefficient).
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import torch
 
+from fnppo.core.losses.config import LossConfig
 from fnppo.core.typing import describe, input_error
 
 __all__ = [
@@ -65,7 +66,7 @@ class KLControllerState(_Fields):
     from a checkpoint), ``_make`` and ``_replace``. The numbers are stored as floats.
 
     Attributes:
-        coef: the current KL coefficient, a finite number ``>= 0``, e.g. ``PolicyLossConfig.kl_coef``.
+        coef: the current KL coefficient, a finite number ``>= 0``, e.g. ``LossConfig.kl.coef``.
         target: the target KL per token of the adaptive controller, a finite number ``> 0`` (a
             negative one would move the coefficient the wrong way, 0 would divide by zero); None:
             fixed.
@@ -183,17 +184,22 @@ def fixed_kl_update(state: KLControllerState, observed_kl: float | torch.Tensor,
     return state
 
 
-C = TypeVar("C")
+def with_kl_coef(config: LossConfig, state: KLControllerState) -> LossConfig:
+    """``dataclasses.replace(config, kl=dataclasses.replace(config.kl, coef=state.coef))``: the loss
+    configuration with the controller's coefficient and the same KL estimator (validated again by the
+    constructors).
 
-
-def with_kl_coef(config: C, state: KLControllerState) -> C:
-    """``dataclasses.replace(config, kl_coef=state.coef)``: e.g. a :class:`fnppo.PolicyLossConfig`
-    using the controller's coefficient (validated again by the config's constructor)."""
+    Raises:
+        InputError: a ``config`` that is not a :class:`~fnppo.core.losses.config.LossConfig` or has no
+            KL penalty (``kl=None``: give it one, e.g. ``kl=KLPenalty(0.0, "k3")``, for the controller to
+            set); a ``state`` that is not a :class:`KLControllerState`.
+    """
     fn = "fnppo.with_kl_coef"
-    if not dataclasses.is_dataclass(config) or isinstance(config, type) or not any(
-            f.name == "kl_coef" for f in dataclasses.fields(config)):
-        raise input_error(fn, "config", "a dataclass instance with a 'kl_coef' field (e.g. PolicyLossConfig)",
-                          type(config).__name__)
+    if not isinstance(config, LossConfig):
+        raise input_error(fn, "config", "a LossConfig", type(config).__name__)
+    if config.kl is None:
+        raise input_error(fn, "config", "a LossConfig with a KL penalty (kl=KLPenalty(coef, estimator)) whose "
+                          "coef the controller sets", "kl=None")
     if not isinstance(state, KLControllerState):
         raise input_error(fn, "state", "a KLControllerState", repr(state))
-    return dataclasses.replace(config, kl_coef=state.coef)
+    return dataclasses.replace(config, kl=dataclasses.replace(config.kl, coef=state.coef))

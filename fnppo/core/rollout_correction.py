@@ -7,12 +7,13 @@ parameters with asynchronous rollouts). Per valid token of a sequence i, with
     d_t = clamp(logp_train_t - logp_rollout_t, -log_ratio_clamp, log_ratio_clamp),
 
 where ``logp_train`` is the trainer's old log-probs (or, with ``bypass_old_logprobs``, the stopped
-log-probs ``sg(logp)`` of the current policy), the corrections compose in this order:
+log-probs ``sg(logp)`` of the current policy), the corrections of a :class:`RolloutCorrection`
+compose in this order:
 
-1. **Importance weight** at ``tis_level``: ``w_t = exp(d_t)`` (token) or ``w_i = exp(sum_t d_t)``
+1. **Importance weight** at ``level``: ``w_t = exp(d_t)`` (token) or ``w_i = exp(sum_t d_t)``
    (sequence), truncated from above, ``min(w, tis_cap)`` (TIS).
-2. **Rejection on the weight**: units (tokens or sequences, ``tis_reject_level``) whose untruncated
-   weight lies outside ``[tis_reject_low, tis_reject_high]`` (masked IS, IcePop).
+2. **Rejection on the weight**: units (tokens or sequences, ``reject_level``) whose untruncated
+   weight lies outside ``[reject_low, reject_high]`` (masked IS, IcePop).
 3. **Rejection on sequence statistics**: a sequence is rejected if any configured criterion fires
    (means over its valid tokens):
 
@@ -23,10 +24,10 @@ log-probs ``sg(logp)`` of the current policy), the corrections compose in this o
      of the geometric-mean ratio);
    * ``reject_seq_max_abs_log_ratio``: ``max_t |d_t| > threshold``.
 
-4. **Batch normalization** (``tis_batch_normalize``): ``w~ = w / mean(w)``, the mean over the kept
+4. **Batch normalization** (``batch_normalize``): ``w~ = w / mean(w)``, the mean over the kept
    units (tokens, or sequences with at least one kept token) of the whole mini-batch: the pair
    ``(sum w, count)`` of every micro-batch is summed over micro-batches and data-parallel ranks
-   before the schedule (:func:`fnppo.core.loss.tis_batch_stats`, ``ppo_loss(..., tis_mean=)``).
+   before the schedule (:func:`tis_batch_stats`, ``ppo_loss(..., tis_mean=)``).
 
 Rejected tokens get weight 0 and leave the numerators of the policy, entropy and KL terms; they
 stay in the loss denominator (a rejection never changes the scale of the other tokens' gradients).
@@ -50,41 +51,55 @@ https://richardli.xyz/rl-collapse); Ling Team (2025), "Every Step Evolves: Scali
 Learning for Trillion-Scale Thinking Model", arXiv:2510.18855 (IcePop: masking outside ``[a, b]``);
 J. Schulman, "Approximating KL divergence" (2020) (k2, k3).
 
-The public wrappers with validation are :func:`fnppo.core.loss.compute_tis_weights` and
-:func:`fnppo.core.loss.tis_batch_stats`; :func:`fnppo.core.loss.ppo_loss` applies all of it from the
-:class:`~fnppo.core.loss.PolicyLossConfig`.
+Here: :class:`RolloutCorrection` (the part ``LossConfig.correction`` holds, applied by
+:func:`fnppo.core.losses.ppo.ppo_loss`), :func:`compute_tis_weights` (one micro-batch, validated),
+:func:`tis_batch_stats` (the local ``(sum, count)`` for batch normalization) and :func:`correction`
+(the computation itself, trusting its inputs).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from fnppo.core.loss_checks import Checker, describe_value, finite_number, validate_inputs
 from fnppo.core.metrics import pair_metric, weighted_metric
-from fnppo.core.segments import Segments
-from fnppo.core.typing import Tensor, input_error
+from fnppo.core.segments import Segments, segments
+from fnppo.core.typing import (
+    Integer,
+    PaddedFloat,
+    PaddedMask,
+    Shaped,
+    Tensor,
+    check_bool_fields,
+    input_error,
+    typechecked,
+    typechecking_enabled,
+)
 
-__all__ = ["TISWeights", "TIS_LEVELS", "SEQ_REJECTION_CRITERIA"]
+__all__ = ["RolloutCorrection", "TISWeights", "TIS_LEVELS", "SEQ_REJECTION_CRITERIA", "compute_tis_weights",
+           "tis_batch_stats"]
 
 TIS_LEVELS = ("token", "sequence")
-"""The levels of ``tis_level`` / ``tis_reject_level``."""
+"""The levels of ``RolloutCorrection.level`` / ``reject_level``."""
 
 SEQ_REJECTION_CRITERIA = ("reject_seq_k2", "reject_seq_k3", "reject_seq_mean_log_ratio", "reject_seq_max_abs_log_ratio")
-"""The sequence-statistic rejection criteria; each reports the metric ``<name>_frac``."""
+"""The sequence-statistic rejection criteria (fields of :class:`RolloutCorrection`); each reports the
+metric ``<name>_frac``."""
 
 
 class TISWeights(NamedTuple):
-    """Result of :func:`fnppo.core.loss.compute_tis_weights`.
+    """Result of :func:`compute_tis_weights`.
 
     Attributes:
         weights: ``[batch, seq]`` detached importance weights to multiply the policy loss with;
             0 at masked-out and rejected positions.
         keep: ``[batch, seq]`` float 0/1: valid and not rejected.
         metrics: ``tis_weight`` / ``tis_weight_sq`` (mean of the applied weight and of its square,
-            per token or per sequence according to ``level``; :func:`fnppo.core.loss.finalize_metrics`
+            per token or per sequence according to ``level``; :func:`fnppo.core.metrics.finalize_metrics`
             derives ``tis_ess`` from them), ``tis_truncated_frac`` and ``tis_rejected_frac`` (the
             weight bounds); with sequence criteria ``rollout_rejected_frac`` (sequences rejected
             by any of them) and ``<criterion>_frac`` per criterion (fractions of valid sequences);
@@ -97,8 +112,144 @@ class TISWeights(NamedTuple):
     metrics: dict[str, Tensor]
 
 
+# =============================================================================================
+# The rules, shared by RolloutCorrection, compute_tis_weights and from_flat (each names them its way)
+# =============================================================================================
+def check_weight_rules(c: Checker) -> None:
+    """Check the importance-weight settings ``cap``, ``level``, ``reject_low``, ``reject_high`` and
+    ``reject_level`` (rule names; ``c.label`` gives the names of the caller: ``tis_cap`` in
+    :class:`RolloutCorrection`, ``tis_reject_low`` in ``from_flat``, ``cap`` in
+    :func:`compute_tis_weights`). The one rule for all:
+
+    * ``cap``: a finite number > 0 or None; ``level``: one of :data:`TIS_LEVELS`;
+      ``reject_level``: one of them or None;
+    * ``reject_low``: a finite number >= 0 or None; ``reject_high``: a finite number > 0 or None;
+      both given: ``reject_low < reject_high`` (else every unit would be rejected, or, at equality,
+      every unit whose weight is not exactly that number).
+
+    Raises:
+        InputError: naming the first value that breaks the rule (``reject_high`` for a pair out of order).
+    """
+    cap, low, high = c.get("cap"), c.get("reject_low"), c.get("reject_high")
+    c.need(cap is None or (finite_number(cap) and cap > 0), "cap", "a number > 0 or None")
+    c.need(c.get("level") in TIS_LEVELS, "level", f"one of {list(TIS_LEVELS)}")
+    c.need(c.get("reject_level") is None or c.get("reject_level") in TIS_LEVELS, "reject_level",
+           f"one of {list(TIS_LEVELS)} or None")
+    c.need(low is None or (finite_number(low) and low >= 0), "reject_low", "a number >= 0 or None")
+    c.need(high is None or (finite_number(high) and high > 0), "reject_high", "a number > 0 or None")
+    if low is not None and high is not None:
+        c.need(low < high, "reject_high", f"a number > {c.label('reject_low')}={low!r}")
+
+
+def check_clamp(c: Checker) -> None:
+    """``log_ratio_clamp``: a finite number > 0."""
+    c.number("log_ratio_clamp", 0, strict=True, expected="a number > 0")
+
+
+def check_seq_rejection(c: Checker) -> tuple[float, float] | None:
+    """Check the four ``reject_seq_*`` values; return the mean bounds as a tuple (or None).
+
+    Raises:
+        InputError: a threshold that is not a finite number > 0 (or None); mean bounds that are not
+            two finite numbers ``low < high``.
+    """
+    for arg in ("reject_seq_k2", "reject_seq_k3", "reject_seq_max_abs_log_ratio"):
+        value = c.get(arg)
+        c.need(value is None or (finite_number(value) and value > 0), arg, "a finite number > 0 or None")
+    bounds = c.get("reject_seq_mean_log_ratio")
+    if bounds is None:
+        return None
+    ok = isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(finite_number(b) for b in bounds)
+    c.need(ok and bounds[0] < bounds[1], "reject_seq_mean_log_ratio",
+           "None or (low, high): two finite numbers with low < high")
+    return float(bounds[0]), float(bounds[1])
+
+
+def check_correction(c: Checker) -> tuple[float, float] | None:
+    """The rules of :class:`RolloutCorrection` (without the bool and non-empty checks); returns the
+    mean bounds as a tuple. ``batch_normalize`` needs ``cap`` (the rule name of ``tis_cap``)."""
+    check_weight_rules(c)
+    bounds = check_seq_rejection(c)
+    if c.get("batch_normalize"):
+        c.need(c.get("cap") is not None, "cap", f"a number > 0 since {c.label('batch_normalize')}=True")
+    return bounds
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """The rollout correction of the loss (``LossConfig.correction``). Frozen; validated when built.
+
+    Attributes:
+        tis_cap: truncation cap of the importance weight against the rollout engine's log-probs
+            (Yao et al. 2025); ``None``: weight 1 (rejection only). Must be > 0. A weight exactly
+            equal to the cap is not counted in ``tis_truncated_frac``.
+        level: ``"token"`` (per-token weight) or ``"sequence"`` (product over the sequence).
+        reject_low, reject_high: optional rejection bounds on the untruncated weight: tokens (or
+            sequences) whose weight lies outside the closed interval ``[low, high]`` are dropped
+            from the loss numerator (they still count in the denominator); a weight exactly on a
+            bound is kept. ``None``: no bound. ``low >= 0``, ``high > 0``, ``low < high`` (the same
+            rule as the arguments of :func:`compute_tis_weights`).
+        reject_level: level of the rejection, ``"token"``, ``"sequence"``, or ``None`` (same as
+            ``level``).
+        batch_normalize: divide the weights by their mean over the kept units of the whole
+            mini-batch (summed over micro-batches and DP ranks before the schedule; see
+            :func:`tis_batch_stats`), so that they average to 1. Needs ``tis_cap``; refused in
+            bypass mode (by ``LossConfig``: the weights would depend on parameters known only in
+            the forward pass).
+        reject_seq_k2, reject_seq_k3: reject a sequence whose mean over its valid tokens of
+            ``d^2 / 2`` (k2), resp. ``exp(d) - 1 - d`` (k3, an estimate of
+            ``KL(pi_rollout || pi_train)``), exceeds the threshold (see the module docstring).
+            ``None``: off.
+        reject_seq_mean_log_ratio: ``(low, high)``: reject a sequence whose mean ``d`` lies outside
+            ``[low, high]`` (log of the geometric-mean ratio); a list becomes a tuple. ``None``: off.
+        reject_seq_max_abs_log_ratio: reject a sequence with ``max_t |d_t|`` above it. ``None``: off.
+            Each ``reject_seq_*`` criterion fires strictly above its threshold (resp. strictly
+            outside ``[low, high]``): a statistic exactly at the threshold keeps its sequence.
+            Rejected sequences leave every numerator and stay in the denominator (as
+            ``reject_low/high``); metrics ``rollout_rejected_frac`` and ``<field>_frac``.
+
+    A correction always corrects something: at least one of ``tis_cap``, ``reject_low``,
+    ``reject_high`` or a ``reject_seq_*`` criterion is set (no correction: ``LossConfig(correction=None)``).
+    The loss then needs ``rollout_logprobs``.
+
+    Raises:
+        InputError: ``fnppo.losses.RolloutCorrection: argument '<field>' ...``: a value out of range
+            (the rules of :func:`compute_tis_weights`), a non-bool ``batch_normalize``,
+            ``batch_normalize`` without ``tis_cap``, nothing configured.
+    """
+
+    tis_cap: float | None = None
+    level: str = "token"
+    reject_low: float | None = None
+    reject_high: float | None = None
+    reject_level: str | None = None
+    batch_normalize: bool = False
+    reject_seq_k2: float | None = None
+    reject_seq_k3: float | None = None
+    reject_seq_mean_log_ratio: tuple[float, float] | None = None
+    reject_seq_max_abs_log_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.losses.RolloutCorrection"
+        check_bool_fields(fn, self)
+        name = {"cap": "tis_cap"}
+        c = Checker(fn, lambda arg: getattr(self, name.get(arg, arg)), lambda arg: name.get(arg, arg))
+        bounds = check_correction(c)
+        object.__setattr__(self, "reject_seq_mean_log_ratio", bounds)  # a list becomes a tuple
+        active = (self.tis_cap, self.reject_low, self.reject_high, *(getattr(self, n) for n in SEQ_REJECTION_CRITERIA))
+        c.need(any(v is not None for v in active), "cap",
+               "a number > 0, or one of reject_low, reject_high, reject_seq_* set (a correction without any: "
+               "LossConfig(correction=None))")
+
+    @property
+    def sequence_level(self) -> bool:
+        """Whether the weights or the weight rejection act per sequence (``level`` or ``reject_level``
+        is ``"sequence"``): the steps refuse it under context parallelism."""
+        return "sequence" in (self.level, self.reject_level)
+
+
 class Rules(NamedTuple):
-    """The rollout-correction settings of one call (the fields of ``PolicyLossConfig`` that matter)."""
+    """The rollout-correction settings of one call (a :class:`RolloutCorrection` and the clamp)."""
 
     cap: float | None
     level: str = "token"
@@ -113,80 +264,18 @@ class Rules(NamedTuple):
     clamp: float = 20.0
 
     @classmethod
-    def of(cls, config: Any) -> Rules:
-        """The rules of a :class:`~fnppo.core.loss.PolicyLossConfig` (validated when it was built)."""
-        return cls(config.tis_cap, config.tis_level, config.tis_reject_low, config.tis_reject_high,
-                   config.tis_reject_level or config.tis_level, config.reject_seq_k2, config.reject_seq_k3,
-                   config.reject_seq_mean_log_ratio, config.reject_seq_max_abs_log_ratio,
-                   config.tis_batch_normalize, config.log_ratio_clamp)
+    def of(cls, corr: RolloutCorrection | None, clamp: float) -> Rules:
+        """The rules of a correction (validated when it was built); None: weights 1, nothing rejected."""
+        if corr is None:
+            return cls(None, clamp=clamp)
+        return cls(corr.tis_cap, corr.level, corr.reject_low, corr.reject_high, corr.reject_level or corr.level,
+                   corr.reject_seq_k2, corr.reject_seq_k3, corr.reject_seq_mean_log_ratio,
+                   corr.reject_seq_max_abs_log_ratio, corr.batch_normalize, clamp)
 
     @property
     def seq_rules(self) -> bool:
         return any(v is not None for v in (self.seq_k2, self.seq_k3, self.seq_mean_log_ratio,
                                            self.seq_max_abs_log_ratio))
-
-
-# =============================================================================================
-# validation shared by the config and compute_tis_weights
-# =============================================================================================
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def check_weight_rules(fn: str, get: Callable[[str], Any], prefix: str = "") -> None:
-    """Check the importance-weight settings, read by ``get(name)``; ``prefix`` names them in the message.
-
-    The names are ``cap``, ``level``, ``reject_low``, ``reject_high``, ``reject_level`` and
-    ``log_ratio_clamp``; the config calls its fields ``tis_cap`` ... ``tis_reject_level``
-    (``prefix="tis_"``; ``log_ratio_clamp`` is never prefixed), :func:`fnppo.core.loss.compute_tis_weights`
-    its arguments by the bare names. The one rule for both:
-
-    * ``cap``: a finite number > 0 or None; ``level``: one of :data:`TIS_LEVELS`;
-      ``reject_level``: one of them or None;
-    * ``reject_low``: a finite number >= 0 or None; ``reject_high``: a finite number > 0 or None;
-      both given: ``reject_low < reject_high`` (else every unit would be rejected, or, at equality,
-      every unit whose weight is not exactly that number);
-    * ``log_ratio_clamp``: a finite number > 0.
-
-    Raises:
-        InputError: naming the first value that breaks the rule (``reject_high`` for a pair out of order).
-    """
-    def need(ok: bool, name: str, expected: str) -> None:
-        if not ok:
-            raise input_error(fn, name if name == "log_ratio_clamp" else prefix + name, expected, repr(get(name)))
-
-    cap, low, high = get("cap"), get("reject_low"), get("reject_high")
-    need(cap is None or (_finite(cap) and cap > 0), "cap", "a number > 0 or None")
-    need(get("level") in TIS_LEVELS, "level", f"one of {list(TIS_LEVELS)}")
-    need(get("reject_level") is None or get("reject_level") in TIS_LEVELS, "reject_level",
-         f"one of {list(TIS_LEVELS)} or None")
-    need(low is None or (_finite(low) and low >= 0), "reject_low", "a number >= 0 or None")
-    need(high is None or (_finite(high) and high > 0), "reject_high", "a number > 0 or None")
-    if low is not None and high is not None:
-        need(low < high, "reject_high", f"a number > {prefix}reject_low={low!r}")
-    clamp = get("log_ratio_clamp")
-    need(_finite(clamp) and clamp > 0, "log_ratio_clamp", "a number > 0")
-
-
-def check_seq_rejection(fn: str, get: Callable[[str], Any]) -> tuple[float, float] | None:
-    """Check the four ``reject_seq_*`` values (``get(name)`` reads one); return the mean bounds as a tuple.
-
-    Raises:
-        InputError: a threshold that is not a finite number > 0 (or None); mean bounds that are not
-            two finite numbers ``low < high``.
-    """
-    for arg in ("reject_seq_k2", "reject_seq_k3", "reject_seq_max_abs_log_ratio"):
-        value = get(arg)
-        if value is not None and not (_finite(value) and value > 0):
-            raise input_error(fn, arg, "a finite number > 0 or None", repr(value))
-    bounds = get("reject_seq_mean_log_ratio")
-    if bounds is None:
-        return None
-    ok = isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(_finite(b) for b in bounds)
-    if not ok or not bounds[0] < bounds[1]:
-        raise input_error(fn, "reject_seq_mean_log_ratio", "None or (low, high): two finite numbers with low < high",
-                          repr(bounds))
-    return float(bounds[0]), float(bounds[1])
 
 
 # =============================================================================================
@@ -200,7 +289,8 @@ def _seq_max(seg: Segments, x: Tensor) -> Tensor:
     return out.scatter_reduce(0, seg.ids.reshape(-1), x.reshape(-1), reduce="amax")[: seg.num]
 
 
-def _seq_rejection(d: Tensor, mf: Tensor, seg: Segments, seq_valid: Tensor, r: Rules) -> tuple[Tensor, dict[str, Tensor]]:
+def _seq_rejection(d: Tensor, mf: Tensor, seg: Segments, seq_valid: Tensor,
+                   r: Rules) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequences rejected by the sequence-statistic criteria (``[num]`` bool) and their metrics.
 
     ``d`` is the clamped per-token log-ratio, 0 off the mask. Only valid sequences (>= 1 valid
@@ -258,7 +348,7 @@ def correction(train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rule
 
     Returns:
         ``(TISWeights, stats)`` with ``stats = (sum of the truncated weights, number)`` over the kept
-        units at ``r.level``, before normalization (the pair :func:`fnppo.core.loss.tis_batch_stats` sums).
+        units at ``r.level``, before normalization (the pair :func:`tis_batch_stats` sums).
     """
     dtype = torch.promote_types(train.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=train.device)
@@ -304,3 +394,131 @@ def correction(train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rule
         "tis_rejected_frac": weighted_metric(rejected.to(dtype), units[r.reject_level]),
     })
     return TISWeights((to_tokens(w_applied, r.level) * keep).detach(), keep.detach(), metrics), stats.detach()
+
+
+# =============================================================================================
+# The public wrappers, with validation
+# =============================================================================================
+@runtime_checkable
+class CorrectedLoss(Protocol):
+    """What :func:`tis_batch_stats` reads of a ``LossConfig``."""
+
+    correction: RolloutCorrection | None
+    bypass_old_logprobs: bool
+    log_ratio_clamp: float
+
+
+@typechecked
+def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask, *,
+                        cap: float | None, level: str = "token", reject_low: float | None = None,
+                        reject_high: float | None = None, reject_level: str | None = None,
+                        seq_ids: Integer[Tensor, "batch seq"] | None = None,
+                        log_ratio_clamp: float = 20.0,
+                        reject_seq_k2: float | None = None, reject_seq_k3: float | None = None,
+                        reject_seq_mean_log_ratio: tuple[float, float] | None = None,
+                        reject_seq_max_abs_log_ratio: float | None = None,
+                        batch_normalize: bool = False,
+                        tis_mean: float | int | Shaped[Tensor, ""] | None = None) -> TISWeights:
+    """Truncated importance weights and rejection correcting for the rollout engine's sampling.
+
+    Token level: ``w_t = exp(logp_old_t - logp_rollout_t)``; sequence level:
+    ``w_i = exp(sum_t (logp_old_t - logp_rollout_t))`` (valid tokens of sequence i, broadcast to its
+    tokens). Log-weights are clamped to ``[-log_ratio_clamp, log_ratio_clamp]``. The applied weight
+    is ``min(w, cap)``, detached (``cap=None``: weight 1, only rejection); a weight exactly equal to
+    ``cap`` is not counted in ``tis_truncated_frac``. Optional rejection (at ``reject_level``,
+    default ``level``): tokens or sequences whose untruncated weight is outside the closed interval
+    ``[reject_low, reject_high]`` get weight 0 and ``keep`` 0 (a weight exactly on a bound is kept:
+    on-policy data, ``w = 1`` exactly, is kept with ``reject_low=1``); so do sequences rejected by
+    the ``reject_seq_*`` criteria (k2, k3, mean and max-abs of the clamped log-ratio ``d``, see the
+    module docstring; each fires strictly above its threshold, resp. strictly outside its closed
+    interval). ``batch_normalize``: the kept weights are divided by ``tis_mean`` (the global mean
+    from :func:`tis_batch_stats`; None: their mean in this call).
+
+    Reference: F. Yao et al. (2025), "Your efficient RL framework secretly brings you off-policy RL
+    training" (truncated importance sampling, TIS); rejection: Liu, Li et al. (2025), "When Speed
+    Kills Stability" (masked IS, sequence statistics) and IcePop (arXiv:2510.18855).
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[batch, seq]`` log-probs of the trainer's old policy and
+            of the rollout engine.
+        loss_mask: 0/1 mask of the trained tokens.
+        cap, level, reject_low, reject_high, reject_level: see above (``level`` and
+            ``reject_level``: ``"token"`` or ``"sequence"``).
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+        log_ratio_clamp: bound of the log-weights and of ``d``.
+        reject_seq_k2, reject_seq_k3, reject_seq_mean_log_ratio, reject_seq_max_abs_log_ratio: as
+            in :class:`RolloutCorrection`.
+        batch_normalize, tis_mean: see above; ``tis_mean`` needs ``batch_normalize``.
+
+    Returns:
+        :class:`TISWeights` ``(weights, keep, metrics)``.
+
+    Raises:
+        InputError: the rule of :class:`RolloutCorrection`, applied to the arguments of the same
+            name: a ``cap`` or ``reject_high`` that is not a finite number > 0, a ``reject_low`` that
+            is not a finite number >= 0, ``reject_low >= reject_high`` (named ``reject_high``), an
+            unknown ``level`` / ``reject_level``, a ``log_ratio_clamp`` that is not a finite number
+            > 0; a bad ``reject_seq_*`` criterion; ``tis_mean`` without ``batch_normalize``; with
+            checking on, a mask that is not 0/1, NaN/inf at valid positions (values where
+            ``loss_mask`` is 0 are never read), ``seq_ids`` out of range, a negative or non-finite
+            ``tis_mean``.
+    """
+    fn = "fnppo.compute_tis_weights"
+    given = {"cap": cap, "level": level, "reject_low": reject_low, "reject_high": reject_high,
+             "reject_level": reject_level, "log_ratio_clamp": log_ratio_clamp,
+             "reject_seq_k2": reject_seq_k2, "reject_seq_k3": reject_seq_k3,
+             "reject_seq_mean_log_ratio": reject_seq_mean_log_ratio,
+             "reject_seq_max_abs_log_ratio": reject_seq_max_abs_log_ratio}
+    c = Checker(fn, given.__getitem__)
+    check_weight_rules(c)
+    check_clamp(c)
+    bounds = check_seq_rejection(c)
+    if tis_mean is not None and not batch_normalize:
+        raise input_error(fn, "tis_mean", "None since batch_normalize=False", describe_value(tis_mean))
+    if typechecking_enabled():
+        validate_inputs(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None,
+                        seq_ids, tis_mean=tis_mean)
+    rules = Rules(cap, level, reject_low, reject_high, level if reject_level is None else reject_level,
+                  reject_seq_k2, reject_seq_k3, bounds, reject_seq_max_abs_log_ratio, batch_normalize, log_ratio_clamp)
+    return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules,
+                      tis_mean)[0]
+
+
+@typechecked
+def tis_batch_stats(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask,
+                    config: CorrectedLoss, *, seq_ids: Integer[Tensor, "batch seq"] | None = None) -> Tensor:
+    """``(sum of the TIS weights, number of units)`` over the kept units of one micro-batch.
+
+    The units are those of ``config.correction.level``: kept tokens, or sequences with at least one
+    kept token (rejected units, by ``reject_low/high`` or ``reject_seq_*``, are excluded); the
+    weights are ``min(w, tis_cap)`` before normalization. Sum the pairs over all micro-batches and
+    data-parallel ranks of a mini-batch and pass ``tis_mean = sum / count`` to
+    :func:`fnppo.core.losses.ppo.ppo_loss` (``batch_normalize=True``): every weight is then divided
+    by the exact mean of the whole mini-batch, whatever the split. :func:`fnppo.train_step` does
+    this together with the loss normalizer (one all-reduce). The same pair is reported as the
+    metric ``tis_batch_mean``. Without a correction every valid unit has weight 1.
+
+    Reference: batch-normalized IS weights as in verl's ``rollout_is_batch_normalize`` (there over
+    all valid units); TIS: Yao et al. (2025).
+
+    Args:
+        old_logprobs, rollout_logprobs, loss_mask: as in :func:`compute_tis_weights`.
+        config: the ``LossConfig`` of the loss (its ``correction`` and ``log_ratio_clamp``).
+        seq_ids: packed layout: per-token sequence index, -1 for no sequence.
+
+    Returns:
+        ``[2]`` tensor in ``promote_types(dtype, fp32)``, detached.
+
+    Raises:
+        InputError: a config in bypass mode (its weights need the current policy); with checking
+            on, as :func:`compute_tis_weights`.
+    """
+    fn = "fnppo.tis_batch_stats"
+    if config.bypass_old_logprobs:
+        raise input_error(fn, "config", "a LossConfig without bypass_old_logprobs (the weights would need the "
+                          "current policy's log-probs)", "bypass_old_logprobs=True")
+    if typechecking_enabled():
+        validate_inputs(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None,
+                        seq_ids)
+    rules = Rules.of(config.correction, config.log_ratio_clamp)._replace(normalize=False)
+    return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules)[1]

@@ -1,0 +1,116 @@
+"""The loss configuration: :class:`LossConfig`, a frozen composition of parts (pure Python).
+
+A loss is built from parts, each a small frozen dataclass validated when built::
+
+    LossConfig(policy=cispo(clip_high=0.28), agg=Aggregation("seq-mean-token-mean"), entropy_coef=0.01,
+               kl=KLPenalty(0.05, "low_var_kl"), correction=RolloutCorrection(tis_cap=2.0))
+
+The parts live beside it: the policy losses in :mod:`fnppo.core.losses.policy` (any callable
+``PolicyInputs -> (per_token_loss, metrics)`` will do), :class:`~fnppo.core.losses.aggregate.Aggregation`,
+:class:`~fnppo.core.losses.kl.KLPenalty` and :class:`~fnppo.core.rollout_correction.RolloutCorrection`.
+The rules across parts (bypass mode with a ratio-based loss, batch normalization in bypass mode) live
+in :func:`check_cross`, shared with :func:`fnppo.core.losses.flat.from_flat`, which applies them under
+the flat names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fnppo.core.loss_checks import Checker
+from fnppo.core.losses.aggregate import Aggregation
+from fnppo.core.losses.kl import KLPenalty
+from fnppo.core.losses.policy import PolicyLoss, loss_name, ppo_clip, uses_ratio
+from fnppo.core.rollout_correction import RolloutCorrection
+from fnppo.core.typing import check_bool_fields, input_error
+
+__all__ = ["LossConfig", "check_cross"]
+
+
+def check_cross(c: Checker, policy: PolicyLoss) -> None:
+    """The rules across parts, read by the paths ``bypass_old_logprobs``, ``correction.tis_cap`` and
+    ``correction.batch_normalize`` (None where there is no correction):
+
+    * in bypass mode a ratio-based policy loss takes no ``tis_cap`` (its ratio
+      ``pi_theta / pi_rollout`` already is the importance weight);
+    * batch normalization is refused in bypass mode (the weights would depend on the current
+      parameters, known only in the forward pass).
+    """
+    if not c.get("bypass_old_logprobs"):
+        return
+    if uses_ratio(policy):
+        c.need(c.get("correction.tis_cap") is None, "correction.tis_cap",
+               f"None with {c.label('bypass_old_logprobs')}=True and the ratio-based policy loss "
+               f"{loss_name(policy)!r} (its ratio pi_theta / pi_rollout already is the importance weight)")
+    c.need(not c.get("correction.batch_normalize"), "correction.batch_normalize",
+           f"False with {c.label('bypass_old_logprobs')}=True (the weights would depend on the current parameters, "
+           "known only in the forward pass)")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Configuration of :func:`fnppo.core.losses.ppo.ppo_loss` (``StepConfig.loss``). Frozen, hashable;
+    validated when built (also by ``dataclasses.replace``).
+
+    Attributes:
+        policy: the per-token policy loss, any callable ``PolicyInputs -> (per_token_loss, metrics)``
+            (:class:`~fnppo.core.losses.policy.PolicyLoss`); default :func:`~fnppo.core.losses.policy.ppo_clip`.
+        agg: the :class:`~fnppo.core.losses.aggregate.Aggregation` of the per-token losses.
+        entropy_coef: weight of the entropy bonus (the loss gets ``- entropy_coef * entropy``),
+            ``>= 0`` (a negative value would silently turn the bonus into a penalty).
+        kl: the :class:`~fnppo.core.losses.kl.KLPenalty` ``KL(policy || ref)`` (needs ``ref_logprobs``
+            when its ``coef != 0``); ``None``: no penalty. Either way, when ``ref_logprobs`` are given
+            the ``kl_loss`` metric is reported (with the estimator of ``kl``, ``"k3"`` when ``kl`` is
+            None).
+        correction: the :class:`~fnppo.core.rollout_correction.RolloutCorrection` against the rollout
+            engine's log-probs (truncated importance weights, rejection, batch normalization);
+            ``None``: none.
+        bypass_old_logprobs: bypass mode: the rollout engine's log-probs serve as the old
+            log-probs (no separate old log-prob pass; ``old_logprobs`` may be None and is ignored).
+            Ratios and clipping are then ``pi_theta / pi_rollout``, and the rollout correction
+            compares ``sg(logp)`` with the rollout log-probs. ``correction.tis_cap`` is refused for a
+            policy loss that uses a ratio (the ratio already is the importance weight); a ratio-free
+            loss (``uses_ratio=False``: ``gpg``, ``reinforce``) is weighted by
+            ``min(sg(pi_theta / pi_rollout), tis_cap)``. ``correction.batch_normalize`` is refused.
+            (verl's ``bypass_mode``.)
+        log_ratio_clamp: log-ratios (policy, KL and rollout correction) are clamped to
+            ``[-log_ratio_clamp, log_ratio_clamp]`` before ``exp`` so that no inf/NaN appears.
+
+    Raises:
+        InputError: ``fnppo.losses.LossConfig: argument '<field>' ...``: a part of the wrong type, a
+            bad number or bool, or parts that do not combine (see :func:`check_cross`).
+    """
+
+    policy: PolicyLoss = ppo_clip()
+    agg: Aggregation = Aggregation()
+    entropy_coef: float = 0.0
+    kl: KLPenalty | None = None
+    correction: RolloutCorrection | None = None
+    bypass_old_logprobs: bool = False
+    log_ratio_clamp: float = 20.0
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.losses.LossConfig"
+        check_bool_fields(fn, self)
+        c = Checker.of(self, fn)
+        if not callable(self.policy):
+            raise input_error(fn, "policy", "a policy loss: a callable taking PolicyInputs (e.g. "
+                              "fnppo.losses.ppo_clip(), or a plain function)", repr(self.policy))
+        c.need(isinstance(uses_ratio(self.policy), bool), "policy",
+               "a policy loss whose attribute uses_ratio (if any) is a bool")
+        c.need(isinstance(self.agg, Aggregation), "agg", "an Aggregation (e.g. Aggregation('token-mean'))")
+        c.number("entropy_coef", 0)
+        c.need(self.kl is None or isinstance(self.kl, KLPenalty), "kl", "a KLPenalty or None")
+        c.need(self.correction is None or isinstance(self.correction, RolloutCorrection), "correction",
+               "a RolloutCorrection or None")
+        c.number("log_ratio_clamp", 0, strict=True, expected="a number > 0")
+        corr = self.correction
+        check_cross(Checker(fn, {"bypass_old_logprobs": self.bypass_old_logprobs,
+                                 "correction.tis_cap": None if corr is None else corr.tis_cap,
+                                 "correction.batch_normalize": corr is not None and corr.batch_normalize}.__getitem__),
+                    self.policy)
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether the loss needs the rollout engine's log-probs (bypass mode or a rollout correction)."""
+        return self.bypass_old_logprobs or self.correction is not None

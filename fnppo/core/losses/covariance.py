@@ -1,0 +1,149 @@
+"""The covariance-based policy losses Clip-Cov and KL-Cov (pure torch).
+
+Both act on the few tokens whose centered covariance ``cov_t = (A_t - mean A)(logp_t - mean logp)``
+(over the valid tokens of the micro-batch) is largest, the tokens that drive the collapse of the
+policy's entropy: Clip-Cov stops their gradient, KL-Cov adds a KL penalty to them. Neither is
+split-invariant (the statistics are per micro-batch), as in their paper.
+
+Reference: The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models, arXiv:2505.22617.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fnppo.core.loss_checks import Checker
+from fnppo.core.losses.policy import PolicyInputs, check_ppo_clip, clipped_surrogate
+from fnppo.core.typing import Tensor
+
+__all__ = ["ClipCov", "KLCov", "clip_cov", "kl_cov", "check_clip_cov", "check_kl_cov"]
+
+
+def check_cov_ratio(c: Checker) -> None:
+    c.number("ratio", 0, high=1, expected="a number in [0, 1]")
+
+
+def check_clip_cov(c: Checker) -> None:
+    check_ppo_clip(c)
+    check_cov_ratio(c)
+    c.number("lb")
+    lb = c.get("lb")
+    c.number("ub", lb, strict=True, expected=f"a number > {c.label('lb')}={lb!r}")
+
+
+def check_kl_cov(c: Checker) -> None:
+    check_cov_ratio(c)
+    c.number("coef", 0, expected="a number >= 0")
+
+
+def _select_first_k(keys: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
+    """Boolean mask of the ``k`` eligible entries with the largest ``keys`` (no host sync)."""
+    flat_keys = torch.where(eligible, keys, torch.full_like(keys, -math.inf)).reshape(-1)
+    flat_eligible = eligible.reshape(-1)
+    order = torch.argsort(flat_keys, descending=True)
+    rank_ok = torch.arange(order.numel(), device=keys.device) < k
+    chosen_sorted = rank_ok & flat_eligible[order]
+    chosen = torch.zeros_like(flat_eligible).scatter(0, order, chosen_sorted)
+    return chosen.reshape(keys.shape)
+
+
+def _covariance(x: PolicyInputs) -> tuple[Tensor, Tensor]:
+    """Centered token covariance ``(A - mean A)(logp - mean logp)`` over valid tokens; and the count."""
+    n = x.mask.sum()
+    safe_n = torch.where(n > 0, n, torch.ones_like(n))
+    lp = x.logprobs.detach()
+    mean_a = (x.advantages * x.mask).sum() / safe_n
+    mean_lp = (lp * x.mask).sum() / safe_n
+    return (x.advantages - mean_a) * (lp - mean_lp), n
+
+
+@dataclass(frozen=True)
+class ClipCov:
+    """Clip-Cov: PPO loss with the gradient of a few high-covariance tokens stopped.
+
+    ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch. Among
+    valid tokens not already clipped by PPO with ``lb < cov_t < ub``,
+    ``k = max(floor(ratio * n_valid), 1)`` are drawn uniformly at random (the ``generator`` of
+    :func:`fnppo.core.losses.ppo.ppo_loss`) and their loss is detached (value kept, gradient 0). The
+    rest is the loss of :class:`~fnppo.core.losses.policy.PPOClip` (``clip_low``, ``clip_high``, ``dual_clip``). Not
+    split-invariant: statistics are per micro-batch.
+
+    Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
+    """
+
+    ratio: float = 2e-4
+    lb: float = 1.0
+    ub: float = 5.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+
+    def __post_init__(self) -> None:
+        check_clip_cov(Checker.of(self, "fnppo.losses.clip_cov"))
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high,
+                                                  self.dual_clip)
+        cov, n = _covariance(x)
+        valid = x.mask > 0
+        eligible = valid & ~clipped & (cov > self.lb) & (cov < self.ub)
+        k = torch.clamp(torch.floor(self.ratio * n), min=1.0)
+        keys = torch.rand(cov.shape, generator=x.generator, device=cov.device, dtype=cov.dtype)
+        chosen = _select_first_k(keys, eligible, k)
+        loss = torch.where(chosen, loss.detach(), loss)
+        return loss, {
+            "pg_clipfrac": x.token_metric(clipped.float()),
+            "pg_clipfrac_lower": x.token_metric(lower.float()),
+            "clip_cov_frac": x.token_metric(chosen.float()),
+        }
+
+
+@dataclass(frozen=True)
+class KLCov:
+    """KL-Cov: unclipped surrogate plus a KL penalty on the highest-covariance tokens.
+
+    ``l_t = -A_t r_t + coef * |log r_t| * [t in top-k of cov]`` with
+    ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch and
+    ``k = max(floor(ratio * n_valid), 1)``. Not split-invariant (per micro-batch top-k).
+
+    Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
+    """
+
+    ratio: float = 2e-4
+    coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_kl_cov(Checker.of(self, "fnppo.losses.kl_cov"))
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        log_ratio = x.log_ratio()
+        cov, n = _covariance(x)
+        k = torch.clamp(torch.floor(self.ratio * n), min=1.0)
+        chosen = _select_first_k(cov, x.mask > 0, k)
+        loss = -x.advantages * torch.exp(log_ratio) + torch.where(chosen, self.coef * log_ratio.abs(), 0.0)
+        return loss, {"kl_cov_frac": x.token_metric(chosen.float())}
+
+
+def clip_cov(ratio: float = 2e-4, lb: float = 1.0, ub: float = 5.0, clip_low: float = 0.2,
+             clip_high: float = 0.2, dual_clip: float | None = 3.0) -> ClipCov:
+    """:class:`ClipCov`: the fraction ``ratio`` of tokens to detach, drawn from the covariance band
+    ``(lb, ub)``, and the PPO bounds of the rest.
+
+    Raises:
+        InputError: a ``ratio`` outside ``[0, 1]``, a non-finite ``lb``, ``ub <= lb``, and the rules
+            of :func:`~fnppo.core.losses.policy.ppo_clip`.
+    """
+    return ClipCov(ratio, lb, ub, clip_low, clip_high, dual_clip)
+
+
+def kl_cov(ratio: float = 2e-4, coef: float = 1.0) -> KLCov:
+    """:class:`KLCov`: the fraction ``ratio`` of tokens (largest covariance) that get the
+    ``coef * |log r|`` penalty.
+
+    Raises:
+        InputError: a ``ratio`` outside ``[0, 1]``, a ``coef`` that is not a number >= 0.
+    """
+    return KLCov(ratio, coef)
