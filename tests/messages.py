@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fnppo.core.typing import InputError, ShapeError
+from fnppo.core.errors import InputError, ShapeError
 
 
 def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: str, received: str) -> None:
@@ -31,7 +31,7 @@ def check_message(err: BaseException, exc: type, fn: str, arg: str, expected: st
         assert expected in first.rpartition(" expected ")[2], msg[:500]
         assert first.endswith(f"received {received}"), msg[:500]
     else:
-        head = rf"^(fnppo\.(\w+\.)?)?{re.escape(fn)}: argument '{re.escape(arg)}' expected "
+        head = rf"^(fnppo\.(\w+\.)*)?{re.escape(fn)}: argument '{re.escape(arg)}' expected "
         assert re.match(head, msg), msg[:500]
         exp_part, _, rec_part = msg.partition(", received ")
         assert expected in exp_part, f"{expected!r} not in {exp_part!r}"
