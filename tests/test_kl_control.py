@@ -105,6 +105,8 @@ def test_with_kl_coef_updates_the_loss_config():
         with_kl_coef({"kl_coef": 0.1}, fixed_kl_init(0.1))
     with pytest.raises(InputError, match="with_kl_coef: argument 'config' expected a LossConfig with a KL penalty"):
         with_kl_coef(LossConfig(), fixed_kl_init(0.1))
+    # no penalty and a zero coefficient: nothing to set (from_flat(kl_coef=0.0) has kl=None)
+    assert with_kl_coef(from_flat(kl_coef=0.0), fixed_kl_init(0.0)) == LossConfig()
     with pytest.raises(InputError, match="with_kl_coef: argument 'state' expected a KLControllerState"):
         with_kl_coef(cfg, 0.1)
 

@@ -189,17 +189,23 @@ def with_kl_coef(config: LossConfig, state: KLControllerState) -> LossConfig:
     configuration with the controller's coefficient and the same KL estimator (validated again by the
     constructors).
 
+    A config without a KL penalty (``kl=None``, e.g. ``from_flat(kl_coef=0.0)``) is returned as it is
+    while the coefficient is 0 (no penalty either way, the same ``kl_loss`` metric); a nonzero
+    coefficient needs a penalty to set.
+
     Raises:
-        InputError: a ``config`` that is not a :class:`~fnppo.core.losses.config.LossConfig` or has no
-            KL penalty (``kl=None``: give it one, e.g. ``kl=KLPenalty(0.0, "k3")``, for the controller to
-            set); a ``state`` that is not a :class:`KLControllerState`.
+        InputError: a ``config`` that is not a :class:`~fnppo.core.losses.config.LossConfig`, or has no
+            KL penalty while ``state.coef != 0`` (give it one, e.g. ``kl=KLPenalty(0.0, "k3")``); a
+            ``state`` that is not a :class:`KLControllerState`.
     """
     fn = "fnppo.with_kl_coef"
     if not isinstance(config, LossConfig):
         raise input_error(fn, "config", "a LossConfig", type(config).__name__)
-    if config.kl is None:
-        raise input_error(fn, "config", "a LossConfig with a KL penalty (kl=KLPenalty(coef, estimator)) whose "
-                          "coef the controller sets", "kl=None")
     if not isinstance(state, KLControllerState):
         raise input_error(fn, "state", "a KLControllerState", repr(state))
+    if config.kl is None and state.coef == 0:
+        return config
+    if config.kl is None:
+        raise input_error(fn, "config", f"a LossConfig with a KL penalty (kl=KLPenalty(coef, estimator)) since "
+                          f"state.coef={state.coef!r}", "kl=None")
     return dataclasses.replace(config, kl=dataclasses.replace(config.kl, coef=state.coef))
