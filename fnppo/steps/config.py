@@ -14,13 +14,14 @@ from typing import Any
 
 from torch import nn
 
-from fnppo.core.batch import LAYOUTS, check_positive_int
-from fnppo.core.linear_logprob import BackwardGraphs
+from fnppo.core.errors import check_positive_int
+from fnppo.core.sample import LAYOUTS
+from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
 from fnppo.core.split import split_mode
-from fnppo.core.typing import check_bool_fields, input_error
-from fnppo.megatron.model import forward_logits
+from fnppo.core.errors import check_bool_fields, input_error
+from fnppo.megatron.forward import forward_logits
 from fnppo.steps.protocols import CriticFns, StepFns
 
 __all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
@@ -35,9 +36,9 @@ class Batching:
     epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
     makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
     batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
-    parallelism, :func:`~fnppo.core.batch.padding_multiple`). ``max_seq_len`` caps the length
+    parallelism, :func:`~fnppo.core.sample.padding_multiple`). ``max_seq_len`` caps the length
     (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is the cap.
-    A longer sample is refused (:class:`~fnppo.core.typing.InputError`), never truncated.
+    A longer sample is refused (:class:`~fnppo.core.errors.InputError`), never truncated.
 
     Raises:
         InputError: naming the class (``StepConfig``, ``CriticConfig``): a bool field holding
@@ -75,7 +76,7 @@ class StepConfig(Batching):
     split, ``pad_to_multiple_of``, ``max_seq_len``, ``num_minibatches``, ``ppo_epochs``) are
     :class:`Batching`'s.
     ``fused_output``: the last pipeline stage stops before the output layer
-    (:func:`~fnppo.megatron.model.forward_hidden`) and computes log-probs and entropy with
+    (:func:`~fnppo.megatron.forward.forward_hidden`) and computes log-probs and entropy with
     :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
     ``forward`` and ``logprob`` stages of ``fns`` (which must then be the defaults).
     ``fused_output_chunk_vocab``: the fused backward's block of vocabulary rows (its

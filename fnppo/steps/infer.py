@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.batch import Microbatch, Sample
+from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.split import SPLIT_MODES
-from fnppo.core.typing import input_error
-from fnppo.megatron.model import check_head, forward_hidden, forward_logits
+from fnppo.core.errors import input_error
+from fnppo.megatron.forward import forward_hidden, forward_logits
+from fnppo.megatron.unwrap import check_head
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.routing import RoutingRecorder
 from fnppo.steps.checks import check_forward_only_microbatches, check_values, checked_plan, per_chunk, routing_recorder
@@ -164,7 +165,7 @@ def compute_logprobs(
         batch: this DP rank's samples (the same on its TP and PP ranks).
         params: one dict per model chunk (names of the unwrapped ``GPTModel``): evaluate another
             parameter set with the same modules, e.g. the frozen reference policy
-            (:func:`fnppo.megatron.model.snapshot_params`).
+            (:func:`fnppo.megatron.forward.snapshot_params`).
         with_entropy: also return the entropies.
         temperature, layout, num_microbatches, microbatch_size, max_tokens_per_microbatch,
             pad_to_multiple_of, max_seq_len: as in :class:`~fnppo.steps.config.StepConfig` (None: from ``config``,

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.core.batch import Microbatch, Sample, padding_multiple, unpack_per_sample
+from fnppo.core.collate import unpack_per_sample
+from fnppo.core.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.context_parallel import gather_per_sample
 from fnppo.core.split import SPLIT_MODES, SplitPlan, build_microbatches, plan_microbatches
-from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
 from fnppo.steps.config import Batching

@@ -15,18 +15,19 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fnppo.core.batch import Microbatch, Sample, collate_microbatch
+from fnppo.core.collate import collate_microbatch
+from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ppo_loss, value_loss
-from fnppo.megatron.model import forward_logits, forward_values
+from fnppo.megatron.forward import forward_logits, forward_values
 
 __all__ = ["CollateFn", "ForwardFn", "LogprobFn", "LossFn", "ValueLossFn", "StepFns", "CriticFns"]
 
 
 class CollateFn(Protocol):
-    """The collate stage: samples of one micro-batch -> :class:`~fnppo.core.batch.Microbatch`.
+    """The collate stage: samples of one micro-batch -> :class:`~fnppo.core.sample.Microbatch`.
 
-    Default :func:`~fnppo.core.batch.collate_microbatch`. ``sample_index`` holds the samples' indices
+    Default :func:`~fnppo.core.collate.collate_microbatch`. ``sample_index`` holds the samples' indices
     in the (mini-)batch being split.
     """
 
@@ -37,7 +38,7 @@ class CollateFn(Protocol):
 class ForwardFn(Protocol):
     """The forward stage: one model chunk on a micro-batch -> this rank's vocab-shard logits.
 
-    Default :func:`~fnppo.megatron.model.forward_logits`. On the last pipeline stage the result must be
+    Default :func:`~fnppo.megatron.forward.forward_logits`. On the last pipeline stage the result must be
     ``[batch, seq, vocab_size / tp]``; ``params`` (one dict of the chunk's parameters, or None) is
     passed by :func:`~fnppo.steps.infer.compute_logprobs` / :func:`~fnppo.steps.infer.forward_only` only.
     """
@@ -93,8 +94,8 @@ class StepFns:
     """The swappable stages of a policy step; each must keep the signature of its protocol.
 
     Attributes:
-        collate: :class:`CollateFn` (default :func:`~fnppo.core.batch.collate_microbatch`).
-        forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.model.forward_logits`).
+        collate: :class:`CollateFn` (default :func:`~fnppo.core.collate.collate_microbatch`).
+        forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.forward.forward_logits`).
         logprob: :class:`LogprobFn` (default :func:`~fnppo.core.logprob.logprob_and_entropy`).
         loss: :class:`LossFn` (default :func:`~fnppo.core.losses.ppo.ppo_loss`).
     """
@@ -110,9 +111,9 @@ class CriticFns:
     """The swappable stages of :func:`~fnppo.steps.train.critic_step`; each must keep the signature of its protocol.
 
     Attributes:
-        collate: :class:`CollateFn` (default :func:`~fnppo.core.batch.collate_microbatch`).
+        collate: :class:`CollateFn` (default :func:`~fnppo.core.collate.collate_microbatch`).
         forward: :class:`ForwardFn` returning ``[batch, seq]`` values on the last stage (default
-            :func:`~fnppo.megatron.model.forward_values`).
+            :func:`~fnppo.megatron.forward.forward_values`).
         loss: :class:`ValueLossFn` (default :func:`~fnppo.core.losses.value.value_loss`).
     """
 

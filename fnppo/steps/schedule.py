@@ -19,11 +19,11 @@ import torch.distributed as dist
 from megatron.core import pipeline_parallel
 from torch import nn
 
-from fnppo.core.batch import Microbatch
+from fnppo.core.sample import Microbatch
 from fnppo.core.linear_logprob import linear_logprob_and_entropy
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.megatron.grads import GradStats, finalize_grads
-from fnppo.megatron.model import deterministic_algorithms, forward_hidden
+from fnppo.megatron.forward import deterministic_algorithms, forward_hidden
 from fnppo.megatron.moe import router_step
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder, routed
@@ -94,7 +94,7 @@ def run_schedule(model: ModelFacts, mbs: Sequence[Microbatch], forward_step: Cal
     micro-batch (:func:`~fnppo.steps.checks.check_interleaved`, the ``same_length`` padding of the split).
 
     A model built with ``ModelConfig(deterministic=True)`` (Megatron's ``deterministic_mode``) runs
-    under torch's deterministic algorithms (:func:`fnppo.megatron.model.deterministic_algorithms`).
+    under torch's deterministic algorithms (:func:`fnppo.megatron.forward.deterministic_algorithms`).
     """
     fb = pipeline_parallel.get_forward_backward_func()
     layout = model.layout

@@ -24,11 +24,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fnppo.core.batch import Microbatch, Sample
+from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.core.split import SplitPlan
 from fnppo.megatron.grads import FinalizeNotCalledError
-from fnppo.megatron.model import check_head
+from fnppo.megatron.unwrap import check_head
 from fnppo.megatron.moe import router_derived_metrics
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.steps.checks import check_critic_targets, check_rollout_logprobs, checked_plan
@@ -141,7 +141,7 @@ def _train(state: TrainState, samples: list[Sample], objective: _Objective, conf
 def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -> tuple[TrainState, dict[str, float]]:
     """One PPO/GRPO update (or ``ppo_epochs`` x ``num_minibatches`` updates) on this rank's samples.
 
-    ``batch`` is this data-parallel rank's list of :class:`~fnppo.core.batch.Sample` (identical on the TP
+    ``batch`` is this data-parallel rank's list of :class:`~fnppo.core.sample.Sample` (identical on the TP
     and PP ranks of one DP rank; see :func:`~fnppo.steps.infer.shard_for_data_parallel`). For each mini-batch:
 
     1. split into micro-batches (same count on every DP rank) and collate them;
@@ -191,7 +191,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             the model's vocabulary (while call-time checking is on; negative ones always),
             ``ref_logprobs`` / ``rollout_logprobs`` given for some samples only, no
             ``rollout_logprobs`` in bypass mode or with rollout correction, routed experts that do
-            not fit the model (:func:`~fnppo.core.batch.check_routed_experts`); under a virtual pipeline
+            not fit the model (:func:`~fnppo.core.checks.check_routed_experts`); under a virtual pipeline
             (``vpp``), a ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the
             padded layout (:func:`~fnppo.steps.checks.check_interleaved`). Before the first update, on every rank: too
             few samples for the micro-batch count agreed over data parallelism. Inside the
