@@ -17,7 +17,7 @@ from fnppo.core.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from fnppo.core.typing import InputError, ShapeError
+from fnppo.core.errors import InputError, ShapeError
 from tests.messages import raises_message
 
 F64 = torch.float64

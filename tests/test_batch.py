@@ -1,4 +1,4 @@
-"""Tests for fnppo.core.batch: Sample, collate_microbatch, unpack_per_sample, split_batch, SplitPlan."""
+"""Tests for samples and micro-batches: Sample, collate_microbatch, unpack_per_sample, split_batch, SplitPlan."""
 
 from __future__ import annotations
 
@@ -13,19 +13,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fnppo.core import batch as B
 from fnppo.core import split as S
+from fnppo.core.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.errors import InputError, ShapeError
+from fnppo.core.sample import LAYOUTS, Microbatch, Sample, padding_multiple
+from fnppo.core.split import SplitPlan, split_batch
 from tests.messages import raises_message
-from fnppo.core.batch import (
-    Microbatch,
-    Sample,
-    SplitPlan,
-    collate_microbatch,
-    padding_multiple,
-    split_batch,
-    unpack_per_sample,
-)
-from fnppo.core.typing import InputError, ShapeError
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MM_KEYS = ("image_grid_thw", "pixel_values")
@@ -215,7 +208,7 @@ def test_collate_padded_hand_example():
     assert mb.sample_index.tolist() == [7, 3]
 
 
-@pytest.mark.parametrize("layout", B.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @SETTINGS
 @given(samples=sample_lists(), m=st.integers(1, 5), pad_id=st.integers(0, 3))
 def test_collate_matches_reference(layout, samples, m, pad_id):
@@ -247,7 +240,7 @@ def test_collate_matches_reference(layout, samples, m, pad_id):
         assert torch.equal(mb.attention_mask, mb.seq_ids >= 0) and mb.attention_mask.dtype == torch.bool
 
 
-@pytest.mark.parametrize("layout", B.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @SETTINGS
 @given(samples=sample_lists(), m=st.integers(1, 4))
 def test_masks_align_with_labels(layout, samples, m):
@@ -278,7 +271,7 @@ def test_masks_align_with_labels(layout, samples, m):
         assert bool((getattr(mb, name)[~pos] == 0).all())
 
 
-@pytest.mark.parametrize("layout", B.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @SETTINGS
 @given(samples=sample_lists(), m=st.integers(1, 4))
 def test_collate_then_unpack_returns_inputs(layout, samples, m):
@@ -306,7 +299,7 @@ def test_unpack_shape_error_and_gradient():
     mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=4)
     with pytest.raises(ShapeError) as err:
         unpack_per_sample(torch.zeros(1, 5), mb)
-    assert str(err.value) == ("fnppo.core.batch.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
+    assert str(err.value) == ("fnppo.core.collate.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
                               "mb.input_ids), received f32[1,5]")
     with raises_message("unpack_per_sample", "values", "Shaped[Tensor, 'batch seq']", "f32[12]", ShapeError):
         unpack_per_sample(torch.zeros(12), mb)
@@ -541,7 +534,7 @@ def test_split_plan_validation_and_helpers():
 def split_case(draw):
     lengths = draw(st.lists(st.integers(1, 20), min_size=1, max_size=14))
     m = draw(st.integers(1, 4))
-    layout = draw(st.sampled_from(B.LAYOUTS))
+    layout = draw(st.sampled_from(LAYOUTS))
     longest = max(math.ceil(L / m) * m for L in lengths)
     budget = draw(st.integers(longest, longest * 4))
     return lengths, m, layout, budget
@@ -647,7 +640,7 @@ def fuzz_samples(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     samples=fuzz_samples(),
-    layout=st.sampled_from(B.LAYOUTS),
+    layout=st.sampled_from(LAYOUTS),
     m=st.integers(1, 4),
     mode=st.sampled_from(["num", "size", "tokens"]),
     size=st.integers(1, 40),

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import fnppo
-from fnppo.core.linear_logprob import BackwardGraphs, linear_logprob_and_entropy
+from fnppo.core.errors import InputError, ShapeError
+from fnppo.core.linear_logprob import linear_logprob_and_entropy
+from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
-from fnppo.core.typing import InputError, ShapeError, typechecking
+from fnppo.core.typing import typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import check_message
 
@@ -440,7 +442,7 @@ _INTERP_SCRIPT = textwrap.dedent(
         for x, y in zip(got, want):
             assert (x is None) == (y is None) and (x is None or (x - y).abs().max() < 1e-5), (x, y)
     # The backward through BackwardGraphs' buffers (preallocated dz / accumulator / dh; no capture on CPU).
-    from fnppo.core.linear_logprob import BackwardGraphs
+    from fnppo.core.linear_logprob_graphs import BackwardGraphs
     graphs = BackwardGraphs(row_multiple=16)
     w = (torch.randn(70, 24, generator=g) * 0.7).bfloat16().requires_grad_()
     for n in (20, 9, 33, 20):

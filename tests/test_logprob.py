@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnppo.core.logprob import _chunk_rows, logprob_and_entropy
-from fnppo.core.typing import InputError, ShapeError, typechecking
+from fnppo.core.errors import InputError, ShapeError
+from fnppo.core.typing import typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import raises_message
 

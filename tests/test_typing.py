@@ -15,19 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnppo.core import typing as ft
+from fnppo.core.errors import InputError, ShapeError, check_finite, check_mask01, check_range, describe, input_error
 from fnppo.core.typing import (
     Float,
-    InputError,
     Int,
-    ShapeError,
     Tensor,
     TokenFloat,
     TokenIds,
-    check_finite,
-    check_mask01,
-    check_range,
-    describe,
-    input_error,
     set_typechecking,
     typechecked,
     typechecking,

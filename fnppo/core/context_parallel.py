@@ -11,7 +11,7 @@ so every rank holds ``T / cp`` tokens and the same amount of causal attention wo
 late chunk). ``cu_seqlens`` stays global (the rank's own segment ``k`` has ``L_k / cp`` tokens):
 Megatron's RoPE for THD (``_apply_rotary_pos_emb_thd`` with the CP group) reads exactly this layout
 and rotates every token with its true position. Every per-token field of a
-:class:`~fnppo.core.batch.Microbatch` is sharded the same way (:func:`shard_microbatch`), so per-token
+:class:`~fnppo.core.sample.Microbatch` is sharded the same way (:func:`shard_microbatch`), so per-token
 functions (log-probs, entropy, loss terms) run unchanged on the shard.
 
 Attention (:func:`context_parallel_attention`): each rank all-gathers the keys and values of the
@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fnppo.core.batch import Microbatch
-from fnppo.core.typing import Tensor, input_error
+from fnppo.core.errors import input_error
+from fnppo.core.sample import Microbatch
+from fnppo.core.typing import Tensor
 
 __all__ = [
     "cp_token_index",
@@ -88,7 +89,8 @@ def cp_token_index(cu_seqlens: Tensor | Sequence[int], cp: int, rank: int, *, de
         if (b - a) % (2 * cp):
             raise input_error(fn, f"cu_seqlens (segment {k})", f"a length divisible by 2*cp = {2 * cp}", str(b - a))
         c = (b - a) // (2 * cp)
-        parts += [torch.arange(a + rank * c, a + (rank + 1) * c), torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c)]
+        parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
+                  torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c)]
     out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return out.to(device) if device is not None else out
 
@@ -97,7 +99,8 @@ def shard_tokens(x: Tensor, cu_seqlens: Tensor | Sequence[int], cp: int, rank: i
     """``x`` restricted to rank ``rank``'s tokens along ``dim`` (``index_select`` with :func:`cp_token_index`)."""
     idx = cp_token_index(cu_seqlens, cp, rank, device=x.device)
     if x.shape[dim] != (_boundaries(cu_seqlens)[-1]):
-        raise input_error("fnppo.core.context_parallel.shard_tokens", "x", f"size {_boundaries(cu_seqlens)[-1]} along dim {dim} (cu_seqlens[-1])", str(tuple(x.shape)))
+        raise input_error("fnppo.core.context_parallel.shard_tokens", "x",
+                          f"size {_boundaries(cu_seqlens)[-1]} along dim {dim} (cu_seqlens[-1])", str(tuple(x.shape)))
     return x.index_select(dim, idx)
 
 
@@ -126,12 +129,13 @@ def shard_microbatch(mb: Microbatch, cp: int, rank: int) -> Microbatch:
 
     Raises:
         InputError: a padded-layout micro-batch (CP needs the packed layout), or a segment length
-            not divisible by ``2*cp`` (pad with :func:`fnppo.core.batch.padding_multiple`).
+            not divisible by ``2*cp`` (pad with :func:`fnppo.core.sample.padding_multiple`).
     """
     if cp == 1:
         return mb
     if not mb.is_packed or mb.cu_seqlens is None:
-        raise input_error("fnppo.core.context_parallel.shard_microbatch", "mb", "a packed micro-batch (context parallelism needs layout='packed')", f"layout={mb.layout!r}")
+        raise input_error("fnppo.core.context_parallel.shard_microbatch", "mb",
+                          "a packed micro-batch (context parallelism needs layout='packed')", f"layout={mb.layout!r}")
     cu = _boundaries(mb.cu_seqlens)
     idx = cp_token_index(cu, cp, rank, device=mb.input_ids.device)
     changes = {name: getattr(mb, name).index_select(1, idx) for name in _PER_TOKEN if getattr(mb, name) is not None}
@@ -207,7 +211,8 @@ def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     cu = _boundaries(cu_seqlens)
     if query.shape[0] * cp != cu[-1]:
-        raise input_error("fnppo.core.context_parallel.context_parallel_attention", "query", f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)", str(tuple(query.shape)))
+        raise input_error("fnppo.core.context_parallel.context_parallel_attention", "query",
+                          f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)", str(tuple(query.shape)))
     k_full = gather_tokens(key, cu, group)
     v_full = gather_tokens(value, cu, group)
     mask = _cp_mask(cu, cp, rank, query.device)
@@ -223,7 +228,7 @@ def gather_per_sample(values: Tensor, mb: Microbatch, group: Any) -> list[Tensor
 
     Gathers the shards over ``group`` into global order and returns, for sample ``i`` (prompt
     ``P_i``, response ``R_i``, segment offset ``o_i``), ``full[0, o_i + P_i - 1 : o_i + P_i - 1 + R_i]``
-    (as :func:`fnppo.core.batch.unpack_per_sample` on the unsharded micro-batch); the same on every CP rank.
+    (as :func:`fnppo.core.collate.unpack_per_sample` on the unsharded micro-batch); the same on every CP rank.
     """
     full = gather_tokens(values, mb.cu_seqlens, group, dim=1)
     out, offset = [], 0

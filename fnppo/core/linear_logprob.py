@@ -12,19 +12,21 @@ For a Qwen-size vocabulary (151,936) and 8,192 tokens this frees the 2.3 GiB bf1
 
 Plain torch, no Megatron import: pass the tensor-parallel ``torch.distributed`` process group. On
 CUDA the blocks run in Triton kernels (:mod:`fnppo.core.kernels.linear_logprob_triton`, imported on
-first use); elsewhere a chunked PyTorch path gives the same results.
+first use); elsewhere a chunked PyTorch path gives the same results. The cache of static buffers and
+CUDA graphs for the backward, :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs`, is its own
+module; the blocks it runs are this module's.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import warnings
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from fnppo.core.errors import describe, input_error
+from fnppo.core.kernels import linear_logprob_kernels
+from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import (
     _FLOAT_DTYPES,
     LOGPROB_IMPLS,
@@ -36,18 +38,9 @@ from fnppo.core.logprob import (
     _group_size_rank,
     _resolve_impl,
 )
-from fnppo.core.typing import (
-    Float,
-    Tensor,
-    TokenIds,
-    TokenLogProbs,
-    describe,
-    input_error,
-    typechecked,
-    typechecking_enabled,
-)
+from fnppo.core.typing import Float, Tensor, TokenIds, TokenLogProbs, typechecked, typechecking_enabled
 
-__all__ = ["linear_logprob_and_entropy", "LINEAR_LOGPROB_IMPLS", "BackwardGraphs"]
+__all__ = ["linear_logprob_and_entropy", "LINEAR_LOGPROB_IMPLS"]
 
 _FN = "fnppo.linear_logprob_and_entropy"
 LINEAR_LOGPROB_IMPLS = LOGPROB_IMPLS
@@ -73,7 +66,7 @@ def linear_logprob_and_entropy(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     impl: str | None = None,
-    graphs: BackwardGraphs | None = None,
+    graphs: Any = None,  # a BackwardGraphs or None, checked in the body (InputError)
 ) -> tuple[TokenLogProbs, TokenLogProbs | None]:
     r"""Log-prob of each label and entropy of each token, from hidden states and the output-weight shard.
 
@@ -166,8 +159,8 @@ def linear_logprob_and_entropy(
         _check_labels(_FN, labels, vocab_total)
     vocab_start = tp_rank * shard
     n_valid = max(0, min(shard, vocab_total - vocab_start))  # this shard's real (unpadded) rows
-    cfg = _Cfg(1.0 / float(temperature), bool(with_entropy), tp_group, tp_size, vocab_start, n_valid, vocab_total, impl, chunk_tokens, chunk_vocab,
-               graphs)
+    cfg = _Cfg(1.0 / float(temperature), bool(with_entropy), tp_group, tp_size, vocab_start, n_valid, vocab_total, impl,
+               chunk_tokens, chunk_vocab, graphs)
     out = _LinearLogprobEntropy.apply(hidden, weight, labels, cfg)
     if with_entropy:
         return out[0], out[1]
@@ -177,8 +170,8 @@ def linear_logprob_and_entropy(
 class _Cfg:
     """Non-tensor arguments of the autograd function."""
 
-    __slots__ = ("inv_t", "with_entropy", "group", "tp_size", "vocab_start", "n_valid", "vocab_total", "impl", "chunk_tokens", "chunk_vocab",
-                 "graphs")
+    __slots__ = ("inv_t", "with_entropy", "group", "tp_size", "vocab_start", "n_valid", "vocab_total", "impl",
+                 "chunk_tokens", "chunk_vocab", "graphs")
 
     def __init__(self, *values: Any) -> None:
         for name, value in zip(self.__slots__, values, strict=True):
@@ -194,27 +187,29 @@ def _check_args(
 ) -> float:
     # These repeat what the annotations say, so that they hold with call-time checking off too.
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 1:
-        raise input_error(_FN, "hidden", "a floating [*tok, hidden] tensor (fp32, bf16, fp16 or fp64)", describe(hidden))
+        raise input_error(_FN, "hidden", "a floating [*tok, hidden] tensor (fp32, bf16, fp16 or fp64)",
+                          describe(hidden))
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != hidden.dtype:
-        raise input_error(_FN, "weight", f"a [vocab_shard, hidden] tensor of the hidden states' dtype {describe(hidden)}", describe(weight))
+        raise input_error(_FN, "weight",
+                          f"a [vocab_shard, hidden] tensor of the hidden states' dtype {describe(hidden)}",
+                          describe(weight))
     if weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0 or hidden.shape[-1] == 0:
         raise input_error(
-            _FN, "weight", f"shape [vocab_shard > 0, {hidden.shape[-1]}] (hidden size of 'hidden' {describe(hidden)})", describe(weight)
+            _FN, "weight", f"shape [vocab_shard > 0, {hidden.shape[-1]}] (hidden size of 'hidden' {describe(hidden)})",
+            describe(weight),
         )
     if weight.device != hidden.device:
-        raise input_error(_FN, "weight", f"a tensor on the hidden states' device {hidden.device}", f"one on {weight.device}")
+        raise input_error(_FN, "weight", f"a tensor on the hidden states' device {hidden.device}",
+                          f"one on {weight.device}")
     t = _check_labels_and_options(
-        _FN, labels, hidden, "hidden", "the hidden states'", temperature, tp_group, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab
+        _FN, labels, hidden, "hidden", "the hidden states'", temperature, tp_group, chunk_tokens=chunk_tokens,
+        chunk_vocab=chunk_vocab,
     )
     if vocab_size is not None:
         _check_optional_sizes(_FN, vocab_size=vocab_size)
         tp_size, _ = _group_size_rank(tp_group)
         _check_vocab_bound(_FN, vocab_size, weight.shape[0], tp_size, "rows of all 'weight' shards")
     return t
-
-
-def _kernels() -> Any:
-    return importlib.import_module("fnppo.core.kernels.linear_logprob_triton")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,10 +223,12 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         lab = labels.reshape(-1)
         w_valid = weight[: cfg.n_valid]
         if cfg.impl == "triton":
-            m, s, w, zl = _kernels().forward_stats(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy)
+            m, s, w, zl = linear_logprob_kernels().forward_stats(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t,
+                                                                 cfg.with_entropy)
         else:
             rows, cols = _torch_chunks(h2.shape[0], cfg.n_valid, h2.element_size(), cfg)
-            m, s, w, zl = _forward_stats_torch(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy, rows, cols)
+            m, s, w, zl = _forward_stats_torch(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy,
+                                               rows, cols)
         logp, entropy, lse = _combine(m, s, w, zl, lab, cfg.group, cfg.tp_size, cfg.vocab_total)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.cfg = cfg
@@ -255,14 +252,16 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         g_h = None if g_h is None else g_h.reshape(-1)
         out = None
         if cfg.graphs is not None:
-            out = cfg.graphs._backward(h2, weight, labels.reshape(-1), (g_lp, g_h, entropy, lse), cfg, need_h, need_w)
+            out = cfg.graphs._backward(h2, weight, labels.reshape(-1), (g_lp, g_h, entropy, lse), cfg, need_h, need_w,
+                                       grads=_grads, chunks=_backward_chunks)
         if out is None:
             dw = None
             if need_w:
                 dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
                 dw[cfg.n_valid :].zero_()  # padding rows beyond the real vocabulary
+            sizes = _backward_chunks(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), cfg)
             dh = _grads(h2, weight[: cfg.n_valid], labels.reshape(-1), (g_lp, g_h, entropy, lse), cfg, need_h,
-                        None if dw is None else dw[: cfg.n_valid], _backward_chunks(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), cfg))
+                        None if dw is None else dw[: cfg.n_valid], sizes)
             out = (dh, dw)
         dh, dw = out
         return (None if dh is None else dh.view(hidden.shape)), dw, None, None
@@ -287,7 +286,7 @@ def _grads(
     coef = (a.contiguous(), b.contiguous(), c.contiguous(), lse)
     args = (h2, w_valid, labels, coef, g_h is not None, cfg, need_h, dw)
     if cfg.impl == "triton":
-        return _kernels().backward_grads(*args, **chunks, **(spaces or {}))
+        return linear_logprob_kernels().backward_grads(*args, **chunks, **(spaces or {}))
     dh = _backward_torch(*args)
     if dh is not None and spaces is not None and "dh_out" in spaces:
         return spaces["dh_out"].copy_(dh)
@@ -354,7 +353,8 @@ def _block_logits(h32: Tensor, w_block: Tensor, inv_t: float) -> Tensor:
 
 
 def _forward_stats_torch(
-    h2: Tensor, w_valid: Tensor, labels: Tensor, vocab_start: int, inv_t: float, with_entropy: bool, rows: int, cols: int
+    h2: Tensor, w_valid: Tensor, labels: Tensor, vocab_start: int, inv_t: float, with_entropy: bool, rows: int,
+    cols: int,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     n = h2.shape[0]
     f32 = dict(dtype=torch.float32, device=h2.device)
@@ -401,7 +401,8 @@ def _block_grad(z: Tensor, loc: Tensor, c0: int, coef: tuple[Tensor, ...], has_g
 
 
 def _backward_torch(
-    h2: Tensor, w_valid: Tensor, labels: Tensor, coef: tuple[Tensor, ...], has_gh: bool, cfg: _Cfg, need_h: bool, dw: Tensor | None
+    h2: Tensor, w_valid: Tensor, labels: Tensor, coef: tuple[Tensor, ...], has_gh: bool, cfg: _Cfg, need_h: bool,
+    dw: Tensor | None,
 ) -> Tensor | None:
     """Vocabulary blocks outside, token blocks inside; fp32 accumulators for both gradients.
 
@@ -426,227 +427,3 @@ def _backward_torch(
         if dw is not None:
             dw[c0 : c0 + cols].copy_(dw_acc)
     return None if dh_acc is None else dh_acc.to(h2.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA graphs of the backward
-# ---------------------------------------------------------------------------------------------
-class _Workspace:
-    """Static buffers of one weight (see :class:`BackwardGraphs`); rows beyond ``dirty`` are zero."""
-
-    __slots__ = ("rows", "h", "labels", "tok", "dh", "dw", "dz", "acc", "graphs", "seen", "failed", "dirty", "stream")
-
-    def tensors(self) -> list[Tensor]:
-        return [t for t in (self.h, self.labels, self.tok, self.dh, self.dw, self.dz, self.acc) if t is not None]
-
-
-class BackwardGraphs:
-    r"""Static buffers and CUDA graphs for the backward of :func:`linear_logprob_and_entropy`.
-
-    The fused backward launches three kernels per block of vocabulary rows (the block of logit
-    gradients, then its two products ``dh += dz @ w_block`` and ``dw_block = dz.T @ h``): 96 launches
-    for 8,192 tokens x 151,936 columns at hidden 896, about 5 ms of host time per call on an H200
-    host. Where the host binds the step (small models), that time is added to it. Passed as
-    ``graphs=`` (or ``StepConfig(fused_output_graphs=...)``), this cache makes the backward
-
-    1. copy its per-call inputs (hidden states, labels, the upstream gradients, the entropy and the
-       log-sum-exp) into static buffers of ``rows = ceil(tokens / row_multiple) * row_multiple``
-       rows. Rows past ``tokens`` are zero: hidden 0 and coefficients 0 give logit gradients of
-       exactly 0 (``dz = p (c - b log p) + a 1[j = label]`` with ``a = b = c = 0`` and finite
-       ``p``), so they add nothing to the weight gradient;
-    2. run the blocks from those buffers: on CUDA with the Triton implementation, eagerly the first
-       time a key ``(rows, which gradients, temperature, shard)`` is seen (this also compiles and
-       autotunes the kernels), then captured once as a CUDA graph (``torch.cuda.CUDAGraph``) and
-       replayed from the second time on, one launch for all blocks; elsewhere always eagerly;
-    3. return copies of the gradients (the buffers are overwritten by the next call).
-
-    Values equal those of a call without the cache (the same kernels; the padding rows add exact
-    zeros). The weight is read in place by its address: a weight at a new address (or of another
-    shape, dtype or device) gets buffers of its own, the least recently used beyond
-    ``max_weights`` are dropped; at most ``max_graphs`` graphs per weight are kept (least recently
-    used dropped). Updates of the weight between calls (optimizer steps) are seen by the replays.
-    A token count above the buffers' rows reallocates them (and drops that weight's graphs).
-
-    Memory, held until :meth:`clear` (or until the cache is dropped): per weight a weight-sized
-    gradient buffer, the padded hidden states and their gradient, one block of logit gradients and
-    the fp32 hidden-gradient accumulator. For 8,192 tokens, hidden 896 and 151,936 bf16 columns:
-    0.25 + 2 x 0.014 + 0.074 + 0.027 = 0.38 GiB, about 0.17 of one bf16 logits tensor
-    (:meth:`nbytes`), beside the 0.045 of the backward itself. Measured on an H200 at that shape
-    (BENCHMARKS.md): the host time of a fused forward + backward falls from 4.4 to 1.5 ms, the GPU
-    time stays (16.15 against 16.14 ms).
-
-    Reference: CUDA graphs, NVIDIA CUDA C++ Programming Guide, "CUDA Graphs"; PyTorch
-    ``torch.cuda.CUDAGraph``.
-
-    Args:
-      row_multiple: the buffers' token rows are rounded up to a multiple of it (fewer distinct
-        graphs for varying micro-batch sizes, at most ``row_multiple - 1`` padding rows of work).
-      max_graphs: graphs kept per weight.
-      max_weights: weights (buffer sets) kept.
-
-    Attributes:
-      captures, replays, eager_calls: counts of backward calls by how they ran.
-
-    Raises:
-      InputError: a size that is not an int >= 1.
-    """
-
-    def __init__(self, *, row_multiple: int = 256, max_graphs: int = 32, max_weights: int = 2) -> None:
-        from fnppo.core.batch import check_positive_int
-
-        for name, value in (("row_multiple", row_multiple), ("max_graphs", max_graphs), ("max_weights", max_weights)):
-            check_positive_int("fnppo.BackwardGraphs", name, value)
-        self.row_multiple, self.max_graphs, self.max_weights = int(row_multiple), int(max_graphs), int(max_weights)
-        self._spaces: OrderedDict[tuple, _Workspace] = OrderedDict()
-        self.captures = self.replays = self.eager_calls = 0
-
-    def clear(self) -> None:
-        """Drop every buffer and graph (their memory returns to PyTorch's allocator)."""
-        self._spaces.clear()
-
-    def nbytes(self) -> int:
-        """Bytes of the static buffers held now (the graphs' own few-kB pools not counted)."""
-        return sum(t.numel() * t.element_size() for ws in self._spaces.values() for t in ws.tensors())
-
-    def __repr__(self) -> str:
-        return (f"BackwardGraphs(row_multiple={self.row_multiple}, weights={len(self._spaces)}, "
-                f"graphs={sum(len(ws.graphs) for ws in self._spaces.values())}, captures={self.captures}, "
-                f"replays={self.replays}, eager_calls={self.eager_calls}, nbytes={self.nbytes()})")
-
-    # -- the backward --------------------------------------------------------------------------
-    def _backward(
-        self, h2: Tensor, weight: Tensor, labels: Tensor, per_token: tuple[Tensor | None, ...], cfg: _Cfg, need_h: bool, need_w: bool
-    ) -> tuple[Tensor | None, Tensor | None] | None:
-        """``(dh, dw)`` through the static buffers, or None (no tokens: the caller's eager path)."""
-        n, hid = h2.shape
-        if n == 0:
-            return None
-        rows = -(-n // self.row_multiple) * self.row_multiple
-        wkey = (str(weight.device), weight.dtype, weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()),
-                cfg.n_valid, cfg.impl, cfg.chunk_tokens, cfg.chunk_vocab)
-        ws = self._spaces.pop(wkey, None)
-        if ws is None or ws.rows < rows:
-            ws = None  # free the old buffers first
-            ws = self._workspace(weight, hid, rows, cfg)
-        self._spaces[wkey] = ws
-        while len(self._spaces) > self.max_weights:
-            self._spaces.popitem(last=False)
-        self._copy_in(ws, h2, labels, per_token)
-        present = tuple(t is not None for t in per_token)
-        w_valid = weight[: cfg.n_valid]
-        chunks = _backward_chunks(rows, weight.shape[0], hid, weight.element_size(), cfg)  # as a call of `rows` tokens
-        if cfg.impl == "triton":
-            self._block_space(ws, (min(chunks["group_tokens"], rows), min(chunks["block_vocab"], max(cfg.n_valid, 1))), hid)
-        spaces = {"dh_out": ws.dh[:rows], "dz_space": ws.dz, "acc_space": ws.acc} if cfg.impl == "triton" else {"dh_out": ws.dh[:rows]}
-
-        def body() -> None:
-            pt = tuple(ws.tok[i, :rows] if p else None for i, p in enumerate(present))
-            _grads(ws.h[:rows], w_valid, ws.labels[:rows], pt, cfg, need_h, ws.dw[: cfg.n_valid] if need_w else None, chunks, spaces)
-
-        key = (rows, present, need_h, need_w, cfg.inv_t, cfg.vocab_start)
-        graph = ws.graphs.get(key)
-        if graph is not None:
-            ws.graphs.move_to_end(key)
-            graph.replay()
-            self.replays += 1
-        elif ws.stream is not None and key in ws.seen and key not in ws.failed:
-            graph = self._capture(ws, body)
-            if graph is None:  # ran eagerly; this key is not captured again
-                ws.failed.add(key)
-                self.eager_calls += 1
-            else:
-                ws.graphs[key] = graph
-                while len(ws.graphs) > self.max_graphs:
-                    ws.graphs.popitem(last=False)
-                graph.replay()
-                self.captures += 1
-        else:
-            ws.seen.add(key)
-            self._on_side_stream(ws, body)
-            self.eager_calls += 1
-        dh = ws.dh[:n].clone() if need_h else None
-        dw = ws.dw.clone() if need_w else None
-        return dh, dw
-
-    def _workspace(self, weight: Tensor, hid: int, rows: int, cfg: _Cfg) -> _Workspace:
-        ws = _Workspace()
-        dev = weight.device
-        ws.rows, ws.dirty = rows, 0
-        ws.h = torch.zeros((rows, hid), dtype=weight.dtype, device=dev)
-        ws.labels = torch.zeros(rows, dtype=torch.int64, device=dev)
-        ws.tok = torch.zeros((4, rows), dtype=torch.float32, device=dev)  # g_lp, g_h, entropy, lse
-        ws.dh = torch.empty((rows, hid), dtype=weight.dtype, device=dev)
-        ws.dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
-        ws.dw[cfg.n_valid :].zero_()  # padding rows beyond the real vocabulary
-        ws.dz = ws.acc = None
-        ws.graphs, ws.seen, ws.failed = OrderedDict(), set(), set()
-        ws.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" and cfg.impl == "triton" else None
-        return ws
-
-    @staticmethod
-    def _block_space(ws: _Workspace, shape: tuple[int, int], hid: int) -> None:
-        """The block of logit gradients (and the fp32 accumulator) hold ``shape``; when they grow,
-        the graphs that read the old ones are dropped, and each key runs eagerly once more."""
-        if ws.dz is not None and ws.dz.shape[0] >= shape[0] and ws.dz.shape[1] >= shape[1]:
-            return
-        rows = max(shape[0], 0 if ws.dz is None else ws.dz.shape[0])
-        cols = max(shape[1], 0 if ws.dz is None else ws.dz.shape[1])
-        ws.graphs.clear()
-        ws.seen.clear()
-        ws.dz = ws.acc = None
-        ws.dz = torch.empty((rows, cols), dtype=ws.h.dtype, device=ws.h.device)
-        ws.acc = torch.empty((rows, hid), dtype=torch.float32, device=ws.h.device)
-
-    @staticmethod
-    def _copy_in(ws: _Workspace, h2: Tensor, labels: Tensor, per_token: tuple[Tensor | None, ...]) -> None:
-        n = h2.shape[0]
-        ws.h[:n].copy_(h2)
-        ws.labels[:n].copy_(labels)
-        for i, t in enumerate(per_token):
-            if t is not None:
-                ws.tok[i, :n].copy_(t)
-        if ws.dirty > n:  # rows a larger call wrote: back to zero
-            ws.h[n : ws.dirty].zero_()
-            ws.labels[n : ws.dirty].zero_()
-            ws.tok[:, n : ws.dirty].zero_()
-        ws.dirty = n
-
-    @staticmethod
-    def _on_side_stream(ws: _Workspace, fn: Any) -> None:
-        """Run ``fn`` on the buffers' own stream (where the graphs are captured), ordered after and
-        before the current stream's work; off CUDA just run it."""
-        if ws.stream is None:
-            fn()
-            return
-        cur = torch.cuda.current_stream(ws.h.device)
-        ws.stream.wait_stream(cur)
-        with torch.cuda.stream(ws.stream):
-            fn()
-        cur.wait_stream(ws.stream)
-
-    def _capture(self, ws: _Workspace, body: Any) -> Any:
-        """``body`` captured as a CUDA graph on the buffers' stream; None (with a warning, and
-        ``body`` run eagerly) if capturing fails here."""
-        graph = torch.cuda.CUDAGraph()
-        error: list[BaseException] = []
-
-        def capture() -> None:
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                body()
-            except BaseException as exc:  # noqa: BLE001 - ended below, then reported
-                error.append(exc)
-            finally:
-                graph.capture_end()
-
-        try:
-            self._on_side_stream(ws, capture)
-        except RuntimeError as exc:
-            error.append(exc)
-        if not error:
-            return graph
-        warnings.warn(f"fnppo.BackwardGraphs: capturing the fused backward failed ({error[0]!r}); it runs without a graph",
-                      RuntimeWarning, stacklevel=3)
-        ws.stream.synchronize()
-        self._on_side_stream(ws, body)
-        return None

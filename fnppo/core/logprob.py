@@ -25,16 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fnppo.core.typing import (
-    Tensor,
-    TokenIds,
-    TokenLogProbs,
-    VocabLogits,
-    describe,
-    input_error,
-    typechecked,
-    typechecking_enabled,
-)
+from fnppo.core.errors import describe, input_error
+from fnppo.core.kernels import logprob_kernels, triton_available, triton_interpreting
+from fnppo.core.typing import Tensor, TokenIds, TokenLogProbs, VocabLogits, typechecked, typechecking_enabled
 
 __all__ = ["logprob_and_entropy", "LOGPROB_IMPLS"]
 
@@ -155,7 +148,8 @@ def _check_args(
         raise input_error(_FN, "logits", "a floating tensor (fp32, bf16, fp16 or fp64)", describe(logits))
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise input_error(_FN, "logits", "a [*tok, vocab_shard] tensor with vocab_shard > 0", describe(logits))
-    t = _check_labels_and_options(_FN, labels, logits, "logits", "the logits'", temperature, tp_group, chunk_tokens=chunk_tokens)
+    t = _check_labels_and_options(_FN, labels, logits, "logits", "the logits'", temperature, tp_group,
+                                  chunk_tokens=chunk_tokens)
     if vocab_size is not None:
         tp_size, _ = _group_size_rank(tp_group)
         shard = logits.shape[-1]
@@ -178,7 +172,8 @@ def _check_labels_and_options(
 ) -> float:
     """The checks of the labels (against ``source``, the tensor whose leading dims they index), the
     temperature, the optional sizes and the TP group; returns the temperature as a float."""
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+    if (not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex()
+            or labels.dtype == torch.bool):
         raise input_error(fn, "labels", "an integer tensor of token ids", describe(labels))
     if tuple(labels.shape) != tuple(source.shape[:-1]):
         raise input_error(
@@ -239,8 +234,6 @@ def _resolve_impl(fn: str, impl: str | None, x: Tensor, fp64_inputs: str) -> str
     chosen = impl if impl is not None else os.environ.get("FNPPO_LOGPROB_IMPL", "auto").strip().lower() or "auto"
     if chosen not in LOGPROB_IMPLS:
         raise input_error(fn, "impl", f"one of {LOGPROB_IMPLS}", repr(chosen))
-    from fnppo.core.kernels import triton_available, triton_interpreting
-
     if chosen == "auto":
         return "triton" if x.is_cuda and x.dtype != torch.float64 and triton_available() else "torch"
     if chosen == "triton":
@@ -281,8 +274,6 @@ class _LogprobEntropy(torch.autograd.Function):
         if n_valid == 0:  # a shard of padding only: no column of the distribution
             m, s, w, zl = _empty_stats(x2.shape[0], with_entropy, x2.device)
         elif impl == "triton":
-            from fnppo.core.kernels import logprob_kernels
-
             m, s, w, zl = logprob_kernels().forward_stats(x2, lab, vocab_start, inv_t, with_entropy, n_valid)
         else:
             m, s, w, zl = _forward_stats_torch(x2[:, :n_valid], lab, vocab_start, inv_t, with_entropy, chunk_tokens)
@@ -312,8 +303,6 @@ class _LogprobEntropy(torch.autograd.Function):
         if n_valid == 0:
             grad = torch.zeros_like(x2)
         elif impl == "triton":
-            from fnppo.core.kernels import logprob_kernels
-
             grad = logprob_kernels().backward_grad(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t, n_valid)
         else:
             grad = _backward_grad_torch(x2, lab, lse, entropy, g_lp, g_h, vocab_start, inv_t, chunk_tokens, n_valid)

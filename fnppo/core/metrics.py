@@ -8,22 +8,19 @@ and data-parallel ranks, whatever the split; only :func:`finalize_metrics` divid
 * :func:`weighted_metric` / :func:`pair_metric` -- build a pair.
 * :func:`merge_metrics` -- sum dicts of pairs (micro-batches, mini-batches).
 * :func:`reduce_metrics` -- the step's reduction: micro-batches, then data-parallel ranks, then
-  shared from the last pipeline stage to every stage.
+  shared from the last pipeline stage to every stage (it takes the process groups, not a layout).
 * :func:`finalize_metrics` -- pairs to floats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fnppo.core.typing import Tensor
-
-if TYPE_CHECKING:
-    from fnppo.megatron.parallel import ParallelLayout
 
 __all__ = ["weighted_metric", "pair_metric", "merge_metrics", "reduce_metrics", "finalize_metrics"]
 
@@ -68,8 +65,15 @@ def merge_metrics(metrics: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     return out
 
 
-def reduce_metrics(per_microbatch: Sequence[Mapping[str, Tensor]], layout: ParallelLayout,
-                   device: torch.device) -> dict[str, Tensor]:
+def reduce_metrics(
+    per_microbatch: Sequence[Mapping[str, Tensor]],
+    layout: Any = None,
+    device: torch.device | None = None,
+    *,
+    dp_group: Any = None,
+    pp_group: Any = None,
+    is_last_stage: bool = True,
+) -> dict[str, Tensor]:
     """Sum ``(weighted_sum, weight)`` metrics over micro-batches and DP ranks, then share across stages.
 
     On the last pipeline stage (the only one with losses) the micro-batch dicts are merged and
@@ -78,27 +82,45 @@ def reduce_metrics(per_microbatch: Sequence[Mapping[str, Tensor]], layout: Paral
 
     Args:
         per_microbatch: this rank's metric dicts, one per micro-batch (empty on other stages).
-        layout: the :class:`~fnppo.megatron.parallel.ParallelLayout` (``dp``, ``dp_group``, ``pp``,
-            ``pp_group``, ``is_last_stage``).
-        device: where the DP all-reduce runs (the model's device).
+        layout: temporary (redesign), removed at integration: the old call
+            ``reduce_metrics(per_microbatch, layout, device)`` with an object that has
+            ``is_last_stage``, ``dp``, ``dp_group``, ``pp`` and ``pp_group`` (a
+            :class:`~fnppo.megatron.parallel.ParallelLayout`); when given, the keywords below are
+            taken from it. Pass the keywords instead.
+        device: where the DP all-reduce runs (the model's device); None: where the pairs are.
+        dp_group: the data-parallel process group the pairs are summed over (with context
+            parallelism: data x context parallel); None or a group of one rank: no all-reduce.
+        pp_group: the pipeline-parallel process group the result is shared over; None or a group of
+            one rank: a single stage.
+        is_last_stage: whether this rank is on the last pipeline stage (the one with losses).
 
     Returns:
         The merged ``dict[str, Tensor]`` (detached, on the CPU), identical on every rank.
     """
+    if layout is not None:
+        dp, dp_group, pp, pp_group = layout.dp, layout.dp_group, layout.pp, layout.pp_group
+        is_last_stage = layout.is_last_stage
+    else:
+        dp, pp = _group_size(dp_group), _group_size(pp_group)
     merged: dict[str, Any] = {}
-    if layout.is_last_stage:
+    if is_last_stage:
         merged = merge_metrics(per_microbatch) if per_microbatch else {}
-        if layout.dp > 1 and merged:
+        if dp > 1 and merged:
             keys = sorted(merged)
             flat = torch.stack([merged[k].to(device=device, dtype=torch.float64) for k in keys])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.dp_group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
             merged = {k: flat[i].float() for i, k in enumerate(keys)}
         merged = {k: v.detach().cpu() for k, v in merged.items()}
-    if layout.pp > 1:
-        gathered: list[Any] = [None] * layout.pp
-        dist.all_gather_object(gathered, merged, group=layout.pp_group)
+    if pp > 1:
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, merged, group=pp_group)
         merged = gathered[-1]
     return merged
+
+
+def _group_size(group: Any) -> int:
+    """Ranks in a process group (1 for None)."""
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def finalize_metrics(metrics: Mapping[str, Tensor]) -> dict[str, float]:

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-from fnppo.core.typing import CuSeqlens, Float, Int, Tensor, describe, input_error, typechecked
+from fnppo.core.kernels import rope_kernels, triton_available, triton_interpreting
+from fnppo.core.errors import describe, input_error
+from fnppo.core.typing import CuSeqlens, Float, Int, Tensor, typechecked
 
 __all__ = ["apply_rotary", "thd_positions", "ROPE_IMPLS"]
 
@@ -42,13 +44,12 @@ ROPE_IMPLS = ("auto", "triton", "torch")
 
 
 def _use_triton(x: Tensor, impl: str) -> bool:
-    from fnppo.core.kernels import triton_available, triton_interpreting
-
     if impl == "torch":
         return False
     ok = triton_available() and (x.is_cuda or triton_interpreting())
     if impl == "triton" and not ok:
-        raise input_error(_FN, "impl", "'torch' or 'auto' here (Triton needs CUDA tensors or TRITON_INTERPRET=1)", repr(impl))
+        raise input_error(_FN, "impl", "'torch' or 'auto' here (Triton needs CUDA tensors or TRITON_INTERPRET=1)",
+                          repr(impl))
     return ok and (impl == "triton" or x.is_cuda)
 
 
@@ -75,9 +76,7 @@ def _rotate_torch(x: Tensor, angles: Tensor, inverse: bool) -> Tensor:
 
 def _rotate(x: Tensor, freqs: Tensor, positions: Tensor, inverse: bool, triton: bool) -> Tensor:
     if triton:
-        from fnppo.core.kernels import rope_triton
-
-        return rope_triton.rotate(x, freqs, positions, inverse)
+        return rope_kernels().rotate(x, freqs, positions, inverse)
     return _rotate_torch(x, freqs[positions.long()], inverse)
 
 
@@ -116,7 +115,8 @@ def apply_rotary(
         raise input_error(_FN, "impl", f"one of {ROPE_IMPLS}", repr(impl))
     rot = freqs.shape[-1]
     if rot % 2 or rot > x.shape[-1] or rot == 0:
-        raise input_error(_FN, "freqs", f"an even number of angles per position, at most dim={x.shape[-1]}", describe(freqs))
+        raise input_error(_FN, "freqs", f"an even number of angles per position, at most dim={x.shape[-1]}",
+                          describe(freqs))
     return _Rotary.apply(x, freqs, positions, _use_triton(x, impl))
 
 

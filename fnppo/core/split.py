@@ -9,7 +9,7 @@ Plain torch (``torch.distributed`` for the agreement); nothing here imports Mega
   results back in the original order (:meth:`SplitPlan.restore`, the one way fnppo restores sample
   order);
 * :func:`build_microbatches` is the one call the training step makes: plan, collate
-  (:func:`fnppo.core.batch.collate_microbatch` or a user stage), move to the device, and optionally pad
+  (:func:`fnppo.core.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
 * :func:`split_mode` is the one check of the split arguments (exactly / at most one mode, a
   positive size), shared with :class:`fnppo.StepConfig`.
@@ -24,17 +24,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fnppo.core.batch import (
-    LAYOUTS,
-    Microbatch,
-    Sample,
-    _round_up,
-    check_lengths,
-    check_positive_int,
-    pad_microbatch,
-    to_device,
-)
-from fnppo.core.typing import input_error, typechecked
+from fnppo.core.checks import check_lengths
+from fnppo.core.collate import pad_microbatch, to_device
+from fnppo.core.context_parallel import shard_microbatch
+from fnppo.core.errors import check_positive_int, input_error
+from fnppo.core.sample import LAYOUTS, Microbatch, Sample, round_up
+from fnppo.core.typing import typechecked
 
 __all__ = ["SplitPlan", "split_batch", "split_mode", "check_split", "plan_microbatches", "build_microbatches",
            "SPLIT_MODES"]
@@ -64,12 +59,14 @@ class SplitPlan:
         order = list(self.order)
         n = len(order)
         if sorted(order) != list(range(n)) or any(len(mb) == 0 for mb in self.microbatches):
-            raise input_error("SplitPlan", "microbatches", f"non-empty groups partitioning range({n})", repr(self.microbatches)[:200])
+            raise input_error("SplitPlan", "microbatches", f"non-empty groups partitioning range({n})",
+                              repr(self.microbatches)[:200])
         expected = [0] * n
         for pos, i in enumerate(order):
             expected[i] = pos
         if list(self.inverse) != expected:
-            raise input_error("SplitPlan", "inverse", f"the inverse of the concatenated order {expected}"[:200], repr(self.inverse)[:200])
+            raise input_error("SplitPlan", "inverse", f"the inverse of the concatenated order {expected}"[:200],
+                              repr(self.inverse)[:200])
 
     @classmethod
     def from_groups(cls, groups: Sequence[Sequence[int]]) -> SplitPlan:
@@ -94,7 +91,8 @@ class SplitPlan:
     def apply(self, samples: Sequence[_T]) -> list[list[_T]]:
         """The samples grouped by micro-batch."""
         if len(samples) != len(self.inverse):
-            raise input_error("SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)", f"{len(samples)}")
+            raise input_error("SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)",
+                              f"{len(samples)}")
         return [[samples[i] for i in mb] for mb in self.microbatches]
 
     def restore(self, per_microbatch: Sequence[Sequence[_T]]) -> list[_T]:
@@ -102,7 +100,8 @@ class SplitPlan:
         flat = [x for group in per_microbatch for x in group]
         if [len(g) for g in per_microbatch] != [len(mb) for mb in self.microbatches]:
             raise input_error(
-                "SplitPlan.restore", "per_microbatch", f"group sizes {[len(mb) for mb in self.microbatches]}", f"{[len(g) for g in per_microbatch]}"
+                "SplitPlan.restore", "per_microbatch", f"group sizes {[len(mb) for mb in self.microbatches]}",
+                f"{[len(g) for g in per_microbatch]}",
             )
         return [flat[j] for j in self.inverse]
 
@@ -199,10 +198,12 @@ def split_mode(num_microbatches: Any, microbatch_size: Any, max_tokens_per_micro
     Raises:
         InputError: two or more modes (or none when ``required``); a size that is not an int >= 1.
     """
-    modes = {"num_microbatches": num_microbatches, "microbatch_size": microbatch_size, "max_tokens_per_microbatch": max_tokens_per_microbatch}
+    modes = {"num_microbatches": num_microbatches, "microbatch_size": microbatch_size,
+             "max_tokens_per_microbatch": max_tokens_per_microbatch}
     given = [k for k, v in modes.items() if v is not None]
     if len(given) > 1 or (required and not given):
-        raise input_error(fn, "/".join(SPLIT_MODES), "exactly one of them" if required else "at most one of them", f"{given or 'none'}")
+        raise input_error(fn, "/".join(SPLIT_MODES), "exactly one of them" if required else "at most one of them",
+                          f"{given or 'none'}")
     if not given:
         return None
     check_positive_int(fn, given[0], modes[given[0]])
@@ -253,7 +254,7 @@ def split_batch(
         num_microbatches, microbatch_size, max_tokens_per_microbatch: the split mode (exactly one).
         dp_group: the data-parallel group to agree with, or None.
         max_seq_len: refuse samples longer than this (None: no limit).
-        pad_to_multiple_of, layout: as in :func:`fnppo.core.batch.collate_microbatch` (token counts).
+        pad_to_multiple_of, layout: as in :func:`fnppo.core.collate.collate_microbatch` (token counts).
 
     Returns:
         The :class:`SplitPlan`.
@@ -296,7 +297,7 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
     n = len(samples)
     name, size = mode
     check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length)
-    lengths = [_round_up(length(s), pad_to_multiple_of) for s in samples]
+    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
     local: list[list[int]] | None = None
     if name == "num_microbatches":
         k = size
@@ -306,14 +307,16 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
         local = _first_fit_decreasing(lengths, size, layout)
         k = len(local)
     agreed, smallest = _agree(k, n, dp_group)
-    rounded = "" if name == "num_microbatches" or agreed % count_multiple == 0 else f", {agreed} rounded up to a multiple of {count_multiple}"
+    rounded = ""
+    if name != "num_microbatches" and agreed % count_multiple != 0:
+        rounded = f", {agreed} rounded up to a multiple of {count_multiple}"
     if rounded:
         agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
         raise input_error(
             fn, "samples",
-            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of micro-batches{rounded}; "
-            "empty micro-batches are not supported)",
+            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of "
+            f"micro-batches{rounded}; empty micro-batches are not supported)",
             f"{smallest} samples on some rank ({n} here)",
         )
     if local is None:
@@ -354,7 +357,7 @@ def check_split(fn: str, samples: Sequence[Sample], mode: tuple[str, int], *, pa
                      else f"the mini-batch size {n} ({len(samples)} samples / num_minibatches={parts}; ")
             raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(size))
     elif name == "max_tokens_per_microbatch":
-        lengths = [_round_up(length(s), pad_to_multiple_of) for s in samples]
+        lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
         _check_budget(fn, samples, lengths, size, pad_to_multiple_of, arg)
 
 
@@ -365,8 +368,10 @@ def _check_budget(fn: str, samples: Sequence[Sample], lengths: list[int], budget
         if ln > budget:
             raise input_error(
                 fn, f"{arg}[{i}]",
-                f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget cannot be split)",
-                f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}" + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
+                f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget "
+                "cannot be split)",
+                f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}"
+                + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
             )
 
 
@@ -410,7 +415,7 @@ def build_microbatches(
             the split uses (default ``len(sample)``).
         device: where the micro-batches go.
         dp_group: the data-parallel group the micro-batch count is agreed over (None: no agreement).
-        same_length: pad every micro-batch to the longest one (:func:`fnppo.core.batch.pad_microbatch`;
+        same_length: pad every micro-batch to the longest one (:func:`fnppo.core.collate.pad_microbatch`;
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
         context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
             rank's tokens (:func:`fnppo.core.context_parallel.shard_microbatch`) after collation and padding.
@@ -436,7 +441,5 @@ def build_microbatches(
         mbs = [pad_microbatch(mb, longest) for mb in mbs]
     cp, cp_rank = context_parallel
     if cp > 1:
-        from fnppo.core.context_parallel import shard_microbatch
-
         mbs = [shard_microbatch(mb, cp, cp_rank) for mb in mbs]
     return plan, mbs

@@ -3,7 +3,8 @@
 Every public tensor function in fnppo is decorated with :func:`typechecked`. At call time the
 jaxtyping annotations are checked by beartype: rank, named dimensions (consistent across all
 arguments of one call) and dtype. A violation raises :class:`ShapeError`, whose message names the
-function, the argument, the expected type and the received value (dtype and shape).
+function, the argument, the expected type and the received value (dtype and shape). The error
+types and the value checks a type cannot say live in :mod:`fnppo.core.errors`.
 
 Checking is on by default. Turn it off for production runs, where the shapes are known to be right
 and the few microseconds per call matter, with either
@@ -17,15 +18,28 @@ and the few microseconds per call matter, with either
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
+import inspect
 import os
+import re
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
-from jaxtyping import Bool, Float, Float32, Int, Int32, Integer, Shaped, jaxtyped
 from beartype import beartype
+from beartype.roar import BeartypeCallHintViolation
+from jaxtyping import Bool, Float, Float32, Int, Int32, Integer, Shaped, TypeCheckError, jaxtyped
+
+from fnppo.core.errors import ShapeError, describe
+
+# temporary re-exports (redesign): the error helpers live in fnppo.core.errors; removed at integration
+from fnppo.core.errors import InputError as InputError
+from fnppo.core.errors import check_bool_fields as check_bool_fields
+from fnppo.core.errors import check_finite as check_finite
+from fnppo.core.errors import check_mask01 as check_mask01
+from fnppo.core.errors import check_range as check_range
+from fnppo.core.errors import input_error as input_error
 
 __all__ = [
     "ShapeError",
@@ -76,14 +90,6 @@ Scalar = Float[Tensor, ""]
 
 # Re-exported so that modules write ``from fnppo.core.typing import Float, Int, ...``.
 __all__ += ["Bool", "Float", "Float32", "Int", "Int32", "Integer", "Shaped"]
-
-
-class ShapeError(TypeError):
-    """An argument or return value does not match its jaxtyping annotation.
-
-    The message names the function, the argument, the expected type (with the dimension sizes
-    bound so far) and the received value.
-    """
 
 
 def _env_default() -> bool:
@@ -173,8 +179,6 @@ def _shape_message(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict,
 
 def _summarize_report(report: str) -> str:
     """One line from jaxtyping's report: ``argument 'x' expected <type>, received <value>``."""
-    import re
-
     arg = re.search(r"typechecking parameter '([^']+)'", report)
     got = re.search(r"Actual value: (.+)", report)
     want = re.search(r"Expected type: <class '(.+)'>\.?$|Expected type: (.+?)\.?$", report, re.MULTILINE)
@@ -225,9 +229,6 @@ def _shape_str(t: torch.Tensor) -> str:
 
 def _diagnose(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
     """Walk the tensor arguments in order, binding named dimensions; describe the first conflict."""
-    import inspect
-    import typing
-
     hints = typing.get_type_hints(fn)
     bound = inspect.signature(fn).bind(*args, **kwargs)
     seen: dict[str, tuple[Any, str, torch.Tensor]] = {}  # dim -> (size, argument, tensor)
@@ -240,7 +241,8 @@ def _diagnose(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
                 return None  # a union of array types: dimensions cannot be bound unambiguously
             continue
         optional = type(None) in (getattr(hints.get(arg), "__args__", ()) or ())
-        tail = f"; expected {getattr(ann, '__name__', ann.dim_str)}{' | None' if optional else ''}, received {describe(value)}"
+        expected = f"{getattr(ann, '__name__', ann.dim_str)}{' | None' if optional else ''}"
+        tail = f"; expected {expected}, received {describe(value)}"
         pairs = _split_dims(ann.dims, tuple(value.shape))
         if isinstance(pairs, str):
             return f"argument '{arg}' has {pairs} for dims '{ann.dim_str}' (shape {_shape_str(value)}){tail}"
@@ -248,7 +250,8 @@ def _diagnose(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str | None:
             if dim in seen and seen[dim][0] != size:
                 prev_size, prev_arg, prev = seen[dim]
                 return (
-                    f"argument '{arg}' has {dim}={_size_str(size)}, but '{prev_arg}' bound {dim}={_size_str(prev_size)} "
+                    f"argument '{arg}' has {dim}={_size_str(size)}, "
+                    f"but '{prev_arg}' bound {dim}={_size_str(prev_size)} "
                     f"(shapes {_shape_str(value)} vs {_shape_str(prev)}){tail}"
                 )
             seen.setdefault(dim, (size, arg, value))
@@ -263,82 +266,8 @@ def _size_str(size: Any) -> str:
 
 
 def _is_type_violation(err: BaseException) -> bool:
-    from jaxtyping import TypeCheckError
-    from beartype.roar import BeartypeCallHintViolation
-
     return isinstance(err, (TypeCheckError, BeartypeCallHintViolation))
 
 
-# ---------------------------------------------------------------------------------------------
-# Value checks (things a type annotation cannot say). All raise InputError with one format:
-#   "<function>: argument '<name>' expected <what>, received <what>".
-# ---------------------------------------------------------------------------------------------
-class InputError(ValueError):
-    """An argument has the right type and shape but an invalid value (range, NaN, 0/1, ...)."""
-
-
+# temporary re-exports (redesign): see the imports above; removed at integration
 __all__ += ["InputError", "input_error", "check_mask01", "check_finite", "check_range", "describe", "check_bool_fields"]
-
-
-def describe(t: Any) -> str:
-    """Short description of a value for error messages: ``f32[2,3]`` for tensors."""
-    if isinstance(t, torch.Tensor):
-        dt = {
-            torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16",
-            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool", torch.uint8: "u8",
-        }.get(t.dtype, str(t.dtype).replace("torch.", ""))
-        return f"{dt}[{','.join(str(s) for s in t.shape)}]"
-    return repr(t)
-
-
-def input_error(fn: str, arg: str, expected: str, received: str) -> InputError:
-    """Build the standard error: function, argument, what was expected, what was received."""
-    return InputError(f"{fn}: argument '{arg}' expected {expected}, received {received}")
-
-
-def check_mask01(fn: str, arg: str, mask: torch.Tensor) -> None:
-    """Raise unless every entry of ``mask`` is 0 or 1."""
-    if mask.dtype == torch.bool or mask.numel() == 0:
-        return
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        value = mask[bad].flatten()[0].item()
-        raise input_error(fn, arg, "a 0/1 mask", f"{describe(mask)} containing {value!r}")
-
-
-def check_finite(fn: str, arg: str, t: torch.Tensor | None, where: torch.Tensor | None = None) -> None:
-    """Raise if ``t`` has NaN or inf (only at positions where ``where`` is non-zero, if given)."""
-    if t is None or t.numel() == 0 or not t.is_floating_point():
-        return
-    bad = ~torch.isfinite(t)
-    if where is not None:
-        bad = bad & (where != 0)
-    if bool(bad.any()):
-        n = int(bad.sum().item())
-        raise input_error(fn, arg, "finite values", f"{describe(t)} with {n} NaN/inf entries")
-
-
-def check_range(fn: str, arg: str, t: torch.Tensor, low: int, high: int) -> None:
-    """Raise unless ``low <= t < high`` everywhere (integer tensors, e.g. token ids)."""
-    if t.numel() == 0:
-        return
-    lo, hi = int(t.min().item()), int(t.max().item())
-    if lo < low or hi >= high:
-        raise input_error(fn, arg, f"values in [{low}, {high})", f"{describe(t)} with values in [{lo}, {hi}]")
-
-
-def check_bool_fields(fn: str, config: Any) -> None:
-    """Raise unless every field of the dataclass ``config`` annotated ``bool`` (or ``bool | None``)
-    holds a real ``bool`` (``None`` where allowed): ``"yes"``, ``0`` or ``1`` are refused, never
-    stored as given and read as truthy later."""
-    for f in dataclasses.fields(config):
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", repr(f.type))
-        kind = kind.replace(" ", "")
-        if kind not in ("bool", "bool|None", "None|bool", "Optional[bool]"):
-            continue
-        value = getattr(config, f.name)
-        if value is None and kind != "bool":
-            continue
-        if not isinstance(value, bool):
-            expected = "a bool" if kind == "bool" else "a bool or None"
-            raise input_error(fn, f.name, expected, f"{value!r} ({type(value).__name__})")

@@ -2,7 +2,8 @@
 
 Importing this package never imports Triton: the CPU path, CI and users without Triton need
 nothing from it. :func:`triton_available` says whether the kernels can be used, and
-:func:`logprob_kernels` returns the kernel module (importing Triton on first use).
+:func:`logprob_kernels`, :func:`linear_logprob_kernels` and :func:`rope_kernels` return the kernel
+modules (importing Triton on first use).
 
 Set ``TRITON_INTERPRET=1`` before the first import to run the kernels in Triton's interpreter on
 CPU tensors (slow; for checking the kernels without a GPU).
@@ -15,7 +16,7 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["triton_available", "triton_interpreting", "logprob_kernels"]
+__all__ = ["triton_available", "triton_interpreting", "logprob_kernels", "linear_logprob_kernels", "rope_kernels"]
 
 
 def triton_interpreting() -> bool:
@@ -37,3 +38,13 @@ def triton_available() -> bool:
 def logprob_kernels() -> ModuleType:
     """The Triton log-prob/entropy kernels (imports Triton; raise ImportError where it is absent)."""
     return importlib.import_module("fnppo.core.kernels.logprob_triton")
+
+
+def linear_logprob_kernels() -> ModuleType:
+    """The Triton kernels of the fused output layer (imports Triton; raise ImportError where it is absent)."""
+    return importlib.import_module("fnppo.core.kernels.linear_logprob_triton")
+
+
+def rope_kernels() -> ModuleType:
+    """The Triton rotary-embedding kernels (imports Triton; raise ImportError where it is absent)."""
+    return importlib.import_module("fnppo.core.kernels.rope_triton")
