@@ -20,16 +20,24 @@ Each stage runs as separate PyTorch kernels, as the actor's do (no fused loss). 
 log-prob level with bf16 logits, forward + backward: the clone (1 copy), Megatron's fp32 working
 copy that it keeps as its softmax (2 copies), the entropy's softmax buffer (1 copy); the gradients
 reuse those buffers.
+
+It is a module that ``benchmarks/step.py`` and ``benchmarks/logprob.py`` import. Run directly, it
+checks itself on the CPU against float64 references and fnppo's own loss:
+
+    .venv/bin/python benchmarks/actor_baseline.py
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import fnppo
+from fnppo.core.losses import KLPenalty, LossConfig, ppo_clip, ppo_loss
 from fnppo.core.metrics import weighted_metric
 
 __all__ = ["InplaceVocabParallelEntropy", "actor_logprob", "actor_loss", "actor_fns"]
@@ -78,7 +86,7 @@ class InplaceVocabParallelEntropy(torch.autograd.Function):
 def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any = None, temperature: float = 1.0,
                   with_entropy: bool = True, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs from Megatron's cross-entropy on a clone, entropy from :class:`InplaceVocabParallelEntropy`
-    (a :class:`fnppo.steps.step.LogprobFn`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
+    (a ``logprob`` stage of :class:`fnppo.StepFns`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     x = logits / temperature if temperature != 1.0 else logits
@@ -88,30 +96,34 @@ def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any =
 
 
 def actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-               config: fnppo.PolicyLossConfig, *, entropy: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
+               config: LossConfig, *, entropy: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
                rollout_logprobs: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
                seq_ids: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG001
     """Vanilla dual-clip PPO + entropy bonus + k3 KL, each token-summed over one global token count
-    (a :class:`fnppo.steps.step.LossFn`; module docstring)."""
+    (a ``loss`` stage of :class:`fnppo.StepFns`; module docstring). From ``config`` (the step's
+    :class:`~fnppo.core.losses.config.LossConfig`) it reads the clip bounds of its policy loss
+    (``clip_low``, ``clip_high``: a PPO-clip loss), ``entropy_coef`` and the KL coefficient."""
+    clip_low, clip_high = config.policy.clip_low, config.policy.clip_high
+    kl_coef = 0.0 if config.kl is None else config.kl.coef
     mask = loss_mask.to(logprobs.dtype)
     denom = normalizer if normalizer is not None else mask.sum().clamp_min(1.0)
     log_ratio = torch.clamp(logprobs - old_logprobs, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
-    pg2 = -advantages * torch.clamp(ratio, 1.0 - config.clip_ratio_low, 1.0 + config.clip_ratio_high)
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(pg1, pg2)
     dual = torch.minimum(-advantages * 3.0, clipped)
     pg = torch.where(advantages < 0, dual, clipped)
     loss = (pg * mask).sum() / denom
     metrics = {"pg_loss": weighted_metric(pg, mask)}
-    if entropy is not None and config.entropy_coeff:
-        loss = loss - config.entropy_coeff * (entropy * mask).sum() / denom
+    if entropy is not None and config.entropy_coef:
+        loss = loss - config.entropy_coef * (entropy * mask).sum() / denom
     if entropy is not None:
         metrics["entropy"] = weighted_metric(entropy, mask)
-    if ref_logprobs is not None and config.kl_coef:
+    if ref_logprobs is not None and kl_coef:
         d = ref_logprobs - logprobs
         k3 = torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
-        loss = loss + config.kl_coef * (k3 * mask).sum() / denom
+        loss = loss + kl_coef * (k3 * mask).sum() / denom
         metrics["kl_loss"] = weighted_metric(k3, mask)
     metrics["loss"] = torch.stack([loss.detach().float() * denom.detach().float(), denom.detach().float()])
     return loss, metrics
@@ -120,3 +132,50 @@ def actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
 def actor_fns() -> fnppo.StepFns:
     """The actor's stages in fnppo's step: its log-prob stage and its loss."""
     return fnppo.StepFns(logprob=actor_logprob, loss=actor_loss)
+
+
+def self_check(seed: int = 0) -> dict[str, float]:
+    """The baseline against references on random float64 inputs (CPU, one process): the entropy and
+    its gradient against autograd through ``log_softmax`` (the logits never written), and
+    :func:`actor_loss` against fnppo's ``ppo_loss`` with the same PPO-clip, entropy and k3 settings
+    and the same global token count (the two agree where no token's k3 exceeds the actor's cap of 10)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(4, 300, 37, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    before = x.detach().clone()
+    ent = InplaceVocabParallelEntropy.apply(x, None)
+    up = torch.randn(ent.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(ent, x, up)
+    xr = x.detach().clone().requires_grad_()
+    ref = -(torch.softmax(xr, -1) * torch.log_softmax(xr, -1)).sum(-1)
+    (ref_grad,) = torch.autograd.grad(ref, xr, up)
+    old, ref_lp = (torch.randn(8, 16, generator=g, dtype=torch.float64) * 0.3 - 2 for _ in range(2))
+    lp = old + 0.5 * torch.randn(8, 16, generator=g, dtype=torch.float64)
+    adv, entropy = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.rand(8, 16, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, 16, generator=g) > 0.3).double()
+    config = LossConfig(policy=ppo_clip(clip_low=0.2, clip_high=0.28), entropy_coef=0.01, kl=KLPenalty(coef=0.001))
+    normalizer = torch.tensor(200.0, dtype=torch.float64)
+    actor, _ = actor_loss(lp, old, adv, mask, config, entropy=entropy, ref_logprobs=ref_lp, normalizer=normalizer)
+    fn, _ = ppo_loss(lp, old, adv, mask, config, entropy=entropy, ref_logprobs=ref_lp, normalizer=normalizer)
+    return {"entropy_max_abs_err": float((ent.detach() - ref.detach()).abs().max()),
+            "entropy_grad_max_abs_err": float((grad - ref_grad).abs().max()),
+            "logits_unchanged": float(torch.equal(x.detach(), before)),
+            "loss_vs_fnppo_abs_diff": float((actor - fn).detach().abs())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Imported by benchmarks/step.py (path B) and benchmarks/logprob.py (method b). "
+                                       "Run directly: check the baseline against float64 references and fnppo's ppo_loss.")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    args = p.parse_args(argv)
+    results = self_check(args.seed)
+    for k, v in results.items():
+        print(f"{k}: {v:.3e}")
+    ok = (results["entropy_max_abs_err"] < 1e-12 and results["entropy_grad_max_abs_err"] < 1e-12
+          and results["logits_unchanged"] == 1.0 and results["loss_vs_fnppo_abs_diff"] < 1e-12)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

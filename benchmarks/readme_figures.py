@@ -1,16 +1,19 @@
 """Regenerate the figures README.md quotes, by running the commands written beside them.
 
 * ``figures:toy``: the default CPU toy run (``examples/ppo_toy.py``): s/step and final reward;
-* ``figures:layout-check``: ``--steps 1 --layout-check`` on 1 process and under
-  ``torchrun --nproc-per-node 2`` (DP=2), quoted to 7 significant digits
-  (``tests/test_readme.py`` compares them with the code at 1e-6 relative);
+* ``figures:layout-check``: ``--no-progress --steps 1 --layout-check`` on 1 process and under
+  ``torchrun --nproc-per-node 2`` (DP=2), quoted to 7 significant digits with the commands as a reader
+  runs them (``.venv/bin/python``, ``.venv/bin/torchrun``; ``tests/test_readme.py`` compares them with
+  the code at 1e-6 relative);
 * ``figures:tests`` (with ``--tests``, or ``--tests-from LOG`` to read a log of README's test
   command such as CI's output): the number of tests and the suite's wall time.
 
 Without ``--write`` it prints the new blocks; with it, it replaces them in README.md.
 
-    python benchmarks/readme_figures.py                 # print
-    python benchmarks/readme_figures.py --write --tests # update README.md (runs the whole suite)
+    .venv/bin/python benchmarks/readme_figures.py                 # print
+    .venv/bin/python benchmarks/readme_figures.py --write --tests # update README.md (runs the whole suite)
+
+CI (``.ci/run``) does not run it: it runs README's main and test commands.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "examples" / "ppo_toy.py"
-CHECK_ARGS = ["--steps", "1", "--layout-check", "--target-reward", "0"]
+CHECK_ARGS = ["--no-progress", "--steps", "1", "--layout-check", "--target-reward", "0"]
+READER = {1: ".venv/bin/python", 2: ".venv/bin/torchrun --nproc-per-node 2"}  # the commands as README quotes them
 
 
 def _env() -> dict:
@@ -39,17 +44,22 @@ def _run(cmd: list[str]) -> str:
     return out.stdout
 
 
-def layout_check_block(tmp: Path) -> str:
-    from fnppo.megatron.parallel import free_port
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    one = _run([sys.executable, str(TOY), *CHECK_ARGS, "--no-progress", "--no-plot", "--out-dir", str(tmp / "lc1")])
+
+def layout_check_block(tmp: Path) -> str:
+    one = _run([sys.executable, str(TOY), *CHECK_ARGS, "--no-plot", "--out-dir", str(tmp / "lc1")])
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-                str(TOY), *CHECK_ARGS, "--no-progress", "--no-plot", "--out-dir", str(tmp / "lc2")])
+                str(TOY), *CHECK_ARGS, "--no-plot", "--out-dir", str(tmp / "lc2")])
+    cmds = [f"$ {READER[n]} examples/ppo_toy.py {' '.join(CHECK_ARGS)}" for n in (1, 2)]
+    width = max(len(c) for c in cmds) + 1
     lines = []
-    for prefix, out in (("python", one), ("torchrun --nproc-per-node 2", two)):
+    for cmd, out in zip(cmds, (one, two), strict=True):
         m = re.search(r"first-step loss=(\S+) grad_norm=(\S+)", out)
-        cmd = f"$ {prefix} examples/ppo_toy.py {' '.join(CHECK_ARGS)}"
-        lines.append(f"{cmd:<90} # loss={float(m.group(1)):.6e} grad_norm={float(m.group(2)):.6e}")
+        lines.append(f"{cmd:<{width}}# loss={float(m.group(1)):.6e} grad_norm={float(m.group(2)):.6e}")
     return "```\n" + "\n".join(lines) + "\n```"
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from actor_baseline import InplaceVocabParallelEntropy, actor_loss  # noqa: E402
 
-import fnppo  # noqa: E402
+from fnppo.core.losses import KLPenalty, LossConfig, ppo_clip  # noqa: E402
 
 
 def test_inplace_entropy_value_and_gradient_against_float64():
@@ -42,7 +42,7 @@ def test_actor_loss_against_a_token_loop():
     adv = torch.randn(b, s, generator=g, dtype=torch.float64)
     ent = torch.rand(b, s, generator=g, dtype=torch.float64)
     mask = (torch.rand(b, s, generator=g) > 0.3).double()
-    cfg = fnppo.PolicyLossConfig(policy_loss="ppo", entropy_coeff=0.01, kl_coef=0.001, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    cfg = LossConfig(policy=ppo_clip(clip_low=0.2, clip_high=0.28), entropy_coef=0.01, kl=KLPenalty(coef=0.001))
     normalizer = torch.tensor(200.0, dtype=torch.float64)  # the step's global token count (other micro-batches too)
     loss, _ = actor_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, normalizer=normalizer)
     total = 0.0
@@ -59,6 +59,20 @@ def test_actor_loss_against_a_token_loop():
             k3 = max(-10.0, min(10.0, math.exp(d) - d - 1.0))
             total += pg - 0.01 * float(ent[i, j]) + 0.001 * k3
     assert abs(float(loss) - total / 200.0) < 1e-12
+
+
+def test_actor_baseline_checks_itself_when_run():
+    """``benchmarks/actor_baseline.py`` is a module with a main: run, it checks itself and says so."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "benchmarks/actor_baseline.py"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("PASS"), done.stdout + done.stderr[-3000:]
+    helped = subprocess.run([sys.executable, "benchmarks/actor_baseline.py", "--help"], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert helped.returncode == 0 and "usage:" in helped.stdout
 
 
 def test_model_flops_count_matches_the_published_parameter_count():
