@@ -53,8 +53,17 @@ class RankError(RuntimeError):
     """A rank of :func:`run_ranks` raised; the message holds its rank and remote traceback."""
 
 
-def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-              layout: dict[str, Any], seed: int, timeout_s: float) -> tuple[bool, Any, bool]:
+def _run_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    layout: dict[str, Any],
+    seed: int,
+    timeout_s: float,
+) -> tuple[bool, Any, bool]:
     """One call of ``fn`` on one rank: the process group and Megatron's groups set up, then torn down.
 
     Returns ``(ok, payload, clean)``: the serialized result or the traceback, and whether the process
@@ -63,12 +72,22 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     """
     saved_env = dict(os.environ)
     saved = (torch.get_default_dtype(), torch.get_num_threads(), typechecking_enabled())
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     try:
         with megatron_on_cpu():
-            init_parallel(layout["tp"], layout["pp"], vpp=layout["vpp"], ep=layout["ep"], etp=layout["etp"], seed=seed,
-                          device="cpu", timeout_s=timeout_s, cp=layout["cp"])
+            init_parallel(
+                layout["tp"],
+                layout["pp"],
+                vpp=layout["vpp"],
+                ep=layout["ep"],
+                etp=layout["etp"],
+                seed=seed,
+                device="cpu",
+                timeout_s=timeout_s,
+                cp=layout["cp"],
+            )
             try:
                 out = fn(*args, **kwargs)
             finally:
@@ -86,8 +105,18 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable[..., Any], arg
     return ok, payload, clean
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
-               layout: dict[str, Any], seed: int, timeout_s: float, results: Any) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    layout: dict[str, Any],
+    seed: int,
+    timeout_s: float,
+    results: Any,
+) -> None:
     """A fresh rank process: one call, then exit."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     ok, payload, _clean = _run_rank(rank, world_size, port, fn, args, kwargs, layout, seed, timeout_s)
@@ -120,8 +149,10 @@ class _Workers:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker_main, args=(r, world_size, self.tasks[r], self.results), daemon=True)
-                      for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_worker_main, args=(r, world_size, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
         self.calls = 0
@@ -145,7 +176,9 @@ class _Workers:
 _POOLS: dict[int, _Workers] = {}
 
 
-def _collect(procs: list[Any], results: Any, world_size: int, call_id: int, deadline: float) -> tuple[dict[int, Any], bool]:
+def _collect(
+    procs: list[Any], results: Any, world_size: int, call_id: int, deadline: float
+) -> tuple[dict[int, Any], bool]:
     """Every rank's result of call ``call_id`` (raising :class:`RankError` on the first failure), and
     whether every rank ended clean."""
     out: dict[int, Any] = {}
@@ -212,8 +245,14 @@ def run_ranks(
     if fresh:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, kwargs, layout, seed, timeout_s, results),
-                             daemon=True) for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world_size, port, fn, args, kwargs, layout, seed, timeout_s, results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}

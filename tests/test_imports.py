@@ -32,16 +32,16 @@ sys.meta_path.insert(0, _NoMegatron())
 PURE_CORE = '''
 import json, sys
 import torch
-import fnppo, fnppo.core.loss, fnppo.core.advantages, fnppo.core.logprob, fnppo.core.batch
+import fnppo, fnppo.core.losses, fnppo.core.advantages, fnppo.core.logprob, fnppo.core.batch
 from fnppo.core.batch import Sample, SplitPlan, collate_microbatch, split_batch, unpack_per_sample
-from fnppo.core.loss import PolicyLossConfig, loss_normalizer, ppo_loss, register_policy_loss
+from fnppo.core.losses import LossConfig, loss_normalizer, ppo_clip, ppo_loss
 
 samples = [Sample.from_lists([1, 2], [3, 4, 5], advantages=1.0, old_logprobs=[-1.0, -1.5, -2.0]),
            Sample.from_lists([6], [7, 8], advantages=-0.5, old_logprobs=[-0.5, -0.7])]
 plan = split_batch(samples, num_microbatches=2)
 mbs = [collate_microbatch(g, pad_to_multiple_of=2) for g in plan.apply(samples)]
-cfg = PolicyLossConfig(policy_loss="ppo", entropy_coeff=0.01)
-norm = sum(loss_normalizer(mb.loss_mask, cfg) for mb in mbs)
+cfg = LossConfig(policy=ppo_clip(), entropy_coef=0.01)
+norm = sum(loss_normalizer(mb.loss_mask, cfg.agg) for mb in mbs)
 torch.manual_seed(0)
 total, per_sample = 0.0, []
 for mb in mbs:
@@ -121,11 +121,11 @@ def test_all_names_resolve():
     assert set(fnppo.__all__) <= set(dir(fnppo))
     # the names that moved out of loss.py / batch.py still import from there
     from fnppo.core.batch import SplitPlan, split_batch
-    from fnppo.core.loss import PolicyLossInputs, Segments, finalize_metrics, merge_metrics, register_policy_loss, weighted_metric
+    from fnppo.core.loss import PolicyLossInputs, Segments, finalize_metrics, merge_metrics, weighted_metric
+    from fnppo.core.losses import PolicyInputs
 
     assert SplitPlan is fnppo.core.split.SplitPlan and split_batch is fnppo.core.split.split_batch
-    assert register_policy_loss is fnppo.core.policy_losses.register_policy_loss
-    assert PolicyLossInputs is fnppo.PolicyLossInputs and Segments is fnppo.core.segments.Segments
+    assert PolicyLossInputs is PolicyInputs is fnppo.PolicyLossInputs and Segments is fnppo.core.segments.Segments
     assert (merge_metrics, finalize_metrics, weighted_metric) == (
         fnppo.core.metrics.merge_metrics, fnppo.core.metrics.finalize_metrics, fnppo.core.metrics.weighted_metric)
     for module in (fnppo.core.loss, fnppo.core.batch):

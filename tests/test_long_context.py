@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.step_helpers import gather_dp, max_metric_error
 
@@ -52,7 +53,7 @@ def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
         opt = fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0)
         state = fnppo.TrainState(model=ddp, optimizer=opt)
         samples = fnppo.shard_for_data_parallel(_samples(), layout)
-        loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05)
+        loss = LossConfig(policy=ppo_clip(), agg=Aggregation("token-mean"), entropy_coef=0.01, kl=KLPenalty(0.05, "k3"))
         extra = {"2mb": {"num_microbatches": 2}, "fused": {"fused_output": True}}.get(split, {})
         cfg = fnppo.StepConfig(loss=loss, **extra)
         logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
@@ -69,8 +70,8 @@ def _check_refusals(state, samples, cfg) -> None:
     """Under CP, sequence-level losses and the padded layout are refused before anything runs."""
     import dataclasses
 
-    seq_loss = dataclasses.replace(cfg.loss, loss_agg_mode="seq-mean-token-mean")
-    for bad, match in ((dataclasses.replace(cfg, loss=seq_loss), "loss_agg_mode"),
+    seq_loss = dataclasses.replace(cfg.loss, agg=Aggregation("seq-mean-token-mean"))
+    for bad, match in ((dataclasses.replace(cfg, loss=seq_loss), "config.loss.agg.mode"),
                        (dataclasses.replace(cfg, layout="padded"), "config.layout"),
                        (dataclasses.replace(cfg, pad_to_multiple_of=2), "pad_to_multiple_of")):
         with pytest.raises(fnppo.InputError, match=match):

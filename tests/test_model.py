@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.losses import LossConfig
 from fnppo.megatron.config import transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
@@ -778,28 +779,31 @@ def test_model_config_field_reaches_megatron(settings_read_back, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# A registered policy loss is the loss the step optimizes (not only "it ran")
+# A user's policy loss (any callable, LossConfig(policy=...)) is the loss the step optimizes (not only "it ran")
 # ---------------------------------------------------------------------------------------------
-def _scaled_loss_steps() -> dict:
-    """One step per registered loss ``k * (-logprob * sign(advantage))``, k = 0, 1, 2, from the same weights."""
-    from fnppo.core.loss import registered_policy_losses
+def _scaled_sign_loss(k: float):
+    """The policy loss ``k * (-logprob * sign(advantage))`` per token: a plain callable, no registration."""
+    def loss(x):
+        return -k * x.logprobs * torch.sign(x.advantages), {}
 
+    return loss
+
+
+def _scaled_loss_steps() -> dict:
+    """One step per policy loss ``k * (-logprob * sign(advantage))``, k = 0, 1, 2, from the same weights."""
     out = {}
     for k in (0.0, 1.0, 2.0):
-        name = f"test_model_scaled_sign_{k:g}"
-        if name not in registered_policy_losses():
-            fnppo.register_policy_loss(name)(lambda x, k=k: (-k * x.logprobs * torch.sign(x.advantages), {}))
         chunks = fnppo.build_gpt(_cfg())
         fnppo.layout_invariant_init(chunks, seed=3)
         ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
         opt = fnppo.build_optimizer(ddp, optimizer="sgd", lr=1.0, clip_grad=0.0)
         state = fnppo.TrainState(model=ddp, optimizer=opt)
-        cfg = fnppo.StepConfig(loss=fnppo.PolicyLossConfig(policy_loss=name), num_microbatches=2)
+        cfg = fnppo.StepConfig(loss=LossConfig(policy=_scaled_sign_loss(k)), num_microbatches=2)
         _, out[k] = fnppo.train_step(state, _samples(), cfg)
     return out
 
 
-def test_registered_policy_loss_is_the_loss_the_step_optimizes():
+def test_callable_policy_loss_is_the_loss_the_step_optimizes():
     m = run_ranks(_scaled_loss_steps, 1)[0]
     assert m[1.0]["grad_norm"] > 1e-6 and m[1.0]["loss"] != 0.0
     assert m[0.0]["grad_norm"] == 0.0 and m[0.0]["loss"] == 0.0  # a zero loss moves nothing: it was used

@@ -16,6 +16,7 @@ import torch
 
 import fnppo
 import fnppo.megatron.unwrap
+from fnppo.core.losses import Aggregation, LossConfig, ppo_clip, ppo_loss
 from fnppo.testing import run_ranks, synthetic_samples
 
 REL = 1e-5
@@ -49,7 +50,7 @@ def _state(cfg: fnppo.ModelConfig, full: dict, *, distributed: bool = True, opti
 
 
 def _step_cfg(num_microbatches: int) -> fnppo.StepConfig:
-    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01)
+    loss = LossConfig(policy=ppo_clip(), agg=Aggregation("token-mean"), entropy_coef=0.01)
     return fnppo.StepConfig(loss=loss, num_microbatches=num_microbatches, pad_to_multiple_of=2)
 
 
@@ -161,7 +162,7 @@ def _router_grad_case(nmb: int) -> dict:
     handles = [r.register_forward_hook(capture(layer)) for layer, r in enumerate(rs)]
 
     def zero_policy_loss(*args, **kwargs):
-        loss, metrics = fnppo.ppo_loss(*args, **kwargs)
+        loss, metrics = ppo_loss(*args, **kwargs)
         return loss * 0.0, metrics
 
     step = fnppo.StepConfig(num_microbatches=nmb, pad_to_multiple_of=2, fns=fnppo.StepFns(loss=zero_policy_loss))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.losses import Aggregation, LossConfig, ppo_clip
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.messages import check_message, messages_of
 from tests.test_moe import _cfg as _moe_cfg
@@ -46,7 +47,7 @@ def _layout_samples():
 
 
 def _step(nmb: int = NMB, layout: str = "packed") -> fnppo.StepConfig:
-    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01)
+    loss = LossConfig(policy=ppo_clip(), agg=Aggregation("token-mean"), entropy_coef=0.01)
     return fnppo.StepConfig(loss=loss, num_microbatches=nmb, pad_to_multiple_of=PAD, layout=layout)
 
 

@@ -26,6 +26,7 @@ import torch
 import fnppo
 import fnppo.megatron.layer_specs
 import fnppo.megatron.unwrap
+from fnppo.core.losses import Aggregation, ValueLossConfig, value_loss
 from fnppo.testing import run_ranks, synthetic_samples
 from tests.loss_helpers import aggregate
 from tests.messages import check_message
@@ -57,7 +58,7 @@ def _samples() -> list:
 
 
 def _critic_cfg(mode: str, split: str = "1mb", clip: float | None = CLIP) -> fnppo.CriticConfig:
-    loss = fnppo.ValueLossConfig(clip_range=clip, loss_agg_mode=mode, loss_scale_factor=8.0 if mode.endswith("norm") else None)
+    loss = ValueLossConfig(clip_range=clip, agg=Aggregation(mode, 8.0 if mode.endswith("norm") else None))
     return fnppo.CriticConfig(loss=loss, **SPLITS[split])
 
 
@@ -235,7 +236,7 @@ def _structure() -> dict:
 
 
 def _nan_loss(*args, **kwargs):
-    loss, metrics = fnppo.value_loss(*args, **kwargs)
+    loss, metrics = value_loss(*args, **kwargs)
     nan = torch.full((), float("nan"))
     return loss + nan, dict(metrics, vf_loss=metrics["vf_loss"] + nan)
 
@@ -480,13 +481,15 @@ def test_clipping_off_needs_no_rollout_values(single):
     assert single["errors"]["no-values-without-clip"] == "ran: skipped=0.0"
 
 
-@pytest.mark.parametrize("bad,arg", [
-    (dict(clip_range=-0.1), "clip_range"), (dict(loss_agg_mode="mean"), "loss_agg_mode"),
-    (dict(loss_agg_mode="seq-mean-token-sum-norm"), "loss_scale_factor"),
-], ids=["negative-clip", "unknown-mode", "norm-without-scale"])
-def test_value_loss_config_is_checked_when_built(bad, arg):
-    with pytest.raises(fnppo.InputError, match=f"ValueLossConfig: argument '{arg}' expected"):
-        fnppo.ValueLossConfig(**bad)
+@pytest.mark.parametrize("build,where", [
+    (lambda: ValueLossConfig(clip_range=-0.1), "ValueLossConfig: argument 'clip_range'"),
+    (lambda: ValueLossConfig(agg=Aggregation("mean")), "Aggregation: argument 'mode'"),
+    (lambda: ValueLossConfig(agg=Aggregation("seq-mean-token-sum-norm")), "Aggregation: argument 'scale'"),
+    (lambda: ValueLossConfig(agg="token-mean"), "ValueLossConfig: argument 'agg'"),
+], ids=["negative-clip", "unknown-mode", "norm-without-scale", "agg-not-an-aggregation"])
+def test_value_loss_config_is_checked_when_built(build, where):
+    with pytest.raises(fnppo.InputError, match=f"{where} expected"):
+        build()
 
 
 def test_critic_config_is_checked_when_built():
@@ -567,7 +570,7 @@ def test_critic_layouts_match_one_process(single, two_ranks, name):
 
 def test_critic_refuses_sequence_losses_under_context_parallelism(two_ranks):
     msg = two_ranks["cp2"]["refusal"]
-    check_message(fnppo.InputError(msg), fnppo.InputError, "critic_step", "config.loss.loss_agg_mode",
+    check_message(fnppo.InputError(msg), fnppo.InputError, "critic_step", "config.loss.agg.mode",
                   "'token-mean' with context parallelism (cp=2)", "'seq-mean-token-mean'")
 
 

@@ -20,8 +20,9 @@ import torch
 import fnppo
 import fnppo.megatron.unwrap
 from fnppo.core.batch import Sample, collate_microbatch, unpack_per_sample
-from fnppo.testing import run_ranks
+from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
 from fnppo.core.typing import InputError
+from fnppo.testing import run_ranks
 from tests.step_helpers import gather_dp, max_metric_error
 
 IMG = 5  # the placeholder token
@@ -412,8 +413,8 @@ def _lm_cfg() -> fnppo.ModelConfig:
                              ffn_hidden_size=64, vocab_size=64, max_seq_len=64)
 
 
-def _loss_cfg() -> fnppo.PolicyLossConfig:
-    return fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3")
+def _loss_cfg() -> LossConfig:
+    return LossConfig(policy=ppo_clip(), agg=Aggregation("token-mean"), entropy_coef=0.01, kl=KLPenalty(0.05, "k3"))
 
 
 def _state(freeze: bool):
@@ -691,7 +692,8 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
     # (one image: the unexpanded token count less one, whose placeholder row is the next token's)
     n, at = len(LAYOUT[2][0]) + len(LAYOUT[2][1]), LAYOUT[2][0].index(IMG)
     msg = moe["dropped-one-image"]
-    assert re.match(r"fnppo\.vlm\.VLMCollate: argument 'samples\[\d\]\.routed_experts' expected a row of -1 at each image "
+    # (the step's entry check asks the collate stage, VLMCollate.check_batch, naming the caller's batch[i])
+    assert re.match(r"compute_logprobs: argument 'batch\[\d\]\.routed_experts' expected a row of -1 at each image "
                     rf"placeholder \({n - 1} rows: one per token of the unexpanded sequence", msg), msg
     assert re.search(rf", received experts \[\[.*\]\] at placeholder token {at}$", msg), msg
     n = len(LAYOUT[3][0]) + len(LAYOUT[3][1])

@@ -42,11 +42,18 @@ from fnppo.megatron.value import GPTValueModel
 __all__ = ["build_gpt", "wrap_ddp", "build_optimizer"]
 
 
-def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, layout: ParallelLayout | None = None,
-              **config_overrides: Any) -> list[nn.Module]:
+def build_gpt(
+    cfg: ModelConfig,
+    *,
+    head: str = "lm",
+    layer_spec: Any = None,
+    layout: ParallelLayout | None = None,
+    **config_overrides: Any,
+) -> list[nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) of a Megatron ``GPTModel``.
 
-    ``head="lm"``: a ``GPTModel`` (logits, :func:`fnppo.megatron.forward.forward_logits`). ``head="value"``: the critic of
+    ``head="lm"``: a ``GPTModel`` (logits, :func:`fnppo.megatron.forward.forward_logits`).
+    ``head="value"``: the critic of
     PPO, a :class:`fnppo.megatron.value.GPTValueModel` with the same trunk and a scalar head per token on the
     last stage instead of the vocabulary output layer (values, :func:`fnppo.megatron.forward.forward_values`); it never
     ties its embedding (``cfg.tie_embeddings`` is ignored), and its fresh head can sit on an actor's
@@ -54,10 +61,12 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     :func:`fnppo.io.hf.load_hf_weights`), or trunk and head come from a Hugging Face value or reward
     model (``*ForTokenClassification`` / ``*ForSequenceClassification``, ``num_labels=1``).
 
-    ``layer_spec`` defaults to :func:`fnppo.megatron.layer_specs.choose_layer_spec`: Transformer Engine's spec when installed,
+    ``layer_spec`` defaults to :func:`fnppo.megatron.layer_specs.choose_layer_spec`: Transformer Engine's
+    spec when installed,
     else the local spec with packed-sequence attention, and the local spec under context
     parallelism; pass ``layer_spec=fnppo.local_layer_spec(cfg)`` or
-    ``layer_spec=fnppo.default_layer_spec(cfg)`` to force either. With MoE layers ``layer_spec`` is the spec of the MoE layers, and dense layers
+    ``layer_spec=fnppo.default_layer_spec(cfg)`` to force either. With MoE layers ``layer_spec`` is the
+    spec of the MoE layers, and dense layers
     (``moe_layer_freq``) get the default dense spec. Every router's replay slot is its own
     (``fnppo.megatron.routing``): it is taken off Megatron's global list of replay instances, so models built
     earlier never see a later replay. Half-precision models are
@@ -78,7 +87,11 @@ def build_gpt(cfg: ModelConfig, *, head: str = "lm", layer_spec: Any = None, lay
     dense_spec = None
     if cfg.num_experts is not None:
         _moe_without_te()
-        spec = layer_spec if layer_spec is not None else choose_layer_spec(cfg, layout, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+        spec = (
+            layer_spec
+            if layer_spec is not None
+            else choose_layer_spec(cfg, layout, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+        )
         if len(cfg.moe_layers) < cfg.num_layers:
             dense_spec = choose_layer_spec(dataclasses.replace(cfg, num_experts=None), layout)
     else:
@@ -123,7 +136,9 @@ def _own_replay_slots(model: nn.Module) -> None:
     for m in model.modules():
         old = getattr(m, "router_replay", None)
         if old is not None:
-            RouterReplay.global_router_replay_instances[:] = [r for r in RouterReplay.global_router_replay_instances if r is not old]
+            RouterReplay.global_router_replay_instances[:] = [
+                r for r in RouterReplay.global_router_replay_instances if r is not old
+            ]
             m.router_replay = replay_slot()
 
 
@@ -145,7 +160,9 @@ def _block_spec(spec: Any, tcfg: Any, vp: int | None, *, dense_spec: Any = None,
     (this stage's global layers, Megatron's ``get_transformer_layer_offset``) get ``spec`` where
     they are MoE layers and ``dense_spec`` elsewhere, as Megatron's ``get_gpt_decoder_block_spec``.
     """
-    layer_spec = isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, BaseTransformerLayer)
+    layer_spec = (
+        isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and issubclass(spec.module, BaseTransformerLayer)
+    )
     sp_norm = tcfg.sequence_parallel and tb.LayerNormImpl is WrappedTorchNorm
     if not layer_spec or (dense_spec is None and not sp_norm):
         return spec
@@ -154,7 +171,10 @@ def _block_spec(spec: Any, tcfg: Any, vp: int | None, *, dense_spec: Any = None,
     if dense_spec is not None:
         offset = tb.get_transformer_layer_offset(tcfg, vp_stage=vp)
         specs = [spec if offset + i in moe_layers else dense_spec for i in range(layers)]
-    return tb.TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm if sp_norm else tb.LayerNormImpl)
+    return tb.TransformerBlockSubmodules(
+        layer_specs=specs, layer_norm=SequenceParallelNorm if sp_norm else tb.LayerNormImpl
+    )
+
 
 def _moe_without_te() -> None:
     """Two gaps of megatron-core 0.16.1's MoE code off the GPU, filled once per process.
@@ -181,7 +201,13 @@ def _moe_without_te() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move
 
 
-def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = True, overlap_grad_reduce: bool = False, **ddp_kwargs: Any) -> list[nn.Module]:
+def wrap_ddp(
+    chunks: Sequence[nn.Module],
+    *,
+    use_distributed_optimizer: bool = True,
+    overlap_grad_reduce: bool = False,
+    **ddp_kwargs: Any,
+) -> list[nn.Module]:
     """Wrap model chunks in Megatron's ``DistributedDataParallel`` (fp32 grad buffers)."""
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -202,7 +228,18 @@ def wrap_ddp(chunks: Sequence[nn.Module], *, use_distributed_optimizer: bool = T
     return out
 
 
-def build_optimizer(chunks: Sequence[nn.Module], *, optimizer: str = "adam", lr: float = 1e-5, weight_decay: float = 0.0, clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8, **kwargs: Any):
+def build_optimizer(
+    chunks: Sequence[nn.Module],
+    *,
+    optimizer: str = "adam",
+    lr: float = 1e-5,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    adam_eps: float = 1e-8,
+    **kwargs: Any,
+):
     """Megatron's optimizer (``"adam"`` or ``"sgd"``; distributed when the chunks' DDP config says so).
 
     ``clip_grad`` > 0 clips the global grad norm (Megatron's own clipping); 0 disables it. On CUDA
@@ -232,7 +269,9 @@ def build_optimizer(chunks: Sequence[nn.Module], *, optimizer: str = "adam", lr:
     return get_megatron_optimizer(ocfg, list(chunks))
 
 
-def _l2_norm_without_syncs(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool, *args: Any) -> tuple[Tensor, None]:
+def _l2_norm_without_syncs(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool, *args: Any
+) -> tuple[Tensor, None]:
     r"""Drop-in for Megatron's ``local_multi_tensor_l2_norm``: :math:`\sqrt{\sum_t \|t\|_2^2}` over
     all tensors as a ``[1]`` fp32 device tensor, from ``torch._foreach_norm`` (a few kernels, no
     host sync; Megatron's fallback builds a host list of per-tensor norms)."""
@@ -248,4 +287,3 @@ def _install_l2_norm_without_syncs() -> None:
     fallback (neither Transformer Engine nor Apex installed; once per process)."""
     if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = _l2_norm_without_syncs
-

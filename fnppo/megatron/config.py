@@ -134,15 +134,29 @@ class ModelConfig:
     def __post_init__(self) -> None:
         fn = "ModelConfig"
         check_bool_fields(fn, self)
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_seq_len"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_seq_len",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise input_error(fn, name, "an int >= 1", repr(v))
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
-            raise input_error(fn, "hidden_size", f"a multiple of num_attention_heads={self.num_attention_heads}", repr(self.hidden_size))
+            raise input_error(
+                fn,
+                "hidden_size",
+                f"a multiple of num_attention_heads={self.num_attention_heads}",
+                repr(self.hidden_size),
+            )
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
-            raise input_error(fn, "num_query_groups", f"a divisor of num_attention_heads={self.num_attention_heads}", repr(groups))
+            raise input_error(
+                fn, "num_query_groups", f"a divisor of num_attention_heads={self.num_attention_heads}", repr(groups)
+            )
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
         if self.normalization not in ("RMSNorm", "LayerNorm"):
@@ -168,25 +182,48 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise input_error(fn, name, "a finite float >= 0", repr(v))
-        if self.moe_z_loss_coeff is not None and not (math.isfinite(self.moe_z_loss_coeff) and self.moe_z_loss_coeff >= 0):
+        if self.moe_z_loss_coeff is not None and not (
+            math.isfinite(self.moe_z_loss_coeff) and self.moe_z_loss_coeff >= 0
+        ):
             raise input_error(fn, "moe_z_loss_coeff", "None or a finite float >= 0", repr(self.moe_z_loss_coeff))
         if self.moe_load_balancing == "none" and self.moe_aux_loss_coeff > 0:
-            raise input_error(fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff))
+            raise input_error(
+                fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff)
+            )
         freq = self.moe_layer_freq
         if isinstance(freq, list):
             object.__setattr__(self, "moe_layer_freq", tuple(freq))
             freq = self.moe_layer_freq
         if isinstance(freq, tuple):
-            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq) or not any(freq):
-                raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+            if (
+                len(freq) != self.num_layers
+                or any(v not in (0, 1) or isinstance(v, bool) for v in freq)
+                or not any(freq)
+            ):
+                raise input_error(
+                    fn,
+                    "moe_layer_freq",
+                    f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)",
+                    repr(freq),
+                )
         elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
-            raise input_error(fn, "moe_layer_freq", f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)", repr(freq))
+            raise input_error(
+                fn,
+                "moe_layer_freq",
+                f"an int >= 1 or {self.num_layers} entries of 0/1 (one per layer, at least one 1)",
+                repr(freq),
+            )
         if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
-            raise input_error(fn, "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True")
+            raise input_error(
+                fn, "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True"
+            )
         if self.moe_expert_bias and self.moe_score_function != "sigmoid":  # Megatron refuses it at build time
-            raise input_error(fn, "moe_expert_bias",
-                              "False unless moe_score_function='sigmoid' (aux-loss-free balancing)",
-                              f"True with moe_score_function={self.moe_score_function!r}")
+            raise input_error(
+                fn,
+                "moe_expert_bias",
+                "False unless moe_score_function='sigmoid' (aux-loss-free balancing)",
+                f"True with moe_score_function={self.moe_score_function!r}",
+            )
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -205,7 +242,6 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // m) * m
-
 
 
 def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
@@ -229,12 +265,14 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
         apply_rope_fusion=bool(on and cfg.position_embedding_type == "rope"),
     )
 
+
 def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, **overrides: Any):
     """Megatron ``TransformerConfig`` for ``cfg`` under ``layout``.
 
     ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
     (packed micro-batches differ in length); fnppo's steps run the interleaved schedule (``vpp``)
-    without it, on micro-batches of one shape (``fnppo.steps.step._run_schedule`` says why). Fusions: :func:`fusion_fields` (on where the model is
+    without it, on micro-batches of one shape (``fnppo.steps.step._run_schedule`` says why).
+    Fusions: :func:`fusion_fields` (on where the model is
     built for CUDA unless ``cfg.fusions`` is False; off on CPU).
     """
     layout = layout or current_layout()
@@ -243,16 +281,27 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
         if n % layout.tp:
             raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
     if cfg.padded_vocab_size % layout.tp:
-        raise input_error("transformer_config", "vocab_size", f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)", repr(cfg.vocab_size))
+        raise input_error(
+            "transformer_config",
+            "vocab_size",
+            f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)",
+            repr(cfg.vocab_size),
+        )
     if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
         raise input_error(
-            "transformer_config", "make_vocab_size_divisible_by",
+            "transformer_config",
+            "make_vocab_size_divisible_by",
             f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
             f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
             repr(cfg.make_vocab_size_divisible_by),
         )
     if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
-        raise input_error("transformer_config", "num_layers", f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}", repr(cfg.num_layers))
+        raise input_error(
+            "transformer_config",
+            "num_layers",
+            f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}",
+            repr(cfg.num_layers),
+        )
     dtype = cfg.torch_dtype
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
@@ -317,9 +366,11 @@ def _check_recompute_modules(kwargs: dict[str, Any]) -> None:
     bad = [m for m in kwargs.get("recompute_modules") or () if m in _TE_ONLY_RECOMPUTE]
     if bad and not te_available():
         raise input_error(
-            "transformer_config", "recompute_modules",
+            "transformer_config",
+            "recompute_modules",
             "modules that run without Transformer Engine (e.g. 'mlp', 'core_attn', 'moe', 'shared_experts'; "
-            f"Megatron's {', '.join(repr(m) for m in _TE_ONLY_RECOMPUTE)} need it)", repr(list(kwargs["recompute_modules"])),
+            f"Megatron's {', '.join(repr(m) for m in _TE_ONLY_RECOMPUTE)} need it)",
+            repr(list(kwargs["recompute_modules"])),
         )
 
 
@@ -332,7 +383,9 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
         # Megatron's allgather dispatcher refuses variable_seq_lengths, which fnppo needs only to
         # exchange per-micro-batch shapes between pipeline stages.
         if layout.pp > 1:
-            raise input_error("transformer_config", "moe_dispatcher", "'alltoall' under pipeline parallelism (pp > 1)", "'allgather'")
+            raise input_error(
+                "transformer_config", "moe_dispatcher", "'alltoall' under pipeline parallelism (pp > 1)", "'allgather'"
+            )
         extra["variable_seq_lengths"] = False
     return dict(
         extra,

@@ -49,7 +49,6 @@ from fnppo.megatron.packed_attention import check_cu_seqlens, packed_causal_atte
 __all__ = ["PackedDotProductAttention", "thd_packed_seq_params"]
 
 
-
 @typechecked
 def thd_packed_seq_params(cu_seqlens: CuSeqlens) -> PackedSeqParams:
     """Megatron ``PackedSeqParams`` for self-attention over a packed batch (``qkv_format="thd"``).
@@ -138,13 +137,18 @@ class PackedDotProductAttention(DotProductAttention):
             raise input_error(fn, "attention_bias", "None (not supported)", describe(attention_bias))
         if attention_mask is not None:
             raise input_error(
-                fn, "attention_mask", "None with packed sequences (segments come from cu_seqlens)", describe(attention_mask)
+                fn,
+                "attention_mask",
+                "None with packed sequences (segments come from cu_seqlens)",
+                describe(attention_mask),
             )
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise input_error(fn, "attn_mask_type", "causal or padding_causal with packed sequences", str(mask_type))
         if self.softmax_offset is not None:
-            raise input_error(fn, "config.softmax_type", "'vanilla' with packed sequences", repr(self.config.softmax_type))
+            raise input_error(
+                fn, "config.softmax_type", "'vanilla' with packed sequences", repr(self.config.softmax_type)
+            )
         if self.scale_mask_softmax.window_size is not None:
             raise input_error(
                 fn, "config.window_size", "None with packed sequences", repr(self.scale_mask_softmax.window_size)
@@ -155,7 +159,9 @@ class PackedDotProductAttention(DotProductAttention):
             raise input_error(fn, "packed_seq_params.cu_seqlens_q", "an int32 tensor", "None")
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv, cu_q):
             raise input_error(
-                fn, "packed_seq_params.cu_seqlens_kv", "the same segmentation as cu_seqlens_q (self-attention)",
+                fn,
+                "packed_seq_params.cu_seqlens_kv",
+                "the same segmentation as cu_seqlens_q (self-attention)",
                 describe(cu_kv),
             )
 
@@ -171,8 +177,15 @@ class PackedDotProductAttention(DotProductAttention):
         scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
         dropout_p = self.attention_dropout.p if self.training else 0.0
         if getattr(self.config, "context_parallel_size", 1) > 1:
-            out = context_parallel_attention(query, key, value, cu_q, parallel_state.get_context_parallel_group(),
-                                             softmax_scale=scale, dropout_p=dropout_p)
+            out = context_parallel_attention(
+                query,
+                key,
+                value,
+                cu_q,
+                parallel_state.get_context_parallel_group(),
+                softmax_scale=scale,
+                dropout_p=dropout_p,
+            )
         elif dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = packed_causal_attention(query, key, value, cu_q, softmax_scale=scale, dropout_p=dropout_p)
@@ -180,4 +193,3 @@ class PackedDotProductAttention(DotProductAttention):
             out = packed_causal_attention(query, key, value, cu_q, softmax_scale=scale, dropout_p=dropout_p)
         total = out.shape[0]
         return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
-

@@ -60,6 +60,7 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
+
 def _call_target(model: nn.Module) -> tuple[nn.Module, str]:
     """The module to call (DDP stripped: its forward only forwards) and the prefix to the GPTModel."""
     while isinstance(model, DistributedDataParallel):
@@ -87,7 +88,9 @@ def packed_seq_params(mb: Microbatch):
 
 
 @typechecked
-def forward_values(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Float[Tensor, "..."]:
+def forward_values(
+    model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
+) -> Float[Tensor, "..."]:
     """Run one chunk of a value model on a micro-batch: one value per position on the last stage.
 
     ``values[b, t] = V(input_ids[b, :t+1])``, the head of :class:`fnppo.megatron.value.GPTValueModel` on the
@@ -108,7 +111,9 @@ def forward_values(model: nn.Module, microbatch: Microbatch, *, params: Mapping[
 
 
 @typechecked
-def forward_logits(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> Float[Tensor, "..."]:
+def forward_logits(
+    model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
+) -> Float[Tensor, "..."]:
     """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
 
     Returns ``[batch, seq, vocab_shard]`` logits in the model's dtype (no fp32 upcast copy) on the
@@ -149,7 +154,9 @@ def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tens
 
 
 @typechecked
-def forward_hidden(model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None) -> tuple[Float[Tensor, "..."], Tensor | None]:
+def forward_hidden(
+    model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
+) -> tuple[Float[Tensor, "..."], Tensor | None]:
     """Like :func:`forward_logits`, but the last pipeline stage stops before the output layer.
 
     Returns ``(hidden, weight)``. On the last stage: ``hidden`` ``[seq, batch, hidden]`` is the

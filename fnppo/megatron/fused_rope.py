@@ -34,7 +34,9 @@ def install_fused_rope() -> None:
         rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
 
 
-def _fused_rope_bshd(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False, interleaved: bool = False) -> Tensor:
+def _fused_rope_bshd(
+    t: Tensor, freqs: Tensor, transpose_output_memory: bool = False, interleaved: bool = False
+) -> Tensor:
     """Megatron's fused-RoPE signature for ``t`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
     s, b, h, d = t.shape
     if interleaved or freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[0] < s:
@@ -56,7 +58,9 @@ def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int =
     """
     total = t.shape[0]
     if cp_size > 1 or freqs.dim() != 4 or freqs.shape[1] != 1:
-        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=parallel_state.get_context_parallel_group())
+        return rope_utils._apply_rotary_pos_emb_thd(
+            t, cu_seqlens, freqs, cp_group=parallel_state.get_context_parallel_group()
+        )
     absolute = freqs.shape[0] == total
     key = (total, absolute, cu_seqlens._version)
     cached = _THD_POSITIONS.get(cu_seqlens)

@@ -96,7 +96,8 @@ def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
         ddp_cfg = getattr(chunk, "ddp_config", None)
         if ddp_cfg is None:
             raise TypeError(
-                f"grad_norm: argument 'model_chunks' expected Megatron DistributedDataParallel chunks, received {type(chunk).__name__}"
+                "grad_norm: argument 'model_chunks' expected Megatron DistributedDataParallel chunks, "
+                f"received {type(chunk).__name__}"
             )
         distributed = distributed or ddp_cfg.use_distributed_optimizer
         for buffer in chunk.buffers:

@@ -73,12 +73,17 @@ def local_layer_spec(
     (``normalization="LayerNorm"``, no qk norm, dense MLP). ``normalization`` must match the model
     config's. A new spec is built (Megatron's is not modified); its norms are
     :class:`fnppo.megatron.norms.SequenceParallelNorm` (Megatron's torch norms, usable with sequence
-    parallelism). ``packed_attention=False`` keeps Megatron's local core attention. Multi-latent attention is not offered.
+    parallelism). ``packed_attention=False`` keeps Megatron's local core attention. Multi-latent
+    attention is not offered.
     """
     fn = "fnppo.megatron.attention.local_layer_spec"
     opts = _spec_options(
-        config, qk_layernorm=qk_layernorm, normalization=normalization, num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm, qk_l2_norm=qk_l2_norm,
+        config,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_l2_norm=qk_l2_norm,
     )
     if opts["normalization"] not in ("LayerNorm", "RMSNorm"):
         raise input_error(fn, "normalization", "'LayerNorm' or 'RMSNorm'", repr(opts["normalization"]))
@@ -95,7 +100,9 @@ def local_layer_spec(
     attn = spec.submodules.self_attention
     if attn.submodules.core_attention is not DotProductAttention:
         raise input_error(
-            fn, "packed_attention", "a local spec whose core attention is DotProductAttention",
+            fn,
+            "packed_attention",
+            "a local spec whose core attention is DotProductAttention",
             repr(attn.submodules.core_attention),
         )
     new_attn = dataclasses.replace(
@@ -109,13 +116,18 @@ def local_layer_spec(
 def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
     """``spec`` with Megatron's ``WrappedTorchNorm`` replaced by :class:`fnppo.megatron.norms.SequenceParallelNorm`
     (the same torch norms, usable with ``sequence_parallel=True``)."""
+
     def swap(sub: Any) -> Any:
         if not dataclasses.is_dataclass(sub):
             return sub
-        changes = {f.name: SequenceParallelNorm for f in dataclasses.fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
+        changes = {
+            f.name: SequenceParallelNorm for f in dataclasses.fields(sub) if getattr(sub, f.name) is WrappedTorchNorm
+        }
         attn = getattr(sub, "self_attention", None)
         if isinstance(attn, ModuleSpec) and dataclasses.is_dataclass(attn.submodules):
-            changes["self_attention"] = dataclasses.replace(attn, params=dict(attn.params), submodules=swap(attn.submodules))
+            changes["self_attention"] = dataclasses.replace(
+                attn, params=dict(attn.params), submodules=swap(attn.submodules)
+            )
         return dataclasses.replace(sub, **changes) if changes else sub
 
     return dataclasses.replace(spec, submodules=swap(spec.submodules))
@@ -136,8 +148,12 @@ def default_layer_spec(
     follows the model config's ``normalization`` (TE's norm module reads it).
     """
     opts = _spec_options(
-        config, qk_layernorm=qk_layernorm, normalization=normalization, num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm, qk_l2_norm=qk_l2_norm,
+        config,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_l2_norm=qk_l2_norm,
     )
     if te_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(

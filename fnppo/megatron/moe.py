@@ -102,9 +102,12 @@ def _check_allgather(config: Any, microbatches: Sequence[Any], layout: Any, devi
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=layout.ep_group)
     if not torch.equal(high, low):
         raise input_error(
-            "train_step", "batch",
-            "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather' (or use 'alltoall')",
-            f"token counts per micro-batch {[int(x) for x in sizes.tolist()]} on this rank, max {[int(x) for x in high.tolist()]} over the EP group",
+            "train_step",
+            "batch",
+            "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather' "
+            "(or use 'alltoall')",
+            f"token counts per micro-batch {[int(x) for x in sizes.tolist()]} on this rank, "
+            f"max {[int(x) for x in high.tolist()]} over the EP group",
         )
 
 
@@ -132,7 +135,9 @@ def _all_gather_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
+def _router_record(
+    router: nn.Module, hidden: torch.Tensor, routing_map: torch.Tensor, weight: float
+) -> dict[str, torch.Tensor]:
     """Metric pairs of one router on one micro-batch (recomputes its logits without autograd)."""
     cfg = router.config
     layer = router.layer_number - 1
@@ -150,8 +155,10 @@ def _router_record(router: nn.Module, hidden: torch.Tensor, routing_map: torch.T
     z = torch.logsumexp(logits.double(), dim=-1).square().mean()
     tn = torch.full((), float(n), dtype=torch.float64, device=logits.device)
     out = {
-        "moe_aux_loss": pair_metric(aux * n, tn), f"moe_aux_loss_l{layer}": pair_metric(aux * n, tn),
-        "moe_z_loss": pair_metric(z * n, tn), f"moe_z_loss_l{layer}": pair_metric(z * n, tn),
+        "moe_aux_loss": pair_metric(aux * n, tn),
+        f"moe_aux_loss_l{layer}": pair_metric(aux * n, tn),
+        "moe_z_loss": pair_metric(z * n, tn),
+        f"moe_z_loss_l{layer}": pair_metric(z * n, tn),
     }
     # every expert's pairs in two [E, 2] tensors on the router's device (no per-expert kernels or syncs)
     load = torch.stack([counts, tn.expand(e_num)], dim=1).float()
@@ -191,8 +198,9 @@ def _drop_megatron_loss_tracker() -> None:
 
 
 @contextlib.contextmanager
-def router_step(model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], layout: Any,
-                device: torch.device) -> Iterator[RouterStep]:
+def router_step(
+    model_chunks: Sequence[nn.Module], microbatches: Sequence[Any], layout: Any, device: torch.device
+) -> Iterator[RouterStep]:
     """Exact router-loss scaling and router metrics for one schedule run (see the module docstring).
 
     Raises:
@@ -246,7 +254,7 @@ def router_derived_metrics(metrics: dict[str, float]) -> dict[str, float]:
     loads: dict[str, list[float]] = {}
     for key, value in metrics.items():
         if key.startswith("moe_load_l"):
-            layer = key[len("moe_load_l"):].split("_e")[0]
+            layer = key[len("moe_load_l") :].split("_e")[0]
             loads.setdefault(layer, []).append(value)
     out = {}
     for layer, values in loads.items():

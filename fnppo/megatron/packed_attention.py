@@ -54,7 +54,17 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fnppo.core.typing import Bool, CuSeqlens, Float, Int32, Tensor, describe, input_error, typechecked, typechecking_enabled
+from fnppo.core.typing import (
+    Bool,
+    CuSeqlens,
+    Float,
+    Int32,
+    Tensor,
+    describe,
+    input_error,
+    typechecked,
+    typechecking_enabled,
+)
 
 __all__ = [
     "packed_causal_attention",
@@ -78,9 +88,7 @@ def check_cu_seqlens(fn: str, arg: str, cu_seqlens: Tensor, total: int) -> None:
     values = cu_seqlens.tolist()
     if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
         shown = values if len(values) <= 12 else values[:6] + ["..."] + values[-3:]
-        raise input_error(
-            fn, arg, f"non-decreasing cumulative lengths from 0 to the token count {total}", f"{shown}"
-        )
+        raise input_error(fn, arg, f"non-decreasing cumulative lengths from 0 to the token count {total}", f"{shown}")
 
 
 @typechecked
@@ -122,9 +130,7 @@ def _block_mask(seg: Tensor) -> Any:
         return (seg[q_idx] == seg[kv_idx]) & (q_idx >= kv_idx)
 
     total = seg.numel()
-    return create_block_mask(
-        document_causal, None, None, total, total, device=seg.device, _compile=seg.is_cuda
-    )
+    return create_block_mask(document_causal, None, None, total, total, device=seg.device, _compile=seg.is_cuda)
 
 
 # Memoized masks, keyed weakly on the cu_seqlens tensor itself: all layers of one forward pass use
@@ -252,7 +258,5 @@ def packed_causal_attention(
         out = out[:, :, :total]
     else:
         mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "dense")
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)

@@ -118,13 +118,20 @@ def init_parallel(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
-        raise ValueError(f"init_parallel: argument 'timeout_s' expected a finite number of seconds > 0, received {timeout_s!r}")
+        raise ValueError(
+            f"init_parallel: argument 'timeout_s' expected a finite number of seconds > 0, received {timeout_s!r}"
+        )
     if vpp is not None and (vpp < 1 or pp < 2):
-        raise ValueError(f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}")
+        raise ValueError(
+            f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}"
+        )
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"init_parallel: argument 'device' expected None, 'cpu' or 'cuda', received {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("init_parallel: argument 'device' expected 'cpu' or None on this machine (torch.cuda.is_available() is False), received 'cuda'")
+        raise ValueError(
+            "init_parallel: argument 'device' expected 'cpu' or None on this machine "
+            "(torch.cuda.is_available() is False), received 'cuda'"
+        )
     backend = _default_backend(device)
     if backend == "gloo":
         enter_cpu_mode_for_process()
@@ -140,7 +147,8 @@ def init_parallel(
     if world % (tp * pp * cp) != 0:  # the message keeps the cp-free wording when cp == 1
         raise ValueError(
             f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}"
-            + (f" times cp = {cp}" if cp > 1 else "") + f", received {world}"
+            + (f" times cp = {cp}" if cp > 1 else "")
+            + f", received {world}"
         )
     if world % (etp_size * ep * pp) != 0:
         raise ValueError(

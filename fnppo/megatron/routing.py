@@ -74,7 +74,15 @@ from fnppo.core.context_parallel import gather_tokens
 from fnppo.core.typing import Tensor, input_error
 from fnppo.megatron.unwrap import unwrap_model
 
-__all__ = ["moe_layer_indices", "record_dtype", "replay_target", "routed", "RoutingRecorder", "clear_routing", "routing_spec"]
+__all__ = [
+    "moe_layer_indices",
+    "record_dtype",
+    "replay_target",
+    "routed",
+    "RoutingRecorder",
+    "clear_routing",
+    "routing_spec",
+]
 
 
 def moe_layer_indices(config: Any) -> list[int]:
@@ -107,11 +115,15 @@ class PartialRouterReplay(RouterReplay):
         self.router_replay_action = None
         self.replay_backward_list = []
 
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # noqa: ANN001
+    def get_replay_topk(  # noqa: ANN001
+        self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+    ):
         action = self.router_replay_action
         if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-        target = self.target_topk_idx if action is RouterReplayAction.REPLAY_FORWARD else self.replay_backward_list.pop(0)
+        target = (
+            self.target_topk_idx if action is RouterReplayAction.REPLAY_FORWARD else self.replay_backward_list.pop(0)
+        )
         target = target.to(scores.device)
         # the router's own choice where there is no route (no host sync: computed for every row)
         _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -134,7 +146,12 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, int]]:
     for m in core.modules():
         if isinstance(m, TopKRouter):
             if m.router_replay is None:  # built without moe_enable_routing_replay (not by fnppo.build_gpt)
-                raise input_error("fnppo.megatron.routing.routed", "model", "MoE routers built with moe_enable_routing_replay=True (fnppo.build_gpt does)", "a router without a replay slot")
+                raise input_error(
+                    "fnppo.megatron.routing.routed",
+                    "model",
+                    "MoE routers built with moe_enable_routing_replay=True (fnppo.build_gpt does)",
+                    "a router without a replay slot",
+                )
             out.append((m, index[m.layer_number - 1]))
     return out
 
@@ -212,9 +229,14 @@ class RoutingRecorder:
             everyone = [local]
         out = []
         for i in range(len(local)):
-            parts = sorted((k, j, r) for stage in everyone for (keys, r) in [stage[i]] if r is not None for j, k in enumerate(keys))
+            parts = sorted(
+                (k, j, r) for stage in everyone for (keys, r) in [stage[i]] if r is not None for j, k in enumerate(keys)
+            )
             if [k for k, _, _ in parts] != list(range(num_layers)):  # cannot happen: every MoE layer lives on one stage
-                raise AssertionError(f"fnppo.megatron.routing: recorded MoE layers {[k for k, _, _ in parts]}, expected 0..{num_layers - 1}")
+                raise AssertionError(
+                    f"fnppo.megatron.routing: recorded MoE layers {[k for k, _, _ in parts]}, "
+                    f"expected 0..{num_layers - 1}"
+                )
             out.append(torch.stack([r[:, j] for _, j, r in parts], dim=1))
         return out
 
@@ -288,8 +310,12 @@ def routed(model: nn.Module, mb: Microbatch, recorder: RoutingRecorder | None = 
         yield
         return
     if replay and recorder is not None:
-        raise input_error("forward_only", "recorder", "None for micro-batches that carry routed_experts (those are replayed, not recorded)",
-                          "a RoutingRecorder")
+        raise input_error(
+            "forward_only",
+            "recorder",
+            "None for micro-batches that carry routed_experts (those are replayed, not recorded)",
+            "a RoutingRecorder",
+        )
     slots = _slots(model)
     recomputed: dict[int, bool] = {}  # id(router) -> whether its forward runs again in the backward
     if replay:

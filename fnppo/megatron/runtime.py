@@ -46,7 +46,10 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "megatron_on_cpu", "cpu_mode_active", "enter_cpu_mode_for_process", "exit_cpu_mode_for_process",
+    "megatron_on_cpu",
+    "cpu_mode_active",
+    "enter_cpu_mode_for_process",
+    "exit_cpu_mode_for_process",
     "cpu_mode_entered_for_process",
 ]
 
@@ -164,7 +167,9 @@ def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(original, "_fnppo", False):
         return original
 
-    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+    def gather(
+        input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
         sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
         if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
@@ -185,7 +190,9 @@ def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(original, "_fnppo", False):
         return original
 
-    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> torch.Tensor:
+    def reduce_scatter(
+        input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False
+    ) -> torch.Tensor:
         sizes = None if input_split_sizes is None else [int(n) for n in input_split_sizes]
         if sizes is None or len(set(sizes)) == 1 or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
@@ -217,7 +224,11 @@ def megatron_on_cpu() -> Iterator[None]:
 
     patches = [
         (mmappings, "_gather_along_first_dim", _uneven_gather(mmappings._gather_along_first_dim)),
-        (mmappings, "_reduce_scatter_along_first_dim", _uneven_reduce_scatter(mmappings._reduce_scatter_along_first_dim)),
+        (
+            mmappings,
+            "_reduce_scatter_along_first_dim",
+            _uneven_reduce_scatter(mmappings._reduce_scatter_along_first_dim),
+        ),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", _cpu_synchronize),
         (torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
@@ -243,7 +254,9 @@ def megatron_on_cpu() -> Iterator[None]:
     if cpu_mode_active():  # nested (e.g. init_parallel inside an explicit block): nothing to add
         yield
         return
-    saved = [(obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches]
+    saved = [
+        (obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)) for obj, name, _ in patches
+    ]
     for obj, name, value in patches:
         setattr(obj, name, value)
     # Megatron's TP layers advise this CUDA setting (stream concurrency) at build time; no CUDA here.
@@ -295,4 +308,3 @@ def exit_cpu_mode_for_process() -> None:
     """Leave the block entered by :func:`enter_cpu_mode_for_process`, if any."""
     while _AUTO_STACK:
         _AUTO_STACK.pop().close()
-

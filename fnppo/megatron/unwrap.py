@@ -35,11 +35,19 @@ def check_head(fn: str, arg: str, model: nn.Module, head: str) -> None:
     """``model`` (any wrapper) ends in ``head`` (one of :data:`HEADS`); the one home of this check.
 
     Raises:
-        InputError: naming ``fn`` and ``arg``, e.g. a value model given to :func:`fnppo.megatron.forward.forward_logits`.
+        InputError: naming ``fn`` and ``arg``, e.g. a value model given to
+            :func:`fnppo.megatron.forward.forward_logits`.
     """
     have = model_head(model)
     if have != head:
-        want = "a value model (fnppo.build_gpt(cfg, head='value'))" if head == "value" else "a language model with a vocabulary output layer (head='lm')"
-        got = "a value model (head='value')" if have == "value" else f"{type(unwrap_model(model)).__name__} with a vocabulary output layer (head='lm')"
+        want = (
+            "a value model (fnppo.build_gpt(cfg, head='value'))"
+            if head == "value"
+            else "a language model with a vocabulary output layer (head='lm')"
+        )
+        got = (
+            "a value model (head='value')"
+            if have == "value"
+            else f"{type(unwrap_model(model)).__name__} with a vocabulary output layer (head='lm')"
+        )
         raise input_error(fn, arg, want, got)
-

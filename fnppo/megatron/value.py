@@ -75,7 +75,9 @@ class ValueHead(nn.Module):
         parallelism) -> values ``[batch, seq]`` over the whole sequence, in the model's dtype."""
         values = torch.nn.functional.linear(hidden, self.weight, self.bias)  # [seq, batch, 1]
         if self.sequence_parallel:
-            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False, group=self.tp_group)
+            values = gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return values.squeeze(-1).transpose(0, 1)
 
 
@@ -93,7 +95,9 @@ class GPTValueModel(GPTModel):
         kwargs["share_embeddings_and_output_weights"] = False
         super().__init__(*args, **kwargs)
         if getattr(self.config, "mtp_num_layers", None):
-            raise input_error("fnppo.build_gpt", "mtp_num_layers", "None with head='value'", repr(self.config.mtp_num_layers))
+            raise input_error(
+                "fnppo.build_gpt", "mtp_num_layers", "None with head='value'", repr(self.config.mtp_num_layers)
+            )
         if self.post_process:
             del self.output_layer
             self.value_head = ValueHead(self.config, self.pg_collection.tp)

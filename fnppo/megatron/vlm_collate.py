@@ -35,7 +35,14 @@ import torch
 
 from fnppo.core.batch import Microbatch, Sample, collate_microbatch
 from fnppo.core.typing import (
-    Bool, Integer, Tensor, check_bool_fields, describe, input_error, typechecked, typechecking_enabled,
+    Bool,
+    Integer,
+    Tensor,
+    check_bool_fields,
+    describe,
+    input_error,
+    typechecked,
+    typechecking_enabled,
 )
 
 __all__ = [
@@ -79,7 +86,12 @@ class VisionConfig:
         if self.image_size % self.patch_size:
             raise input_error(fn, "image_size", f"a multiple of patch_size={self.patch_size}", repr(self.image_size))
         if self.hidden_size % self.num_attention_heads:
-            raise input_error(fn, "hidden_size", f"a multiple of num_attention_heads={self.num_attention_heads}", repr(self.hidden_size))
+            raise input_error(
+                fn,
+                "hidden_size",
+                f"a multiple of num_attention_heads={self.num_attention_heads}",
+                repr(self.hidden_size),
+            )
 
     @property
     def tokens_per_image(self) -> int:
@@ -99,8 +111,9 @@ def _image_count(sample: Sample, image_key: str) -> int:
     return 0 if t is None else int(t.shape[0])
 
 
-def check_images(images: Tensor | None, image_shape: tuple[int, ...] | None, *, fn: str, arg: str,
-                 values: bool = True) -> None:
+def check_images(
+    images: Tensor | None, image_shape: tuple[int, ...] | None, *, fn: str, arg: str, values: bool = True
+) -> None:
     """Images ``[k, C, H, W]`` as a vision tower takes them: floating, 4-D, trailing shape ``image_shape``
     when given, and (``values``) finite.
 
@@ -118,20 +131,34 @@ def check_images(images: Tensor | None, image_shape: tuple[int, ...] | None, *, 
         return
     want = "[k, C, H, W]" if image_shape is None else f"[k, {', '.join(map(str, image_shape))}]"
     rank = 4 if image_shape is None else 1 + len(image_shape)
-    if images.dim() != rank or not images.is_floating_point() or (
-            image_shape is not None and tuple(images.shape[1:]) != tuple(image_shape)):
+    if (
+        images.dim() != rank
+        or not images.is_floating_point()
+        or (image_shape is not None and tuple(images.shape[1:]) != tuple(image_shape))
+    ):
         hint = " (an image without its leading item dimension k?)" if images.dim() == rank - 1 else ""
         raise input_error(fn, arg, f"floating images {want}{hint}", describe(images))
     if values and images.numel() and not bool(torch.isfinite(images).all()):
         bad = ~torch.isfinite(images).flatten(1)
         first = int(bad.any(1).nonzero()[0, 0])
-        raise input_error(fn, arg, "finite pixel values", f"{describe(images)} with {int(bad.sum())} NaN/inf pixels "
-                          f"(the first in image {first})")
+        raise input_error(
+            fn,
+            arg,
+            "finite pixel values",
+            f"{describe(images)} with {int(bad.sum())} NaN/inf pixels (the first in image {first})",
+        )
 
 
-def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per_image: int, image_key: str = "images",
-                              image_shape: tuple[int, ...] | None = None, fn: str = "fnppo.megatron.vlm.expand_image_placeholders",
-                              arg: str = "sample") -> Sample:
+def expand_image_placeholders(
+    sample: Sample,
+    *,
+    image_token_id: int,
+    tokens_per_image: int,
+    image_key: str = "images",
+    image_shape: tuple[int, ...] | None = None,
+    fn: str = "fnppo.megatron.vlm.expand_image_placeholders",
+    arg: str = "sample",
+) -> Sample:
     """The sample with each image placeholder of its prompt repeated ``tokens_per_image`` times (pure).
 
     With ``x`` the prompt and ``N = tokens_per_image``: ``x' = concat_t (N copies of x_t if x_t is
@@ -152,16 +179,28 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
             response, routed experts that fit neither the expanded nor the unexpanded sequence, or
             both (see :func:`expand_image_routes`).
     """
-    check_images(sample.multi_modal.get(image_key), image_shape, fn=fn, arg=f"{arg}.multi_modal[{image_key!r}]",
-                 values=typechecking_enabled())
+    check_images(
+        sample.multi_modal.get(image_key),
+        image_shape,
+        fn=fn,
+        arg=f"{arg}.multi_modal[{image_key!r}]",
+        values=typechecking_enabled(),
+    )
     k = _image_count(sample, image_key)
     prompt = sample.prompt_ids
     is_image = prompt == image_token_id
     count = int(is_image.sum())
     if count != k:
-        raise input_error(fn, f"{arg}.prompt_ids", f"one image placeholder (token {image_token_id}) per image: {k}", f"{count} placeholders")
+        raise input_error(
+            fn,
+            f"{arg}.prompt_ids",
+            f"one image placeholder (token {image_token_id}) per image: {k}",
+            f"{count} placeholders",
+        )
     if bool((sample.response_ids == image_token_id).any()):
-        raise input_error(fn, f"{arg}.response_ids", f"no image placeholder (token {image_token_id}) in the response", "a placeholder")
+        raise input_error(
+            fn, f"{arg}.response_ids", f"no image placeholder (token {image_token_id}) in the response", "a placeholder"
+        )
     routes = sample.routed_experts
     if routes is not None:
         is_image_token = torch.cat([is_image, torch.zeros_like(sample.response_ids, dtype=torch.bool)])
@@ -173,8 +212,14 @@ def expand_image_placeholders(sample: Sample, *, image_token_id: int, tokens_per
 
 
 @typechecked
-def expand_image_routes(routes: Integer[Tensor, "rows layers topk"], is_image: Bool[Tensor, " tokens"], tokens_per_image: int, *,
-                        fn: str = "fnppo.megatron.vlm.expand_image_routes", arg: str = "routes") -> Integer[Tensor, "expanded layers topk"]:
+def expand_image_routes(
+    routes: Integer[Tensor, "rows layers topk"],
+    is_image: Bool[Tensor, " tokens"],
+    tokens_per_image: int,
+    *,
+    fn: str = "fnppo.megatron.vlm.expand_image_routes",
+    arg: str = "routes",
+) -> Integer[Tensor, "expanded layers topk"]:
     """A VLM sample's routed experts, one row per position of its expanded sequence (pure).
 
     ``is_image[t]`` marks the image placeholders among the ``L`` tokens ``z = prompt ++ response``;
@@ -209,21 +254,36 @@ def expand_image_routes(routes: Integer[Tensor, "rows layers topk"], is_image: B
     expanded = rows in (full, full - 1)
     unexpanded = extra > 0 and rows in (n, n - 1)
     if expanded and unexpanded:
-        raise input_error(fn, arg, f"{full} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} positions; "
-                          f"{rows} rows are ambiguous: the expanded sequence without its last row, or the {n} tokens with the placeholders unexpanded)",
-                          describe(routes))
+        raise input_error(
+            fn,
+            arg,
+            f"{full} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} positions; "
+            f"{rows} rows are ambiguous: the expanded sequence without its last row, or the {n} tokens "
+            "with the placeholders unexpanded)",
+            describe(routes),
+        )
     if not expanded and not unexpanded:
         other = f", or {n} or {n - 1} (one per token, a row of -1 at each placeholder)" if extra else ""
-        raise input_error(fn, arg, f"{full} or {full - 1} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} "
-                          f"positions){other}", describe(routes))
+        raise input_error(
+            fn,
+            arg,
+            f"{full} or {full - 1} rows (one per position of the expanded sequence: {k} image(s) x {tokens_per_image} "
+            f"positions){other}",
+            describe(routes),
+        )
     if expanded:
         return routes
     placeholders = is_image[:rows].nonzero().squeeze(1).to(routes.device)
     set_rows = ~(routes[placeholders].to(torch.int64) == -1).flatten(1).all(1)
     if bool(set_rows.any()):
         t = int(placeholders[set_rows.nonzero()[0, 0]])
-        raise input_error(fn, arg, f"a row of -1 at each image placeholder ({rows} rows: one per token of the unexpanded sequence, the "
-                          f"{tokens_per_image} positions of an image left to the router)", f"experts {routes[t].tolist()} at placeholder token {t}")
+        raise input_error(
+            fn,
+            arg,
+            f"a row of -1 at each image placeholder ({rows} rows: one per token of the unexpanded sequence, the "
+            f"{tokens_per_image} positions of an image left to the router)",
+            f"experts {routes[t].tolist()} at placeholder token {t}",
+        )
     dtype = torch.promote_types(routes.dtype, torch.int16)  # signed: holds the -1 of the missing last row
     fill = torch.full((n - rows, *routes.shape[1:]), -1, dtype=dtype, device=routes.device)
     repeats = torch.where(is_image, tokens_per_image, 1).to(routes.device)
@@ -258,8 +318,15 @@ class VLMCollate:
         return cls(vision.image_token_id, vision.tokens_per_image, vision.image_key, vision.image_shape, max_seq_len)
 
     def expand(self, sample: Sample, *, arg: str = "sample") -> Sample:
-        return expand_image_placeholders(sample, image_token_id=self.image_token_id, tokens_per_image=self.tokens_per_image,
-                                         image_key=self.image_key, image_shape=self.image_shape, fn="fnppo.megatron.vlm.VLMCollate", arg=arg)
+        return expand_image_placeholders(
+            sample,
+            image_token_id=self.image_token_id,
+            tokens_per_image=self.tokens_per_image,
+            image_key=self.image_key,
+            image_shape=self.image_shape,
+            fn="fnppo.megatron.vlm.VLMCollate",
+            arg=arg,
+        )
 
     def check_batch(self, fn: str, samples: Sequence[Sample], *, arg: str = "batch", model: Any = None) -> None:
         """The step's entry check of this stage's inputs (:func:`fnppo.train_step` and the other steps
@@ -275,18 +342,45 @@ class VLMCollate:
         own = None if vision is None else vision.image_shape
         for i, s in enumerate(samples):
             where = f"{arg}[{i}]"
-            expand_image_placeholders(s, image_token_id=self.image_token_id, tokens_per_image=self.tokens_per_image,
-                                      image_key=self.image_key, image_shape=self.image_shape, fn=fn, arg=where)
+            expand_image_placeholders(
+                s,
+                image_token_id=self.image_token_id,
+                tokens_per_image=self.tokens_per_image,
+                image_key=self.image_key,
+                image_shape=self.image_shape,
+                fn=fn,
+                arg=where,
+            )
             if own is not None:
-                check_images(s.multi_modal.get(self.image_key), own, fn=fn,
-                             arg=f"{where}.multi_modal[{self.image_key!r}]", values=False)
+                check_images(
+                    s.multi_modal.get(self.image_key),
+                    own,
+                    fn=fn,
+                    arg=f"{where}.multi_modal[{self.image_key!r}]",
+                    values=False,
+                )
 
     def collated_length(self, sample: Sample) -> int:
         """Tokens the sample takes once collated: ``len(sample) + k * (tokens_per_image - 1)``."""
         return len(sample) + _image_count(sample, self.image_key) * (self.tokens_per_image - 1)
 
-    def __call__(self, samples: Sequence[Sample], *, layout: str = "packed", pad_to_multiple_of: int = 1,
-                 sample_index: Sequence[int] | None = None, pad_token_id: int = 0, vocab_size: int | None = None) -> Microbatch:
+    def __call__(
+        self,
+        samples: Sequence[Sample],
+        *,
+        layout: str = "packed",
+        pad_to_multiple_of: int = 1,
+        sample_index: Sequence[int] | None = None,
+        pad_token_id: int = 0,
+        vocab_size: int | None = None,
+    ) -> Microbatch:
         expanded = [self.expand(s, arg=f"samples[{i}]") for i, s in enumerate(samples)]
-        return collate_microbatch(expanded, layout=layout, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id,
-                                  max_seq_len=self.max_seq_len, vocab_size=vocab_size, sample_index=sample_index)
+        return collate_microbatch(
+            expanded,
+            layout=layout,
+            pad_to_multiple_of=pad_to_multiple_of,
+            pad_token_id=pad_token_id,
+            max_seq_len=self.max_seq_len,
+            vocab_size=vocab_size,
+            sample_index=sample_index,
+        )

@@ -36,7 +36,8 @@ sequence-parallel regions; the CPU path has no sequence parallelism to test it a
 it tensor parallelism for a Mixture-of-Experts language model (Megatron trains MoE layers under TP
 only with sequence parallelism); expert parallelism (``ep``) is the MoE VLM's model parallelism
 besides the pipeline. Context parallelism is refused too (the features are placed on the whole
-expanded sequence, before any context-parallel split). The ViT and projector are dense: the expert grid is the language model's only.
+expanded sequence, before any context-parallel split). The ViT and projector are dense: the expert
+grid is the language model's only.
 
 **Freezing.** ``VisionConfig.freeze_vision`` sets ``requires_grad=False`` on the ViT (the
 projector still trains, as in LLaVA's second stage): Megatron's DDP and optimizer then hold no
@@ -93,8 +94,12 @@ __all__ = ["VisionLanguageGPT", "build_vlm", "scatter_image_features", "vision_l
 
 
 @typechecked
-def scatter_image_features(embeddings: Float[Tensor, "seq batch hidden"], input_ids: Int[Tensor, "batch seq"],
-                           features: Float[Tensor, "n hidden"], image_token_id: int) -> Float[Tensor, "seq batch hidden"]:
+def scatter_image_features(
+    embeddings: Float[Tensor, "seq batch hidden"],
+    input_ids: Int[Tensor, "batch seq"],
+    features: Float[Tensor, "n hidden"],
+    image_token_id: int,
+) -> Float[Tensor, "seq batch hidden"]:
     """Image features written into the embedding sequence at the placeholder positions (out of place).
 
     ``out[s, b] = features[j]`` where ``(b, s)`` is the ``j``-th placeholder position in
@@ -111,7 +116,12 @@ def scatter_image_features(embeddings: Float[Tensor, "seq batch hidden"], input_
     if typechecking_enabled():
         count = int(mask.sum())
         if count != features.shape[0]:
-            raise input_error("fnppo.megatron.vlm.scatter_image_features", "features", f"{count} rows (one per placeholder position)", describe(features))
+            raise input_error(
+                "fnppo.megatron.vlm.scatter_image_features",
+                "features",
+                f"{count} rows (one per placeholder position)",
+                describe(features),
+            )
     by_sample = embeddings.transpose(0, 1)  # [b, s, h]: masked_scatter fills in row-major order
     out = by_sample.masked_scatter(mask.unsqueeze(-1), features.to(embeddings.dtype))
     return out.transpose(0, 1).contiguous()
@@ -131,12 +141,31 @@ def _vision_configs(lm: Any, vision: VisionConfig, layout: ParallelLayout) -> tu
     """Transformer configs of the ViT and of the projector (TP as the language model, no pipeline,
     no experts: an MoE language model's expert grid is not theirs)."""
     flat = dataclasses.replace(layout, pp=1, vpp=None, ep=1, etp=layout.tp)
-    common = dict(normalization="LayerNorm", swiglu=False, add_bias_linear=True, add_qkv_bias=True, dtype=_dtype_name(lm.params_dtype),
-                  init_method_std=lm.init_method_std, vocab_size=layout.tp, max_seq_len=vision.tokens_per_image, layernorm_epsilon=1e-5)
-    vit = ModelConfig(num_layers=vision.num_layers, hidden_size=vision.hidden_size, num_attention_heads=vision.num_attention_heads,
-                      ffn_hidden_size=vision.ffn_hidden_size, **common)
-    proj = ModelConfig(num_layers=1, hidden_size=lm.hidden_size, num_attention_heads=layout.tp,
-                       ffn_hidden_size=vision.projector_hidden_size or lm.hidden_size, **common)
+    common = dict(
+        normalization="LayerNorm",
+        swiglu=False,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        dtype=_dtype_name(lm.params_dtype),
+        init_method_std=lm.init_method_std,
+        vocab_size=layout.tp,
+        max_seq_len=vision.tokens_per_image,
+        layernorm_epsilon=1e-5,
+    )
+    vit = ModelConfig(
+        num_layers=vision.num_layers,
+        hidden_size=vision.hidden_size,
+        num_attention_heads=vision.num_attention_heads,
+        ffn_hidden_size=vision.ffn_hidden_size,
+        **common,
+    )
+    proj = ModelConfig(
+        num_layers=1,
+        hidden_size=lm.hidden_size,
+        num_attention_heads=layout.tp,
+        ffn_hidden_size=vision.projector_hidden_size or lm.hidden_size,
+        **common,
+    )
     return transformer_config(vit, flat), transformer_config(proj, flat)
 
 
@@ -156,7 +185,9 @@ class VisionLanguageGPT(MegatronModule):
 
     takes_multi_modal = True
 
-    def __init__(self, language_model: nn.Module, vision: VisionConfig, vit_config: Any = None, projector_config: Any = None) -> None:
+    def __init__(
+        self, language_model: nn.Module, vision: VisionConfig, vit_config: Any = None, projector_config: Any = None
+    ) -> None:
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.vision = vision
@@ -174,11 +205,20 @@ class VisionLanguageGPT(MegatronModule):
     def _build_vision(self, vit_config: Any, projector_config: Any) -> None:
         v = self.vision
         self.vision_model = CLIPViTModel(
-            vit_config, vision_layer_spec(), ln_pre_impl=WrappedTorchNorm, add_class_token=False, class_token_len=0,
-            patch_dim=v.patch_size, img_h=v.image_size, img_w=v.image_size, model_subtype="clip",
+            vit_config,
+            vision_layer_spec(),
+            ln_pre_impl=WrappedTorchNorm,
+            add_class_token=False,
+            class_token_len=0,
+            patch_dim=v.patch_size,
+            img_h=v.image_size,
+            img_w=v.image_size,
+            model_subtype="clip",
         )
         self.vision_projection = MultimodalProjector(
-            projector_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), "mlp",
+            projector_config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            "mlp",
             input_size=v.hidden_size,
         )
         if v.freeze_vision:
@@ -198,9 +238,18 @@ class VisionLanguageGPT(MegatronModule):
         projected = self.vision_projection(tokens)  # [k, N, h]
         return projected.reshape(-1, projected.shape[-1])
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None, decoder_input: Tensor | None = None,
-                *, packed_seq_params: Any = None, multi_modal: Mapping[str, Tensor] | None = None,
-                multi_modal_counts: Mapping[str, Tensor] | None = None, **kwargs: Any) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor | None,
+        decoder_input: Tensor | None = None,
+        *,
+        packed_seq_params: Any = None,
+        multi_modal: Mapping[str, Tensor] | None = None,
+        multi_modal_counts: Mapping[str, Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
         """Logits (last stage) or hidden states; images enter on the first stage only.
 
         Raises:
@@ -213,19 +262,41 @@ class VisionLanguageGPT(MegatronModule):
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)
             images = (multi_modal or {}).get(self.vision.image_key)
             # the model's own image shape, checked before the ViT sees the images (no host sync)
-            check_images(images, self.vision.image_shape, fn="fnppo.megatron.vlm.VisionLanguageGPT.forward",
-                         arg=f"multi_modal[{self.vision.image_key!r}]", values=False)
+            check_images(
+                images,
+                self.vision.image_shape,
+                fn="fnppo.megatron.vlm.VisionLanguageGPT.forward",
+                arg=f"multi_modal[{self.vision.image_key!r}]",
+                values=False,
+            )
             if images is not None and images.shape[0] > 0:
                 emb = scatter_image_features(emb, input_ids, self.image_features(images), self.vision.image_token_id)
             elif typechecking_enabled() and bool((input_ids == self.vision.image_token_id).any()):
-                raise input_error("fnppo.megatron.vlm.VisionLanguageGPT.forward", "multi_modal", f"images for the placeholder tokens {self.vision.image_token_id}", "no images")
+                raise input_error(
+                    "fnppo.megatron.vlm.VisionLanguageGPT.forward",
+                    "multi_modal",
+                    f"images for the placeholder tokens {self.vision.image_token_id}",
+                    "no images",
+                )
             decoder_input = emb
-        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
-                                   packed_seq_params=packed_seq_params, **kwargs)
+        return self.language_model(
+            input_ids,
+            position_ids,
+            attention_mask,
+            decoder_input=decoder_input,
+            packed_seq_params=packed_seq_params,
+            **kwargs,
+        )
 
 
-def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None, layout: ParallelLayout | None = None,
-              **config_overrides: Any) -> list[nn.Module]:
+def build_vlm(
+    cfg: ModelConfig,
+    vision: VisionConfig,
+    *,
+    layer_spec: Any = None,
+    layout: ParallelLayout | None = None,
+    **config_overrides: Any,
+) -> list[nn.Module]:
     """Build this rank's chunks of a :class:`VisionLanguageGPT` (one per virtual pipeline stage).
 
     The language model is :func:`fnppo.megatron.build.build_gpt`'s ``GPTModel`` (``layer_spec`` as there:
@@ -240,18 +311,31 @@ def build_vlm(cfg: ModelConfig, vision: VisionConfig, *, layer_spec: Any = None,
     """
     fn = "fnppo.build_vlm"
     if vision.image_token_id >= cfg.vocab_size:
-        raise input_error(fn, "vision.image_token_id", f"a token id below vocab_size={cfg.vocab_size}", repr(vision.image_token_id))
+        raise input_error(
+            fn, "vision.image_token_id", f"a token id below vocab_size={cfg.vocab_size}", repr(vision.image_token_id)
+        )
     if config_overrides.get("sequence_parallel") or dict(cfg.extra).get("sequence_parallel"):
-        raise input_error(fn, "sequence_parallel", "False (image features are placed before any sequence-parallel scatter)", "True")
+        raise input_error(
+            fn, "sequence_parallel", "False (image features are placed before any sequence-parallel scatter)", "True"
+        )
     layout = layout or current_layout()
     if layout.cp > 1:
-        raise input_error(fn, "layout", "cp=1 (image features are placed on the whole expanded sequence, before any "
-                          "context-parallel split; the ViT's attention has no context parallelism)", f"cp={layout.cp}")
+        raise input_error(
+            fn,
+            "layout",
+            "cp=1 (image features are placed on the whole expanded sequence, before any "
+            "context-parallel split; the ViT's attention has no context parallelism)",
+            f"cp={layout.cp}",
+        )
     if cfg.num_experts is not None and layout.tp > 1:
         # Megatron's MoE layer refuses to train under TP without sequence parallelism (above)
-        raise input_error(fn, "layout", "tp=1 for a Mixture-of-Experts language model (Megatron trains MoE layers under "
-                          "tensor parallelism only with sequence parallelism, which a VLM does not take; use ep)",
-                          f"tp={layout.tp}")
+        raise input_error(
+            fn,
+            "layout",
+            "tp=1 for a Mixture-of-Experts language model (Megatron trains MoE layers under "
+            "tensor parallelism only with sequence parallelism, which a VLM does not take; use ep)",
+            f"tp={layout.tp}",
+        )
     chunks = []
     for chunk in build_gpt(cfg, layer_spec=layer_spec, layout=layout, **config_overrides):
         lm = chunk.module if isinstance(chunk, Float16Module) else chunk

@@ -60,7 +60,7 @@ def global_name(core: nn.Module, name: str) -> str:
             i = parts.index("local_experts") + 1
             parts[i] = str(int(parts[i]) + offset)
         else:  # grouped GEMM: experts.linear_fc1.weight<i>
-            head, idx = parts[-1].rstrip("0123456789"), parts[-1][len(parts[-1].rstrip("0123456789")):]
+            head, idx = parts[-1].rstrip("0123456789"), parts[-1][len(parts[-1].rstrip("0123456789")) :]
             if idx:
                 parts[-1] = f"{head}{int(idx) + offset}"
     return ".".join(parts)
@@ -72,7 +72,8 @@ def _tied_output(core: nn.Module, gname: str) -> bool:
 
 
 def _embedding_name(gname: str) -> str:
-    """The word-embedding name beside an output layer: ``<prefix>output_layer.weight`` -> ``<prefix>embedding.word_embeddings.weight``."""
+    """The word-embedding name beside an output layer: ``<prefix>output_layer.weight`` ->
+    ``<prefix>embedding.word_embeddings.weight``."""
     return gname[: -len("output_layer.weight")] + "embedding.word_embeddings.weight"
 
 
@@ -80,8 +81,12 @@ def is_gated_fc1(core: nn.Module, name: str) -> bool:
     """A gated MLP's fused ``[gate; up]`` fc1 (dense, expert or grouped-GEMM expert), judged by the
     config of the module that owns it (a VLM's vision MLP has its own)."""
     parts = name.split(".")
-    if not ("mlp" in parts and len(parts) >= 3 and parts[-2] == "linear_fc1"
-            and parts[-1].rstrip("0123456789") in ("weight", "bias")):
+    if not (
+        "mlp" in parts
+        and len(parts) >= 3
+        and parts[-2] == "linear_fc1"
+        and parts[-1].rstrip("0123456789") in ("weight", "bias")
+    ):
         return False
     owner = core.get_submodule(".".join(parts[:-2]))
     return bool(getattr(getattr(owner, "config", core.config), "gated_linear_unit", False))
@@ -108,8 +113,9 @@ def _skippable_with_fresh_head(gname: str) -> bool:
     return gname.endswith("output_layer.weight") or _is_value_head(gname)
 
 
-def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True,
-                      fresh_head: bool = False) -> list[str]:
+def load_full_weights(
+    model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True, fresh_head: bool = False
+) -> list[str]:
     """Copy this rank's TP/PP/EP shard of full (1-rank) weights into the model chunks' parameters.
 
     Expert weights: EP rank ``r`` holds experts ``r * E / ep ... (r + 1) * E / ep - 1`` (full names
@@ -133,7 +139,9 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
             tensors; ``fresh_head`` for a model without a value head.
     """
     if fresh_head and not any(model_head(c) == "value" for c in model_chunks):
-        raise input_error("load_full_weights", "fresh_head", "False for a model without a value head (head='lm')", "True")
+        raise input_error(
+            "load_full_weights", "fresh_head", "False for a model without a value head (head='lm')", "True"
+        )
     layout = current_layout()
     plan: list[tuple[Tensor, Tensor]] = []
     used: set[str] = set()
@@ -147,7 +155,9 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
             if gname.endswith("output_layer.weight") and gname not in full and _embedding_name(gname) in full:
                 gname = _embedding_name(gname)
             if gname not in full:
-                problem = problem or str(input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor"))
+                problem = problem or str(
+                    input_error("load_full_weights", "full", f"a tensor named {gname!r}", "no such tensor")
+                )
                 continue
             used.add(gname)
             src = full[gname]
@@ -155,11 +165,14 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
             shard = _shard(core, name, param, src, tp, tp_rank)
             full_shape = _full_shape(core, name, param, tp)  # uneven chunks can still fit a shard
             if tuple(src.shape) != full_shape or tuple(shard.shape) != tuple(param.shape):
-                problem = problem or str(input_error(
-                    "load_full_weights", f"full[{gname!r}]",
-                    f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {tp_rank} of {tp})",
-                    f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
-                ))
+                problem = problem or str(
+                    input_error(
+                        "load_full_weights",
+                        f"full[{gname!r}]",
+                        f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {tp_rank} of {tp})",
+                        f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
+                    )
+                )
                 continue
             plan.append((param, shard))
     # Every rank learns every rank's verdict before anyone writes: all load or none does.
@@ -174,7 +187,9 @@ def load_full_weights(model_chunks: Sequence[nn.Module], full: Mapping[str, Tens
     if strict:
         bad = [n for n in unused if not (fresh_head and _skippable_with_fresh_head(n))]
         if bad:
-            raise input_error("load_full_weights", "full", "only tensors of this model (strict=True)", f"unused tensors {bad[:5]}")
+            raise input_error(
+                "load_full_weights", "full", "only tensors of this model (strict=True)", f"unused tensors {bad[:5]}"
+            )
     with torch.no_grad():
         for param, shard in plan:
             param.copy_(shard.to(dtype=param.dtype, device=param.device))
@@ -263,6 +278,10 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
                     full = torch.zeros(shape)
                 else:
                     g = torch.Generator().manual_seed(_name_seed(seed, gname))
-                    s = sigma / math.sqrt(2.0 * cfg.num_layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else sigma
+                    s = (
+                        sigma / math.sqrt(2.0 * cfg.num_layers)
+                        if name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                        else sigma
+                    )
                     full = torch.randn(shape, generator=g) * s
                 param.copy_(_shard(core, name, param, full, tp, tp_rank).to(param.dtype))
