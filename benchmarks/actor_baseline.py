@@ -86,7 +86,8 @@ class InplaceVocabParallelEntropy(torch.autograd.Function):
 def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any = None, temperature: float = 1.0,
                   with_entropy: bool = True, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs from Megatron's cross-entropy on a clone, entropy from :class:`InplaceVocabParallelEntropy`
-    (a ``logprob`` stage of :class:`fnppo.StepFns`). The vocabulary must not be padded (``vocab_size`` is the full one)."""
+    (a ``logprob`` stage of :class:`fnppo.StepFns`). The vocabulary must not be padded (``vocab_size`` is the
+    full one)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     x = logits / temperature if temperature != 1.0 else logits
@@ -150,7 +151,8 @@ def self_check(seed: int = 0) -> dict[str, float]:
     (ref_grad,) = torch.autograd.grad(ref, xr, up)
     old, ref_lp = (torch.randn(8, 16, generator=g, dtype=torch.float64) * 0.3 - 2 for _ in range(2))
     lp = old + 0.5 * torch.randn(8, 16, generator=g, dtype=torch.float64)
-    adv, entropy = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.rand(8, 16, generator=g, dtype=torch.float64)
+    adv = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    entropy = torch.rand(8, 16, generator=g, dtype=torch.float64)
     mask = (torch.rand(8, 16, generator=g) > 0.3).double()
     config = LossConfig(policy=ppo_clip(clip_low=0.2, clip_high=0.28), entropy_coef=0.01, kl=KLPenalty(coef=0.001))
     normalizer = torch.tensor(200.0, dtype=torch.float64)
@@ -163,9 +165,10 @@ def self_check(seed: int = 0) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Imported by benchmarks/step.py (path B) and benchmarks/logprob.py (method b). "
-                                       "Run directly: check the baseline against float64 references and fnppo's ppo_loss.")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Imported by benchmarks/step.py (path B) and benchmarks/logprob.py (method b). Run directly: check the "
+               "baseline against float64 references and fnppo's ppo_loss.")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = p.parse_args(argv)
     results = self_check(args.seed)

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import socket
@@ -33,8 +34,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
 ROOT_FILES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "CONTRIBUTING.md"]
-GUIDES = ["compose", "critic", "moe", "long-context", "vlm", "fused-output", "huggingface", "checkpoints", "gpu",
-          "testing", "errors"]  # the topic guides, each with code that runs or says why it cannot
+GUIDES = [
+    "compose",
+    "critic",
+    "moe",
+    "long-context",
+    "vlm",
+    "fused-output",
+    "huggingface",
+    "checkpoints",
+    "gpu",
+    "testing",
+    "errors",
+]  # the topic guides, each with code that runs or says why it cannot
 BLOCK = re.compile(r"(<!-- docs-test: ([^>]*)-->\n)?```python\n(.*?)```", re.S)
 NOT_RUN = "# not run:"
 
@@ -65,7 +77,14 @@ def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.Complete
     if nproc == 1:
         cmd = [sys.executable, str(path)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            str(path),
+        ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out
@@ -82,7 +101,7 @@ def test_every_guide_exists_and_has_code():
 def test_python_block_runs_as_written(i, tmp_path):
     name, code, marker = BLOCKS[i]
     if code.startswith(NOT_RUN):
-        pytest.skip(f"{name}: {code.splitlines()[0][len(NOT_RUN):].strip()}")
+        pytest.skip(f"{name}: {code.splitlines()[0][len(NOT_RUN) :].strip()}")
     path = tmp_path / "block.py"
     path.write_text(code)
     out = _run_file(path, 1)
@@ -98,8 +117,14 @@ def test_hugging_face_block_on_a_tiny_checkpoint(tmp_path):
     code = next(c for name, c, _ in BLOCKS if name.startswith("huggingface.md") and c.startswith(NOT_RUN))
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
     paths = re.findall(r'"(/[^"]+)"', code)
@@ -150,7 +175,9 @@ def test_relative_links_resolve(page):
         if anchor:
             slugs = {(_github_slug(h), _site_slug(h)) for h in _headings(dest)}
             if (anchor, anchor) not in slugs:
-                bad.append(f"{target}: no heading with that anchor on both GitHub and the site ({sorted(slugs)[:3]}...)")
+                bad.append(
+                    f"{target}: no heading with that anchor on both GitHub and the site ({sorted(slugs)[:3]}...)"
+                )
     assert not bad, f"{page.name}: {bad}"
 
 
@@ -161,7 +188,9 @@ COMMAND = re.compile(r"(?:^|`|\$ )((?:python3?|torchrun) [^\n`]*)", re.M)
 def test_no_command_calls_a_bare_python_or_torchrun(page):
     text = page.read_text()
     bare = [c for c in COMMAND.findall(text) if not c.startswith("python3 -m venv")]
-    assert not bare, f"{page.name}: use .venv/bin/python / .venv/bin/torchrun (README's main command never activates .venv): {bare}"
+    assert not bare, (
+        f"{page.name}: use .venv/bin/python / .venv/bin/torchrun (README's main command never activates .venv): {bare}"
+    )
 
 
 TEST_REF = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)(\[[^\]`]*\])?`")
@@ -174,8 +203,14 @@ def test_every_test_named_in_the_docs_exists():
         if page != DOCS / "errors.md":
             refs |= {(f, name) for f, name, _ in TEST_REF.findall(page.read_text())}
     assert refs
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:warnings", *sorted({f for f, _ in refs})],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:warnings", *sorted({f for f, _ in refs})],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ids = {line.strip().split("[")[0] for line in out.stdout.splitlines() if "::" in line}
     missing = sorted(f"{f}::{name}" for f, name in refs if f"{f}::{name}" not in ids)
@@ -202,8 +237,24 @@ def _api_pages() -> list[tuple[Path, str]]:
 
 def test_every_namespace_has_an_api_page():
     documented = {mod for _, mod in _api_pages()}
-    expected = {"fnppo"} | {f"fnppo.{n}" for n in ("losses", "advantages", "kl", "metrics", "batching", "models", "parallel",
-                                                    "moe", "vlm", "hf", "checkpoint", "typing", "testing")}
+    expected = {"fnppo"} | {
+        f"fnppo.{n}"
+        for n in (
+            "losses",
+            "advantages",
+            "kl",
+            "metrics",
+            "batching",
+            "models",
+            "parallel",
+            "moe",
+            "vlm",
+            "hf",
+            "checkpoint",
+            "typing",
+            "testing",
+        )
+    }
     assert documented == expected, documented ^ expected
 
 
@@ -211,12 +262,22 @@ def test_mkdocs_build_strict_documents_every_public_name(tmp_path):
     for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
         pytest.importorskip(module)
     site = tmp_path / "site"
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     for page, module in _api_pages():
-        names = getattr(importlib.import_module(module), "__all__", None)
+        namespace = importlib.import_module(module)
+        names = getattr(namespace, "__all__", None)
         assert names, f"{module} has no __all__: its API page would document nothing"
         html = (site / "api" / page.stem / "index.html").read_text()
-        missing = [n for n in names if f'id="{module}.{n}"' not in html]
+        objects = [
+            n for n in names if not inspect.ismodule(getattr(namespace, n))
+        ]  # namespaces have pages of their own
+        missing = [n for n in objects if f'id="{module}.{n}"' not in html]
         assert not missing, f"{page.name} does not document {missing}"

@@ -64,7 +64,8 @@ def test_readme_is_short():
     assert words <= 1500, f"README.md has {words} words; move details into docs/"
 
 
-MAIN = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e \".[test,examples]\" && .venv/bin/python examples/ppo_toy.py"
+MAIN = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e \".[test,examples]\" && "
+        ".venv/bin/python examples/ppo_toy.py")
 TESTS = ".venv/bin/python -m pytest -q"
 
 
@@ -116,8 +117,8 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
     cmd, loss, norm = lines[which]
     args = cmd.split()
     assert args[0] in (".venv/bin/python", ".venv/bin/torchrun"), args  # README's main command never activates .venv
-    assert args[args.index("examples/ppo_toy.py"):] == ["examples/ppo_toy.py", "--no-progress", "--steps", "1", "--layout-check",
-                                                        "--target-reward", "0"], args
+    quoted = args[args.index("examples/ppo_toy.py"):]
+    assert quoted == ["examples/ppo_toy.py", "--no-progress", "--steps", "1", "--layout-check", "--target-reward", "0"], args
     run_args = ["--no-progress", "--no-plot", "--out-dir", str(tmp_path / "run"), "--steps", "1", "--layout-check", "--target-reward", "0"]
     if args[0].endswith("torchrun"):
         full = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", str(ROOT / "examples/ppo_toy.py"), *run_args]

@@ -26,7 +26,7 @@ _CITATION_AFTER_BRACKET = re.compile(r"(\] ?)(\[[a-z]\d+\])")
 
 
 def _rewrite(target: str, source: str, page: str) -> str:
-    """``target`` as written in ``source`` (a path from the repository root), as seen from ``page`` (a path in docs/)."""
+    """``target`` as written in ``source`` (a path from the repository root), seen from ``page`` (a path in docs/)."""
     if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith(("#", "/")):
         return target
     path, _, anchor = target.partition("#")
@@ -34,7 +34,7 @@ def _rewrite(target: str, source: str, page: str) -> str:
     if resolved in _PAGE_OF_ROOT_FILE:
         in_docs = _PAGE_OF_ROOT_FILE[resolved]
     elif resolved.startswith("docs/"):
-        in_docs = resolved[len("docs/"):]
+        in_docs = resolved[len("docs/") :]
     else:
         return target
     rel = posixpath.relpath(in_docs, posixpath.dirname(page) or ".")
