@@ -44,6 +44,7 @@ def time_ms(fn, device, reps, warmup, back_to_back=1):
 
 def fwd_bwd(method, leaves, *rest):
     """A step that clears the gradients of ``leaves`` and backpropagates ``method(*leaves, *rest)``."""
+
     def step():
         for t in leaves:
             t.grad = None

@@ -83,8 +83,15 @@ class InplaceVocabParallelEntropy(torch.autograd.Function):
         return p, None
 
 
-def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any = None, temperature: float = 1.0,
-                  with_entropy: bool = True, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def actor_logprob(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    tp_group: Any = None,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs from Megatron's cross-entropy on a clone, entropy from :class:`InplaceVocabParallelEntropy`
     (a ``logprob`` stage of :class:`fnppo.StepFns`). The vocabulary must not be padded (``vocab_size`` is the
     full one)."""
@@ -96,10 +103,20 @@ def actor_logprob(logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any =
     return lp.float(), None if ent is None else ent.float()
 
 
-def actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-               config: LossConfig, *, entropy: torch.Tensor | None = None, ref_logprobs: torch.Tensor | None = None,
-               rollout_logprobs: torch.Tensor | None = None, normalizer: torch.Tensor | None = None,
-               seq_ids: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG001
+def actor_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    *,
+    entropy: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    normalizer: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ARG001
     """Vanilla dual-clip PPO + entropy bonus + k3 KL, each token-summed over one global token count
     (a ``loss`` stage of :class:`fnppo.StepFns`; module docstring). From ``config`` (the step's
     :class:`~fnppo.core.losses.config.LossConfig`) it reads the clip bounds of its policy loss
@@ -158,24 +175,31 @@ def self_check(seed: int = 0) -> dict[str, float]:
     normalizer = torch.tensor(200.0, dtype=torch.float64)
     actor, _ = actor_loss(lp, old, adv, mask, config, entropy=entropy, ref_logprobs=ref_lp, normalizer=normalizer)
     fn, _ = ppo_loss(lp, old, adv, mask, config, entropy=entropy, ref_logprobs=ref_lp, normalizer=normalizer)
-    return {"entropy_max_abs_err": float((ent.detach() - ref.detach()).abs().max()),
-            "entropy_grad_max_abs_err": float((grad - ref_grad).abs().max()),
-            "logits_unchanged": float(torch.equal(x.detach(), before)),
-            "loss_vs_fnppo_abs_diff": float((actor - fn).detach().abs())}
+    return {
+        "entropy_max_abs_err": float((ent.detach() - ref.detach()).abs().max()),
+        "entropy_grad_max_abs_err": float((grad - ref_grad).abs().max()),
+        "logits_unchanged": float(torch.equal(x.detach(), before)),
+        "loss_vs_fnppo_abs_diff": float((actor - fn).detach().abs()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Imported by benchmarks/step.py (path B) and benchmarks/logprob.py (method b). Run directly: check the "
-               "baseline against float64 references and fnppo's ppo_loss.")
+        "baseline against float64 references and fnppo's ppo_loss.",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     args = p.parse_args(argv)
     results = self_check(args.seed)
     for k, v in results.items():
         print(f"{k}: {v:.3e}")
-    ok = (results["entropy_max_abs_err"] < 1e-12 and results["entropy_grad_max_abs_err"] < 1e-12
-          and results["logits_unchanged"] == 1.0 and results["loss_vs_fnppo_abs_diff"] < 1e-12)
+    ok = (
+        results["entropy_max_abs_err"] < 1e-12
+        and results["entropy_grad_max_abs_err"] < 1e-12
+        and results["logits_unchanged"] == 1.0
+        and results["loss_vs_fnppo_abs_diff"] < 1e-12
+    )
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

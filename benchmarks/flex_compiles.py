@@ -2,9 +2,9 @@
 
 A "run" of ``--steps`` steps x ``--microbatches`` packed micro-batches: each pack holds sequences of
 random lengths in ``[--min-len, --max-len]`` up to a ``--budget`` token total, so nearly every pack
-has a new total length. Each micro-batch runs ``fnppo.megatron.attention.packed_causal_attention`` forward
+has a new total length. Each micro-batch runs ``fnppo.megatron.packed_attention.packed_causal_attention`` forward
 and backward (bf16, Qwen2.5-1.5B attention shape: 12 heads, 2 key/value groups of 128). Printed:
-compilations of the flex kernel (``fnppo.megatron.attention.flex_compile_count``) and all graphs that
+compilations of the flex kernel (``fnppo.megatron.packed_attention.flex_compile_count``) and all graphs that
 ``torch.compile`` produced, without fnppo's bucket padding (the default) and with it
 (``FNPPO_FLEX_BUCKETS=1``), each in its own process (compiled kernels are cached per process).
 
@@ -24,7 +24,7 @@ import time
 def one_run(args) -> dict:
     import torch
 
-    from fnppo.megatron.attention import packed_causal_attention
+    from fnppo.megatron.packed_attention import packed_causal_attention
 
     g = torch.Generator().manual_seed(args.seed)
     device = torch.device("cuda")
@@ -52,12 +52,17 @@ def one_run(args) -> dict:
 def _row(totals, t0) -> dict:
     from torch._dynamo.utils import counters
 
-    from fnppo.megatron.attention import flex_bucket_length, flex_compile_count
+    from fnppo.megatron.packed_attention import flex_bucket_length, flex_compile_count
 
-    return {"buckets": os.environ.get("FNPPO_FLEX_BUCKETS", "0"), "flex_compiles": flex_compile_count(),
-            "dynamo_unique_graphs": counters["stats"]["unique_graphs"], "distinct_pack_lengths": len(set(totals)),
-            "distinct_buckets": len({flex_bucket_length(t) for t in totals}), "wall_s": time.perf_counter() - t0,
-            "micro_batches": len(totals)}
+    return {
+        "buckets": os.environ.get("FNPPO_FLEX_BUCKETS", "0"),
+        "flex_compiles": flex_compile_count(),
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "distinct_pack_lengths": len(set(totals)),
+        "distinct_buckets": len({flex_bucket_length(t) for t in totals}),
+        "wall_s": time.perf_counter() - t0,
+        "micro_batches": len(totals),
+    }
 
 
 def main(argv=None) -> int:
@@ -68,7 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-len", type=int, default=256)
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=150.0, help="seconds per run; a run cut short reports its count so far")
+    p.add_argument(
+        "--timeout", type=float, default=150.0, help="seconds per run; a run cut short reports its count so far"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -89,11 +96,15 @@ def main(argv=None) -> int:
         row["cut_short_at_timeout"] = cut
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("| bucket padding | micro-batches | distinct pack lengths | flex compilations | all torch.compile graphs | wall s |")
+    print(
+        "| bucket padding | micro-batches | distinct pack lengths | flex compilations | all torch.compile graphs | wall s |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['buckets'] == '1' else 'off'} | {r.get('micro_batches')}{' (cut at the time limit)' if r['cut_short_at_timeout'] else ''} "
-              f"| {r.get('distinct_pack_lengths')} | {r.get('flex_compiles')} | {r.get('dynamo_unique_graphs')} | {r.get('wall_s', float('nan')):.1f} |")
+        print(
+            f"| {'on' if r['buckets'] == '1' else 'off'} | {r.get('micro_batches')}{' (cut at the time limit)' if r['cut_short_at_timeout'] else ''} "
+            f"| {r.get('distinct_pack_lengths')} | {r.get('flex_compiles')} | {r.get('dynamo_unique_graphs')} | {r.get('wall_s', float('nan')):.1f} |"
+        )
     return 0
 
 

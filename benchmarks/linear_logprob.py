@@ -62,7 +62,7 @@ GRAPHS = {}  # one BackwardGraphs per problem (by the weight's address), for the
 
 
 def fused_graphed(h, W, labels, g_lp, g_h):
-    """Checks off, the backward replayed as a CUDA graph (``graphs=fnppo.BackwardGraphs()``)."""
+    """Checks off, the backward replayed as a CUDA graph (``graphs=fnppo.ops.BackwardGraphs()``)."""
     graphs = GRAPHS.setdefault(W.data_ptr(), BackwardGraphs())
     with typechecking(False):
         lp, ent = linear_logprob_and_entropy(h, W, labels, graphs=graphs)
@@ -158,7 +158,9 @@ def _run(fn_impl, h, W, labels, t, g_lp, g_h, vocab_size, with_entropy=True):
             x = x[:, :vocab_size]
         lp, ent = logprob_and_entropy(x, labels, temperature=t, with_entropy=with_entropy)
     else:
-        lp, ent = linear_logprob_and_entropy(hg, wg, labels, temperature=t, with_entropy=with_entropy, vocab_size=vocab_size, impl=fn_impl)
+        lp, ent = linear_logprob_and_entropy(
+            hg, wg, labels, temperature=t, with_entropy=with_entropy, vocab_size=vocab_size, impl=fn_impl
+        )
     loss = (lp * g_lp).sum() if g_lp is not None else 0
     loss = loss + ((ent * g_h).sum() if g_h is not None and ent is not None else 0)
     loss.backward()
@@ -172,7 +174,9 @@ def _errs(out, ref):
     e["ent"] = 0.0 if ent is None else (ent.double() - rent).abs().max().item()
     e["dh"] = ((dh.double() - rdh).abs().max() / rdh.abs().max().clamp_min(1e-30)).item()
     e["dW"] = ((dw.double() - rdw).abs().max() / rdw.abs().max().clamp_min(1e-30)).item()
-    finite = all(bool(torch.isfinite(x).all()) for x in (lp, dh, dw)) and (ent is None or bool(torch.isfinite(ent).all()))
+    finite = all(bool(torch.isfinite(x).all()) for x in (lp, dh, dw)) and (
+        ent is None or bool(torch.isfinite(ent).all())
+    )
     return e, finite
 
 
@@ -183,7 +187,10 @@ def device_checks(device):
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         for tokens, hid, vocab in ((300, 256, 5000), (1, 1000, 7), (257, 1000, 3001)):
             cases.append((dtype, tokens, hid, vocab, 1.0, "plain"))
-    cases += [(torch.bfloat16, 300, 256, 5000, 0.7, k) for k in ("plain", "masked", "no_entropy", "logprob_only", "entropy_only", "large")]
+    cases += [
+        (torch.bfloat16, 300, 256, 5000, 0.7, k)
+        for k in ("plain", "masked", "no_entropy", "logprob_only", "entropy_only", "large")
+    ]
     cases += [(torch.float32, 300, 256, 5000, 0.7, k) for k in ("masked", "large")]
     n_ok, fails = 0, []
     for dtype, tokens, hid, vocab, t, kind in cases:
@@ -204,7 +211,20 @@ def device_checks(device):
             ok = finite and e["lp"] <= vtol and e["ent"] <= vtol and e["dh"] <= gtol and e["dW"] <= gtol
             n_ok += int(ok)
             if not ok:
-                fails.append((impl, str(dtype), tokens, hid, vocab, t, kind, {k: f"{v:.3g}" for k, v in e.items()}, "materialized:", {k: f"{v:.3g}" for k, v in base.items()}))
+                fails.append(
+                    (
+                        impl,
+                        str(dtype),
+                        tokens,
+                        hid,
+                        vocab,
+                        t,
+                        kind,
+                        {k: f"{v:.3g}" for k, v in e.items()},
+                        "materialized:",
+                        {k: f"{v:.3g}" for k, v in base.items()},
+                    )
+                )
     print(f"device checks against fp64: {n_ok}/{2 * len(cases)} passed", flush=True)
     for f in fails:
         print("  FAILED:", f, flush=True)
@@ -221,11 +241,19 @@ def graph_checks(device):
     those of a fresh cache's eager call on the same padded problem."""
     g = torch.Generator(device=device).manual_seed(11)
     n_ok, n_all, fails = 0, 0, []
-    cases = [(torch.bfloat16, 256, 5000, "plain"), (torch.bfloat16, 1000, 3001, "no_entropy"), (torch.bfloat16, 256, 5000, "entropy_only"),
-             (torch.float32, 256, 5000, "plain"), (torch.bfloat16, 896, 151936, "plain"), (torch.float16, 256, 4999, "masked")]
+    cases = [
+        (torch.bfloat16, 256, 5000, "plain"),
+        (torch.bfloat16, 1000, 3001, "no_entropy"),
+        (torch.bfloat16, 256, 5000, "entropy_only"),
+        (torch.float32, 256, 5000, "plain"),
+        (torch.bfloat16, 896, 151936, "plain"),
+        (torch.float16, 256, 4999, "masked"),
+    ]
 
     def loss_of(use, hg, W, labels, g_lp, g_h, kind, vs):
-        lp, ent = linear_logprob_and_entropy(hg, W, labels, with_entropy=kind != "no_entropy", vocab_size=vs, graphs=use)
+        lp, ent = linear_logprob_and_entropy(
+            hg, W, labels, with_entropy=kind != "no_entropy", vocab_size=vs, graphs=use
+        )
         return ((lp * g_lp).sum() if g_lp is not None else 0) + ((ent * g_h).sum() if g_h is not None else 0)
 
     def grads(use, h, W, labels, g_lp, g_h, kind, vs):
@@ -243,7 +271,9 @@ def graph_checks(device):
                 with torch.no_grad():
                     W.add_(0.01 * torch.randn(W.shape, generator=g, device=device).to(dtype))  # updated in place
             elif step == 4:
-                W = (W.detach() + 0.01 * torch.randn(W.shape, generator=g, device=device).to(dtype)).requires_grad_()  # a new tensor
+                W = (
+                    W.detach() + 0.01 * torch.randn(W.shape, generator=g, device=device).to(dtype)
+                ).requires_grad_()  # a new tensor
             h = torch.randn(n, hid, generator=g, device=device).to(dtype)
             nan_step = small and step == 7
             if nan_step:
@@ -262,7 +292,10 @@ def graph_checks(device):
                 errs = [(rel(b, r), rel(a, r)) for a, b, r in zip(outs[0], outs[1], (rdh, rdw))]
                 ok = all(eb <= 2 * max(ea, floor) for eb, ea in errs)
             else:  # 8,192 x 151,936: against the call without graphs, within a few bf16 roundings
-                errs = [((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item() for a, b in zip(outs[0], outs[1])]
+                errs = [
+                    ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1e-30)).item()
+                    for a, b in zip(outs[0], outs[1])
+                ]
                 ok = all(e <= 2.0**-6 for e in errs)
             n_ok += int(ok)
             if not ok:
@@ -270,14 +303,24 @@ def graph_checks(device):
             same = all(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) for a, b in zip(outs[1], outs[2]))
             n_ok += int(same)
             if not same:
-                fails.append((str(dtype), hid, vocab, kind, step, n, "differs from a fresh cache's eager call of the same padded problem"))
+                fails.append(
+                    (
+                        str(dtype),
+                        hid,
+                        vocab,
+                        kind,
+                        step,
+                        n,
+                        "differs from a fresh cache's eager call of the same padded problem",
+                    )
+                )
             if step == 1:  # two backward passes accumulate into .grad: the returned gradients do not alias the buffers
                 W.grad = None
                 for _ in range(2):
                     loss_of(graphs, h, W, labels, g_lp, g_h, kind, vs).backward()
                 n_all += 1
                 one = outs[1][1].float()
-                ok = bool(((W.grad.float() - 2 * one).abs().max() <= one.abs().max() * 2.0**-6))
+                ok = bool((W.grad.float() - 2 * one).abs().max() <= one.abs().max() * 2.0**-6)
                 n_ok += int(ok)
                 if not ok:
                     fails.append((str(dtype), hid, vocab, kind, "accumulation over two backward passes"))
@@ -339,13 +382,17 @@ def fallback_checks(device):
         "the capture was made to fail once": broken[0] == 1,
         "one warning": len(ours) == 1,
         "every call's gradients equal a fresh cache's eager call": all(results),
-        "the failed key ran eagerly (1 first sight + failed capture + 2 later calls), the other key was captured": graphs.eager_calls == 5 and graphs.captures == 1,
+        "the failed key ran eagerly (1 first sight + failed capture + 2 later calls), the other key was captured": graphs.eager_calls
+        == 5
+        and graphs.captures == 1,
         "the other key was replayed": graphs.replays == 1,
     }
     for name, ok in checks.items():
         if not ok:
             fails.append(name)
-    print(f"  fallback: {graphs}; results equal: {results}; warnings: {[str(w.message)[:120] for w in ours]}", flush=True)
+    print(
+        f"  fallback: {graphs}; results equal: {results}; warnings: {[str(w.message)[:120] for w in ours]}", flush=True
+    )
     print(f"capture-failure checks: {sum(checks.values())}/{len(checks)} passed", flush=True)
     for f in fails:
         print("  FAILED:", f, flush=True)
@@ -360,15 +407,23 @@ def full_size_check(h, W, labels, g_lp, g_h):
     lp, ent, dh, dw = _run("triton", h, W, labels, 1.0, g_lp, g_h, None)
     x = h.detach()[:n].double() @ W.detach().double().t()
     logp = x.log_softmax(-1)
-    out["max |lp - fp64| (256 tokens)"] = (lp[:n].double() - logp.gather(-1, labels[:n].unsqueeze(-1)).squeeze(-1)).abs().max().item()
+    out["max |lp - fp64| (256 tokens)"] = (
+        (lp[:n].double() - logp.gather(-1, labels[:n].unsqueeze(-1)).squeeze(-1)).abs().max().item()
+    )
     out["max |H - fp64| (256 tokens)"] = (ent[:n].double() + (logp.exp() * logp).sum(-1)).abs().max().item()
     del x, logp
     for name in ("materialized", "torch"):
         _, _, dh2, dw2 = _run(name, h, W, labels, 1.0, g_lp, g_h, None)
-        out[f"max |dh - dh_{name}| / max|dh|"] = ((dh.float() - dh2.float()).abs().max() / dh2.float().abs().max()).item()
-        out[f"max |dW - dW_{name}| / max|dW|"] = ((dw.float() - dw2.float()).abs().max() / dw2.float().abs().max()).item()
+        out[f"max |dh - dh_{name}| / max|dh|"] = (
+            (dh.float() - dh2.float()).abs().max() / dh2.float().abs().max()
+        ).item()
+        out[f"max |dW - dW_{name}| / max|dW|"] = (
+            (dw.float() - dw2.float()).abs().max() / dw2.float().abs().max()
+        ).item()
         del dh2, dw2
-    out["all finite"] = bool(torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(dh).all() and torch.isfinite(dw).all())
+    out["all finite"] = bool(
+        torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(dh).all() and torch.isfinite(dw).all()
+    )
     return out
 
 
@@ -386,7 +441,9 @@ def backward_parts(h, W, labels, reps):
     gt, bv = sizes["group_tokens"], sizes["block_vocab"]
     hd, wd = h.detach(), W.detach()
     f32 = dict(dtype=torch.float32, device=h.device)
-    coef = k.scaled_coefficients((torch.randn(n, **f32), torch.randn(n, **f32), torch.randn(n, **f32), torch.full((n,), 12.0, **f32)), 1.0)
+    coef = k.scaled_coefficients(
+        (torch.randn(n, **f32), torch.randn(n, **f32), torch.randn(n, **f32), torch.full((n,), 12.0, **f32)), 1.0
+    )
     dz = torch.zeros((min(gt, n), min(bv, v)), dtype=h.dtype, device=h.device)
     acc = torch.zeros((min(gt, n), hid), **f32)
     dw = torch.empty_like(wd)
@@ -414,15 +471,29 @@ def backward_parts(h, W, labels, reps):
 
 
 FWD_VARIANTS = [  # (BN, BK, num_warps, num_stages, TMA) of the forward kernel (BM = 128)
-    (256, 64, 8, 3, False), (256, 64, 8, 4, False), (128, 64, 8, 4, False),
-    (256, 64, 8, 3, True), (256, 64, 8, 4, True), (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 3, True),
-    (256, 128, 8, 2, True), (128, 64, 4, 4, True),
+    (256, 64, 8, 3, False),
+    (256, 64, 8, 4, False),
+    (128, 64, 8, 4, False),
+    (256, 64, 8, 3, True),
+    (256, 64, 8, 4, True),
+    (128, 64, 8, 3, True),
+    (128, 64, 8, 4, True),
+    (128, 128, 8, 3, True),
+    (256, 128, 8, 2, True),
+    (128, 64, 4, 4, True),
 ]
 DZ_VARIANTS = [  # (BM, BN, BK, num_warps, num_stages, GROUP_M, TMA) of the logit-gradient kernel
-    (128, 256, 64, 8, 3, 8, False), (128, 256, 64, 8, 4, 8, False), (256, 128, 64, 8, 3, 8, False),
-    (128, 256, 64, 8, 3, 8, True), (128, 256, 64, 8, 4, 8, True), (256, 128, 64, 8, 3, 8, True),
-    (128, 128, 64, 8, 4, 8, True), (128, 128, 64, 4, 3, 8, True), (128, 128, 64, 4, 4, 8, True),
-    (128, 256, 128, 8, 2, 8, True), (64, 256, 64, 4, 4, 8, True),
+    (128, 256, 64, 8, 3, 8, False),
+    (128, 256, 64, 8, 4, 8, False),
+    (256, 128, 64, 8, 3, 8, False),
+    (128, 256, 64, 8, 3, 8, True),
+    (128, 256, 64, 8, 4, 8, True),
+    (256, 128, 64, 8, 3, 8, True),
+    (128, 128, 64, 8, 4, 8, True),
+    (128, 128, 64, 4, 3, 8, True),
+    (128, 128, 64, 4, 4, 8, True),
+    (128, 256, 128, 8, 2, 8, True),
+    (64, 256, 64, 4, 4, 8, True),
 ]
 
 
@@ -446,13 +517,32 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     bufs = [torch.empty((splits, n), **f32) for _ in range(3)]
     dense_fwd = time_ms(lambda: torch.mm(hd, wd.t()), device, reps, 3)
     for bn, bk, warps, stages, tma in FWD_VARIANTS:
-        ptrs = (k._with_blocks(k._desc(hd), [k._FWD_BM, bk]), k._with_blocks(k._desc(wd), [bn, bk])) if tma else (hd, wd)
+        ptrs = (
+            (k._with_blocks(k._desc(hd), [k._FWD_BM, bk]), k._with_blocks(k._desc(wd), [bn, bk])) if tma else (hd, wd)
+        )
 
         def fwd():
             k._fwd_kernel[(splits, -(-n // k._FWD_BM))](
-                *ptrs, *bufs, n, vocab, hidden, hd.stride(0), wd.stride(0), k.LOG2E, per,
-                WITH_ENT=True, BM=k._FWD_BM, BN=bn, BK=bk, IEEE=False, EVEN_K=hidden % bk == 0, TMA=tma,
-                num_warps=warps, num_stages=stages)
+                *ptrs,
+                *bufs,
+                n,
+                vocab,
+                hidden,
+                hd.stride(0),
+                wd.stride(0),
+                k.LOG2E,
+                per,
+                WITH_ENT=True,
+                BM=k._FWD_BM,
+                BN=bn,
+                BK=bk,
+                IEEE=False,
+                EVEN_K=hidden % bk == 0,
+                TMA=tma,
+                num_warps=warps,
+                num_stages=stages,
+            )
+
         name = f"BN={bn} BK={bk} warps={warps} stages={stages} {'TMA' if tma else 'pointers'}"
         try:
             ms = time_ms(fwd, device, reps, 2)
@@ -464,21 +554,52 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     cfg = ll._Cfg(1.0, True, None, 1, 0, vocab, vocab, "triton", None, None, None)
     sizes = ll._backward_chunks(n, vocab, hidden, h.element_size(), cfg)
     gt, bv = min(sizes["group_tokens"], n), min(sizes["block_vocab"], vocab)
-    coef = k.scaled_coefficients((torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0, **f32)), 1.0)
+    coef = k.scaled_coefficients(
+        (torch.randn(gt, **f32), torch.randn(gt, **f32), torch.randn(gt, **f32), torch.full((gt,), 12.0, **f32)), 1.0
+    )
     dz = torch.empty((gt, bv), dtype=h.dtype, device=device)
     hg, wb = hd[:gt], wd[:bv]
     dense_blk = time_ms(lambda: torch.mm(hg, wb.t(), out=dz), device, reps, 3)
     for bm, bn, bk, warps, stages, gm, tma in DZ_VARIANTS:
         if tma:
-            ptrs = (k._with_blocks(k._desc(hg), [bm, bk]), k._with_blocks(k._desc(wb), [bn, bk]), k._with_blocks(k._desc(dz), [bm, bn]))
+            ptrs = (
+                k._with_blocks(k._desc(hg), [bm, bk]),
+                k._with_blocks(k._desc(wb), [bn, bk]),
+                k._with_blocks(k._desc(dz), [bm, bn]),
+            )
         else:
             ptrs = (hg, wb, dz)
 
         def dzk():
             grid = (triton_cdiv(gt, bm) * triton_cdiv(bv, bn),)
-            k._dz_kernel[grid](ptrs[0], ptrs[1], labels[:gt], *coef, ptrs[2], 0, gt, 0, bv, hidden, hg.stride(0), wb.stride(0), dz.stride(0), 0,
-                               k.LOG2E, HAS_GH=True, BM=bm, BN=bn, BK=bk, GROUP_M=gm, IEEE=False, EVEN_K=hidden % bk == 0, TMA=tma,
-                               num_warps=warps, num_stages=stages)
+            k._dz_kernel[grid](
+                ptrs[0],
+                ptrs[1],
+                labels[:gt],
+                *coef,
+                ptrs[2],
+                0,
+                gt,
+                0,
+                bv,
+                hidden,
+                hg.stride(0),
+                wb.stride(0),
+                dz.stride(0),
+                0,
+                k.LOG2E,
+                HAS_GH=True,
+                BM=bm,
+                BN=bn,
+                BK=bk,
+                GROUP_M=gm,
+                IEEE=False,
+                EVEN_K=hidden % bk == 0,
+                TMA=tma,
+                num_warps=warps,
+                num_stages=stages,
+            )
+
         name = f"BM={bm} BN={bn} BK={bk} warps={warps} stages={stages} GROUP_M={gm} {'TMA' if tma else 'pointers'}"
         try:
             ms = time_ms(dzk, device, reps, 2)
@@ -512,8 +633,10 @@ def host_time(tokens, hidden, vocab, device):
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
-    print(f"\nhost time {tokens} x {hidden} x {vocab} (checks off): one step returns to the host after "
-          f"{1e3 * (t1 - t0):.2f} ms, the GPU is done after {1e3 * (t2 - t0):.2f} ms")
+    print(
+        f"\nhost time {tokens} x {hidden} x {vocab} (checks off): one step returns to the host after "
+        f"{1e3 * (t1 - t0):.2f} ms, the GPU is done after {1e3 * (t2 - t0):.2f} ms"
+    )
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(5):
@@ -550,7 +673,9 @@ def launch_cost(tokens, hidden, vocab, device):
     fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)()  # autotunes both kernels
     h2, wv = h.detach(), W.detach()
     n = tokens
-    cfg = type("Cfg", (), {"inv_t": 1.0, "vocab_start": 0, "n_valid": vocab, "chunk_tokens": None, "chunk_vocab": None})()
+    cfg = type(
+        "Cfg", (), {"inv_t": 1.0, "vocab_start": 0, "n_valid": vocab, "chunk_tokens": None, "chunk_vocab": None}
+    )()
     chunks = _backward_chunks(n, vocab, hidden, 2, cfg)
     cols = chunks["block_vocab"]
     dz_buf = torch.empty((n, cols), dtype=h2.dtype, device=device)
@@ -559,26 +684,39 @@ def launch_cost(tokens, hidden, vocab, device):
     coef = (g_lp.float(), g_h.float(), -g_lp.float(), torch.randn(n, device=device) + 12)
     coef2 = k.scaled_coefficients(coef, 1.0)
     print(f"\nhost time per call, {tokens} x {hidden} x {vocab} (blocks of {chunks['group_tokens']} x {cols}):")
-    for tma in ([True, False] if k._tma_wanted(device) else [False]):
+    for tma in [True, False] if k._tma_wanted(device) else [False]:
         ptrs = (k._desc(h2), k._desc(wv), k._desc(dz_buf)) if tma else (h2, wv, dz_buf)
         strides = (h2.stride(0), wv.stride(0), dz_buf.stride(0))
         args = (ptrs[0], ptrs[1], labels, *coef2[:3], coef2[3], ptrs[2], 0, n, 0, cols, hidden, *strides, 0, k.LOG2E)
         tuned = lambda: k._dz_tuned[lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(cols, meta["BN"]),)](  # noqa: E731
-            *args, HAS_GH=True, IEEE=False, TMA=tma)
+            *args, HAS_GH=True, IEEE=False, TMA=tma
+        )
         tuned()
         best = k._dz_tuned.best_config
         kw = best.kwargs
         grid = (triton.cdiv(n, kw["BM"]) * triton.cdiv(cols, kw["BN"]),)
-        direct = lambda: k._dz_kernel[grid](*args, HAS_GH=True, IEEE=False, EVEN_K=hidden % kw["BK"] == 0, TMA=tma, **kw,  # noqa: E731
-                                            num_warps=best.num_warps, num_stages=best.num_stages)
+        direct = lambda: k._dz_kernel[grid](
+            *args,
+            HAS_GH=True,
+            IEEE=False,
+            EVEN_K=hidden % kw["BK"] == 0,
+            TMA=tma,
+            **kw,  # noqa: E731
+            num_warps=best.num_warps,
+            num_stages=best.num_stages,
+        )
         wrapped = lambda: k._launch_dz(ptrs, labels, coef2, (0, n, 0, cols), strides, 0, k.LOG2E, True, tma)  # noqa: E731
         direct()
         wrapped()
-        print(f"  logit-gradient kernel ({'TMA' if tma else 'pointer loads'}, {best}): autotuner {_host_us(tuned):.1f} us, "
-              f"direct {_host_us(direct):.1f} us, _launch_dz {_host_us(wrapped):.1f} us")
+        print(
+            f"  logit-gradient kernel ({'TMA' if tma else 'pointer loads'}, {best}): autotuner {_host_us(tuned):.1f} us, "
+            f"direct {_host_us(direct):.1f} us, _launch_dz {_host_us(wrapped):.1f} us"
+        )
     dz, wb = dz_buf, wv[:cols]
-    print(f"  dh += dz @ W_b (fp32 addmm) {_host_us(lambda: k._accumulate(acc, dz, wb)):.1f} us; "
-          f"dW_b = dz.T @ h (mm, out=) {_host_us(lambda: torch.mm(dz.t(), h2, out=dw[:cols])):.1f} us")
+    print(
+        f"  dh += dz @ W_b (fp32 addmm) {_host_us(lambda: k._accumulate(acc, dz, wb)):.1f} us; "
+        f"dW_b = dz.T @ h (mm, out=) {_host_us(lambda: torch.mm(dz.t(), h2, out=dw[:cols])):.1f} us"
+    )
     whole = lambda: k.backward_grads(h2, wv, labels, coef, True, cfg, True, dw, **chunks)  # noqa: E731
     whole()
     blocks = -(-n // chunks["group_tokens"]) * -(-vocab // cols)
@@ -616,13 +754,19 @@ def profile_fused(tokens, hidden, vocab, device):
         t = by_name.setdefault(e.name[:90], [0.0, 0])
         t[0] += (e.time_range.end - e.time_range.start) / 1e3
         t[1] += 1
-    print(f"\nprofile {tokens} x {hidden} x {vocab} (checks off): wall {wall:.2f} ms, kernels {busy / 1e3:.2f} ms, "
-          f"first kernel to last {(spans[-1][1] - spans[0][0]) / 1e3:.2f} ms")
+    print(
+        f"\nprofile {tokens} x {hidden} x {vocab} (checks off): wall {wall:.2f} ms, kernels {busy / 1e3:.2f} ms, "
+        f"first kernel to last {(spans[-1][1] - spans[0][0]) / 1e3:.2f} ms"
+    )
     for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
         print(f"  {ms:8.3f} ms  {count:4d}x  {name}")
     seq = sorted(kernels, key=lambda e: e.time_range.start)
-    gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(seq, seq[1:])), reverse=True)
-    print(f"  idle between kernels: {sum(max(0, g[0]) for g in gaps) / 1e3:.2f} ms; largest gaps (us, after -> before):")
+    gaps = sorted(
+        ((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(seq, seq[1:])), reverse=True
+    )
+    print(
+        f"  idle between kernels: {sum(max(0, g[0]) for g in gaps) / 1e3:.2f} ms; largest gaps (us, after -> before):"
+    )
     for g, a, b in gaps[:8]:
         print(f"    {g:8.1f}  {a} -> {b}")
 
@@ -641,14 +785,31 @@ def main():
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--methods", default=None, help="comma-separated substrings of method names")
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--fallback-only", action="store_true", help="with --check-only: only the capture-failure checks of BackwardGraphs")
+    p.add_argument(
+        "--fallback-only",
+        action="store_true",
+        help="with --check-only: only the capture-failure checks of BackwardGraphs",
+    )
     p.add_argument("--no-check", action="store_true")
-    p.add_argument("--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop")
-    p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop")
-    p.add_argument("--back-to-back", type=int, default=1, metavar="N",
-                   help="time N calls issued back to back per sample (host launch latency hidden, as inside a step)")
-    p.add_argument("--launch-cost", action="store_true", help="host time per launch of the backward's pieces, per shape, then stop")
-    p.add_argument("--host-time", action="store_true", help="host time of one fused fwd+bwd per shape (and cProfile), then stop")
+    p.add_argument(
+        "--variants", action="store_true", help="time the kernels' tile variants at the first shape, then stop"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="profile one fused fwd+bwd per shape (kernels, GPU idle), then stop"
+    )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time N calls issued back to back per sample (host launch latency hidden, as inside a step)",
+    )
+    p.add_argument(
+        "--launch-cost", action="store_true", help="host time per launch of the backward's pieces, per shape, then stop"
+    )
+    p.add_argument(
+        "--host-time", action="store_true", help="host time of one fused fwd+bwd per shape (and cProfile), then stop"
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -659,7 +820,14 @@ def main():
     if on_gpu:
         from fnppo.core.kernels import linear_logprob_triton as k
 
-        print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__, flush=True)
+        print(
+            torch.cuda.get_device_name(),
+            "torch",
+            torch.__version__,
+            "triton",
+            __import__("triton").__version__,
+            flush=True,
+        )
         print("fp32-accumulating addmm available:", k._addmm_fp32_ok("cuda"), flush=True)
         if args.variants:
             kernel_variants(tokens_list[0], hidden_list[0], vocab, reps)
@@ -681,7 +849,9 @@ def main():
     for hidden in hidden_list:
         for tokens in tokens_list:
             rows += bench_one(tokens, hidden, vocab, device, reps, args)
-    print("\n| method | tokens | hidden | fwd+bwd ms | TFLOP/s (6TVH/t) | extra peak (logits) | raw extra peak (logits) | / 4 dense mm |")
+    print(
+        "\n| method | tokens | hidden | fwd+bwd ms | TFLOP/s (6TVH/t) | extra peak (logits) | raw extra peak (logits) | / 4 dense mm |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
@@ -693,13 +863,28 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
     logits_bytes = tokens * vocab * 2
     flops = 6 * tokens * vocab * hidden
     b2b = f", {args.back_to_back} calls back to back per timed sample" if args.back_to_back > 1 else ""
-    print(f"\n{tokens} tokens x {hidden} hidden x {vocab} vocab (bf16 logits would be {logits_bytes / 2**30:.2f} GiB){b2b}", flush=True)
+    print(
+        f"\n{tokens} tokens x {hidden} hidden x {vocab} vocab (bf16 logits would be {logits_bytes / 2**30:.2f} GiB){b2b}",
+        flush=True,
+    )
     dense = dense_matmuls_ms(h, W, device, reps, args.back_to_back) if on_gpu else None
     dense_total = sum(dense.values()) if dense else None
     if dense:
-        print("  dense bf16 torch.mm ms: " + ", ".join(f"{k} {v:.2f}" for k, v in dense.items()) + f"; total of 4: {dense_total:.2f}", flush=True)
+        print(
+            "  dense bf16 torch.mm ms: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in dense.items())
+            + f"; total of 4: {dense_total:.2f}",
+            flush=True,
+        )
     if on_gpu and not args.no_check:
-        print("  full-size check:", {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in full_size_check(h, W, labels, g_lp, g_h).items()}, flush=True)
+        print(
+            "  full-size check:",
+            {
+                k: (f"{v:.3g}" if isinstance(v, float) else v)
+                for k, v in full_size_check(h, W, labels, g_lp, g_h).items()
+            },
+            flush=True,
+        )
         h.grad, W.grad = None, None
     rows = []
     for name, method, need in METHODS:
@@ -717,21 +902,38 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
         if on_gpu:
             torch.cuda.empty_cache()
         ratio = f"{ms / dense_total:.2f}" if dense_total and "fused" in name else "-"
-        fmt = (lambda v: "-" if v is None else f"{v:.3f}")
-        rows.append((name, str(tokens), str(hidden), f"{ms:.2f}", f"{flops / (ms * 1e-3) / 1e12:.0f}", fmt(extra), fmt(raw), ratio))
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"
+        rows.append(
+            (
+                name,
+                str(tokens),
+                str(hidden),
+                f"{ms:.2f}",
+                f"{flops / (ms * 1e-3) / 1e12:.0f}",
+                fmt(extra),
+                fmt(raw),
+                ratio,
+            )
+        )
         print(f"  {name:<44} {ms:9.2f} ms  extra {fmt(extra)} (raw {fmt(raw)})  ratio to dense {ratio}", flush=True)
     if on_gpu:
+
         def fwd_only():
             with torch.no_grad():
                 linear_logprob_and_entropy(h, W, labels)
 
         f_ms = time_ms(fwd_only, device, reps, 2)
-        print(f"  fused forward alone {f_ms:.2f} ms (dense logits mm {dense['logits (fwd)']:.2f}); backward by difference "
-              f"{float(rows[0][3]) - f_ms:.2f} ms", flush=True)
+        print(
+            f"  fused forward alone {f_ms:.2f} ms (dense logits mm {dense['logits (fwd)']:.2f}); backward by difference "
+            f"{float(rows[0][3]) - f_ms:.2f} ms",
+            flush=True,
+        )
         from fnppo.core.kernels import linear_logprob_triton as k
 
         print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward dz {k._dz_tuned.best_config}", flush=True)
-        print("  backward parts, ms (each timed alone over all blocks):", backward_parts(h, W, labels, reps), flush=True)
+        print(
+            "  backward parts, ms (each timed alone over all blocks):", backward_parts(h, W, labels, reps), flush=True
+        )
     del h, W, labels, g_lp, g_h
     gc.collect()
     return rows

@@ -155,7 +155,6 @@ def make_problem(tokens, vocab, device, seed=0):
 # Correctness on the device (full size against the torch path; a slice against fp64)
 # ---------------------------------------------------------------------------------------------
 def check_correctness(x, labels, g_lp, g_h, impl):
-    device = x.device
     junk = torch.full_like(x, float("nan"))  # poison the allocator's block the gradient will reuse
     del junk
     xs = x.detach().requires_grad_()
@@ -175,13 +174,16 @@ def check_correctness(x, labels, g_lp, g_h, impl):
     out["max |grad - fp64| / max|grad|"] = ((grad[:n].double() - rg).abs().max() / rg.abs().max()).item()
     # bf16 gradient = exact value rounded to nearest: within half a bf16 ulp (2^-9 relative) + fp32 error
     rel = (grad[:n].double() - rg).abs() / (rg.abs() + 1e-30)
-    out["grad within bf16 rounding (frac)"] = ((rel <= 2.0**-8) | ((grad[:n].double() - rg).abs() < 1e-7)).double().mean().item()
+    out["grad within bf16 rounding (frac)"] = (
+        ((rel <= 2.0**-8) | ((grad[:n].double() - rg).abs() < 1e-7)).double().mean().item()
+    )
     return out, (lp.detach(), ent.detach(), grad)
 
 
 def device_checks(device):
     """fp64-reference checks of every path on the device: dtypes, temperatures, odd vocab sizes
     (unaligned rows), -inf entries, large logits, strided rows, one output unused."""
+
     def reference(x, labels, t, g_lp, g_h):
         xr = x.detach().double()
         xr = torch.where(torch.isneginf(xr), torch.full_like(xr, -1e6), xr).requires_grad_()
@@ -194,7 +196,10 @@ def device_checks(device):
     # Few distinct (dtype, vocab) pairs: each is a new kernel specialization to compile and tune.
     cases = [(torch.bfloat16, v, t, "plain") for v in (7, 50257, 151936) for t in (1.0, 0.7)]
     cases += [(torch.float32, 1000, 0.7, "plain"), (torch.float16, 1000, 1.0, "plain")]
-    cases += [(torch.bfloat16, 32000, 1.0, k) for k in ("neginf", "large", "strided", "no_entropy", "entropy_only", "logprob_only")]
+    cases += [
+        (torch.bfloat16, 32000, 1.0, k)
+        for k in ("neginf", "large", "strided", "no_entropy", "entropy_only", "logprob_only")
+    ]
     cases += [(torch.float32, 1000, 0.5, k) for k in ("neginf", "large")]
     for dtype, vocab, t, kind in cases:
         tokens = 48
@@ -203,9 +208,9 @@ def device_checks(device):
             x = x + 1e4
         x = x.to(dtype)
         if kind == "strided":
-            x = x[:, 32:32 + vocab]
+            x = x[:, 32 : 32 + vocab]
         if kind == "neginf":
-            x[:, vocab // 2:] = float("-inf")
+            x[:, vocab // 2 :] = float("-inf")
             x[3, : vocab // 2 - 1] = float("-inf")
         labels = torch.randint(0, vocab // 2 if kind == "neginf" else vocab, (tokens,), generator=g, device=device)
         if kind == "neginf":
@@ -232,7 +237,9 @@ def device_checks(device):
             n_all += 1
             n_ok += int(ok)
             if not ok:
-                worst.append((impl, str(dtype), vocab, t, kind, (lp.double() - rlp).abs().max().item(), err.max().item()))
+                worst.append(
+                    (impl, str(dtype), vocab, t, kind, (lp.double() - rlp).abs().max().item(), err.max().item())
+                )
     print(f"device checks against fp64: {n_ok}/{n_all} passed", flush=True)
     for w in worst:
         print("  FAILED:", w, flush=True)
@@ -254,7 +261,7 @@ def _tp2_rank(rank, world, port, tokens, vocab, reps, backend, queue):
         group = dist.group.WORLD
         x, labels, g_lp, g_h = make_problem(tokens, vocab, device, seed=1)  # the same on every rank
         shard = vocab // world
-        xs = x.detach()[:, rank * shard:(rank + 1) * shard].contiguous().requires_grad_()
+        xs = x.detach()[:, rank * shard : (rank + 1) * shard].contiguous().requires_grad_()
         impl = "triton" if device.type == "cuda" else "torch"
 
         def step_tp():
@@ -268,11 +275,13 @@ def _tp2_rank(rank, world, port, tokens, vocab, reps, backend, queue):
         # TP=1 on the full logits, on this rank, for comparison.
         lp1, ent1 = logprob_and_entropy(x, labels, impl=impl)
         ((lp1 * g_lp).sum() + (ent1 * g_h).sum()).backward()
-        grad1 = x.grad[:, rank * shard:(rank + 1) * shard]
+        grad1 = x.grad[:, rank * shard : (rank + 1) * shard]
         res = {
             "max |lp_tp2 - lp_tp1|": (lp2 - lp1).abs().max().item(),
             "max |H_tp2 - H_tp1|": (ent2 - ent1).abs().max().item(),
-            "max |grad_tp2 - grad_tp1| / max|grad|": ((grad2.float() - grad1.float()).abs().max() / grad1.float().abs().max()).item(),
+            "max |grad_tp2 - grad_tp1| / max|grad|": (
+                (grad2.float() - grad1.float()).abs().max() / grad1.float().abs().max()
+            ).item(),
         }
         x.grad = None
         del grad1, grad2
@@ -280,7 +289,9 @@ def _tp2_rank(rank, world, port, tokens, vocab, reps, backend, queue):
         res["fwd+bwd ms (TP=2)"] = time_ms(step_tp, device, reps, 3)
         xs.grad = None
         method = fnppo_triton if impl == "triton" else fnppo_torch
-        res["fwd+bwd ms (TP=1, full logits, same device)"] = time_ms(fwd_bwd(method, x, labels, g_lp, g_h), device, reps, 3)
+        res["fwd+bwd ms (TP=1, full logits, same device)"] = time_ms(
+            fwd_bwd(method, x, labels, g_lp, g_h), device, reps, 3
+        )
         queue.put((rank, res))
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001
@@ -360,9 +371,12 @@ def main():
             nbytes = x.numel() * x.element_size()
             if on_gpu:
                 bw = copy_bandwidth(x, device, reps)
-                print(f"\n{tokens} x {vocab} bf16 logits = {nbytes / 1e9:.2f} GB; device copy {bw:.0f} GB/s "
-                      f"(read+write); HBM floor for fwd+bwd (3 x logits bytes) at that rate: "
-                      f"{3 * nbytes / bw / 1e6:.2f} ms", flush=True)
+                print(
+                    f"\n{tokens} x {vocab} bf16 logits = {nbytes / 1e9:.2f} GB; device copy {bw:.0f} GB/s "
+                    f"(read+write); HBM floor for fwd+bwd (3 x logits bytes) at that rate: "
+                    f"{3 * nbytes / bw / 1e6:.2f} ms",
+                    flush=True,
+                )
                 corr, _ = check_correctness(x, labels, g_lp, g_h, "triton")
                 corr_t, _ = check_correctness(x, labels, g_lp, g_h, "torch")
                 print("  correctness, triton:", {k: f"{v:.3g}" for k, v in corr.items()}, flush=True)
@@ -389,12 +403,18 @@ def main():
                             logprob_and_entropy(x, labels, impl="triton")
 
                     f_ms = time_ms(fwd_only, device, reps, 3)
-                    print(f"  fnppo (triton) {tokens}: forward {f_ms:.2f} ms ({nbytes / (f_ms * 1e-3) / 1e9:.0f} GB/s), "
-                          f"backward {ms - f_ms:.2f} ms ({2 * nbytes / ((ms - f_ms) * 1e-3) / 1e9:.0f} GB/s)", flush=True)
+                    print(
+                        f"  fnppo (triton) {tokens}: forward {f_ms:.2f} ms ({nbytes / (f_ms * 1e-3) / 1e9:.0f} GB/s), "
+                        f"backward {ms - f_ms:.2f} ms ({2 * nbytes / ((ms - f_ms) * 1e-3) / 1e9:.0f} GB/s)",
+                        flush=True,
+                    )
                     from fnppo.core.kernels import logprob_kernels
 
                     k = logprob_kernels()
-                    print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward {k._bwd_tuned.best_config}", flush=True)
+                    print(
+                        f"  autotuned: forward {k._fwd_tuned.best_config}, backward {k._bwd_tuned.best_config}",
+                        flush=True,
+                    )
                 rows.append((name, tokens, vocab, ms, copies, extra))
                 print(f"  {name:<38} {ms:9.2f} ms  " + ("" if copies is None else f"{copies:5.2f} copies"), flush=True)
             del x, labels, g_lp, g_h
@@ -402,7 +422,9 @@ def main():
             if on_gpu:
                 torch.cuda.empty_cache()
 
-    print("\n| method | tokens | vocab | fwd+bwd ms (median) | extra copies | fnppo HBM GB/s (3 x logits bytes / time) |")
+    print(
+        "\n| method | tokens | vocab | fwd+bwd ms (median) | extra copies | fnppo HBM GB/s (3 x logits bytes / time) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, tokens, v, ms, copies, extra in rows:
         c = "-" if copies is None else f"{copies:.2f}"

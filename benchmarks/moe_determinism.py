@@ -37,8 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fnppo  # noqa: E402
 from step import make_samples, step_config  # noqa: E402
+
+import fnppo  # noqa: E402
 
 VARIANTS = {
     "te": (None, {}),
@@ -68,12 +69,26 @@ def measure(variant: str, device: torch.device) -> dict:
     cpu = device.type == "cpu"
     vocab, hidden, seq = (512, 64, 64) if cpu else (151936, 2048, 2048)
     spec, extra = VARIANTS[variant]
-    cfg = fnppo.ModelConfig(vocab_size=vocab, max_seq_len=4096, dtype="fp32" if cpu else "bf16", tie_embeddings=True,
-                            add_qkv_bias=True, rotary_base=1e6, hidden_size=hidden, num_layers=4, num_attention_heads=16,
-                            num_query_groups=4, kv_channels=hidden // 16, ffn_hidden_size=768, num_experts=64, moe_topk=8,
-                            moe_ffn_hidden_size=768, **extra)
-    chunks = fnppo.build_gpt(cfg, layer_spec=fnppo.local_layer_spec(cfg) if spec == "local" else None)
-    fnppo.layout_invariant_init(chunks, seed=0)
+    cfg = fnppo.ModelConfig(
+        vocab_size=vocab,
+        max_seq_len=4096,
+        dtype="fp32" if cpu else "bf16",
+        tie_embeddings=True,
+        add_qkv_bias=True,
+        rotary_base=1e6,
+        hidden_size=hidden,
+        num_layers=4,
+        num_attention_heads=16,
+        num_query_groups=4,
+        kv_channels=hidden // 16,
+        ffn_hidden_size=768,
+        num_experts=64,
+        moe_topk=8,
+        moe_ffn_hidden_size=768,
+        **extra,
+    )
+    chunks = fnppo.build_gpt(cfg, layer_spec=fnppo.models.local_layer_spec(cfg) if spec == "local" else None)
+    fnppo.models.layout_invariant_init(chunks, seed=0)
     model = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     samples = make_samples(4, seq, vocab, seed=1)
     a, b = step_config("A", 8192), step_config("B", 8192)
@@ -82,7 +97,7 @@ def measure(variant: str, device: torch.device) -> dict:
         if not cpu:
             torch.cuda.synchronize()
 
-    r: dict = {"experts": type(fnppo.megatron.model.unwrap_model(model[0]).decoder.layers[0].mlp.experts).__name__}
+    r: dict = {"experts": type(fnppo.megatron.unwrap.unwrap_model(model[0]).decoder.layers[0].mlp.experts).__name__}
     with torch.no_grad():
         lp1, _, rt1 = fnppo.compute_logprobs(model, samples, config=a, return_routing=True)
         lp2, _, rt2 = fnppo.compute_logprobs(model, samples, config=a, return_routing=True)
@@ -98,9 +113,14 @@ def measure(variant: str, device: torch.device) -> dict:
         lp_replay, _ = fnppo.compute_logprobs(model, replayed, config=a)
     differing = sum(int((x.sort(-1).values != y.sort(-1).values).any(-1).sum()) for x, y in zip(rt1, rt2))
     r.update(
-        A1_vs_A2=_max_diff(lp1, lp2), A1_vs_A3=_max_diff(lp1, lp3), A2_vs_A3=_max_diff(lp2, lp3), A1_vs_B=_max_diff(lp1, lp_b),
-        routing_rows_differing=differing, routing_rows=sum(x.shape[0] * x.shape[1] for x in rt1),
-        A1_vs_A1replay=_max_diff(lp1, lp_replay), compute_logprobs_s=statistics.median(times),
+        A1_vs_A2=_max_diff(lp1, lp2),
+        A1_vs_A3=_max_diff(lp1, lp3),
+        A2_vs_A3=_max_diff(lp2, lp3),
+        A1_vs_B=_max_diff(lp1, lp_b),
+        routing_rows_differing=differing,
+        routing_rows=sum(x.shape[0] * x.shape[1] for x in rt1),
+        A1_vs_A1replay=_max_diff(lp1, lp_replay),
+        compute_logprobs_s=statistics.median(times),
     )
     del model, chunks
     if not cpu:

@@ -52,8 +52,20 @@ def free_port() -> int:
 
 def layout_check_block(tmp: Path) -> str:
     one = _run([sys.executable, str(TOY), *CHECK_ARGS, "--no-plot", "--out-dir", str(tmp / "lc1")])
-    two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-                str(TOY), *CHECK_ARGS, "--no-plot", "--out-dir", str(tmp / "lc2")])
+    two = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+            str(TOY),
+            *CHECK_ARGS,
+            "--no-plot",
+            "--out-dir",
+            str(tmp / "lc2"),
+        ]
+    )
     cmds = [f"$ {READER[n]} examples/ppo_toy.py {' '.join(CHECK_ARGS)}" for n in (1, 2)]
     width = max(len(c) for c in cmds) + 1
     lines = []
@@ -79,7 +91,9 @@ def tests_figure(log: Path | None) -> str:
     if log is not None:
         text = log.read_text()
     else:
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q"], capture_output=True, text=True, env=_env(), cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q"], capture_output=True, text=True, env=_env(), cwd=ROOT
+        )
         text = out.stdout if out.returncode == 0 else ""
     m = re.search(r"(\d+) passed(?:, (\d+) skipped)?.* in ([0-9.]+)s", text)
     if m is None or " failed" in m.group(0):
@@ -99,7 +113,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="update README.md in place")
     p.add_argument("--tests", action="store_true", help="also run the whole test suite for its count and time")
-    p.add_argument("--tests-from", type=Path, default=None, help="read the count and time from this log of the test command instead")
+    p.add_argument(
+        "--tests-from",
+        type=Path,
+        default=None,
+        help="read the count and time from this log of the test command instead",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         blocks = {"layout-check": layout_check_block(Path(tmp)), "toy": toy_block(Path(tmp))}

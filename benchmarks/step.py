@@ -11,7 +11,7 @@ entropy and loss, written from scratch in ``benchmarks/actor_baseline.py`` and d
 
 Path C is A with ``StepConfig(fused_output=True)``: the last stage stops before the output layer and
 ``linear_logprob_and_entropy`` computes log-probs and entropy from the hidden states and the output
-weight, never materializing the logits. Path D is C with ``fused_output_graphs=fnppo.BackwardGraphs()``
+weight, never materializing the logits. Path D is C with ``fused_output_graphs=fnppo.ops.BackwardGraphs()``
 (the fused backward replayed as a CUDA graph).
 
 Prints: tokens/s (median over the timed steps), model FLOPs utilization (MFU: model FLOPs per token
@@ -65,19 +65,41 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fnppo  # noqa: E402
 from actor_baseline import actor_fns  # noqa: E402
+
+import fnppo  # noqa: E402
 
 MODELS = {
     # Qwen2.5 shapes (random weights): hidden, layers, heads, kv groups, ffn, vocab; tied embeddings.
-    "qwen2.5-0.5b": dict(hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_layers=28, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, num_layers=28, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960
+    ),
     "tiny": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128),
     # Mixture of Experts (Qwen3-MoE-like widths, every layer MoE): see the module docstring for its memory
-    "moe-5b-a1b": dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=4, kv_channels=128,
-                       ffn_hidden_size=768, num_experts=64, moe_topk=8, moe_ffn_hidden_size=768),
-    "tiny-moe": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                     num_experts=4, moe_topk=2, moe_ffn_hidden_size=32),
+    "moe-5b-a1b": dict(
+        hidden_size=2048,
+        num_layers=16,
+        num_attention_heads=16,
+        num_query_groups=4,
+        kv_channels=128,
+        ffn_hidden_size=768,
+        num_experts=64,
+        moe_topk=8,
+        moe_ffn_hidden_size=768,
+    ),
+    "tiny-moe": dict(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        num_experts=4,
+        moe_topk=2,
+        moe_ffn_hidden_size=32,
+    ),
 }
 
 
@@ -93,28 +115,53 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--spec", choices=["default", "local", "te"], default="default",
-                   help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's")
-    p.add_argument("--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)")
+    p.add_argument(
+        "--spec",
+        choices=["default", "local", "te"],
+        default="default",
+        help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's",
+    )
+    p.add_argument(
+        "--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)"
+    )
     p.add_argument("--checks", choices=["on", "off"], default="off", help="fnppo's call-time checks during the steps")
-    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
-                   help="activation recomputation: full = Megatron's recompute_granularity='full' (uniform, 1 layer per checkpoint); "
-                        "selective = recompute_granularity='selective' with --recompute-modules")
-    p.add_argument("--recompute-modules", default="mlp",
-                   help="comma-separated recompute_modules of --recompute selective (Megatron's names: mlp, layernorm, core_attn, moe, ...)")
-    p.add_argument("--fused-chunk-vocab", type=int, default=None,
-                   help="path C: StepConfig.fused_output_chunk_vocab (vocabulary rows per block of the fused backward)")
+    p.add_argument(
+        "--recompute",
+        choices=["none", "full", "selective"],
+        default="none",
+        help="activation recomputation: full = Megatron's recompute_granularity='full' (uniform, 1 layer per checkpoint); "
+        "selective = recompute_granularity='selective' with --recompute-modules",
+    )
+    p.add_argument(
+        "--recompute-modules",
+        default="mlp",
+        help="comma-separated recompute_modules of --recompute selective (Megatron's names: mlp, layernorm, core_attn, moe, ...)",
+    )
+    p.add_argument(
+        "--fused-chunk-vocab",
+        type=int,
+        default=None,
+        help="path C: StepConfig.fused_output_chunk_vocab (vocabulary rows per block of the fused backward)",
+    )
     p.add_argument("--overlap", action="store_true", help="DDP overlap_grad_reduce (data parallelism)")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
     p.add_argument("--search-max", type=int, default=262144)
-    p.add_argument("--search-seq", action="store_true",
-                   help="find the longest single sequence (one sample = one micro-batch) that trains, per path")
+    p.add_argument(
+        "--search-seq",
+        action="store_true",
+        help="find the longest single sequence (one sample = one micro-batch) that trains, per path",
+    )
     p.add_argument("--search-seq-max", type=int, default=524288)
     p.add_argument("--search-seq-unit", type=int, default=4096, help="bisection step of --search-seq (tokens)")
     p.add_argument("--paths", default="A,B,C")
-    p.add_argument("--rotate", action="store_true",
-                   help="each round of steps starts with the next path, and Python's garbage is collected before every step (outside its time)")
-    p.add_argument("--host-profile", help="write a cProfile summary (host Python time) of one step per path to this file")
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="each round of steps starts with the next path, and Python's garbage is collected before every step (outside its time)",
+    )
+    p.add_argument(
+        "--host-profile", help="write a cProfile summary (host Python time) of one step per path to this file"
+    )
     p.add_argument("--profile", default=None, help="write a torch.profiler summary of one step per path to this file")
     p.add_argument("--sync-report", default=None, help="write where one step of each path synchronizes with the device")
     p.add_argument("--json", default=None, help="append the results as one JSON line to this file")
@@ -135,7 +182,12 @@ def model_flops_per_token(shape: dict, vocab: int, seq: int) -> dict[str, float]
     d = shape.get("kv_channels") or h // heads
     n = layers * _attention_weights(shape) + _mlp_weights(shape, active=True) + h * vocab
     attn = 6 * layers * heads * d * (seq + 1)
-    return {"matmul_params": float(n), "flops_6n": 6.0 * n, "flops_attention": float(attn), "flops_per_token": 6.0 * n + attn}
+    return {
+        "matmul_params": float(n),
+        "flops_6n": 6.0 * n,
+        "flops_attention": float(attn),
+        "flops_per_token": 6.0 * n + attn,
+    }
 
 
 def _attention_weights(shape: dict) -> int:
@@ -162,7 +214,13 @@ def param_count(shape: dict, vocab: int, *, qkv_bias: bool = True, tied: bool = 
     groups, d = shape.get("num_query_groups") or heads, shape.get("kv_channels") or h // heads
     biases = layers * d * (heads + 2 * groups) if qkv_bias else 0
     norms = layers * 2 * h + h
-    return layers * _attention_weights(shape) + _mlp_weights(shape, active=False) + h * vocab * (1 if tied else 2) + biases + norms
+    return (
+        layers * _attention_weights(shape)
+        + _mlp_weights(shape, active=False)
+        + h * vocab * (1 if tied else 2)
+        + biases
+        + norms
+    )
 
 
 def static_memory_gib(params: float, *, dtype: str, dp: int = 1, tp: int = 1) -> float:
@@ -212,43 +270,61 @@ def make_samples(n: int, seq: int, vocab: int, seed: int) -> list[fnppo.Sample]:
 
 def layer_spec(args, cfg):
     if args.spec == "local":
-        return fnppo.local_layer_spec(cfg)
+        return fnppo.models.local_layer_spec(cfg)
     if args.spec == "te":
-        if not fnppo.te_available():
+        if not fnppo.models.te_available():
             raise SystemExit("--spec te: Transformer Engine is not installed")
-        return fnppo.default_layer_spec(cfg)
+        return fnppo.models.default_layer_spec(cfg)
     return None
 
 
 def build_state(args, layout):
     fusions = {"auto": None, "on": True, "off": False}[args.fusions]
-    cfg = fnppo.ModelConfig(vocab_size=args.vocab, max_seq_len=max(4096, args.seq, args.search_seq_max if args.search_seq else 0), dtype="bf16" if args.device == "cuda" else "fp32",
-                            tie_embeddings=True, add_qkv_bias=True, rotary_base=1_000_000.0, fusions=fusions, **MODELS[args.model])
+    cfg = fnppo.ModelConfig(
+        vocab_size=args.vocab,
+        max_seq_len=max(4096, args.seq, args.search_seq_max if args.search_seq else 0),
+        dtype="bf16" if args.device == "cuda" else "fp32",
+        tie_embeddings=True,
+        add_qkv_bias=True,
+        rotary_base=1_000_000.0,
+        fusions=fusions,
+        **MODELS[args.model],
+    )
     overrides = {"sequence_parallel": True} if args.sp else {}
     if args.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif args.recompute == "selective":
-        overrides.update(recompute_granularity="selective", recompute_modules=[m for m in args.recompute_modules.split(",") if m])
+        overrides.update(
+            recompute_granularity="selective", recompute_modules=[m for m in args.recompute_modules.split(",") if m]
+        )
     chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg), **overrides)
-    fnppo.layout_invariant_init(chunks, seed=0)
+    fnppo.models.layout_invariant_init(chunks, seed=0)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True, overlap_grad_reduce=args.overlap)
     opt = fnppo.build_optimizer(ddp, lr=1e-6, clip_grad=1.0)
     return fnppo.TrainState(model=ddp, optimizer=opt)
 
 
 def spec_name(state) -> str:
-    core = fnppo.megatron.model.unwrap_model(state.model[0])
+    core = fnppo.megatron.unwrap.unwrap_model(state.model[0])
     layer = core.decoder.layers[0]
     return type(layer.self_attention.linear_qkv).__name__
 
 
 def step_config(path: str, mb_tokens: int, chunk_vocab: int | None = None) -> fnppo.StepConfig:
-    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3")
+    loss = fnppo.losses.from_flat(
+        policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3"
+    )
     fns = actor_fns() if path == "B" else fnppo.StepFns()
     fused = path in ("C", "D")
-    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns, fused_output=fused,
-                            fused_output_chunk_vocab=chunk_vocab if fused else None,
-                            fused_output_graphs=fnppo.BackwardGraphs() if path == "D" else None)
+    return fnppo.StepConfig(
+        loss=loss,
+        layout="packed",
+        max_tokens_per_microbatch=mb_tokens,
+        fns=fns,
+        fused_output=fused,
+        fused_output_chunk_vocab=chunk_vocab if fused else None,
+        fused_output_graphs=fnppo.ops.BackwardGraphs() if path == "D" else None,
+    )
 
 
 def sync(device):
@@ -315,8 +391,14 @@ def timed_step(state, samples, cfg, device):
     t2 = time.perf_counter()
     s1, c1 = GC_CLOCK.snapshot()
     a1, f1 = _allocator_counts(device)
-    diag = {"host_return_s": t1 - t0, "gc_s": s1 - s0, "gc_collections": [b - a for a, b in zip(c0, c1)],
-            "device_allocs": a1 - a0, "device_frees": f1 - f0, "host_probe_s": probe}
+    diag = {
+        "host_return_s": t1 - t0,
+        "gc_s": s1 - s0,
+        "gc_collections": [b - a for a, b in zip(c0, c1)],
+        "device_allocs": a1 - a0,
+        "device_frees": f1 - f0,
+        "host_probe_s": probe,
+    }
     return state, metrics, t2 - t0, diag
 
 
@@ -365,7 +447,9 @@ def search(state, args, path, layout, device) -> int:
 def search_seq(state, args, path, layout, device) -> int:
     """The longest single sequence (one sample, one micro-batch) that trains: doubling from
     ``args.seq``, then bisection to a multiple of ``args.search_seq_unit`` tokens."""
-    return largest(lambda s: fits(state, args, path, s, layout, device, seq=s), args.seq, args.search_seq_max, args.search_seq_unit)
+    return largest(
+        lambda s: fits(state, args, path, s, layout, device, seq=s), args.seq, args.search_seq_max, args.search_seq_unit
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +457,10 @@ def search_seq(state, args, path, layout, device) -> int:
 # ---------------------------------------------------------------------------------------------
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("flex attention", ("flex", "triton_tem_fused")),
-    ("fnppo triton (log-prob, fused output, rope)", ("_fwd_kernel", "_bwd_kernel", "_dz_kernel", "_label_kernel", "_rope_kernel", "_lse", "_grad_kernel")),
+    (
+        "fnppo triton (log-prob, fused output, rope)",
+        ("_fwd_kernel", "_bwd_kernel", "_dz_kernel", "_label_kernel", "_rope_kernel", "_lse", "_grad_kernel"),
+    ),
     ("cuDNN / TE attention", ("cudnn", "fmha", "flash", "fused_attn")),
     ("matrix products", ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "wgmma")),
     ("optimizer", ("adam", "multi_tensor", "l2norm")),
@@ -436,7 +523,9 @@ def profile_steps(state, samples, cfgs, paths, device, out: Path) -> dict:
             state, _ = fnppo.train_step(state, samples, cfgs[p])
             sync(device)
             wall = time.perf_counter() - t0
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e.name)]
+        kernels = [
+            e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_annotation(e.name)
+        ]
         spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
         busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (us)
         for a, b in spans:
@@ -458,13 +547,20 @@ def profile_steps(state, samples, cfgs, paths, device, out: Path) -> dict:
         for e in prof.key_averages():
             if e.key.startswith("aten::") or e.key.startswith("cuda"):
                 cpu_ops[e.key] = e.count
-        summary[p] = {"wall_s": wall, "kernel_s": busy, "idle_s": max(0.0, wall - busy),
-                      "categories": {k: {"s": v[0], "share": v[0] / wall, "kernels": v[1]} for k, v in by_cat.items()},
-                      "aten_cat_calls": cpu_ops.get("aten::cat", 0), "cuda_syncs": cpu_ops.get("cudaStreamSynchronize", 0)
-                      + cpu_ops.get("cudaDeviceSynchronize", 0), "item_calls": cpu_ops.get("aten::item", 0) + cpu_ops.get("aten::_local_scalar_dense", 0)}
-        lines.append(f"== path {p}: step {wall * 1e3:.1f} ms wall, kernels {busy * 1e3:.1f} ms, GPU idle {max(0.0, wall - busy) * 1e3:.1f} ms "
-                     f"({max(0.0, wall - busy) / wall:.1%}); aten::cat calls {summary[p]['aten_cat_calls']}, "
-                     f"host syncs (item/local_scalar_dense) {summary[p]['item_calls']}")
+        summary[p] = {
+            "wall_s": wall,
+            "kernel_s": busy,
+            "idle_s": max(0.0, wall - busy),
+            "categories": {k: {"s": v[0], "share": v[0] / wall, "kernels": v[1]} for k, v in by_cat.items()},
+            "aten_cat_calls": cpu_ops.get("aten::cat", 0),
+            "cuda_syncs": cpu_ops.get("cudaStreamSynchronize", 0) + cpu_ops.get("cudaDeviceSynchronize", 0),
+            "item_calls": cpu_ops.get("aten::item", 0) + cpu_ops.get("aten::_local_scalar_dense", 0),
+        }
+        lines.append(
+            f"== path {p}: step {wall * 1e3:.1f} ms wall, kernels {busy * 1e3:.1f} ms, GPU idle {max(0.0, wall - busy) * 1e3:.1f} ms "
+            f"({max(0.0, wall - busy) / wall:.1%}); aten::cat calls {summary[p]['aten_cat_calls']}, "
+            f"host syncs (item/local_scalar_dense) {summary[p]['item_calls']}"
+        )
         for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"  {k:<46} {v[0] * 1e3:9.1f} ms  {v[0] / wall:6.1%}  {v[1]:6d} kernels")
         lines.append("  top kernels:")
@@ -490,7 +586,11 @@ def sync_report(state, samples, cfgs, paths, out: Path) -> dict:
         def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ARG001
             if "synchroniz" not in str(message):
                 return
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename]
+            frames = [
+                f
+                for f in traceback.extract_stack()[:-1]
+                if "/torch/" not in f.filename and "warnings" not in f.filename
+            ]
             where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
             sites[where] += 1
 
@@ -551,10 +651,10 @@ def run(args, layout, device) -> int:
     diags = {p: [] for p in paths}  # per timed step: timed_step's diagnostics
     peak = {p: 0.0 for p in paths}
     gnorm = {p: [] for p in paths}
-    compiles_before = fnppo.flex_compile_count()
-    with fnppo.typechecking(args.checks == "on"):
+    compiles_before = fnppo.models.flex_compile_count()
+    with fnppo.typing.typechecking(args.checks == "on"):
         for i in range(args.warmup + args.steps):
-            for p in (paths[i % len(paths):] + paths[: i % len(paths)]) if args.rotate else paths:
+            for p in (paths[i % len(paths) :] + paths[: i % len(paths)]) if args.rotate else paths:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 if args.rotate:
@@ -585,27 +685,58 @@ def run(args, layout, device) -> int:
             except Exception as err:  # noqa: BLE001
                 syncs = {"error": repr(err)}
     result = {
-        "model": args.model, "rotate": args.rotate, "spec": spec_name(state), "fusions": args.fusions, "checks": args.checks, "fused_chunk_vocab": args.fused_chunk_vocab, "recompute": args.recompute if args.recompute != "selective" else f"selective:{args.recompute_modules}", "seq": args.seq, "tp": layout.tp,
-        "sp": args.sp, "dp": layout.dp, "gpus": layout.world_size, "mb_tokens": args.mb_tokens,
-        "microbatches": args.microbatches, "tokens_per_step": tokens_per_step,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "matmul_peak_tflops": peak_tflops, **flops,
-        "params_total": param_count(MODELS[args.model], args.vocab), "params_this_rank": sum(
-            p.numel() for c in state.model for p in fnppo.megatron.model.unwrap_model(c).parameters()),
-        "static_memory_gib_estimate": static_memory_gib(param_count(MODELS[args.model], args.vocab), dtype="bf16" if device.type == "cuda" else "fp32",
-                                                        dp=layout.dp, tp=layout.tp),
-        "flex_compiles": fnppo.flex_compile_count(), "flex_compiles_in_timed_steps": fnppo.flex_compile_count() - compiles_before,
+        "model": args.model,
+        "rotate": args.rotate,
+        "spec": spec_name(state),
+        "fusions": args.fusions,
+        "checks": args.checks,
+        "fused_chunk_vocab": args.fused_chunk_vocab,
+        "recompute": args.recompute if args.recompute != "selective" else f"selective:{args.recompute_modules}",
+        "seq": args.seq,
+        "tp": layout.tp,
+        "sp": args.sp,
+        "dp": layout.dp,
+        "gpus": layout.world_size,
+        "mb_tokens": args.mb_tokens,
+        "microbatches": args.microbatches,
+        "tokens_per_step": tokens_per_step,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "matmul_peak_tflops": peak_tflops,
+        **flops,
+        "params_total": param_count(MODELS[args.model], args.vocab),
+        "params_this_rank": sum(
+            p.numel() for c in state.model for p in fnppo.megatron.unwrap.unwrap_model(c).parameters()
+        ),
+        "static_memory_gib_estimate": static_memory_gib(
+            param_count(MODELS[args.model], args.vocab),
+            dtype="bf16" if device.type == "cuda" else "fp32",
+            dp=layout.dp,
+            tp=layout.tp,
+        ),
+        "flex_compiles": fnppo.models.flex_compile_count(),
+        "flex_compiles_in_timed_steps": fnppo.models.flex_compile_count() - compiles_before,
     }
     for p in paths:
         med = statistics.median(times[p])
         tps = tokens_per_step / med
-        result[p] = {"step_s_median": med, "step_s": times[p], **{k: [d[k] for d in diags[p]] for k in DIAGNOSTICS}, "tokens_per_s": tps, "peak_gib": peak[p], "first_grad_norm": gnorm[p][0]}
+        result[p] = {
+            "step_s_median": med,
+            "step_s": times[p],
+            **{k: [d[k] for d in diags[p]] for k in DIAGNOSTICS},
+            "tokens_per_s": tps,
+            "peak_gib": peak[p],
+            "first_grad_norm": gnorm[p][0],
+        }
         if peak_tflops:
             result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
             result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
         if rank0:  # right away: a run cut short still reports the paths it timed
-            print(f"path {p}: {tps:,.0f} tokens/s, step {med * 1e3:.1f} ms, peak {peak[p]:.2f} GiB"
-                  + (f", MFU {result[p]['mfu']:.1%}" if peak_tflops else ""), flush=True)
+            print(
+                f"path {p}: {tps:,.0f} tokens/s, step {med * 1e3:.1f} ms, peak {peak[p]:.2f} GiB"
+                + (f", MFU {result[p]['mfu']:.1%}" if peak_tflops else ""),
+                flush=True,
+            )
     if "A" in paths and "B" in paths:
         d = (first["A"]["logprobs"] - first["B"]["logprobs"]).abs()
         result["first_logprobs_max_abs_diff"] = float(d.max())
@@ -615,16 +746,29 @@ def run(args, layout, device) -> int:
         if device.type == "cuda":
             result["peak_saving_in_logits_copies"] = (result["B"]["peak_gib"] - result["A"]["peak_gib"]) / logits_gib
     if "A" in paths and "C" in paths:
-        result["first_logprobs_max_abs_diff_C_vs_A"] = float((first["C"]["logprobs"] - first["A"]["logprobs"]).abs().max())
+        result["first_logprobs_max_abs_diff_C_vs_A"] = float(
+            (first["C"]["logprobs"] - first["A"]["logprobs"]).abs().max()
+        )
         result["speedup_C_over_A"] = result["C"]["tokens_per_s"] / result["A"]["tokens_per_s"]
-    for p in paths:  # per round (the paths' steps of one round run back to back): A's step time over p's, median over rounds
+    for p in (
+        paths
+    ):  # per round (the paths' steps of one round run back to back): A's step time over p's, median over rounds
         if p != "A" and "A" in paths:
-            result[f"speedup_{p}_over_A_per_round_median"] = statistics.median(a / b for a, b in zip(times["A"], times[p]))
+            result[f"speedup_{p}_over_A_per_round_median"] = statistics.median(
+                a / b for a, b in zip(times["A"], times[p])
+            )
     if "A" in paths and "D" in paths:
-        result["first_logprobs_max_abs_diff_D_vs_A"] = float((first["D"]["logprobs"] - first["A"]["logprobs"]).abs().max())
+        result["first_logprobs_max_abs_diff_D_vs_A"] = float(
+            (first["D"]["logprobs"] - first["A"]["logprobs"]).abs().max()
+        )
         result["speedup_D_over_A"] = result["D"]["tokens_per_s"] / result["A"]["tokens_per_s"]
         g = cfgs["D"].fused_output_graphs
-        result["D"]["graphs"] = {"captures": g.captures, "replays": g.replays, "eager_calls": g.eager_calls, "gib": g.nbytes() / 2**30}
+        result["D"]["graphs"] = {
+            "captures": g.captures,
+            "replays": g.replays,
+            "eager_calls": g.eager_calls,
+            "gib": g.nbytes() / 2**30,
+        }
     if profile is not None:
         result["profile"] = profile
     if syncs is not None:
@@ -632,11 +776,11 @@ def run(args, layout, device) -> int:
     if hostprof is not None:
         result["host_profile_s"] = hostprof
     if args.search and device.type == "cuda":
-        with fnppo.typechecking(args.checks == "on"):
+        with fnppo.typing.typechecking(args.checks == "on"):
             for p in paths:
                 result[p]["max_mb_tokens"] = search(state, args, p, layout, device)
     if args.search_seq and device.type == "cuda":
-        with fnppo.typechecking(args.checks == "on"):
+        with fnppo.typing.typechecking(args.checks == "on"):
             for p in paths:
                 result[p]["max_single_sequence"] = search_seq(state, args, p, layout, device)
                 if rank0:

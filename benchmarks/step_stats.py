@@ -49,12 +49,22 @@ def run_summary(run: dict) -> dict:
     for p in paths_of(run):
         s = run[p]["step_s"]
         q1, med, q3 = quartiles(s)
-        row = {"steps": len(s), "median_ms": 1e3 * med, "q1_ms": 1e3 * q1, "q3_ms": 1e3 * q3,
-               "min_ms": 1e3 * min(s), "max_ms": 1e3 * max(s)}
+        row = {
+            "steps": len(s),
+            "median_ms": 1e3 * med,
+            "q1_ms": 1e3 * q1,
+            "q3_ms": 1e3 * q3,
+            "min_ms": 1e3 * min(s),
+            "max_ms": 1e3 * max(s),
+        }
         probe = run[p].get("host_probe_s")
         if probe:
-            row.update(probe_median_ms=1e3 * statistics.median(probe), probe_min_ms=1e3 * min(probe),
-                       probe_max_ms=1e3 * max(probe), probe_step_r=correlation(s, probe))
+            row.update(
+                probe_median_ms=1e3 * statistics.median(probe),
+                probe_min_ms=1e3 * min(probe),
+                probe_max_ms=1e3 * max(probe),
+                probe_step_r=correlation(s, probe),
+            )
         if a is not None and p != "A":
             ratios = [x / y for x, y in zip(a, s)]
             r1, rm, r3 = quartiles(ratios)
@@ -70,8 +80,10 @@ def across(runs: list[dict]) -> dict:
         for p, row in r["paths"].items():
             if "ratio_median" in row:
                 by.setdefault(r["model"], {}).setdefault(p, []).append(row["ratio_median"])
-    return {m: {p: {"runs": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)} for p, v in d.items()}
-            for m, d in by.items()}
+    return {
+        m: {p: {"runs": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)} for p, v in d.items()}
+        for m, d in by.items()
+    }
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -79,24 +91,41 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def markdown(runs: list[dict], summary: dict) -> str:
-    lines = ["| run | model | rounds | A median step ms (range) | host probe ms (range), r with A's steps | C / A per round: q1, median, q3 | D / A per round: q1, median, q3 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | model | rounds | A median step ms (range) | host probe ms (range), r with A's steps | C / A per round: q1, median, q3 | D / A per round: q1, median, q3 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for i, r in enumerate(runs, 1):
         P = r["paths"]
         A = P.get("A", {})
-        probe = "not recorded" if "probe_median_ms" not in A else (
-            f"{A['probe_median_ms']:.1f} ({A['probe_min_ms']:.1f}–{A['probe_max_ms']:.1f}), {fmt(A.get('probe_step_r'), '.2f')}")
-        cells = [str(i), str(r["model"]), str(A.get("steps", "–")),
-                 f"{fmt(A.get('median_ms'), '.1f')} ({fmt(A.get('min_ms'), '.0f')}–{fmt(A.get('max_ms'), '.0f')})", probe]
+        probe = (
+            "not recorded"
+            if "probe_median_ms" not in A
+            else (
+                f"{A['probe_median_ms']:.1f} ({A['probe_min_ms']:.1f}–{A['probe_max_ms']:.1f}), {fmt(A.get('probe_step_r'), '.2f')}"
+            )
+        )
+        cells = [
+            str(i),
+            str(r["model"]),
+            str(A.get("steps", "–")),
+            f"{fmt(A.get('median_ms'), '.1f')} ({fmt(A.get('min_ms'), '.0f')}–{fmt(A.get('max_ms'), '.0f')})",
+            probe,
+        ]
         for p in "CD":
             row = P.get(p)
-            cells.append("–" if not row or "ratio_median" not in row else
-                         f"{row['ratio_q1']:.3f}, **{row['ratio_median']:.3f}**, {row['ratio_q3']:.3f}")
+            cells.append(
+                "–"
+                if not row or "ratio_median" not in row
+                else f"{row['ratio_q1']:.3f}, **{row['ratio_median']:.3f}**, {row['ratio_q3']:.3f}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for m, d in summary.items():
         for p, v in sorted(d.items()):
-            lines.append(f"{m}: {p} / A per-round medians over {v['runs']} runs: median {v['median']:.3f}, range {v['min']:.3f}–{v['max']:.3f}")
+            lines.append(
+                f"{m}: {p} / A per-round medians over {v['runs']} runs: median {v['median']:.3f}, range {v['min']:.3f}–{v['max']:.3f}"
+            )
     return "\n".join(lines)
 
 

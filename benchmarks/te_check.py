@@ -56,8 +56,15 @@ def parse_args(argv=None):
 
 
 def model_cfg(dtype: str) -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(vocab_size=VOCAB, max_seq_len=2048, dtype=dtype, add_qkv_bias=True, tie_embeddings=True,
-                             rotary_base=1_000_000.0, **SHAPE)
+    return fnppo.ModelConfig(
+        vocab_size=VOCAB,
+        max_seq_len=2048,
+        dtype=dtype,
+        add_qkv_bias=True,
+        tie_embeddings=True,
+        rotary_base=1_000_000.0,
+        **SHAPE,
+    )
 
 
 def te_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,10 +82,15 @@ def make_batch(device: torch.device, seed: int = 0):
     samples = []
     for n in LENGTHS:
         p = n // 4
-        samples.append(fnppo.Sample(
-            prompt_ids=torch.randint(0, VOCAB, (p,), generator=g), response_ids=torch.randint(0, VOCAB, (n - p,), generator=g),
-            advantages=torch.randn(n - p, generator=g), old_logprobs=-8.0 + 0.1 * torch.randn(n - p, generator=g),
-            ref_logprobs=-8.0 + 0.1 * torch.randn(n - p, generator=g)))
+        samples.append(
+            fnppo.Sample(
+                prompt_ids=torch.randint(0, VOCAB, (p,), generator=g),
+                response_ids=torch.randint(0, VOCAB, (n - p,), generator=g),
+                advantages=torch.randn(n - p, generator=g),
+                old_logprobs=-8.0 + 0.1 * torch.randn(n - p, generator=g),
+                ref_logprobs=-8.0 + 0.1 * torch.randn(n - p, generator=g),
+            )
+        )
     return samples
 
 
@@ -90,12 +102,12 @@ def to_device(mb, device):
 
 def build(spec: str, dtype: str, full: dict | None):
     cfg = model_cfg(dtype)
-    layer_spec = fnppo.local_layer_spec(cfg) if spec == "local" else fnppo.default_layer_spec(cfg)
+    layer_spec = fnppo.models.local_layer_spec(cfg) if spec == "local" else fnppo.models.default_layer_spec(cfg)
     chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec)
     if full is None:
-        fnppo.layout_invariant_init(chunks, seed=0)
+        fnppo.models.layout_invariant_init(chunks, seed=0)
     else:
-        fnppo.load_full_weights(chunks, te_names(full) if spec == "te" else full)
+        fnppo.models.load_full_weights(chunks, te_names(full) if spec == "te" else full)
     return chunks
 
 
@@ -107,13 +119,26 @@ def run_once(chunks, samples, device) -> dict:
     mb = to_device(fnppo.collate_microbatch(samples, layout="packed", pad_to_multiple_of=1), device)
     logits = fnppo.forward_logits(model, mb)
     lp, ent = fnppo.logprob_and_entropy(logits, mb.labels)
-    cfg = fnppo.PolicyLossConfig(policy_loss="ppo", entropy_coeff=0.01, kl_coef=0.001)
-    loss, _ = fnppo.ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent, ref_logprobs=mb.ref_logprobs,
-                             seq_ids=mb.seq_ids)
+    cfg = fnppo.losses.from_flat(policy_loss="ppo", entropy_coeff=0.01, kl_coef=0.001)
+    loss, _ = fnppo.ppo_loss(
+        lp,
+        mb.old_logprobs,
+        mb.advantages,
+        mb.loss_mask,
+        cfg,
+        entropy=ent,
+        ref_logprobs=mb.ref_logprobs,
+        seq_ids=mb.seq_ids,
+    )
     loss.backward()
     sq = sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None)
-    return {"logits": logits.detach().double().cpu(), "logprobs": lp.detach().double().cpu(), "loss": float(loss),
-            "grad_norm": math.sqrt(sq), "cu_seqlens": mb.cu_seqlens.cpu()}
+    return {
+        "logits": logits.detach().double().cpu(),
+        "logprobs": lp.detach().double().cpu(),
+        "loss": float(loss),
+        "grad_norm": math.sqrt(sq),
+        "cu_seqlens": mb.cu_seqlens.cpu(),
+    }
 
 
 def rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
@@ -123,10 +148,15 @@ def rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
 
 
 def compare(run: dict, ref: dict) -> dict:
-    return {"logits_rel": rel(run["logits"], ref["logits"]), "logits_max_abs": float((run["logits"] - ref["logits"]).abs().max()),
-            "logprobs_max_abs": float((run["logprobs"] - ref["logprobs"]).abs().max()),
-            "loss_rel": rel(run["loss"], ref["loss"]), "grad_norm_rel": rel(run["grad_norm"], ref["grad_norm"]),
-            "loss": run["loss"], "grad_norm": run["grad_norm"]}
+    return {
+        "logits_rel": rel(run["logits"], ref["logits"]),
+        "logits_max_abs": float((run["logits"] - ref["logits"]).abs().max()),
+        "logprobs_max_abs": float((run["logprobs"] - ref["logprobs"]).abs().max()),
+        "loss_rel": rel(run["loss"], ref["loss"]),
+        "grad_norm_rel": rel(run["grad_norm"], ref["grad_norm"]),
+        "loss": run["loss"],
+        "grad_norm": run["grad_norm"],
+    }
 
 
 def op_level(device: torch.device) -> dict:
@@ -135,7 +165,7 @@ def op_level(device: torch.device) -> dict:
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(4096, 1536, device=device, generator=g)
     w = torch.randn(4096, 1536, device=device, generator=g) / math.sqrt(1536)
-    ref = (x.double() @ w.double().T)
+    ref = x.double() @ w.double().T
     tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -150,8 +180,10 @@ def op_level(device: torch.device) -> dict:
     s, heads, d = 512, 8, 64
     q, k, v = (torch.randn(s, 1, heads, d, device=device, generator=g) for _ in range(3))
     mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-    att_ref = torch.nn.functional.scaled_dot_product_attention(*(t.double().permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=mask)
-    if fnppo.te_available():
+    att_ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.double().permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=mask
+    )
+    if fnppo.models.te_available():
         try:
             out.update(_te_ops(x, w, ref, gamma, rms_ref, q, k, v, att_ref, s, heads, d, device))
         except Exception as err:  # noqa: BLE001 - report and go on: the model-level checks still count
@@ -171,7 +203,9 @@ def _te_ops(x, w, ref, gamma, rms_ref, q, k, v, att_ref, s, heads, d, device) ->
     with torch.no_grad():
         norm.weight.copy_(gamma)
     out["te_rmsnorm_fp32"] = rel(norm(x).double(), rms_ref)
-    lnl = te.LayerNormLinear(1536, 4096, bias=False, normalization="RMSNorm", eps=1e-6, params_dtype=torch.float32, device=device)
+    lnl = te.LayerNormLinear(
+        1536, 4096, bias=False, normalization="RMSNorm", eps=1e-6, params_dtype=torch.float32, device=device
+    )
     with torch.no_grad():
         lnl.weight.copy_(w)
         lnl.layer_norm_weight.copy_(gamma)
@@ -193,7 +227,7 @@ def packed_vs_separate(chunks, samples, device) -> float:
             one = to_device(fnppo.collate_microbatch([s], layout="packed", pad_to_multiple_of=1), device)
             alone = fnppo.forward_logits(model, one)[0].float()
             n = alone.shape[0]
-            worst = max(worst, float((packed[start:start + n] - alone).abs().max() / alone.abs().max()))
+            worst = max(worst, float((packed[start : start + n] - alone).abs().max() / alone.abs().max()))
             start += n
     return worst
 
@@ -210,7 +244,7 @@ def _te_runs(runs, result, full, samples, ref, device) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    layout = fnppo.init_parallel(1, 1, device=args.device, seed=0)
+    fnppo.init_parallel(1, 1, device=args.device, seed=0)
     try:
         return run(args, device)
     finally:
@@ -218,7 +252,7 @@ def main(argv=None) -> int:
 
 
 def run(args, device) -> int:
-    te = fnppo.te_available()
+    te = fnppo.models.te_available()
     result: dict = {"te_available": te, "torch": torch.__version__}
     if te:
         import transformer_engine
@@ -226,10 +260,16 @@ def run(args, device) -> int:
         result["te_version"] = transformer_engine.__version__
     samples = make_batch(device)
     local32 = build("local", "fp32", None)
-    full = fnppo.gather_full_weights(local32)
-    default_spec = fnppo.default_layer_spec(model_cfg("fp32"))
-    result["build_gpt_default_spec"] = type(fnppo.megatron.model.unwrap_model(fnppo.build_gpt(model_cfg("fp32"))[0]).decoder.layers[0].self_attention.linear_qkv).__name__
-    result["default_layer_spec_core_attention"] = getattr(default_spec.submodules.self_attention.submodules.core_attention, "__name__", "?")
+    full = fnppo.models.gather_full_weights(local32)
+    default_spec = fnppo.models.default_layer_spec(model_cfg("fp32"))
+    result["build_gpt_default_spec"] = type(
+        fnppo.megatron.unwrap.unwrap_model(fnppo.build_gpt(model_cfg("fp32"))[0])
+        .decoder.layers[0]
+        .self_attention.linear_qkv
+    ).__name__
+    result["default_layer_spec_core_attention"] = getattr(
+        default_spec.submodules.self_attention.submodules.core_attention, "__name__", "?"
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = run_once(local32, samples, device)
     runs = {}
@@ -244,7 +284,13 @@ def run(args, device) -> int:
         except Exception as err:  # noqa: BLE001 - print what was measured, fail the check below
             result["te_error"] = repr(err)[:500]
     result["packed_vs_separate_local_fp32"] = packed_vs_separate(local32, samples, device)
-    result["reference"] = {"spec": "local", "dtype": "fp32", "tf32": False, "loss": ref["loss"], "grad_norm": ref["grad_norm"]}
+    result["reference"] = {
+        "spec": "local",
+        "dtype": "fp32",
+        "tf32": False,
+        "loss": ref["loss"],
+        "grad_norm": ref["grad_norm"],
+    }
     result["runs"] = runs
     if device.type == "cuda":
         try:
@@ -268,7 +314,9 @@ def run(args, device) -> int:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
     failed = [k for k, ok in checks.items() if not ok]
-    print(f"te_check: {len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; FAILED: {failed}" if failed else ""))
+    print(
+        f"te_check: {len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; FAILED: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

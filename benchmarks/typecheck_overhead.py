@@ -72,7 +72,7 @@ def cases() -> dict[str, Callable[[], object]]:
     old = lp + 0.05 * torch.randn(BATCH, SEQ, generator=g)
     adv = torch.randn(BATCH, SEQ, generator=g)
     mask = (torch.rand(BATCH, SEQ, generator=g) > 0.2).float()
-    cfg = fnppo.PolicyLossConfig()
+    cfg = fnppo.losses.from_flat()
     logits = torch.randn(BATCH, SEQ, VOCAB, generator=g)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     samples = [
@@ -87,7 +87,9 @@ def cases() -> dict[str, Callable[[], object]]:
     return {
         f"ppo_loss [{BATCH},{SEQ}]": lambda: fnppo.ppo_loss(lp, old, adv, mask, cfg),
         f"logprob_and_entropy [{BATCH},{SEQ},{VOCAB}]": lambda: fnppo.logprob_and_entropy(logits, labels),
-        f"collate_microbatch {BATCH}x{SEQ} padded": lambda: fnppo.collate_microbatch(samples, layout="padded", vocab_size=VOCAB),
+        f"collate_microbatch {BATCH}x{SEQ} padded": lambda: fnppo.collate_microbatch(
+            samples, layout="padded", vocab_size=VOCAB
+        ),
     }
 
 
@@ -99,12 +101,19 @@ def train_step_times(steps: int) -> tuple[float, float]:
         fnppo.init_parallel(1, 1, device="cpu", seed=0)
         try:
             cfg = fnppo.ModelConfig(
-                num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                ffn_hidden_size=128, vocab_size=VOCAB, max_seq_len=SEQ,
+                num_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_query_groups=2,
+                ffn_hidden_size=128,
+                vocab_size=VOCAB,
+                max_seq_len=SEQ,
             )
             chunks = fnppo.wrap_ddp(fnppo.build_gpt(cfg))
             state = fnppo.TrainState(model=chunks, optimizer=fnppo.build_optimizer(chunks, lr=1e-5))
-            samples = synthetic_samples(BATCH, vocab_size=VOCAB, seed=1, prompt_len=(16, 16), response_len=(SEQ - 16, SEQ - 16))
+            samples = synthetic_samples(
+                BATCH, vocab_size=VOCAB, seed=1, prompt_len=(16, 16), response_len=(SEQ - 16, SEQ - 16)
+            )
             step_cfg = fnppo.StepConfig(num_microbatches=2)
             times: dict[bool, list[float]] = {True: [], False: []}
             for enabled in (True, False):  # warm-up
@@ -124,7 +133,9 @@ def train_step_times(steps: int) -> tuple[float, float]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU; median of {args.calls} calls per setting")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU; median of {args.calls} calls per setting"
+    )
     print()
     header = f"| {'function (inputs)':<42} | {'checked µs':>10} | {'unchecked µs':>12} | {'overhead µs':>11} | {'overhead':>8} |"
     print(header)

@@ -20,7 +20,7 @@ tokens' rewards sum to the sequence reward), and GAE (``--gamma``, ``--lam``) tu
 values into per-token advantages and returns. Every step runs one ``train_step`` of the actor and
 one ``critic_step`` of the critic (clipped value loss, ``--value-clip``, learning rate
 ``--critic-lr`` on the same schedule); both are in the checkpoints. With ``--kl-target`` the KL coefficient follows the adaptive
-controller of Ziegler et al. (``fnppo.adaptive_kl_init`` / ``adaptive_kl_update``, starting at
+controller of Ziegler et al. (``fnppo.kl.adaptive_kl_init`` / ``adaptive_kl_update``, starting at
 ``--kl-coef``); its state is a value of the loop, saved in the checkpoints and restored on ``--resume``.
 
     python examples/ppo_toy.py                                   # 1 process, CPU
@@ -65,14 +65,43 @@ FINAL_WINDOW = 5  # the final reward is the mean over this many last steps
 RUNS_ROOT = Path("runs/ppo_toy")
 #: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
 RUN_DEFINING = (
-    "seed", "tp", "pp", "dtype", "prompts", "group_size", "num_microbatches", "max_tokens_per_microbatch",
-    "minibatches", "lr", "lr_final", "schedule_steps", "temperature", "entropy_coeff", "kl_coef",
-    "tis_cap", "advantage", "hidden", "layers", "hf_checkpoint", "kl_target", "kl_horizon",
-    "moe", "ep", "moe_experts", "moe_topk", "moe_aux_coeff", "moe_z_coeff", "spec",
+    "seed",
+    "tp",
+    "pp",
+    "dtype",
+    "prompts",
+    "group_size",
+    "num_microbatches",
+    "max_tokens_per_microbatch",
+    "minibatches",
+    "lr",
+    "lr_final",
+    "schedule_steps",
+    "temperature",
+    "entropy_coeff",
+    "kl_coef",
+    "tis_cap",
+    "advantage",
+    "hidden",
+    "layers",
+    "hf_checkpoint",
+    "kl_target",
+    "kl_horizon",
+    "moe",
+    "ep",
+    "moe_experts",
+    "moe_topk",
+    "moe_aux_coeff",
+    "moe_z_coeff",
+    "spec",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint")
-SETTING_DEFAULTS = {"algo": "grpo", "spec": "default", "critic_checkpoint": None}  # what a checkpoint without the key was written with
+SETTING_DEFAULTS = {
+    "algo": "grpo",
+    "spec": "default",
+    "critic_checkpoint": None,
+}  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
 EPILOG = """\
@@ -88,7 +117,9 @@ class ArgumentError(Exception):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="ppo_toy.py", description=__doc__.splitlines()[0], epilog=EPILOG,
+        prog="ppo_toy.py",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
@@ -108,22 +139,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--entropy-coeff", type=float, default=0.0)
     p.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the start value with --kl-target)")
-    p.add_argument("--kl-target", type=float, default=None,
-                   help="adaptive KL controller (Ziegler et al.): target k3 KL to the reference per token (off by default)")
-    p.add_argument("--kl-horizon", type=float, default=None,
-                   help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})")
+    p.add_argument(
+        "--kl-target",
+        type=float,
+        default=None,
+        help="adaptive KL controller (Ziegler et al.): target k3 KL to the reference per token (off by default)",
+    )
+    p.add_argument(
+        "--kl-horizon",
+        type=float,
+        default=None,
+        help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})",
+    )
     p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (off by default)")
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo", help="group advantage of --algo grpo")
-    p.add_argument("--algo", choices=["grpo", "ppo"], default="grpo",
-                   help="grpo: group advantages; ppo: a critic (value model) and GAE (default: %(default)s)")
+    p.add_argument(
+        "--algo",
+        choices=["grpo", "ppo"],
+        default="grpo",
+        help="grpo: group advantages; ppo: a critic (value model) and GAE (default: %(default)s)",
+    )
     p.add_argument("--gamma", type=float, default=1.0, help="--algo ppo: GAE discount (default: %(default)s)")
     p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
-    p.add_argument("--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)")
-    p.add_argument("--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)")
-    p.add_argument("--critic-checkpoint", type=str, default=None,
-                   help="--algo ppo: start the critic from this Hugging Face value model (default: the actor's initial trunk, a fresh value head)")
-    p.add_argument("--spec", choices=["default", "local", "te"], default="default",
-                   help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te")
+    p.add_argument(
+        "--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)"
+    )
+    p.add_argument(
+        "--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)"
+    )
+    p.add_argument(
+        "--critic-checkpoint",
+        type=str,
+        default=None,
+        help="--algo ppo: start the critic from this Hugging Face value model (default: the actor's initial trunk, a fresh value head)",
+    )
+    p.add_argument(
+        "--spec",
+        choices=["default", "local", "te"],
+        default="default",
+        help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te",
+    )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")
@@ -132,20 +187,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-topk", type=int, default=2)
     p.add_argument("--moe-aux-coeff", type=float, default=0.0, help="load-balancing aux loss coefficient (0: off)")
     p.add_argument("--moe-z-coeff", type=float, default=1e-3, help="router z-loss coefficient")
-    p.add_argument("--hf-checkpoint", type=str, default=None, help="start from a Hugging Face checkpoint directory (Llama/Qwen2/Qwen3)")
+    p.add_argument(
+        "--hf-checkpoint",
+        type=str,
+        default=None,
+        help="start from a Hugging Face checkpoint directory (Llama/Qwen2/Qwen3)",
+    )
     p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/ppo_toy/runNNN)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
-    p.add_argument("--resume", action="store_true", help="continue --out-dir (default: the newest run) from its newest checkpoint")
-    p.add_argument("--exit-after", type=int, default=None, help="stop after this many steps of this invocation (simulates a preempted job)")
-    p.add_argument("--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)")
-    p.add_argument("--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision")
+    p.add_argument(
+        "--resume", action="store_true", help="continue --out-dir (default: the newest run) from its newest checkpoint"
+    )
+    p.add_argument(
+        "--exit-after",
+        type=int,
+        default=None,
+        help="stop after this many steps of this invocation (simulates a preempted job)",
+    )
+    p.add_argument(
+        "--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)"
+    )
+    p.add_argument(
+        "--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision"
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--profile-step", type=int, default=None,
-                   help="profile this step (1-based): wall time per phase, torch.profiler and cProfile summaries")
-    p.add_argument("--profile-out", type=str, default=None, help="file for the --profile-step report (default: OUT_DIR/profile.txt)")
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="profile this step (1-based): wall time per phase, torch.profiler and cProfile summaries",
+    )
+    p.add_argument(
+        "--profile-out",
+        type=str,
+        default=None,
+        help="file for the --profile-step report (default: OUT_DIR/profile.txt)",
+    )
     args = p.parse_args(argv)
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
@@ -160,8 +240,19 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     ``--critic-checkpoint``: a Hugging Face checkpoint directory) or must not be in the way, the run
     directory (a run in ``--out-dir`` without ``--resume`` / ``--overwrite``, ``--resume`` with nothing
     to resume). Pure Python and read-only: runs before torch is imported and before anything is created."""
-    for name in ("steps", "prompts", "group_size", "minibatches", "hidden", "layers", "tp", "pp", "schedule_steps",
-                 "moe_experts", "moe_topk"):
+    for name in (
+        "steps",
+        "prompts",
+        "group_size",
+        "minibatches",
+        "hidden",
+        "layers",
+        "tp",
+        "pp",
+        "schedule_steps",
+        "moe_experts",
+        "moe_topk",
+    ):
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("num_microbatches", "max_tokens_per_microbatch", "exit_after", "profile_step"):
@@ -170,20 +261,32 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
-        raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+        raise ArgumentError(
+            f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}"
+        )
     _check_floats(args)
     if args.spec != "default" and args.hf_checkpoint:
         raise ArgumentError("--spec applies to the random model; --hf-checkpoint builds its own")
     if args.device == "cuda" and not cuda_available:
-        raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+        raise ArgumentError(
+            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
+        )
     if args.ep < 1 or (args.ep > 1 and not args.moe):
         raise ArgumentError(f"--ep must be >= 1 and needs --moe, got --ep {args.ep}")
     if args.moe and (args.tp > 1 or args.hf_checkpoint):
-        raise ArgumentError("--moe runs without --tp (Megatron trains MoE under TP only with sequence parallelism) and without --hf-checkpoint")
-    if args.moe and (args.moe_experts % args.ep or not 1 <= args.moe_topk <= args.moe_experts or world_size % (args.ep * args.pp)):
-        raise ArgumentError(f"--moe needs --ep dividing --moe-experts and the processes per stage, and 1 <= --moe-topk <= --moe-experts; got --ep {args.ep}, --moe-experts {args.moe_experts}, --moe-topk {args.moe_topk}")
+        raise ArgumentError(
+            "--moe runs without --tp (Megatron trains MoE under TP only with sequence parallelism) and without --hf-checkpoint"
+        )
+    if args.moe and (
+        args.moe_experts % args.ep or not 1 <= args.moe_topk <= args.moe_experts or world_size % (args.ep * args.pp)
+    ):
+        raise ArgumentError(
+            f"--moe needs --ep dividing --moe-experts and the processes per stage, and 1 <= --moe-topk <= --moe-experts; got --ep {args.ep}, --moe-experts {args.moe_experts}, --moe-topk {args.moe_topk}"
+        )
     if world_size % (args.tp * args.pp):
-        raise ArgumentError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes")
+        raise ArgumentError(
+            f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes"
+        )
     dp = world_size // (args.tp * args.pp)
     if args.prompts % dp:
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
@@ -193,20 +296,27 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError("--critic-checkpoint needs --algo ppo (a critic) and runs without --moe")
     if args.algo == "ppo":
         if args.advantage != "grpo":
-            raise ArgumentError("--advantage chooses the group advantage of --algo grpo; --algo ppo uses GAE (--gamma, --lam)")
+            raise ArgumentError(
+                "--advantage chooses the group advantage of --algo grpo; --algo ppo uses GAE (--gamma, --lam)"
+            )
         if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1 and args.critic_lr > 0 and args.value_clip > 0):
-            raise ArgumentError(f"--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1, --critic-lr > 0 and --value-clip > 0, got "
-                                f"{args.gamma}, {args.lam}, {args.critic_lr}, {args.value_clip}")
+            raise ArgumentError(
+                f"--algo ppo needs 0 <= --gamma <= 1, 0 <= --lam <= 1, --critic-lr > 0 and --value-clip > 0, got "
+                f"{args.gamma}, {args.lam}, {args.critic_lr}, {args.value_clip}"
+            )
     if args.kl_horizon is not None and args.kl_target is None:
         raise ArgumentError("--kl-horizon needs --kl-target")
     if args.kl_target is not None:
         horizon = kl_horizon(args)
         if not (args.kl_target > 0 and horizon > 0 and args.kl_coef > 0):
-            raise ArgumentError(f"--kl-target needs --kl-target > 0, --kl-horizon > 0 and --kl-coef > 0, got "
-                                f"{args.kl_target}, {horizon}, {args.kl_coef}")
+            raise ArgumentError(
+                f"--kl-target needs --kl-target > 0, --kl-horizon > 0 and --kl-coef > 0, got "
+                f"{args.kl_target}, {horizon}, {args.kl_coef}"
+            )
         if 0.2 * args.prompts * args.group_size >= horizon:
-            raise ArgumentError(f"--kl-horizon {horizon:g} must exceed 0.2 x the {args.prompts * args.group_size} "
-                                "samples per step")
+            raise ArgumentError(
+                f"--kl-horizon {horizon:g} must exceed 0.2 x the {args.prompts * args.group_size} samples per step"
+            )
     if args.profile_out is not None and args.profile_step is None:
         raise ArgumentError("--profile-out needs --profile-step")
     if args.profile_step is not None and args.profile_step > args.steps:
@@ -219,8 +329,23 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
 
 def _check_floats(args: argparse.Namespace) -> None:
     """Every float flag finite (NaN and infinities refused), coefficients >= 0, ``--tis-cap`` > 0."""
-    for name in ("lr", "lr_final", "temperature", "entropy_coeff", "kl_coef", "kl_target", "kl_horizon", "tis_cap",
-                 "gamma", "lam", "critic_lr", "value_clip", "moe_aux_coeff", "moe_z_coeff", "target_reward"):
+    for name in (
+        "lr",
+        "lr_final",
+        "temperature",
+        "entropy_coeff",
+        "kl_coef",
+        "kl_target",
+        "kl_horizon",
+        "tis_cap",
+        "gamma",
+        "lam",
+        "critic_lr",
+        "value_clip",
+        "moe_aux_coeff",
+        "moe_z_coeff",
+        "target_reward",
+    ):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
@@ -266,7 +391,7 @@ def _check_file_target(flag: str, path: str) -> None:
 
 def newest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint (a directory with a readable ``manifest.json``) with the highest step
-    under ``root``, or None: what ``fnppo.latest_checkpoint`` finds, in plain Python (no torch)."""
+    under ``root``, or None: what ``fnppo.checkpoint.latest_checkpoint`` finds, in plain Python (no torch)."""
     best: tuple[int, Path] | None = None
     for d in root.iterdir() if root.is_dir() else ():
         try:
@@ -292,16 +417,20 @@ def check_run_paths(args: argparse.Namespace, root: Path | None = None) -> None:
     if args.metrics_out is not None and not (args.resume or args.overwrite):
         m = Path(args.metrics_out)
         if m.is_file() and m.stat().st_size > 0:
-            raise ArgumentError(f"--metrics-out {m} already holds metrics; pass --resume to continue its run, "
-                                "--overwrite to replace it, or another --metrics-out")
+            raise ArgumentError(
+                f"--metrics-out {m} already holds metrics; pass --resume to continue its run, "
+                "--overwrite to replace it, or another --metrics-out"
+            )
     if args.resume:
         latest = newest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
         stored = json.loads((latest / "manifest.json").read_text()).get("states")
         if stored != (["policy", "critic"] if args.algo == "ppo" else None):
-            raise ArgumentError(f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} "
-                                f"(now {args.algo}); resume with the stored values")
+            raise ArgumentError(
+                f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} "
+                f"(now {args.algo}); resume with the stored values"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +552,9 @@ def build(args: argparse.Namespace, head: str = "lm"):
         flag = "--critic-checkpoint" if checkpoint == args.critic_checkpoint and head == "value" else "--hf-checkpoint"
         try:  # a checkpoint fnppo.io.hf refuses (architecture, names, shapes) is a refused argument: exit 2
             chunks = build_gpt_from_hf(checkpoint, dtype=args.dtype, head=head)
-            load_hf_weights(chunks, checkpoint)  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
+            load_hf_weights(
+                chunks, checkpoint
+            )  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
         except fnppo.InputError as err:
             raise ArgumentError(f"{flag} {checkpoint}: {err}") from None
     else:
@@ -439,29 +570,36 @@ def build(args: argparse.Namespace, head: str = "lm"):
             tie_embeddings=True,
             **(moe_fields(args) if args.moe else {}),
         )
-        if args.spec == "te" and not fnppo.te_available():
+        if args.spec == "te" and not fnppo.models.te_available():
             raise ArgumentError("--spec te: Transformer Engine is not installed (pip install 'fnppo[te]')")
-        spec = {"default": None, "local": fnppo.local_layer_spec, "te": fnppo.default_layer_spec}[args.spec]
+        spec = {"default": None, "local": fnppo.models.local_layer_spec, "te": fnppo.models.default_layer_spec}[
+            args.spec
+        ]
         chunks = fnppo.build_gpt(cfg, head=head, layer_spec=None if spec is None else spec(cfg))
-        fnppo.layout_invariant_init(chunks, seed=args.seed)
+        fnppo.models.layout_invariant_init(chunks, seed=args.seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
-    optimizer = fnppo.build_optimizer(ddp, lr=args.critic_lr if head == "value" else args.lr, clip_grad=1.0, weight_decay=0.0)
+    optimizer = fnppo.build_optimizer(
+        ddp, lr=args.critic_lr if head == "value" else args.lr, clip_grad=1.0, weight_decay=0.0
+    )
     return fnppo.TrainState(model=ddp, optimizer=optimizer, step=0)
 
 
 def moe_fields(args: argparse.Namespace) -> dict:
     """ModelConfig MoE fields of the command line (aux loss off unless --moe-aux-coeff > 0)."""
     return dict(
-        num_experts=args.moe_experts, moe_topk=args.moe_topk, moe_ffn_hidden_size=2 * args.hidden,
+        num_experts=args.moe_experts,
+        moe_topk=args.moe_topk,
+        moe_ffn_hidden_size=2 * args.hidden,
         moe_load_balancing="aux_loss" if args.moe_aux_coeff > 0 else "none",
-        moe_aux_loss_coeff=args.moe_aux_coeff, moe_z_loss_coeff=args.moe_z_coeff or None,
+        moe_aux_loss_coeff=args.moe_aux_coeff,
+        moe_z_loss_coeff=args.moe_z_coeff or None,
     )
 
 
 def step_config(args: argparse.Namespace):
     import fnppo
 
-    loss = fnppo.PolicyLossConfig(
+    loss = fnppo.losses.from_flat(
         policy_loss="ppo",
         loss_agg_mode="token-mean",
         entropy_coeff=args.entropy_coeff,
@@ -474,7 +612,9 @@ def step_config(args: argparse.Namespace):
         split["max_tokens_per_microbatch"] = args.max_tokens_per_microbatch
     else:
         split["num_microbatches"] = args.num_microbatches or 2
-    return fnppo.StepConfig(loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split)
+    return fnppo.StepConfig(
+        loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split
+    )
 
 
 def critic_config(args: argparse.Namespace):
@@ -482,9 +622,15 @@ def critic_config(args: argparse.Namespace):
     import fnppo
 
     cfg = step_config(args)
-    split = {k: getattr(cfg, k) for k in ("num_microbatches", "max_tokens_per_microbatch") if getattr(cfg, k) is not None}
-    return fnppo.CriticConfig(loss=fnppo.ValueLossConfig(clip_range=args.value_clip), layout="packed",
-                              num_minibatches=args.minibatches, **split)
+    split = {
+        k: getattr(cfg, k) for k in ("num_microbatches", "max_tokens_per_microbatch") if getattr(cfg, k) is not None
+    }
+    return fnppo.CriticConfig(
+        loss=fnppo.losses.ValueLossConfig(clip_range=args.value_clip),
+        layout="packed",
+        num_minibatches=args.minibatches,
+        **split,
+    )
 
 
 def kl_horizon(args: argparse.Namespace) -> float:
@@ -496,8 +642,8 @@ def kl_controller(args: argparse.Namespace):
     import fnppo
 
     if args.kl_target is None:
-        return fnppo.fixed_kl_init(args.kl_coef), fnppo.fixed_kl_update
-    return fnppo.adaptive_kl_init(args.kl_coef, args.kl_target, kl_horizon(args)), fnppo.adaptive_kl_update
+        return fnppo.kl.fixed_kl_init(args.kl_coef), fnppo.kl.fixed_kl_update
+    return fnppo.kl.adaptive_kl_init(args.kl_coef, args.kl_target, kl_horizon(args)), fnppo.kl.adaptive_kl_update
 
 
 def learning_rate(args: argparse.Namespace, step: int, peak: float | None = None) -> float:
@@ -529,16 +675,18 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
     phase = phase or (lambda name: contextlib.nullcontext())
     with phase("sampling"):
-        responses, rollout_lp = sample_responses(state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device)
+        responses, rollout_lp = sample_responses(
+            state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device
+        )
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     if critic is not None:
         samples = _ppo_samples(critic, prompts, responses, rollout_lp, args)
     else:
         grouped = rewards.view(-1, args.group_size)
         if args.advantage == "rloo":
-            adv = fnppo.rloo_advantages(grouped).reshape(-1)
+            adv = fnppo.advantages.rloo_advantages(grouped).reshape(-1)
         else:
-            adv = fnppo.grpo_advantages(grouped).reshape(-1)
+            adv = fnppo.advantages.grpo_advantages(grouped).reshape(-1)
         samples = [
             fnppo.Sample(
                 prompt_ids=prompts[i],
@@ -552,7 +700,9 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     with phase("old and reference log-probs"):
         old, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
         ref, _ = fnppo.compute_logprobs(state.model, samples, params=ref_params, config=cfg)
-    samples = [dataclasses.replace(s, old_logprobs=o, ref_logprobs=r) for s, o, r in zip(samples, old, ref, strict=True)]
+    samples = [
+        dataclasses.replace(s, old_logprobs=o, ref_logprobs=r) for s, o, r in zip(samples, old, ref, strict=True)
+    ]
     total = torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64)
     if layout.dp > 1:
         total = total.to(device)
@@ -567,11 +717,17 @@ def _ppo_samples(critic, prompts, responses, rollout_lp, args):
 
     import fnppo
 
-    bare = [fnppo.Sample(prompt_ids=p, response_ids=r, rollout_logprobs=lp) for p, r, lp in zip(prompts, responses, rollout_lp, strict=True)]
+    bare = [
+        fnppo.Sample(prompt_ids=p, response_ids=r, rollout_logprobs=lp)
+        for p, r, lp in zip(prompts, responses, rollout_lp, strict=True)
+    ]
     values = torch.stack(fnppo.compute_values(critic.model, bare, config=critic_config(args)))  # [n, RESPONSE_LEN]
     token_r = torch.stack([token_rewards(p, r) for p, r in zip(prompts, responses, strict=True)])
-    adv, ret = fnppo.gae_advantages(token_r, values, torch.ones_like(values), gamma=args.gamma, lam=args.lam)
-    return [dataclasses.replace(s, advantages=a, values=v, returns=r) for s, a, v, r in zip(bare, adv, values, ret, strict=True)]
+    adv, ret = fnppo.advantages.gae_advantages(token_r, values, torch.ones_like(values), gamma=args.gamma, lam=args.lam)
+    return [
+        dataclasses.replace(s, advantages=a, values=v, returns=r)
+        for s, a, v, r in zip(bare, adv, values, ret, strict=True)
+    ]
 
 
 def set_lr(optimizer, lr: float) -> None:
@@ -621,7 +777,10 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float, criti
         ("grad_norm", "grad norm before clipping (L2)"),
     ]
     if critic:
-        panels += [("vf_loss", "critic: clipped value loss"), ("vf_explained_var", "critic: explained variance (axis from -1)")]
+        panels += [
+            ("vf_loss", "critic: clipped value loss"),
+            ("vf_explained_var", "critic: explained variance (axis from -1)"),
+        ]
     fig, axes = plt.subplots(2, len(panels) // 2, figsize=(5.5 * len(panels) // 2, 7))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes.flat, panels, strict=True):
@@ -656,7 +815,9 @@ def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
         if args.resume and not holds_run:
             raise ArgumentError(f"--resume: {out} holds no run to resume")
         if holds_run and not (args.resume or args.overwrite):
-            raise ArgumentError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, or another --out-dir")
+            raise ArgumentError(
+                f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, or another --out-dir"
+            )
         return out
     runs = sorted(p for p in root.glob("run[0-9][0-9][0-9]") if p.is_dir())
     if args.resume:
@@ -699,7 +860,10 @@ def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
     keys = RUN_DEFINING + PPO_DEFINING
     diff = [k for k in keys if stored.get(k, SETTING_DEFAULTS.get(k)) != now.get(k, SETTING_DEFAULTS.get(k))]
     if diff:
-        parts = ", ".join(f"--{k.replace('_', '-')} {stored.get(k, SETTING_DEFAULTS.get(k))} (now {now.get(k, SETTING_DEFAULTS.get(k))})" for k in diff)
+        parts = ", ".join(
+            f"--{k.replace('_', '-')} {stored.get(k, SETTING_DEFAULTS.get(k))} (now {now.get(k, SETTING_DEFAULTS.get(k))})"
+            for k in diff
+        )
         hint = ""
         if "schedule_steps" in diff:
             hint = f"; to train longer on the stored schedule, pass --schedule-steps {stored.get('schedule_steps')}"
@@ -771,24 +935,24 @@ def _setup_run(args, layout):
     out_dir = agreed_run_dir(args, layout)
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
-    ref_params = fnppo.snapshot_params(state.model)
+    ref_params = fnppo.models.snapshot_params(state.model)
     kl_state, _ = kl_controller(args)
     if args.resume:  # validate_args found a complete checkpoint written with this --algo
-        latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
+        latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
         try:  # another layout, a damaged file: refused on every rank, nothing loaded
             if critic is not None:
-                states, extra = fnppo.load_checkpoint(latest, {"policy": state, "critic": critic})
+                states, extra = fnppo.checkpoint.load_checkpoint(latest, {"policy": state, "critic": critic})
                 state, critic = states["policy"], states["critic"]
             else:
-                state, extra = fnppo.load_checkpoint(latest, state)
-        except fnppo.CheckpointError as err:
+                state, extra = fnppo.checkpoint.load_checkpoint(latest, state)
+        except fnppo.checkpoint.CheckpointError as err:
             raise ArgumentError(f"--resume: {err}") from None
         check_resume_settings(extra.get("settings", {}), args)
         ref_params = [dict(p) for p in extra["ref_params"]]
         if "kl_state" in extra:
-            kl_state = fnppo.KLControllerState(**extra["kl_state"])
+            kl_state = fnppo.kl.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
     return out_dir, state, critic, ref_params, kl_state
@@ -867,7 +1031,7 @@ def run(args: argparse.Namespace, layout) -> int:
             with phase("rollout"):
                 samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic, phase=phase)
             set_lr(state.optimizer, learning_rate(args, step))
-            step_cfg = dataclasses.replace(cfg, loss=fnppo.with_kl_coef(cfg.loss, kl_state))
+            step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
             with phase("train_step"):
                 state, metrics = fnppo.train_step(state, samples, step_cfg)
             critic_metrics = {}
@@ -878,23 +1042,46 @@ def run(args: argparse.Namespace, layout) -> int:
         step += 1
         durations.append(time.perf_counter() - t_step)
         row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
-        row.update({k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v for k, v in critic_metrics.items() if k != "step"})
+        row.update(
+            {
+                k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v
+                for k, v in critic_metrics.items()
+                if k != "step"
+            }
+        )
         if args.kl_target is not None:
             row["kl_coef"] = kl_state.coef  # the coefficient this step trained with
         kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
-            critic_part = "" if critic is None else f" critic vf_loss={critic_metrics['vf_loss']:.10e} critic grad_norm={critic_metrics['grad_norm']:.10e}"
-            print(f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}{critic_part}", flush=True)
+            critic_part = (
+                ""
+                if critic is None
+                else f" critic vf_loss={critic_metrics['vf_loss']:.10e} critic grad_norm={critic_metrics['grad_norm']:.10e}"
+            )
+            print(
+                f"layout-check tp={layout.tp} pp={layout.pp} dp={layout.dp} ep={layout.ep}: first-step loss={metrics['loss']:.10e} grad_norm={metrics['grad_norm']:.10e}{critic_part}",
+                flush=True,
+            )
         if rank0:
             append_row(rows, metrics_path, row)
             if progress is not None:
-                extra_bar = {} if critic is None else {"vf": f"{critic_metrics['vf_loss']:.4f}", "ev": f"{critic_metrics['vf_explained_var']:.2f}"}
-                progress.set_postfix(reward=f"{mean_reward:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}", ent=f"{metrics.get('entropy', 0.0):.3f}", gnorm=f"{metrics['grad_norm']:.3f}", **extra_bar)
+                extra_bar = (
+                    {}
+                    if critic is None
+                    else {"vf": f"{critic_metrics['vf_loss']:.4f}", "ev": f"{critic_metrics['vf_explained_var']:.2f}"}
+                )
+                progress.set_postfix(
+                    reward=f"{mean_reward:.3f}",
+                    kl=f"{metrics.get('kl_loss', 0.0):.4f}",
+                    ent=f"{metrics.get('entropy', 0.0):.3f}",
+                    gnorm=f"{metrics['grad_norm']:.3f}",
+                    **extra_bar,
+                )
                 progress.update(1)
         if args.save_every and step % args.save_every == 0:
             extra = {"ref_params": ref_params, "settings": run_settings(args), "kl_state": kl_state._asdict()}
             states = state if critic is None else {"policy": state, "critic": critic}  # one manifest: both or neither
-            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)
+            fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)
     if progress is not None:
         progress.close()
     if not rank0:
@@ -966,8 +1153,10 @@ def profiled(enabled: bool, args, out_dir: Path, device, rank0: bool):
             return
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e6
-        lines = [f"profiled step {args.profile_step} on {device}: {wall:.3f} s wall, "
-                 f"{len(kernels)} kernels taking {busy:.3f} s of device time"]
+        lines = [
+            f"profiled step {args.profile_step} on {device}: {wall:.3f} s wall, "
+            f"{len(kernels)} kernels taking {busy:.3f} s of device time"
+        ]
         lines += [f"  {name}: {dt:.3f} s" for name, dt in phases.times]
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=50))
@@ -987,12 +1176,22 @@ def profiled(enabled: bool, args, out_dir: Path, device, rank0: bool):
     return block()
 
 
-def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, elapsed: float, steps_done: int,
-            durations: list[float] | None = None) -> int:
+def _report(
+    args,
+    layout,
+    rows: list[dict],
+    out_dir: Path,
+    metrics_path: Path,
+    elapsed: float,
+    steps_done: int,
+    durations: list[float] | None = None,
+) -> int:
     last = rows[-FINAL_WINDOW:]
     final = sum(r["reward"] for r in last) / max(1, len(last))
     ok = final >= args.target_reward
-    print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_done):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
+    print(
+        f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_done):.3f} s/step), layout tp={layout.tp} pp={layout.pp} dp={layout.dp}"
+    )
     if durations and len(durations) > 3:  # the first steps compile kernels on CUDA
         later = sorted(durations[3:])
         print(f"median step after the first 3: {later[len(later) // 2]:.3f} s")
@@ -1001,7 +1200,11 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
     if not args.no_plot and rows:
         plot = out_dir / "ppo_toy.png"  # in the run directory, also when --metrics-out puts the metrics elsewhere
         out_dir.mkdir(parents=True, exist_ok=True)
-        algo = "GRPO" if args.algo == "grpo" else f"PPO (critic, GAE gamma {args.gamma:g} lambda {args.lam:g}, critic lr {args.critic_lr:g})"
+        algo = (
+            "GRPO"
+            if args.algo == "grpo"
+            else f"PPO (critic, GAE gamma {args.gamma:g} lambda {args.lam:g}, critic lr {args.critic_lr:g})"
+        )
         title = (
             f"fnppo toy {algo} run: {verdict}, final reward {final:.3f} (target {args.target_reward:g})\n"
             f"seed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, {args.dtype}, lr {args.lr:g} -> {args.lr * args.lr_final:g}, "
@@ -1013,7 +1216,9 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
             print(f"plot: {plot}")
         except ImportError:
             print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
-    print(f"final reward (mean of last {len(last)} steps): {final:.3f} -> {verdict}: {'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}")
+    print(
+        f"final reward (mean of last {len(last)} steps): {final:.3f} -> {verdict}: {'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}"
+    )
     return 0 if ok else 1
 
 

@@ -12,9 +12,9 @@ micro-batches with no image, with only images and with both occur in every step;
 prompts exploring: without it the policy settles on one count for every image (reward 1/3)
 before the vision tower has learnt anything.
 
-The model is :func:`fnppo.megatron.vlm.build_vlm`: a one-layer ViT (4 patches of 4x4 pixels per image),
+The model is :func:`fnppo.megatron.vlm_model.build_vlm`: a one-layer ViT (4 patches of 4x4 pixels per image),
 an MLP projector and a 2-layer GPT. The image placeholder becomes 4 positions in the collate stage
-(:class:`fnppo.megatron.vlm.VLMCollate`). Each step: prompts -> one answer token sampled per prompt and
+(:class:`fnppo.megatron.vlm_collate.VLMCollate`). Each step: prompts -> one answer token sampled per prompt and
 group member through Megatron's forward-only schedule -> rewards -> GRPO advantages -> old and
 reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, k3 KL to the reference).
 
@@ -51,12 +51,35 @@ COUNT0 = 4  # the answer to "k squares" is token COUNT0 + k
 MAX_SQUARES = 3
 VOCAB = 16
 IMAGE_SIZE, PATCH, GRID = 8, 4, 2
-PALETTE = [(1.0, 0.5, 0.0), (1.0, 0.0, 0.5), (0.5, 1.0, 0.0), (0.0, 1.0, 0.5), (0.5, 0.0, 1.0), (0.0, 0.5, 1.0)]  # equal brightness
+PALETTE = [
+    (1.0, 0.5, 0.0),
+    (1.0, 0.0, 0.5),
+    (0.5, 1.0, 0.0),
+    (0.0, 1.0, 0.5),
+    (0.5, 0.0, 1.0),
+    (0.0, 0.5, 1.0),
+]  # equal brightness
 FINAL_WINDOW = text_toy.FINAL_WINDOW
 RUNS_ROOT = Path("runs/vlm_toy")
 #: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
-RUN_DEFINING = ("seed", "tp", "pp", "prompts", "group_size", "num_microbatches", "minibatches", "lr", "lr_final",
-                "schedule_steps", "temperature", "kl_coef", "entropy_coeff", "hidden", "layers", "freeze_vision")
+RUN_DEFINING = (
+    "seed",
+    "tp",
+    "pp",
+    "prompts",
+    "group_size",
+    "num_microbatches",
+    "minibatches",
+    "lr",
+    "lr_final",
+    "schedule_steps",
+    "temperature",
+    "kl_coef",
+    "entropy_coeff",
+    "hidden",
+    "layers",
+    "freeze_vision",
+)
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps, over all
@@ -67,8 +90,12 @@ the check), or it stopped at --exit-after; 1 when it missed the target; 2 for in
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="vlm_toy.py", description=__doc__.splitlines()[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="vlm_toy.py",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=120, help="training steps (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -83,19 +110,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule-steps", type=int, default=None, help="steps over which the lr decays (default: --steps)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--kl-coef", type=float, default=0.001)
-    p.add_argument("--entropy-coeff", type=float, default=0.05, help="entropy bonus (keeps the image prompts exploring)")
+    p.add_argument(
+        "--entropy-coeff", type=float, default=0.05, help="entropy bonus (keeps the image prompts exploring)"
+    )
     p.add_argument("--hidden", type=int, default=64, help="language model hidden size")
     p.add_argument("--layers", type=int, default=2, help="language model layers")
-    p.add_argument("--freeze-vision", action="store_true", help="keep the ViT at its initial weights (the projector trains)")
+    p.add_argument(
+        "--freeze-vision", action="store_true", help="keep the ViT at its initial weights (the projector trains)"
+    )
     p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/vlm_toy/runNNN)")
     p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue --out-dir (default: the newest run) from its newest checkpoint")
-    p.add_argument("--exit-after", type=int, default=None,
-                   help="stop after this many steps of this invocation (simulates a preempted job)")
-    p.add_argument("--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue --out-dir (default: the newest run) from its newest checkpoint"
+    )
+    p.add_argument(
+        "--exit-after",
+        type=int,
+        default=None,
+        help="stop after this many steps of this invocation (simulates a preempted job)",
+    )
+    p.add_argument(
+        "--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)"
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -109,8 +147,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     included), combinations, the run directory (a run in ``--out-dir`` without ``--resume`` /
     ``--overwrite``, ``--resume`` with no run). Checked before torch is imported (``cuda_available``
     is asked only for ``--device cuda``) and before anything is created."""
-    for name in ("steps", "prompts", "group_size", "minibatches", "num_microbatches", "hidden", "layers", "tp", "pp",
-                 "schedule_steps"):
+    for name in (
+        "steps",
+        "prompts",
+        "group_size",
+        "minibatches",
+        "num_microbatches",
+        "hidden",
+        "layers",
+        "tp",
+        "pp",
+        "schedule_steps",
+    ):
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.exit_after is not None and args.exit_after < 1:
@@ -118,7 +166,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
-        raise ArgumentError(f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}")
+        raise ArgumentError(
+            f"need --lr > 0, 0 <= --lr-final <= 1 and --temperature > 0, got {args.lr}, {args.lr_final}, {args.temperature}"
+        )
     if not (args.kl_coef >= 0 and args.entropy_coeff >= 0):
         raise ArgumentError(f"need --kl-coef >= 0 and --entropy-coeff >= 0, got {args.kl_coef}, {args.entropy_coeff}")
     if args.overwrite and args.resume:
@@ -126,16 +176,24 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     if args.prompts % 16:
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by 16 (8 blocks, half of them with images)")
     if args.device == "cuda" and not cuda_available:
-        raise ArgumentError("--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+        raise ArgumentError(
+            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
+        )
     if world_size % (args.tp * args.pp):
-        raise ArgumentError(f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes")
+        raise ArgumentError(
+            f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} does not divide the {world_size} processes"
+        )
     dp = world_size // (args.tp * args.pp)
     if args.prompts % 16 or args.prompts % dp:
-        raise ArgumentError(f"--prompts {args.prompts} must be divisible by 16 (8 blocks, half of them with images) and by the data-parallel size {dp}")
+        raise ArgumentError(
+            f"--prompts {args.prompts} must be divisible by 16 (8 blocks, half of them with images) and by the data-parallel size {dp}"
+        )
     per_minibatch = args.prompts // dp * args.group_size // args.minibatches
     if args.prompts // dp * args.group_size % args.minibatches or args.num_microbatches > per_minibatch:
-        raise ArgumentError(f"--minibatches {args.minibatches} and --num-microbatches {args.num_microbatches} do not fit "
-                            f"{args.prompts // dp * args.group_size} samples per data-parallel rank")
+        raise ArgumentError(
+            f"--minibatches {args.minibatches} and --num-microbatches {args.num_microbatches} do not fit "
+            f"{args.prompts // dp * args.group_size} samples per data-parallel rank"
+        )
     text_toy.choose_run_dir(args, RUNS_ROOT)  # read-only: a run in the way, --resume with nothing to resume
 
 
@@ -201,14 +259,28 @@ def to_sample(prompt: list[int], image, response: list[int], **values):
     import fnppo
 
     mm = {} if image is None else {"images": image[None]}
-    return fnppo.Sample(prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(response, dtype=torch.int64), multi_modal=mm, **values)
+    return fnppo.Sample(
+        prompt_ids=torch.tensor(prompt),
+        response_ids=torch.tensor(response, dtype=torch.int64),
+        multi_modal=mm,
+        **values,
+    )
 
 
 def vision_config(args: argparse.Namespace):
-    from fnppo.megatron.vlm import VisionConfig
+    from fnppo.megatron.vlm_collate import VisionConfig
 
-    return VisionConfig(image_token_id=IMG, image_size=IMAGE_SIZE, patch_size=PATCH, num_layers=1, hidden_size=32,
-                        num_attention_heads=2, ffn_hidden_size=64, projector_hidden_size=args.hidden, freeze_vision=args.freeze_vision)
+    return VisionConfig(
+        image_token_id=IMG,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        projector_hidden_size=args.hidden,
+        freeze_vision=args.freeze_vision,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +293,9 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
     import fnppo
 
     samples = [to_sample(p, img, []) for p, img, _ in prompts]
-    mb = fnppo.core.batch.to_device(collate(samples, layout="packed", pad_to_multiple_of=1, sample_index=range(len(samples))), device)
+    mb = fnppo.core.collate.to_device(
+        collate(samples, layout="packed", pad_to_multiple_of=1, sample_index=range(len(samples))), device
+    )
 
     def last_logits(logits, mb):
         ends = mb.cu_seqlens[:-1].long() + torch.tensor(mb.seq_lens, device=logits.device) - 1
@@ -242,12 +316,20 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
 # ---------------------------------------------------------------------------------------------
 def build(args: argparse.Namespace):
     import fnppo
-    from fnppo.megatron.vlm import build_vlm
+    from fnppo.megatron.vlm_model import build_vlm
 
-    cfg = fnppo.ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=2 * args.hidden, vocab_size=VOCAB, max_seq_len=16, tie_embeddings=True)
+    cfg = fnppo.ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=2 * args.hidden,
+        vocab_size=VOCAB,
+        max_seq_len=16,
+        tie_embeddings=True,
+    )
     chunks = build_vlm(cfg, vision_config(args))
-    fnppo.layout_invariant_init(chunks, seed=args.seed)
+    fnppo.models.layout_invariant_init(chunks, seed=args.seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=args.lr, clip_grad=1.0), step=0)
 
@@ -273,10 +355,20 @@ class MixRecorder:
 def step_configs(args: argparse.Namespace, recorder: MixRecorder):
     import fnppo
 
-    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", kl_coef=args.kl_coef, kl_estimator="k3",
-                                  entropy_coeff=args.entropy_coeff)
-    train = fnppo.StepConfig(loss=loss, temperature=args.temperature, num_minibatches=args.minibatches,
-                             num_microbatches=args.num_microbatches, fns=fnppo.StepFns(collate=recorder))
+    loss = fnppo.losses.from_flat(
+        policy_loss="ppo",
+        loss_agg_mode="token-mean",
+        kl_coef=args.kl_coef,
+        kl_estimator="k3",
+        entropy_coeff=args.entropy_coeff,
+    )
+    train = fnppo.StepConfig(
+        loss=loss,
+        temperature=args.temperature,
+        num_minibatches=args.minibatches,
+        num_microbatches=args.num_microbatches,
+        fns=fnppo.StepFns(collate=recorder),
+    )
     logprobs = fnppo.StepConfig(loss=loss, temperature=args.temperature, fns=fnppo.StepFns(collate=recorder.collate))
     return train, logprobs
 
@@ -294,22 +386,42 @@ def rollout(state, ref_params, args, layout, device, step: int, collate, lp_cfg)
     g = torch.Generator().manual_seed(args.seed * 7_919 + step)
     uniforms = torch.rand(args.prompts * args.group_size, generator=g).view(args.prompts, args.group_size)
     uniforms = uniforms[layout.dp_rank * n_prompts : (layout.dp_rank + 1) * n_prompts].reshape(-1)
-    answers = sample_answers(state.model, prompts, uniforms, collate=collate, temperature=args.temperature, layout=layout, device=device)
+    answers = sample_answers(
+        state.model, prompts, uniforms, collate=collate, temperature=args.temperature, layout=layout, device=device
+    )
     rewards = torch.tensor([float(int(a) == right) for a, (_, _, right) in zip(answers.tolist(), prompts)])
-    adv = fnppo.grpo_advantages(rewards.view(-1, args.group_size)).reshape(-1)
-    samples = [to_sample(p, img, [int(a)], advantages=adv[i : i + 1].clone()) for i, ((p, img, _), a) in enumerate(zip(prompts, answers.tolist()))]
+    adv = fnppo.advantages.grpo_advantages(rewards.view(-1, args.group_size)).reshape(-1)
+    samples = [
+        to_sample(p, img, [int(a)], advantages=adv[i : i + 1].clone())
+        for i, ((p, img, _), a) in enumerate(zip(prompts, answers.tolist()))
+    ]
     old, _ = fnppo.compute_logprobs(state.model, samples, config=lp_cfg)
     ref, _ = fnppo.compute_logprobs(state.model, samples, params=ref_params, config=lp_cfg)
-    samples = [fnppo.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantages=s.advantages, old_logprobs=o,
-                            ref_logprobs=r, multi_modal=s.multi_modal) for s, o, r in zip(samples, old, ref, strict=True)]
+    samples = [
+        fnppo.Sample(
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            advantages=s.advantages,
+            old_logprobs=o,
+            ref_logprobs=r,
+            multi_modal=s.multi_modal,
+        )
+        for s, o, r in zip(samples, old, ref, strict=True)
+    ]
     image = torch.tensor([img is not None for _, img, _ in prompts])
-    sums = torch.tensor([float(rewards.sum()), float(rewards.numel()), float(rewards[image].sum()), float(image.sum())], dtype=torch.float64)
+    sums = torch.tensor(
+        [float(rewards.sum()), float(rewards.numel()), float(rewards[image].sum()), float(image.sum())],
+        dtype=torch.float64,
+    )
     if layout.dp > 1:
         sums = sums.to(device)
         dist.all_reduce(sums, group=layout.dp_group)
         sums = sums.cpu()
-    return samples, {"reward": float(sums[0] / sums[1]), "reward_image": float(sums[2] / sums[3]),
-                     "reward_text": float((sums[0] - sums[2]) / (sums[1] - sums[3]))}
+    return samples, {
+        "reward": float(sums[0] / sums[1]),
+        "reward_image": float(sums[2] / sums[3]),
+        "reward_text": float((sums[0] - sums[2]) / (sums[1] - sums[3])),
+    }
 
 
 def mix_summary(seen: list[tuple[int, int, int]], layout, device) -> dict[str, int]:
@@ -338,8 +450,11 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0, 0]
-    for key, colour, label in (("reward", "tab:blue", "all prompts"), ("reward_image", "tab:red", "image prompts (count k)"),
-                               ("reward_text", "tab:gray", "text prompts (fixed answer)")):
+    for key, colour, label in (
+        ("reward", "tab:blue", "all prompts"),
+        ("reward_image", "tab:red", "image prompts (count k)"),
+        ("reward_text", "tab:gray", "text prompts (fixed answer)"),
+    ):
         raw = [r[key] for r in rows]
         ax.plot(steps, raw, ".", color=colour, alpha=0.3)
         ax.plot(steps, text_toy.smooth(raw), "-", color=colour, label=label)
@@ -348,14 +463,21 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     ax.set_ylim(0, 1.02)
     ax.set_ylabel("mean reward (answer right)")
     ax.legend(loc="lower right", fontsize=8)
-    for ax, key, label in ((axes[0, 1], "entropy", "entropy (nats / token)"), (axes[1, 0], "kl_loss", "KL to reference, k3")):
+    for ax, key, label in (
+        (axes[0, 1], "entropy", "entropy (nats / token)"),
+        (axes[1, 0], "kl_loss", "KL to reference, k3"),
+    ):
         raw = [float(r.get(key, float("nan"))) for r in rows]
         ax.plot(steps, raw, ".", alpha=0.35)
         ax.plot(steps, text_toy.smooth(raw), "-", color="tab:blue")
         ax.set_ylabel(label)
     ax = axes[1, 1]
     bottom = [0] * len(rows)
-    for key, colour, label in (("mb_no_image", "tab:gray", "no image"), ("mb_all_images", "tab:red", "all images"), ("mb_mixed", "tab:purple", "mixed")):
+    for key, colour, label in (
+        ("mb_no_image", "tab:gray", "no image"),
+        ("mb_all_images", "tab:red", "all images"),
+        ("mb_mixed", "tab:purple", "mixed"),
+    ):
         vals = [r[key] for r in rows]
         ax.bar(steps, vals, bottom=bottom, color=colour, label=label, width=1.0)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -410,14 +532,14 @@ def setup_run(args: argparse.Namespace, layout):
 
     out_dir = text_toy.agreed_run_dir(args, layout, RUNS_ROOT)
     state = build(args)
-    ref_params = fnppo.snapshot_params(state.model)
+    ref_params = fnppo.models.snapshot_params(state.model)
     if args.resume:
-        latest = fnppo.latest_checkpoint(out_dir / "checkpoints")
+        latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
         try:
-            state, extra = fnppo.load_checkpoint(latest, state)
-        except fnppo.CheckpointError as err:
+            state, extra = fnppo.checkpoint.load_checkpoint(latest, state)
+        except fnppo.checkpoint.CheckpointError as err:
             raise ArgumentError(f"--resume: {' '.join(str(err).split())}") from err
         check_resume_settings(extra.get("settings", {}), args)
         ref_params = [dict(p) for p in extra["ref_params"]]
@@ -432,7 +554,7 @@ def run(args: argparse.Namespace, layout) -> int:
     import torch
 
     import fnppo
-    from fnppo.megatron.vlm import VLMCollate
+    from fnppo.megatron.vlm_collate import VLMCollate
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     seed_everything(args.seed)
@@ -457,15 +579,24 @@ def run(args: argparse.Namespace, layout) -> int:
         text_toy.set_lr(state.optimizer, text_toy.learning_rate(args, step))
         recorder.seen.clear()
         state, metrics = fnppo.train_step(state, samples, train_cfg)
-        row = {"step": step + 1, **rewards, **mix_summary(recorder.seen, layout, device), **{k: v for k, v in metrics.items() if k != "step"}}
+        row = {
+            "step": step + 1,
+            **rewards,
+            **mix_summary(recorder.seen, layout, device),
+            **{k: v for k, v in metrics.items() if k != "step"},
+        }
         if rank0:
             text_toy.append_row(rows, metrics_path, row)
             if progress is not None:
-                progress.set_postfix(reward=f"{rewards['reward']:.3f}", image=f"{rewards['reward_image']:.3f}", kl=f"{metrics.get('kl_loss', 0.0):.4f}")
+                progress.set_postfix(
+                    reward=f"{rewards['reward']:.3f}",
+                    image=f"{rewards['reward_image']:.3f}",
+                    kl=f"{metrics.get('kl_loss', 0.0):.4f}",
+                )
                 progress.update(1)
         if args.save_every and (step + 1) % args.save_every == 0:
             extra = {"ref_params": ref_params, "settings": run_settings(args)}
-            fnppo.save_checkpoint(out_dir / "checkpoints" / f"step{step + 1:06d}", state, extra=extra)
+            fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step + 1:06d}", state, extra=extra)
     if progress is not None:
         progress.close()
     if not rank0:
@@ -479,26 +610,36 @@ def _report(args, layout, rows: list[dict], out_dir: Path, metrics_path: Path, e
     final_image = sum(r["reward_image"] for r in last) / len(last)
     ok = final >= args.target_reward and final_image >= args.target_reward
     verdict = "PASS" if ok else "FAIL"
-    none, every, mixed, images = (sum(r[k] for r in rows) for k in ("mb_no_image", "mb_all_images", "mb_mixed", "mb_images"))
+    none, every, mixed, images = (
+        sum(r[k] for r in rows) for k in ("mb_no_image", "mb_all_images", "mb_mixed", "mb_images")
+    )
     total = none + every + mixed
-    print(f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_run):.3f} s/step), "
-          f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp}")
-    print(f"image-count mix of the {total} micro-batches train_step ran: no image {none}, all images {every}, mixed {mixed}; "
-          f"{images} images in all ({images / max(1, total):.2f} per micro-batch)")
+    print(
+        f"steps: {args.steps}, wall time {elapsed:.1f} s ({elapsed / max(1, steps_run):.3f} s/step), "
+        f"layout tp={layout.tp} pp={layout.pp} dp={layout.dp}"
+    )
+    print(
+        f"image-count mix of the {total} micro-batches train_step ran: no image {none}, all images {every}, mixed {mixed}; "
+        f"{images} images in all ({images / max(1, total):.2f} per micro-batch)"
+    )
     print(f"metrics: {metrics_path}")
     if not args.no_plot:
         plot = out_dir / "vlm_toy.png"
         plot.parent.mkdir(parents=True, exist_ok=True)  # the run directory, also when the metrics went elsewhere
-        title = (f"fnppo VLM toy GRPO run (count the squares): {verdict}, final reward {final:.3f}, image prompts {final_image:.3f} "
-                 f"(target {args.target_reward:g})\nseed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, lr {args.lr:g}, "
-                 f"{args.prompts} prompts x {args.group_size}, vision {'frozen' if args.freeze_vision else 'trained'}")
+        title = (
+            f"fnppo VLM toy GRPO run (count the squares): {verdict}, final reward {final:.3f}, image prompts {final_image:.3f} "
+            f"(target {args.target_reward:g})\nseed {args.seed}, tp={layout.tp} pp={layout.pp} dp={layout.dp}, lr {args.lr:g}, "
+            f"{args.prompts} prompts x {args.group_size}, vision {'frozen' if args.freeze_vision else 'trained'}"
+        )
         try:
             write_plot(rows, plot, title=title, target=args.target_reward)
             print(f"plot: {plot}")
         except ImportError:
             print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
-    print(f"final reward (mean of last {len(last)} steps): {final:.3f}, image prompts {final_image:.3f} -> {verdict}: "
-          f"{'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}")
+    print(
+        f"final reward (mean of last {len(last)} steps): {final:.3f}, image prompts {final_image:.3f} -> {verdict}: "
+        f"{'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}"
+    )
     return 0 if ok else 1
 
 

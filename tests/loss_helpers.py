@@ -89,8 +89,9 @@ def aggregate(seqs: Sequence[Sequence[Any]], mode: str, scale: float | None = No
     return sum(sum(s) / scale for s in seqs) / len(seqs)
 
 
-def check_split_invariance(batch: tuple, cfg: Any, cuts: Sequence[int],
-                           part_kwargs: Callable[[list[tuple[int, int]]], dict] | None = None) -> None:
+def check_split_invariance(
+    batch: tuple, cfg: Any, cuts: Sequence[int], part_kwargs: Callable[[list[tuple[int, int]]], dict] | None = None
+) -> None:
     """``ppo_loss`` on the rows of ``batch`` cut at ``cuts`` (each part with the global normalizer and
     ``part_kwargs(parts)``) sums to the loss of the whole batch; gradients and merged metrics agree."""
     lp0, old, adv, mask, ent, ref, rollout = batch
@@ -106,8 +107,16 @@ def check_split_invariance(batch: tuple, cfg: Any, cuts: Sequence[int],
     lp2 = leaf(lp0)
     losses, metrics = [], []
     for i, j in parts:
-        loss_i, m_i = ppo_loss(lp2[i:j], old[i:j], adv[i:j], mask[i:j], cfg, normalizer=n,
-                               **{k: v[i:j] for k, v in others.items()}, **extra)
+        loss_i, m_i = ppo_loss(
+            lp2[i:j],
+            old[i:j],
+            adv[i:j],
+            mask[i:j],
+            cfg,
+            normalizer=n,
+            **{k: v[i:j] for k, v in others.items()},
+            **extra,
+        )
         losses.append(loss_i)
         metrics.append(m_i)
     total = sum(losses)

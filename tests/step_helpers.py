@@ -88,14 +88,16 @@ def finalize_dropped() -> Iterator[None]:
 def finalized_grads() -> Iterator[dict]:
     """Yields a dict whose ``"grads"`` is, after each step, the ``main_grad`` of every parameter (one
     list per model chunk) as :func:`fnppo.megatron.grads.finalize_grads` hands them to the optimizer."""
-    import fnppo.steps.step as step_module
+    import fnppo.steps.schedule as step_module
 
     real = step_module.finalize_grads
     captured: dict = {}
 
     def spy(model, **kw):
         stats = real(model, **kw)
-        captured["grads"] = [[p.main_grad.detach().clone() for p in fnppo.megatron.unwrap.unwrap_model(c).parameters()] for c in model]
+        captured["grads"] = [
+            [p.main_grad.detach().clone() for p in fnppo.megatron.unwrap.unwrap_model(c).parameters()] for c in model
+        ]
         return stats
 
     step_module.finalize_grads = spy

@@ -68,8 +68,13 @@ def test_gae_closed_form():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 4), s=st.integers(1, 19),
-       gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 4),
+    s=st.integers(1, 19),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_gae_matches_loop(seed, b, s, gamma, lam):
     r, v, m = random_tokens(seed, b, s)
     adv, ret = gae_advantages(r, v, m, gamma=gamma, lam=lam)
@@ -213,7 +218,9 @@ def test_broadcast_to_tokens():
         broadcast_to_tokens(t(1.0, 2.0, 3.0), t([1.0, 0.0], [1.0, 1.0]))
     with raises_message("broadcast_to_tokens", "seq_ids", "values in [-1, 1)", "values in [0, 1]"):
         broadcast_to_tokens(t(5.0), t([1.0, 1.0]), seq_ids=torch.tensor([[0, 1]]))
-    with raises_message("broadcast_to_tokens", "seq_ids", "a sequence (>= 0) wherever mask is 1", "-1 at a masked-in token"):
+    with raises_message(
+        "broadcast_to_tokens", "seq_ids", "a sequence (>= 0) wherever mask is 1", "-1 at a masked-in token"
+    ):
         broadcast_to_tokens(t(5.0), t([1.0, 1.0]), seq_ids=torch.tensor([[0, -1]]))
 
 
@@ -293,13 +300,21 @@ def test_pass_at_k_binary_matches_paper_closed_form(n, c, k):
     pos = (1 - r) / sigma
     neg = (1 - r - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) / sigma
     close(adv, torch.tensor([[pos] * c + [neg] * (n - c)], dtype=F64))
-    close(pass_at_k_advantages(rows, k=k, normalize_std=False),
-          torch.tensor([[pos * sigma] * c + [neg * sigma] * (n - c)], dtype=F64))
+    close(
+        pass_at_k_advantages(rows, k=k, normalize_std=False),
+        torch.tensor([[pos * sigma] * c + [neg * sigma] * (n - c)], dtype=F64),
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 9), n_groups=st.integers(1, 3), ties=st.booleans(),
-       normalize=st.booleans(), k_pick=st.integers(0, 10))
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 9),
+    n_groups=st.integers(1, 3),
+    ties=st.booleans(),
+    normalize=st.booleans(),
+    k_pick=st.integers(0, 10),
+)
 def test_pass_at_k_matches_enumeration(seed, n, n_groups, ties, normalize, k_pick):
     scores, ids, valid = random_groups(seed, n, n_groups, ties=ties)
     groups = groups_of(ids.tolist(), valid.tolist())
@@ -332,11 +347,14 @@ def test_pass_at_k_permutation_equivariant_and_zero_sum(seed, size, k):
 def test_pass_at_k_edge_cases():
     # k = 1 on a group of size 1: no baseline, 0; k >= 2 on it: refused
     close(pass_at_k_advantages(t([3.0], [4.0]), k=1), t([0.0], [0.0]))
-    with pytest.raises(InputError, match=r"pass_at_k_advantages: argument 'k' expected .*smallest non-empty group: 1.*received 2"):
+    with pytest.raises(
+        InputError, match=r"pass_at_k_advantages: argument 'k' expected .*smallest non-empty group: 1.*received 2"
+    ):
         pass_at_k_advantages(t(1.0, 2.0, 3.0), torch.tensor([0, 0, 1]), k=2)
     # masked rows leave the group: the size-1 group is fine once its only row is masked
-    adv = pass_at_k_advantages(t(1.0, 2.0, 5.0, 3.0), torch.tensor([0, 0, 0, 1]), k=2, valid=t(1.0, 1.0, 1.0, 0.0),
-                               normalize_std=False)
+    adv = pass_at_k_advantages(
+        t(1.0, 2.0, 5.0, 3.0), torch.tensor([0, 0, 0, 1]), k=2, valid=t(1.0, 1.0, 1.0, 0.0), normalize_std=False
+    )
     # group {1, 2, 5}, k = 2: maxima of {1,2},{1,5},{2,5} = 2, 5, 5 -> R = 4; m = (2+5)/2, (2+5)/2, 5
     close(adv, t(-0.5, -0.5, 1.0, 0.0))
     # n = k: the only subset is the whole group, so every advantage is 0
@@ -346,8 +364,10 @@ def test_pass_at_k_edge_cases():
     # all rows masked: zeros, no error, whatever k
     close(pass_at_k_advantages(t([1.0, 2.0]), k=5, valid=t([0.0, 0.0])), t([0.0, 0.0]))
     # masked NaN is ignored, a valid one refused
-    close(pass_at_k_advantages(t([math.nan, 2.0, 1.0]), k=1, valid=t([0.0, 1.0, 1.0]), normalize_std=False),
-          t([0.0, 0.5, -0.5]))
+    close(
+        pass_at_k_advantages(t([math.nan, 2.0, 1.0]), k=1, valid=t([0.0, 1.0, 1.0]), normalize_std=False),
+        t([0.0, 0.5, -0.5]),
+    )
     with pytest.raises(InputError, match="'scores' expected finite"):
         pass_at_k_advantages(t([math.nan, 2.0, 1.0]), k=1)
     for bad in (0, -1, True):
@@ -421,8 +441,14 @@ def random_token_batch(seed, b, s, n_groups):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 7), s=st.integers(1, 6), n_groups=st.integers(1, 3),
-       kl_coef=st.sampled_from([0.0, 0.3]), eps=st.sampled_from([1e-8, 0.5]))
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 7),
+    s=st.integers(1, 6),
+    n_groups=st.integers(1, 3),
+    kl_coef=st.sampled_from([0.0, 0.3]),
+    eps=st.sampled_from([1e-8, 0.5]),
+)
 def test_reinforce_pp_baseline_matches_loop(seed, b, s, n_groups, kl_coef, eps):
     scores, mask, ids, kl = random_token_batch(seed, b, s, n_groups)
     adv, ret = reinforce_pp_baseline_advantages(scores, mask, ids, kl=kl, kl_coef=kl_coef, eps=eps)
@@ -441,8 +467,9 @@ def test_reinforce_pp_baseline_split_invariance(seed, b, s, cut):
     rets = [reinforce_pp_baseline_advantages(scores[p], mask[p], ids[p], kl=kl[p], kl_coef=0.1)[1] for p in parts]
     moments = sum(masked_moments(r, mask[p]) for r, p in zip(rets, parts))
     for p in parts:
-        adv, _ = reinforce_pp_baseline_advantages(scores[p], mask[p], ids[p], kl=kl[p], kl_coef=0.1,
-                                                  batch_moments=moments)
+        adv, _ = reinforce_pp_baseline_advantages(
+            scores[p], mask[p], ids[p], kl=kl[p], kl_coef=0.1, batch_moments=moments
+        )
         close(adv, whole[p])
 
 
@@ -457,7 +484,9 @@ def test_reinforce_pp_baseline_edge_cases():
     assert torch.equal(adv, torch.zeros(2, 2, dtype=F64))
     with pytest.raises(InputError, match="reinforce_pp_baseline_advantages: argument 'scores' expected finite"):
         reinforce_pp_baseline_advantages(t(math.nan, 2.0), mask, ids)
-    with pytest.raises(InputError, match="argument 'kl' expected a per-token KL tensor since kl_coef=0.5, received None"):
+    with pytest.raises(
+        InputError, match="argument 'kl' expected a per-token KL tensor since kl_coef=0.5, received None"
+    ):
         reinforce_pp_baseline_advantages(t(1.0, 2.0), mask, ids, kl_coef=0.5)
     with pytest.raises(InputError, match="'eps'"):
         reinforce_pp_baseline_advantages(t(1.0, 2.0), mask, ids, eps=-1.0)
@@ -477,8 +506,11 @@ def test_remax_closed_form():
     close(adv, t([-0.5, 0.5], [0.0, 3.0]))
     # one sample per prompt is ReMax's normal case; a masked NaN is ignored
     close(remax_advantages(t(math.nan, 2.0), t(0.0, 1.0), valid=t(0.0, 1.0)), t(0.0, 1.0))
-    with pytest.raises(InputError, match=r"remax_advantages: argument 'greedy_scores' expected a tensor of shape "
-                                         r"\(2, 2\) or \(2,\), received f64\[3\]"):
+    with pytest.raises(
+        InputError,
+        match=r"remax_advantages: argument 'greedy_scores' expected a tensor of shape "
+        r"\(2, 2\) or \(2,\), received f64\[3\]",
+    ):
         remax_advantages(t([1.0, 2.0], [0.0, 4.0]), t(1.0, 2.0, 3.0))
     with pytest.raises(InputError, match="'greedy_scores' expected finite"):
         remax_advantages(t(1.0, 2.0), t(1.0, math.inf))
@@ -510,8 +542,12 @@ def test_opo_closed_form_and_edge_cases():
     close(opo_advantages(t([1.0, 0.0]), t([2.0, 2.0])), t([0.5, -0.5]))  # equal lengths: GRPO's mean
     close(opo_advantages(t([5.0]), torch.tensor([[4]])), t([0.0]))  # group of size 1
     close(opo_advantages(t([1.0, 0.0]), torch.tensor([[0, 0]])), t([0.0, 0.0]))  # no tokens at all
-    close(opo_advantages(t([1.0, 0.0, 9.0]), torch.tensor([[1, 3, 1]]), valid=t([1.0, 1.0, 0.0])), t([0.75, -0.25, 0.0]))
-    with pytest.raises(InputError, match=r"opo_advantages: argument 'lengths' expected finite values >= 0 on valid rows"):
+    close(
+        opo_advantages(t([1.0, 0.0, 9.0]), torch.tensor([[1, 3, 1]]), valid=t([1.0, 1.0, 0.0])), t([0.75, -0.25, 0.0])
+    )
+    with pytest.raises(
+        InputError, match=r"opo_advantages: argument 'lengths' expected finite values >= 0 on valid rows"
+    ):
         opo_advantages(t([1.0, 0.0]), torch.tensor([[1, -3]]))
     with pytest.raises(InputError, match="argument 'lengths' expected a tensor of the shape of scores"):
         opo_advantages(t([1.0, 0.0]), torch.tensor([1, 3]))
@@ -522,8 +558,7 @@ def test_opo_closed_form_and_edge_cases():
 # ---------------------------------------------------------------------------------------------
 def gpg_reference(scores, ids, valid, normalize, eps, counts=None):
     groups = groups_of(ids.tolist(), valid.tolist())
-    informative = {gid for gid, rows in groups.items()
-                   if len(rows) > 1 and len({float(scores[i]) for i in rows}) > 1}
+    informative = {gid for gid, rows in groups.items() if len(rows) > 1 and len({float(scores[i]) for i in rows}) > 1}
     b = sum(len(rows) for rows in groups.values())
     b_valid = sum(len(groups[gid]) for gid in informative)
     if counts is not None:
@@ -546,20 +581,29 @@ def test_gpg_closed_form():
     close(gpg_advantages(scores), t([0.75, -0.75], [0.0, 0.0], [1.5, -1.5]))
     close(gpg_batch_counts(scores), torch.tensor([6.0, 4.0], dtype=F64))
     # normalize_std: (s - mean) / (std + eps), std of (1, 0) = sqrt(1/2)
-    close(gpg_advantages(scores, normalize_std=True, eps=0.0),
-          1.5 * t([0.5, -0.5], [0.0, 0.0], [1.0, -1.0]) / t([math.sqrt(0.5)] * 2, [1.0] * 2, [math.sqrt(2.0)] * 2))
+    close(
+        gpg_advantages(scores, normalize_std=True, eps=0.0),
+        1.5 * t([0.5, -0.5], [0.0, 0.0], [1.0, -1.0]) / t([math.sqrt(0.5)] * 2, [1.0] * 2, [math.sqrt(2.0)] * 2),
+    )
     # nothing informative: zeros; an explicit batch_counts overrides this call's
     close(gpg_advantages(t([1.0, 1.0], [3.0, 3.0])), torch.zeros(2, 2, dtype=F64))
     close(gpg_advantages(t([1.0, 0.0]), batch_counts=torch.tensor([8.0, 2.0], dtype=F64)), t([2.0, -2.0]))
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 10), n_groups=st.integers(1, 4), ties=st.booleans(),
-       normalize=st.booleans())
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 10),
+    n_groups=st.integers(1, 4),
+    ties=st.booleans(),
+    normalize=st.booleans(),
+)
 def test_gpg_matches_loop(seed, n, n_groups, ties, normalize):
     scores, ids, valid = random_groups(seed, n, n_groups, ties=ties)
-    close(gpg_advantages(scores, ids, valid=valid, normalize_std=normalize, eps=1e-3),
-          gpg_reference(scores, ids, valid, normalize, 1e-3))
+    close(
+        gpg_advantages(scores, ids, valid=valid, normalize_std=normalize, eps=1e-3),
+        gpg_reference(scores, ids, valid, normalize, 1e-3),
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -574,8 +618,11 @@ def test_gpg_split_invariance(seed, n, cut):
 
 
 def test_gpg_validation():
-    with pytest.raises(InputError, match=r"gpg_advantages: argument 'batch_counts' expected finite "
-                                         r"\(B, B_valid\) with 0 <= B_valid <= B, received \[1.0, 2.0\]"):
+    with pytest.raises(
+        InputError,
+        match=r"gpg_advantages: argument 'batch_counts' expected finite "
+        r"\(B, B_valid\) with 0 <= B_valid <= B, received \[1.0, 2.0\]",
+    ):
         gpg_advantages(t([1.0, 0.0]), batch_counts=torch.tensor([1.0, 2.0], dtype=F64))
     with pytest.raises(InputError, match="'scores' expected finite"):
         gpg_advantages(t([1.0, math.nan]))
@@ -638,8 +685,13 @@ def random_otb_batch(seed, b, s, n_groups):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 7), s=st.integers(1, 7), n_groups=st.integers(1, 3),
-       with_is=st.booleans())
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 7),
+    s=st.integers(1, 7),
+    n_groups=st.integers(1, 3),
+    with_is=st.booleans(),
+)
 def test_optimal_token_baseline_matches_loop(seed, b, s, n_groups, with_is):
     rewards, mask, ids, logprobs, spi2, isw = random_otb_batch(seed, b, s, n_groups)
     isw = isw if with_is else None
@@ -669,8 +721,9 @@ def test_optimal_token_baseline_closed_form():
     adv, _ = optimal_token_baseline_advantages(rewards, mask_tail, torch.tensor([4, 4]), logprobs, spi2)
     assert adv[0, 2] == 0.0 and adv[0, 0] != 0.0
     # zero energy everywhere (deterministic tokens): the plain mean of the returns is the baseline
-    adv, _ = optimal_token_baseline_advantages(rewards, mask, torch.tensor([4, 4]), torch.zeros(2, 3, dtype=F64),
-                                               torch.ones(2, 3, dtype=F64))
+    adv, _ = optimal_token_baseline_advantages(
+        rewards, mask, torch.tensor([4, 4]), torch.zeros(2, 3, dtype=F64), torch.ones(2, 3, dtype=F64)
+    )
     close(adv, t([-1.0, -1.0, 0.0], [0.0, 1.0, 1.0]))
 
 
@@ -696,8 +749,9 @@ def test_token_estimators_permutation_equivariant(seed, b):
     rewards, mask, ids, logprobs, spi2, isw = random_otb_batch(seed, b, 5, 2)
     perm = torch.randperm(b, generator=torch.Generator().manual_seed(seed))
     a, r = optimal_token_baseline_advantages(rewards, mask, ids, logprobs, spi2, is_weights=isw)
-    ap, rp = optimal_token_baseline_advantages(rewards[perm], mask[perm], ids[perm], logprobs[perm], spi2[perm],
-                                               is_weights=isw[perm])
+    ap, rp = optimal_token_baseline_advantages(
+        rewards[perm], mask[perm], ids[perm], logprobs[perm], spi2[perm], is_weights=isw[perm]
+    )
     close(ap, a[perm])
     close(rp, r[perm])
     scores = rewards.sum(-1)

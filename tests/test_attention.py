@@ -12,11 +12,16 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fnppo.core.errors import InputError, ShapeError
 from fnppo.megatron.core_attention import PackedDotProductAttention, thd_packed_seq_params
 from fnppo.megatron.layer_specs import default_layer_spec, local_layer_spec, te_available
-from fnppo.megatron.packed_attention import document_causal_mask, flex_bucket_length, packed_causal_attention, segment_ids
+from fnppo.megatron.packed_attention import (
+    document_causal_mask,
+    flex_bucket_length,
+    packed_causal_attention,
+    segment_ids,
+)
 from fnppo.testing import megatron_on_cpu, run_ranks
-from fnppo.core.typing import InputError, ShapeError
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")
 
@@ -254,9 +259,9 @@ def test_local_layer_spec():
         return SequenceParallelNorm if module is WrappedTorchNorm else module
 
     for name in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
-        assert getattr(ours.submodules.self_attention.submodules, name) is expected(getattr(
-            megatron.submodules.self_attention.submodules, name
-        ))
+        assert getattr(ours.submodules.self_attention.submodules, name) is expected(
+            getattr(megatron.submodules.self_attention.submodules, name)
+        )
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         assert getattr(ours.submodules, name) is expected(getattr(megatron.submodules, name))
     assert ours.submodules.mlp == megatron.submodules.mlp
@@ -274,15 +279,19 @@ def test_spec_options_come_from_a_config():
     from_cfg = local_layer_spec(Cfg())
     explicit = local_layer_spec(normalization="RMSNorm", qk_layernorm=True)
     assert from_cfg.submodules.input_layernorm is explicit.submodules.input_layernorm
-    assert from_cfg.submodules.self_attention.submodules.q_layernorm is explicit.submodules.self_attention.submodules.q_layernorm
+    assert (
+        from_cfg.submodules.self_attention.submodules.q_layernorm
+        is explicit.submodules.self_attention.submodules.q_layernorm
+    )
     assert local_layer_spec(Cfg(), qk_layernorm=False).submodules.self_attention.submodules.q_layernorm is not (
         explicit.submodules.self_attention.submodules.q_layernorm
     )
 
 
 def test_default_layer_spec_picks_te_or_local(monkeypatch):
-    import fnppo.megatron.layer_specs as layer_specs
     from megatron.core.models.gpt import gpt_layer_specs
+
+    import fnppo.megatron.layer_specs as layer_specs
 
     monkeypatch.setattr(layer_specs, "te_available", lambda: False)
     spec = default_layer_spec(normalization="RMSNorm")
@@ -416,9 +425,7 @@ def _model_check(tp: int) -> dict[str, float]:
     pos_padded = torch.arange(S).expand(n_seq, S)
     pos_packed = torch.cat([torch.arange(n) for n in LENS])[None]
     lp, gp = _logits_and_grads(model, padded, pos_padded, None, w_padded)
-    psp = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S
-    )
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
     lk, gk = _logits_and_grads(model, torch.cat(tokens)[None], pos_packed, psp, w_packed)
     # The same weights with apply_rope_fusion (fnppo's RoPE adapters for [s, b, h, d] and THD).
     _, fused = _gpt(tp, rope_fusion=True)
@@ -432,7 +439,9 @@ def _model_check(tp: int) -> dict[str, float]:
         "grads_same_names": float(set(gp) == set(gk)),
         "min_grad_norm": min(g.norm().item() for g in gp.values()),
         "rope_fused_logits": max((lpf - lp).abs().max().item(), (lkf - lk).abs().max().item()),
-        "rope_fused_grads": max(max((gpf[n] - gp[n]).abs().max().item() for n in gp), max((gkf[n] - gk[n]).abs().max().item() for n in gk)),
+        "rope_fused_grads": max(
+            max((gpf[n] - gp[n]).abs().max().item() for n in gp), max((gkf[n] - gk[n]).abs().max().item() for n in gk)
+        ),
     }
     if tp == 1:
         out.update(_module_check())

@@ -37,13 +37,10 @@ from fnppo import (
     ShapeError,
     StepConfig,
     collate_microbatch,
-    gae_advantages,
-    grpo_advantages,
     logprob_and_entropy,
-    reinforce_pp_advantages,
-    rloo_advantages,
     split_batch,
 )
+from fnppo.advantages import gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from fnppo.core.advantages import broadcast_to_tokens
 from fnppo.core.losses import (
     LOSS_AGG_MODES,
@@ -87,86 +84,336 @@ CFG = LossConfig()
 
 
 def _layout(tp: int = 1, dp: int = 1) -> ParallelLayout:
-    return ParallelLayout(world_size=tp * dp, rank=0, tp=tp, pp=1, dp=dp, vpp=None, tp_rank=0, pp_rank=0, dp_rank=0,
-                          tp_group=None, pp_group=None, dp_group=None, backend="gloo")
+    return ParallelLayout(
+        world_size=tp * dp,
+        rank=0,
+        tp=tp,
+        pp=1,
+        dp=dp,
+        vpp=None,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        tp_group=None,
+        pp_group=None,
+        dp_group=None,
+        backend="gloo",
+    )
 
 
 CASES = [
     # --- rank / shape / dtype, mismatched sizes between log-probs, masks and advantages ---------
-    Case("ppo_loss-seq-mismatch", lambda: ppo_loss(X, X, torch.zeros(2, 4), M, CFG),
-         ShapeError, "ppo_loss", "advantages", "Float[Tensor, 'batch seq']", "f32[2,4]"),
-    Case("ppo_loss-batch-mismatch", lambda: ppo_loss(X, X, X, torch.ones(3, 3), CFG),
-         ShapeError, "ppo_loss", "loss_mask", "Shaped[Tensor, 'batch seq']", "f32[3,3]"),
-    Case("ppo_loss-wrong-rank", lambda: ppo_loss(X, X, X, M, CFG, entropy=torch.zeros(2, 3, 1)),
-         ShapeError, "ppo_loss", "entropy", "Float[Tensor, 'batch seq']", "f32[2,3,1]"),
-    Case("ppo_loss-wrong-dtype", lambda: ppo_loss(X.long(), X, X, M, CFG),
-         ShapeError, "ppo_loss", "logprobs", "Float[Tensor, 'batch seq']", "i64[2,3]"),
-    Case("value_loss-shape-mismatch", lambda: value_loss(X, X, torch.zeros(2, 4), M),
-         ShapeError, "value_loss", "returns", "Float[Tensor, 'batch seq']", "f32[2,4]"),
-    Case("kl_penalty-shape-mismatch", lambda: kl_penalty(torch.zeros(3), torch.zeros(4)),
-         ShapeError, "kl_penalty", "ref_logprobs", "Float[Tensor, '*tok']", "f32[4]"),
-    Case("gae-mask-shape-mismatch", lambda: gae_advantages(X, X, torch.ones(2, 4), gamma=1.0, lam=1.0),
-         ShapeError, "gae_advantages", "mask", "Shaped[Tensor, 'batch seq']", "f32[2,4]"),
-    Case("rloo-wrong-rank", lambda: rloo_advantages(torch.zeros(2, 2, 2)),
-         ShapeError, "rloo_advantages", "scores", "Float[Tensor, 'groups group_size']", "f32[2,2,2]"),
+    Case(
+        "ppo_loss-seq-mismatch",
+        lambda: ppo_loss(X, X, torch.zeros(2, 4), M, CFG),
+        ShapeError,
+        "ppo_loss",
+        "advantages",
+        "Float[Tensor, 'batch seq']",
+        "f32[2,4]",
+    ),
+    Case(
+        "ppo_loss-batch-mismatch",
+        lambda: ppo_loss(X, X, X, torch.ones(3, 3), CFG),
+        ShapeError,
+        "ppo_loss",
+        "loss_mask",
+        "Shaped[Tensor, 'batch seq']",
+        "f32[3,3]",
+    ),
+    Case(
+        "ppo_loss-wrong-rank",
+        lambda: ppo_loss(X, X, X, M, CFG, entropy=torch.zeros(2, 3, 1)),
+        ShapeError,
+        "ppo_loss",
+        "entropy",
+        "Float[Tensor, 'batch seq']",
+        "f32[2,3,1]",
+    ),
+    Case(
+        "ppo_loss-wrong-dtype",
+        lambda: ppo_loss(X.long(), X, X, M, CFG),
+        ShapeError,
+        "ppo_loss",
+        "logprobs",
+        "Float[Tensor, 'batch seq']",
+        "i64[2,3]",
+    ),
+    Case(
+        "value_loss-shape-mismatch",
+        lambda: value_loss(X, X, torch.zeros(2, 4), M),
+        ShapeError,
+        "value_loss",
+        "returns",
+        "Float[Tensor, 'batch seq']",
+        "f32[2,4]",
+    ),
+    Case(
+        "kl_penalty-shape-mismatch",
+        lambda: kl_penalty(torch.zeros(3), torch.zeros(4)),
+        ShapeError,
+        "kl_penalty",
+        "ref_logprobs",
+        "Float[Tensor, '*tok']",
+        "f32[4]",
+    ),
+    Case(
+        "gae-mask-shape-mismatch",
+        lambda: gae_advantages(X, X, torch.ones(2, 4), gamma=1.0, lam=1.0),
+        ShapeError,
+        "gae_advantages",
+        "mask",
+        "Shaped[Tensor, 'batch seq']",
+        "f32[2,4]",
+    ),
+    Case(
+        "rloo-wrong-rank",
+        lambda: rloo_advantages(torch.zeros(2, 2, 2)),
+        ShapeError,
+        "rloo_advantages",
+        "scores",
+        "Float[Tensor, 'groups group_size']",
+        "f32[2,2,2]",
+    ),
     # --- masks that are not 0/1 --------------------------------------------------------------------
-    Case("value_loss-mask-not-01", lambda: value_loss(X, X, X, -M),
-         InputError, "value_loss", "mask", "a 0/1 mask", "containing -1.0"),
-    Case("tis-mask-not-01", lambda: compute_tis_weights(X, X, 0.5 * M, cap=2.0),
-         InputError, "compute_tis_weights", "loss_mask", "a 0/1 mask", "containing 0.5"),
-    Case("reinforce_pp-mask-not-01", lambda: reinforce_pp_advantages(X, 0.5 * M),
-         InputError, "reinforce_pp_advantages", "mask", "a 0/1 mask", "containing 0.5"),
-    Case("broadcast-mask-not-01", lambda: broadcast_to_tokens(torch.zeros(2), 3 * M),
-         InputError, "broadcast_to_tokens", "mask", "a 0/1 mask", "containing 3.0"),
+    Case(
+        "value_loss-mask-not-01",
+        lambda: value_loss(X, X, X, -M),
+        InputError,
+        "value_loss",
+        "mask",
+        "a 0/1 mask",
+        "containing -1.0",
+    ),
+    Case(
+        "tis-mask-not-01",
+        lambda: compute_tis_weights(X, X, 0.5 * M, cap=2.0),
+        InputError,
+        "compute_tis_weights",
+        "loss_mask",
+        "a 0/1 mask",
+        "containing 0.5",
+    ),
+    Case(
+        "reinforce_pp-mask-not-01",
+        lambda: reinforce_pp_advantages(X, 0.5 * M),
+        InputError,
+        "reinforce_pp_advantages",
+        "mask",
+        "a 0/1 mask",
+        "containing 0.5",
+    ),
+    Case(
+        "broadcast-mask-not-01",
+        lambda: broadcast_to_tokens(torch.zeros(2), 3 * M),
+        InputError,
+        "broadcast_to_tokens",
+        "mask",
+        "a 0/1 mask",
+        "containing 3.0",
+    ),
     # --- NaN / inf in advantages, log-probs, rewards --------------------------------------------
-    Case("ppo_loss-inf-ref-logprobs", lambda: ppo_loss(X, X, X, M, LossConfig(kl=KLPenalty(0.1)), ref_logprobs=INF),
-         InputError, "ppo_loss", "ref_logprobs", "finite values", "1 NaN/inf"),
-    Case("value_loss-inf-returns", lambda: value_loss(X, X, INF, M),
-         InputError, "value_loss", "returns", "finite values", "1 NaN/inf"),
-    Case("gae-inf-values", lambda: gae_advantages(X, INF, M, gamma=1.0, lam=0.95),
-         InputError, "gae_advantages", "values", "finite values", "1 NaN/inf"),
-    Case("reinforce_pp-nan-kl", lambda: reinforce_pp_advantages(X, M, kl=NAN, kl_coef=0.1),
-         InputError, "reinforce_pp_advantages", "kl", "finite values", "1 NaN/inf"),
-    Case("tis-nan-rollout", lambda: compute_tis_weights(X, NAN, M, cap=2.0),
-         InputError, "compute_tis_weights", "rollout_logprobs", "finite values", "1 NaN/inf"),
+    Case(
+        "ppo_loss-inf-ref-logprobs",
+        lambda: ppo_loss(X, X, X, M, LossConfig(kl=KLPenalty(0.1)), ref_logprobs=INF),
+        InputError,
+        "ppo_loss",
+        "ref_logprobs",
+        "finite values",
+        "1 NaN/inf",
+    ),
+    Case(
+        "value_loss-inf-returns",
+        lambda: value_loss(X, X, INF, M),
+        InputError,
+        "value_loss",
+        "returns",
+        "finite values",
+        "1 NaN/inf",
+    ),
+    Case(
+        "gae-inf-values",
+        lambda: gae_advantages(X, INF, M, gamma=1.0, lam=0.95),
+        InputError,
+        "gae_advantages",
+        "values",
+        "finite values",
+        "1 NaN/inf",
+    ),
+    Case(
+        "reinforce_pp-nan-kl",
+        lambda: reinforce_pp_advantages(X, M, kl=NAN, kl_coef=0.1),
+        InputError,
+        "reinforce_pp_advantages",
+        "kl",
+        "finite values",
+        "1 NaN/inf",
+    ),
+    Case(
+        "tis-nan-rollout",
+        lambda: compute_tis_weights(X, NAN, M, cap=2.0),
+        InputError,
+        "compute_tis_weights",
+        "rollout_logprobs",
+        "finite values",
+        "1 NaN/inf",
+    ),
     # --- empty batches -----------------------------------------------------------------------------
-    Case("ppo_loss-empty", lambda: ppo_loss(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), CFG),
-         InputError, "ppo_loss", "logprobs", "non-empty [batch, seq]", "f32[0,3]"),
-    Case("value_loss-empty", lambda: value_loss(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0)),
-         InputError, "value_loss", "values", "non-empty [batch, seq]", "f32[2,0]"),
+    Case(
+        "ppo_loss-empty",
+        lambda: ppo_loss(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), CFG),
+        InputError,
+        "ppo_loss",
+        "logprobs",
+        "non-empty [batch, seq]",
+        "f32[0,3]",
+    ),
+    Case(
+        "value_loss-empty",
+        lambda: value_loss(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0)),
+        InputError,
+        "value_loss",
+        "values",
+        "non-empty [batch, seq]",
+        "f32[2,0]",
+    ),
     # --- unknown loss mode / estimator / layout -------------------------------------------------
-    Case("loss_normalizer-unknown-mode", lambda: loss_normalizer(M, "sum"),
-         InputError, "loss_normalizer", "loss_agg_mode", "one of ['token-mean'", "'sum'"),
-    Case("value_loss-unknown-mode", lambda: value_loss(X, X, X, M, loss_agg_mode="mean"),
-         InputError, "value_loss", "loss_agg_mode", "'seq-mean-token-mean'", "'mean'"),
-    Case("StepConfig-unknown-layout", lambda: StepConfig(layout="bshd"),
-         InputError, "StepConfig", "layout", "'packed' or 'padded'", "'bshd'"),
+    Case(
+        "loss_normalizer-unknown-mode",
+        lambda: loss_normalizer(M, "sum"),
+        InputError,
+        "loss_normalizer",
+        "loss_agg_mode",
+        "one of ['token-mean'",
+        "'sum'",
+    ),
+    Case(
+        "value_loss-unknown-mode",
+        lambda: value_loss(X, X, X, M, loss_agg_mode="mean"),
+        InputError,
+        "value_loss",
+        "loss_agg_mode",
+        "'seq-mean-token-mean'",
+        "'mean'",
+    ),
+    Case(
+        "StepConfig-unknown-layout",
+        lambda: StepConfig(layout="bshd"),
+        InputError,
+        "StepConfig",
+        "layout",
+        "'packed' or 'padded'",
+        "'bshd'",
+    ),
     # --- impossible configs ----------------------------------------------------------------------
-    Case("entropy_coeff-negative", lambda: LossConfig(entropy_coef=-0.01),
-         InputError, "LossConfig", "entropy_coef", "a finite number >= 0", "-0.01"),
-    Case("kl_coef-negative", lambda: KLPenalty(coef=-0.1),
-         InputError, "KLPenalty", "coef", "a finite number >= 0", "-0.1"),
-    Case("value_loss-negative-clip", lambda: value_loss(X, X, X, M, -0.1),
-         InputError, "value_loss", "clip_range", "a number >= 0 or None", "-0.1"),
-    Case("grpo-negative-eps", lambda: grpo_advantages(torch.zeros(4), torch.zeros(4, dtype=torch.long), eps=-1.0),
-         InputError, "grpo_advantages", "eps", "a finite number >= 0", "-1.0"),
-    Case("StepConfig-two-split-modes", lambda: StepConfig(num_microbatches=2, microbatch_size=2),
-         InputError, "StepConfig", "num_microbatches/microbatch_size/max_tokens_per_microbatch", "at most one of them",
-         "['num_microbatches', 'microbatch_size']"),
-    Case("StepConfig-zero-microbatches", lambda: StepConfig(num_microbatches=0),
-         InputError, "StepConfig", "num_microbatches", "an int >= 1", "0"),
-    Case("StepConfig-zero-epochs", lambda: StepConfig(ppo_epochs=0),
-         InputError, "StepConfig", "ppo_epochs", "an int >= 1", "0"),
-    Case("StepConfig-zero-temperature", lambda: StepConfig(temperature=0.0),
-         InputError, "StepConfig", "temperature", "a finite float > 0", "0.0"),
-    Case("StepConfig-fused-output-str", lambda: StepConfig(fused_output="yes"),
-         InputError, "StepConfig", "fused_output", "a bool", "'yes' (str)"),
-    Case("StepConfig-fused-output-int", lambda: StepConfig(fused_output=0),
-         InputError, "StepConfig", "fused_output", "a bool", "0 (int)"),
-    Case("shard_for_data_parallel-indivisible", lambda: fnppo.shard_for_data_parallel([1, 2, 3], _layout(dp=2)),
-         InputError, "shard_for_data_parallel", "samples", "a length divisible by dp=2", "3"),
-    Case("init_parallel-bad-timeout", lambda: fnppo.init_parallel(1, timeout_s=0),
-         ValueError, "init_parallel", "timeout_s", "a finite number of seconds > 0", "0"),
+    Case(
+        "entropy_coeff-negative",
+        lambda: LossConfig(entropy_coef=-0.01),
+        InputError,
+        "LossConfig",
+        "entropy_coef",
+        "a finite number >= 0",
+        "-0.01",
+    ),
+    Case(
+        "kl_coef-negative",
+        lambda: KLPenalty(coef=-0.1),
+        InputError,
+        "KLPenalty",
+        "coef",
+        "a finite number >= 0",
+        "-0.1",
+    ),
+    Case(
+        "value_loss-negative-clip",
+        lambda: value_loss(X, X, X, M, -0.1),
+        InputError,
+        "value_loss",
+        "clip_range",
+        "a number >= 0 or None",
+        "-0.1",
+    ),
+    Case(
+        "grpo-negative-eps",
+        lambda: grpo_advantages(torch.zeros(4), torch.zeros(4, dtype=torch.long), eps=-1.0),
+        InputError,
+        "grpo_advantages",
+        "eps",
+        "a finite number >= 0",
+        "-1.0",
+    ),
+    Case(
+        "StepConfig-two-split-modes",
+        lambda: StepConfig(num_microbatches=2, microbatch_size=2),
+        InputError,
+        "StepConfig",
+        "num_microbatches/microbatch_size/max_tokens_per_microbatch",
+        "at most one of them",
+        "['num_microbatches', 'microbatch_size']",
+    ),
+    Case(
+        "StepConfig-zero-microbatches",
+        lambda: StepConfig(num_microbatches=0),
+        InputError,
+        "StepConfig",
+        "num_microbatches",
+        "an int >= 1",
+        "0",
+    ),
+    Case(
+        "StepConfig-zero-epochs",
+        lambda: StepConfig(ppo_epochs=0),
+        InputError,
+        "StepConfig",
+        "ppo_epochs",
+        "an int >= 1",
+        "0",
+    ),
+    Case(
+        "StepConfig-zero-temperature",
+        lambda: StepConfig(temperature=0.0),
+        InputError,
+        "StepConfig",
+        "temperature",
+        "a finite float > 0",
+        "0.0",
+    ),
+    Case(
+        "StepConfig-fused-output-str",
+        lambda: StepConfig(fused_output="yes"),
+        InputError,
+        "StepConfig",
+        "fused_output",
+        "a bool",
+        "'yes' (str)",
+    ),
+    Case(
+        "StepConfig-fused-output-int",
+        lambda: StepConfig(fused_output=0),
+        InputError,
+        "StepConfig",
+        "fused_output",
+        "a bool",
+        "0 (int)",
+    ),
+    Case(
+        "shard_for_data_parallel-indivisible",
+        lambda: fnppo.shard_for_data_parallel([1, 2, 3], _layout(dp=2)),
+        InputError,
+        "shard_for_data_parallel",
+        "samples",
+        "a length divisible by dp=2",
+        "3",
+    ),
+    Case(
+        "init_parallel-bad-timeout",
+        lambda: fnppo.init_parallel(1, timeout_s=0),
+        ValueError,
+        "init_parallel",
+        "timeout_s",
+        "a finite number of seconds > 0",
+        "0",
+    ),
 ]
 
 
@@ -191,7 +438,7 @@ VOCAB, MAX_LEN = 64, 32
 def _gathered_forward(model, microbatch, *, params=None):
     """A forward that (wrongly) returns logits gathered over the TP group: [.., full vocab]."""
     logits = fnppo.forward_logits(model, microbatch, params=params)
-    lay = fnppo.current_layout()
+    lay = fnppo.parallel.current_layout()
     if not lay.is_last_stage or lay.tp == 1:
         return logits
     parts = [torch.empty_like(logits) for _ in range(lay.tp)]
@@ -205,17 +452,24 @@ def _sample(prompt: list[int], response: list[int], **kw) -> Sample:
 
 def _step_errors() -> dict:
     """Each bad call's (error type, message); then: were the parameters untouched, does a good step work?"""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                      vocab_size=VOCAB, max_seq_len=MAX_LEN)
+    cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_seq_len=MAX_LEN,
+    )
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks)
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
-    lay = fnppo.current_layout()
+    lay = fnppo.parallel.current_layout()
     good = synthetic_samples(4, vocab_size=VOCAB, seed=2, with_ref=False)
     step = StepConfig()
     gathered = StepConfig(fns=fnppo.StepFns(forward=_gathered_forward))
-    before = [p.detach().clone() for p in fnppo.megatron.model.unwrap_model(ddp[0]).parameters()]
+    before = [p.detach().clone() for p in fnppo.megatron.unwrap.unwrap_model(ddp[0]).parameters()]
     full_logits = torch.randn(3, VOCAB)  # what the gathered forward would hand to logprob_and_entropy
 
     calls = {
@@ -225,14 +479,28 @@ def _step_errors() -> dict:
         "train_step-not-a-sample": lambda: fnppo.train_step(state, [*good[:3], {"prompt_ids": [1]}], step),
         "train_step-indivisible-minibatches": lambda: fnppo.train_step(state, good[:3], StepConfig(num_minibatches=2)),
         "train_step-longer-than-model": lambda: fnppo.train_step(state, [*good[:3], _sample([1] * 20, [2] * 13)], step),
-        "compute_logprobs-longer-than-config": lambda: fnppo.compute_logprobs(ddp, [*good[:3], _sample([1] * 8, [2] * 8)], config=StepConfig(max_seq_len=15)),
-        "train_step-token-out-of-vocab": lambda: fnppo.train_step(state, [*good[:2], _sample([1, 2], [3, VOCAB])], step),
+        "compute_logprobs-longer-than-config": lambda: fnppo.compute_logprobs(
+            ddp, [*good[:3], _sample([1] * 8, [2] * 8)], config=StepConfig(max_seq_len=15)
+        ),
+        "train_step-token-out-of-vocab": lambda: fnppo.train_step(
+            state, [*good[:2], _sample([1, 2], [3, VOCAB])], step
+        ),
         "compute_logprobs-token-out-of-vocab": lambda: fnppo.compute_logprobs(ddp, [_sample([VOCAB + 6, 1], [3])]),
-        "train_step-nan-advantage": lambda: fnppo.train_step(state, [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan])], step),
-        "train_step-ref-for-some-samples": lambda: fnppo.train_step(state, [*synthetic_samples(3, vocab_size=VOCAB, seed=2), _sample([1], [2, 3])], StepConfig(num_microbatches=4)),
-        "train_step-bypass-without-rollout": lambda: fnppo.train_step(state, good, StepConfig(loss=LossConfig(bypass_old_logprobs=True))),
+        "train_step-nan-advantage": lambda: fnppo.train_step(
+            state, [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan])], step
+        ),
+        "train_step-ref-for-some-samples": lambda: fnppo.train_step(
+            state,
+            [*synthetic_samples(3, vocab_size=VOCAB, seed=2), _sample([1], [2, 3])],
+            StepConfig(num_microbatches=4),
+        ),
+        "train_step-bypass-without-rollout": lambda: fnppo.train_step(
+            state, good, StepConfig(loss=LossConfig(bypass_old_logprobs=True))
+        ),
         "compute_logprobs-params-per-chunk": lambda: fnppo.compute_logprobs(ddp, good, params=[{}, {}]),
-        "logprob-gathered-logits-with-tp-group": lambda: logprob_and_entropy(full_logits, torch.zeros(3, dtype=torch.long), tp_group=lay.tp_group, vocab_size=VOCAB),
+        "logprob-gathered-logits-with-tp-group": lambda: logprob_and_entropy(
+            full_logits, torch.zeros(3, dtype=torch.long), tp_group=lay.tp_group, vocab_size=VOCAB
+        ),
         # these two raise inside Megatron's schedule (on every TP rank alike)
         "train_step-gathered-logits": lambda: fnppo.train_step(state, good, gathered),
         "compute_logprobs-gathered-logits": lambda: fnppo.compute_logprobs(ddp, good, config=gathered),
@@ -244,33 +512,113 @@ def _step_errors() -> dict:
             out[name] = ("no error", "")
         except Exception as err:  # noqa: BLE001 - reported to the test
             out[name] = (type(err).__name__, str(err)[:3000])
-    after = [p.detach().clone() for p in fnppo.megatron.model.unwrap_model(ddp[0]).parameters()]
+    after = [p.detach().clone() for p in fnppo.megatron.unwrap.unwrap_model(ddp[0]).parameters()]
     out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     state, metrics = fnppo.train_step(state, good, step)
     out["good_step"] = metrics
-    out["moved"] = any(not torch.equal(a, p) for a, p in zip(after, fnppo.megatron.model.unwrap_model(ddp[0]).parameters(), strict=True))
+    out["moved"] = any(
+        not torch.equal(a, p)
+        for a, p in zip(after, fnppo.megatron.unwrap.unwrap_model(ddp[0]).parameters(), strict=True)
+    )
     return out
 
 
 # id -> (error type, function, argument, expected excerpt, received excerpt)
 STEP_CASES = {
     "train_step-empty-batch": (InputError, "train_step", "batch", "a non-empty list of samples", "an empty list"),
-    "compute_logprobs-empty-batch": (InputError, "compute_logprobs", "batch", "a non-empty list of samples", "an empty list"),
+    "compute_logprobs-empty-batch": (
+        InputError,
+        "compute_logprobs",
+        "batch",
+        "a non-empty list of samples",
+        "an empty list",
+    ),
     "forward_only-empty": (InputError, "forward_only", "microbatches", "a non-empty sequence", "an empty sequence"),
     "train_step-not-a-sample": (InputError, "train_step", "batch[3]", "a fnppo.Sample", "dict"),
-    "train_step-indivisible-minibatches": (InputError, "train_step", "batch", "a length divisible by num_minibatches=2", "3"),
-    "train_step-longer-than-model": (InputError, "train_step", "batch[3]", f"at most {MAX_LEN} tokens (the model's max_sequence_length)", "33 tokens (prompt 20 + response 13)"),
-    "compute_logprobs-longer-than-config": (InputError, "compute_logprobs", "batch[3]", "at most 15 tokens (StepConfig.max_seq_len)", "16 tokens (prompt 8 + response 8)"),
-    "train_step-token-out-of-vocab": (InputError, "train_step", "batch[2].response_ids", f"values in [0, {VOCAB})", f"values in [3, {VOCAB}]"),
-    "compute_logprobs-token-out-of-vocab": (InputError, "compute_logprobs", "batch[0].prompt_ids", f"values in [0, {VOCAB})", f"values in [1, {VOCAB + 6}]"),
-    "train_step-nan-advantage": (InputError, "train_step", "batch[3].advantages", "finite values",
-                                 "f32[2] with 1 NaN/inf entries"),
-    "train_step-ref-for-some-samples": (InputError, "train_step", "batch[3].ref_logprobs", "a tensor (batch[0] has ref_logprobs; all samples or none)", "None"),
-    "train_step-bypass-without-rollout": (InputError, "train_step", "batch[0].rollout_logprobs", "a tensor since bypass_old_logprobs=True in LossConfig", "None"),
-    "compute_logprobs-params-per-chunk": (InputError, "compute_logprobs", "params", "1 dicts (one per model chunk)", "2"),
-    "logprob-gathered-logits-with-tp-group": (InputError, "logprob_and_entropy", "logits", f"this rank's vocab shard: a last dimension below vocab_size={VOCAB} with tp_size=2", f"f32[3,{VOCAB}] (these look like logits already gathered over tensor parallelism"),
-    "train_step-gathered-logits": (InputError, "train_step", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", f",{VOCAB}] (logits already gathered over tensor parallelism"),
-    "compute_logprobs-gathered-logits": (InputError, "compute_logprobs", "logits", f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)", "already gathered over tensor parallelism"),
+    "train_step-indivisible-minibatches": (
+        InputError,
+        "train_step",
+        "batch",
+        "a length divisible by num_minibatches=2",
+        "3",
+    ),
+    "train_step-longer-than-model": (
+        InputError,
+        "train_step",
+        "batch[3]",
+        f"at most {MAX_LEN} tokens (the model's max_sequence_length)",
+        "33 tokens (prompt 20 + response 13)",
+    ),
+    "compute_logprobs-longer-than-config": (
+        InputError,
+        "compute_logprobs",
+        "batch[3]",
+        "at most 15 tokens (StepConfig.max_seq_len)",
+        "16 tokens (prompt 8 + response 8)",
+    ),
+    "train_step-token-out-of-vocab": (
+        InputError,
+        "train_step",
+        "batch[2].response_ids",
+        f"values in [0, {VOCAB})",
+        f"values in [3, {VOCAB}]",
+    ),
+    "compute_logprobs-token-out-of-vocab": (
+        InputError,
+        "compute_logprobs",
+        "batch[0].prompt_ids",
+        f"values in [0, {VOCAB})",
+        f"values in [1, {VOCAB + 6}]",
+    ),
+    "train_step-nan-advantage": (
+        InputError,
+        "train_step",
+        "batch[3].advantages",
+        "finite values",
+        "f32[2] with 1 NaN/inf entries",
+    ),
+    "train_step-ref-for-some-samples": (
+        InputError,
+        "train_step",
+        "batch[3].ref_logprobs",
+        "a tensor (batch[0] has ref_logprobs; all samples or none)",
+        "None",
+    ),
+    "train_step-bypass-without-rollout": (
+        InputError,
+        "train_step",
+        "batch[0].rollout_logprobs",
+        "a tensor since bypass_old_logprobs=True in LossConfig",
+        "None",
+    ),
+    "compute_logprobs-params-per-chunk": (
+        InputError,
+        "compute_logprobs",
+        "params",
+        "1 dicts (one per model chunk)",
+        "2",
+    ),
+    "logprob-gathered-logits-with-tp-group": (
+        InputError,
+        "logprob_and_entropy",
+        "logits",
+        f"this rank's vocab shard: a last dimension below vocab_size={VOCAB} with tp_size=2",
+        f"f32[3,{VOCAB}] (these look like logits already gathered over tensor parallelism",
+    ),
+    "train_step-gathered-logits": (
+        InputError,
+        "train_step",
+        "logits",
+        f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)",
+        f",{VOCAB}] (logits already gathered over tensor parallelism",
+    ),
+    "compute_logprobs-gathered-logits": (
+        InputError,
+        "compute_logprobs",
+        "logits",
+        f"{VOCAB} / 2 = {VOCAB // 2} (this rank's vocab shard)",
+        "already gathered over tensor parallelism",
+    ),
 }
 
 
@@ -336,22 +684,27 @@ def fuzz_batches(draw):
         p, r = draw(st.integers(1, 6)), draw(st.integers(0, 6))
         g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
         mask_kind = draw(st.sampled_from(["none", "random", "all_masked"]))
-        mask = None if mask_kind == "none" else (
-            torch.zeros(r) if mask_kind == "all_masked" else torch.randint(0, 2, (r,), generator=g).float())
+        mask = (
+            None
+            if mask_kind == "none"
+            else (torch.zeros(r) if mask_kind == "all_masked" else torch.randint(0, 2, (r,), generator=g).float())
+        )
         mm = {}
         if draw(st.booleans()):
             mm["images"] = torch.randn(draw(st.integers(1, 2)), 3, 2, 2, generator=g)
         if draw(st.booleans()):
             mm["audio"] = torch.randn(draw(st.integers(1, 3)), 5, generator=g)
-        samples.append({
-            "prompt_ids": torch.randint(0, FUZZ_VOCAB, (p,), generator=g),
-            "response_ids": torch.randint(0, FUZZ_VOCAB, (r,), generator=g),
-            "advantages": torch.randn(r, generator=g),
-            "old_logprobs": -2.0 + 0.5 * torch.randn(r, generator=g),
-            "ref_logprobs": (-2.0 + 0.5 * torch.randn(r, generator=g)) if with_ref else None,
-            "response_mask": mask,
-            "multi_modal": mm,
-        })
+        samples.append(
+            {
+                "prompt_ids": torch.randint(0, FUZZ_VOCAB, (p,), generator=g),
+                "response_ids": torch.randint(0, FUZZ_VOCAB, (r,), generator=g),
+                "advantages": torch.randn(r, generator=g),
+                "old_logprobs": -2.0 + 0.5 * torch.randn(r, generator=g),
+                "ref_logprobs": (-2.0 + 0.5 * torch.randn(r, generator=g)) if with_ref else None,
+                "response_mask": mask,
+                "multi_modal": mm,
+            }
+        )
     bad = None
     if samples and draw(st.integers(0, 2)) == 0:
         i = draw(st.integers(0, n - 1))
@@ -392,19 +745,30 @@ def _round_up(n: int, k: int) -> int:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(batch=fuzz_batches(), layout=st.sampled_from(["packed", "padded"]), m=st.integers(1, 3),
-       mode=st.sampled_from(["num", "size", "tokens"]), size=st.integers(4, 40), data=st.data())
+@given(
+    batch=fuzz_batches(),
+    layout=st.sampled_from(["packed", "padded"]),
+    m=st.integers(1, 3),
+    mode=st.sampled_from(["num", "size", "tokens"]),
+    size=st.integers(4, 40),
+    data=st.data(),
+)
 def test_fuzz_split_collate_loss(batch, layout, m, mode, size, data):
     samples, applied = batch
     cfg = _loss_config(data.draw)
-    kw = {"num": {"num_microbatches": size % 3 + 1}, "size": {"microbatch_size": size % 3 + 1},
-          "tokens": {"max_tokens_per_microbatch": size}}[mode]
+    kw = {
+        "num": {"num_microbatches": size % 3 + 1},
+        "size": {"microbatch_size": size % 3 + 1},
+        "tokens": {"max_tokens_per_microbatch": size},
+    }[mode]
     raised: list[BaseException] = []
     plan = None
     try:
         plan = split_batch(samples, pad_to_multiple_of=m, layout=layout, **kw)
-        mbs = [collate_microbatch(group, layout=layout, pad_to_multiple_of=m, vocab_size=FUZZ_VOCAB, sample_index=list(ix))
-               for ix, group in zip(plan.microbatches, plan.apply(samples), strict=True)]
+        mbs = [
+            collate_microbatch(group, layout=layout, pad_to_multiple_of=m, vocab_size=FUZZ_VOCAB, sample_index=list(ix))
+            for ix, group in zip(plan.microbatches, plan.apply(samples), strict=True)
+        ]
     except (InputError, ShapeError) as err:  # the documented errors; anything else fails the test
         raised.append(err)
     # a sample list is refused by split_batch exactly when the split is impossible
@@ -434,9 +798,18 @@ def test_fuzz_split_collate_loss(batch, layout, m, mode, size, data):
     for mb in mbs:
         logits = (3.0 * torch.randn(*mb.input_ids.shape, FUZZ_VOCAB, generator=g)).requires_grad_()
         lp, ent = logprob_and_entropy(logits, mb.labels)
-        loss, metrics = ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
-                                 ref_logprobs=mb.ref_logprobs, normalizer=normalizer, seq_ids=mb.seq_ids,
-                                 generator=torch.Generator().manual_seed(0))
+        loss, metrics = ppo_loss(
+            lp,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            cfg,
+            entropy=ent,
+            ref_logprobs=mb.ref_logprobs,
+            normalizer=normalizer,
+            seq_ids=mb.seq_ids,
+            generator=torch.Generator().manual_seed(0),
+        )
         loss.backward()
         assert torch.isfinite(loss), (loss, cfg)
         assert _finite_tree(metrics), metrics

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from unittest import mock
 
 import optree
@@ -86,8 +85,13 @@ def reference_rows(s: Sample, i: int, width: int, pad_id: int) -> dict[str, list
         "position_ids": [t if t < L else 0 for t in range(width)],
         "seq_ids": [i if t < L else -1 for t in range(width)],
     }
-    for name, src in (("loss_mask", "response_mask"), ("old_logprobs", "old_logprobs"), ("advantages", "advantages"),
-                      ("ref_logprobs", "ref_logprobs"), ("rollout_logprobs", "rollout_logprobs")):
+    for name, src in (
+        ("loss_mask", "response_mask"),
+        ("old_logprobs", "old_logprobs"),
+        ("advantages", "advantages"),
+        ("ref_logprobs", "ref_logprobs"),
+        ("rollout_logprobs", "rollout_logprobs"),
+    ):
         vals = [0.0] * width
         for j, v in enumerate(_values(s, src)):
             vals[P - 1 + j] = v
@@ -98,7 +102,10 @@ def reference_rows(s: Sample, i: int, width: int, pad_id: int) -> dict[str, list
 def reference_collate(samples: list[Sample], layout: str, m: int, pad_id: int = 0) -> dict[str, list]:
     lens = [s.prompt_len + s.response_len for s in samples]
     if layout == "packed":
-        rows = [reference_rows(s, i, math.ceil(L / m) * m, pad_id) for i, (s, L) in enumerate(zip(samples, lens, strict=True))]
+        rows = [
+            reference_rows(s, i, math.ceil(L / m) * m, pad_id)
+            for i, (s, L) in enumerate(zip(samples, lens, strict=True))
+        ]
         return {k: [sum((r[k] for r in rows), [])] for k in rows[0]}
     width = math.ceil(max(lens) / m) * m
     rows = [reference_rows(s, i, width, pad_id) for i, s in enumerate(samples)]
@@ -136,19 +143,53 @@ def test_sample_from_lists_dtypes_and_scalar_advantage():
 @pytest.mark.parametrize(
     "kwargs, arg, expected, received",
     [
-        (dict(prompt_ids=torch.tensor([], dtype=torch.int64), response_ids=torch.tensor([1])), "prompt_ids",
-         "a non-empty prompt (length >= 1)", "i64[0]"),
-        (dict(prompt_ids=torch.tensor([[1]]), response_ids=torch.tensor([1])), "prompt_ids", "a 1-D integer tensor", "i64[1,1]"),
-        (dict(prompt_ids=torch.tensor([1.0]), response_ids=torch.tensor([1])), "prompt_ids", "a 1-D integer tensor", "f32[1]"),
+        (
+            dict(prompt_ids=torch.tensor([], dtype=torch.int64), response_ids=torch.tensor([1])),
+            "prompt_ids",
+            "a non-empty prompt (length >= 1)",
+            "i64[0]",
+        ),
+        (
+            dict(prompt_ids=torch.tensor([[1]]), response_ids=torch.tensor([1])),
+            "prompt_ids",
+            "a 1-D integer tensor",
+            "i64[1,1]",
+        ),
+        (
+            dict(prompt_ids=torch.tensor([1.0]), response_ids=torch.tensor([1])),
+            "prompt_ids",
+            "a 1-D integer tensor",
+            "f32[1]",
+        ),
         (dict(prompt_ids=[1, 2], response_ids=torch.tensor([1])), "prompt_ids", "a 1-D integer tensor", "list [1, 2]"),
-        (dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1, 2]), advantages=torch.zeros(3)), "advantages",
-         "length 2 (the response length)", "f32[3]"),
-        (dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1, 2]), old_logprobs=torch.zeros(2, dtype=torch.int64)),
-         "old_logprobs", "a floating tensor of length 2", "i64[2]"),
-        (dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1]), response_mask=torch.ones(1, 1)), "response_mask",
-         "None or a 1-D tensor of length 1", "f32[1,1]"),
-        (dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1]), multi_modal={"img": torch.tensor(1.0)}),
-         "multi_modal['img']", "a tensor with dim 0 indexing items", "f32[]"),
+        (
+            dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1, 2]), advantages=torch.zeros(3)),
+            "advantages",
+            "length 2 (the response length)",
+            "f32[3]",
+        ),
+        (
+            dict(
+                prompt_ids=torch.tensor([1]),
+                response_ids=torch.tensor([1, 2]),
+                old_logprobs=torch.zeros(2, dtype=torch.int64),
+            ),
+            "old_logprobs",
+            "a floating tensor of length 2",
+            "i64[2]",
+        ),
+        (
+            dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1]), response_mask=torch.ones(1, 1)),
+            "response_mask",
+            "None or a 1-D tensor of length 1",
+            "f32[1,1]",
+        ),
+        (
+            dict(prompt_ids=torch.tensor([1]), response_ids=torch.tensor([1]), multi_modal={"img": torch.tensor(1.0)}),
+            "multi_modal['img']",
+            "a tensor with dim 0 indexing items",
+            "f32[]",
+        ),
     ],
 )
 def test_sample_validation(kwargs, arg, expected, received):
@@ -173,8 +214,14 @@ def test_sample_is_pytree_and_none_stays_none():
 # collate_microbatch
 # ---------------------------------------------------------------------------------------------
 def _hand_samples():
-    a = Sample.from_lists([5, 6], [7, 8, 9], response_mask=[1, 0, 1], advantages=2.0,
-                          old_logprobs=[-0.1, -0.2, -0.3], multi_modal={"img": torch.ones(2, 3)})
+    a = Sample.from_lists(
+        [5, 6],
+        [7, 8, 9],
+        response_mask=[1, 0, 1],
+        advantages=2.0,
+        old_logprobs=[-0.1, -0.2, -0.3],
+        multi_modal={"img": torch.ones(2, 3)},
+    )
     b = Sample.from_lists([3], [])
     return [a, b]
 
@@ -299,8 +346,10 @@ def test_unpack_shape_error_and_gradient():
     mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=4)
     with pytest.raises(ShapeError) as err:
         unpack_per_sample(torch.zeros(1, 5), mb)
-    assert str(err.value) == ("fnppo.core.collate.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
-                              "mb.input_ids), received f32[1,5]")
+    assert str(err.value) == (
+        "fnppo.core.collate.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
+        "mb.input_ids), received f32[1,5]"
+    )
     with raises_message("unpack_per_sample", "values", "Shaped[Tensor, 'batch seq']", "f32[12]", ShapeError):
         unpack_per_sample(torch.zeros(12), mb)
     x = torch.zeros(1, 12, requires_grad=True)
@@ -314,10 +363,16 @@ def test_multi_modal_union_and_mixed():
     gen = torch.Generator().manual_seed(0)
     a = _s(2, 1, multi_modal={"pixel_values": torch.randn(2, 3, generator=gen)})
     b = _s(1, 2)  # text only
-    c = _s(3, 0, multi_modal={"pixel_values": torch.randn(1, 3, generator=gen), "image_grid_thw": torch.tensor([[1, 2, 2]])})
+    c = _s(
+        3,
+        0,
+        multi_modal={"pixel_values": torch.randn(1, 3, generator=gen), "image_grid_thw": torch.tensor([[1, 2, 2]])},
+    )
     mb = collate_microbatch([a, b, c])
     assert sorted(mb.multi_modal) == ["image_grid_thw", "pixel_values"]
-    assert torch.equal(mb.multi_modal["pixel_values"], torch.cat([a.multi_modal["pixel_values"], c.multi_modal["pixel_values"]]))
+    assert torch.equal(
+        mb.multi_modal["pixel_values"], torch.cat([a.multi_modal["pixel_values"], c.multi_modal["pixel_values"]])
+    )
     assert mb.multi_modal_counts["pixel_values"].tolist() == [2, 0, 1]
     assert mb.multi_modal_counts["image_grid_thw"].tolist() == [0, 0, 1]
     assert torch.equal(mb.multi_modal["image_grid_thw"], torch.tensor([[1, 2, 2]]))
@@ -382,28 +437,90 @@ def test_microbatch_is_frozen():
         (lambda: [], {}, "samples", "a non-empty sequence of Sample", "an empty sequence"),
         (lambda: [_s(2, 2)], dict(layout="thd"), "layout", "one of ('packed', 'padded')", "'thd'"),
         (lambda: [_s(2, 2)], dict(pad_to_multiple_of=0), "pad_to_multiple_of", "an int >= 1", "0"),
-        (lambda: [_s(2, 2), _s(3, 3)], dict(max_seq_len=5), "samples[1]", "at most max_seq_len=5 tokens",
-         "6 tokens (prompt 3 + response 3)"),
-        (lambda: [_s(2, 2, response_mask=torch.tensor([1.0, 0.5]))], {}, "samples[0].response_mask", "a 0/1 mask",
-         "f32[2] containing 0.5"),
-        (lambda: [_s(2, 2, response_mask=torch.tensor([2, 0]))], {}, "samples[0].response_mask", "a 0/1 mask",
-         "i64[2] containing 2"),
-        (lambda: [_s(2, 2), _s(1, 2, advantages=torch.tensor([0.0, float("nan")]))], {}, "samples[1].advantages",
-         "finite values", "f32[2] with 1 NaN/inf entries"),
-        (lambda: [_s(1, 1, old_logprobs=torch.tensor([float("-inf")]))], {}, "samples[0].old_logprobs",
-         "finite values", "f32[1] with 1 NaN/inf entries"),
-        (lambda: [_s(1, 1, ref_logprobs=torch.tensor([float("inf")]))], {}, "samples[0].ref_logprobs",
-         "finite values", "f32[1] with 1 NaN/inf entries"),
-        (lambda: [_s(1, 1, rollout_logprobs=torch.tensor([float("nan")]))], {}, "samples[0].rollout_logprobs",
-         "finite values", "f32[1] with 1 NaN/inf entries"),
-        (lambda: [_s(1, 1, ref_logprobs=torch.zeros(1)), _s(1, 1)], {}, "samples[1].ref_logprobs",
-         "a tensor (samples[0] has ref_logprobs; all samples or none)", "None"),
-        (lambda: [_s(1, 1), _s(1, 1, rollout_logprobs=torch.zeros(1)), _s(2, 1)], {}, "samples[0].rollout_logprobs",
-         "a tensor (samples[1] has rollout_logprobs; all samples or none)", "None"),
-        (lambda: [_s(3, 1)], dict(vocab_size=3), "samples[0].prompt_ids", "values in [0, 3)", "i64[3] with values in [1, 3]"),
-        (lambda: [Sample.from_lists([1], [-4])], {}, "samples[0].response_ids", "values in [0, ",
-         "i64[1] with values in [-4, -4]"),
-        (lambda: [_s(1, 1), _s(1, 1)], dict(sample_index=[0]), "sample_index", "2 indices (one per sample)", "1 indices"),
+        (
+            lambda: [_s(2, 2), _s(3, 3)],
+            dict(max_seq_len=5),
+            "samples[1]",
+            "at most max_seq_len=5 tokens",
+            "6 tokens (prompt 3 + response 3)",
+        ),
+        (
+            lambda: [_s(2, 2, response_mask=torch.tensor([1.0, 0.5]))],
+            {},
+            "samples[0].response_mask",
+            "a 0/1 mask",
+            "f32[2] containing 0.5",
+        ),
+        (
+            lambda: [_s(2, 2, response_mask=torch.tensor([2, 0]))],
+            {},
+            "samples[0].response_mask",
+            "a 0/1 mask",
+            "i64[2] containing 2",
+        ),
+        (
+            lambda: [_s(2, 2), _s(1, 2, advantages=torch.tensor([0.0, float("nan")]))],
+            {},
+            "samples[1].advantages",
+            "finite values",
+            "f32[2] with 1 NaN/inf entries",
+        ),
+        (
+            lambda: [_s(1, 1, old_logprobs=torch.tensor([float("-inf")]))],
+            {},
+            "samples[0].old_logprobs",
+            "finite values",
+            "f32[1] with 1 NaN/inf entries",
+        ),
+        (
+            lambda: [_s(1, 1, ref_logprobs=torch.tensor([float("inf")]))],
+            {},
+            "samples[0].ref_logprobs",
+            "finite values",
+            "f32[1] with 1 NaN/inf entries",
+        ),
+        (
+            lambda: [_s(1, 1, rollout_logprobs=torch.tensor([float("nan")]))],
+            {},
+            "samples[0].rollout_logprobs",
+            "finite values",
+            "f32[1] with 1 NaN/inf entries",
+        ),
+        (
+            lambda: [_s(1, 1, ref_logprobs=torch.zeros(1)), _s(1, 1)],
+            {},
+            "samples[1].ref_logprobs",
+            "a tensor (samples[0] has ref_logprobs; all samples or none)",
+            "None",
+        ),
+        (
+            lambda: [_s(1, 1), _s(1, 1, rollout_logprobs=torch.zeros(1)), _s(2, 1)],
+            {},
+            "samples[0].rollout_logprobs",
+            "a tensor (samples[1] has rollout_logprobs; all samples or none)",
+            "None",
+        ),
+        (
+            lambda: [_s(3, 1)],
+            dict(vocab_size=3),
+            "samples[0].prompt_ids",
+            "values in [0, 3)",
+            "i64[3] with values in [1, 3]",
+        ),
+        (
+            lambda: [Sample.from_lists([1], [-4])],
+            {},
+            "samples[0].response_ids",
+            "values in [0, ",
+            "i64[1] with values in [-4, -4]",
+        ),
+        (
+            lambda: [_s(1, 1), _s(1, 1)],
+            dict(sample_index=[0]),
+            "sample_index",
+            "2 indices (one per sample)",
+            "1 indices",
+        ),
     ],
 )
 def test_collate_errors(make, kwargs, arg, expected, received):
@@ -417,8 +534,9 @@ def test_collate_errors(make, kwargs, arg, expected, received):
 def test_collate_mixed_devices_is_an_error():
     a = _s(1, 1)
     b = Sample(prompt_ids=torch.tensor([1], device="meta"), response_ids=torch.tensor([1], device="meta"))
-    with raises_message("collate_microbatch", "samples[1].prompt_ids", "a tensor on cpu (the device of samples[0])",
-                        "i64[1] on meta"):
+    with raises_message(
+        "collate_microbatch", "samples[1].prompt_ids", "a tensor on cpu (the device of samples[0])", "i64[1] on meta"
+    ):
         collate_microbatch([a, b])
 
 
@@ -493,18 +611,43 @@ def test_split_padding_counts_against_budget():
     [
         ([], dict(num_microbatches=1), "samples", "a non-empty sequence of Sample", "an empty sequence"),
         (_lens(2, 3), {}, "num_microbatches/microbatch_size/max_tokens_per_microbatch", "exactly one of them", "none"),
-        (_lens(2, 3), dict(num_microbatches=1, microbatch_size=1), "num_microbatches/microbatch_size/max_tokens_per_microbatch",
-         "exactly one of them", "['num_microbatches', 'microbatch_size']"),
-        (_lens(2, 3), dict(num_microbatches=3), "num_microbatches", "at most the batch size 2 (no empty micro-batches)", "3"),
+        (
+            _lens(2, 3),
+            dict(num_microbatches=1, microbatch_size=1),
+            "num_microbatches/microbatch_size/max_tokens_per_microbatch",
+            "exactly one of them",
+            "['num_microbatches', 'microbatch_size']",
+        ),
+        (
+            _lens(2, 3),
+            dict(num_microbatches=3),
+            "num_microbatches",
+            "at most the batch size 2 (no empty micro-batches)",
+            "3",
+        ),
         (_lens(2, 3), dict(num_microbatches=0), "num_microbatches", "an int >= 1", "0"),
         (_lens(2, 3), dict(microbatch_size=-1), "microbatch_size", "an int >= 1", "-1"),
-        (_lens(2, 3, 9), dict(max_tokens_per_microbatch=8), "samples[2]",
-         "at most max_tokens_per_microbatch=8 tokens (a single sample longer than the token budget cannot be split)",
-         "9 tokens (prompt 1 + response 8)"),
-        (_lens(2, 7), dict(max_tokens_per_microbatch=7, pad_to_multiple_of=4), "samples[1]",
-         "at most max_tokens_per_microbatch=7 tokens", "8 tokens (prompt 1 + response 6, padded to a multiple of 4)"),
-        (_lens(2, 7), dict(num_microbatches=1, max_seq_len=6), "samples[1]", "at most max_seq_len=6 tokens",
-         "7 tokens (prompt 1 + response 6)"),
+        (
+            _lens(2, 3, 9),
+            dict(max_tokens_per_microbatch=8),
+            "samples[2]",
+            "at most max_tokens_per_microbatch=8 tokens (a single sample longer than the token budget cannot be split)",
+            "9 tokens (prompt 1 + response 8)",
+        ),
+        (
+            _lens(2, 7),
+            dict(max_tokens_per_microbatch=7, pad_to_multiple_of=4),
+            "samples[1]",
+            "at most max_tokens_per_microbatch=7 tokens",
+            "8 tokens (prompt 1 + response 6, padded to a multiple of 4)",
+        ),
+        (
+            _lens(2, 7),
+            dict(num_microbatches=1, max_seq_len=6),
+            "samples[1]",
+            "at most max_seq_len=6 tokens",
+            "7 tokens (prompt 1 + response 6)",
+        ),
         (_lens(2, 7), dict(num_microbatches=1, layout="bshd"), "layout", "one of ('packed', 'padded')", "'bshd'"),
     ],
 )
@@ -573,10 +716,14 @@ def test_split_token_budget_under_agreed_count(case, extra):
     """A larger count agreed over DP: exactly that many non-empty micro-batches, still under the cap."""
     lengths, m, layout, budget = case
     samples = _lens(*lengths)
-    k_local = split_batch(samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout).num_microbatches
+    k_local = split_batch(
+        samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout
+    ).num_microbatches
     agreed = min(len(samples), k_local + extra)
     with mock.patch.object(S, "_agree", lambda k, n, g: (max(k, agreed), n)):
-        plan = split_batch(samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout, dp_group=object())
+        plan = split_batch(
+            samples, max_tokens_per_microbatch=budget, pad_to_multiple_of=m, layout=layout, dp_group=object()
+        )
     assert plan.num_microbatches == agreed
     assert sorted(plan.order) == list(range(len(samples)))
     for g in plan.microbatches:
@@ -592,8 +739,12 @@ def test_split_to_moves_shortest_of_fullest_group():
 
 def test_split_agreed_count_above_batch_size_is_an_error_on_every_rank():
     with mock.patch.object(S, "_agree", lambda k, n, g: (5, 2)):
-        with raises_message("split_batch", "samples", "at least 5 samples on every data-parallel rank",
-                            "2 samples on some rank (3 here)"):
+        with raises_message(
+            "split_batch",
+            "samples",
+            "at least 5 samples on every data-parallel rank",
+            "2 samples on some rank (3 here)",
+        ):
             split_batch(_lens(2, 2, 2), num_microbatches=1, dp_group=object())
 
 
@@ -622,17 +773,49 @@ def fuzz_samples(draw):
         r = s.response_len
         corrupt = draw(st.sampled_from(["none", "none", "mask2", "nan_adv", "inf_old", "drop_ref"]))
         if corrupt == "mask2" and r:
-            s = Sample(s.prompt_ids, s.response_ids, s.advantages, s.old_logprobs, s.ref_logprobs, s.rollout_logprobs,
-                       torch.full((r,), 2.0), s.multi_modal)
+            s = Sample(
+                s.prompt_ids,
+                s.response_ids,
+                s.advantages,
+                s.old_logprobs,
+                s.ref_logprobs,
+                s.rollout_logprobs,
+                torch.full((r,), 2.0),
+                s.multi_modal,
+            )
         elif corrupt == "nan_adv" and r:
-            s = Sample(s.prompt_ids, s.response_ids, torch.full((r,), float("nan")), s.old_logprobs, s.ref_logprobs,
-                       s.rollout_logprobs, s.response_mask, s.multi_modal)
+            s = Sample(
+                s.prompt_ids,
+                s.response_ids,
+                torch.full((r,), float("nan")),
+                s.old_logprobs,
+                s.ref_logprobs,
+                s.rollout_logprobs,
+                s.response_mask,
+                s.multi_modal,
+            )
         elif corrupt == "inf_old" and r:
-            s = Sample(s.prompt_ids, s.response_ids, s.advantages, torch.full((r,), float("-inf")), s.ref_logprobs,
-                       s.rollout_logprobs, s.response_mask, s.multi_modal)
+            s = Sample(
+                s.prompt_ids,
+                s.response_ids,
+                s.advantages,
+                torch.full((r,), float("-inf")),
+                s.ref_logprobs,
+                s.rollout_logprobs,
+                s.response_mask,
+                s.multi_modal,
+            )
         elif corrupt == "drop_ref":
-            s = Sample(s.prompt_ids, s.response_ids, s.advantages, s.old_logprobs, None, s.rollout_logprobs,
-                       s.response_mask, s.multi_modal)
+            s = Sample(
+                s.prompt_ids,
+                s.response_ids,
+                s.advantages,
+                s.old_logprobs,
+                None,
+                s.rollout_logprobs,
+                s.response_mask,
+                s.multi_modal,
+            )
         out.append(s)
     return out
 
@@ -647,15 +830,20 @@ def fuzz_samples(draw):
     max_seq_len=st.one_of(st.none(), st.integers(1, 12)),
 )
 def test_fuzz_split_then_collate(samples, layout, m, mode, size, max_seq_len):
-    kw = {"num": dict(num_microbatches=size % 6 + 1), "size": dict(microbatch_size=size % 6 + 1),
-          "tokens": dict(max_tokens_per_microbatch=size)}[mode]
+    kw = {
+        "num": dict(num_microbatches=size % 6 + 1),
+        "size": dict(microbatch_size=size % 6 + 1),
+        "tokens": dict(max_tokens_per_microbatch=size),
+    }[mode]
     try:
         plan = split_batch(samples, pad_to_multiple_of=m, layout=layout, max_seq_len=max_seq_len, **kw)
     except InputError:
         return
     for g, group in zip(plan.microbatches, plan.apply(samples), strict=True):
         try:
-            mb = collate_microbatch(group, layout=layout, pad_to_multiple_of=m, max_seq_len=max_seq_len, sample_index=list(g))
+            mb = collate_microbatch(
+                group, layout=layout, pad_to_multiple_of=m, max_seq_len=max_seq_len, sample_index=list(g)
+            )
         except InputError:
             continue
         assert mb.num_samples == len(g)
@@ -674,7 +862,9 @@ def _dp_rank_fn():
     lay = current_layout()
     r = lay.dp_rank
     # budget 8: rank 0 needs 2 micro-batches (4+4, 4+4), rank 1 needs 4 (8, 8, 8, 8)
-    plan = split_batch(_lens(*([4, 4, 4, 4] if r == 0 else [8, 8, 8, 8])), max_tokens_per_microbatch=8, dp_group=lay.dp_group)
+    plan = split_batch(
+        _lens(*([4, 4, 4, 4] if r == 0 else [8, 8, 8, 8])), max_tokens_per_microbatch=8, dp_group=lay.dp_group
+    )
     # rank 0 has 2 samples, rank 1 needs 3 micro-batches: every rank must fail, none may hang
     try:
         split_batch(_lens(*([4, 4] if r == 0 else [8, 8, 8])), max_tokens_per_microbatch=8, dp_group=lay.dp_group)
@@ -692,4 +882,6 @@ def test_split_agrees_over_dp_group():
     assert dp0 == dp1 == 2
     assert mbs0 == ((0,), (1,), (2,), (3,)) and mbs1 == ((0,), (1,), (2,), (3,))
     for err in (err0, err1):
-        assert err is not None and "at least 3 samples on every data-parallel rank" in err and "received 2 samples" in err
+        assert (
+            err is not None and "at least 3 samples on every data-parallel rank" in err and "received 2 samples" in err
+        )

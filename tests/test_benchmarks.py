@@ -68,10 +68,18 @@ def test_actor_baseline_checks_itself_when_run():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "benchmarks/actor_baseline.py"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/actor_baseline.py"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("PASS"), done.stdout + done.stderr[-3000:]
-    helped = subprocess.run([sys.executable, "benchmarks/actor_baseline.py", "--help"], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=300)
+    helped = subprocess.run(
+        [sys.executable, "benchmarks/actor_baseline.py", "--help"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert helped.returncode == 0 and "usage:" in helped.stdout
 
 
@@ -95,10 +103,16 @@ def test_moe_flops_count_the_active_experts_and_memory_all_of_them():
     expert, router = 3 * 64 * 32, 64 * 4
     f = model_flops_per_token(shape, vocab, 64)
     assert f["matmul_params"] == 2 * (attention + router + 2 * expert) + 64 * vocab
-    assert param_count(shape, vocab) == 2 * (attention + router + 4 * expert) + 64 * vocab + 2 * 16 * (4 + 2 * 2) + 2 * 2 * 64 + 64
+    assert (
+        param_count(shape, vocab)
+        == 2 * (attention + router + 4 * expert) + 64 * vocab + 2 * 16 * (4 + 2 * 2) + 2 * 2 * 64 + 64
+    )
     # the H200 shape: 5.31e9 parameters in 89 GiB of weights, gradients and Adam state; 1.09e9 active
     big = MODELS["moe-5b-a1b"]
-    assert round(param_count(big, 151936) / 1e9, 2) == 5.31 and round(model_flops_per_token(big, 151936, 2048)["matmul_params"] / 1e9, 2) == 1.09
+    assert (
+        round(param_count(big, 151936) / 1e9, 2) == 5.31
+        and round(model_flops_per_token(big, 151936, 2048)["matmul_params"] / 1e9, 2) == 1.09
+    )
     assert 88 < static_memory_gib(param_count(big, 151936), dtype="bf16") < 90
 
 
@@ -112,11 +126,42 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "step.jsonl"
-    cmd = [sys.executable, "benchmarks/step.py", "--model", "tiny-moe", "--device", "cpu", "--vocab", "512", "--seq", "64",
-           "--mb-tokens", "128", "--microbatches", "2", "--steps", "1", "--warmup", "0", "--json", str(out),
-           "--recompute", "selective", "--recompute-modules", "moe,core_attn", "--fused-chunk-vocab", "100",
-           "--paths", "A,B,C,D", "--rotate", "--host-profile", str(tmp_path / "host.txt")]
-    done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "benchmarks/step.py",
+        "--model",
+        "tiny-moe",
+        "--device",
+        "cpu",
+        "--vocab",
+        "512",
+        "--seq",
+        "64",
+        "--mb-tokens",
+        "128",
+        "--microbatches",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+        "--recompute",
+        "selective",
+        "--recompute-modules",
+        "moe,core_attn",
+        "--fused-chunk-vocab",
+        "100",
+        "--paths",
+        "A,B,C,D",
+        "--rotate",
+        "--host-profile",
+        str(tmp_path / "host.txt"),
+    ]
+    done = subprocess.run(
+        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["params_total"] == result["params_this_rank"]  # the formula counts the built model
@@ -144,13 +189,26 @@ def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "det.json"
-    cmd = [sys.executable, "benchmarks/moe_determinism.py", "--device", "cpu", "--variants", "local,local_det", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "benchmarks/moe_determinism.py",
+        "--device",
+        "cpu",
+        "--variants",
+        "local,local_det",
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(
+        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     for variant in ("local", "local_det"):
         r = result[variant]
-        assert r["routing_rows"] == 4 * 64 * 4 and r["routing_rows_differing"] == 0, r  # 4 samples x 64 tokens x 4 layers
+        assert r["routing_rows"] == 4 * 64 * 4 and r["routing_rows_differing"] == 0, (
+            r
+        )  # 4 samples x 64 tokens x 4 layers
         assert r["A1_vs_A2"] == r["A1_vs_A3"] == r["A1_vs_B"] == r["A1_vs_A1replay"] == 0.0, r
 
 
@@ -182,16 +240,21 @@ def test_step_stats_per_round_ratios_quartiles_and_probe_correlation(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import step_stats
 
-    run = {"model": "m", "rotate": True,
-           "A": {"step_s": [1.0, 2.0, 3.0, 4.0], "host_probe_s": [0.01, 0.02, 0.03, 0.04]},
-           "D": {"step_s": [2.0, 2.0, 2.0, 2.0], "host_probe_s": [0.01, 0.01, 0.02, 0.01]},
-           "B": {"tokens_per_s": 1.0}}  # no per-step data: skipped
+    run = {
+        "model": "m",
+        "rotate": True,
+        "A": {"step_s": [1.0, 2.0, 3.0, 4.0], "host_probe_s": [0.01, 0.02, 0.03, 0.04]},
+        "D": {"step_s": [2.0, 2.0, 2.0, 2.0], "host_probe_s": [0.01, 0.01, 0.02, 0.01]},
+        "B": {"tokens_per_s": 1.0},
+    }  # no per-step data: skipped
     s = step_stats.run_summary(run)
     assert set(s["paths"]) == {"A", "D"}
     d = s["paths"]["D"]
     assert d["ratio_median"] == pytest.approx(1.25) and d["ratio_of_sums"] == pytest.approx(1.25)
     assert (d["ratio_q1"], d["ratio_q3"]) == (pytest.approx(0.875), pytest.approx(1.625))
-    assert s["paths"]["A"]["probe_step_r"] == pytest.approx(1.0) and s["paths"]["A"]["median_ms"] == pytest.approx(2500.0)
+    assert s["paths"]["A"]["probe_step_r"] == pytest.approx(1.0) and s["paths"]["A"]["median_ms"] == pytest.approx(
+        2500.0
+    )
     assert s["paths"]["D"]["probe_step_r"] is None  # no spread in D's steps
     other = dict(run, D={"step_s": [1.0, 1.0, 1.0, 1.0]})
     across = step_stats.across([s, step_stats.run_summary(other)])

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnppo.core.context_parallel import cp_token_index, shard_microbatch, shard_tokens, unshard_tokens
+from fnppo.core.errors import InputError
 from fnppo.testing import run_ranks, synthetic_samples
-from fnppo.core.typing import InputError
 
 
 @st.composite
@@ -45,7 +45,9 @@ def test_ranks_hold_chunks_r_and_mirror(case):
         expected = []
         for a, b in zip(cu, cu[1:]):
             c = (b - a) // (2 * cp)
-            expected += list(range(a + r * c, a + (r + 1) * c)) + list(range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c))
+            expected += list(range(a + r * c, a + (r + 1) * c)) + list(
+                range(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c)
+            )
         assert cp_token_index(cu, cp, r).tolist() == expected
     owned = sorted(i for r in range(cp) for i in cp_token_index(cu, cp, r).tolist())
     assert owned == list(range(cu[-1]))
@@ -89,11 +91,10 @@ def _dense_reference(q, k, v, cu, scale):
 def _attention_cases(n_cases: int) -> float:
     from megatron.core import parallel_state as ps
 
+    import fnppo
     from fnppo.core.context_parallel import context_parallel_attention
 
-    import fnppo
-
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     group = ps.get_context_parallel_group()
     cp, rank = group.size(), group.rank()
     assert (layout.cp, layout.cp_rank) == (cp, rank) and layout.cp_group is group
@@ -101,7 +102,9 @@ def _attention_cases(n_cases: int) -> float:
     g = torch.Generator().manual_seed(5)
     worst = 0.0
     for case in range(n_cases):
-        lens = [2 * cp * int(torch.randint(0, 6, (), generator=g)) for _ in range(int(torch.randint(1, 5, (), generator=g)))]
+        lens = [
+            2 * cp * int(torch.randint(0, 6, (), generator=g)) for _ in range(int(torch.randint(1, 5, (), generator=g)))
+        ]
         if sum(lens) == 0:
             lens[0] = 2 * cp
         cu = [0]

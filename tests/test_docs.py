@@ -251,6 +251,7 @@ def test_every_namespace_has_an_api_page():
             "vlm",
             "hf",
             "checkpoint",
+            "ops",
             "typing",
             "testing",
         )

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.megatron.model import unwrap_model
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import RankError, run_ranks, synthetic_samples
 
 N_STEPS = 4  # uninterrupted run length
@@ -50,14 +50,21 @@ FAIL_TIMEOUT_S = 6.0  # init_parallel(timeout_s=...) for the fail-fast test
 # ---------------------------------------------------------------------------------------------
 def _model_cfg(hidden: int = 32, dropout: float = 0.0) -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        vocab_size=64, max_seq_len=32, hidden_dropout=dropout, attention_dropout=dropout,
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
     )
 
 
 def _build(init_seed: int = 3, hidden: int = 32, dropout: float = 0.0, lr: float = 1e-2) -> fnppo.TrainState:
     chunks = fnppo.build_gpt(_model_cfg(hidden, dropout))
-    fnppo.layout_invariant_init(chunks, seed=init_seed)
+    fnppo.models.layout_invariant_init(chunks, seed=init_seed)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=lr, clip_grad=1.0))
 
@@ -73,7 +80,7 @@ def _seed_everything(seed: int) -> None:
 
 
 def _step_cfg(**kw) -> fnppo.StepConfig:
-    loss = fnppo.PolicyLossConfig(entropy_coeff=0.01, kl_coef=0.05)
+    loss = fnppo.losses.from_flat(entropy_coeff=0.01, kl_coef=0.05)
     return fnppo.StepConfig(loss=loss, **kw)
 
 
@@ -111,7 +118,9 @@ def _bit_diff(a, b, path: str = "") -> list[str]:
 
 
 def _params(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
-    return {f"{i}.{k}": v.detach().clone() for i, c in enumerate(state.model) for k, v in unwrap_model(c).named_parameters()}
+    return {
+        f"{i}.{k}": v.detach().clone() for i, c in enumerate(state.model) for k, v in unwrap_model(c).named_parameters()
+    }
 
 
 def _opt_state(state: fnppo.TrainState):
@@ -136,7 +145,9 @@ def _batch(data_rng: torch.Generator) -> list[fnppo.Sample]:
     return fnppo.shard_for_data_parallel(samples)
 
 
-def _train(state: fnppo.TrainState, data_rng: torch.Generator, steps: range, cfg: fnppo.StepConfig) -> tuple[fnppo.TrainState, list[dict]]:
+def _train(
+    state: fnppo.TrainState, data_rng: torch.Generator, steps: range, cfg: fnppo.StepConfig
+) -> tuple[fnppo.TrainState, list[dict]]:
     rows = []
     for _ in steps:
         state, metrics = fnppo.train_step(state, _batch(data_rng), cfg)
@@ -160,12 +171,12 @@ def _resumed(cfg: fnppo.StepConfig, ckpt: Path) -> dict:
     state = _build(dropout=0.1)
     data_rng = torch.Generator().manual_seed(11)
     state, rows = _train(state, data_rng, range(SAVE_AT), cfg)
-    fnppo.save_checkpoint(ckpt, state, extra={"data_rng": data_rng.get_state(), "metrics": rows})
+    fnppo.checkpoint.save_checkpoint(ckpt, state, extra={"data_rng": data_rng.get_state(), "metrics": rows})
     del state
     # "restart": nothing of the first run survives but the directory
     _seed_everything(12345)
     state = _build(init_seed=99, dropout=0.1)
-    state, extra = fnppo.load_checkpoint(ckpt, state)
+    state, extra = fnppo.checkpoint.load_checkpoint(ckpt, state)
     data_rng = torch.Generator()
     data_rng.set_state(extra["data_rng"])
     state, more = _train(state, data_rng, range(state.step, N_STEPS), cfg)
@@ -173,8 +184,12 @@ def _resumed(cfg: fnppo.StepConfig, ckpt: Path) -> dict:
 
 
 def _compare_runs(a: dict, b: dict) -> list[str]:
-    return _bit_diff(a["metrics"], b["metrics"], "metrics") + _bit_diff(a["params"], b["params"], "params") + \
-        _bit_diff(a["opt"], b["opt"], "optimizer") + _bit_diff(a["step"], b["step"], "step")
+    return (
+        _bit_diff(a["metrics"], b["metrics"], "metrics")
+        + _bit_diff(a["params"], b["params"], "params")
+        + _bit_diff(a["opt"], b["opt"], "optimizer")
+        + _bit_diff(a["step"], b["step"], "step")
+    )
 
 
 def _trained(state: fnppo.TrainState) -> fnppo.TrainState:
@@ -210,10 +225,10 @@ def _rng_round_trip(ckpt: Path, state: fnppo.TrainState) -> dict:
     if torch.cuda.is_available():
         torch.cuda.manual_seed(5)
         torch.rand((), device="cuda")  # initialized, so the checkpoint holds CUDA's state
-    fnppo.save_checkpoint(ckpt, state)
+    fnppo.checkpoint.save_checkpoint(ckpt, state)
     first = _rng_draws()
     second = _rng_draws()  # without a load in between: each generator moved on
-    fnppo.load_checkpoint(ckpt, state)
+    fnppo.checkpoint.load_checkpoint(ckpt, state)
     again = _rng_draws()
     return {"first": first, "second": second, "again": again}
 
@@ -223,8 +238,8 @@ def _refusal(ckpt: Path, state: fnppo.TrainState) -> str:
     before = _snapshot(state)
     rng_before = torch.get_rng_state()
     try:
-        fnppo.load_checkpoint(ckpt, state)
-    except fnppo.CheckpointError as err:
+        fnppo.checkpoint.load_checkpoint(ckpt, state)
+    except fnppo.checkpoint.CheckpointError as err:
         changed = _bit_diff(before, _snapshot(state)) + _bit_diff(rng_before, torch.get_rng_state(), "rng")
         return f"{err}" + (f" [BUT STATE CHANGED: {changed}]" if changed else "")
     return "loaded without error"
@@ -276,8 +291,12 @@ def _nan_gradient_case(poison_rank: int | None) -> dict:
     twin, _ = fnppo.train_step(twin, batch, good)
     twin, t3 = fnppo.train_step(twin, batch, good)
     return {
-        "m1": m1, "m2": m2, "m3": m3, "t3": t3,
-        "untouched": _bit_diff(before["params"], after["params"], "params") + _bit_diff(before["opt"], after["opt"], "optimizer"),
+        "m1": m1,
+        "m2": m2,
+        "m3": m3,
+        "t3": t3,
+        "untouched": _bit_diff(before["params"], after["params"], "params")
+        + _bit_diff(before["opt"], after["opt"], "optimizer"),
         "moved": any(not torch.equal(final[k], after["params"][k]) for k in final),
         "same_as_twin": _bit_diff(final, _params(twin), "params"),
         "step": state.step,
@@ -335,7 +354,8 @@ def _one_rank_run(root: str) -> dict:
     # the first parameter (in the model's order) whose shape differs, from the two models themselves
     saved_shapes, wider_shapes = (
         {f"{i}.{k}": list(v.shape) for i, c in enumerate(s.model) for k, v in unwrap_model(c).named_parameters()}
-        for s in (_build(), wider))
+        for s in (_build(), wider)
+    )
     first = next(k for k in wider_shapes if saved_shapes.get(k) != wider_shapes[k])
     out["other_shape_first"] = (first, saved_shapes[first], wider_shapes[first])
 
@@ -357,7 +377,7 @@ def _one_rank_run(root: str) -> dict:
         d = runs / f"step9_crash_{target}"
         os.replace = crash_on(target)
         try:
-            fnppo.save_checkpoint(d, fnppo.TrainState(model=state.model, optimizer=state.optimizer, step=9))
+            fnppo.checkpoint.save_checkpoint(d, fnppo.TrainState(model=state.model, optimizer=state.optimizer, step=9))
             crashes[target] = {"save": "no error"}
         except OSError as err:
             crashes[target] = {"save": str(err)}
@@ -366,7 +386,7 @@ def _one_rank_run(root: str) -> dict:
         crashes[target]["files"] = sorted(p.name for p in d.iterdir())
         crashes[target]["load"] = _refusal(d, state)
     out["crashes"] = crashes
-    latest = fnppo.latest_checkpoint(runs)
+    latest = fnppo.checkpoint.latest_checkpoint(runs)
     out["latest"] = None if latest is None else latest.name
     return out
 
@@ -374,7 +394,7 @@ def _one_rank_run(root: str) -> dict:
 def _two_rank_run(root: str) -> dict:
     """DP=2 with the distributed optimizer: NaN gradient on rank 1 only, resume, then TP=2 refusal."""
     root = Path(root)
-    lay = fnppo.current_layout()
+    lay = fnppo.parallel.current_layout()
     _quiet()
     cfg = _step_cfg(num_microbatches=2)
     out: dict = {"dp": lay.dp, "nan_grad": _nan_gradient_case(1)}
@@ -386,7 +406,7 @@ def _two_rank_run(root: str) -> dict:
         out["manifest_files"] = [x["file"] for x in json.load(f)["files"]]
     # the same world re-initialized as TP=2: the DP=2 checkpoint must be refused on every rank
     fnppo.init_parallel(2, 1, seed=1234, device="cpu", timeout_s=120.0)
-    out["tp"] = fnppo.current_layout().tp
+    out["tp"] = fnppo.parallel.current_layout().tp
     out["other_layout"] = _refusal(root / "dp2_step2", _trained(_build()))
     return out
 
@@ -422,7 +442,7 @@ def test_non_finite_gradient_in_one_microbatch_skips_step(one_rank):
 
 
 def test_non_finite_gradient_on_one_dp_rank_skips_step_on_every_rank(two_ranks):
-    for rank, r in enumerate(two_ranks):
+    for _rank, r in enumerate(two_ranks):
         assert r["dp"] == 2
         _check_nan_gradient(r["nan_grad"])
         # metrics are reduced over the DP group: both ranks report the same step
@@ -476,7 +496,9 @@ def test_checkpoint_of_another_shape_names_the_first_differing_parameter(one_ran
     """Not digests: the parameter, the checkpoint's shape and this model's (both read off the models)."""
     name, saved, ours = one_rank["other_shape_first"]
     assert saved != ours
-    assert f"parameter '{name}': checkpoint {saved}, this model {ours}" in one_rank["other_shape"], one_rank["other_shape"]
+    assert f"parameter '{name}': checkpoint {saved}, this model {ours}" in one_rank["other_shape"], one_rank[
+        "other_shape"
+    ]
     assert "digest" not in one_rank["other_shape"]
 
 
@@ -556,7 +578,9 @@ def _fail_inside_schedule(verdict: str) -> None:
         fnppo.train_step(state, batch, cfg)
     except Exception as err:
         if rank == 0:
-            Path(verdict).write_text(json.dumps({"error": type(err).__name__, "message": str(err)[:500], "elapsed": time.monotonic() - t0}))
+            Path(verdict).write_text(
+                json.dumps({"error": type(err).__name__, "message": str(err)[:500], "elapsed": time.monotonic() - t0})
+            )
             return
         deadline = time.monotonic() + 3 * FAIL_TIMEOUT_S
         while not Path(verdict).exists() and time.monotonic() < deadline:

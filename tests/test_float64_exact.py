@@ -212,8 +212,14 @@ REFERENCED = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "clip_
 _EXTRAS = (
     dict(),
     dict(entropy_coeff=0.03, kl_coef=0.2, kl_estimator="k3", tis_cap=1.1),
-    dict(clip_ratio_low=0.1, clip_ratio_high=0.3, kl_coef=0.1, kl_estimator="low_var_kl+", tis_cap=1.3,
-         tis_level="sequence"),
+    dict(
+        clip_ratio_low=0.1,
+        clip_ratio_high=0.3,
+        kl_coef=0.1,
+        kl_estimator="low_var_kl+",
+        tis_cap=1.3,
+        tis_level="sequence",
+    ),
 )
 
 
@@ -237,8 +243,17 @@ def test_policy_loss_float64_matches_loop_reference(name, mode):
         flat = dict(policy_loss=name, loss_agg_mode=mode, **kw)
         cfg = from_flat(flat)
         lp, ent_l = lp0.clone().requires_grad_(), ent.clone().requires_grad_()
-        loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout,
-                           generator=torch.Generator().manual_seed(0))
+        loss, _ = ppo_loss(
+            lp,
+            old,
+            adv,
+            mask,
+            cfg,
+            entropy=ent_l,
+            ref_logprobs=ref,
+            rollout_logprobs=rollout,
+            generator=torch.Generator().manual_seed(0),
+        )
         lp_r, ent_r = lp0.clone().requires_grad_(), ent.clone().requires_grad_()
         expected = ref_ppo_loss(lp_r, old, adv, mask, flat_view(**flat), ent_r, ref, rollout)
         assert_exact(loss, expected, f"{name}/{mode}/{i} loss")
@@ -273,9 +288,14 @@ def test_kl_estimator_float64_closed_form(estimator):
         raw = float(lp[p] - ref[p])
         d = min(max(raw, -20.0), 20.0)
         inside = -20.0 < raw < 20.0
-        v, dv = {"k1": (d, 1.0), "k2": (d * d / 2, d), "mse": (d * d / 2, d),
-                 "k3": (math.exp(-d) - 1 + d, 1 - math.exp(-d)), "low_var_kl": (math.exp(-d) - 1 + d, 1 - math.exp(-d)),
-                 "abs": (abs(d), math.copysign(1.0, d))}[base]
+        v, dv = {
+            "k1": (d, 1.0),
+            "k2": (d * d / 2, d),
+            "mse": (d * d / 2, d),
+            "k3": (math.exp(-d) - 1 + d, 1 - math.exp(-d)),
+            "low_var_kl": (math.exp(-d) - 1 + d, 1 - math.exp(-d)),
+            "abs": (abs(d), math.copysign(1.0, d)),
+        }[base]
         if estimator.endswith("+"):
             dv = d
         values[p], grads[p] = v, dv if inside else 0.0
@@ -388,8 +408,11 @@ def test_broadcast_to_tokens_float64():
     assert_exact(broadcast_to_tokens(values, mask), ref, "broadcast_to_tokens")
     seq_ids = torch.tensor([[0, 0, 1, 1, 2, -1]])
     ref2 = torch.tensor([[0.1, 0.1, -1.3, -1.3, 2.7, 0.0]], dtype=F64)
-    assert_exact(broadcast_to_tokens(values, torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=F64), seq_ids=seq_ids), ref2,
-                 "broadcast_to_tokens packed")
+    assert_exact(
+        broadcast_to_tokens(values, torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=F64), seq_ids=seq_ids),
+        ref2,
+        "broadcast_to_tokens packed",
+    )
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

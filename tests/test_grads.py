@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples
 
 VOCAB = 64
@@ -20,8 +20,14 @@ REL = 1e-5
 
 def _cfg() -> fnppo.ModelConfig:
     return fnppo.ModelConfig(  # 4 layers: pp=2 x vpp=2 takes one per chunk
-        num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=VOCAB, max_seq_len=32, tie_embeddings=True,
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_seq_len=32,
+        tie_embeddings=True,
     )
 
 
@@ -38,7 +44,7 @@ def _backward(ddp, mbs) -> None:
     """Megatron's schedule, forward + backward (no finalize: the config has no finalize function)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from fnppo.core.batch import pad_microbatch
+    from fnppo.core.collate import pad_microbatch
 
     total = sum(mb.loss_mask.sum() for mb in mbs)
     n = len(mbs)
@@ -56,17 +62,20 @@ def _backward(ddp, mbs) -> None:
         return fnppo.forward_logits(model, mb), loss_func
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in ddp] if len(ddp) > 1 else iter(mbs),
-        model=list(ddp), num_microbatches=n,
+        forward_step_func=forward_step,
+        data_iterator=[iter(mbs) for _ in ddp] if len(ddp) > 1 else iter(mbs),
+        model=list(ddp),
+        num_microbatches=n,
         seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
-        micro_batch_size=int(mbs[0].input_ids.shape[0]), forward_only=False,
+        micro_batch_size=int(mbs[0].input_ids.shape[0]),
+        forward_only=False,
     )
 
 
 def _setup(distributed_optimizer: bool, seed: int = 4):
     chunks = fnppo.build_gpt(_cfg())
     # larger weights than usual make the norm-weight grads a visible part of the total
-    fnppo.layout_invariant_init(chunks, seed=seed, std=0.3)
+    fnppo.models.layout_invariant_init(chunks, seed=seed, std=0.3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=distributed_optimizer)
     # clip_grad > 0 makes Megatron's step compute the norm; this large it never clips
     opt = fnppo.build_optimizer(ddp, optimizer="adam", lr=1e-3, clip_grad=1e6)
@@ -92,28 +101,37 @@ def _norm_case(distributed_optimizer: bool) -> dict:
     # blocking shape exchange deadlocks it over gloo at num_microbatches == pp (fnppo's steps turn it off)
     _backward(ddp, _mbs(4 if current_layout().vpp else N_MB))
     stats = fnppo.finalize_grads(ddp)
-    again = fnppo.grad_norm(ddp)  # no side effects: same value when called again
+    again = fnppo.models.grad_norm(ddp)  # no side effects: same value when called again
     # every local parameter once per rank: double counts TP duplicates and the tied embedding
-    naive_sq = torch.tensor([sum(float(p.main_grad.double().square().sum()) for _, p in _params(ddp))], dtype=torch.float64)
+    naive_sq = torch.tensor(
+        [sum(float(p.main_grad.double().square().sum()) for _, p in _params(ddp))], dtype=torch.float64
+    )
     dist.all_reduce(naive_sq)
     ok, step_norm, _ = opt.step()
     megatron_norm = float(opt.get_grad_norm())
     with torch.no_grad():  # full (1-rank) gradients, gathered like weights
         for _, p in _params(ddp):
             p.copy_(p.main_grad)
-    full = fnppo.gather_full_weights(ddp)
+    full = fnppo.models.gather_full_weights(ddp)
     full_norm = sum(float(g.double().square().sum()) for g in full.values()) ** 0.5
     return {
-        "norm": float(stats.grad_norm), "finite": stats.finite, "again": float(again), "ok": bool(ok),
-        "step_norm": float(step_norm), "megatron_norm": megatron_norm, "full_norm": full_norm,
-        "naive_norm": float(naive_sq[0]) ** 0.5, "dtype": stats.grad_norm.dtype, "ndim": stats.grad_norm.ndim,
+        "norm": float(stats.grad_norm),
+        "finite": stats.finite,
+        "again": float(again),
+        "ok": bool(ok),
+        "step_norm": float(step_norm),
+        "megatron_norm": megatron_norm,
+        "full_norm": full_norm,
+        "naive_norm": float(naive_sq[0]) ** 0.5,
+        "dtype": stats.grad_norm.dtype,
+        "ndim": stats.grad_norm.ndim,
     }
 
 
 def _unwrapped_errors() -> dict:
     raw = fnppo.build_gpt(_cfg())[0]
     out = {}
-    for name, fn in (("grad_norm", fnppo.grad_norm), ("finalize_grads", fnppo.finalize_grads)):
+    for name, fn in (("grad_norm", fnppo.models.grad_norm), ("finalize_grads", fnppo.finalize_grads)):
         try:
             fn([raw])
             out[name] = "no error"
@@ -178,8 +196,11 @@ def _dp_both() -> dict:
 
 @pytest.fixture(scope="module")
 def layouts() -> dict:
-    return {"tp2": run_ranks(_tp_or_pp_case, 2, tp=2), "pp2": run_ranks(_tp_or_pp_case, 2, pp=2),
-            "pp2-vpp2": run_ranks(_tp_or_pp_case, 2, pp=2, vpp=2)}
+    return {
+        "tp2": run_ranks(_tp_or_pp_case, 2, tp=2),
+        "pp2": run_ranks(_tp_or_pp_case, 2, pp=2),
+        "pp2-vpp2": run_ranks(_tp_or_pp_case, 2, pp=2, vpp=2),
+    }
 
 
 @pytest.fixture(scope="module")

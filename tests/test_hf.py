@@ -23,26 +23,42 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fnppo.core.errors import InputError
 from fnppo.io.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
 from fnppo.testing import run_ranks
-from fnppo.core.typing import InputError
 from tests.messages import check_message, raises_message
 
 SEQ = 12
 TOL = 1e-4
 
 _COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, rms_norm_eps=1e-5, attention_dropout=0.0,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    attention_dropout=0.0,
 )
 FAMILIES = {
     # untied embeddings, Llama 3.2 style rope scaling (factor 32, not Megatron's default 8)
-    "llama": ("LlamaConfig", dict(
-        _COMMON, tie_word_embeddings=False, max_position_embeddings=16384,
-        rope_theta=500000.0,  # the transformers 4 keys; transformers 5 turns them into rope_parameters
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-    )),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            _COMMON,
+            tie_word_embeddings=False,
+            max_position_embeddings=16384,
+            rope_theta=500000.0,  # the transformers 4 keys; transformers 5 turns them into rope_parameters
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+    ),
     # q/k/v bias, tied embeddings
     "qwen2": ("Qwen2Config", dict(_COMMON, tie_word_embeddings=True, rope_theta=1e6)),
     # q/k RMSNorm, head_dim != hidden / heads, tied embeddings, sharded checkpoint with an index
@@ -106,8 +122,8 @@ def _megatron_logits(chunks, ids: torch.Tensor):
     """Full-vocabulary logits [1, s, V] on the last pipeline stage (None elsewhere)."""
     import torch.distributed as dist
 
-    from fnppo.megatron.model import unwrap_model
     from fnppo.megatron.parallel import current_layout
+    from fnppo.megatron.unwrap import unwrap_model
 
     layout = current_layout()
     core = unwrap_model(chunks[0]).eval()
@@ -129,12 +145,19 @@ def _megatron_logits(chunks, ids: torch.Tensor):
 
 
 def _layout_worker(
-    ckpts: dict, export_root: str, *, logprobs: bool = False, pad_vocab: bool = False, bad: dict | None = None,
-    values: dict | None = None, value_bad: dict | None = None, foreign: dict | None = None,
+    ckpts: dict,
+    export_root: str,
+    *,
+    logprobs: bool = False,
+    pad_vocab: bool = False,
+    bad: dict | None = None,
+    values: dict | None = None,
+    value_bad: dict | None = None,
+    foreign: dict | None = None,
 ) -> dict:
     """Load every family, return full logits, export; optionally also the other checks below."""
-    from fnppo.megatron.model import unwrap_model
     from fnppo.megatron.parallel import current_layout
+    from fnppo.megatron.unwrap import unwrap_model
 
     layout = current_layout()
     res: dict = {}
@@ -145,15 +168,18 @@ def _layout_worker(
             half = build_gpt_from_hf(path, dtype="bf16")
             load_hf_weights(half, path)
             full = dict(unwrap_model(chunks[0]).named_parameters())
-            res["bf16"] = all(
-                p.dtype == torch.bfloat16 and torch.equal(p, full[k].to(torch.bfloat16))
-                for k, p in unwrap_model(half[0]).named_parameters()
-            ) and type(half[0]).__name__ == "Float16Module"
+            res["bf16"] = (
+                all(
+                    p.dtype == torch.bfloat16 and torch.equal(p, full[k].to(torch.bfloat16))
+                    for k, p in unwrap_model(half[0]).named_parameters()
+                )
+                and type(half[0]).__name__ == "Float16Module"
+            )
         res[family] = _megatron_logits(chunks, ids)
         export_hf_weights(chunks, f"{export_root}/{family}", hf_config=path)
         if logprobs:
-            from fnppo.core.batch import Sample
-            from fnppo.steps.step import compute_logprobs
+            from fnppo.core.sample import Sample
+            from fnppo.steps.infer import compute_logprobs
 
             (lp,), _ = compute_logprobs(chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])])
             res[family + "/logprobs"] = lp
@@ -176,7 +202,7 @@ def _layout_worker(
 
 def _refused_load(chunks, path) -> tuple[str, bool]:
     """``(message, the model untouched)`` of ``load_hf_weights(chunks, path)`` (``"no error"`` if it loads)."""
-    from fnppo.megatron.model import unwrap_model
+    from fnppo.megatron.unwrap import unwrap_model
 
     before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
     try:
@@ -202,7 +228,9 @@ def _error_checks(ckpts: dict, bad: dict) -> dict:
     chunks = build_gpt_from_hf(path, dtype="fp32")
     res = {case: _refused_load(chunks, bad_path) for case, bad_path in bad.items()}
     res["tp mismatch"] = _refused_call(lambda: build_gpt_from_hf(path, tp=2))
-    res["export config mismatch"] = _refused_call(lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0]))
+    res["export config mismatch"] = _refused_call(
+        lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0])
+    )
     return res
 
 
@@ -230,8 +258,18 @@ def tp1_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
         (d / "config.json").write_text((src / "config.json").read_text())
         bad[case] = str(d)
     value_bad = _bad_value_checkpoints(value_checkpoints, root / "bad-value")
-    results = run_ranks(_layout_worker, 2, checkpoints, str(root / "export"), bad=bad, values=value_checkpoints,
-                        value_bad=value_bad, foreign=foreign_critics, tp=1, pp=1)
+    results = run_ranks(
+        _layout_worker,
+        2,
+        checkpoints,
+        str(root / "export"),
+        bad=bad,
+        values=value_checkpoints,
+        value_bad=value_bad,
+        foreign=foreign_critics,
+        tp=1,
+        pp=1,
+    )
     return results, root / "export"
 
 
@@ -241,7 +279,7 @@ def tp1_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
 def _assert_close_logits(results: list, world: int, tp: int, pp: int, checkpoints) -> None:
     last = [r for r in results if r["llama"] is not None]
     assert len(last) == world // pp
-    for family, (_, ids, ref) in checkpoints.items():
+    for family, (_, _ids, ref) in checkpoints.items():
         for res in last:
             got = res[family]
             assert got.shape == ref.shape, (family, got.shape)
@@ -271,14 +309,18 @@ def test_logits_and_export_tp1_dp2(checkpoints, tp1_run):
 @pytest.fixture(scope="module")
 def tp2_run(checkpoints, value_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp2")
-    return run_ranks(_layout_worker, 2, checkpoints, str(root), pad_vocab=True, values=value_checkpoints, tp=2, pp=1), root
+    return run_ranks(
+        _layout_worker, 2, checkpoints, str(root), pad_vocab=True, values=value_checkpoints, tp=2, pp=1
+    ), root
 
 
 @pytest.fixture(scope="module")
 def pp2_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
     root = tmp_path_factory.mktemp("pp2")
     foreign = (foreign_critics[0], {})  # the heads on the last stage; the refusals run under TP=1
-    return run_ranks(_layout_worker, 2, checkpoints, str(root), logprobs=True, values=value_checkpoints, foreign=foreign, tp=1, pp=2), root
+    return run_ranks(
+        _layout_worker, 2, checkpoints, str(root), logprobs=True, values=value_checkpoints, foreign=foreign, tp=1, pp=2
+    ), root
 
 
 def test_logits_and_export_tp2_padded_vocab(checkpoints, tp2_run):
@@ -303,7 +345,7 @@ def test_logits_export_and_compute_logprobs_pp2(checkpoints, pp2_run):
     results, tmp_path = pp2_run
     _assert_close_logits(results, 2, 1, 2, checkpoints)
     _assert_export_equal(tmp_path, checkpoints)
-    for family, (_, ids, ref) in checkpoints.items():  # log p(ids[t] | ids[<t]) for response tokens t >= 4
+    for family, (_, _ids, ref) in checkpoints.items():  # log p(ids[t] | ids[<t]) for response tokens t >= 4
         ref_lp = torch.log_softmax(ref[0, 3:-1].double(), -1).gather(-1, ids[0, 4:, None])[:, 0]
         for res in results:
             assert (res[family + "/logprobs"].double() - ref_lp).abs().max().item() <= TOL, family
@@ -313,8 +355,16 @@ def test_logits_export_and_compute_logprobs_pp2(checkpoints, pp2_run):
 # Value models: a token classifier and a sequence classifier (num_labels=1) in, a token classifier out
 # ---------------------------------------------------------------------------------------------
 VALUE_CHECKPOINTS = {  # name: (family, transformers class, the class export writes)
-    "qwen2-token": ("qwen2", "Qwen2ForTokenClassification", "Qwen2ForTokenClassification"),  # tied, q/k/v bias, score.bias
-    "llama-sequence": ("llama", "LlamaForSequenceClassification", "LlamaForTokenClassification"),  # llama3 rope, no score.bias
+    "qwen2-token": (
+        "qwen2",
+        "Qwen2ForTokenClassification",
+        "Qwen2ForTokenClassification",
+    ),  # tied, q/k/v bias, score.bias
+    "llama-sequence": (
+        "llama",
+        "LlamaForSequenceClassification",
+        "LlamaForTokenClassification",
+    ),  # llama3 rope, no score.bias
 }
 
 
@@ -336,7 +386,9 @@ def value_checkpoints(tmp_path_factory):
                 assert torch.allclose(model(input_ids=ids).logits[0, 0], ref[-1], rtol=0, atol=1e-6)
         model.save_pretrained(str(root / name))
         out[name] = (str(root / name), ids, ref.double())
-    assert "score.bias" in _hf_tensors(root / "qwen2-token") and "score.bias" not in _hf_tensors(root / "llama-sequence")
+    assert "score.bias" in _hf_tensors(root / "qwen2-token") and "score.bias" not in _hf_tensors(
+        root / "llama-sequence"
+    )
     return out
 
 
@@ -345,7 +397,7 @@ def _move(chunks) -> None:
     replicate a parameter move it alike)."""
     import zlib
 
-    from fnppo.megatron.model import unwrap_model
+    from fnppo.megatron.unwrap import unwrap_model
 
     for chunk in chunks:
         with torch.no_grad():
@@ -356,9 +408,9 @@ def _move(chunks) -> None:
 def _value_worker(ckpts: dict, export_root: str) -> dict:
     """Per value checkpoint: what the loader skipped, compute_values of one sample (prompt: the first
     token), an export; then every parameter moved, exported, reloaded into a new value model."""
-    from fnppo.core.batch import Sample
-    from fnppo.megatron.model import unwrap_model
-    from fnppo.steps.step import compute_values
+    from fnppo.core.sample import Sample
+    from fnppo.megatron.unwrap import unwrap_model
+    from fnppo.steps.infer import compute_values
 
     out = {}
     for name, (path, ids, _) in ckpts.items():
@@ -374,12 +426,21 @@ def _value_worker(ckpts: dict, export_root: str) -> dict:
         skipped_again = load_hf_weights(again, f"{export_root}/{name}-moved")
         (reloaded,) = compute_values(again, sample)
         mine, theirs = (dict(unwrap_model(c[0]).named_parameters()) for c in (chunks, again))
-        out[name] = {"skipped": skipped, "skipped_again": skipped_again, "values": values, "moved": moved, "reloaded": reloaded,
-                     "params": sorted(mine), "differ": sorted(k for k in mine if not torch.equal(mine[k], theirs[k]))}
+        out[name] = {
+            "skipped": skipped,
+            "skipped_again": skipped_again,
+            "values": values,
+            "moved": moved,
+            "reloaded": reloaded,
+            "params": sorted(mine),
+            "differ": sorted(k for k in mine if not torch.equal(mine[k], theirs[k])),
+        }
     return out
 
 
-def _assert_values_and_value_export(results: list, value_checkpoints, export_root: Path, classes: dict | None = None) -> None:
+def _assert_values_and_value_export(
+    results: list, value_checkpoints, export_root: Path, classes: dict | None = None
+) -> None:
     """Every rank's values equal transformers' scores; the exports equal the checkpoints; a moved
     critic reloads bit for bit. ``classes``: name -> the class export writes (default: VALUE_CHECKPOINTS')."""
     classes = classes or {name: v[2] for name, v in VALUE_CHECKPOINTS.items()}
@@ -416,7 +477,9 @@ def test_value_models_load_and_export_tp2_and_transformers_reads_the_export(valu
     # the moved critic's export is a transformers token classifier whose logits[..., 0] are fnppo's values
     transformers = _transformers()
     for name, (_, ids, _) in value_checkpoints.items():
-        hf = transformers.AutoModelForTokenClassification.from_pretrained(str(root / f"{name}-moved"), dtype=torch.float32).eval()
+        hf = transformers.AutoModelForTokenClassification.from_pretrained(
+            str(root / f"{name}-moved"), dtype=torch.float32
+        ).eval()
         assert type(hf).__name__ == VALUE_CHECKPOINTS[name][2] and hf.config.num_labels == 1
         with torch.no_grad():
             scores = hf(input_ids=ids).logits[0, :-1, 0].double()
@@ -504,20 +567,36 @@ def foreign_critics(tmp_path_factory):
                 model.save_pretrained(str(root / name), state_dict=state)
         out[name] = (str(root / name), ids, ref)
     cfg = json.loads((root / "openrlhf-critic" / "config.json").read_text())
-    assert cfg["architectures"] == ["CriticModel"] and cfg["value_head_prefix"] == "score" and cfg["normalize_reward"] is True
-    assert sorted(k for k in _hf_tensors(root / "openrlhf-reward") if not k.startswith("model.")) == ["value_head.weight"]
+    assert (
+        cfg["architectures"] == ["CriticModel"]
+        and cfg["value_head_prefix"] == "score"
+        and cfg["normalize_reward"] is True
+    )
+    assert sorted(k for k in _hf_tensors(root / "openrlhf-reward") if not k.startswith("model.")) == [
+        "value_head.weight"
+    ]
     assert {"v_head.summary.weight", "v_head.summary.bias", "lm_head.weight"} <= set(_hf_tensors(root / "trl-v-head"))
     assert _hf_tensors(root / "verl-megatron")["lm_head.weight"].shape == (1, 64)
     trl, critic, reward = (out[n][0] for n in ("trl-v-head", "openrlhf-critic", "openrlhf-reward"))
     bad = {
-        "both-prefixes": _variant(critic, root / "bad" / "both-prefixes", {"value_head_prefix": _DROP},
-                                  tensors={"value_head.weight": torch.zeros(1, 64)}),
+        "both-prefixes": _variant(
+            critic,
+            root / "bad" / "both-prefixes",
+            {"value_head_prefix": _DROP},
+            tensors={"value_head.weight": torch.zeros(1, 64)},
+        ),
         "std-zero": _variant(critic, root / "bad" / "std-zero", {"std": 0.0}),
         "mean-text": _variant(critic, root / "bad" / "mean-text", {"mean": "0.3"}),
-        "prefix-not-a-name": _variant(critic, root / "bad" / "prefix-not-a-name", {"value_head_prefix": "score weight"}),
+        "prefix-not-a-name": _variant(
+            critic, root / "bad" / "prefix-not-a-name", {"value_head_prefix": "score weight"}
+        ),
         "prefix-elsewhere": _variant(reward, root / "bad" / "prefix-elsewhere", {"value_head_prefix": "score"}),
-        "v-head-and-verl": _variant(trl, root / "bad" / "v-head-and-verl", tensors={"lm_head.weight": torch.zeros(1, 64)}),
-        "v-head-two-rows": _variant(trl, root / "bad" / "v-head-two-rows", tensors={"v_head.summary.weight": torch.zeros(2, 64)}),
+        "v-head-and-verl": _variant(
+            trl, root / "bad" / "v-head-and-verl", tensors={"lm_head.weight": torch.zeros(1, 64)}
+        ),
+        "v-head-two-rows": _variant(
+            trl, root / "bad" / "v-head-two-rows", tensors={"v_head.summary.weight": torch.zeros(2, 64)}
+        ),
         "v-head-no-bias": _variant(trl, root / "bad" / "v-head-no-bias", drop=("v_head.summary.bias",)),
     }
     return out, bad
@@ -525,9 +604,9 @@ def foreign_critics(tmp_path_factory):
 
 def _foreign_worker(critics: dict, bad: dict) -> dict:
     """Per foreign critic: what the loader skipped and compute_values of one sample; each bad variant's refusal."""
-    from fnppo.core.batch import Sample
+    from fnppo.core.sample import Sample
     from fnppo.megatron.parallel import current_layout
-    from fnppo.steps.step import compute_values
+    from fnppo.steps.infer import compute_values
 
     out = {}
     for name, (path, ids, _) in critics.items():
@@ -539,7 +618,13 @@ def _foreign_worker(critics: dict, bad: dict) -> dict:
             layout = current_layout()
             export_hf_weights(chunks, f"{path}-export-pp{layout.pp}", hf_config=path)
     for case, path in bad.items():
-        src = critics["trl-v-head" if case.startswith("v-head") else "openrlhf-reward" if case == "prefix-elsewhere" else "openrlhf-critic"][0]
+        src = critics[
+            "trl-v-head"
+            if case.startswith("v-head")
+            else "openrlhf-reward"
+            if case == "prefix-elsewhere"
+            else "openrlhf-critic"
+        ][0]
         out[case] = _refused_load(build_gpt_from_hf(src, head="value", dtype="fp32"), path)
     return out
 
@@ -554,15 +639,29 @@ def _assert_foreign_values(results: list, critics: dict) -> None:
 
 
 _FOREIGN_ERRORS = {  # case -> (argument, expected, received)
-    "both-prefixes": ("config.json['value_head_prefix']", "the name of OpenRLHF's value head (its --value_head_prefix: 'score' or 'value_head')",
-                      "no such key, and both of them stored"),
+    "both-prefixes": (
+        "config.json['value_head_prefix']",
+        "the name of OpenRLHF's value head (its --value_head_prefix: 'score' or 'value_head')",
+        "no such key, and both of them stored",
+    ),
     "std-zero": ("config.json['std']", "a finite number > 0 (OpenRLHF's reward std: normalize_reward is true)", "0.0"),
     "mean-text": ("config.json['mean']", "a finite number (OpenRLHF's reward mean: normalize_reward is true)", "'0.3'"),
-    "prefix-not-a-name": ("config.json['value_head_prefix']", "a module name such as 'score' or 'value_head'", "'score weight'"),
+    "prefix-not-a-name": (
+        "config.json['value_head_prefix']",
+        "a module name such as 'score' or 'value_head'",
+        "'score weight'",
+    ),
     "prefix-elsewhere": ("path", "a tensor named 'score.weight'", "a checkpoint without it"),
-    "v-head-and-verl": ("path", "one value head (one of: 'score.weight', 'value_head.weight', 'v_head.summary.weight', 'lm_head.weight')",
-                        "a checkpoint with 'v_head.summary.weight' and 'lm_head.weight'"),
-    "v-head-two-rows": ("checkpoint['v_head.summary.weight']", "shape (1, 64) (num_labels=1: one value per token)", "shape (2, 64)"),
+    "v-head-and-verl": (
+        "path",
+        "one value head (one of: 'score.weight', 'value_head.weight', 'v_head.summary.weight', 'lm_head.weight')",
+        "a checkpoint with 'v_head.summary.weight' and 'lm_head.weight'",
+    ),
+    "v-head-two-rows": (
+        "checkpoint['v_head.summary.weight']",
+        "shape (1, 64) (num_labels=1: one value per token)",
+        "shape (2, 64)",
+    ),
     "v-head-no-bias": ("path", "a tensor named 'v_head.summary.bias'", "a checkpoint without it"),
 }
 
@@ -579,7 +678,12 @@ def test_critics_of_other_rl_stacks_load_dp2_and_pp2(foreign_critics, tp1_run, p
     for pp in (1, 2):  # transformers reads the export: OpenRLHF's normalised values, no OpenRLHF keys left
         export = f"{path}-export-pp{pp}"
         cfg = json.loads(Path(export, "config.json").read_text())
-        assert cfg["architectures"] == ["LlamaForTokenClassification"] and not {"normalize_reward", "mean", "std", "value_head_prefix"} & set(cfg)
+        assert cfg["architectures"] == ["LlamaForTokenClassification"] and not {
+            "normalize_reward",
+            "mean",
+            "std",
+            "value_head_prefix",
+        } & set(cfg)
         hf = transformers.AutoModelForTokenClassification.from_pretrained(export, dtype=torch.float32).eval()
         with torch.no_grad():
             assert (hf(input_ids=ids).logits[0, :, 0].double() - ref).abs().max().item() <= TOL, pp
@@ -597,8 +701,11 @@ def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
     results, _ = tp1_run
     expected = {  # case -> (argument, expected, received)
         "missing": ("path", "a tensor named 'model.layers.1.mlp.up_proj.weight'", "a checkpoint without it"),
-        "unexpected": ("path", "only the tensors of the model's architecture",
-                       "an unexpected tensor 'model.layers.0.self_attn.extra.weight' of shape (2,)"),
+        "unexpected": (
+            "path",
+            "only the tensors of the model's architecture",
+            "an unexpected tensor 'model.layers.0.self_attn.extra.weight' of shape (2,)",
+        ),
         "shape": ("checkpoint['model.layers.1.self_attn.k_proj.weight']", "shape (32, 64)", "shape (16, 64)"),
         "dtype": ("checkpoint['model.norm.weight']", "a floating dtype (BF16, F16, F32, F64)", "I32"),
     }
@@ -608,12 +715,19 @@ def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
             msg, untouched = errors[case]
             check_message(InputError(msg), InputError, "load_hf_weights", *expected[case])
             assert untouched, case
-        check_message(InputError(errors["tp mismatch"][0]), InputError, "build_gpt_from_hf", "tp",
-                      "1 (the current Megatron layout; set it with fnppo.init_parallel)", "2")
+        check_message(
+            InputError(errors["tp mismatch"][0]),
+            InputError,
+            "build_gpt_from_hf",
+            "tp",
+            "1 (the current Megatron layout; set it with fnppo.init_parallel)",
+            "2",
+        )
         assert errors["export config mismatch"][0].startswith(
             "fnppo.io.hf.export_hf_weights: argument 'hf_config['model_type']' expected 'llama' (what the model was built "
             "for), received 'qwen2' (in hf_config; also differs: architectures: ['Qwen2ForCausalLM'] (model: "
-            "['LlamaForCausalLM'])"), errors["export config mismatch"][0]
+            "['LlamaForCausalLM'])"
+        ), errors["export config mismatch"][0]
         assert "tie_word_embeddings: True (model: False)" in errors["export config mismatch"][0]
         assert res["bf16"] is True
 
@@ -623,10 +737,14 @@ def _bad_value_checkpoints(value_checkpoints, root: Path) -> dict:
     path = value_checkpoints["qwen2-token"][0]
     two = {"score.weight": torch.zeros(2, 64), "score.bias": torch.zeros(2)}
     cases = {
-        "two-labels": _variant(path, root / "two-labels", {"id2label": {"0": "A", "1": "B"}, "label2id": {"A": 0, "B": 1}}, tensors=two),
+        "two-labels": _variant(
+            path, root / "two-labels", {"id2label": {"0": "A", "1": "B"}, "label2id": {"A": 0, "B": 1}}, tensors=two
+        ),
         "two-labels-no-config": _variant(path, root / "two-labels-no-config", tensors=two),
         "no-bias": _variant(path, root / "no-bias", drop=("score.bias",)),
-        "question-answering": _variant(path, root / "question-answering", {"architectures": ["Qwen2ForQuestionAnswering"]}),
+        "question-answering": _variant(
+            path, root / "question-answering", {"architectures": ["Qwen2ForQuestionAnswering"]}
+        ),
         "into-a-policy": _variant(path, root / "into-a-policy"),
     }
     for case in ("two-labels-no-config", "into-a-policy"):
@@ -638,26 +756,60 @@ def _value_error_checks(values: dict, ckpts: dict, bad: dict) -> dict:
     """case -> (message, the model untouched) for each bad value checkpoint; a classifier's config
     built with the default head."""
     token = values["qwen2-token"][0]
-    models = {"value": build_gpt_from_hf(token, head="value", dtype="fp32"), "policy": build_gpt_from_hf(ckpts["qwen2"][0], dtype="fp32")}
-    res = {case: _refused_load(models["policy" if case == "into-a-policy" else "value"], path) for case, path in bad.items()}
+    models = {
+        "value": build_gpt_from_hf(token, head="value", dtype="fp32"),
+        "policy": build_gpt_from_hf(ckpts["qwen2"][0], dtype="fp32"),
+    }
+    res = {
+        case: _refused_load(models["policy" if case == "into-a-policy" else "value"], path)
+        for case, path in bad.items()
+    }
     res["default-head"] = _refused_call(lambda: build_gpt_from_hf(token, dtype="fp32"))
     res["export-two-labels"] = _refused_call(
-        lambda: export_hf_weights(models["value"], bad["two-labels"] + "-export", hf_config=bad["two-labels"]))
+        lambda: export_hf_weights(models["value"], bad["two-labels"] + "-export", hf_config=bad["two-labels"])
+    )
     return res
 
 
 _VALUE_ERRORS = {  # case -> (function, argument, expected, received)
-    "two-labels": ("load_hf_weights", "config.json['id2label']", "one entry (num_labels=1: one value per token, the value head; Qwen2ForTokenClassification)",
-                   "{'0': 'A', '1': 'B'}"),
-    "two-labels-no-config": ("load_hf_weights", "checkpoint['score.weight']", "shape (1, 64) (num_labels=1: one value per token)", "shape (2, 64)"),
+    "two-labels": (
+        "load_hf_weights",
+        "config.json['id2label']",
+        "one entry (num_labels=1: one value per token, the value head; Qwen2ForTokenClassification)",
+        "{'0': 'A', '1': 'B'}",
+    ),
+    "two-labels-no-config": (
+        "load_hf_weights",
+        "checkpoint['score.weight']",
+        "shape (1, 64) (num_labels=1: one value per token)",
+        "shape (2, 64)",
+    ),
     "no-bias": ("load_hf_weights", "path", "a tensor named 'score.bias'", "a checkpoint without it"),
-    "question-answering": ("load_hf_weights", "config.json['architectures']",
-                           "['Qwen2ForCausalLM'] (a policy) or ['Qwen2ForTokenClassification'] / ['Qwen2ForSequenceClassification'] "
-                           "(a value or reward model, num_labels=1) for model_type 'qwen2'", "['Qwen2ForQuestionAnswering']"),
-    "into-a-policy": ("load_hf_weights", "path", "only the tensors of the model's architecture",
-                      "an unexpected tensor 'score.bias' of shape (1,) (a value or reward model's head: load it into build_gpt_from_hf(path, head='value'))"),
-    "export-two-labels": ("export_hf_weights", "hf_config['id2label']", "one entry (num_labels=1", "{'0': 'A', '1': 'B'}"),
-    "default-head": ("build_gpt_from_hf", "head", "'value' for a Qwen2ForTokenClassification checkpoint (its score head is a value head; it has no lm_head)", "'lm'"),
+    "question-answering": (
+        "load_hf_weights",
+        "config.json['architectures']",
+        "['Qwen2ForCausalLM'] (a policy) or ['Qwen2ForTokenClassification'] / ['Qwen2ForSequenceClassification'] "
+        "(a value or reward model, num_labels=1) for model_type 'qwen2'",
+        "['Qwen2ForQuestionAnswering']",
+    ),
+    "into-a-policy": (
+        "load_hf_weights",
+        "path",
+        "only the tensors of the model's architecture",
+        "an unexpected tensor 'score.bias' of shape (1,) (a value or reward model's head: load it into build_gpt_from_hf(path, head='value'))",
+    ),
+    "export-two-labels": (
+        "export_hf_weights",
+        "hf_config['id2label']",
+        "one entry (num_labels=1",
+        "{'0': 'A', '1': 'B'}",
+    ),
+    "default-head": (
+        "build_gpt_from_hf",
+        "head",
+        "'value' for a Qwen2ForTokenClassification checkpoint (its score head is a value head; it has no lm_head)",
+        "'lm'",
+    ),
 }
 
 
@@ -684,26 +836,67 @@ _SUPPORTED = "one of: LlamaForCausalLM (model_type 'llama'), Qwen2ForCausalLM (m
 @pytest.mark.parametrize(
     "changes, arg, expected, received",
     [
-        (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "config.model_type", _SUPPORTED,
-         "model_type='mistral', architectures=['MistralForCausalLM']"),
-        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "config.model_type", _SUPPORTED,
-         "model_type='gpt2', architectures=['GPT2LMHeadModel']"),
-        (dict(architectures=["LlamaForQuestionAnswering"]), "config.architectures",
-         "['LlamaForCausalLM'] (a policy) or ['LlamaForTokenClassification'] / ['LlamaForSequenceClassification'] "
-         "(a value or reward model, num_labels=1) for model_type 'llama'", "['LlamaForQuestionAnswering']"),
-        (dict(architectures=["LlamaForTokenClassification"]), "config.id2label", "one entry (num_labels=1",
-         "{0: 'LABEL_0', 1: 'LABEL_1'}"),  # transformers' default: two labels
-        (dict(architectures=["LlamaForSequenceClassification"], id2label=None, num_labels=3), "config.num_labels", "1 (num_labels=1", "3"),
-        (dict(architectures=["LlamaForTokenClassification"], id2label=None), "config.num_labels", "1 (num_labels=1",
-         "neither id2label nor num_labels (transformers' default: 2 labels)"),
+        (
+            dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+            "config.model_type",
+            _SUPPORTED,
+            "model_type='mistral', architectures=['MistralForCausalLM']",
+        ),
+        (
+            dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+            "config.model_type",
+            _SUPPORTED,
+            "model_type='gpt2', architectures=['GPT2LMHeadModel']",
+        ),
+        (
+            dict(architectures=["LlamaForQuestionAnswering"]),
+            "config.architectures",
+            "['LlamaForCausalLM'] (a policy) or ['LlamaForTokenClassification'] / ['LlamaForSequenceClassification'] "
+            "(a value or reward model, num_labels=1) for model_type 'llama'",
+            "['LlamaForQuestionAnswering']",
+        ),
+        (
+            dict(architectures=["LlamaForTokenClassification"]),
+            "config.id2label",
+            "one entry (num_labels=1",
+            "{0: 'LABEL_0', 1: 'LABEL_1'}",
+        ),  # transformers' default: two labels
+        (
+            dict(architectures=["LlamaForSequenceClassification"], id2label=None, num_labels=3),
+            "config.num_labels",
+            "1 (num_labels=1",
+            "3",
+        ),
+        (
+            dict(architectures=["LlamaForTokenClassification"], id2label=None),
+            "config.num_labels",
+            "1 (num_labels=1",
+            "neither id2label nor num_labels (transformers' default: 2 labels)",
+        ),
         (dict(hidden_act="gelu"), "config.hidden_act", "'silu' (SwiGLU)", "'gelu'"),
         (dict(attention_bias=True), "config.attention_bias", "False (o_proj bias without MLP bias", "True"),
         (dict(mlp_bias=True), "config.mlp_bias", "False", "True"),
-        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "config.rope_parameters",
-         "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", "'yarn'"),
-        (dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=2.0,
-                                   high_freq_factor=4.0, original_max_position_embeddings=8192)),
-         "config.rope_parameters['low_freq_factor']", "1 (the llama3 scaling Megatron implements)", "2.0"),
+        (
+            dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
+            "config.rope_parameters",
+            "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)",
+            "'yarn'",
+        ),
+        (
+            dict(
+                rope_parameters=dict(
+                    rope_type="llama3",
+                    rope_theta=1e4,
+                    factor=8.0,
+                    low_freq_factor=2.0,
+                    high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                )
+            ),
+            "config.rope_parameters['low_freq_factor']",
+            "1 (the llama3 scaling Megatron implements)",
+            "2.0",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused(changes, arg, expected, received):
@@ -712,8 +905,9 @@ def test_unsupported_configs_are_refused(changes, arg, expected, received):
 
 
 def test_sliding_window_is_refused():
-    with raises_message("model_config_from_hf", "config.use_sliding_window",
-                        "False (sliding-window attention is not supported)", "True"):
+    with raises_message(
+        "model_config_from_hf", "config.use_sliding_window", "False (sliding-window attention is not supported)", "True"
+    ):
         model_config_from_hf(_hf_dict("qwen2", use_sliding_window=True, sliding_window=16))
 
 
@@ -730,16 +924,30 @@ def test_model_config_mapping(tmp_path):
     assert qwen3.qk_layernorm and qwen3.kv_channels == 32 and not qwen3.add_qkv_bias and qwen3.dtype == "bf16"
     # transformers 4.x style keys (rope_theta / rope_scaling, torch_dtype), from a config.json path
     old = {k: v for k, v in _hf_dict("llama").items() if k not in ("rope_parameters", "dtype")}
-    old.update(rope_theta=5e5, torch_dtype="bfloat16",
-               rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192))
+    old.update(
+        rope_theta=5e5,
+        torch_dtype="bfloat16",
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    )
     (tmp_path / "config.json").write_text(json.dumps(old))
     cfg = model_config_from_hf(tmp_path)
     assert cfg.rope_scaling and cfg.rope_scaling_factor == 8.0 and cfg.rotary_base == 5e5 and cfg.dtype == "bf16"
-    with raises_message("model_config_from_hf", "overrides", "ModelConfig fields (add_bias_linear, ", "['no_such_field']"):
+    with raises_message(
+        "model_config_from_hf", "overrides", "ModelConfig fields (add_bias_linear, ", "['no_such_field']"
+    ):
         model_config_from_hf(_hf_dict("llama"), no_such_field=1)
-    with raises_message("model_config_from_hf", "config_or_path", "a config.json file or a local directory holding one",
-                        repr(str(tmp_path / "missing"))):
+    with raises_message(
+        "model_config_from_hf",
+        "config_or_path",
+        "a config.json file or a local directory holding one",
+        repr(str(tmp_path / "missing")),
+    ):
         model_config_from_hf(tmp_path / "missing")
     assert math.isclose(model_config_from_hf(_hf_dict("qwen2"), layernorm_epsilon=1e-3).layernorm_epsilon, 1e-3)
 
@@ -772,8 +980,8 @@ def qwen2_v151(tmp_path_factory):
 
 
 def _padded_vocab_worker(path: str, ids: torch.Tensor) -> dict:
-    from fnppo.core.batch import Sample
-    from fnppo.steps.step import compute_logprobs
+    from fnppo.core.sample import Sample
+    from fnppo.steps.infer import compute_logprobs
 
     out = {}
     for divisible in (1, 2, 128):
@@ -783,7 +991,9 @@ def _padded_vocab_worker(path: str, ids: torch.Tensor) -> dict:
             out[divisible] = str(err)
             continue
         load_hf_weights(chunks, path)
-        (lp,), (ent,) = compute_logprobs(chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])], with_entropy=True)
+        (lp,), (ent,) = compute_logprobs(
+            chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])], with_entropy=True
+        )
         out[divisible] = (lp, ent)
     return out
 
@@ -794,7 +1004,9 @@ def test_padded_vocab_logprobs_and_entropy_match_transformers(qwen2_v151, tp):
     for res in run_ranks(_padded_vocab_worker, tp, path, ids, tp=tp):
         for divisible in (1, 2, 128):
             if tp == 2 and divisible == 1:  # 151 rows cannot be split over 2 ranks without padding
-                assert res[1].startswith("transformer_config: argument 'vocab_size' expected a multiple of tp=2"), res[1]
+                assert res[1].startswith("transformer_config: argument 'vocab_size' expected a multiple of tp=2"), res[
+                    1
+                ]
                 continue
             lp, ent = res[divisible]
             assert (lp.double() - ref_lp).abs().max().item() <= 1e-5, (tp, divisible, "logprobs")
@@ -825,7 +1037,7 @@ _DROP = object()
 
 def _load_cases(model_path: str, cases: dict, ids: torch.Tensor, build_from: dict | None = None) -> dict:
     """case -> error message (and whether the model stayed untouched), or the loaded model's logits."""
-    from fnppo.megatron.model import unwrap_model
+    from fnppo.megatron.unwrap import unwrap_model
 
     out = {}
     for case, path in cases.items():
@@ -848,12 +1060,23 @@ def test_tied_checkpoint_with_a_different_lm_head(checkpoints, tmp_path):
     different = _variant(path, tmp_path / "different", tensors={"lm_head.weight": other})
     same = _variant(path, tmp_path / "same", tensors={"lm_head.weight": emb.clone()})
     untied = _variant(path, tmp_path / "untied", {"tie_word_embeddings": False}, tensors={"lm_head.weight": other})
-    res = run_ranks(_load_cases, 1, path, {"different": different, "same": same, "untied": untied}, ids,
-                    build_from={"untied": untied})[0]
+    res = run_ranks(
+        _load_cases,
+        1,
+        path,
+        {"different": different, "same": same, "untied": untied},
+        ids,
+        build_from={"untied": untied},
+    )[0]
     msg, untouched = res["different"]
     assert msg.startswith("fnppo.io.hf.load_hf_weights: argument 'checkpoint['lm_head.weight']' expected "), msg
-    for part in ("equal to 'model.embed_tokens.weight'", "tie_word_embeddings", "set tie_word_embeddings to false",
-                 "delete 'lm_head.weight'", "received a different tensor (max |difference|"):
+    for part in (
+        "equal to 'model.embed_tokens.weight'",
+        "tie_word_embeddings",
+        "set tie_word_embeddings to false",
+        "delete 'lm_head.weight'",
+        "received a different tensor (max |difference|",
+    ):
         assert part in msg, (part, msg)
     assert untouched
     # the same values stored twice: loads, tied, transformers' logits
@@ -876,20 +1099,59 @@ _CKPT_CACHE: dict = {}
 
 # case -> (config.json changes, the key the error must name, the model's value, the file's value)
 _CONFIG_CASES = {
-    "mistral-sliding-window": (dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4),
-                               "['model_type']", "'llama'", "'mistral'"),
-    "qwen2-family": (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "['model_type']", "'llama'", "'qwen2'"),
-    "architectures": (dict(architectures=["LlamaForSequenceClassification"]), "['architectures']", "['LlamaForCausalLM']",
-                      "['LlamaForSequenceClassification']"),
+    "mistral-sliding-window": (
+        dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4),
+        "['model_type']",
+        "'llama'",
+        "'mistral'",
+    ),
+    "qwen2-family": (
+        dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+        "['model_type']",
+        "'llama'",
+        "'qwen2'",
+    ),
+    "architectures": (
+        dict(architectures=["LlamaForSequenceClassification"]),
+        "['architectures']",
+        "['LlamaForCausalLM']",
+        "['LlamaForSequenceClassification']",
+    ),
     "rope-theta-v5": ("rope_theta=1e4", "['rope_parameters']['rope_theta']", "500000.0", "10000.0"),
     "rope-factor-v5": ("factor=16.0", "['rope_parameters']['factor']", "32.0", "16.0"),
     "rope-type-v5": ("rope_type=default", "['rope_parameters']['rope_type']", "'llama3'", "'default'"),
-    "rope-theta-v4": (dict(rope_parameters=_DROP, rope_theta=1e4, rope_scaling=dict(
-        rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-        "['rope_theta']", "500000.0", "10000.0"),
-    "rope-factor-v4": (dict(rope_parameters=_DROP, rope_theta=5e5, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
-        "['rope_scaling']['factor']", "32.0", "8.0"),
+    "rope-theta-v4": (
+        dict(
+            rope_parameters=_DROP,
+            rope_theta=1e4,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+        "['rope_theta']",
+        "500000.0",
+        "10000.0",
+    ),
+    "rope-factor-v4": (
+        dict(
+            rope_parameters=_DROP,
+            rope_theta=5e5,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+        "['rope_scaling']['factor']",
+        "32.0",
+        "8.0",
+    ),
     "rms-norm-eps": (dict(rms_norm_eps=1e-6), "['rms_norm_eps']", "1e-05", "1e-06"),
     "tie": (dict(tie_word_embeddings=True), "['tie_word_embeddings']", "False", "True"),
     "attention-bias": (dict(attention_bias=True), "['attention_bias']", "False", "True"),
@@ -898,8 +1160,12 @@ _CONFIG_CASES = {
     "hidden-act": (dict(hidden_act="gelu"), "['hidden_act']", "'silu'", "'gelu'"),
     "vocab": (dict(vocab_size=100), "['vocab_size']", "128", "100"),
     "partial-rotary": (dict(partial_rotary_factor=0.5), "['partial_rotary_factor']", "1.0", "0.5"),
-    "layer-types": (dict(layer_types=["sliding_attention", "full_attention"]), "['layer_types']",
-                    "['full_attention', 'full_attention']", "['sliding_attention', 'full_attention']"),
+    "layer-types": (
+        dict(layer_types=["sliding_attention", "full_attention"]),
+        "['layer_types']",
+        "['full_attention', 'full_attention']",
+        "['sliding_attention', 'full_attention']",
+    ),
 }
 
 
@@ -934,21 +1200,26 @@ def test_qwen2_sliding_window_checkpoint_is_refused_by_the_loader(checkpoints, t
     path, ids, _ = checkpoints["qwen2"]
     bad = _variant(path, tmp_path / "sw", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
     msg, untouched = run_ranks(_load_cases, 1, path, {"sw": bad}, ids)[0]["sw"]
-    assert msg.startswith("fnppo.io.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
-                          "(what the model was built for: full attention), received True"), msg
+    assert msg.startswith(
+        "fnppo.io.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
+        "(what the model was built for: full attention), received True"
+    ), msg
     assert untouched
 
 
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
 def test_rope_errors_name_the_key_the_file_uses(key):
-    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0,
-                original_max_position_embeddings=8192)
+    rope = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     d = {k: v for k, v in _hf_dict("llama").items() if k not in ("rope_parameters", "rope_scaling")}
     d[key] = dict(rope, rope_theta=1e4) if key == "rope_parameters" else rope
     with pytest.raises(InputError) as err:
         model_config_from_hf(d)
-    assert str(err.value).startswith(f"fnppo.io.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
-                                     "expected 1 (the llama3 scaling Megatron implements), received 2.0"), str(err.value)
+    assert str(err.value).startswith(
+        f"fnppo.io.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
+        "expected 1 (the llama3 scaling Megatron implements), received 2.0"
+    ), str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -957,10 +1228,32 @@ def test_rope_errors_name_the_key_the_file_uses(key):
 # ---------------------------------------------------------------------------------------------
 _MOE = dict(num_experts_per_tok=2)
 MOE_FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_MOE, head_dim=32, num_local_experts=4, moe_intermediate_size=48,
-                                         norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MOE, num_experts=4, moe_intermediate_size=48, norm_topk_prob=False,
-                                         shared_expert_intermediate_size=80, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            _COMMON,
+            **_MOE,
+            head_dim=32,
+            num_local_experts=4,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            _COMMON,
+            **_MOE,
+            num_experts=4,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            shared_expert_intermediate_size=80,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ),
+    ),
     "mixtral": ("MixtralConfig", dict(_COMMON, **_MOE, num_local_experts=4, tie_word_embeddings=False)),
 }
 # (name, tp, pp, ep) of each layout; one run_ranks call (2 ranks) re-initializes the layouts in turn
@@ -994,7 +1287,12 @@ def moe_checkpoints(tmp_path_factory):
 
 
 MOE_VALUE = "qwen2_moe-token"  # the MoE critic: a Qwen2-MoE token classifier (shared expert, q/k/v bias, score.bias)
-MOE_VALUE_LAYOUTS = ("ep2", "tp1", "pp2", "tp2")  # the layouts that also load, run, export and reload it (tp2: expert TP 2)
+MOE_VALUE_LAYOUTS = (
+    "ep2",
+    "tp1",
+    "pp2",
+    "tp2",
+)  # the layouts that also load, run, export and reload it (tp2: expert TP 2)
 
 
 @pytest.fixture(scope="module")
@@ -1017,7 +1315,11 @@ def moe_value_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf-moe-value") / MOE_VALUE
     model.save_pretrained(str(path))
     tensors = _hf_tensors(path)
-    assert "score.bias" in tensors and "model.layers.1.mlp.shared_expert_gate.weight" in tensors and "lm_head.weight" not in tensors
+    assert (
+        "score.bias" in tensors
+        and "model.layers.1.mlp.shared_expert_gate.weight" in tensors
+        and "lm_head.weight" not in tensors
+    )
     return {MOE_VALUE: (str(path), ids, ref)}
 
 
@@ -1051,9 +1353,11 @@ def _moe_errors(ckpts: dict, root: str) -> dict:
     out = {}
     sigmoid = fnppo.build_gpt(fnppo.io.hf.model_config_from_hf(path, moe_score_function="sigmoid"))
     chunks = build_gpt_from_hf(path, dtype="fp32")
-    flipped = _variant(path, Path(root) / f"flipped-{fnppo.current_layout().rank}", {"norm_topk_prob": False})
-    for case, call in (("sigmoid", lambda: export_hf_weights(sigmoid, f"{root}/never")),
-                       ("norm_topk_prob", lambda: load_hf_weights(chunks, flipped))):
+    flipped = _variant(path, Path(root) / f"flipped-{fnppo.parallel.current_layout().rank}", {"norm_topk_prob": False})
+    for case, call in (
+        ("sigmoid", lambda: export_hf_weights(sigmoid, f"{root}/never")),
+        ("norm_topk_prob", lambda: load_hf_weights(chunks, flipped)),
+    ):
         try:
             call()
             out[case] = "no error"
@@ -1065,8 +1369,10 @@ def _moe_errors(ckpts: dict, root: str) -> dict:
 @pytest.fixture(scope="module")
 def moe_runs(moe_checkpoints, moe_value_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-export")
-    return {run: run_ranks(_moe_worker, 2, moe_checkpoints, str(root / run), layouts, value=moe_value_checkpoint)
-            for run, layouts in MOE_RUNS.items()}, root
+    return {
+        run: run_ranks(_moe_worker, 2, moe_checkpoints, str(root / run), layouts, value=moe_value_checkpoint)
+        for run, layouts in MOE_RUNS.items()
+    }, root
 
 
 @pytest.mark.parametrize("run", list(MOE_RUNS))
@@ -1092,7 +1398,9 @@ def test_moe_logits_match_transformers_and_export_is_the_checkpoint(moe_checkpoi
 def test_moe_export_loads_in_transformers(moe_checkpoints, moe_runs):
     _, root = moe_runs
     for family, (_, ids, ref) in moe_checkpoints.items():
-        reloaded = _transformers().AutoModelForCausalLM.from_pretrained(str(root / "ep2-pp2" / "ep2" / family)).float().eval()
+        reloaded = (
+            _transformers().AutoModelForCausalLM.from_pretrained(str(root / "ep2-pp2" / "ep2" / family)).float().eval()
+        )
         assert (_hf_logits(reloaded, ids) - ref).abs().max().item() <= 1e-5, family
 
 
@@ -1102,33 +1410,59 @@ def test_moe_value_model_loads_and_exports_under_ep2_pp2_tp2_and_one_model_per_r
     is skipped, the export is the checkpoint bit for bit, a moved critic reloads bit for bit, and
     transformers reads the moved export with the same values."""
     results, root = moe_runs
-    (path, ids, _), = moe_value_checkpoint.values()
+    ((path, ids, _),) = moe_value_checkpoint.values()
     transformers = _transformers()
     for layout in MOE_VALUE_LAYOUTS:
         run = next(run for run, layouts in MOE_RUNS.items() if layout in [entry[0] for entry in layouts])
         ranks = [{"values": r[(layout, "values")]} for r in results[run]]
         assert len(ranks) == 2
-        _assert_values_and_value_export(ranks, moe_value_checkpoint, root / run / layout, {MOE_VALUE: "Qwen2MoeForTokenClassification"})
-        hf = transformers.AutoModelForTokenClassification.from_pretrained(str(root / run / layout / f"{MOE_VALUE}-moved"), dtype=torch.float32)
+        _assert_values_and_value_export(
+            ranks, moe_value_checkpoint, root / run / layout, {MOE_VALUE: "Qwen2MoeForTokenClassification"}
+        )
+        hf = transformers.AutoModelForTokenClassification.from_pretrained(
+            str(root / run / layout / f"{MOE_VALUE}-moved"), dtype=torch.float32
+        )
         assert type(hf).__name__ == "Qwen2MoeForTokenClassification" and hf.config.num_labels == 1
         with torch.no_grad():
             scores = hf.eval()(input_ids=ids).logits[0, :-1, 0].double()
         for r in ranks:
             assert (r["values"][MOE_VALUE]["moved"].double() - scores).abs().max().item() <= TOL, layout
-            local = {n.split("local_experts.")[1].split(".")[0] for n in r["values"][MOE_VALUE]["params"] if "local_experts." in n}
-            assert local == ({"0", "1"} if layout == "ep2" else {"0", "1", "2", "3"}), (layout, local)  # EP=2: 2 of 4 experts a rank
+            local = {
+                n.split("local_experts.")[1].split(".")[0]
+                for n in r["values"][MOE_VALUE]["params"]
+                if "local_experts." in n
+            }
+            assert local == ({"0", "1"} if layout == "ep2" else {"0", "1", "2", "3"}), (
+                layout,
+                local,
+            )  # EP=2: 2 of 4 experts a rank
 
 
 def test_moe_config_mapping():
     qwen3 = model_config_from_hf(_moe_dict("qwen3_moe"))
     assert (qwen3.num_experts, qwen3.moe_topk, qwen3.moe_ffn_hidden_size, qwen3.ffn_hidden_size) == (4, 2, 48, 96)
-    assert qwen3.moe_layer_freq == (0, 1) and qwen3.qk_layernorm and not qwen3.moe_pre_softmax and qwen3.moe_router_dtype is None
+    assert (
+        qwen3.moe_layer_freq == (0, 1)
+        and qwen3.qk_layernorm
+        and not qwen3.moe_pre_softmax
+        and qwen3.moe_router_dtype is None
+    )
     qwen2 = model_config_from_hf(_moe_dict("qwen2_moe"))
-    assert qwen2.moe_pre_softmax and qwen2.moe_shared_expert_size == 80 and qwen2.moe_shared_expert_gate and qwen2.add_qkv_bias
+    assert (
+        qwen2.moe_pre_softmax
+        and qwen2.moe_shared_expert_size == 80
+        and qwen2.moe_shared_expert_gate
+        and qwen2.add_qkv_bias
+    )
     assert qwen2.moe_layer_freq == 1 and not model_config_from_hf(_moe_dict("qwen2_moe", qkv_bias=False)).add_qkv_bias
     assert model_config_from_hf(_moe_dict("qwen2_moe", decoder_sparse_step=2)).moe_layer_freq == (0, 1)
     mixtral = model_config_from_hf(_moe_dict("mixtral"))
-    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.moe_layer_freq, mixtral.moe_pre_softmax) == (4, 96, 1, False)
+    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.moe_layer_freq, mixtral.moe_pre_softmax) == (
+        4,
+        96,
+        1,
+        False,
+    )
     assert mixtral.moe_shared_expert_size is None and mixtral.moe_load_balancing == "none"
 
 
@@ -1142,8 +1476,20 @@ def _moe_dict(family: str, **changes) -> dict:
 @pytest.mark.parametrize(
     "family, changes, arg, expected, received",
     [
-        ("mixtral", dict(router_jitter_noise=0.1), "config.router_jitter_noise", "0 (Megatron's input jitter scales the router's input only)", "0.1"),
-        ("mixtral", dict(sliding_window=8), "config.sliding_window", "None (sliding-window attention is not supported)", "8"),
+        (
+            "mixtral",
+            dict(router_jitter_noise=0.1),
+            "config.router_jitter_noise",
+            "0 (Megatron's input jitter scales the router's input only)",
+            "0.1",
+        ),
+        (
+            "mixtral",
+            dict(sliding_window=8),
+            "config.sliding_window",
+            "None (sliding-window attention is not supported)",
+            "8",
+        ),
         ("qwen3_moe", dict(mlp_only_layers=[0, 1]), "config.mlp_only_layers", "at least one MoE layer", "[0, 1]"),
         ("qwen2_moe", dict(num_experts_per_tok=None), "config.num_experts_per_tok", "an int >= 1", "None"),
     ],
@@ -1157,7 +1503,14 @@ def test_moe_models_the_families_cannot_hold_are_refused(moe_runs):
     results, _ = moe_runs
     for r in results["tp2-dp2"]:
         errors = r["errors"]
-        check_message(InputError(errors["sigmoid"]), InputError, "export_hf_weights", "model_chunks[0].config.moe_router_score_function",
-                      "'softmax' (Llama/Qwen/Mixtral layout)", "'sigmoid'")
+        check_message(
+            InputError(errors["sigmoid"]),
+            InputError,
+            "export_hf_weights",
+            "model_chunks[0].config.moe_router_score_function",
+            "'softmax' (Llama/Qwen/Mixtral layout)",
+            "'sigmoid'",
+        )
         assert errors["norm_topk_prob"].startswith(
-            "fnppo.io.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"), errors["norm_topk_prob"]
+            "fnppo.io.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"
+        ), errors["norm_topk_prob"]

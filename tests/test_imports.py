@@ -13,11 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import fnppo
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BLOCK_MEGATRON = '''
+BLOCK_MEGATRON = """
 import importlib.abc, sys
 
 class _NoMegatron(importlib.abc.MetaPathFinder):
@@ -27,13 +29,15 @@ class _NoMegatron(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, _NoMegatron())
-'''
+"""
 
-PURE_CORE = '''
+PURE_CORE = """
 import json, sys
 import torch
-import fnppo, fnppo.core.losses, fnppo.core.advantages, fnppo.core.logprob, fnppo.core.batch
-from fnppo.core.batch import Sample, SplitPlan, collate_microbatch, split_batch, unpack_per_sample
+import fnppo, fnppo.losses, fnppo.advantages, fnppo.kl, fnppo.metrics, fnppo.batching, fnppo.ops, fnppo.typing
+from fnppo.core.sample import Sample
+from fnppo.core.split import SplitPlan, split_batch
+from fnppo.core.collate import collate_microbatch, unpack_per_sample
 from fnppo.core.losses import LossConfig, loss_normalizer, ppo_clip, ppo_loss
 
 samples = [Sample.from_lists([1, 2], [3, 4, 5], advantages=1.0, old_logprobs=[-1.0, -1.5, -2.0]),
@@ -61,13 +65,14 @@ print(json.dumps({
     "megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron"),
     "fnppo": sorted(m for m in sys.modules if m.startswith("fnppo")),
 }))
-'''
+"""
 
 
 def _run(code: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -78,56 +83,61 @@ def test_pure_core_runs_with_megatron_unimportable():
     assert r["grad_finite"] and r["loss"] == r["loss"]  # finite, not NaN
     assert r["restored"] == [3, 2]  # response lengths, back in sample order
     assert r["adv"][0][0] > 0 > r["adv"][0][1]
-    # only the pure core was loaded (and the warning filters that fnppo installs before any Megatron import)
+    # only the pure core and its namespaces were loaded (and the warning filters installed before Megatron)
     outside = [m for m in r["fnppo"] if not (m == "fnppo.core" or m.startswith("fnppo.core."))]
-    assert set(outside) <= {"fnppo", "fnppo.megatron", "fnppo.megatron.quiet"}, outside
+    pure = {f"fnppo.{ns}" for ns in fnppo._PURE}
+    assert set(outside) <= {"fnppo", "fnppo.megatron", "fnppo.megatron.quiet", *pure}, outside
 
 
 def test_megatron_names_fail_only_when_used():
-    r = _run(BLOCK_MEGATRON + '''
+    r = _run(
+        BLOCK_MEGATRON
+        + """
 import json
+import pytest
+
 import fnppo
-try:
-    fnppo.PackedDotProductAttention
-    err = None
-except ImportError as e:
-    err = str(e)
-print(json.dumps({"err": err}))
-''')
-    assert r["err"] and "blocked" in r["err"]
+errors = {}
+for name in ("train_step", "build_gpt", "models", "parallel"):
+    try:
+        getattr(fnppo, name)
+        errors[name] = None
+    except ImportError as e:
+        errors[name] = str(e)
+print(json.dumps(errors))
+"""
+    )
+    assert all(err and "blocked" in err for err in r.values()), r
 
 
 def test_import_fnppo_is_lazy():
-    r = _run('''
+    r = _run("""
 import json, sys
+import pytest
+
 import fnppo
 loaded = sorted(m for m in sys.modules if m.split(".")[0] == "megatron" or m.startswith("fnppo."))
-fnppo.train_step  # a lazy name: its module is imported now
-print(json.dumps({"loaded": loaded, "after": "fnppo.steps.step" in sys.modules}))
-''')
+fnppo.train_step  # a name that needs Megatron: the steps are imported now
+print(json.dumps({"loaded": loaded, "after": "fnppo.steps.train" in sys.modules}))
+""")
     assert not any(m.startswith("megatron") for m in r["loaded"]), r["loaded"]
-    heavy = {"fnppo.megatron.attention", "fnppo.megatron.model", "fnppo.steps.step", "fnppo.megatron.grads", "fnppo.io.checkpoint", "fnppo.io.hf",
-             "fnppo.megatron.parallel", "fnppo.testing", "fnppo.megatron.runtime", "fnppo.megatron.config", "fnppo.megatron.build",
-             "fnppo.megatron.forward", "fnppo.megatron.weights", "fnppo.megatron.layer_specs", "fnppo.megatron.core_attention",
-             "fnppo.megatron.fused_rope", "fnppo.megatron.routing", "fnppo.megatron.moe", "fnppo.megatron.vlm_model"}
-    assert not heavy & set(r["loaded"]), r["loaded"]
+    outside = [m for m in r["loaded"] if not (m == "fnppo.core" or m.startswith("fnppo.core."))]
+    assert set(outside) <= {"fnppo.megatron", "fnppo.megatron.quiet"}, outside
     assert r["after"]
 
 
-def test_all_names_resolve():
-    assert len(fnppo.__all__) == len(set(fnppo.__all__))
+def test_the_top_level_is_small_and_every_name_resolves():
+    """About 30 names at the top; every name of every namespace resolves; no name is in __all__ twice."""
+    assert len(fnppo.__all__) == len(set(fnppo.__all__)) <= 32
     for name in fnppo.__all__:
         assert getattr(fnppo, name) is not None, name
     assert set(fnppo.__all__) <= set(dir(fnppo))
-    # the names that moved out of loss.py / batch.py still import from there
-    from fnppo.core.batch import SplitPlan, split_batch
-    from fnppo.core.loss import PolicyLossInputs, Segments, finalize_metrics, merge_metrics, weighted_metric
-    from fnppo.core.losses import PolicyInputs
-
-    assert SplitPlan is fnppo.core.split.SplitPlan and split_batch is fnppo.core.split.split_batch
-    assert PolicyLossInputs is PolicyInputs is fnppo.PolicyLossInputs and Segments is fnppo.core.segments.Segments
-    assert (merge_metrics, finalize_metrics, weighted_metric) == (
-        fnppo.core.metrics.merge_metrics, fnppo.core.metrics.finalize_metrics, fnppo.core.metrics.weighted_metric)
-    for module in (fnppo.core.loss, fnppo.core.batch):
+    for ns in (*fnppo._PURE, *fnppo._MEGATRON):
+        module = getattr(fnppo, ns)
         for name in module.__all__:
-            assert getattr(module, name) is not None, f"{module.__name__}.{name}"
+            assert getattr(module, name) is not None, f"fnppo.{ns}.{name}"
+    # a top-level name is the object of its namespace, not a copy
+    assert fnppo.train_step is fnppo.steps.train_step and fnppo.build_gpt is fnppo.models.build_gpt
+    assert fnppo.LossConfig is fnppo.losses.LossConfig and fnppo.Sample is fnppo.batching.Sample
+    with pytest.raises(AttributeError, match="no attribute 'PolicyLossConfig'"):
+        fnppo.PolicyLossConfig  # noqa: B018 - the flat 30-field config is gone (fnppo.losses.from_flat)

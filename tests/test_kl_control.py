@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fnppo.core.errors import InputError
 from fnppo.core.kl_control import (
     KLControllerState,
     adaptive_kl_init,
@@ -20,7 +21,6 @@ from fnppo.core.kl_control import (
     with_kl_coef,
 )
 from fnppo.core.losses import KLPenalty, LossConfig, from_flat, ppo_clip
-from fnppo.core.typing import InputError
 from tests.messages import raises_message
 
 
@@ -49,12 +49,18 @@ def test_adaptive_closed_form():
     assert adaptive_kl_update(state, 0.02, 100).coef == 0.1
     assert adaptive_kl_update(state, 3.0, 0).coef == 0.1
     # a tensor observation (one element, any float dtype)
-    assert adaptive_kl_update(state, torch.tensor([0.021], dtype=torch.float64), 100).coef == pytest.approx(0.1005, rel=1e-15)
+    assert adaptive_kl_update(state, torch.tensor([0.021], dtype=torch.float64), 100).coef == pytest.approx(
+        0.1005, rel=1e-15
+    )
 
 
 @settings(max_examples=50, deadline=None)
-@given(coef=st.floats(0.0, 10.0), target=st.floats(1e-4, 1.0), horizon=st.floats(10.0, 1e5),
-       obs=st.lists(st.tuples(st.floats(-1.0, 5.0), st.integers(0, 9)), max_size=20))
+@given(
+    coef=st.floats(0.0, 10.0),
+    target=st.floats(1e-4, 1.0),
+    horizon=st.floats(10.0, 1e5),
+    obs=st.lists(st.tuples(st.floats(-1.0, 5.0), st.integers(0, 9)), max_size=20),
+)
 def test_adaptive_matches_loop(coef, target, horizon, obs):
     state = adaptive_kl_init(coef, target, horizon)
     expected = reference_controller(coef, target, horizon, obs)
@@ -85,8 +91,10 @@ def test_pure_and_fixed():
     assert fixed == KLControllerState(0.3, None, None)
     assert fixed_kl_update(fixed, 99.0, 1000) is fixed
     # the same loop runs either controller
-    for init, update in ((lambda: adaptive_kl_init(0.3, 0.1, 100), adaptive_kl_update),
-                         (lambda: fixed_kl_init(0.3), fixed_kl_update)):
+    for init, update in (
+        (lambda: adaptive_kl_init(0.3, 0.1, 100), adaptive_kl_update),
+        (lambda: fixed_kl_init(0.3), fixed_kl_update),
+    ):
         s = init()
         for kl in (0.0, 0.5, 0.1):
             s = update(s, kl, 5)
@@ -111,22 +119,25 @@ def test_with_kl_coef_updates_the_loss_config():
         with_kl_coef(cfg, 0.1)
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: adaptive_kl_init(-0.1, 0.02, 100), "init_coef"),
-    (lambda: adaptive_kl_init(math.nan, 0.02, 100), "init_coef"),
-    (lambda: adaptive_kl_init(0.1, 0.0, 100), "target"),
-    (lambda: adaptive_kl_init(0.1, 0.02, -1), "horizon"),
-    (lambda: adaptive_kl_init(0.1, True, 100), "target"),
-    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), math.inf, 1), "observed_kl"),
-    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), torch.ones(2), 1), "observed_kl"),
-    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, -1), "n_steps"),
-    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 1.5), "n_steps"),
-    (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 500), "n_steps"),
-    (lambda: adaptive_kl_update(fixed_kl_init(0.1), 0.1, 1), "state"),
-    (lambda: fixed_kl_init(-1.0), "coef"),
-    (lambda: fixed_kl_update(fixed_kl_init(0.1), math.nan, 1), "observed_kl"),
-    (lambda: fixed_kl_update((0.1, None, None), 0.1, 1), "state"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: adaptive_kl_init(-0.1, 0.02, 100), "init_coef"),
+        (lambda: adaptive_kl_init(math.nan, 0.02, 100), "init_coef"),
+        (lambda: adaptive_kl_init(0.1, 0.0, 100), "target"),
+        (lambda: adaptive_kl_init(0.1, 0.02, -1), "horizon"),
+        (lambda: adaptive_kl_init(0.1, True, 100), "target"),
+        (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), math.inf, 1), "observed_kl"),
+        (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), torch.ones(2), 1), "observed_kl"),
+        (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, -1), "n_steps"),
+        (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 1.5), "n_steps"),
+        (lambda: adaptive_kl_update(adaptive_kl_init(0.1, 0.02, 100), 0.1, 500), "n_steps"),
+        (lambda: adaptive_kl_update(fixed_kl_init(0.1), 0.1, 1), "state"),
+        (lambda: fixed_kl_init(-1.0), "coef"),
+        (lambda: fixed_kl_update(fixed_kl_init(0.1), math.nan, 1), "observed_kl"),
+        (lambda: fixed_kl_update((0.1, None, None), 0.1, 1), "state"),
+    ],
+)
 def test_validation(call, arg):
     with pytest.raises(InputError, match=rf"fnppo\.\w+_kl_\w+: argument '{arg}' expected .+, received .+"):
         call()
@@ -144,10 +155,18 @@ BAD_STATES = {
     "string-coef": (dict(coef="0.1"), "coef", "a finite number >= 0", "'0.1'"),
     "zero-horizon": (dict(coef=0.1, target=0.02, horizon=0.0), "horizon", "a finite number > 0", "0.0"),
     "inf-horizon": (dict(coef=0.1, target=0.02, horizon=math.inf), "horizon", "a finite number > 0", "inf"),
-    "target-without-horizon": (dict(coef=0.1, target=0.02), "horizon", "a finite number > 0 since target is set",
-                               "None"),
-    "horizon-without-target": (dict(coef=0.1, horizon=10.0), "target", "a finite number > 0 since horizon is set",
-                               "None"),
+    "target-without-horizon": (
+        dict(coef=0.1, target=0.02),
+        "horizon",
+        "a finite number > 0 since target is set",
+        "None",
+    ),
+    "horizon-without-target": (
+        dict(coef=0.1, horizon=10.0),
+        "target",
+        "a finite number > 0 since horizon is set",
+        "None",
+    ),
 }
 
 

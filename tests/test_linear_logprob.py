@@ -165,7 +165,9 @@ def test_vocab_size_leaves_padding_rows_out():
     bad[0] = 53
     with pytest.raises(InputError, match=r"argument 'labels' expected token ids in \[0, 53\)"):
         linear_logprob_and_entropy(h, w, bad, vocab_size=53)
-    with pytest.raises(InputError, match=r"argument 'vocab_size' expected at most vocab_shard \* tp_size = 64 \* 1 = 64"):
+    with pytest.raises(
+        InputError, match=r"argument 'vocab_size' expected at most vocab_shard \* tp_size = 64 \* 1 = 64"
+    ):
         linear_logprob_and_entropy(h, w, labels, vocab_size=65)
 
 
@@ -182,7 +184,11 @@ def test_inputs_never_written(dtype):
     other = torch.softmax(hidden.float(), -1)[..., 0].sum()  # another consumer of the hidden states
     (lp.sum() + 0.1 * ent.sum() + other).backward()
     assert (hidden._version, weight._version, labels._version) == versions
-    assert torch.equal(hidden.detach(), before[0]) and torch.equal(weight.detach(), before[1]) and torch.equal(labels, before[2])
+    assert (
+        torch.equal(hidden.detach(), before[0])
+        and torch.equal(weight.detach(), before[1])
+        and torch.equal(labels, before[2])
+    )
     assert base.grad is not None and torch.isfinite(base.grad).all() and torch.isfinite(weight.grad).all()
 
 
@@ -198,7 +204,9 @@ def test_without_entropy_and_single_outputs():
         hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
         lp, ent = linear_logprob_and_entropy(hg, wg, labels)
         ((lp if which == "logprobs" else ent) * g_lp).sum().backward()
-        _, _, rdh, rdw = reference(h, w, labels, 1.0, g_lp if which == "logprobs" else None, g_lp if which == "entropy" else None)
+        _, _, rdh, rdw = reference(
+            h, w, labels, 1.0, g_lp if which == "logprobs" else None, g_lp if which == "entropy" else None
+        )
         assert_grad_close(hg.grad, rdh, torch.float32)
         assert_grad_close(wg.grad, rdw, torch.float32)
 
@@ -214,7 +222,10 @@ def test_gradient_only_for_inputs_that_need_it():
 
 def test_chunking_does_not_change_results():
     h, w, labels, g_lp, g_h = problem(lead=(37,), hidden=10, vocab=45, seed=11)
-    outs = [run_ours(h, w, labels, 0.7, g_lp, g_h, chunk_tokens=ct, chunk_vocab=cv) for ct, cv in ((1, 1), (5, 7), (37, 45), (None, None), (8, 100))]
+    outs = [
+        run_ours(h, w, labels, 0.7, g_lp, g_h, chunk_tokens=ct, chunk_vocab=cv)
+        for ct, cv in ((1, 1), (5, 7), (37, 45), (None, None), (8, 100))
+    ]
     for o in outs[1:]:
         for a, b in zip(outs[0], o):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -241,7 +252,10 @@ def test_leading_dims_and_empty():
 def test_bad_inputs_raise_named_errors():
     h, w, labels, _, _ = problem(lead=(4,), hidden=8, vocab=20, seed=13)
     fn = "linear_logprob_and_entropy"
-    with pytest.raises(InputError, match=rf"{fn}: argument 'weight' expected a \[vocab_shard, hidden\] tensor of the hidden states' dtype"):
+    with pytest.raises(
+        InputError,
+        match=rf"{fn}: argument 'weight' expected a \[vocab_shard, hidden\] tensor of the hidden states' dtype",
+    ):
         linear_logprob_and_entropy(h, w.double(), labels)
     with typechecking(False):
         with pytest.raises(InputError, match=rf"{fn}: argument 'weight' expected shape \[vocab_shard > 0, 8\]"):
@@ -279,7 +293,7 @@ def test_exported_from_package():
     import fnppo
 
     assert fnppo.linear_logprob_and_entropy is linear_logprob_and_entropy
-    assert fnppo.BackwardGraphs is BackwardGraphs
+    assert fnppo.ops.BackwardGraphs is BackwardGraphs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +338,11 @@ def test_backward_graphs_give_the_gradients_of_a_call_without_them(kind):
                 assert b is None and name == "ent"
                 continue
             scale = ref.abs().max().clamp_min(1e-12)
-            assert float((a.double() - b.double()).abs().max() / scale) < 4e-6, (kind, n, name)  # fp32 sums in other blocks
+            assert float((a.double() - b.double()).abs().max() / scale) < 4e-6, (
+                kind,
+                n,
+                name,
+            )  # fp32 sums in other blocks
             assert float((a.double() - ref).abs().max() / scale) < 2e-5, (kind, n, name)
         if vs is not None:
             assert bool((got[3][vs:] == 0).all())
@@ -343,7 +361,12 @@ def test_backward_graphs_stale_rows_never_reach_a_later_call():
     h[10:] = float("nan")
     labels = torch.randint(0, 40, (50,), generator=g)
     _grads(graphs, h, w, labels, torch.randn(50, generator=g), torch.randn(50, generator=g))
-    h, labels, g_lp, g_h = torch.randn(30, 16, generator=g), torch.randint(0, 40, (30,), generator=g), torch.randn(30, generator=g), torch.randn(30, generator=g)
+    h, labels, g_lp, g_h = (
+        torch.randn(30, 16, generator=g),
+        torch.randint(0, 40, (30,), generator=g),
+        torch.randn(30, generator=g),
+        torch.randn(30, generator=g),
+    )
     got = _grads(graphs, h, w, labels, g_lp, g_h)
     want = _grads(None, h, w, labels, g_lp, g_h)
     for a, b in zip(got[2:], want[2:]):
@@ -377,17 +400,33 @@ def test_backward_graphs_refuse_bad_arguments():
         for bad in (0, -1, 2.0, True):
             with pytest.raises(InputError) as info:
                 BackwardGraphs(**{name: bad})
-            check_message(info.value, InputError, "fnppo.BackwardGraphs", name, "an int >= 1", repr(bad))
+            check_message(info.value, InputError, "fnppo.ops.BackwardGraphs", name, "an int >= 1", repr(bad))
     h, w, labels, _, _ = problem()
     with pytest.raises(InputError) as info:
         linear_logprob_and_entropy(h, w, labels, graphs="yes")
-    check_message(info.value, InputError, "fnppo.linear_logprob_and_entropy", "graphs", "a fnppo.BackwardGraphs or None", "'yes'")
+    check_message(
+        info.value,
+        InputError,
+        "fnppo.linear_logprob_and_entropy",
+        "graphs",
+        "a fnppo.ops.BackwardGraphs or None",
+        "'yes'",
+    )
     with pytest.raises(InputError) as info:
         fnppo.StepConfig(fused_output_graphs=BackwardGraphs())
-    check_message(info.value, InputError, "StepConfig", "fused_output_graphs", "None unless fused_output=True", "BackwardGraphs(")
+    check_message(
+        info.value, InputError, "StepConfig", "fused_output_graphs", "None unless fused_output=True", "BackwardGraphs("
+    )
     with pytest.raises(InputError) as info:
         fnppo.StepConfig(fused_output=True, fused_output_graphs=object())
-    check_message(info.value, InputError, "StepConfig", "fused_output_graphs", "a fnppo.BackwardGraphs or None", "<object object")
+    check_message(
+        info.value,
+        InputError,
+        "StepConfig",
+        "fused_output_graphs",
+        "a fnppo.ops.BackwardGraphs or None",
+        "<object object",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +508,15 @@ def test_triton_kernels_in_interpreter(tma):
     np = pytest.importorskip("numpy")
     if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
         pytest.skip("Triton 3.6's interpreter needs numpy < 2.3 (range() over int arguments)")
-    env = dict(os.environ, TRITON_INTERPRET="1", FNPPO_TRITON_TMA=tma, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        FNPPO_TRITON_TMA=tma,
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -499,7 +545,7 @@ def tp_worker():
     shard = TP_VOCAB // layout.tp
     out = {}
     for vocab_size in (None, 45, 20):  # 20: rank 1 of TP=2 holds only padding rows
-        ws = w[layout.tp_rank * shard:(layout.tp_rank + 1) * shard].clone().requires_grad_()
+        ws = w[layout.tp_rank * shard : (layout.tp_rank + 1) * shard].clone().requires_grad_()
         hs = h.clone().requires_grad_()
         calls = []
         real = dist.all_reduce
@@ -510,10 +556,12 @@ def tp_worker():
 
         dist.all_reduce = counting
         try:
-            lp, ent = linear_logprob_and_entropy(hs, ws, labels, tp_group=layout.tp_group, temperature=0.8, vocab_size=vocab_size, chunk_vocab=5)
+            lp, ent = linear_logprob_and_entropy(
+                hs, ws, labels, tp_group=layout.tp_group, temperature=0.8, vocab_size=vocab_size, chunk_vocab=5
+            )
             n_forward = list(calls)
             ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
-            n_backward = calls[len(n_forward):]
+            n_backward = calls[len(n_forward) :]
         finally:
             dist.all_reduce = real
         out[vocab_size] = dict(lp=lp.detach(), ent=ent.detach(), dh=hs.grad, dw=ws.grad, fwd=n_forward, bwd=n_backward)
@@ -553,49 +601,72 @@ def _step_model_cfg(tied: bool):
     import fnppo
 
     return fnppo.ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=tied,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        tie_embeddings=tied,
     )
 
 
-def step_worker(tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None, graphs: bool = False) -> dict:
+def step_worker(
+    tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None, graphs: bool = False
+) -> dict:
     """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
     import fnppo
-    import fnppo.steps.step as step_mod
+    import fnppo.steps.schedule as step_mod
     from fnppo.testing import synthetic_samples
 
-    layout = fnppo.current_layout()
-    loss = fnppo.PolicyLossConfig(policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3")
+    layout = fnppo.parallel.current_layout()
+    loss = fnppo.losses.from_flat(
+        policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.05, kl_estimator="k3"
+    )
     out: dict = {"calls": {}, "output_layer_calls": {}}
     real = step_mod.linear_logprob_and_entropy
     for fused in (False, True):
         calls = []
-        step_mod.linear_logprob_and_entropy = lambda *a, **k: (calls.append((k.get("chunk_vocab"), k.get("graphs"))), real(*a, **k))[1]
+        step_mod.linear_logprob_and_entropy = lambda *a, **k: (
+            calls.append((k.get("chunk_vocab"), k.get("graphs"))),
+            real(*a, **k),
+        )[1]
         try:
             chunks = fnppo.build_gpt(_step_model_cfg(tied), **(build or {}))
-            fnppo.layout_invariant_init(chunks, seed=3)
-            core = fnppo.megatron.model.unwrap_model(chunks[-1])
+            fnppo.models.layout_invariant_init(chunks, seed=3)
+            core = fnppo.megatron.unwrap.unwrap_model(chunks[-1])
             layer_calls = []
             if core.post_process:
                 core.output_layer.register_forward_hook(lambda *a: layer_calls.append(1))
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
-            state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0))
-            init = fnppo.gather_full_weights(state.model)
-            frozen = fnppo.snapshot_params(state.model)
+            state = fnppo.TrainState(
+                model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0)
+            )
+            init = fnppo.models.gather_full_weights(state.model)
+            frozen = fnppo.models.snapshot_params(state.model)
             samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
-            cache = fnppo.BackwardGraphs(row_multiple=8) if graphs and fused else None
-            cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fused_output=fused,
-                                   fused_output_chunk_vocab=chunk_vocab if fused else None, fused_output_graphs=cache)
+            cache = fnppo.ops.BackwardGraphs(row_multiple=8) if graphs and fused else None
+            cfg = fnppo.StepConfig(
+                loss=loss,
+                num_microbatches=2,
+                temperature=0.9,
+                fused_output=fused,
+                fused_output_chunk_vocab=chunk_vocab if fused else None,
+                fused_output_graphs=cache,
+            )
             lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
             state, metrics = fnppo.train_step(state, samples, cfg)
             lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
-            full = fnppo.gather_full_weights(state.model)
+            full = fnppo.models.gather_full_weights(state.model)
         finally:
             step_mod.linear_logprob_and_entropy = real
         out["calls"][fused] = len(calls)
         out.setdefault("chunk_vocab", {})[fused] = {c for c, _ in calls}
         out.setdefault("graphs", {})[fused] = {id(g) if g is not None else None for _, g in calls}
-        out.setdefault("graph_calls", {})[fused] = None if not (graphs and fused) else (id(cache), cache.eager_calls, cache.nbytes())
+        out.setdefault("graph_calls", {})[fused] = (
+            None if not (graphs and fused) else (id(cache), cache.eager_calls, cache.nbytes())
+        )
         out["output_layer_calls"][fused] = len(layer_calls)
         out[fused] = dict(lp=lp, ent=ent, lp_ref=lp_ref, metrics=metrics, update={k: full[k] - init[k] for k in full})
     return out
@@ -636,7 +707,9 @@ def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_numbe
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InputError) as info:
             fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
-        check_message(info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "an int >= 1 or None", repr(bad))
+        check_message(
+            info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "an int >= 1 or None", repr(bad)
+        )
 
 
 def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
@@ -650,10 +723,14 @@ def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
     assert out["graphs"][True] == {cache_id} and eager_calls == 2 and nbytes > 0  # two micro-batches, one backward each
 
 
-@pytest.mark.parametrize("recompute", [
-    dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
-    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-], ids=["selective-mlp", "full"])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ],
+    ids=["selective-mlp", "full"],
+)
 def test_step_fused_output_with_activation_recomputation(recompute):
     """Recomputation (what lets the fused path's larger micro-batches fit) changes no number: fused
     equals unfused, and both equal the step without recomputation."""
@@ -681,7 +758,9 @@ def test_step_fused_output_equals_unfused_parallel(tp, pp):
 def test_fused_output_refuses_replaced_stages():
     import fnppo
 
-    with pytest.raises(InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"):
+    with pytest.raises(
+        InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"
+    ):
         fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns(logprob=lambda *a, **k: None))
 
 
@@ -699,10 +778,12 @@ def _large_tp_problem():
     g = torch.Generator().manual_seed(32)
     half, free = LARGE_VOCAB // 2, LARGE_HIDDEN - 2
     w_free = torch.randn(half, free, generator=g) * 0.5
-    w = torch.cat([
-        torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), 45.0), w_free], dim=1),
-        torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), -45.0), w_free], dim=1),
-    ])
+    w = torch.cat(
+        [
+            torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), 45.0), w_free], dim=1),
+            torch.cat([torch.full((half, 1), 50.0), torch.full((half, 1), -45.0), w_free], dim=1),
+        ]
+    )
     side = torch.tensor([1.0] * 4 + [-1.0] * 4 + [0.0] * 4)
     h = torch.cat([torch.ones(12, 1), side[:, None], torch.randn(12, free, generator=g)], dim=1)
     labels = torch.randint(0, LARGE_VOCAB, (12,), generator=g)
@@ -724,7 +805,7 @@ def large_tp_worker() -> dict:
     out = {}
     for dtype, t in LARGE_CASES:
         hs = h.to(getattr(torch, dtype)).clone().requires_grad_()
-        ws = w[layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(getattr(torch, dtype)).clone().requires_grad_()
+        ws = w[layout.tp_rank * shard : (layout.tp_rank + 1) * shard].to(getattr(torch, dtype)).clone().requires_grad_()
         lp, ent = linear_logprob_and_entropy(hs, ws, labels, tp_group=layout.tp_group, temperature=t, chunk_vocab=5)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
         out[dtype, t] = (lp.detach(), ent.detach(), hs.grad, ws.grad)

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.core.logprob import _chunk_rows, logprob_and_entropy
 from fnppo.core.errors import InputError, ShapeError
+from fnppo.core.logprob import _chunk_rows, logprob_and_entropy
 from fnppo.core.typing import typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import raises_message
@@ -216,8 +216,12 @@ def _x_l():
 def test_label_out_of_range_raises(bad):
     x, labels = _x_l()
     labels[2] = bad
-    with raises_message("logprob_and_entropy", "labels", "token ids in [0, 50)", f"i64[4] with values in [{int(labels.min())}, "
-                        f"{int(labels.max())}] (first bad: {bad})"):
+    with raises_message(
+        "logprob_and_entropy",
+        "labels",
+        "token ids in [0, 50)",
+        f"i64[4] with values in [{int(labels.min())}, {int(labels.max())}] (first bad: {bad})",
+    ):
         logprob_and_entropy(x, labels)
 
 
@@ -234,8 +238,12 @@ def test_shape_mismatch_raises():
     labels = torch.randint(0, 50, (5,))
     with raises_message("logprob_and_entropy", "labels", "Integer[Tensor, '*tok']", "i64[5]", ShapeError):
         logprob_and_entropy(x, labels)
-    with typechecking(False), raises_message("logprob_and_entropy", "labels", "shape (4,) (the logits' leading dims)",
-                                             "i64[5] with logits f32[4,50]"):
+    with (
+        typechecking(False),
+        raises_message(
+            "logprob_and_entropy", "labels", "shape (4,) (the logits' leading dims)", "i64[5] with logits f32[4,50]"
+        ),
+    ):
         logprob_and_entropy(x, labels)
 
 
@@ -243,8 +251,12 @@ def test_vocab_size_mismatch_raises():
     x, labels = _x_l()
     logprob_and_entropy(x, labels, vocab_size=50)  # no padding: fine
     logprob_and_entropy(x, labels.clamp(max=48), vocab_size=49)  # one padding column: fine
-    with raises_message("logprob_and_entropy", "vocab_size", "at most vocab_shard * tp_size = 50 * 1 = 50 (the real "
-                        "vocabulary; the logits may hold a padded one)", "64"):
+    with raises_message(
+        "logprob_and_entropy",
+        "vocab_size",
+        "at most vocab_shard * tp_size = 50 * 1 = 50 (the real vocabulary; the logits may hold a padded one)",
+        "64",
+    ):
         logprob_and_entropy(x, labels, vocab_size=64)
     for bad in (0, -3, True):
         with raises_message("logprob_and_entropy", "vocab_size", "None or an int >= 1", repr(bad)):
@@ -299,8 +311,9 @@ def test_padded_vocab_tp1_matches_real_vocab_fp64(divisible, dtype):
         lp, ent, grad = run_ours(x, labels, 0.9, g_lp, g_h, vocab_size=REAL_VOCAB, chunk_tokens=chunk)
         _check_padded(lp, ent, grad, x, labels, g_lp, g_h, dtype)
         xg = x.clone().requires_grad_()
-        lp2, none = logprob_and_entropy(xg, labels, temperature=0.9, vocab_size=REAL_VOCAB, with_entropy=False,
-                                        chunk_tokens=chunk)
+        lp2, none = logprob_and_entropy(
+            xg, labels, temperature=0.9, vocab_size=REAL_VOCAB, with_entropy=False, chunk_tokens=chunk
+        )
         (lp2 * g_lp).sum().backward()
         assert none is None and torch.equal(lp2, lp)
         _check_padded(lp2, None, xg.grad, x, labels, g_lp, None, dtype)
@@ -309,8 +322,12 @@ def test_padded_vocab_tp1_matches_real_vocab_fp64(divisible, dtype):
 def test_label_in_padding_raises():
     x, labels, _, _ = padded_problem(128, 1)
     labels[1, 2] = REAL_VOCAB  # a padding id: a real column of the logits, but no token
-    with raises_message("logprob_and_entropy", "labels", f"token ids in [0, {REAL_VOCAB}) (vocab_size)",
-                        f"i64[4,6] with values in [0, {REAL_VOCAB}] (first bad: {REAL_VOCAB})"):
+    with raises_message(
+        "logprob_and_entropy",
+        "labels",
+        f"token ids in [0, {REAL_VOCAB}) (vocab_size)",
+        f"i64[4,6] with values in [0, {REAL_VOCAB}] (first bad: {REAL_VOCAB})",
+    ):
         logprob_and_entropy(x, labels, vocab_size=REAL_VOCAB)
     with typechecking(False):
         lp, ent = logprob_and_entropy(x, labels, vocab_size=REAL_VOCAB)
@@ -326,9 +343,10 @@ def padded_tp_worker() -> dict:
     for divisible in (1, 2, 128):
         x, labels, g_lp, g_h = padded_problem(divisible, layout.tp)
         shard = x.shape[-1] // layout.tp
-        xs = x[..., layout.tp_rank * shard:(layout.tp_rank + 1) * shard].clone().requires_grad_()
-        lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=0.9,
-                                      vocab_size=REAL_VOCAB, chunk_tokens=7)
+        xs = x[..., layout.tp_rank * shard : (layout.tp_rank + 1) * shard].clone().requires_grad_()
+        lp, ent = logprob_and_entropy(
+            xs, labels, tp_group=layout.tp_group, temperature=0.9, vocab_size=REAL_VOCAB, chunk_tokens=7
+        )
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
         out[divisible] = (lp.detach(), ent.detach(), xs.grad)
     return out
@@ -351,8 +369,10 @@ def test_non_floating_logits_raise():
     xi = torch.randint(0, 5, (4, 50))
     with raises_message("logprob_and_entropy", "logits", "Float[Tensor, '*tok vocab_shard']", "i64[4,50]", ShapeError):
         logprob_and_entropy(xi, labels)
-    with typechecking(False), raises_message("logprob_and_entropy", "logits", "a floating tensor (fp32, bf16, fp16 or fp64)",
-                                             "i64[4,50]"):
+    with (
+        typechecking(False),
+        raises_message("logprob_and_entropy", "logits", "a floating tensor (fp32, bf16, fp16 or fp64)", "i64[4,50]"),
+    ):
         logprob_and_entropy(xi, labels)
 
 
@@ -374,7 +394,9 @@ def test_bad_impl_raises(monkeypatch):
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         from fnppo.core.kernels import triton_available
 
-        expected = "'torch' or 'auto' for CPU tensors" if triton_available() else "'torch' or 'auto' (Triton is not installed)"
+        expected = (
+            "'torch' or 'auto' for CPU tensors" if triton_available() else "'torch' or 'auto' (Triton is not installed)"
+        )
         with raises_message("logprob_and_entropy", "impl", expected, "'triton'"):
             logprob_and_entropy(x, labels, impl="triton")  # CPU tensors, no interpreter
 
@@ -447,8 +469,12 @@ _INTERP_SCRIPT = textwrap.dedent(
 
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -479,7 +505,7 @@ def tp_worker(dtype_name: str, megatron_bug: bool = False):
     dtype = getattr(torch, dtype_name)
     x, labels, g_lp, g_h = _full_problem()
     shard = TP_SHAPE[-1] // layout.tp
-    xs = x[..., layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(dtype).clone().requires_grad_()
+    xs = x[..., layout.tp_rank * shard : (layout.tp_rank + 1) * shard].to(dtype).clone().requires_grad_()
     before = xs.detach().clone()
     calls = []
     real_all_reduce = dist.all_reduce
@@ -490,11 +516,12 @@ def tp_worker(dtype_name: str, megatron_bug: bool = False):
 
     dist.all_reduce = counting_all_reduce
     try:
-        lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=0.8,
-                                      vocab_size=TP_SHAPE[-1], chunk_tokens=4)
+        lp, ent = logprob_and_entropy(
+            xs, labels, tp_group=layout.tp_group, temperature=0.8, vocab_size=TP_SHAPE[-1], chunk_tokens=4
+        )
         n_forward = list(calls)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
-        n_backward = calls[len(n_forward):]
+        n_backward = calls[len(n_forward) :]
     finally:
         dist.all_reduce = real_all_reduce
     errors = []
@@ -508,8 +535,15 @@ def tp_worker(dtype_name: str, megatron_bug: bool = False):
                 logprob_and_entropy(xs.detach(), bad, tp_group=layout.tp_group)
         except InputError as err:
             errors.append(str(err))
-    out = dict(lp=_np(lp), ent=_np(ent), grad=_np(xs.grad), unchanged=torch.equal(xs.detach(), before),
-               n_forward=n_forward, n_backward=n_backward, errors=errors)
+    out = dict(
+        lp=_np(lp),
+        ent=_np(ent),
+        grad=_np(xs.grad),
+        unchanged=torch.equal(xs.detach(), before),
+        n_forward=n_forward,
+        n_backward=n_backward,
+        errors=errors,
+    )
     if megatron_bug:
         out["bug"] = megatron_bug_demo(layout)
     return out
@@ -564,7 +598,7 @@ def megatron_bug_demo(layout):
     h = torch.randn(2, 6, 16, generator=g)
     labels = torch.randint(0, vocab, (2, 6), generator=g)
     shard = vocab // layout.tp
-    w = w_full[:, layout.tp_rank * shard:(layout.tp_rank + 1) * shard].clone().requires_grad_()
+    w = w_full[:, layout.tp_rank * shard : (layout.tp_rank + 1) * shard].clone().requires_grad_()
 
     def entropy(logits):  # vocab-parallel entropy written the way RL actors do, plus its autograd
         import torch.distributed as dist
@@ -666,7 +700,7 @@ def large_tp_worker() -> dict:
     out = {}
     for name, (x, labels, g_lp, g_h) in _large_tp_problems().items():
         for dtype, t in LARGE_CASES:
-            xs = x[:, layout.tp_rank * shard:(layout.tp_rank + 1) * shard].to(getattr(torch, dtype))
+            xs = x[:, layout.tp_rank * shard : (layout.tp_rank + 1) * shard].to(getattr(torch, dtype))
             xs = xs.clone().requires_grad_()
             lp, ent = logprob_and_entropy(xs, labels, tp_group=layout.tp_group, temperature=t, chunk_tokens=3)
             ((lp * g_lp).sum() + (ent * g_h).sum()).backward()

@@ -25,30 +25,40 @@ TABLE: dict[str, float] = {}
 
 def _model_cfg() -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=64, max_seq_len=64, tie_embeddings=True,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=64,
+        tie_embeddings=True,
     )
 
 
 def _samples() -> list:
     out = synthetic_samples(N_SAMPLES - 2, seed=7, response_len=(1, 12), multi_modal_every=3)
     g = torch.Generator().manual_seed(11)
-    tiny = fnppo.Sample.from_lists([5], [9], advantages=1.0, old_logprobs=[-2.0], ref_logprobs=[-2.1])  # 2 tokens < 2*cp
+    tiny = fnppo.Sample.from_lists(
+        [5], [9], advantages=1.0, old_logprobs=[-2.0], ref_logprobs=[-2.1]
+    )  # 2 tokens < 2*cp
     r = 41
     long = fnppo.Sample(
-        prompt_ids=torch.randint(0, 64, (6,), generator=g), response_ids=torch.randint(0, 64, (r,), generator=g),
-        advantages=torch.randn(r, generator=g), old_logprobs=-2.0 + 0.3 * torch.randn(r, generator=g),
+        prompt_ids=torch.randint(0, 64, (6,), generator=g),
+        response_ids=torch.randint(0, 64, (r,), generator=g),
+        advantages=torch.randn(r, generator=g),
+        old_logprobs=-2.0 + 0.3 * torch.randn(r, generator=g),
         ref_logprobs=-2.0 + 0.3 * torch.randn(r, generator=g),
     )
     return out[:3] + [tiny] + out[3:] + [long]
 
 
 def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     results = {}
     for split in splits:
         chunks = fnppo.build_gpt(_model_cfg(), sequence_parallel=sequence_parallel)
-        fnppo.layout_invariant_init(chunks, seed=3)
+        fnppo.models.layout_invariant_init(chunks, seed=3)
         ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
         opt = fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0)
         state = fnppo.TrainState(model=ddp, optimizer=opt)
@@ -60,9 +70,14 @@ def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
         if layout.cp > 1:
             _check_refusals(state, samples, cfg)
         state, metrics = fnppo.train_step(state, samples, cfg)
-        full = fnppo.gather_full_weights(state.model)
+        full = fnppo.models.gather_full_weights(state.model)
         logprobs = gather_dp(logprobs, layout)
-        results[split] = {"metrics": metrics, "weights": full, "logprobs": logprobs, "entropy": gather_dp(entropy, layout)}
+        results[split] = {
+            "metrics": metrics,
+            "weights": full,
+            "logprobs": logprobs,
+            "entropy": gather_dp(entropy, layout),
+        }
     return results if layout.rank == 0 else {}
 
 
@@ -71,9 +86,11 @@ def _check_refusals(state, samples, cfg) -> None:
     import dataclasses
 
     seq_loss = dataclasses.replace(cfg.loss, agg=Aggregation("seq-mean-token-mean"))
-    for bad, match in ((dataclasses.replace(cfg, loss=seq_loss), "config.loss.agg.mode"),
-                       (dataclasses.replace(cfg, layout="padded"), "config.layout"),
-                       (dataclasses.replace(cfg, pad_to_multiple_of=2), "pad_to_multiple_of")):
+    for bad, match in (
+        (dataclasses.replace(cfg, loss=seq_loss), "config.loss.agg.mode"),
+        (dataclasses.replace(cfg, layout="padded"), "config.layout"),
+        (dataclasses.replace(cfg, pad_to_multiple_of=2), "pad_to_multiple_of"),
+    ):
         with pytest.raises(fnppo.InputError, match=match):
             fnppo.train_step(state, samples, bad)
 
@@ -84,7 +101,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _compare(ref: dict, got: dict, what: str) -> float:
     assert set(METRICS) <= set(ref["metrics"]) and set(ref["metrics"]) == set(got["metrics"]), what
-    worst = max_metric_error(ref["metrics"], got["metrics"], ref["metrics"], what, REL)  # every metric, not only the loss terms
+    worst = max_metric_error(
+        ref["metrics"], got["metrics"], ref["metrics"], what, REL
+    )  # every metric, not only the loss terms
     assert set(ref["weights"]) == set(got["weights"])
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)

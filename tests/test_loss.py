@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fnppo.core.errors import InputError, ShapeError
 from fnppo.core.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -26,7 +27,6 @@ from fnppo.core.losses import (
     value_loss,
 )
 from fnppo.core.metrics import finalize_metrics, merge_metrics, weighted_metric
-from fnppo.core.typing import InputError, ShapeError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
@@ -77,27 +77,35 @@ def test_config_defaults_and_frozen():
     assert set(BUILTIN) == set(POLICY_LOSSES)
 
 
-@pytest.mark.parametrize("kw, arg, expected, received", [
-    (dict(policy_loss="nope"), "policy_loss", "one of ['cispo', 'clip_cov', ", "'nope'"),
-    (dict(clip_ratio_low=-0.1), "clip_ratio_low", "a finite number >= 0", "-0.1"),
-    (dict(clip_ratio_high=float("nan")), "clip_ratio_high", "a finite number >= 0", "nan"),
-    (dict(clip_ratio_c=1.0), "clip_ratio_c", "a number > 1 or None", "1.0"),
-    (dict(clip_ratio_c=0.5), "clip_ratio_c", "a number > 1 or None", "0.5"),
-    (dict(loss_agg_mode="mean"), "loss_agg_mode", "one of ['token-mean', 'seq-mean-token-sum'", "'mean'"),
-    (dict(loss_agg_mode="seq-mean-token-sum-norm"), "loss_scale_factor", "a number > 0 (the constant C", "None"),
-    (dict(loss_scale_factor=3.0), "loss_scale_factor", "None unless loss_agg_mode='seq-mean-token-sum-norm'", "3.0"),
-    (dict(kl_estimator="k4"), "kl_estimator", "one of ['k1', 'k2', 'mse', 'k3'", "'k4'"),
-    (dict(tis_cap=0.0), "tis_cap", "a number > 0 or None", "0.0"),
-    (dict(tis_level="batch"), "tis_level", "one of ['token', 'sequence']", "'batch'"),
-    (dict(tis_reject_low=2.0, tis_reject_high=1.0), "tis_reject_high", "a number > tis_reject_low=2.0", "1.0"),
-    (dict(tis_reject_level="word"), "tis_reject_level", "one of ['token', 'sequence'] or None", "'word'"),
-    (dict(sapo_tau_neg=0.0), "sapo_tau_neg", "a number > 0", "0.0"),
-    (dict(cispo_clip_low=1.5), "cispo_clip_low", "a number in [0, 1]", "1.5"),
-    (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_ub", "a number > clip_cov_lb=5.0", "1.0"),
-    (dict(kl_cov_ratio=2.0), "kl_cov_ratio", "a number in [0, 1]", "2.0"),
-    (dict(entropy_coeff=True), "entropy_coeff", "a finite number >= 0", "True"),
-    (dict(log_ratio_clamp=0.0), "log_ratio_clamp", "a number > 0", "0.0"),
-])
+@pytest.mark.parametrize(
+    "kw, arg, expected, received",
+    [
+        (dict(policy_loss="nope"), "policy_loss", "one of ['cispo', 'clip_cov', ", "'nope'"),
+        (dict(clip_ratio_low=-0.1), "clip_ratio_low", "a finite number >= 0", "-0.1"),
+        (dict(clip_ratio_high=float("nan")), "clip_ratio_high", "a finite number >= 0", "nan"),
+        (dict(clip_ratio_c=1.0), "clip_ratio_c", "a number > 1 or None", "1.0"),
+        (dict(clip_ratio_c=0.5), "clip_ratio_c", "a number > 1 or None", "0.5"),
+        (dict(loss_agg_mode="mean"), "loss_agg_mode", "one of ['token-mean', 'seq-mean-token-sum'", "'mean'"),
+        (dict(loss_agg_mode="seq-mean-token-sum-norm"), "loss_scale_factor", "a number > 0 (the constant C", "None"),
+        (
+            dict(loss_scale_factor=3.0),
+            "loss_scale_factor",
+            "None unless loss_agg_mode='seq-mean-token-sum-norm'",
+            "3.0",
+        ),
+        (dict(kl_estimator="k4"), "kl_estimator", "one of ['k1', 'k2', 'mse', 'k3'", "'k4'"),
+        (dict(tis_cap=0.0), "tis_cap", "a number > 0 or None", "0.0"),
+        (dict(tis_level="batch"), "tis_level", "one of ['token', 'sequence']", "'batch'"),
+        (dict(tis_reject_low=2.0, tis_reject_high=1.0), "tis_reject_high", "a number > tis_reject_low=2.0", "1.0"),
+        (dict(tis_reject_level="word"), "tis_reject_level", "one of ['token', 'sequence'] or None", "'word'"),
+        (dict(sapo_tau_neg=0.0), "sapo_tau_neg", "a number > 0", "0.0"),
+        (dict(cispo_clip_low=1.5), "cispo_clip_low", "a number in [0, 1]", "1.5"),
+        (dict(clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_ub", "a number > clip_cov_lb=5.0", "1.0"),
+        (dict(kl_cov_ratio=2.0), "kl_cov_ratio", "a number in [0, 1]", "2.0"),
+        (dict(entropy_coeff=True), "entropy_coeff", "a finite number >= 0", "True"),
+        (dict(log_ratio_clamp=0.0), "log_ratio_clamp", "a number > 0", "0.0"),
+    ],
+)
 def test_config_rejects_bad_values(kw, arg, expected, received):
     with raises_message("from_flat", arg, expected, received):
         from_flat(**kw)
@@ -112,8 +120,9 @@ def test_config_replace_is_validated():
 
 
 def test_unknown_loss_lists_names():
-    with raises_message("from_flat", "policy_loss",
-                        "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo'", "'nope'"):
+    with raises_message(
+        "from_flat", "policy_loss", "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo'", "'nope'"
+    ):
         from_flat(policy_loss="nope")
 
 
@@ -146,10 +155,15 @@ def test_ppo_closed_form_asymmetric_and_dual_clip():
     torch.testing.assert_close(grad_of(loss_asym, lp), t([-1.5 / 4, -0.5 / 4, 0.0, 0.0]))
     # and so can single tokens: r = 1.5, A = 1 is clipped only by the upper bound 1 + clip_ratio_high,
     # r = 0.5, A = -1 only by the lower bound 1 - clip_ratio_low
-    for r, a, low, high, expected in ((1.5, 1.0, 0.4, 0.6, -1.5), (1.5, 1.0, 0.6, 0.4, -1.4),
-                                      (0.5, -1.0, 0.4, 0.6, 0.6), (0.5, -1.0, 0.6, 0.4, 0.5)):
-        one, _ = ppo_loss(t([LN(r)]), t([0.0]), t([a]), torch.ones(1, 1),
-                          cfg_for("ppo", clip_ratio_low=low, clip_ratio_high=high))
+    for r, a, low, high, expected in (
+        (1.5, 1.0, 0.4, 0.6, -1.5),
+        (1.5, 1.0, 0.6, 0.4, -1.4),
+        (0.5, -1.0, 0.4, 0.6, 0.6),
+        (0.5, -1.0, 0.6, 0.4, 0.5),
+    ):
+        one, _ = ppo_loss(
+            t([LN(r)]), t([0.0]), t([a]), torch.ones(1, 1), cfg_for("ppo", clip_ratio_low=low, clip_ratio_high=high)
+        )
         assert one.item() == pytest.approx(expected, abs=1e-12), (r, a, low, high)
     # ppo_kl = mean(old - new)
     assert fin["ppo_kl"] == pytest.approx(-(LN(1.5) + 2 * LN(0.5) + LN(5.0)) / 4)
@@ -291,11 +305,19 @@ def test_aggregation_modes_closed_form(mode):
 # =============================================================================================
 D = LN(2.0)
 KL_VALUES = {  # d = logp - ref = +log 2 and -log 2
-    "k1": (D, -D), "k2": (D * D / 2, D * D / 2), "mse": (D * D / 2, D * D / 2),
-    "k3": (0.5 - 1 + D, 2 - 1 - D), "low_var_kl": (0.5 - 1 + D, 2 - 1 - D), "abs": (D, D),
+    "k1": (D, -D),
+    "k2": (D * D / 2, D * D / 2),
+    "mse": (D * D / 2, D * D / 2),
+    "k3": (0.5 - 1 + D, 2 - 1 - D),
+    "low_var_kl": (0.5 - 1 + D, 2 - 1 - D),
+    "abs": (D, D),
 }
 KL_GRADS = {  # d/dlogp
-    "k1": (1.0, 1.0), "k2": (D, -D), "mse": (D, -D), "k3": (1 - 0.5, 1 - 2.0), "low_var_kl": (0.5, -1.0),
+    "k1": (1.0, 1.0),
+    "k2": (D, -D),
+    "mse": (D, -D),
+    "k3": (1 - 0.5, 1 - 2.0),
+    "low_var_kl": (0.5, -1.0),
     "abs": (1.0, -1.0),
 }
 
@@ -313,7 +335,9 @@ def test_kl_estimators_closed_form(estimator):
 
 
 def test_kl_estimator_errors_and_clamp():
-    with raises_message("kl_penalty", "estimator", "one of ['k1', 'k2', 'mse', 'k3', 'low_var_kl', 'abs', 'k1+'", "'k9'"):
+    with raises_message(
+        "kl_penalty", "estimator", "one of ['k1', 'k2', 'mse', 'k3', 'low_var_kl', 'abs', 'k1+'", "'k9'"
+    ):
         kl_penalty(torch.zeros(3), torch.zeros(3), "k9")
     kl = kl_penalty(t([0.0]), t([1e4]), "k3")
     assert torch.isfinite(kl).all()
@@ -359,8 +383,12 @@ def test_missing_optional_inputs_raise():
         ppo_loss(x, x, x, x, cfg_for(entropy_coeff=0.1))
     with raises_message("ppo_loss", "ref_logprobs", "a tensor since kl.coef=0.1", "None"):
         ppo_loss(x, x, x, x, cfg_for(kl_coef=0.1))
-    with raises_message("ppo_loss", "rollout_logprobs",
-                        "a tensor since rollout correction (LossConfig.correction) is configured", "None"):
+    with raises_message(
+        "ppo_loss",
+        "rollout_logprobs",
+        "a tensor since rollout correction (LossConfig.correction) is configured",
+        "None",
+    ):
         ppo_loss(x, x, x, x, cfg_for(tis_cap=2.0))
 
 
@@ -511,8 +539,11 @@ def test_matches_loop_reference(name, mode, dtype, checking):
     batch = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 1000, 4, 6)
     lp0, old, adv, mask, ent, ref, rollout = (x.to(dtype) for x in batch)
     loss_tol, grad_tol = DTYPE_TOL[dtype]
-    for extra in (dict(), dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
-                  dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2)):
+    for extra in (
+        dict(),
+        dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
+        dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2),
+    ):
         extra = read_by(name, extra)  # the clip bounds only where the loss reads them
         cfg = cfg_for(name, mode, **extra)
         lp = leaf(lp0)
@@ -523,25 +554,33 @@ def test_matches_loop_reference(name, mode, dtype, checking):
         assert loss.dtype == torch.promote_types(dtype, torch.float32)
         lp64, ent64 = leaf(lp0.double()), leaf(ent.double())
         flat = flat_view(**flat_for(name, mode, **extra))
-        expected = reference_loss(lp64, old.double(), adv.double(), mask.double(), flat, ent64, ref.double(),
-                                  rollout.double())
+        expected = reference_loss(
+            lp64, old.double(), adv.double(), mask.double(), flat, ent64, ref.double(), rollout.double()
+        )
         torch.testing.assert_close(loss.double(), expected, **loss_tol)
         g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
         ge = torch.autograd.grad(expected, [lp64, ent64], allow_unused=True)
         for a, e, x in zip(g, ge, (lp64, ent64), strict=True):
             assert a is None or a.dtype == dtype
-            torch.testing.assert_close(torch.zeros_like(x) if a is None else a.double(),
-                                       torch.zeros_like(x) if e is None else e, **grad_tol)
+            torch.testing.assert_close(
+                torch.zeros_like(x) if a is None else a.double(), torch.zeros_like(x) if e is None else e, **grad_tol
+            )
 
 
 # =============================================================================================
 # Split invariance, packed layout
 # =============================================================================================
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 6), s=st.integers(1, 5),
-       name=st.sampled_from(DETERMINISTIC), mode=st.sampled_from(LOSS_AGG_MODES),
-       cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]),
-       extras=st.booleans())
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 6),
+    s=st.integers(1, 5),
+    name=st.sampled_from(DETERMINISTIC),
+    mode=st.sampled_from(LOSS_AGG_MODES),
+    cuts=st.lists(st.integers(1, 5), max_size=4),
+    p=st.sampled_from([0.0, 0.3, 0.9]),
+    extras=st.booleans(),
+)
 def test_split_invariance(seed, b, s, name, mode, cuts, p, extras):
     kw = dict(entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", tis_reject_low=0.2) if extras else {}
     check_split_invariance(random_batch(seed, b, s, p), cfg_for(name, mode, **kw), cuts)
@@ -569,16 +608,31 @@ def test_packed_layout_matches_padded(name, mode):
         return torch.cat([x.reshape(-1), torch.full((2,), fill)])[None]
 
     lp_p = leaf(pack(lp0))
-    packed, qm = ppo_loss(lp_p, pack(old, float("nan")), pack(adv), pack(mask), cfg, seq_ids=seq_ids,
-                          generator=torch.Generator().manual_seed(3),
-                          **{k: pack(v) for k, v in others.items()})
+    packed, qm = ppo_loss(
+        lp_p,
+        pack(old, float("nan")),
+        pack(adv),
+        pack(mask),
+        cfg,
+        seq_ids=seq_ids,
+        generator=torch.Generator().manual_seed(3),
+        **{k: pack(v) for k, v in others.items()},
+    )
     if name == "clip_cov":
         assert finalize_metrics(pm)["clip_cov_frac"] > 0  # some tokens were detached
         # the default ratio: the drawn tokens may differ, but detaching keeps every value
         default = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ratio=2e-4))
         v_padded, _ = ppo_loss(lp0, old, adv, mask, default, generator=torch.Generator().manual_seed(3), **others)
-        v_packed, _ = ppo_loss(pack(lp0), pack(old, float("nan")), pack(adv), pack(mask), default, seq_ids=seq_ids,
-                               generator=torch.Generator().manual_seed(3), **{k: pack(v) for k, v in others.items()})
+        v_packed, _ = ppo_loss(
+            pack(lp0),
+            pack(old, float("nan")),
+            pack(adv),
+            pack(mask),
+            default,
+            seq_ids=seq_ids,
+            generator=torch.Generator().manual_seed(3),
+            **{k: pack(v) for k, v in others.items()},
+        )
         torch.testing.assert_close(v_packed, v_padded)
         torch.testing.assert_close(v_packed, padded)
     torch.testing.assert_close(packed, padded)
@@ -598,8 +652,14 @@ CLIP_EDGES = {
     "ppo-upper": ("ppo", dict(clip_ratio_high=0.25), 1.25, 1.0, "pg_clipfrac", 0.0),
     "ppo-lower": ("ppo", dict(clip_ratio_low=0.5), 0.5, -1.0, "pg_clipfrac", 0.0),
     "ppo-dual": ("ppo", dict(clip_ratio_c=2.0, clip_ratio_high=0.25), 2.0, -1.0, "pg_clipfrac_lower", 0.0),
-    "clip_cov-dual": ("clip_cov", dict(clip_ratio_c=2.0, clip_ratio_high=0.25, clip_cov_ub=1e9, clip_cov_lb=1e8),
-                      2.0, -1.0, "pg_clipfrac_lower", 0.0),
+    "clip_cov-dual": (
+        "clip_cov",
+        dict(clip_ratio_c=2.0, clip_ratio_high=0.25, clip_cov_ub=1e9, clip_cov_lb=1e8),
+        2.0,
+        -1.0,
+        "pg_clipfrac_lower",
+        0.0,
+    ),
     "gspo-upper": ("gspo", dict(clip_ratio_high=0.25), 1.25, 1.0, "pg_clipfrac", 0.0),
     "gspo-lower": ("gspo", dict(clip_ratio_low=0.5), 0.5, -1.0, "pg_clipfrac", 0.0),
     "cispo-upper": ("cispo", dict(cispo_clip_high=0.25), 1.25, 1.0, "pg_clipfrac", 1.25),  # weight stays at 1.25
@@ -625,8 +685,12 @@ def test_ratio_exactly_on_a_clip_bound_is_not_clipped(case):
 def test_gmpo_log_ratio_exactly_on_its_bound_is_not_clipped():
     # gmpo clips the log-ratio to [-clip_ratio_low, clip_ratio_high]: log r = 0.25 exactly (-0.75 - (-1))
     cfg = cfg_for("gmpo", clip_ratio_low=0.25, clip_ratio_high=0.25)
-    for lp_value, a, clipped in ((-0.75, 1.0, False), (next_up(-0.75), 1.0, True),
-                                 (-1.25, -1.0, False), (next_down(-1.25), -1.0, True)):
+    for lp_value, a, clipped in (
+        (-0.75, 1.0, False),
+        (next_up(-0.75), 1.0, True),
+        (-1.25, -1.0, False),
+        (next_down(-1.25), -1.0, True),
+    ):
         lp = leaf(t([lp_value]))
         loss, m = ppo_loss(lp, t([-1.0]), t([a]), torch.ones(1, 1), cfg)
         assert finalize_metrics(m)["pg_clipfrac"] == float(clipped), lp_value
@@ -657,8 +721,9 @@ def test_on_policy_with_zero_clip_width_is_the_plain_policy_gradient(name, packe
     got = grad_of(loss, lp).reshape(-1).tolist()
     assert got == pytest.approx(expected_grad, rel=1e-15, abs=1e-300)
     if name != "cispo":  # cispo's value contains logp
-        assert loss.item() == pytest.approx(-sum(float(a) * float(v) for a, v in zip(
-            adv.reshape(-1), mask.reshape(-1), strict=True)) / n, rel=1e-14)
+        assert loss.item() == pytest.approx(
+            -sum(float(a) * float(v) for a, v in zip(adv.reshape(-1), mask.reshape(-1), strict=True)) / n, rel=1e-14
+        )
 
 
 def test_value_clip_at_equality():
@@ -682,7 +747,7 @@ def test_value_clip_at_equality():
     # the loss is the unclipped term, with its gradient V - R, and the token is not counted as clipped
     v = leaf(t([1.0]))
     loss, m = value_loss(v, t([0.0]), t([0.75]), torch.ones(1, 1), 0.5)
-    assert loss.item() == 0.5 * 0.25 ** 2 and finalize_metrics(m)["vf_clipfrac"] == 0.0
+    assert loss.item() == 0.5 * 0.25**2 and finalize_metrics(m)["vf_clipfrac"] == 0.0
     assert grad_of(loss, v).item() == 0.25
 
 
@@ -697,8 +762,15 @@ def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
     lp0, old, adv, mask, ent, ref, rollout = random_batch(31, 3, 5)
     mask[:, 0] = 1.0
     mask[:, -1] = 0.0
-    cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=1.5, tis_reject_low=0.5,
-                  reject_seq_max_abs_log_ratio=5.0)
+    cfg = cfg_for(
+        name,
+        "seq-mean-token-mean",
+        entropy_coeff=0.1,
+        kl_coef=0.1,
+        tis_cap=1.5,
+        tis_reject_low=0.5,
+        reject_seq_max_abs_log_ratio=5.0,
+    )
     seq_ids = None
     if packed:
         lp0, old, adv, mask, ent, ref, rollout = (x.reshape(1, -1) for x in (lp0, old, adv, mask, ent, ref, rollout))
@@ -710,8 +782,17 @@ def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
 
     def run(value):
         lp = leaf(fill(lp0, value))
-        loss, m = ppo_loss(lp, fill(old, value), fill(adv, value), mask, cfg, entropy=fill(ent, value),
-                           ref_logprobs=fill(ref, value), rollout_logprobs=fill(rollout, value), seq_ids=seq_ids)
+        loss, m = ppo_loss(
+            lp,
+            fill(old, value),
+            fill(adv, value),
+            mask,
+            cfg,
+            entropy=fill(ent, value),
+            ref_logprobs=fill(ref, value),
+            rollout_logprobs=fill(rollout, value),
+            seq_ids=seq_ids,
+        )
         return loss, grad_of(loss, lp), finalize_metrics(m)
 
     loss0, g0, m0 = run(0.0)
@@ -722,12 +803,25 @@ def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
 
 
 def _masked_nan_samples(field: str) -> list:
-    from fnppo.core.batch import Sample
+    from fnppo.core.sample import Sample
 
-    good = [Sample.from_lists([1, 2], [3, 4, 5], advantages=[0.5, -0.5, 1.0], old_logprobs=[-1.0, -2.0, -1.5],
-                              rollout_logprobs=[-1.1, -2.0, -1.4], ref_logprobs=[-1.0, -1.0, -1.0]) for _ in range(2)]
-    values = {"advantages": [0.5, 1.0, math.nan], "old_logprobs": [-1.0, -2.0, math.nan],
-              "rollout_logprobs": [-1.0, -2.0, math.nan], "ref_logprobs": [-1.0, -2.0, math.inf]}
+    good = [
+        Sample.from_lists(
+            [1, 2],
+            [3, 4, 5],
+            advantages=[0.5, -0.5, 1.0],
+            old_logprobs=[-1.0, -2.0, -1.5],
+            rollout_logprobs=[-1.1, -2.0, -1.4],
+            ref_logprobs=[-1.0, -1.0, -1.0],
+        )
+        for _ in range(2)
+    ]
+    values = {
+        "advantages": [0.5, 1.0, math.nan],
+        "old_logprobs": [-1.0, -2.0, math.nan],
+        "rollout_logprobs": [-1.0, -2.0, math.nan],
+        "ref_logprobs": [-1.0, -2.0, math.inf],
+    }
     lists = {name: [0.5, 1.0, 0.0] if name == "advantages" else [-1.0, -2.0, -1.0] for name in values}
     lists[field] = values[field]
     bad = Sample.from_lists([1], [6, 7, 8], response_mask=[1.0, 1.0, 0.0], **lists)  # the NaN is masked out
@@ -739,7 +833,7 @@ def _masked_nan_samples(field: str) -> list:
 def test_nan_at_a_masked_response_position_is_refused_by_collate(layout, field):
     # documented refusal (docs/errors.md): a Sample's per-token values are finite at every response
     # position, response_mask 0 included; the error names the sample and the field
-    from fnppo.core.batch import collate_microbatch
+    from fnppo.core.collate import collate_microbatch
 
     with raises_message("collate_microbatch", f"samples[2].{field}", "finite values", "f32[3] with 1 NaN/inf"):
         collate_microbatch(_masked_nan_samples(field), layout=layout)
@@ -749,10 +843,18 @@ def _train_step_masked_nan() -> dict:
     """train_step on one rank with a NaN advantage at a masked-out response position, for each
     policy loss and layout: the error (type, message) of each call; were the parameters untouched."""
     import fnppo
-    from fnppo.megatron.model import ModelConfig, unwrap_model
+    from fnppo.megatron.config import ModelConfig
+    from fnppo.megatron.unwrap import unwrap_model
 
-    cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1, ffn_hidden_size=32,
-                      vocab_size=16, max_seq_len=16)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=1,
+        ffn_hidden_size=32,
+        vocab_size=16,
+        max_seq_len=16,
+    )
     ddp = fnppo.wrap_ddp(fnppo.build_gpt(cfg))
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
     before = [p.detach().clone() for p in unwrap_model(ddp[0]).parameters()]
@@ -777,8 +879,9 @@ def test_train_step_refuses_nan_at_a_masked_position_for_every_loss_and_layout()
     assert len(out) == 6
     for key, (kind, msg) in out.items():
         assert kind == "InputError", (key, kind, msg)
-        check_message(InputError(msg), InputError, "train_step", "batch[2].advantages", "finite values",
-                      "f32[3] with 1 NaN/inf")
+        check_message(
+            InputError(msg), InputError, "train_step", "batch[2].advantages", "finite values", "f32[3] with 1 NaN/inf"
+        )
 
 
 # =============================================================================================
@@ -791,8 +894,17 @@ def test_empty_mask_gives_exact_zero(name, mode):
     cfg = cfg_for(name, mode, entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0)
     for normalizer in (None, 0.0, 5.0):
         lp, ent_l = leaf(lp0), leaf(ent)
-        loss, m = ppo_loss(lp, old, adv, torch.zeros(2, 3), cfg, entropy=ent_l, ref_logprobs=ref,
-                           rollout_logprobs=rollout, normalizer=normalizer)
+        loss, m = ppo_loss(
+            lp,
+            old,
+            adv,
+            torch.zeros(2, 3),
+            cfg,
+            entropy=ent_l,
+            ref_logprobs=ref,
+            rollout_logprobs=rollout,
+            normalizer=normalizer,
+        )
         assert loss.item() == 0.0
         g = torch.autograd.grad(loss, [lp, ent_l])
         for x in g:
@@ -815,8 +927,17 @@ def test_garbage_at_masked_positions_is_ignored(name):
 
     lp2 = leaf(dirty(lp0, -math.inf))
     kw = dict(generator=torch.Generator().manual_seed(0))
-    loss, m = ppo_loss(lp2, dirty(old, math.nan), dirty(adv, math.inf), mask, cfg, entropy=dirty(ent, math.nan),
-                       ref_logprobs=dirty(ref, math.inf), rollout_logprobs=dirty(rollout, math.nan), **kw)
+    loss, m = ppo_loss(
+        lp2,
+        dirty(old, math.nan),
+        dirty(adv, math.inf),
+        mask,
+        cfg,
+        entropy=dirty(ent, math.nan),
+        ref_logprobs=dirty(ref, math.inf),
+        rollout_logprobs=dirty(rollout, math.nan),
+        **kw,
+    )
     torch.testing.assert_close(loss, clean)
     torch.testing.assert_close(grad_of(loss, lp2), g_clean)
     assert all(math.isfinite(v) for v in finalize_metrics(m).values())
@@ -826,9 +947,15 @@ def test_extreme_log_ratios_stay_finite():
     lp = leaf(t([80.0, -80.0, 0.0]))
     for name in BUILTIN:
         for adv in (t([1.0, -1.0, 1.0]), t([-1.0, 1.0, -1.0])):
-            loss, _ = ppo_loss(lp, torch.zeros(1, 3), adv, torch.ones(1, 3),
-                               cfg_for(name, kl_coef=0.1, tis_cap=2.0), ref_logprobs=t([-80.0, 80.0, 0.0]),
-                               rollout_logprobs=t([100.0, -100.0, 0.0]))
+            loss, _ = ppo_loss(
+                lp,
+                torch.zeros(1, 3),
+                adv,
+                torch.ones(1, 3),
+                cfg_for(name, kl_coef=0.1, tis_cap=2.0),
+                ref_logprobs=t([-80.0, 80.0, 0.0]),
+                rollout_logprobs=t([100.0, -100.0, 0.0]),
+            )
             assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, lp)).all(), name
 
 
@@ -882,11 +1009,13 @@ def test_bad_values_raise_input_error():
         ppo_loss(x, x, x, mask, cfg_for(), normalizer=-1.0)
     with raises_message("ppo_loss", "normalizer", "a finite number >= 0", "f64[] = nan"):
         ppo_loss(x, x, x, mask, cfg_for(), normalizer=torch.tensor(math.nan))
-    with raises_message("ppo_loss", "seq_ids", "values in [-1, 6) and >= 0 wherever loss_mask is 1",
-                        "i64[2,3] with values in [6, 6]"):
+    with raises_message(
+        "ppo_loss", "seq_ids", "values in [-1, 6) and >= 0 wherever loss_mask is 1", "i64[2,3] with values in [6, 6]"
+    ):
         ppo_loss(x, x, x, mask, cfg_for(), seq_ids=torch.full((2, 3), 6))
-    with raises_message("ppo_loss", "seq_ids", "values in [-1, 6) and >= 0 wherever loss_mask is 1",
-                        "i64[2,3] with values in [-1, -1]"):
+    with raises_message(
+        "ppo_loss", "seq_ids", "values in [-1, 6) and >= 0 wherever loss_mask is 1", "i64[2,3] with values in [-1, -1]"
+    ):
         ppo_loss(x, x, x, mask, cfg_for(), seq_ids=torch.full((2, 3), -1))  # masked-in token without sequence
     # NaN where the mask is 0 is fine
     ppo_loss(x, x, bad, torch.where(torch.isnan(bad), 0.0, 1.0), cfg_for())
@@ -906,8 +1035,9 @@ def test_bad_custom_loss_output_raises():
         return x.logprobs.sum(), {}
 
     with raises_message("ppo_loss", "policy loss 'test_bad_shape'", "a per-token loss of shape (1, 2)", "f64[]"):
-        ppo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
-                 LossConfig(policy=test_bad_shape))
+        ppo_loss(
+            torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), LossConfig(policy=test_bad_shape)
+        )
 
 
 def test_custom_loss_is_passed_as_a_callable():
@@ -915,8 +1045,12 @@ def test_custom_loss_is_passed_as_a_callable():
         return -3.0 * x.advantages * x.logprobs, {"my_metric": x.token_metric(x.advantages)}
 
     # no registry: a name from_flat does not know is refused, listing the built-ins
-    with raises_message("from_flat", "policy_loss", "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', "
-                        "'ppo', 'reinforce', 'sapo']", "'test_scaled_reinforce'"):
+    with raises_message(
+        "from_flat",
+        "policy_loss",
+        "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo', 'reinforce', 'sapo']",
+        "'test_scaled_reinforce'",
+    ):
         from_flat(policy_loss="test_scaled_reinforce")
     lp = leaf(t([-1.0, -2.0]))
     loss, m = ppo_loss(lp, lp.detach(), t([1.0, 3.0]), t([1.0, 0.0]), LossConfig(policy=scaled))
@@ -953,8 +1087,9 @@ def test_value_loss_closed_form():
     assert fin["vf_clipfrac"] == 0.5 and fin["vf_loss"] == pytest.approx(loss.item())
     loss_u, _ = value_loss(v, old, ret, mask, None)
     assert loss_u.item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
-    loss_s, _ = value_loss(v, old, ret, mask, 0.1, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=2.0,
-                           normalizer=4)
+    loss_s, _ = value_loss(
+        v, old, ret, mask, 0.1, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=2.0, normalizer=4
+    )
     assert loss_s.item() == pytest.approx(0.5 * (1.21 + 1.0) / 2.0 / 4)
     with raises_message("value_loss", "clip_range", "a number >= 0 or None", "-1.0"):
         value_loss(v, old, ret, mask, -1.0)
@@ -1072,6 +1207,9 @@ def test_value_loss_split_invariance(seed, b, cut, mode):
     full, _ = value_loss(v, old, ret, mask, 0.3, **kw)
     cut = min(cut, b)
     n = loss_normalizer(mask[:cut], mode) + loss_normalizer(mask[cut:], mode)
-    parts = [value_loss(v[i:j], old[i:j], ret[i:j], mask[i:j], 0.3, normalizer=n, **kw)[0]
-             for i, j in ((0, cut), (cut, b)) if j > i]
+    parts = [
+        value_loss(v[i:j], old[i:j], ret[i:j], mask[i:j], 0.3, normalizer=n, **kw)[0]
+        for i, j in ((0, cut), (cut, b))
+        if j > i
+    ]
     torch.testing.assert_close(sum(parts), full)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from fnppo.core.errors import InputError
 from fnppo.core.losses import (
     POLICY_LOSSES,
     Aggregation,
@@ -35,7 +36,6 @@ from fnppo.core.losses import (
 )
 from fnppo.core.losses.flat import DEFAULTS, LOSS_FIELDS
 from fnppo.core.metrics import finalize_metrics
-from fnppo.core.typing import InputError
 from tests.loss_helpers import (
     float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
     grad_of,
@@ -50,11 +50,9 @@ from tests.messages import raises_message
 # (build, function named, argument, expected excerpt, received)
 PART_ERRORS = {
     "ppo_clip-low": (lambda: ppo_clip(clip_low=-0.1), "ppo_clip", "clip_low", "a finite number >= 0", "-0.1"),
-    "ppo_clip-high-nan": (lambda: ppo_clip(clip_high=math.nan), "ppo_clip", "clip_high", "a finite number >= 0",
-                          "nan"),
+    "ppo_clip-high-nan": (lambda: ppo_clip(clip_high=math.nan), "ppo_clip", "clip_high", "a finite number >= 0", "nan"),
     "ppo_clip-dual": (lambda: ppo_clip(dual_clip=1.0), "ppo_clip", "dual_clip", "a number > 1 or None", "1.0"),
-    "ppo_clip-dual-bool": (lambda: ppo_clip(dual_clip=True), "ppo_clip", "dual_clip", "a number > 1 or None",
-                           "True"),
+    "ppo_clip-dual-bool": (lambda: ppo_clip(dual_clip=True), "ppo_clip", "dual_clip", "a number > 1 or None", "True"),
     "gspo-low": (lambda: gspo(clip_low=-1.0), "gspo", "clip_low", "a finite number >= 0", "-1.0"),
     "gmpo-high": (lambda: gmpo(clip_high=math.inf), "gmpo", "clip_high", "a finite number >= 0", "inf"),
     "cispo-low": (lambda: cispo(clip_low=1.5), "cispo", "clip_low", "a number in [0, 1]", "1.5"),
@@ -69,33 +67,92 @@ PART_ERRORS = {
     "KLPenalty-coef": (lambda: KLPenalty(-0.1), "KLPenalty", "coef", "a finite number >= 0", "-0.1"),
     "KLPenalty-estimator": (lambda: KLPenalty(0.1, "k4"), "KLPenalty", "estimator", "one of ['k1', 'k2'", "'k4'"),
     "Aggregation-mode": (lambda: Aggregation("mean"), "Aggregation", "mode", "one of ['token-mean'", "'mean'"),
-    "Aggregation-scale": (lambda: Aggregation("seq-mean-token-sum-norm"), "Aggregation", "scale",
-                          "a number > 0 (the constant C", "None"),
-    "Aggregation-stray-scale": (lambda: Aggregation("token-mean", 3.0), "Aggregation", "scale",
-                                "None unless mode='seq-mean-token-sum-norm'", "3.0"),
-    "RolloutCorrection-cap": (lambda: RolloutCorrection(tis_cap=0.0), "RolloutCorrection", "tis_cap",
-                              "a number > 0 or None", "0.0"),
-    "RolloutCorrection-level": (lambda: RolloutCorrection(tis_cap=2.0, level="batch"), "RolloutCorrection", "level",
-                                "one of ['token', 'sequence']", "'batch'"),
-    "RolloutCorrection-empty": (lambda: RolloutCorrection(level="sequence"), "RolloutCorrection", "tis_cap",
-                                "a number > 0, or one of reject_low, reject_high, reject_seq_* set", "None"),
-    "ValueLossConfig-clip": (lambda: ValueLossConfig(clip_range=-1.0), "ValueLossConfig", "clip_range",
-                             "a number >= 0 or None", "-1.0"),
-    "ValueLossConfig-agg": (lambda: ValueLossConfig(agg="token-mean"), "ValueLossConfig", "agg", "an Aggregation",
-                            "'token-mean'"),
-    "LossConfig-policy": (lambda: LossConfig(policy="ppo"), "LossConfig", "policy", "a policy loss: a callable",
-                          "'ppo'"),
+    "Aggregation-scale": (
+        lambda: Aggregation("seq-mean-token-sum-norm"),
+        "Aggregation",
+        "scale",
+        "a number > 0 (the constant C",
+        "None",
+    ),
+    "Aggregation-stray-scale": (
+        lambda: Aggregation("token-mean", 3.0),
+        "Aggregation",
+        "scale",
+        "None unless mode='seq-mean-token-sum-norm'",
+        "3.0",
+    ),
+    "RolloutCorrection-cap": (
+        lambda: RolloutCorrection(tis_cap=0.0),
+        "RolloutCorrection",
+        "tis_cap",
+        "a number > 0 or None",
+        "0.0",
+    ),
+    "RolloutCorrection-level": (
+        lambda: RolloutCorrection(tis_cap=2.0, level="batch"),
+        "RolloutCorrection",
+        "level",
+        "one of ['token', 'sequence']",
+        "'batch'",
+    ),
+    "RolloutCorrection-empty": (
+        lambda: RolloutCorrection(level="sequence"),
+        "RolloutCorrection",
+        "tis_cap",
+        "a number > 0, or one of reject_low, reject_high, reject_seq_* set",
+        "None",
+    ),
+    "ValueLossConfig-clip": (
+        lambda: ValueLossConfig(clip_range=-1.0),
+        "ValueLossConfig",
+        "clip_range",
+        "a number >= 0 or None",
+        "-1.0",
+    ),
+    "ValueLossConfig-agg": (
+        lambda: ValueLossConfig(agg="token-mean"),
+        "ValueLossConfig",
+        "agg",
+        "an Aggregation",
+        "'token-mean'",
+    ),
+    "LossConfig-policy": (
+        lambda: LossConfig(policy="ppo"),
+        "LossConfig",
+        "policy",
+        "a policy loss: a callable",
+        "'ppo'",
+    ),
     "LossConfig-agg": (lambda: LossConfig(agg="token-mean"), "LossConfig", "agg", "an Aggregation", "'token-mean'"),
     "LossConfig-kl": (lambda: LossConfig(kl=0.1), "LossConfig", "kl", "a KLPenalty or None", "0.1"),
-    "LossConfig-correction": (lambda: LossConfig(correction=2.0), "LossConfig", "correction",
-                              "a RolloutCorrection or None", "2.0"),
-    "LossConfig-entropy": (lambda: LossConfig(entropy_coef=-0.01), "LossConfig", "entropy_coef",
-                           "a finite number >= 0", "-0.01"),
-    "LossConfig-clamp": (lambda: LossConfig(log_ratio_clamp=0.0), "LossConfig", "log_ratio_clamp", "a number > 0",
-                         "0.0"),
-    "LossConfig-bypass-tis": (lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)),
-                              "LossConfig", "correction.tis_cap", "None with bypass_old_logprobs=True and the "
-                              "ratio-based policy loss 'PPOClip(clip_low=0.2", "2.0"),
+    "LossConfig-correction": (
+        lambda: LossConfig(correction=2.0),
+        "LossConfig",
+        "correction",
+        "a RolloutCorrection or None",
+        "2.0",
+    ),
+    "LossConfig-entropy": (
+        lambda: LossConfig(entropy_coef=-0.01),
+        "LossConfig",
+        "entropy_coef",
+        "a finite number >= 0",
+        "-0.01",
+    ),
+    "LossConfig-clamp": (
+        lambda: LossConfig(log_ratio_clamp=0.0),
+        "LossConfig",
+        "log_ratio_clamp",
+        "a number > 0",
+        "0.0",
+    ),
+    "LossConfig-bypass-tis": (
+        lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)),
+        "LossConfig",
+        "correction.tis_cap",
+        "None with bypass_old_logprobs=True and the ratio-based policy loss 'PPOClip(clip_low=0.2",
+        "2.0",
+    ),
 }
 
 
@@ -131,12 +188,28 @@ def test_factories_have_the_documented_defaults():
 # =============================================================================================
 # Per built-in loss: flat settings with a non-default value for every field it reads and for the fields
 # of the whole loss, and the same loss built from parts by hand.
-GENERAL = dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=3.0, entropy_coeff=0.02, kl_coef=0.1,
-               kl_estimator="k2+", tis_cap=1.4, tis_level="sequence", tis_reject_low=0.8, tis_reject_level="token",
-               reject_seq_k3=0.5, log_ratio_clamp=15.0)
-GENERAL_PARTS = dict(agg=Aggregation("seq-mean-token-sum-norm", 3.0), entropy_coef=0.02, kl=KLPenalty(0.1, "k2+"),
-                     correction=RolloutCorrection(tis_cap=1.4, level="sequence", reject_low=0.8, reject_level="token",
-                                                  reject_seq_k3=0.5), log_ratio_clamp=15.0)
+GENERAL = dict(
+    loss_agg_mode="seq-mean-token-sum-norm",
+    loss_scale_factor=3.0,
+    entropy_coeff=0.02,
+    kl_coef=0.1,
+    kl_estimator="k2+",
+    tis_cap=1.4,
+    tis_level="sequence",
+    tis_reject_low=0.8,
+    tis_reject_level="token",
+    reject_seq_k3=0.5,
+    log_ratio_clamp=15.0,
+)
+GENERAL_PARTS = dict(
+    agg=Aggregation("seq-mean-token-sum-norm", 3.0),
+    entropy_coef=0.02,
+    kl=KLPenalty(0.1, "k2+"),
+    correction=RolloutCorrection(
+        tis_cap=1.4, level="sequence", reject_low=0.8, reject_level="token", reject_seq_k3=0.5
+    ),
+    log_ratio_clamp=15.0,
+)
 BY_HAND = {
     "ppo": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=2.5), ppo_clip(0.1, 0.3, 2.5)),
     "gspo": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3), gspo(0.1, 0.3)),
@@ -145,8 +218,17 @@ BY_HAND = {
     "reinforce": ({}, reinforce()),
     "gmpo": (dict(clip_ratio_low=0.15, clip_ratio_high=0.25), gmpo(0.15, 0.25)),
     "sapo": (dict(sapo_tau_pos=1.1, sapo_tau_neg=0.9), sapo(1.1, 0.9)),
-    "clip_cov": (dict(clip_cov_ratio=0.5, clip_cov_lb=-1.0, clip_cov_ub=3.0, clip_ratio_low=0.1, clip_ratio_high=0.3,
-                      clip_ratio_c=None), clip_cov(0.5, -1.0, 3.0, 0.1, 0.3, None)),
+    "clip_cov": (
+        dict(
+            clip_cov_ratio=0.5,
+            clip_cov_lb=-1.0,
+            clip_cov_ub=3.0,
+            clip_ratio_low=0.1,
+            clip_ratio_high=0.3,
+            clip_ratio_c=None,
+        ),
+        clip_cov(0.5, -1.0, 3.0, 0.1, 0.3, None),
+    ),
     "kl_cov": (dict(kl_cov_ratio=0.3, kl_cov_coef=0.7), kl_cov(0.3, 0.7)),
 }
 
@@ -160,10 +242,21 @@ def test_every_builtin_loss_is_built_by_hand_here():
 def _run(cfg: LossConfig, seed: int = 4) -> tuple:
     lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, 4, 6)
     lp, ent_l = leaf(lp0), leaf(ent)
-    loss, m = ppo_loss(lp, None if cfg.bypass_old_logprobs else old, adv, mask, cfg, entropy=ent_l, ref_logprobs=ref,
-                       rollout_logprobs=rollout, generator=torch.Generator().manual_seed(0))
-    g_lp, g_ent = (torch.zeros_like(x) if g is None else g
-                   for g, x in zip(torch.autograd.grad(loss, [lp, ent_l], allow_unused=True), (lp, ent_l), strict=True))
+    loss, m = ppo_loss(
+        lp,
+        None if cfg.bypass_old_logprobs else old,
+        adv,
+        mask,
+        cfg,
+        entropy=ent_l,
+        ref_logprobs=ref,
+        rollout_logprobs=rollout,
+        generator=torch.Generator().manual_seed(0),
+    )
+    g_lp, g_ent = (
+        torch.zeros_like(x) if g is None else g
+        for g, x in zip(torch.autograd.grad(loss, [lp, ent_l], allow_unused=True), (lp, ent_l), strict=True)
+    )
     return loss.detach(), g_lp, g_ent, finalize_metrics(m)
 
 
@@ -181,12 +274,18 @@ def test_from_flat_equals_the_parts_bit_for_bit(name):
 
 def test_from_flat_maps_the_bypass_and_normalization_fields():
     flat = from_flat(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=1.2, reject_seq_max_abs_log_ratio=0.6)
-    hand = LossConfig(policy=gpg(), bypass_old_logprobs=True,
-                      correction=RolloutCorrection(tis_cap=1.2, reject_seq_max_abs_log_ratio=0.6))
+    hand = LossConfig(
+        policy=gpg(),
+        bypass_old_logprobs=True,
+        correction=RolloutCorrection(tis_cap=1.2, reject_seq_max_abs_log_ratio=0.6),
+    )
     assert flat == hand and all(torch.equal(a, b) for a, b in zip(_run(flat)[:3], _run(hand)[:3], strict=True))
     flat = from_flat(tis_cap=1.3, tis_batch_normalize=True, reject_seq_mean_log_ratio=[-0.3, 0.3], reject_seq_k2=0.1)
-    hand = LossConfig(correction=RolloutCorrection(tis_cap=1.3, batch_normalize=True, reject_seq_k2=0.1,
-                                                   reject_seq_mean_log_ratio=(-0.3, 0.3)))
+    hand = LossConfig(
+        correction=RolloutCorrection(
+            tis_cap=1.3, batch_normalize=True, reject_seq_k2=0.1, reject_seq_mean_log_ratio=(-0.3, 0.3)
+        )
+    )
     assert flat == hand and all(torch.equal(a, b) for a, b in zip(_run(flat)[:3], _run(hand)[:3], strict=True))
 
 
@@ -203,29 +302,53 @@ def test_from_flat_kl_mapping_keeps_the_kl_metric():
 
 
 def test_from_flat_takes_a_mapping_or_keywords():
-    assert from_flat({"policy_loss": "gspo", "clip_ratio_high": 0.3}) == from_flat(policy_loss="gspo",
-                                                                                  clip_ratio_high=0.3)
+    assert from_flat({"policy_loss": "gspo", "clip_ratio_high": 0.3}) == from_flat(
+        policy_loss="gspo", clip_ratio_high=0.3
+    )
     assert from_flat({"policy_loss": "gspo"}, clip_ratio_high=0.3) == LossConfig(policy=gspo(clip_high=0.3))
     assert from_flat(dict(DEFAULTS)) == LossConfig()  # every field at its default
 
 
-@pytest.mark.parametrize("call, arg, expected, received", [
-    (lambda: from_flat(clip_ratio=0.2), "clip_ratio", "a flat loss field, one of ['bypass_old_logprobs'", "0.2"),
-    (lambda: from_flat({"kl_coeff": 0.1}), "kl_coeff", "a flat loss field", "0.1"),
-    (lambda: from_flat({"kl_coef": 0.1}, kl_coef=0.2), "kl_coef", "a field given once", "0.1 and 0.2"),
-    (lambda: from_flat(["policy_loss"]), "flat", "a mapping of flat field names", "['policy_loss']"),
-    # a parameter of another loss, set to a value other than its default
-    (lambda: from_flat(policy_loss="ppo", cispo_clip_high=0.3), "cispo_clip_high",
-     "its default 0.28 (policy_loss='ppo' does not read it)", "0.3"),
-    (lambda: from_flat(policy_loss="cispo", clip_ratio_low=0.1), "clip_ratio_low",
-     "its default 0.2 (policy_loss='cispo' does not read it)", "0.1"),
-    (lambda: from_flat(policy_loss="gspo", clip_ratio_c=None), "clip_ratio_c",
-     "its default 3.0 (policy_loss='gspo' does not read it)", "None"),
-    (lambda: from_flat(policy_loss="gpg", sapo_tau_neg=2.0), "sapo_tau_neg",
-     "its default 1.05 (policy_loss='gpg' does not read it)", "2.0"),
-    (lambda: from_flat(policy_loss="ppo", kl_cov_coef=0.5), "kl_cov_coef",
-     "its default 1.0 (policy_loss='ppo' does not read it)", "0.5"),
-])
+@pytest.mark.parametrize(
+    "call, arg, expected, received",
+    [
+        (lambda: from_flat(clip_ratio=0.2), "clip_ratio", "a flat loss field, one of ['bypass_old_logprobs'", "0.2"),
+        (lambda: from_flat({"kl_coeff": 0.1}), "kl_coeff", "a flat loss field", "0.1"),
+        (lambda: from_flat({"kl_coef": 0.1}, kl_coef=0.2), "kl_coef", "a field given once", "0.1 and 0.2"),
+        (lambda: from_flat(["policy_loss"]), "flat", "a mapping of flat field names", "['policy_loss']"),
+        # a parameter of another loss, set to a value other than its default
+        (
+            lambda: from_flat(policy_loss="ppo", cispo_clip_high=0.3),
+            "cispo_clip_high",
+            "its default 0.28 (policy_loss='ppo' does not read it)",
+            "0.3",
+        ),
+        (
+            lambda: from_flat(policy_loss="cispo", clip_ratio_low=0.1),
+            "clip_ratio_low",
+            "its default 0.2 (policy_loss='cispo' does not read it)",
+            "0.1",
+        ),
+        (
+            lambda: from_flat(policy_loss="gspo", clip_ratio_c=None),
+            "clip_ratio_c",
+            "its default 3.0 (policy_loss='gspo' does not read it)",
+            "None",
+        ),
+        (
+            lambda: from_flat(policy_loss="gpg", sapo_tau_neg=2.0),
+            "sapo_tau_neg",
+            "its default 1.05 (policy_loss='gpg' does not read it)",
+            "2.0",
+        ),
+        (
+            lambda: from_flat(policy_loss="ppo", kl_cov_coef=0.5),
+            "kl_cov_coef",
+            "its default 1.0 (policy_loss='ppo' does not read it)",
+            "0.5",
+        ),
+    ],
+)
 def test_from_flat_refuses(call, arg, expected, received):
     with raises_message("from_flat", arg, expected, received):
         call()
@@ -277,8 +400,9 @@ def test_own_loss_object_with_parameters():
             return -self.scale * x.advantages * x.logprobs, {"my_metric": x.token_metric(x.advantages)}
 
     lp = leaf(torch.tensor([[-1.0, -2.0]]))
-    loss, m = ppo_loss(lp, lp.detach(), torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 0.0]]),
-                       LossConfig(policy=Scaled(3.0)))
+    loss, m = ppo_loss(
+        lp, lp.detach(), torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 0.0]]), LossConfig(policy=Scaled(3.0))
+    )
     assert loss.item() == pytest.approx(3.0) and finalize_metrics(m)["my_metric"] == 1.0
     torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[-3.0, 0.0]]))
     assert hash(LossConfig(policy=Scaled(3.0))) == hash(LossConfig(policy=Scaled(3.0)))
@@ -289,12 +413,22 @@ def test_own_loss_object_with_parameters():
 # =============================================================================================
 def test_configs_are_frozen_and_hashable():
     cfg = from_flat(policy_loss="cispo", kl_coef=0.1, tis_cap=2.0, loss_agg_mode="seq-mean-token-mean")
-    same = LossConfig(policy=cispo(), agg=Aggregation("seq-mean-token-mean"), kl=KLPenalty(0.1),
-                      correction=RolloutCorrection(tis_cap=2.0))
+    same = LossConfig(
+        policy=cispo(),
+        agg=Aggregation("seq-mean-token-mean"),
+        kl=KLPenalty(0.1),
+        correction=RolloutCorrection(tis_cap=2.0),
+    )
     assert cfg == same and hash(cfg) == hash(same) and {cfg: 1}[same] == 1
     assert cfg != dataclasses.replace(cfg, entropy_coef=0.01)
-    for obj, field in ((cfg, "policy"), (cfg.policy, "clip_high"), (cfg.agg, "mode"), (cfg.kl, "coef"),
-                       (cfg.correction, "tis_cap"), (ValueLossConfig(), "clip_range")):
+    for obj, field in (
+        (cfg, "policy"),
+        (cfg.policy, "clip_high"),
+        (cfg.agg, "mode"),
+        (cfg.kl, "coef"),
+        (cfg.correction, "tis_cap"),
+        (ValueLossConfig(), "clip_range"),
+    ):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, field, None)
     hash(ValueLossConfig())
@@ -304,10 +438,20 @@ def test_configs_are_frozen_and_hashable():
         LOSS_FIELDS["ppo"]["x"] = "y"  # type: ignore[index]
 
 
-MODULES = ("fnppo.core.losses", "fnppo.core.losses.policy", "fnppo.core.losses.kl", "fnppo.core.losses.aggregate",
-           "fnppo.core.losses.config", "fnppo.core.losses.ppo", "fnppo.core.losses.value", "fnppo.core.losses.flat",
-           "fnppo.core.losses.covariance",
-           "fnppo.core.rollout_correction", "fnppo.core.loss_checks", "fnppo.core.kl_control")
+MODULES = (
+    "fnppo.core.losses",
+    "fnppo.core.losses.policy",
+    "fnppo.core.losses.kl",
+    "fnppo.core.losses.aggregate",
+    "fnppo.core.losses.config",
+    "fnppo.core.losses.ppo",
+    "fnppo.core.losses.value",
+    "fnppo.core.losses.flat",
+    "fnppo.core.losses.covariance",
+    "fnppo.core.rollout_correction",
+    "fnppo.core.loss_checks",
+    "fnppo.core.kl_control",
+)
 
 
 def _globals() -> dict:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.core.errors import InputError
 from fnppo.core.losses import LossConfig
 from fnppo.megatron.config import transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples
-from fnppo.core.typing import InputError
 from tests.messages import check_message
 
 VOCAB = 64
@@ -25,8 +25,15 @@ STD = 0.02
 
 def _cfg(**kw) -> fnppo.ModelConfig:
     base = dict(
-        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=VOCAB, max_seq_len=32, tie_embeddings=True, init_method_std=STD,
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_seq_len=32,
+        tie_embeddings=True,
+        init_method_std=STD,
     )
     base.update(kw)
     return fnppo.ModelConfig(**base)
@@ -68,13 +75,15 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def _single() -> dict:
     out: dict = {}
     (model,) = fnppo.build_gpt(_cfg())
-    fnppo.layout_invariant_init([model], seed=5)
-    out["init"] = fnppo.gather_full_weights([model])
+    fnppo.models.layout_invariant_init([model], seed=5)
+    out["init"] = fnppo.models.gather_full_weights([model])
     # the gathered tensors are copies: a later in-place update of the model does not reach them
-    probe = fnppo.gather_full_weights([model])
+    probe = fnppo.models.gather_full_weights([model])
     with torch.no_grad():
         model.decoder.final_layernorm.weight.mul_(3.0)
-    out["gather_is_copy"] = torch.equal(probe["decoder.final_layernorm.weight"], out["init"]["decoder.final_layernorm.weight"])
+    out["gather_is_copy"] = torch.equal(
+        probe["decoder.final_layernorm.weight"], out["init"]["decoder.final_layernorm.weight"]
+    )
     with torch.no_grad():
         model.decoder.final_layernorm.weight.div_(3.0)
     samples = _samples()
@@ -91,7 +100,7 @@ def _single() -> dict:
         out["scale"] = float(base.abs().max())
 
     # params=snapshot equals the module call
-    snap = fnppo.snapshot_params([model])[0]
+    snap = fnppo.models.snapshot_params([model])[0]
     out["snapshot_names"] = sorted(snap) == sorted(n for n, _ in model.named_parameters())
     with torch.no_grad():
         out["snapshot_equal"] = torch.equal(fnppo.forward_logits(model, padded, params=snap), base)
@@ -107,7 +116,7 @@ def _single() -> dict:
         torch.equal(p, own_before[n][0]) and p._version == own_before[n][1] for n, p in model.named_parameters()
     )
     # an explicit layer spec is the one built (here Megatron's own core attention instead of fnppo's)
-    (plain,) = fnppo.build_gpt(_cfg(), layer_spec=fnppo.local_layer_spec(_cfg(), packed_attention=False))
+    (plain,) = fnppo.build_gpt(_cfg(), layer_spec=fnppo.models.local_layer_spec(_cfg(), packed_attention=False))
     out["explicit_spec_core_attention"] = type(plain.decoder.layers[0].self_attention.core_attention).__name__
     out["default_spec_core_attention"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
     (other,) = fnppo.build_gpt(_cfg())
@@ -128,17 +137,19 @@ def _single() -> dict:
     (ddp,) = fnppo.wrap_ddp([model], use_distributed_optimizer=False)
     ddp.eval()
     with torch.no_grad():
-        out["ddp_scaled_vs_module"] = float((fnppo.forward_logits(ddp, padded, params=scaled) - from_module).abs().max())
+        out["ddp_scaled_vs_module"] = float(
+            (fnppo.forward_logits(ddp, padded, params=scaled) - from_module).abs().max()
+        )
         out["ddp_plain_vs_base"] = float((fnppo.forward_logits(ddp, padded) - base).abs().max())
 
     # bf16: Float16Module, bf16 logits without an fp32 copy, params= works through the wrapper
     (half,) = fnppo.build_gpt(_cfg(dtype="bf16"))
     out["bf16_wrapper"] = type(half).__name__
-    fnppo.layout_invariant_init([half], seed=5)
+    fnppo.models.layout_invariant_init([half], seed=5)
     half.eval()
     with torch.no_grad():
         lh = fnppo.forward_logits(half, padded)
-        lh_params = fnppo.forward_logits(half, padded, params=fnppo.snapshot_params([half])[0])
+        lh_params = fnppo.forward_logits(half, padded, params=fnppo.models.snapshot_params([half])[0])
     out["bf16_dtype"] = (lh.dtype, lh_params.dtype)
     out["bf16_param_dtype"] = {p.dtype for p in half.parameters()}
     out["bf16_params_equal"] = torch.equal(lh, lh_params)
@@ -147,8 +158,8 @@ def _single() -> dict:
     # load -> gather round trip on one rank; logits of known full weights for the sharded runs
     shapes = {k: v.shape for k, v in out["init"].items()}
     full = _random_full(shapes, seed=9)
-    fnppo.load_full_weights([model], full)
-    back = fnppo.gather_full_weights([model])
+    fnppo.models.load_full_weights([model], full)
+    back = fnppo.models.gather_full_weights([model])
     out["roundtrip_1"] = set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
     with torch.no_grad():
         out["full"] = full
@@ -170,7 +181,7 @@ def _unchanged(chunks, before: list[torch.Tensor]) -> bool:
 
 def _try_load(chunks, full: dict, **kw) -> str:
     try:
-        fnppo.load_full_weights(chunks, full, **kw)
+        fnppo.models.load_full_weights(chunks, full, **kw)
     except InputError as err:
         return str(err)
     return "no error"
@@ -180,12 +191,12 @@ def _sharded(full: dict[str, torch.Tensor]) -> dict:
     lay = current_layout()
     out: dict = {"rank": lay.rank}
     chunks = fnppo.build_gpt(_cfg())
-    fnppo.layout_invariant_init(chunks, seed=5)
-    out["init"] = fnppo.gather_full_weights(chunks)
+    fnppo.models.layout_invariant_init(chunks, seed=5)
+    out["init"] = fnppo.models.gather_full_weights(chunks)
     out["local_names"] = sorted(n for c in chunks for n, _ in unwrap_model(c).named_parameters())
 
-    fnppo.load_full_weights(chunks, full)
-    back = fnppo.gather_full_weights(chunks)
+    fnppo.models.load_full_weights(chunks, full)
+    back = fnppo.models.gather_full_weights(chunks)
     out["roundtrip_names"] = set(back) == set(full)
     out["roundtrip_equal"] = set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
 
@@ -269,7 +280,8 @@ def test_model_config_refuses_expert_bias_without_sigmoid_scores():
         _cfg(num_experts=4, moe_expert_bias=True)
     assert str(info.value) == (
         "ModelConfig: argument 'moe_expert_bias' expected False unless moe_score_function='sigmoid' "
-        "(aux-loss-free balancing), received True with moe_score_function='softmax'")
+        "(aux-loss-free balancing), received True with moe_score_function='softmax'"
+    )
     assert _cfg(num_experts=4, moe_expert_bias=True, moe_score_function="sigmoid").moe_expert_bias
 
 
@@ -293,10 +305,24 @@ def test_model_config_is_frozen_and_derives_dtype_and_vocab():
         cfg.num_layers = 3  # type: ignore[misc]
 
 
-def _fake_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo", cp: int = 1) -> ParallelLayout:
+def _fake_layout(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo", cp: int = 1
+) -> ParallelLayout:
     return ParallelLayout(
-        world_size=tp * pp * cp, rank=0, tp=tp, pp=pp, dp=1, vpp=vpp, tp_rank=0, pp_rank=0, dp_rank=0,
-        tp_group=None, pp_group=None, dp_group=None, backend=backend, cp=cp,
+        world_size=tp * pp * cp,
+        rank=0,
+        tp=tp,
+        pp=pp,
+        dp=1,
+        vpp=vpp,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+        tp_group=None,
+        pp_group=None,
+        dp_group=None,
+        backend=backend,
+        cp=cp,
     )
 
 
@@ -356,7 +382,11 @@ def test_fusions_follow_the_device_unless_forced(monkeypatch):
     assert fusion_fields(_cfg(fusions=False), _fake_layout(backend="nccl")) == dict.fromkeys(names, False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     forced = fusion_fields(_cfg(fusions=True, swiglu=False), _fake_layout())
-    assert forced == {"bias_activation_fusion": False, "bias_dropout_fusion": True, "apply_rope_fusion": True}  # GeLU w/o bias: unfusable
+    assert forced == {
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": True,
+        "apply_rope_fusion": True,
+    }  # GeLU w/o bias: unfusable
     cfg = transformer_config(_cfg(fusions=True), _fake_layout())  # Megatron accepts it: a fused RoPE is installed
     assert cfg.apply_rope_fusion and cfg.bias_activation_fusion and cfg.bias_dropout_fusion
 
@@ -374,7 +404,10 @@ def test_fusions_follow_the_device_unless_forced(monkeypatch):
 def test_transformer_config_rejects_layouts_that_do_not_divide(cfg_kw, layout_kw, arg, expected, received):
     with pytest.raises(InputError) as info:
         transformer_config(_cfg(**cfg_kw), _fake_layout(**layout_kw))
-    assert str(info.value) == f"transformer_config: argument '{arg}' expected a multiple of {expected}, received {received}"
+    assert (
+        str(info.value)
+        == f"transformer_config: argument '{arg}' expected a multiple of {expected}, received {received}"
+    )
 
 
 def test_transformer_config_rejects_padding_that_puts_every_real_token_on_one_rank():
@@ -546,14 +579,25 @@ def test_transformer_config_refuses_recompute_modules_that_need_transformer_engi
 
     monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: False)
     with pytest.raises(InputError) as info:
-        transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"])
-    check_message(info.value, InputError, "transformer_config", "recompute_modules",
-                  "modules that run without Transformer Engine", "['mlp', 'layernorm']")
-    ok = transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"])
+        transformer_config(
+            _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]
+        )
+    check_message(
+        info.value,
+        InputError,
+        "transformer_config",
+        "recompute_modules",
+        "modules that run without Transformer Engine",
+        "['mlp', 'layernorm']",
+    )
+    ok = transformer_config(
+        _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]
+    )
     assert ok.recompute_modules == ["mlp", "core_attn"]
     monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: True)  # with TE Megatron runs them
-    assert transformer_config(_cfg(), _fake_layout(), recompute_granularity="selective",
-                              recompute_modules=["layernorm"]).recompute_modules == ["layernorm"]
+    assert transformer_config(
+        _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["layernorm"]
+    ).recompute_modules == ["layernorm"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,121 +649,184 @@ def _rope_reference(base: float, dim: int, scaling_factor: float | None = None) 
 SETTINGS = {
     "num_layers": (dict(num_layers=3), lambda t, c, k: (t.num_layers, len(c.decoder.layers)), (3, 3)),
     "hidden_size": (
-        dict(hidden_size=48), lambda t, c, k: (t.hidden_size, c.embedding.word_embeddings.weight.shape[1]), (48, 48)),
+        dict(hidden_size=48),
+        lambda t, c, k: (t.hidden_size, c.embedding.word_embeddings.weight.shape[1]),
+        (48, 48),
+    ),
     "num_attention_heads": (
-        dict(num_attention_heads=8), lambda t, c, k: (t.num_attention_heads, t.kv_channels), (8, 4)),
+        dict(num_attention_heads=8),
+        lambda t, c, k: (t.num_attention_heads, t.kv_channels),
+        (8, 4),
+    ),
     "ffn_hidden_size": (
-        dict(ffn_hidden_size=80), lambda t, c, k: (t.ffn_hidden_size, _layer0(c).mlp.linear_fc2.weight.shape[1]),
-        (80, 80)),
+        dict(ffn_hidden_size=80),
+        lambda t, c, k: (t.ffn_hidden_size, _layer0(c).mlp.linear_fc2.weight.shape[1]),
+        (80, 80),
+    ),
     "vocab_size": (
-        dict(vocab_size=50), lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]), (50, 50)),
+        dict(vocab_size=50),
+        lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]),
+        (50, 50),
+    ),
     "max_seq_len": (dict(max_seq_len=48), lambda t, c, k: c.max_sequence_length, 48),
     # q: 4 heads x 8, k and v: 4 groups x 8 each
     "num_query_groups": (
         dict(num_query_groups=4),
-        lambda t, c, k: (t.num_query_groups, _layer0(c).self_attention.linear_qkv.weight.shape[0]), (4, 96)),
+        lambda t, c, k: (t.num_query_groups, _layer0(c).self_attention.linear_qkv.weight.shape[0]),
+        (4, 96),
+    ),
     "kv_channels": (
         dict(kv_channels=16),
-        lambda t, c, k: (t.kv_channels, _layer0(c).self_attention.linear_proj.weight.shape[1]), (16, 64)),
+        lambda t, c, k: (t.kv_channels, _layer0(c).self_attention.linear_proj.weight.shape[1]),
+        (16, 64),
+    ),
     # expected: ("LayerNorm", the final norm's class), checked in the test
     "normalization": (dict(normalization="LayerNorm"), lambda t, c, k: (t.normalization, _norm_class(c)), None),
     "layernorm_epsilon": (dict(layernorm_epsilon=1e-3), lambda t, c, k: t.layernorm_epsilon, 1e-3),
     "swiglu": (
         dict(swiglu=False),
-        lambda t, c, k: (t.gated_linear_unit, t.activation_func is torch.nn.functional.gelu,
-                         _layer0(c).mlp.linear_fc1.weight.shape[0]),
-        (False, True, 64)),
+        lambda t, c, k: (
+            t.gated_linear_unit,
+            t.activation_func is torch.nn.functional.gelu,
+            _layer0(c).mlp.linear_fc1.weight.shape[0],
+        ),
+        (False, True, 64),
+    ),
     "add_bias_linear": (
-        dict(add_bias_linear=True), lambda t, c, k: (t.add_bias_linear, _layer0(c).mlp.linear_fc2.bias is not None),
-        (True, True)),
+        dict(add_bias_linear=True),
+        lambda t, c, k: (t.add_bias_linear, _layer0(c).mlp.linear_fc2.bias is not None),
+        (True, True),
+    ),
     "add_qkv_bias": (
         dict(add_qkv_bias=True),
-        lambda t, c, k: (t.add_qkv_bias, _layer0(c).self_attention.linear_qkv.bias is not None), (True, True)),
+        lambda t, c, k: (t.add_qkv_bias, _layer0(c).self_attention.linear_qkv.bias is not None),
+        (True, True),
+    ),
     "qk_layernorm": (
         dict(qk_layernorm=True),
-        lambda t, c, k: (t.qk_layernorm, _layer0(c).self_attention.q_layernorm is not None), (True, True)),
+        lambda t, c, k: (t.qk_layernorm, _layer0(c).self_attention.q_layernorm is not None),
+        (True, True),
+    ),
     "position_embedding_type": (
         dict(position_embedding_type="learned_absolute"),
         lambda t, c, k: (c.position_embedding_type, hasattr(c.embedding, "position_embeddings")),
-        ("learned_absolute", True)),
+        ("learned_absolute", True),
+    ),
     "rotary_base": (dict(rotary_base=500000.0), lambda t, c, k: _inv_freq(c), _rope_reference(500000.0, 8)),
     "rotary_percent": (dict(rotary_percent=0.5), lambda t, c, k: _inv_freq(c), _rope_reference(10000.0, 4)),
     "rope_scaling": (
-        dict(rope_scaling=True, rotary_base=1e6), lambda t, c, k: _inv_freq(c), _rope_reference(1e6, 8, 8.0)),
+        dict(rope_scaling=True, rotary_base=1e6),
+        lambda t, c, k: _inv_freq(c),
+        _rope_reference(1e6, 8, 8.0),
+    ),
     "rope_scaling_factor": (
-        dict(rope_scaling=True, rope_scaling_factor=2.0, rotary_base=1e6), lambda t, c, k: _inv_freq(c),
-        _rope_reference(1e6, 8, 2.0)),
+        dict(rope_scaling=True, rope_scaling_factor=2.0, rotary_base=1e6),
+        lambda t, c, k: _inv_freq(c),
+        _rope_reference(1e6, 8, 2.0),
+    ),
     "tie_embeddings": (
         dict(tie_embeddings=False),
-        lambda t, c, k: (c.share_embeddings_and_output_weights, c.output_layer.weight is not None), (False, True)),
+        lambda t, c, k: (c.share_embeddings_and_output_weights, c.output_layer.weight is not None),
+        (False, True),
+    ),
     "init_method_std": (dict(init_method_std=0.5), lambda t, c, k: t.init_method_std, 0.5),
     "dtype": (
         dict(dtype="bf16"),
         lambda t, c, k: (t.params_dtype, t.bf16, type(k).__name__, c.embedding.word_embeddings.weight.dtype),
-        (torch.bfloat16, True, "Float16Module", torch.bfloat16)),
+        (torch.bfloat16, True, "Float16Module", torch.bfloat16),
+    ),
     "attention_dropout": (
         dict(attention_dropout=0.25),
         lambda t, c, k: (t.attention_dropout, _layer0(c).self_attention.core_attention.attention_dropout.p),
-        (0.25, 0.25)),
+        (0.25, 0.25),
+    ),
     "hidden_dropout": (
-        dict(hidden_dropout=0.25), lambda t, c, k: (t.hidden_dropout, _layer0(c).hidden_dropout), (0.25, 0.25)),
+        dict(hidden_dropout=0.25),
+        lambda t, c, k: (t.hidden_dropout, _layer0(c).hidden_dropout),
+        (0.25, 0.25),
+    ),
     "make_vocab_size_divisible_by": (
         dict(make_vocab_size_divisible_by=48),
-        lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]), (96, 96)),
+        lambda t, c, k: (c.vocab_size, c.embedding.word_embeddings.weight.shape[0]),
+        (96, 96),
+    ),
     # no token dropping: Megatron's capacity factor stays None
     "num_experts": (
         dict(MOE),
         lambda t, c, k: (t.num_moe_experts, len(_layer0(c).mlp.experts.local_experts), t.moe_expert_capacity_factor),
-        (4, 4, None)),
+        (4, 4, None),
+    ),
     "moe_topk": (dict(MOE, moe_topk=3), lambda t, c, k: (t.moe_router_topk, _router(c).topk), (3, 3)),
     "moe_ffn_hidden_size": (
         dict(MOE, moe_ffn_hidden_size=24),
         lambda t, c, k: (t.moe_ffn_hidden_size, _layer0(c).mlp.experts.local_experts[0].linear_fc2.weight.shape[1]),
-        (24, 24)),
+        (24, 24),
+    ),
     "moe_shared_expert_size": (
         dict(MOE, moe_shared_expert_size=16),
-        lambda t, c, k: (t.moe_shared_expert_intermediate_size,
-                         _layer0(c).mlp.shared_experts.linear_fc2.weight.shape[1]),
-        (16, 16)),
+        lambda t, c, k: (
+            t.moe_shared_expert_intermediate_size,
+            _layer0(c).mlp.shared_experts.linear_fc2.weight.shape[1],
+        ),
+        (16, 16),
+    ),
     "moe_shared_expert_gate": (
         dict(MOE, moe_shared_expert_size=16, moe_shared_expert_gate=True),
         lambda t, c, k: (t.moe_shared_expert_gate, _layer0(c).mlp.shared_experts.gate_weight is not None),
-        (True, True)),
+        (True, True),
+    ),
     "moe_layer_freq": (
         dict(MOE, moe_layer_freq=(0, 1)),
         lambda t, c, k: (t.moe_layer_freq, [hasattr(layer.mlp, "router") for layer in c.decoder.layers]),
-        ([0, 1], [False, True])),
+        ([0, 1], [False, True]),
+    ),
     "moe_pre_softmax": (dict(MOE, moe_pre_softmax=True), lambda t, c, k: t.moe_router_pre_softmax, True),
     "moe_load_balancing": (
-        dict(MOE, moe_load_balancing="seq_aux_loss"), lambda t, c, k: t.moe_router_load_balancing_type, "seq_aux_loss"),
+        dict(MOE, moe_load_balancing="seq_aux_loss"),
+        lambda t, c, k: t.moe_router_load_balancing_type,
+        "seq_aux_loss",
+    ),
     "moe_aux_loss_coeff": (dict(MOE, moe_aux_loss_coeff=0.25), lambda t, c, k: t.moe_aux_loss_coeff, 0.25),
     "moe_z_loss_coeff": (dict(MOE, moe_z_loss_coeff=0.125), lambda t, c, k: t.moe_z_loss_coeff, 0.125),
     "moe_score_function": (
         dict(MOE, moe_score_function="sigmoid"),
-        lambda t, c, k: (t.moe_router_score_function, _router(c).score_function), ("sigmoid", "sigmoid")),
+        lambda t, c, k: (t.moe_router_score_function, _router(c).score_function),
+        ("sigmoid", "sigmoid"),
+    ),
     "moe_router_dtype": (dict(MOE, moe_router_dtype="fp64"), lambda t, c, k: t.moe_router_dtype, "fp64"),
     "moe_expert_bias": (
         dict(MOE, moe_expert_bias=True, moe_score_function="sigmoid"),
-        lambda t, c, k: (t.moe_router_enable_expert_bias, _router(c).expert_bias is not None), (True, True)),
+        lambda t, c, k: (t.moe_router_enable_expert_bias, _router(c).expert_bias is not None),
+        (True, True),
+    ),
     "moe_bias_update_rate": (
         dict(MOE, moe_expert_bias=True, moe_score_function="sigmoid", moe_bias_update_rate=0.25),
-        lambda t, c, k: t.moe_router_bias_update_rate, 0.25),
+        lambda t, c, k: t.moe_router_bias_update_rate,
+        0.25,
+    ),
     "moe_freeze_router": (
-        dict(MOE, moe_freeze_router=True), lambda t, c, k: [_router(c, i).weight.requires_grad for i in range(2)],
-        [False, False]),
+        dict(MOE, moe_freeze_router=True),
+        lambda t, c, k: [_router(c, i).weight.requires_grad for i in range(2)],
+        [False, False],
+    ),
     "moe_dispatcher": (
         dict(MOE, moe_dispatcher="allgather"),
         lambda t, c, k: (t.moe_token_dispatcher_type, type(_layer0(c).mlp.token_dispatcher).__name__),
-        ("allgather", "MoEAllGatherTokenDispatcher")),
+        ("allgather", "MoEAllGatherTokenDispatcher"),
+    ),
     # config only (a grouped GEMM needs Transformer Engine to build); compared with moe_grouped_gemm=False
     "moe_grouped_gemm": (dict(MOE, moe_grouped_gemm=True), lambda t, c, k: t.moe_grouped_gemm, True),
     "fusions": (
-        dict(fusions=True), lambda t, c, k: (t.bias_activation_fusion, t.bias_dropout_fusion, t.apply_rope_fusion),
-        (True, True, True)),
+        dict(fusions=True),
+        lambda t, c, k: (t.bias_activation_fusion, t.bias_dropout_fusion, t.apply_rope_fusion),
+        (True, True, True),
+    ),
     "deterministic": (dict(deterministic=True), lambda t, c, k: t.deterministic_mode, True),
     "extra": (
         dict(extra=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
-        lambda t, c, k: (t.recompute_granularity, t.recompute_method, t.recompute_num_layers), ("full", "uniform", 1)),
+        lambda t, c, k: (t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
+        ("full", "uniform", 1),
+    ),
 }
 CONFIG_ONLY = {"moe_grouped_gemm": dict(MOE, moe_grouped_gemm=False)}  # field -> the keywords to compare with
 
@@ -783,6 +890,7 @@ def test_model_config_field_reaches_megatron(settings_read_back, name):
 # ---------------------------------------------------------------------------------------------
 def _scaled_sign_loss(k: float):
     """The policy loss ``k * (-logprob * sign(advantage))`` per token: a plain callable, no registration."""
+
     def loss(x):
         return -k * x.logprobs * torch.sign(x.advantages), {}
 
@@ -794,7 +902,7 @@ def _scaled_loss_steps() -> dict:
     out = {}
     for k in (0.0, 1.0, 2.0):
         chunks = fnppo.build_gpt(_cfg())
-        fnppo.layout_invariant_init(chunks, seed=3)
+        fnppo.models.layout_invariant_init(chunks, seed=3)
         ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
         opt = fnppo.build_optimizer(ddp, optimizer="sgd", lr=1.0, clip_grad=0.0)
         state = fnppo.TrainState(model=ddp, optimizer=opt)

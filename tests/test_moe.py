@@ -25,9 +25,19 @@ N_SAMPLES = 8
 
 def _cfg(**kw) -> fnppo.ModelConfig:
     base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        vocab_size=64, max_seq_len=32, num_experts=4, moe_topk=2, moe_ffn_hidden_size=48,
-        moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        num_experts=4,
+        moe_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_load_balancing="aux_loss",
+        moe_aux_loss_coeff=0.05,
+        moe_z_loss_coeff=0.01,
     )
     base.update(kw)
     return fnppo.ModelConfig(**base)
@@ -36,16 +46,19 @@ def _cfg(**kw) -> fnppo.ModelConfig:
 def _full_weights(cfg: fnppo.ModelConfig) -> dict:
     """One set of full weights for every layout: built and drawn in one process-free way."""
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=11, std=0.2)  # large router logits: clear top-k choices
-    return fnppo.gather_full_weights(chunks)
+    fnppo.models.layout_invariant_init(chunks, seed=11, std=0.2)  # large router logits: clear top-k choices
+    return fnppo.models.gather_full_weights(chunks)
 
 
 def _state(cfg: fnppo.ModelConfig, full: dict, *, distributed: bool = True, optimizer: str = "adam"):
     chunks = fnppo.build_gpt(cfg)
-    fnppo.load_full_weights(chunks, full)
+    fnppo.models.load_full_weights(chunks, full)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=distributed)
-    opt = (fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0) if optimizer == "adam"
-           else fnppo.build_optimizer(ddp, optimizer="sgd", lr=1.0, clip_grad=0.0, sgd_momentum=0.0))
+    opt = (
+        fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0)
+        if optimizer == "adam"
+        else fnppo.build_optimizer(ddp, optimizer="sgd", lr=1.0, clip_grad=0.0, sgd_momentum=0.0)
+    )
     return fnppo.TrainState(model=ddp, optimizer=opt)
 
 
@@ -56,14 +69,16 @@ def _step_cfg(num_microbatches: int) -> fnppo.StepConfig:
 
 def _cases(cases: dict, full: dict) -> dict:
     """Run each case (model overrides, micro-batches per rank) from the same full weights."""
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     out = {}
     for name, (overrides, nmb, *sample_kw) in cases.items():
         cfg = _cfg(**overrides)
         state = _state(cfg, full)
-        samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=5, **(sample_kw[0] if sample_kw else {})), layout)
+        samples = fnppo.shard_for_data_parallel(
+            synthetic_samples(N_SAMPLES, seed=5, **(sample_kw[0] if sample_kw else {})), layout
+        )
         state, metrics = fnppo.train_step(state, samples, _step_cfg(nmb))
-        weights = fnppo.gather_full_weights(state.model)
+        weights = fnppo.models.gather_full_weights(state.model)
         out[name] = {"metrics": metrics, "weights": weights}
     return out if layout.rank == 0 else {}
 
@@ -129,7 +144,15 @@ LAYOUTS = {
     # TP=2 x EP=2 with expert TP 2 (the default): expert-TP ranks exchange token blocks of unequal
     # sizes (megatron_on_cpu pads them for gloo); DP=2 of one micro-batch each
     "tp2xep2": (4, 2, 1, 2, None, {"a2a": (SP, 1)}, "nmb2"),
-    "ep2-equal": (2, 1, 1, 2, None, {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)}, "equal_nmb2"),
+    "ep2-equal": (
+        2,
+        1,
+        1,
+        2,
+        None,
+        {"a2a": ({}, 1, EQUAL), "allgather": (dict(moe_dispatcher="allgather"), 1, EQUAL)},
+        "equal_nmb2",
+    ),
     "ep2xdp2": (4, 1, 1, 2, None, {"a2a": ({}, 1)}, "nmb4"),
     "pp2": (2, 1, 2, 1, None, {"a2a": ({}, 4)}, "nmb4"),
 }
@@ -169,12 +192,19 @@ def _router_grad_case(nmb: int) -> dict:
     _, metrics = fnppo.train_step(state, synthetic_samples(N_SAMPLES, seed=5), step)
     for h in handles:
         h.remove()
-    return {"grad": rs[-1].weight.main_grad.detach().clone(), "weight": full["decoder.layers.1.mlp.router.weight"],
-            "hidden": captured[len(rs) - 1], "hidden_by_layer": captured, "metrics": metrics,
-            "weights": {layer: full[f"decoder.layers.{layer}.mlp.router.weight"] for layer in captured}}
+    return {
+        "grad": rs[-1].weight.main_grad.detach().clone(),
+        "weight": full["decoder.layers.1.mlp.router.weight"],
+        "hidden": captured[len(rs) - 1],
+        "hidden_by_layer": captured,
+        "metrics": metrics,
+        "weights": {layer: full[f"decoder.layers.{layer}.mlp.router.weight"] for layer in captured},
+    }
 
 
-def _reference_router_loss(weight: torch.Tensor, hidden: list[torch.Tensor], *, k: int, aux: float, z: float) -> torch.Tensor:
+def _reference_router_loss(
+    weight: torch.Tensor, hidden: list[torch.Tensor], *, k: int, aux: float, z: float
+) -> torch.Tensor:
     """sum_m T_m / T * (aux * E * sum_e f_e P_e + z * mean_t logsumexp^2), float64, written from the papers."""
     total = sum(h.shape[0] for h in hidden)
     out = weight.new_zeros(())
@@ -237,10 +267,20 @@ def _settings() -> dict:
     samples = synthetic_samples(N_SAMPLES, seed=5)
     variants = {
         "frozen": dict(moe_freeze_router=True),
-        "bias0": dict(moe_load_balancing="none", moe_aux_loss_coeff=0.0, moe_expert_bias=True,
-                      moe_bias_update_rate=0.0, moe_score_function="sigmoid"),
-        "bias": dict(moe_load_balancing="none", moe_aux_loss_coeff=0.0, moe_expert_bias=True,
-                     moe_bias_update_rate=0.1, moe_score_function="sigmoid"),
+        "bias0": dict(
+            moe_load_balancing="none",
+            moe_aux_loss_coeff=0.0,
+            moe_expert_bias=True,
+            moe_bias_update_rate=0.0,
+            moe_score_function="sigmoid",
+        ),
+        "bias": dict(
+            moe_load_balancing="none",
+            moe_aux_loss_coeff=0.0,
+            moe_expert_bias=True,
+            moe_bias_update_rate=0.1,
+            moe_score_function="sigmoid",
+        ),
         "fp64": dict(moe_router_dtype="fp64"),
         "seq_aux": dict(moe_load_balancing="seq_aux_loss"),
         "shared": dict(moe_shared_expert_size=16),
@@ -259,14 +299,30 @@ def _settings() -> dict:
         state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
         for h in hooks:
             h.remove()
-        weights = fnppo.gather_full_weights(state.model)
-        biases = [r.expert_bias.clone() if r.expert_bias is not None else None for r in fnppo.megatron.moe.routers(state.model)]
+        weights = fnppo.models.gather_full_weights(state.model)
+        biases = [
+            r.expert_bias.clone() if r.expert_bias is not None else None
+            for r in fnppo.megatron.moe.routers(state.model)
+        ]
         tcfg = fnppo.megatron.unwrap.unwrap_model(state.model[0]).config
-        fields = ("moe_router_dtype", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                  "moe_shared_expert_intermediate_size", "num_layers")
+        fields = (
+            "moe_router_dtype",
+            "moe_router_load_balancing_type",
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+            "moe_shared_expert_intermediate_size",
+            "num_layers",
+        )
         megatron = {k: getattr(tcfg, k) for k in fields}
-        out[name] = {"metrics": metrics, "full": full, "weights": weights, "biases": biases, "router_dtypes": dtypes,
-                     "megatron": megatron, "routers": len(fnppo.megatron.moe.routers(state.model))}
+        out[name] = {
+            "metrics": metrics,
+            "full": full,
+            "weights": weights,
+            "biases": biases,
+            "router_dtypes": dtypes,
+            "megatron": megatron,
+            "routers": len(fnppo.megatron.moe.routers(state.model)),
+        }
     return out
 
 
@@ -291,9 +347,14 @@ def _deterministic_runs(samples) -> dict:
             state = _state(_cfg(deterministic=det), full)
             lp, _ = fnppo.compute_logprobs(state.model, samples, config=_step_cfg(2))
             state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
-            out[det] = {"seen": list(seen), "after": torch.are_deterministic_algorithms_enabled(), "logprobs": lp,
-                        "metrics": metrics, "weights": fnppo.gather_full_weights(state.model),
-                        "mode": fnppo.megatron.unwrap.unwrap_model(state.model[0]).config.deterministic_mode}
+            out[det] = {
+                "seen": list(seen),
+                "after": torch.are_deterministic_algorithms_enabled(),
+                "logprobs": lp,
+                "metrics": metrics,
+                "weights": fnppo.models.gather_full_weights(state.model),
+                "mode": fnppo.megatron.unwrap.unwrap_model(state.model[0]).config.deterministic_mode,
+            }
     finally:
         token_dispatcher.unpermute = original
     return out
@@ -390,9 +451,13 @@ def test_model_config_refuses_bad_moe_settings():
     from tests.messages import raises_message
 
     for freq, shown in ((0, "0"), ((1, 2), "(1, 2)"), ((0, 0), "(0, 0)"), ((1,), "(1,)")):
-        with raises_message("ModelConfig", "moe_layer_freq", "an int >= 1 or 2 entries of 0/1 (one per layer, at least one 1)", shown):
+        with raises_message(
+            "ModelConfig", "moe_layer_freq", "an int >= 1 or 2 entries of 0/1 (one per layer, at least one 1)", shown
+        ):
             _cfg(moe_layer_freq=freq)
-    with raises_message("ModelConfig", "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True"):
+    with raises_message(
+        "ModelConfig", "moe_shared_expert_gate", "False without a shared expert (moe_shared_expert_size=None)", "True"
+    ):
         _cfg(moe_shared_expert_gate=True)
     assert _cfg(moe_layer_freq=[0, 1]).moe_layers == (1,) and _cfg(num_layers=4, moe_layer_freq=2).moe_layers == (0, 2)
 
@@ -401,10 +466,10 @@ def _allgather_check_on_rank(tokens_per_rank: list[int]):
     """One rank: ``_check_allgather`` on a micro-batch of this rank's token count (EP=2)."""
     import types
 
+    from fnppo.core.errors import InputError
     from fnppo.megatron.moe import _check_allgather
-    from fnppo.core.typing import InputError
 
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     mb = types.SimpleNamespace(input_ids=torch.zeros(1, tokens_per_rank[layout.ep_rank], dtype=torch.long))
     cfg = types.SimpleNamespace(moe_token_dispatcher_type="allgather")
     try:
@@ -415,17 +480,22 @@ def _allgather_check_on_rank(tokens_per_rank: list[int]):
 
 
 def test_allgather_dispatcher_refuses_unequal_token_counts():
+    from fnppo.core.errors import InputError
     from tests.messages import check_message
-    from fnppo.core.typing import InputError
 
     equal = run_ranks(_allgather_check_on_rank, 2, [8, 8], ep=2)
     assert equal == [None, None]
     unequal = run_ranks(_allgather_check_on_rank, 2, [8, 6], ep=2)
     for msg in unequal:  # every rank refuses, with the same expectation
         assert msg is not None
-        check_message(InputError(msg), InputError, "train_step", "batch",
-                      "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather'",
-                      "max [8] over the EP group")
+        check_message(
+            InputError(msg),
+            InputError,
+            "train_step",
+            "batch",
+            "micro-batches of equal token counts on every expert-parallel rank with moe_dispatcher='allgather'",
+            "max [8] over the EP group",
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,7 +507,7 @@ def _ep_checkpoint(full: dict, root: str) -> dict:
     import json
     from pathlib import Path
 
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     samples = [fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=s), layout) for s in (5, 6)]
     cfg = _cfg()
     straight = _state(cfg, full)
@@ -448,23 +518,26 @@ def _ep_checkpoint(full: dict, root: str) -> dict:
     first = _state(cfg, full)
     first, m0 = fnppo.train_step(first, samples[0], _step_cfg(1))
     ckpt = Path(root) / "ckpt"
-    fnppo.save_checkpoint(ckpt, first)
+    fnppo.checkpoint.save_checkpoint(ckpt, first)
     own = torch.load(ckpt / f"rank{layout.rank:05d}.pt", weights_only=False)["model"][0]
     resumed = _state(cfg, _full_weights(_cfg()) | {k: v + 1.0 for k, v in full.items()})  # other weights
-    resumed, _ = fnppo.load_checkpoint(ckpt, resumed)
+    resumed, _ = fnppo.checkpoint.load_checkpoint(ckpt, resumed)
     resumed, m1 = fnppo.train_step(resumed, samples[1], _step_cfg(1))
     out = {
-        "metrics": [m0, m1], "straight_metrics": metrics, "step": resumed.step,
-        "weights": fnppo.gather_full_weights(resumed.model), "straight": fnppo.gather_full_weights(straight.model),
-        "saved": fnppo.gather_full_weights(first.model),
+        "metrics": [m0, m1],
+        "straight_metrics": metrics,
+        "step": resumed.step,
+        "weights": fnppo.models.gather_full_weights(resumed.model),
+        "straight": fnppo.models.gather_full_weights(straight.model),
+        "saved": fnppo.models.gather_full_weights(first.model),
         "own_experts": {k: v for k, v in own.items() if "local_experts" in k and k.endswith("weight")},
         "manifest": json.loads((ckpt / "manifest.json").read_text()) if layout.rank == 0 else None,
     }
     fnppo.init_parallel(tp=1, pp=1, ep=1, device="cpu")  # the same two processes, experts not split
     try:
-        fnppo.load_checkpoint(ckpt, _state(cfg, full))
+        fnppo.checkpoint.load_checkpoint(ckpt, _state(cfg, full))
         out["other_layout"] = "no error"
-    except fnppo.CheckpointError as err:
+    except fnppo.checkpoint.CheckpointError as err:
         out["other_layout"] = str(err)
     return out
 
@@ -485,7 +558,13 @@ def test_ep_checkpoint_holds_each_ranks_experts_and_resumes_bit_for_bit(referenc
         for name, t in own.items():
             layer, local = name.split(".")[2], int(name.split("local_experts.")[1].split(".")[0])
             rest = name.split(f"local_experts.{local}.")[1]
-            assert torch.equal(t, r["saved"][f"decoder.layers.{layer}.mlp.experts.local_experts.{2 * rank + local}.{rest}"]), name
-        assert "checkpoint layout" in r["other_layout"] and "'ep': 2" in r["other_layout"] and "'ep': 1" in r["other_layout"], r["other_layout"]
+            assert torch.equal(
+                t, r["saved"][f"decoder.layers.{layer}.mlp.experts.local_experts.{2 * rank + local}.{rest}"]
+            ), name
+        assert (
+            "checkpoint layout" in r["other_layout"]
+            and "'ep': 2" in r["other_layout"]
+            and "'ep': 1" in r["other_layout"]
+        ), r["other_layout"]
     manifest = results[0]["manifest"]
     assert manifest["layout"]["ep"] == 2 and [f["experts"] for f in manifest["files"]] == [[0, 2], [2, 4]]

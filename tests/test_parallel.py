@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import fnppo
-from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import current_layout, init_parallel
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import RankError, megatron_on_cpu, run_ranks, synthetic_samples
 
 VOCAB = 64
@@ -25,8 +25,14 @@ N_MB = 2
 
 def _cfg() -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=VOCAB, max_seq_len=32, tie_embeddings=True,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_seq_len=32,
+        tie_embeddings=True,
     )
 
 
@@ -48,9 +54,18 @@ def _nll(logits: torch.Tensor, mb, total_tokens: torch.Tensor) -> torch.Tensor:
 def _layout_fields() -> dict:
     lay = current_layout()
     return {
-        "world_size": lay.world_size, "rank": lay.rank, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
-        "vpp": lay.vpp, "tp_rank": lay.tp_rank, "pp_rank": lay.pp_rank, "dp_rank": lay.dp_rank,
-        "backend": lay.backend, "first": lay.is_first_stage, "last": lay.is_last_stage,
+        "world_size": lay.world_size,
+        "rank": lay.rank,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "dp": lay.dp,
+        "vpp": lay.vpp,
+        "tp_rank": lay.tp_rank,
+        "pp_rank": lay.pp_rank,
+        "dp_rank": lay.dp_rank,
+        "backend": lay.backend,
+        "first": lay.is_first_stage,
+        "last": lay.is_last_stage,
         "group_sizes": tuple(dist.get_world_size(g) for g in (lay.tp_group, lay.pp_group, lay.dp_group)),
     }
 
@@ -58,7 +73,7 @@ def _layout_fields() -> dict:
 def _reference() -> dict:
     """Plain autograd on one process, no DDP and no schedule: the reference loss and grads."""
     (model,) = fnppo.build_gpt(_cfg())
-    fnppo.layout_invariant_init([model], seed=4)
+    fnppo.models.layout_invariant_init([model], seed=4)
     mbs = _microbatches()
     total = sum(mb.loss_mask.sum() for mb in mbs)
     loss = sum(_nll(fnppo.forward_logits(model, mb), mb, total) for mb in mbs)
@@ -77,7 +92,7 @@ def _schedule_fwd_bwd() -> dict:
 
     lay = current_layout()
     chunks = fnppo.build_gpt(_cfg())
-    fnppo.layout_invariant_init(chunks, seed=4)
+    fnppo.models.layout_invariant_init(chunks, seed=4)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
     mbs = _microbatches()
     total = sum(mb.loss_mask.sum() for mb in mbs)
@@ -96,26 +111,32 @@ def _schedule_fwd_bwd() -> dict:
         return out, loss_func
 
     store = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mine), model=ddp, num_microbatches=n,
+        forward_step_func=forward_step,
+        data_iterator=iter(mine),
+        model=ddp,
+        num_microbatches=n,
         seq_length=max(int(mb.input_ids.shape[1]) for mb in mine),
-        micro_batch_size=int(mine[0].input_ids.shape[0]), forward_only=False,
+        micro_batch_size=int(mine[0].input_ids.shape[0]),
+        forward_only=False,
     )
     # The loss lives on the last stage of every (DP, TP) rank: count one TP rank, sum over DP.
     counted = store and lay.tp_rank == 0
     loss = torch.tensor([float(sum(s["loss"] for s in store)) if counted else 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
-    local_finite = all(
-        bool(torch.isfinite(p.main_grad).all()) for c in ddp for p in unwrap_model(c).parameters()
-    )
+    local_finite = all(bool(torch.isfinite(p.main_grad).all()) for c in ddp for p in unwrap_model(c).parameters())
     stats = fnppo.finalize_grads(ddp)
     with torch.no_grad():  # put the grads where the weights were, then reuse the weight gather
         for c in ddp:
             for p in unwrap_model(c).parameters():
                 p.copy_(p.main_grad)
-    grads = fnppo.gather_full_weights(ddp)
+    grads = fnppo.models.gather_full_weights(ddp)
     return {
-        "layout": _layout_fields(), "loss": float(loss), "grads": grads, "finite": local_finite,
-        "grad_norm": float(stats.grad_norm), "schedule": get_forward_backward_func().__name__,
+        "layout": _layout_fields(),
+        "loss": float(loss),
+        "grads": grads,
+        "finite": local_finite,
+        "grad_norm": float(stats.grad_norm),
+        "schedule": get_forward_backward_func().__name__,
     }
 
 
@@ -162,10 +183,16 @@ def _assert_matches(ref: dict, got: dict, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs,arg,expected,received",
-    [({"tp": 0}, "tp", "an int >= 1", "0"), ({"tp": -2}, "tp", "an int >= 1", "-2"), ({"tp": 1.5}, "tp", "an int >= 1", "1.5"),
-     ({"pp": 0}, "pp", "an int >= 1", "0"), ({"vpp": 2}, "vpp", "None or >= 1 with pp >= 2", "vpp=2, pp=1"),
-     ({"pp": 2, "vpp": 0}, "vpp", "None or >= 1 with pp >= 2", "vpp=0, pp=2"),
-     ({"ep": 0}, "ep", "an int >= 1", "0"), ({"etp": 0}, "etp", "an int >= 1", "0")],
+    [
+        ({"tp": 0}, "tp", "an int >= 1", "0"),
+        ({"tp": -2}, "tp", "an int >= 1", "-2"),
+        ({"tp": 1.5}, "tp", "an int >= 1", "1.5"),
+        ({"pp": 0}, "pp", "an int >= 1", "0"),
+        ({"vpp": 2}, "vpp", "None or >= 1 with pp >= 2", "vpp=2, pp=1"),
+        ({"pp": 2, "vpp": 0}, "vpp", "None or >= 1 with pp >= 2", "vpp=0, pp=2"),
+        ({"ep": 0}, "ep", "an int >= 1", "0"),
+        ({"etp": 0}, "etp", "an int >= 1", "0"),
+    ],
 )
 def test_init_parallel_rejects_bad_sizes(kwargs, arg, expected, received):
     was_initialized = dist.is_initialized()
@@ -178,7 +205,16 @@ def test_init_parallel_rejects_bad_sizes(kwargs, arg, expected, received):
 # ---------------------------------------------------------------------------------------------
 # megatron_on_cpu
 # ---------------------------------------------------------------------------------------------
-_PATCHED = ("current_device", "synchronize", "get_rng_state", "set_rng_state", "manual_seed", "Stream", "current_stream", "stream")
+_PATCHED = (
+    "current_device",
+    "synchronize",
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "Stream",
+    "current_stream",
+    "stream",
+)
 
 
 def test_megatron_on_cpu_redirects_and_restores():
@@ -340,7 +376,10 @@ def test_init_parallel_sets_up_megatron_on_cpu_by_itself():
 def test_init_parallel_refuses_cuda_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError, match=r"init_parallel: argument 'device' expected 'cpu' or None on this machine \(torch.cuda.is_available\(\) is False\), received 'cuda'"):
+    with pytest.raises(
+        ValueError,
+        match=r"init_parallel: argument 'device' expected 'cpu' or None on this machine \(torch.cuda.is_available\(\) is False\), received 'cuda'",
+    ):
         fnppo.init_parallel(device="cuda")
 
 
@@ -361,8 +400,13 @@ def test_harmless_warning_filters_are_installed_and_can_be_shown():
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "Apex is not installed" not in quiet.stderr and "something else" in quiet.stderr, quiet.stderr
     assert "o.py" not in quiet.stderr and "(elsewhere)" in quiet.stderr, quiet.stderr
-    loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "FNPPO_SHOW_WARNINGS": "1"})
+    loud = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "FNPPO_SHOW_WARNINGS": "1"},
+    )
     assert "Apex is not installed" in loud.stderr, loud.stderr
 
 
@@ -371,12 +415,18 @@ def test_harmless_warning_filters_are_installed_and_can_be_shown():
 # ---------------------------------------------------------------------------------------------
 def _what_a_call_sees(fail: bool = False) -> dict:
     """What this rank sees on entry, then changes everything a call may change (and the next must not see)."""
-    seen = {"pid": os.getpid(), "env": os.environ.get("FNPPO_TEST_LEAK"), "dtype": torch.get_default_dtype(),
-            "checking": fnppo.core.typing.typechecking_enabled(), "world": dist.get_world_size(),
-            "tp": current_layout().tp, "draw": float(torch.rand(()))}
+    seen = {
+        "pid": os.getpid(),
+        "env": os.environ.get("FNPPO_TEST_LEAK"),
+        "dtype": torch.get_default_dtype(),
+        "checking": fnppo.core.typing.typechecking_enabled(),
+        "world": dist.get_world_size(),
+        "tp": current_layout().tp,
+        "draw": float(torch.rand(())),
+    }
     os.environ["FNPPO_TEST_LEAK"] = "set by an earlier call"
     torch.set_default_dtype(torch.float64)
-    fnppo.set_typechecking(False)
+    fnppo.typing.set_typechecking(False)
     if fail and dist.get_rank() == 1:
         raise RuntimeError("planted failure")
     return seen

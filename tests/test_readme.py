@@ -43,7 +43,14 @@ def _run_file(path: Path, nproc: int, timeout: int = 600) -> subprocess.Complete
     if nproc == 1:
         cmd = [sys.executable, str(path)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            str(path),
+        ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out
@@ -64,8 +71,10 @@ def test_readme_is_short():
     assert words <= 1500, f"README.md has {words} words; move details into docs/"
 
 
-MAIN = ("python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e \".[test,examples]\" && "
-        ".venv/bin/python examples/ppo_toy.py")
+MAIN = (
+    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test,examples]" && '
+    ".venv/bin/python examples/ppo_toy.py"
+)
 TESTS = ".venv/bin/python -m pytest -q"
 
 
@@ -117,11 +126,37 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
     cmd, loss, norm = lines[which]
     args = cmd.split()
     assert args[0] in (".venv/bin/python", ".venv/bin/torchrun"), args  # README's main command never activates .venv
-    quoted = args[args.index("examples/ppo_toy.py"):]
-    assert quoted == ["examples/ppo_toy.py", "--no-progress", "--steps", "1", "--layout-check", "--target-reward", "0"], args
-    run_args = ["--no-progress", "--no-plot", "--out-dir", str(tmp_path / "run"), "--steps", "1", "--layout-check", "--target-reward", "0"]
+    quoted = args[args.index("examples/ppo_toy.py") :]
+    assert quoted == [
+        "examples/ppo_toy.py",
+        "--no-progress",
+        "--steps",
+        "1",
+        "--layout-check",
+        "--target-reward",
+        "0",
+    ], args
+    run_args = [
+        "--no-progress",
+        "--no-plot",
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--layout-check",
+        "--target-reward",
+        "0",
+    ]
     if args[0].endswith("torchrun"):
-        full = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", str(ROOT / "examples/ppo_toy.py"), *run_args]
+        full = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+            str(ROOT / "examples/ppo_toy.py"),
+            *run_args,
+        ]
     else:
         full = [sys.executable, str(ROOT / "examples/ppo_toy.py"), *run_args]
     out = subprocess.run(full, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
@@ -129,4 +164,6 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
     m = PRINTED.search(out.stdout)
     assert m, out.stdout
     for quoted, printed in ((loss, m.group(1)), (norm, m.group(2))):
-        assert abs(float(quoted) - float(printed)) <= 1e-6 * abs(float(printed)), f"README quotes {quoted}, the code prints {printed}: run benchmarks/readme_figures.py --write"
+        assert abs(float(quoted) - float(printed)) <= 1e-6 * abs(float(printed)), (
+            f"README quotes {quoted}, the code prints {printed}: run benchmarks/readme_figures.py --write"
+        )

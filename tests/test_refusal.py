@@ -27,8 +27,11 @@ N = 8
 def _optimizer_state(state) -> dict[str, torch.Tensor]:
     """The parameters of every model chunk, the optimizer's own (fp32 shard) parameters and Adam's
     moments, cloned: everything a step changes."""
-    out = {f"chunk{c}.{n}": p.detach().clone()
-           for c, m in enumerate(state.model) for n, p in fnppo.megatron.model.unwrap_model(m).named_parameters()}
+    out = {
+        f"chunk{c}.{n}": p.detach().clone()
+        for c, m in enumerate(state.model)
+        for n, p in fnppo.megatron.unwrap.unwrap_model(m).named_parameters()
+    }
     for i, sub in enumerate(getattr(state.optimizer, "chained_optimizers", None) or [state.optimizer]):
         for j, group in enumerate(sub.optimizer.param_groups):
             for k, p in enumerate(group["params"]):
@@ -91,20 +94,27 @@ def _one_process_refusals() -> dict:
         # sample 7: samples[3] of micro-batch 1 (samples 4..7)
         "last-microbatch": _refusal(state, fnppo.train_step, _nan_at(good, 7), microbatches),
         "mask-in-last-minibatch": _refusal(state, fnppo.train_step, half_mask, minibatches),
-        "too-many-microbatches": _refusal(state, fnppo.train_step, good,
-                                          dataclasses.replace(minibatches, num_microbatches=5)),
-        "over-token-budget": _refusal(state, fnppo.train_step, long_last,
-                                      dataclasses.replace(minibatches, max_tokens_per_microbatch=24)),
-        "compute_logprobs-mask": {"msg": _message(lambda: fnppo.compute_logprobs(state.model, mask_of_2,
-                                                                                  config=microbatches))},
+        "too-many-microbatches": _refusal(
+            state, fnppo.train_step, good, dataclasses.replace(minibatches, num_microbatches=5)
+        ),
+        "over-token-budget": _refusal(
+            state, fnppo.train_step, long_last, dataclasses.replace(minibatches, max_tokens_per_microbatch=24)
+        ),
+        "compute_logprobs-mask": {
+            "msg": _message(lambda: fnppo.compute_logprobs(state.model, mask_of_2, config=microbatches))
+        },
     }
     before = _optimizer_state(state)
     state, metrics = fnppo.train_step(state, good, minibatches)
-    out["good"] = {"changed": _changed(before, _optimizer_state(state)), "keys": sorted(before), "step": state.step,
-                   "updates": metrics["updates"]}
+    out["good"] = {
+        "changed": _changed(before, _optimizer_state(state)),
+        "keys": sorted(before),
+        "step": state.step,
+        "updates": metrics["updates"],
+    }
 
     chunks = fnppo.build_gpt(_model_cfg(), head="value")
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     critic = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
     samples = _critic_samples()
@@ -141,11 +151,18 @@ REFUSALS = {  # case -> (function, argument, expected, received)
     "last-minibatch": ("train_step", "batch[7].advantages", "finite values", NAN_7),
     "last-microbatch": ("train_step", "batch[7].advantages", "finite values", NAN_7),
     "mask-in-last-minibatch": ("train_step", "batch[5].response_mask", "a 0/1 mask", "containing 0.5"),
-    "too-many-microbatches": ("train_step", "config.num_microbatches",
-                              "at most the mini-batch size 4 (8 samples / num_minibatches=2; no empty micro-batches)",
-                              "5"),
-    "over-token-budget": ("train_step", "batch[7]", "at most max_tokens_per_microbatch=24 tokens",
-                          "tokens (prompt 24 + response"),
+    "too-many-microbatches": (
+        "train_step",
+        "config.num_microbatches",
+        "at most the mini-batch size 4 (8 samples / num_minibatches=2; no empty micro-batches)",
+        "5",
+    ),
+    "over-token-budget": (
+        "train_step",
+        "batch[7]",
+        "at most max_tokens_per_microbatch=24 tokens",
+        "tokens (prompt 24 + response",
+    ),
     "critic-last-minibatch": ("critic_step", "batch[7].returns", "finite values", "with 1 NaN/inf entries"),
 }
 
@@ -175,8 +192,14 @@ def test_the_same_configs_on_good_data_change_every_kind_of_state(one_process):
 
 
 def test_compute_logprobs_names_the_callers_sample(one_process):
-    check_message(fnppo.InputError(one_process["compute_logprobs-mask"]["msg"]), fnppo.InputError,
-                  "compute_logprobs", "batch[6].response_mask", "a 0/1 mask", "containing 2.0")
+    check_message(
+        fnppo.InputError(one_process["compute_logprobs-mask"]["msg"]),
+        fnppo.InputError,
+        "compute_logprobs",
+        "batch[6].response_mask",
+        "a 0/1 mask",
+        "containing 2.0",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +209,7 @@ def _agreed_refusal() -> dict:
     """DP=2: the bad sample in data-parallel rank 1's shard only. PP=2: the bad sample on the last
     stage's copy of the batch only (the stages of one DP rank are meant to get the same batch).
     Then a good step on every rank: the process groups are still in step."""
-    lay = fnppo.current_layout()
+    lay = fnppo.parallel.current_layout()
     state = _build_state(lr=1e-2)
     cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_minibatches=2)
     good = fnppo.shard_for_data_parallel(synthetic_samples(N, seed=2), lay)
@@ -196,16 +219,26 @@ def _agreed_refusal() -> dict:
     return {"msg": msg, "metrics": metrics, "rank": lay.rank}
 
 
-@pytest.mark.parametrize("world,pp,suffix", [
-    (2, 1, "(refused on rank 1 of 2: data-parallel rank 1)"),
-    (2, 2, "(refused on rank 1 of 2: data-parallel rank 0, pipeline stage 1)"),
-], ids=["dp2", "pp2"])
+@pytest.mark.parametrize(
+    "world,pp,suffix",
+    [
+        (2, 1, "(refused on rank 1 of 2: data-parallel rank 1)"),
+        (2, 2, "(refused on rank 1 of 2: data-parallel rank 0, pipeline stage 1)"),
+    ],
+    ids=["dp2", "pp2"],
+)
 def test_every_rank_raises_the_same_refusal(world, pp, suffix):
     # a short gloo timeout: a rank left in a collective fails the test instead of stalling it
     results = run_ranks(_agreed_refusal, world, pp=pp, timeout_s=60)
     msgs = [r["msg"] for r in results]
     assert msgs[0] == msgs[1], msgs
-    check_message(fnppo.InputError(msgs[0]), fnppo.InputError, "train_step", "batch[2].advantages", "finite values",
-                  "1 NaN/inf entries")
+    check_message(
+        fnppo.InputError(msgs[0]),
+        fnppo.InputError,
+        "train_step",
+        "batch[2].advantages",
+        "finite values",
+        "1 NaN/inf entries",
+    )
     assert msgs[0].endswith(suffix), msgs[0]
     assert results[0]["metrics"] == results[1]["metrics"] and results[0]["metrics"]["updates"] == 2.0

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fnppo.core.errors import InputError
 from fnppo.core.losses import (
     LossConfig,
     RolloutCorrection,
@@ -29,7 +30,6 @@ from fnppo.core.losses import (
 )
 from fnppo.core.metrics import finalize_metrics
 from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, compute_tis_weights, tis_batch_stats
-from fnppo.core.typing import InputError
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
@@ -55,40 +55,59 @@ EXACT = dict(rtol=1e-12, atol=1e-12)
 # =============================================================================================
 # Config
 # =============================================================================================
-@pytest.mark.parametrize("kw, arg", [
-    (dict(bypass_old_logprobs="yes"), "bypass_old_logprobs"),
-    (dict(tis_batch_normalize=1, tis_cap=2.0), "tis_batch_normalize"),
-    (dict(reject_seq_k2=0.0), "reject_seq_k2"),
-    (dict(reject_seq_k3=-1.0), "reject_seq_k3"),
-    (dict(reject_seq_max_abs_log_ratio=math.nan), "reject_seq_max_abs_log_ratio"),
-    (dict(reject_seq_mean_log_ratio=(0.5, -0.5)), "reject_seq_mean_log_ratio"),
-    (dict(reject_seq_mean_log_ratio=(0.5,)), "reject_seq_mean_log_ratio"),
-    (dict(reject_seq_mean_log_ratio=(None, 0.5)), "reject_seq_mean_log_ratio"),
-    (dict(bypass_old_logprobs=True, tis_cap=2.0), "tis_cap"),  # ppo: the ratio already is the IS weight
-    (dict(bypass_old_logprobs=True, policy_loss="cispo", tis_cap=2.0), "tis_cap"),
-    (dict(tis_batch_normalize=True), "tis_cap"),
-    (dict(tis_batch_normalize=True, policy_loss="gpg", tis_cap=2.0, bypass_old_logprobs=True), "tis_batch_normalize"),
-])
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        (dict(bypass_old_logprobs="yes"), "bypass_old_logprobs"),
+        (dict(tis_batch_normalize=1, tis_cap=2.0), "tis_batch_normalize"),
+        (dict(reject_seq_k2=0.0), "reject_seq_k2"),
+        (dict(reject_seq_k3=-1.0), "reject_seq_k3"),
+        (dict(reject_seq_max_abs_log_ratio=math.nan), "reject_seq_max_abs_log_ratio"),
+        (dict(reject_seq_mean_log_ratio=(0.5, -0.5)), "reject_seq_mean_log_ratio"),
+        (dict(reject_seq_mean_log_ratio=(0.5,)), "reject_seq_mean_log_ratio"),
+        (dict(reject_seq_mean_log_ratio=(None, 0.5)), "reject_seq_mean_log_ratio"),
+        (dict(bypass_old_logprobs=True, tis_cap=2.0), "tis_cap"),  # ppo: the ratio already is the IS weight
+        (dict(bypass_old_logprobs=True, policy_loss="cispo", tis_cap=2.0), "tis_cap"),
+        (dict(tis_batch_normalize=True), "tis_cap"),
+        (
+            dict(tis_batch_normalize=True, policy_loss="gpg", tis_cap=2.0, bypass_old_logprobs=True),
+            "tis_batch_normalize",
+        ),
+    ],
+)
 def test_config_rejects_bad_values(kw, arg):
     with pytest.raises(InputError, match=f"from_flat: argument '{arg}' expected"):
         from_flat(**kw)
 
 
 # the same refusals, by the parts (fields named as the parts name them)
-@pytest.mark.parametrize("build, fn, arg", [
-    (lambda: RolloutCorrection(tis_cap=2.0, batch_normalize=1), "RolloutCorrection", "batch_normalize"),
-    (lambda: RolloutCorrection(reject_seq_k2=0.0), "RolloutCorrection", "reject_seq_k2"),
-    (lambda: RolloutCorrection(reject_seq_mean_log_ratio=(0.5, -0.5)), "RolloutCorrection",
-     "reject_seq_mean_log_ratio"),
-    (lambda: RolloutCorrection(batch_normalize=True), "RolloutCorrection", "tis_cap"),
-    (lambda: RolloutCorrection(), "RolloutCorrection", "tis_cap"),  # corrects nothing: use correction=None
-    (lambda: LossConfig(bypass_old_logprobs="yes"), "LossConfig", "bypass_old_logprobs"),
-    (lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)), "LossConfig",
-     "correction.tis_cap"),
-    (lambda: LossConfig(policy=gpg(), bypass_old_logprobs=True,
-                        correction=RolloutCorrection(tis_cap=2.0, batch_normalize=True)), "LossConfig",
-     "correction.batch_normalize"),
-])
+@pytest.mark.parametrize(
+    "build, fn, arg",
+    [
+        (lambda: RolloutCorrection(tis_cap=2.0, batch_normalize=1), "RolloutCorrection", "batch_normalize"),
+        (lambda: RolloutCorrection(reject_seq_k2=0.0), "RolloutCorrection", "reject_seq_k2"),
+        (
+            lambda: RolloutCorrection(reject_seq_mean_log_ratio=(0.5, -0.5)),
+            "RolloutCorrection",
+            "reject_seq_mean_log_ratio",
+        ),
+        (lambda: RolloutCorrection(batch_normalize=True), "RolloutCorrection", "tis_cap"),
+        (lambda: RolloutCorrection(), "RolloutCorrection", "tis_cap"),  # corrects nothing: use correction=None
+        (lambda: LossConfig(bypass_old_logprobs="yes"), "LossConfig", "bypass_old_logprobs"),
+        (
+            lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)),
+            "LossConfig",
+            "correction.tis_cap",
+        ),
+        (
+            lambda: LossConfig(
+                policy=gpg(), bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0, batch_normalize=True)
+            ),
+            "LossConfig",
+            "correction.batch_normalize",
+        ),
+    ],
+)
 def test_parts_reject_bad_values(build, fn, arg):
     with pytest.raises(InputError, match=f"{fn}: argument '{arg}' expected"):
         build()
@@ -213,13 +232,23 @@ def test_each_criterion_fires_exactly_above_its_closed_form(name):
             assert res.keep[3].sum() == 0 and bool(res.keep[i].sum() == 0) == fires
             fin = finalize_metrics(res.metrics)
             n_hit = len(_rejected_rows(res))
-            assert fin[f"{name}_frac"] == pytest.approx(n_hit / 3) and fin["rollout_rejected_frac"] == pytest.approx(n_hit / 3)
+            assert fin[f"{name}_frac"] == pytest.approx(n_hit / 3) and fin["rollout_rejected_frac"] == pytest.approx(
+                n_hit / 3
+            )
 
 
 def test_criteria_combine_with_or_and_report_each():
     rollout = torch.zeros(4, 3)
-    res = compute_tis_weights(rollout + D, rollout, MASK, cap=None, reject_seq_k2=0.1, reject_seq_k3=1.0,
-                              reject_seq_mean_log_ratio=(-1.0, 0.4), reject_seq_max_abs_log_ratio=1.5)
+    res = compute_tis_weights(
+        rollout + D,
+        rollout,
+        MASK,
+        cap=None,
+        reject_seq_k2=0.1,
+        reject_seq_k3=1.0,
+        reject_seq_mean_log_ratio=(-1.0, 0.4),
+        reject_seq_max_abs_log_ratio=1.5,
+    )
     # k2: rows 1, 2; k3: row 2; mean: rows 1, 2; max: row 2 -> rows 1 and 2 rejected
     torch.testing.assert_close(res.keep, MASK * t([1.0], [0.0], [0.0], [0.0]), **EXACT)
     torch.testing.assert_close(res.weights, res.keep, **EXACT)
@@ -239,8 +268,9 @@ def test_log_ratio_is_clamped_in_the_statistics():
     assert keep.sum() == 2
     keep = compute_tis_weights(old, rollout, torch.ones(1, 2), cap=None, reject_seq_k2=100.0 * (1 - 1e-12)).keep
     assert keep.sum() == 0
-    keep = compute_tis_weights(old, rollout, torch.ones(1, 2), cap=None, reject_seq_max_abs_log_ratio=19.0,
-                               log_ratio_clamp=10.0).keep
+    keep = compute_tis_weights(
+        old, rollout, torch.ones(1, 2), cap=None, reject_seq_max_abs_log_ratio=19.0, log_ratio_clamp=10.0
+    ).keep
     assert keep.sum() == 2  # |d| clamped to 10
 
 
@@ -338,7 +368,9 @@ def test_batch_normalization_errors():
     for bad in (-1.0, math.nan, torch.tensor(-0.5), torch.tensor(math.inf)):
         with pytest.raises(InputError, match="'tis_mean' expected a finite number >= 0"):
             ppo_loss(x, x, x, mask, cfg, rollout_logprobs=x, tis_mean=bad)
-    with pytest.raises(InputError, match="compute_tis_weights: argument 'tis_mean' expected None since batch_normalize"):
+    with pytest.raises(
+        InputError, match="compute_tis_weights: argument 'tis_mean' expected None since batch_normalize"
+    ):
         compute_tis_weights(x, x, mask, cap=2.0, tis_mean=1.0)
     with pytest.raises(InputError, match="tis_batch_stats: argument 'config' expected a LossConfig without bypass"):
         tis_batch_stats(x, x, mask, from_flat(bypass_old_logprobs=True))
@@ -374,7 +406,7 @@ def reference_weights(train, rollout, mask, cfg, tis_mean=None):
     (``cfg``: the :func:`~tests.loss_helpers.flat_view` of the flat settings)."""
     c = cfg.log_ratio_clamp
     rl = cfg.tis_reject_level or cfg.tis_level
-    weights, kept_units, seq_of_unit = {}, [], {}
+    weights, kept_units = {}, []
     for b in range(mask.shape[0]):
         idx = [j for j in range(mask.shape[1]) if mask[b, j] != 0]
         if not idx:
@@ -386,8 +418,11 @@ def reference_weights(train, rollout, mask, cfg, tis_mean=None):
         for j in idx:
             tok_raw = math.exp(_clamp(d[j], c))
             r = tok_raw if rl == "token" else seq_raw
-            rejected = seq_rej or (cfg.tis_reject_low is not None and r < cfg.tis_reject_low) or (
-                cfg.tis_reject_high is not None and r > cfg.tis_reject_high)
+            rejected = (
+                seq_rej
+                or (cfg.tis_reject_low is not None and r < cfg.tis_reject_low)
+                or (cfg.tis_reject_high is not None and r > cfg.tis_reject_high)
+            )
             raw = tok_raw if cfg.tis_level == "token" else seq_raw
             w = 1.0 if cfg.tis_cap is None else min(raw, cfg.tis_cap)
             weights[b, j] = None if rejected else w
@@ -399,7 +434,9 @@ def reference_weights(train, rollout, mask, cfg, tis_mean=None):
     mean = 1.0
     if cfg.tis_batch_normalize:
         mean = tis_mean if tis_mean is not None else (sum(kept_units) / len(kept_units) if kept_units else 1.0)
-    return {k: (0.0 if w is None else w / mean) for k, w in weights.items()}, {k: w is not None for k, w in weights.items()}
+    return {k: (0.0 if w is None else w / mean) for k, w in weights.items()}, {
+        k: w is not None for k, w in weights.items()
+    }
 
 
 def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, tis_mean=None):
@@ -422,7 +459,9 @@ def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, tis_mean=None):
                     pg = torch.minimum(pg, torch.tensor(-a * cc))
             k = keep.get((b, j), True)
             dk = lp[b, j] - ref[b, j]
-            term = pg * w.get((b, j), 1.0) + (k * (-cfg.entropy_coeff * ent[b, j] + cfg.kl_coef * (torch.exp(-dk) - 1 + dk)))
+            term = pg * w.get((b, j), 1.0) + (
+                k * (-cfg.entropy_coeff * ent[b, j] + cfg.kl_coef * (torch.exp(-dk) - 1 + dk))
+            )
             terms.append(term)
         if terms:
             seqs.append(terms)
@@ -437,14 +476,23 @@ OPTIONS = {
     "bypass-gpg-tis": dict(policy_loss="gpg", bypass_old_logprobs=True, tis_cap=1.2, reject_seq_max_abs_log_ratio=0.6),
     "norm-token": dict(tis_cap=1.3, tis_batch_normalize=True, tis_reject_high=1.4),
     "norm-seq": dict(tis_cap=1.3, tis_level="sequence", tis_batch_normalize=True, reject_seq_k2=0.06),
-    "norm-token-seq-reject": dict(tis_cap=1.3, tis_batch_normalize=True, tis_reject_low=0.5, tis_reject_level="sequence"),
+    "norm-token-seq-reject": dict(
+        tis_cap=1.3, tis_batch_normalize=True, tis_reject_low=0.5, tis_reject_level="sequence"
+    ),
     "k2": dict(reject_seq_k2=0.04),
     "k3": dict(tis_cap=1.5, reject_seq_k3=0.04),
     "mean": dict(reject_seq_mean_log_ratio=(-0.15, 0.1)),
     "max": dict(policy_loss="gpg", tis_cap=1.5, reject_seq_max_abs_log_ratio=0.5),
-    "all": dict(tis_cap=1.4, tis_level="sequence", tis_batch_normalize=True, tis_reject_high=3.0,
-                reject_seq_k2=0.08, reject_seq_k3=0.08, reject_seq_mean_log_ratio=(-0.3, 0.3),
-                reject_seq_max_abs_log_ratio=0.9),
+    "all": dict(
+        tis_cap=1.4,
+        tis_level="sequence",
+        tis_batch_normalize=True,
+        tis_reject_high=3.0,
+        reject_seq_k2=0.08,
+        reject_seq_k3=0.08,
+        reject_seq_mean_log_ratio=(-0.3, 0.3),
+        reject_seq_max_abs_log_ratio=0.9,
+    ),
 }
 
 
@@ -454,10 +502,19 @@ def test_matches_loop_reference(name, mode):
     lp0, old, adv, mask, ent, ref, rollout = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 997, 6, 7)
     flat = dict(loss_agg_mode=mode, entropy_coeff=0.03, kl_coef=0.2, **OPTIONS[name])
     cfg = from_flat(flat)
-    for tis_mean in ((None, 0.8) if flat_view(**flat).tis_batch_normalize else (None,)):
+    for tis_mean in (None, 0.8) if flat_view(**flat).tis_batch_normalize else (None,):
         lp, ent_l = leaf(lp0), leaf(ent)
-        loss, m = ppo_loss(lp, None if cfg.bypass_old_logprobs else old, adv, mask, cfg, entropy=ent_l,
-                           ref_logprobs=ref, rollout_logprobs=rollout, tis_mean=tis_mean)
+        loss, m = ppo_loss(
+            lp,
+            None if cfg.bypass_old_logprobs else old,
+            adv,
+            mask,
+            cfg,
+            entropy=ent_l,
+            ref_logprobs=ref,
+            rollout_logprobs=rollout,
+            tis_mean=tis_mean,
+        )
         lp64, ent64 = leaf(lp0), leaf(ent)
         expected = reference_loss(lp64, old, adv, mask, rollout, flat_view(**flat), ent64, ref, tis_mean)
         torch.testing.assert_close(loss, expected, **EXACT)
@@ -474,9 +531,15 @@ def test_matches_loop_reference(name, mode):
 # Split invariance (hypothesis), empty masks, no mutation
 # =============================================================================================
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), b=st.integers(1, 6), s=st.integers(1, 5), name=st.sampled_from(list(OPTIONS)),
-       mode=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
-       cuts=st.lists(st.integers(1, 5), max_size=4), p=st.sampled_from([0.0, 0.3, 0.9]))
+@given(
+    seed=st.integers(0, 10_000),
+    b=st.integers(1, 6),
+    s=st.integers(1, 5),
+    name=st.sampled_from(list(OPTIONS)),
+    mode=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+    cuts=st.lists(st.integers(1, 5), max_size=4),
+    p=st.sampled_from([0.0, 0.3, 0.9]),
+)
 def test_split_invariance(seed, b, s, name, mode, cuts, p):
     batch = random_batch(seed, b, s, p)
     _, old, _, mask, _, _, rollout = batch
@@ -498,8 +561,9 @@ def test_empty_mask_gives_exact_zero(name):
     empty = torch.zeros(2, 3)
     for normalizer in (None, 0.0, 5.0):
         lp, ent_l = leaf(lp0), leaf(ent)
-        loss, m = ppo_loss(lp, old, adv, empty, cfg, entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout,
-                           normalizer=normalizer)
+        loss, m = ppo_loss(
+            lp, old, adv, empty, cfg, entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout, normalizer=normalizer
+        )
         assert loss.item() == 0.0
         for g in torch.autograd.grad(loss, [lp, ent_l]):
             assert torch.equal(g, torch.zeros_like(g))
@@ -510,7 +574,9 @@ def test_empty_mask_gives_exact_zero(name):
 
 def test_zero_length_rows_have_nothing_to_reject():
     x = torch.zeros(2, 0)
-    res = compute_tis_weights(x, x, x, cap=2.0, reject_seq_max_abs_log_ratio=0.5, reject_seq_k3=0.1, batch_normalize=True)
+    res = compute_tis_weights(
+        x, x, x, cap=2.0, reject_seq_max_abs_log_ratio=0.5, reject_seq_k3=0.1, batch_normalize=True
+    )
     assert res.weights.shape == (2, 0) and all(v == 0.0 for v in finalize_metrics(res.metrics).values())
 
 
@@ -524,8 +590,9 @@ def test_inputs_not_modified():
         loss.backward()
         if not cfg.bypass_old_logprobs:
             tis_batch_stats(old, rollout, mask, cfg)
-    compute_tis_weights(old, rollout, mask, cap=2.0, reject_seq_k2=0.01, reject_seq_max_abs_log_ratio=0.3,
-                        batch_normalize=True)
+    compute_tis_weights(
+        old, rollout, mask, cap=2.0, reject_seq_k2=0.01, reject_seq_max_abs_log_ratio=0.3, batch_normalize=True
+    )
     unchanged()
 
 
@@ -543,8 +610,12 @@ WEIGHT_RULE_CASES = {
     "zero-cap": (dict(cap=0.0), "cap", "a number > 0 or None", "0.0"),
     "nan-cap": (dict(cap=math.nan), "cap", "a number > 0 or None", "nan"),
     "unknown-level": (dict(level="batch"), "level", "one of ['token', 'sequence']", "'batch'"),
-    "unknown-reject-level": (dict(reject_level="word"), "reject_level", "one of ['token', 'sequence'] or None",
-                             "'word'"),
+    "unknown-reject-level": (
+        dict(reject_level="word"),
+        "reject_level",
+        "one of ['token', 'sequence'] or None",
+        "'word'",
+    ),
     "zero-clamp": (dict(log_ratio_clamp=0.0), "log_ratio_clamp", "a number > 0", "0.0"),
     "negative-clamp": (dict(log_ratio_clamp=-1.0), "log_ratio_clamp", "a number > 0", "-1.0"),
 }
@@ -589,8 +660,13 @@ def test_on_policy_weights_of_exactly_one_sit_on_every_bound(level):
     # old == rollout: every weight is exp(0) = 1 exactly, at both levels
     _, old, _, mask, *_ = random_batch(11, 4, 6)
     mask[0, 0] = 1.0
-    for kw in (dict(cap=1.0), dict(cap=None, reject_low=1.0), dict(cap=None, reject_high=1.0),
-               dict(cap=1.0, reject_low=1.0, reject_high=2.0), dict(cap=1.0, reject_low=0.5, reject_high=1.0)):
+    for kw in (
+        dict(cap=1.0),
+        dict(cap=None, reject_low=1.0),
+        dict(cap=None, reject_high=1.0),
+        dict(cap=1.0, reject_low=1.0, reject_high=2.0),
+        dict(cap=1.0, reject_low=0.5, reject_high=1.0),
+    ):
         res = compute_tis_weights(old, old.clone(), mask, level=level, **kw)
         assert torch.equal(res.keep, mask) and torch.equal(res.weights, mask), kw
         fin = finalize_metrics(res.metrics)
@@ -640,9 +716,11 @@ def test_weight_exactly_on_the_cap_and_the_rejection_bounds(level, w):
         assert fin["tis_truncated_frac"] == pytest.approx(sum(v > cap for v in weights) / units, abs=0), cap
     # the rejection interval is closed: [w, .] and [., w] keep row 0; one float inside it rejects row 0
     low, high = min(w, 1.0), max(w, 1.0)
-    for kw, rejected in ((dict(reject_low=low, reject_high=high), False),
-                         (dict(reject_low=w) if w == low else dict(reject_high=w), False),
-                         (dict(reject_low=next_up(w)) if w == low else dict(reject_high=next_down(w)), True)):
+    for kw, rejected in (
+        (dict(reject_low=low, reject_high=high), False),
+        (dict(reject_low=w) if w == low else dict(reject_high=w), False),
+        (dict(reject_low=next_up(w)) if w == low else dict(reject_high=next_down(w)), True),
+    ):
         res, fin = run(**kw)
         assert bool(res.keep[0, 0] == 0) == rejected, kw
         assert torch.equal(res.keep[1], mask[1]), kw  # the on-policy row is always kept
@@ -703,8 +781,18 @@ STEP_CASES = {
     "norm-seq": dict(tis_cap=1.2, tis_level="sequence", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
     "reject-k3": dict(tis_cap=1.1, tis_batch_normalize=True, reject_seq_k3=0.006),
 }
-STEP_METRICS = ("loss", "pg_loss", "entropy", "kl_loss", "tis_weight", "tis_batch_mean", "rollout_rejected_frac",
-                "reject_seq_k3_frac", "tis_rejected_frac", "rollout_kl")
+STEP_METRICS = (
+    "loss",
+    "pg_loss",
+    "entropy",
+    "kl_loss",
+    "tis_weight",
+    "tis_batch_mean",
+    "rollout_rejected_frac",
+    "reject_seq_k3_frac",
+    "tis_rejected_frac",
+    "rollout_kl",
+)
 
 
 def _step_loss_cfg(name: str) -> LossConfig:
@@ -714,10 +802,18 @@ def _step_loss_cfg(name: str) -> LossConfig:
 def _step_chunks():
     import fnppo
 
-    cfg = fnppo.ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=True)
+    cfg = fnppo.ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        tie_embeddings=True,
+    )
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     return chunks
 
 
@@ -735,20 +831,33 @@ def _step_reference() -> dict:
     base = synthetic_samples(8, seed=11, with_rollout=True)
     lps, _ = fnppo.compute_logprobs(fnppo.wrap_ddp(chunks, use_distributed_optimizer=False), base)
     g = torch.Generator().manual_seed(5)
-    samples = [dataclasses.replace(s, old_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g),
-                                   rollout_logprobs=lp + 0.1 * torch.randn(lp.shape, generator=g),
-                                   ref_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g))
-               for s, lp in zip(base, lps, strict=True)]
-    core = fnppo.megatron.model.unwrap_model(chunks[0])
+    samples = [
+        dataclasses.replace(
+            s,
+            old_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g),
+            rollout_logprobs=lp + 0.1 * torch.randn(lp.shape, generator=g),
+            ref_logprobs=lp + 0.05 * torch.randn(lp.shape, generator=g),
+        )
+        for s, lp in zip(base, lps, strict=True)
+    ]
+    core = fnppo.megatron.unwrap.unwrap_model(chunks[0])
     params = dict(core.named_parameters())
     out = {"samples": samples, "cases": {}}
     for name in STEP_CASES:
         cfg = _step_loss_cfg(name)
         mb = fnppo.collate_microbatch(_case_samples(samples, name), layout="packed", pad_to_multiple_of=1)
         lp, ent = fnppo.logprob_and_entropy(fnppo.forward_logits(core, mb), mb.labels, with_entropy=True)
-        loss, metrics = ppo_loss(lp, None if cfg.bypass_old_logprobs else mb.old_logprobs, mb.advantages,
-                                 mb.loss_mask, cfg, entropy=ent, ref_logprobs=mb.ref_logprobs,
-                                 rollout_logprobs=mb.rollout_logprobs, seq_ids=mb.seq_ids)
+        loss, metrics = ppo_loss(
+            lp,
+            None if cfg.bypass_old_logprobs else mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            cfg,
+            entropy=ent,
+            ref_logprobs=mb.ref_logprobs,
+            rollout_logprobs=mb.rollout_logprobs,
+            seq_ids=mb.seq_ids,
+        )
         grads = torch.autograd.grad(loss, list(params.values()))
         out["cases"][name] = {"grads": dict(zip(params, grads)), "metrics": finalize_metrics(metrics)}
     return out
@@ -758,7 +867,7 @@ def _step_layout(samples, split: dict) -> dict:
     import fnppo
 
     torch.set_default_dtype(torch.float32)
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     seen_old: list[bool] = []
 
     def loss_fn(lp, old, *args, rollout_logprobs, **kwargs):  # a user loss stage sees old = rollout in bypass mode
@@ -768,14 +877,20 @@ def _step_layout(samples, split: dict) -> dict:
     out = {}
     for name in STEP_CASES:
         ddp = fnppo.wrap_ddp(_step_chunks(), use_distributed_optimizer=False)
-        state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="sgd", lr=STEP_LR, clip_grad=0.0))
-        w0 = fnppo.gather_full_weights(state.model)
+        state = fnppo.TrainState(
+            model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="sgd", lr=STEP_LR, clip_grad=0.0)
+        )
+        w0 = fnppo.models.gather_full_weights(state.model)
         mine = fnppo.shard_for_data_parallel(_case_samples(samples, name), layout)
         step_cfg = fnppo.StepConfig(loss=_step_loss_cfg(name), fns=fnppo.StepFns(loss=loss_fn), **split)
         seen_old.clear()
         state, metrics = fnppo.train_step(state, mine, step_cfg)
-        w1 = fnppo.gather_full_weights(state.model)
-        out[name] = {"metrics": metrics, "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0}, "old_is_rollout": list(seen_old)}
+        w1 = fnppo.models.gather_full_weights(state.model)
+        out[name] = {
+            "metrics": metrics,
+            "grads": {k: (w0[k] - w1[k]) / STEP_LR for k in w0},
+            "old_is_rollout": list(seen_old),
+        }
     return out if layout.rank == 0 else {}
 
 
@@ -801,8 +916,9 @@ def test_step_reference_cases_are_not_vacuous(step_reference):
     assert cases["bypass"]["metrics"]["ppo_kl"] == pytest.approx(cases["bypass"]["metrics"]["rollout_kl"], rel=1e-5)
 
 
-@pytest.mark.parametrize("world,tp,split", [(2, 1, {"num_microbatches": 2}), (2, 2, {"max_tokens_per_microbatch": 24})],
-                         ids=["dp2", "tp2"])
+@pytest.mark.parametrize(
+    "world,tp,split", [(2, 1, {"num_microbatches": 2}), (2, 2, {"max_tokens_per_microbatch": 24})], ids=["dp2", "tp2"]
+)
 def test_train_step_matches_single_process_reference(step_reference, world, tp, split):
     from fnppo.testing import run_ranks
 
@@ -812,7 +928,10 @@ def test_train_step_matches_single_process_reference(step_reference, world, tp, 
         mine = got[name]
         assert mine["metrics"]["skipped"] == 0.0, name
         bypass = STEP_CASES[name].get("bypass_old_logprobs", False)
-        assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (name, mine["old_is_rollout"])
+        assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (
+            name,
+            mine["old_is_rollout"],
+        )
         for key in STEP_METRICS:
             if key in ref["metrics"]:
                 r, g = ref["metrics"][key], mine["metrics"][key]

@@ -59,7 +59,7 @@ def test_matches_closed_form_and_its_gradient_is_the_inverse_rotation(rot):
 def test_adapters_match_megatron_unfused_thd_and_bshd():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from fnppo.megatron.model import _fused_rope_bshd, _fused_rope_thd
+    from fnppo.megatron.fused_rope import _fused_rope_bshd, _fused_rope_thd
 
     class OneRank:
         def size(self):
@@ -77,10 +77,14 @@ def test_adapters_match_megatron_unfused_thd_and_bshd():
         got = _fused_rope_thd(x, cu.clone(), freqs)
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
         up = torch.randn(ref.shape, generator=g)
-        torch.testing.assert_close(torch.autograd.grad(got, x, up)[0], torch.autograd.grad(ref, x, up)[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            torch.autograd.grad(got, x, up)[0], torch.autograd.grad(ref, x, up)[0], rtol=0, atol=1e-6
+        )
     xb = torch.randn(7, 2, 4, 16, generator=g)  # [s, b, h, d]
     freqs = _angles(7, 16).float()[:, None, None, :]
-    torch.testing.assert_close(_fused_rope_bshd(xb, freqs), rope_utils._apply_rotary_pos_emb_bshd(xb, freqs), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        _fused_rope_bshd(xb, freqs), rope_utils._apply_rotary_pos_emb_bshd(xb, freqs), rtol=0, atol=1e-6
+    )
 
 
 def test_triton_kernel_in_interpreter_matches_torch_path(monkeypatch):
@@ -96,13 +100,17 @@ def test_triton_kernel_in_interpreter_matches_torch_path(monkeypatch):
         got = apply_rotary(x, f, pos, impl="triton")
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-6)
         up = torch.randn(ref.shape, generator=g)
-        torch.testing.assert_close(torch.autograd.grad(got, x, up)[0], torch.autograd.grad(ref, x, up)[0], rtol=0, atol=2e-6)
+        torch.testing.assert_close(
+            torch.autograd.grad(got, x, up)[0], torch.autograd.grad(ref, x, up)[0], rtol=0, atol=2e-6
+        )
 
 
 def test_bad_arguments():
     x = torch.randn(4, 2, 8)
     pos = torch.arange(4)
-    with raises_message("fnppo.apply_rotary", "freqs", "an even number of angles per position, at most dim=8", "f32[6,9]"):
+    with raises_message(
+        "fnppo.ops.apply_rotary", "freqs", "an even number of angles per position, at most dim=8", "f32[6,9]"
+    ):
         apply_rotary(x, torch.zeros(6, 9), pos)
-    with raises_message("fnppo.apply_rotary", "impl", "one of ('auto', 'triton', 'torch')", "'cuda'"):
+    with raises_message("fnppo.ops.apply_rotary", "impl", "one of ('auto', 'triton', 'torch')", "'cuda'"):
         apply_rotary(x, torch.zeros(6, 8), pos, impl="cuda")

@@ -53,7 +53,7 @@ def _step(nmb: int = NMB, layout: str = "packed") -> fnppo.StepConfig:
 
 def _state(full: dict, cfg: fnppo.ModelConfig | None = None, **build_kw) -> fnppo.TrainState:
     chunks = fnppo.build_gpt(cfg or _cfg(), **build_kw)
-    fnppo.load_full_weights(chunks, full)
+    fnppo.models.load_full_weights(chunks, full)
     ddp = fnppo.wrap_ddp(chunks)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0))
 
@@ -110,8 +110,8 @@ PARTIAL_RECOMPUTE = {
 def _reference() -> dict:
     cfg = _cfg()
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=11, std=0.2)
-    full0 = fnppo.gather_full_weights(chunks)
+    fnppo.models.layout_invariant_init(chunks, seed=11, std=0.2)
+    full0 = fnppo.models.gather_full_weights(chunks)
     full1 = dict(full0)
     g = torch.Generator().manual_seed(99)
     for name in full1:
@@ -140,7 +140,9 @@ def _reference() -> dict:
     tap = _RouterTap(stepped.model)
     out["lp_after_step_replay"], _ = fnppo.compute_logprobs(stepped.model, replayed, config=_step())
     out["tap_after_step"] = tap.close()
-    out["weights_after_step"] = {k: v for k, v in fnppo.gather_full_weights(stepped.model).items() if k.endswith("router.weight")}
+    out["weights_after_step"] = {
+        k: v for k, v in fnppo.models.gather_full_weights(stepped.model).items() if k.endswith("router.weight")
+    }
 
     # the redrawn routers: the references of the layouts
     out.update(_layout_cases(full0, full1, None))
@@ -171,7 +173,7 @@ def _reference() -> dict:
 def _layout_cases(full0: dict, full1: dict, routes0: list | None, **build_kw) -> dict:
     """What every layout computes: its own record on ``full0``, then free log-probs and, replaying
     ``routes0`` (None: its own record), log-probs and a training step on ``full1``."""
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     samples = fnppo.shard_for_data_parallel(_layout_samples(), layout)
     out: dict = {}
     s0 = _state(full0, **build_kw)
@@ -190,27 +192,43 @@ def _layout_cases(full0: dict, full1: dict, routes0: list | None, **build_kw) ->
     out["lp1_replay"], _ = fnppo.compute_logprobs(s1.model, replayed, config=_step())
     out["lp1_free"], _ = fnppo.compute_logprobs(s1.model, samples, config=_step())
     s1, metrics = fnppo.train_step(s1, _with(replayed, old_logprobs=out["lp1_replay"]), _step())
-    out["train"] = {"metrics": metrics, "weights": fnppo.gather_full_weights(s1.model)}
+    out["train"] = {"metrics": metrics, "weights": fnppo.models.gather_full_weights(s1.model)}
     return out
 
 
 def _wide_model() -> dict:
     """300 experts: recorded as int16 (uint8 would wrap above 255), replayed bit for bit."""
-    cfg = fnppo.ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, vocab_size=64,
-                            max_seq_len=32, num_experts=300, moe_topk=TOPK, moe_ffn_hidden_size=4)
+    cfg = fnppo.ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=16,
+        vocab_size=64,
+        max_seq_len=32,
+        num_experts=300,
+        moe_topk=TOPK,
+        moe_ffn_hidden_size=4,
+    )
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=3, std=0.5)
+    fnppo.models.layout_invariant_init(chunks, seed=3, std=0.5)
     samples = _samples()
     lp, _, routes = fnppo.compute_logprobs(chunks, samples, return_routing=True)
     lp2, _ = fnppo.compute_logprobs(chunks, _with(samples, routed_experts=routes))
     as_uint8 = _with(samples, routed_experts=[r.to(torch.uint8) for r in routes])
-    return {"routes": routes, "lp": lp, "lp_replay": lp2,
-            "errors": messages_of({"uint8": lambda: fnppo.compute_logprobs(chunks, as_uint8)})}
+    return {
+        "routes": routes,
+        "lp": lp,
+        "lp_replay": lp2,
+        "errors": messages_of({"uint8": lambda: fnppo.compute_logprobs(chunks, as_uint8)}),
+    }
 
 
 def _error_cases(state, samples: list, routes: list) -> dict:
-    dense = fnppo.build_gpt(fnppo.ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=32,
-                                              vocab_size=64, max_seq_len=32))
+    dense = fnppo.build_gpt(
+        fnppo.ModelConfig(
+            num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=32, vocab_size=64, max_seq_len=32
+        )
+    )
     model = state.model
 
     def changed(i: int, token: int, layer: int, experts: list[int]):
@@ -222,20 +240,28 @@ def _error_cases(state, samples: list, routes: list) -> dict:
     replayed = _with(samples, routed_experts=routes)
     mixed = [replayed[0], samples[1], *replayed[2:]]
     mb = fnppo.collate_microbatch(replayed[:2])
-    return messages_of({
-        "float": lambda: dataclasses.replace(samples[0], routed_experts=routes[0].float()),
-        "rows": lambda: dataclasses.replace(samples[0], routed_experts=routes[0][:-2]),
-        "range": lambda: fnppo.compute_logprobs(model, changed(2, 3, 1, [1, 4])),
-        "duplicate": lambda: fnppo.train_step(state, _with(changed(5, 0, 2, [3, 3]), old_logprobs=[torch.zeros(s.response_len) for s in samples]), _step()),
-        "layers": lambda: fnppo.compute_logprobs(model, _with(samples, routed_experts=[r[:, :2] for r in routes])),
-        "mixed": lambda: fnppo.compute_logprobs(model, mixed),
-        "negative": lambda: fnppo.collate_microbatch(changed(0, 1, 0, [-1, 2])[:1]),
-        "dense": lambda: fnppo.compute_logprobs(dense, replayed),
-        "dense_record": lambda: fnppo.compute_logprobs(dense, samples, return_routing=True),
-        "record_replayed": lambda: fnppo.compute_logprobs(model, replayed, return_routing=True),
-        "forward_only": lambda: fnppo.forward_only(model, [mb], lambda logits, m: None, recorder=fnppo.megatron.routing.RoutingRecorder(4)),
-        "no_slot": lambda: fnppo.compute_logprobs(no_slot, replayed),
-    })
+    return messages_of(
+        {
+            "float": lambda: dataclasses.replace(samples[0], routed_experts=routes[0].float()),
+            "rows": lambda: dataclasses.replace(samples[0], routed_experts=routes[0][:-2]),
+            "range": lambda: fnppo.compute_logprobs(model, changed(2, 3, 1, [1, 4])),
+            "duplicate": lambda: fnppo.train_step(
+                state,
+                _with(changed(5, 0, 2, [3, 3]), old_logprobs=[torch.zeros(s.response_len) for s in samples]),
+                _step(),
+            ),
+            "layers": lambda: fnppo.compute_logprobs(model, _with(samples, routed_experts=[r[:, :2] for r in routes])),
+            "mixed": lambda: fnppo.compute_logprobs(model, mixed),
+            "negative": lambda: fnppo.collate_microbatch(changed(0, 1, 0, [-1, 2])[:1]),
+            "dense": lambda: fnppo.compute_logprobs(dense, replayed),
+            "dense_record": lambda: fnppo.compute_logprobs(dense, samples, return_routing=True),
+            "record_replayed": lambda: fnppo.compute_logprobs(model, replayed, return_routing=True),
+            "forward_only": lambda: fnppo.forward_only(
+                model, [mb], lambda logits, m: None, recorder=fnppo.megatron.routing.RoutingRecorder(4)
+            ),
+            "no_slot": lambda: fnppo.compute_logprobs(no_slot, replayed),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +342,10 @@ def test_replay_reproduces_recorded_logprobs_bit_for_bit(reference):
 
 def test_after_a_step_replay_keeps_the_experts_and_free_routing_does_not(reference):
     routes, lengths = reference["routes"], reference["lengths"]
-    moved = sum(int((a.sort(-1).values != b.sort(-1).values).any(-1).sum()) for a, b in zip(routes, reference["routes_after_step"]))
+    moved = sum(
+        int((a.sort(-1).values != b.sort(-1).values).any(-1).sum())
+        for a, b in zip(routes, reference["routes_after_step"])
+    )
     total = sum(r.shape[0] * r.shape[1] for r in routes)
     assert moved > total // 10, (moved, total)  # the step changed the routers' choice
     view = _router_view(reference["tap_after_step"])
@@ -350,7 +379,11 @@ def test_train_step_replays_and_recomputation_replays_too(reference):
         for i in range(N):
             for j in range(MOE_LAYERS):
                 assert _chosen(view, lengths, j, i) == _recorded(routes, j, i), (which, i, j)
-    plain, recomputed, free = reference["train"]["metrics"], reference["train_recompute"], reference["train_recompute_free"]
+    plain, recomputed, free = (
+        reference["train"]["metrics"],
+        reference["train_recompute"],
+        reference["train_recompute_free"],
+    )
     for key in ("loss", "grad_norm", "moe_aux_loss"):
         assert abs(recomputed[key] - plain[key]) <= 1e-6 * abs(plain[key]), key
     assert abs(free["grad_norm"] - plain["grad_norm"]) > 1e-3 * plain["grad_norm"]  # replay mattered
@@ -380,24 +413,69 @@ def test_300_experts_are_recorded_without_overflow(reference):
     assert max(int(r.max()) for r in wide["routes"]) > 255
     for got, want in zip(wide["lp_replay"], wide["lp"], strict=True):
         assert torch.equal(got, want)
-    check_message(fnppo.InputError(wide["errors"]["uint8"]), fnppo.InputError, "compute_logprobs", "batch[0].routed_experts",
-                  "an integer dtype that holds expert indices up to 299", "u8[10,1,2] (max 255)")
+    check_message(
+        fnppo.InputError(wide["errors"]["uint8"]),
+        fnppo.InputError,
+        "compute_logprobs",
+        "batch[0].routed_experts",
+        "an integer dtype that holds expert indices up to 299",
+        "u8[10,1,2] (max 255)",
+    )
 
 
 ERRORS = {  # case -> (function, argument, expected, received)
     "float": ("Sample", "routed_experts", "None or an integer tensor [tokens, layers, topk]", "f32["),
-    "rows": ("Sample", "routed_experts", "rows (one per token of prompt + response; the last token's may be missing)", "["),
-    "range": ("compute_logprobs", "batch[2].routed_experts", "expert indices in [0, 4) (the model's num_experts)",
-              "experts [1, 4] for token 3, MoE layer 1"),
-    "duplicate": ("train_step", "batch[5].routed_experts", "2 distinct experts per token and MoE layer", "experts [3, 3] for token 0, MoE layer 2"),
-    "layers": ("compute_logprobs", "batch[0].routed_experts", "[tokens, 3, 2] (the model's MoE layers and top-k)", ",2,2]"),
-    "mixed": ("compute_logprobs", "batch[1].routed_experts", "a tensor (batch[0] has routed_experts; all samples or none)", "None"),
-    "negative": ("collate_microbatch", "samples[0].routed_experts", "expert indices >= 0", "experts [-1, 2] for token 1, MoE layer 0"),
+    "rows": (
+        "Sample",
+        "routed_experts",
+        "rows (one per token of prompt + response; the last token's may be missing)",
+        "[",
+    ),
+    "range": (
+        "compute_logprobs",
+        "batch[2].routed_experts",
+        "expert indices in [0, 4) (the model's num_experts)",
+        "experts [1, 4] for token 3, MoE layer 1",
+    ),
+    "duplicate": (
+        "train_step",
+        "batch[5].routed_experts",
+        "2 distinct experts per token and MoE layer",
+        "experts [3, 3] for token 0, MoE layer 2",
+    ),
+    "layers": (
+        "compute_logprobs",
+        "batch[0].routed_experts",
+        "[tokens, 3, 2] (the model's MoE layers and top-k)",
+        ",2,2]",
+    ),
+    "mixed": (
+        "compute_logprobs",
+        "batch[1].routed_experts",
+        "a tensor (batch[0] has routed_experts; all samples or none)",
+        "None",
+    ),
+    "negative": (
+        "collate_microbatch",
+        "samples[0].routed_experts",
+        "expert indices >= 0",
+        "experts [-1, 2] for token 1, MoE layer 0",
+    ),
     "dense": ("compute_logprobs", "batch[0].routed_experts", "None (the model has no MoE layers)", "int16["),
     "dense_record": ("compute_logprobs", "return_routing", "False for a model without MoE layers", "True"),
     "record_replayed": ("compute_logprobs", "return_routing", "False when the samples carry routed_experts", "True"),
-    "forward_only": ("forward_only", "recorder", "None for micro-batches that carry routed_experts", "a RoutingRecorder"),
-    "no_slot": ("routed", "model", "MoE routers built with moe_enable_routing_replay=True (fnppo.build_gpt does)", "a router without a replay slot"),
+    "forward_only": (
+        "forward_only",
+        "recorder",
+        "None for micro-batches that carry routed_experts",
+        "a RoutingRecorder",
+    ),
+    "no_slot": (
+        "routed",
+        "model",
+        "MoE routers built with moe_enable_routing_replay=True (fnppo.build_gpt does)",
+        "a router without a replay slot",
+    ),
 }
 
 
@@ -418,7 +496,9 @@ LAYOUTS = {  # name: (world, run_ranks layout, build_gpt keywords)
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_record_and_replay_like_one_process(reference, name):
     world, layout, build_kw = LAYOUTS[name]
-    results = run_ranks(_layout_cases, world, reference["full0"], reference["full1"], reference["layout_routes"], **layout, **build_kw)
+    results = run_ranks(
+        _layout_cases, world, reference["full0"], reference["full1"], reference["layout_routes"], **layout, **build_kw
+    )
     # exact agreement of the records needs every choice to be clear of float noise: it is
     assert reference["margin"] > 1e-4, reference["margin"]
     for rank, got in enumerate(results):

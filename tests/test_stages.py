@@ -30,16 +30,25 @@ REL = 1e-6
 
 
 def _state(optimizer: str = "adam") -> fnppo.TrainState:
-    cfg = fnppo.ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=64, vocab_size=64, max_seq_len=32)
+    cfg = fnppo.ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+    )
     chunks = fnppo.build_gpt(cfg)
-    fnppo.layout_invariant_init(chunks, seed=5)
+    fnppo.models.layout_invariant_init(chunks, seed=5)
     ddp = fnppo.wrap_ddp(chunks)
-    return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer=optimizer, lr=1e-2, clip_grad=0.0))
+    return fnppo.TrainState(
+        model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer=optimizer, lr=1e-2, clip_grad=0.0)
+    )
 
 
 def _weights(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
-    core = fnppo.megatron.model.unwrap_model(state.model[0])
+    core = fnppo.megatron.unwrap.unwrap_model(state.model[0])
     return {k: v.detach().clone() for k, v in core.named_parameters()}
 
 
@@ -61,7 +70,9 @@ def _stage_swaps(samples) -> dict:
 
     def collate(group, *, layout, pad_to_multiple_of, sample_index):
         calls["collate"] += 1
-        mb = fnppo.collate_microbatch(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=sample_index)
+        mb = fnppo.collate_microbatch(
+            group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=sample_index
+        )
         return dataclasses.replace(mb, advantages=-mb.advantages)
 
     def forward(model, microbatch, *, params=None):
@@ -70,8 +81,9 @@ def _stage_swaps(samples) -> dict:
 
     def logprob(logits, labels, *, tp_group, temperature, with_entropy, vocab_size):
         calls["logprob"] += 1
-        return fnppo.logprob_and_entropy(logits, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy,
-                                         vocab_size=vocab_size)
+        return fnppo.logprob_and_entropy(
+            logits, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy, vocab_size=vocab_size
+        )
 
     def loss(*args, **kwargs):
         calls["loss"] += 1
@@ -88,8 +100,12 @@ def _stage_swaps(samples) -> dict:
     ):
         before = dict(calls)
         got = _step(samples, fns=fnppo.StepFns(**{name: fn}))
-        out[name] = {"calls": calls[name] - before[name], "others": {k: calls[k] - before[k] for k in calls if k != name},
-                     "got": got, "reference": reference}
+        out[name] = {
+            "calls": calls[name] - before[name],
+            "others": {k: calls[k] - before[k] for k in calls if k != name},
+            "got": got,
+            "reference": reference,
+        }
     out["default"] = _step(samples)
     return out
 
@@ -125,7 +141,7 @@ def _megatron_config(samples) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     state = _state()
-    config = fnppo.megatron.model.unwrap_model(state.model[0]).config
+    config = fnppo.megatron.unwrap.unwrap_model(state.model[0]).config
     calls: list[str] = []
 
     def user_finalize(model, num_tokens=None, *args, **kwargs):
@@ -142,13 +158,20 @@ def _megatron_config(samples) -> dict:
     def user_param_sync(params):
         calls.append("param_sync")
 
-    user = {"finalize_model_grads_func": user_finalize, "no_sync_func": user_no_sync,
-            "grad_sync_func": user_grad_sync, "param_sync_func": user_param_sync}
+    user = {
+        "finalize_model_grads_func": user_finalize,
+        "no_sync_func": user_no_sync,
+        "grad_sync_func": user_grad_sync,
+        "param_sync_func": user_param_sync,
+    }
     for name, value in user.items():
         setattr(config, name, value)
     state, metrics = fnppo.train_step(state, samples, fnppo.StepConfig(loss=_loss_cfg(), num_microbatches=2))
-    out = {"updates": metrics["updates"], "calls_during_step": list(calls),
-           "restored": {name: getattr(config, name) is user[name] for name in HOOKS}}
+    out = {
+        "updates": metrics["updates"],
+        "calls_during_step": list(calls),
+        "restored": {name: getattr(config, name) is user[name] for name in HOOKS},
+    }
 
     def boom(*args, **kwargs):
         raise RuntimeError("user loss failed")
@@ -173,9 +196,15 @@ def _megatron_config(samples) -> dict:
         return fnppo.forward_logits(model, mb), loss_func
 
     calls.clear()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=list(state.model),
-                                num_microbatches=len(mbs), seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
-                                micro_batch_size=1, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=list(state.model),
+        num_microbatches=len(mbs),
+        seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+        micro_batch_size=1,
+        forward_only=False,
+    )
     out["calls_in_user_schedule"] = list(calls)
     return out
 
@@ -185,23 +214,41 @@ def _megatron_config(samples) -> dict:
 # ---------------------------------------------------------------------------------------------
 def _logprob_keywords(samples) -> dict:
     model = _state().model
-    by_config = fnppo.compute_logprobs(model, samples, with_entropy=True,
-                                       config=fnppo.StepConfig(num_microbatches=2, temperature=2.0, layout="padded"))
-    by_keywords = fnppo.compute_logprobs(model, samples, with_entropy=True, num_microbatches=2, temperature=2.0,
-                                         layout="padded")
+    by_config = fnppo.compute_logprobs(
+        model, samples, with_entropy=True, config=fnppo.StepConfig(num_microbatches=2, temperature=2.0, layout="padded")
+    )
+    by_keywords = fnppo.compute_logprobs(
+        model, samples, with_entropy=True, num_microbatches=2, temperature=2.0, layout="padded"
+    )
     # a keyword wins over config; a token budget reorders the samples, restored afterwards
     budget = fnppo.split_batch(samples, max_tokens_per_microbatch=24)
-    mixed = fnppo.compute_logprobs(model, samples, with_entropy=True, max_tokens_per_microbatch=24, temperature=2.0,
-                                   config=fnppo.StepConfig(num_microbatches=2, temperature=1.0))
+    mixed = fnppo.compute_logprobs(
+        model,
+        samples,
+        with_entropy=True,
+        max_tokens_per_microbatch=24,
+        temperature=2.0,
+        config=fnppo.StepConfig(num_microbatches=2, temperature=1.0),
+    )
     plain = fnppo.compute_logprobs(model, samples)
-    return {"by_config": by_config, "by_keywords": by_keywords, "mixed": mixed, "plain": plain,
-            "budget_order": budget.order, "lengths": [s.response_len for s in samples]}
+    return {
+        "by_config": by_config,
+        "by_keywords": by_keywords,
+        "mixed": mixed,
+        "plain": plain,
+        "budget_order": budget.order,
+        "lengths": [s.response_len for s in samples],
+    }
 
 
 def _all() -> dict:
     samples = synthetic_samples(8, seed=3)
-    return {"stages": _stage_swaps(samples), "epochs": _epochs_vs_loop(samples), "megatron": _megatron_config(samples),
-            "logprobs": _logprob_keywords(samples)}
+    return {
+        "stages": _stage_swaps(samples),
+        "epochs": _epochs_vs_loop(samples),
+        "megatron": _megatron_config(samples),
+        "logprobs": _logprob_keywords(samples),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +300,9 @@ def test_epochs_and_minibatches_equal_a_loop_of_single_updates(results):
     assert combined["metrics"]["step"] == 4.0
     _assert_weights(combined["weights"], loop["weights"], 0.0, "epochs x minibatches")  # bit-identical
     singles = loop["singles"]
-    assert combined["metrics"]["grad_norm"] == pytest.approx(sum(s["metrics"]["grad_norm"] for s in singles) / 4, rel=1e-6)
+    assert combined["metrics"]["grad_norm"] == pytest.approx(
+        sum(s["metrics"]["grad_norm"] for s in singles) / 4, rel=1e-6
+    )
     # metrics merge exactly: token-mean loss of all four updates = sum(num) / sum(tokens)
     for key in ("loss", "pg_loss", "entropy", "kl_loss"):
         num = sum(s["metrics"][key] * s["tokens"] for s in singles)

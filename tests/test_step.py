@@ -26,15 +26,23 @@ REL = 1e-5
 
 def _model_cfg(layers: int = 4) -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, vocab_size=64, max_seq_len=32, tie_embeddings=True,
+        num_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        tie_embeddings=True,
     )
 
 
 def _loss_cfg(mode: str) -> LossConfig:
     return LossConfig(
-        policy=ppo_clip(), agg=Aggregation(mode, 8.0 if mode == "seq-mean-token-sum-norm" else None),
-        entropy_coef=0.01, kl=KLPenalty(0.05, "k3"),
+        policy=ppo_clip(),
+        agg=Aggregation(mode, 8.0 if mode == "seq-mean-token-sum-norm" else None),
+        entropy_coef=0.01,
+        kl=KLPenalty(0.05, "k3"),
     )
 
 
@@ -42,7 +50,7 @@ def _build_state(lr: float = 10.0):
     # Adam with a large eps makes the first update ~ lr * g / eps: linear in the gradient, so
     # comparing updated parameters compares gradients (the distributed optimizer is Adam-only).
     chunks = fnppo.build_gpt(_model_cfg())
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     opt = fnppo.build_optimizer(ddp, lr=lr, adam_eps=10.0, clip_grad=0.0)
     return fnppo.TrainState(model=ddp, optimizer=opt)
@@ -57,21 +65,28 @@ def _one_update(split: dict, mode: str, layout_name: str) -> dict:
     """
     import torch.distributed as dist
 
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     state = _build_state(lr=1e4)
     samples = fnppo.shard_for_data_parallel(synthetic_samples(N_SAMPLES, seed=7, multi_modal_every=3), layout)
     cfg = fnppo.StepConfig(loss=_loss_cfg(mode), **split)
     logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
-    before = fnppo.gather_full_weights(state.model)
+    before = fnppo.models.gather_full_weights(state.model)
     state, metrics = fnppo.train_step(state, samples, cfg)
     megatron_norm = float(state.optimizer.get_grad_norm())
-    full = fnppo.gather_full_weights(state.model)
+    full = fnppo.models.gather_full_weights(state.model)
     every = [None] * layout.dp
     dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
     if layout.rank != 0:
         return {}
-    return {"metrics": metrics, "before": before, "weights": full, "megatron_norm": megatron_norm, "step": state.step,
-            "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e]}
+    return {
+        "metrics": metrics,
+        "before": before,
+        "weights": full,
+        "megatron_norm": megatron_norm,
+        "step": state.step,
+        "logprobs": [t for lp, _ in every for t in lp],
+        "entropy": [t for _, e in every for t in e],
+    }
 
 
 SPLITS = {
@@ -91,13 +106,17 @@ def reference():
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
-    worst = max_metric_error(ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL)
+    worst = max_metric_error(
+        ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL
+    )
     assert set(ref["weights"]) == set(got["weights"]) == set(got["before"])
     worst = max(worst, max_update_error(ref, got, what, REL))
     assert len(got["logprobs"]) == len(ref["logprobs"]) == N_SAMPLES, what  # every DP rank's samples
     for kind in ("logprobs", "entropy"):
         for i, (a, b) in enumerate(zip(got[kind], ref[kind], strict=True)):
-            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), f"{what}: compute_logprobs {kind} of sample {i}"
+            assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5), (
+                f"{what}: compute_logprobs {kind} of sample {i}"
+            )
     return worst
 
 
@@ -142,15 +161,17 @@ def _train_with_schedule_that_skips_finalize() -> str:
         try:
             state = _build_state()
             fnppo.train_step(state, synthetic_samples(4, seed=1), fnppo.StepConfig(loss=_loss_cfg("token-mean")))
-        except fnppo.FinalizeNotCalledError as err:
+        except fnppo.models.FinalizeNotCalledError as err:
             return str(err)
     return "no error"
 
 
 def test_dropped_finalize_is_detected():
     msg = run_ranks(_train_with_schedule_that_skips_finalize, 1)[0]
-    assert msg == ("train_step: Megatron's schedule returned without calling finalize_model_grads; "
-                   "gradients were not reduced across data-parallel ranks")
+    assert msg == (
+        "train_step: Megatron's schedule returned without calling finalize_model_grads; "
+        "gradients were not reduced across data-parallel ranks"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,23 +212,28 @@ def _nan_loss_finite_grad(bad_call: int):
 
 def _nan_step() -> dict:
     chunks = fnppo.build_gpt(_model_cfg())
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, optimizer="adam", lr=1e-2, clip_grad=1.0))
     good = synthetic_samples(4, seed=2)
     cfg = fnppo.StepConfig(loss=_loss_cfg("token-mean"), num_microbatches=2)
     state, m1 = fnppo.train_step(state, good, cfg)  # a real step so Adam has state
-    before = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()}
+    before = {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()}
     moments_before = _adam_moments(state.optimizer)
     bad_cfg = dataclasses.replace(cfg, fns=fnppo.StepFns(loss=_nan_loss_finite_grad(bad_call=1)))
     state, m2 = fnppo.train_step(state, good, bad_cfg)
-    after = {k: v.detach().clone() for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters()}
+    after = {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()}
     moments_after = _adam_moments(state.optimizer)
     state, m3 = fnppo.train_step(state, good, cfg)
-    moved = any(not torch.equal(after[k], v) for k, v in fnppo.megatron.model.unwrap_model(state.model[0]).named_parameters())
+    moved = any(
+        not torch.equal(after[k], v) for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()
+    )
     moments_later = _adam_moments(state.optimizer)
     return {
-        "m1": m1, "m2": m2, "m3": m3, "moved": moved,
+        "m1": m1,
+        "m2": m2,
+        "m3": m3,
+        "moved": moved,
         "params_same": sorted(k for k in before if not torch.equal(before[k], after[k])),
         "moment_names": sorted(moments_before),
         "moments_same": sorted(k for k in moments_before if not torch.equal(moments_before[k], moments_after[k])),
@@ -262,8 +288,15 @@ REF_TOL = 1e-6
 
 def _ref_model_cfg(divisible: int, layers: int = 2) -> fnppo.ModelConfig:
     return fnppo.ModelConfig(
-        num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        vocab_size=REAL_VOCAB, max_seq_len=32, tie_embeddings=True, make_vocab_size_divisible_by=divisible,
+        num_layers=layers,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=REAL_VOCAB,
+        max_seq_len=32,
+        tie_embeddings=True,
+        make_vocab_size_divisible_by=divisible,
     )
 
 
@@ -279,13 +312,13 @@ def _case_model_cfg(case: tuple) -> fnppo.ModelConfig:
 def _plain_reference(cases: list) -> dict:
     """case -> loss, full gradients, per-sample log-probs and entropies (1 process); a case is
     ``(mode, divisible)`` or ``(mode, divisible, layers)``."""
-    from fnppo.core.batch import collate_microbatch, unpack_per_sample
+    from fnppo.core.collate import collate_microbatch, unpack_per_sample
 
     out = {}
     for case in cases:
         mode = case[0]
         (chunk,) = fnppo.build_gpt(_case_model_cfg(case))
-        fnppo.layout_invariant_init([chunk], seed=3)
+        fnppo.models.layout_invariant_init([chunk], seed=3)
         samples = _ref_samples()
         mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=1)
         logits = fnppo.forward_logits(chunk, mb)
@@ -294,13 +327,22 @@ def _plain_reference(cases: list) -> dict:
         lp = logp.gather(-1, mb.labels[..., None])[..., 0]
         ent = -(logp.exp() * logp).sum(-1)
         cfg = _loss_cfg(mode)
-        loss, _ = ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
-                           ref_logprobs=mb.ref_logprobs, normalizer=loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
-                           seq_ids=mb.seq_ids)
+        loss, _ = ppo_loss(
+            lp,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            cfg,
+            entropy=ent,
+            ref_logprobs=mb.ref_logprobs,
+            normalizer=loss_normalizer(mb.loss_mask, cfg, seq_ids=mb.seq_ids),
+            seq_ids=mb.seq_ids,
+        )
         loss.backward()
         grads = {name: p.grad.detach().clone() for name, p in chunk.named_parameters()}
         out[case] = {
-            "loss": float(loss), "grads": grads,
+            "loss": float(loss),
+            "grads": grads,
             "logprobs": [t.detach().float() for t in unpack_per_sample(lp, mb)],
             "entropy": [t.detach().float() for t in unpack_per_sample(ent, mb)],
         }
@@ -312,13 +354,13 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
     in :func:`_plain_reference`."""
     import torch.distributed as dist
 
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     out = {}
     with finalized_grads() as captured:  # the gradients train_step hands to the optimizer
         for case in cases:
             mode = case[0]
             chunks = fnppo.build_gpt(_case_model_cfg(case))
-            fnppo.layout_invariant_init(chunks, seed=3)
+            fnppo.models.layout_invariant_init(chunks, seed=3)
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)  # full reduced grads on every DP rank
             state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
             samples = fnppo.shard_for_data_parallel(_ref_samples(), layout)
@@ -328,14 +370,16 @@ def _reduced_grads_of_train_step(cases: list, split: dict) -> dict:
             # the captured gradients, gathered like weights: copy them into the parameters, gather
             with torch.no_grad():
                 for c, grads in zip(state.model, captured.pop("grads"), strict=True):
-                    for p, g in zip(fnppo.megatron.model.unwrap_model(c).parameters(), grads, strict=True):
+                    for p, g in zip(fnppo.megatron.unwrap.unwrap_model(c).parameters(), grads, strict=True):
                         p.copy_(g)
-            full = fnppo.gather_full_weights(state.model)
+            full = fnppo.models.gather_full_weights(state.model)
             every = [None] * layout.dp
             dist.all_gather_object(every, (logprobs, entropy), group=layout.dp_group)
             out[case] = {
-                "metrics": metrics, "grads": full,
-                "logprobs": [t for lp, _ in every for t in lp], "entropy": [t for _, e in every for t in e],
+                "metrics": metrics,
+                "grads": full,
+                "logprobs": [t for lp, _ in every for t in lp],
+                "entropy": [t for _, e in every for t in e],
             }
     return out if layout.rank == 0 else {}
 
@@ -362,7 +406,9 @@ def _compare_with_plain_reference(ref: dict, got: dict, what: str) -> None:
         assert len(g["logprobs"]) == len(r["logprobs"]) == N_SAMPLES, name
         for kind in ("logprobs", "entropy"):
             for i, (a, b) in enumerate(zip(g[kind], r[kind], strict=True)):
-                assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5, f"{name}: compute_logprobs {kind} of sample {i}"
+                assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5, (
+                    f"{name}: compute_logprobs {kind} of sample {i}"
+                )
 
 
 INTERLEAVED_CASE = ("token-mean", 1, 4)  # 4 layers: one per chunk under pp=2 x vpp=2
@@ -402,7 +448,7 @@ INTERLEAVED_SPLITS = {
 
 def _interleaved_refusals() -> dict:
     """The message of every configuration the interleaved schedule cannot run (or "no error")."""
-    from fnppo.core.batch import collate_microbatch, pad_microbatch
+    from fnppo.core.collate import collate_microbatch, pad_microbatch
 
     chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE))
     value_chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE), head="value")
@@ -411,16 +457,23 @@ def _interleaved_refusals() -> dict:
     mbs = [collate_microbatch(samples[i::2], layout="packed", pad_to_multiple_of=1) for i in range(2)]
     longest = max(int(mb.input_ids.shape[1]) for mb in mbs)
     calls = {
-        "three": lambda: fnppo.train_step(fnppo.TrainState(model=chunks, optimizer=None), samples,
-                                          dataclasses.replace(cfg, num_microbatches=3)),
+        "three": lambda: fnppo.train_step(
+            fnppo.TrainState(model=chunks, optimizer=None), samples, dataclasses.replace(cfg, num_microbatches=3)
+        ),
         "default": lambda: fnppo.compute_logprobs(chunks, samples),
-        "padded": lambda: fnppo.train_step(fnppo.TrainState(model=chunks, optimizer=None), samples,
-                                           dataclasses.replace(cfg, layout="padded", num_microbatches=2)),
-        "critic": lambda: fnppo.critic_step(fnppo.TrainState(model=value_chunks, optimizer=None), samples,
-                                            fnppo.CriticConfig(num_microbatches=3)),
+        "padded": lambda: fnppo.train_step(
+            fnppo.TrainState(model=chunks, optimizer=None),
+            samples,
+            dataclasses.replace(cfg, layout="padded", num_microbatches=2),
+        ),
+        "critic": lambda: fnppo.critic_step(
+            fnppo.TrainState(model=value_chunks, optimizer=None), samples, fnppo.CriticConfig(num_microbatches=3)
+        ),
         "values": lambda: fnppo.compute_values(value_chunks, samples),
         "too-few": lambda: fnppo.compute_logprobs(chunks, samples[:1], microbatch_size=1),
-        "fwd-count": lambda: fnppo.forward_only(chunks, [pad_microbatch(mb, longest) for mb in mbs] + mbs[:1], lambda lg, mb: None),
+        "fwd-count": lambda: fnppo.forward_only(
+            chunks, [pad_microbatch(mb, longest) for mb in mbs] + mbs[:1], lambda lg, mb: None
+        ),
         "fwd-shapes": lambda: fnppo.forward_only(chunks, mbs, lambda lg, mb: None),
     }
     return messages_of(calls)
@@ -472,22 +525,39 @@ def test_interleaved_schedule_runs_every_split_and_refuses_what_it_cannot(plain_
     for name, run in got["runs"].items():
         n = expected_counts[name]
         # compute_logprobs (forward only), then train_step, each on n micro-batches of one shape
-        assert [(fwd, k, len(shapes)) for fwd, k, shapes in run["counts"]] == [(True, n, 1), (False, n, 1)], (name, run["counts"])
+        assert [(fwd, k, len(shapes)) for fwd, k, shapes in run["counts"]] == [(True, n, 1), (False, n, 1)], (
+            name,
+            run["counts"],
+        )
         if name == "budget":  # split further than first-fit decreasing did: still within the token cap
             assert all(s[0] * s[1] <= 26 for _, _, shapes in run["counts"] for s in shapes), run["counts"]
         _compare_with_plain_reference(ref, {k: v for k, v in run.items() if k != "counts"}, f"pp2-vpp2/{name}")
     r = got["refusals"]
     where = "under the interleaved pipeline schedule (pp=2, vpp=2)"
-    assert r["three"].startswith(f"train_step: argument 'config.num_microbatches' expected a multiple of 2 {where}"), r["three"]
+    assert r["three"].startswith(f"train_step: argument 'config.num_microbatches' expected a multiple of 2 {where}"), r[
+        "three"
+    ]
     assert "(e.g. 4;" in r["three"] and r["three"].endswith("received 3"), r["three"]
-    assert r["default"].startswith("compute_logprobs: argument 'config.num_microbatches' expected a multiple of 2"), r["default"]
+    assert r["default"].startswith("compute_logprobs: argument 'config.num_microbatches' expected a multiple of 2"), r[
+        "default"
+    ]
     assert "(e.g. 2;" in r["default"] and r["default"].endswith("received None (one micro-batch)"), r["default"]
     assert r["padded"].startswith(f"train_step: argument 'config.layout' expected 'packed' {where}"), r["padded"]
     assert r["padded"].endswith("received 'padded'"), r["padded"]
-    assert r["critic"].startswith("critic_step: argument 'config.num_microbatches' expected a multiple of 2"), r["critic"]
-    assert r["values"].startswith("compute_values: argument 'config.num_microbatches' expected a multiple of 2"), r["values"]
-    assert r["too-few"].startswith("split_batch: argument 'samples' expected at least 2 samples on every data-parallel rank"), r["too-few"]
+    assert r["critic"].startswith("critic_step: argument 'config.num_microbatches' expected a multiple of 2"), r[
+        "critic"
+    ]
+    assert r["values"].startswith("compute_values: argument 'config.num_microbatches' expected a multiple of 2"), r[
+        "values"
+    ]
+    assert r["too-few"].startswith(
+        "split_batch: argument 'samples' expected at least 2 samples on every data-parallel rank"
+    ), r["too-few"]
     assert "1 rounded up to a multiple of 2" in r["too-few"], r["too-few"]
-    assert r["fwd-count"] == (f"forward_only: argument 'microbatches' expected a multiple of 2 micro-batches {where}, which runs "
-                              "micro-batches in groups of 2 per virtual stage, received 3 micro-batches"), r["fwd-count"]
-    assert r["fwd-shapes"].startswith(f"forward_only: argument 'microbatches' expected micro-batches of one shape {where}"), r["fwd-shapes"]
+    assert r["fwd-count"] == (
+        f"forward_only: argument 'microbatches' expected a multiple of 2 micro-batches {where}, which runs "
+        "micro-batches in groups of 2 per virtual stage, received 3 micro-batches"
+    ), r["fwd-count"]
+    assert r["fwd-shapes"].startswith(
+        f"forward_only: argument 'microbatches' expected micro-batches of one shape {where}"
+    ), r["fwd-shapes"]

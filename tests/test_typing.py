@@ -99,9 +99,21 @@ def test_dtype_mismatch_is_an_error():
 @pytest.mark.parametrize(
     "values,ids,expected",
     [
-        (torch.zeros(5), torch.zeros(4, dtype=torch.long), "argument 'ids' has *tok=[4], but 'values' bound *tok=[5] (shapes [4] vs [5])"),
-        (torch.zeros(2, 5), torch.zeros(2, 4, dtype=torch.long), "argument 'ids' has *tok=[2,4], but 'values' bound *tok=[2,5] (shapes [2,4] vs [2,5])"),
-        (torch.zeros(1, 9), torch.zeros(1, 8, dtype=torch.long), "argument 'ids' has *tok=[1,8], but 'values' bound *tok=[1,9] (shapes [1,8] vs [1,9])"),
+        (
+            torch.zeros(5),
+            torch.zeros(4, dtype=torch.long),
+            "argument 'ids' has *tok=[4], but 'values' bound *tok=[5] (shapes [4] vs [5])",
+        ),
+        (
+            torch.zeros(2, 5),
+            torch.zeros(2, 4, dtype=torch.long),
+            "argument 'ids' has *tok=[2,4], but 'values' bound *tok=[2,5] (shapes [2,4] vs [2,5])",
+        ),
+        (
+            torch.zeros(1, 9),
+            torch.zeros(1, 8, dtype=torch.long),
+            "argument 'ids' has *tok=[1,8], but 'values' bound *tok=[1,9] (shapes [1,8] vs [1,9])",
+        ),
     ],
     ids=["1d", "2d", "packed"],
 )
@@ -114,14 +126,19 @@ def test_shape_error_first_line_points_at_the_mismatch(values, ids, expected):
 
 
 def test_library_shape_error_names_both_arguments_and_sizes():
-    from fnppo.core.loss import PolicyLossConfig, ppo_loss
+    from fnppo.core.losses import ppo_loss
+    from fnppo.core.losses.flat import from_flat as PolicyLossConfig
 
     lp, adv, mask = torch.zeros(2, 4), torch.zeros(2, 5), torch.ones(2, 4)
     with pytest.raises(ShapeError) as info:
         ppo_loss(lp, lp, adv, mask, PolicyLossConfig())
-    assert str(info.value).splitlines()[0].endswith(
-        "ppo_loss: argument 'advantages' has seq=5, but 'logprobs' bound seq=4 (shapes [2,5] vs [2,4]); "
-        "expected Float[Tensor, 'batch seq'], received f32[2,5]"
+    assert (
+        str(info.value)
+        .splitlines()[0]
+        .endswith(
+            "ppo_loss: argument 'advantages' has seq=5, but 'logprobs' bound seq=4 (shapes [2,5] vs [2,4]); "
+            "expected Float[Tensor, 'batch seq'], received f32[2,5]"
+        )
     )
 
 
@@ -200,7 +217,10 @@ def test_typechecking_context_restores_even_on_error():
     assert typechecking_enabled() and not _unchecked_call_goes_through()
 
 
-@pytest.mark.parametrize("value,enabled", [("0", False), ("false", False), ("OFF", False), (" no ", False), ("1", True), ("", True), ("yes", True)])
+@pytest.mark.parametrize(
+    "value,enabled",
+    [("0", False), ("false", False), ("OFF", False), (" no ", False), ("1", True), ("", True), ("yes", True)],
+)
 def test_env_values(monkeypatch, value, enabled):
     monkeypatch.setenv("FNPPO_TYPECHECK", value)
     assert ft._env_default() is enabled
@@ -210,7 +230,8 @@ def test_env_variable_disables_checking_at_import(tmp_path):
     script = textwrap.dedent(
         """
         import torch
-        from fnppo.core.typing import Float, Tensor, typechecked, typechecking_enabled, set_typechecking, ShapeError
+        from fnppo.core.typing import Float, Tensor, typechecked, typechecking_enabled, set_typechecking
+        from fnppo.core.errors import ShapeError
 
         @typechecked
         def f(a: Float[Tensor, "b n"]) -> Float[Tensor, "b"]:
@@ -254,7 +275,13 @@ def test_describe():
 
 @pytest.mark.parametrize(
     "mask",
-    [torch.tensor([True, False]), torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1, 0], dtype=torch.int32), torch.zeros(0), torch.ones(2, 3, dtype=torch.bfloat16)],
+    [
+        torch.tensor([True, False]),
+        torch.tensor([0.0, 1.0, 1.0]),
+        torch.tensor([1, 0], dtype=torch.int32),
+        torch.zeros(0),
+        torch.ones(2, 3, dtype=torch.bfloat16),
+    ],
 )
 def test_check_mask01_accepts_0_1(mask):
     check_mask01("f", "mask", mask)
@@ -279,7 +306,10 @@ def test_check_finite():
     bad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
     with pytest.raises(InputError) as info:
         check_finite("fnppo.h", "advantages", bad)
-    assert str(info.value) == "fnppo.h: argument 'advantages' expected finite values, received f32[4] with 3 NaN/inf entries"
+    assert (
+        str(info.value)
+        == "fnppo.h: argument 'advantages' expected finite values, received f32[4] with 3 NaN/inf entries"
+    )
     # `where`: only positions where it is non-zero count
     check_finite("f", "x", bad, where=torch.tensor([1, 0, 0, 0]))
     with pytest.raises(InputError, match="with 1 NaN/inf entries"):
@@ -293,7 +323,10 @@ def test_check_range():
     check_range("f", "ids", torch.zeros(0, dtype=torch.int64), 0, 1)
     with pytest.raises(InputError) as info:
         check_range("fnppo.k", "labels", torch.tensor([[0, 10], [3, 4]]), 0, 10)  # high is exclusive
-    assert str(info.value) == "fnppo.k: argument 'labels' expected values in [0, 10), received i64[2,2] with values in [0, 10]"
+    assert (
+        str(info.value)
+        == "fnppo.k: argument 'labels' expected values in [0, 10), received i64[2,2] with values in [0, 10]"
+    )
     with pytest.raises(InputError, match=r"values in \[-1, 3\]"):
         check_range("f", "ids", torch.tensor([-1, 3]), 0, 10)
 

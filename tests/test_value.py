@@ -42,8 +42,16 @@ SPLITS = {"1mb": {}, "4mb": {"num_microbatches": 4}, "budget": {"max_tokens_per_
 
 def _model_cfg(**kw) -> fnppo.ModelConfig:
     # tie_embeddings=True: the value model must ignore it (it has no output layer to tie)
-    fields = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                  vocab_size=64, max_seq_len=32, tie_embeddings=True)
+    fields = dict(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        tie_embeddings=True,
+    )
     return fnppo.ModelConfig(**{**fields, **kw})
 
 
@@ -53,7 +61,9 @@ def _samples() -> list:
     out = []
     for s in synthetic_samples(N_SAMPLES, seed=7):
         r = s.response_len
-        out.append(dataclasses.replace(s, values=0.3 * torch.randn(r, generator=g), returns=torch.randn(r, generator=g)))
+        out.append(
+            dataclasses.replace(s, values=0.3 * torch.randn(r, generator=g), returns=torch.randn(r, generator=g))
+        )
     return out
 
 
@@ -66,22 +76,27 @@ def _build(sequence_parallel: bool = False, lr: float = 1e4, **opt):
     # lr = 1e4 with Adam's eps = 10: the first update is ~1000 g, so comparing updated weights
     # compares gradients, far above the rounding of the fp32 weights
     chunks = fnppo.build_gpt(_model_cfg(), head="value", sequence_parallel=sequence_parallel)
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=lr, adam_eps=10.0, clip_grad=0.0, **opt))
 
 
 def _one_update(mode: str, split: str, sequence_parallel: bool = False) -> dict:
     """compute_values and one critic_step on this rank's share; full weights before and after."""
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     state = _build(sequence_parallel)
     samples = fnppo.shard_for_data_parallel(_samples(), layout)
     cfg = _critic_cfg(mode, split)
     values = fnppo.compute_values(state.model, samples, config=cfg)
-    before = fnppo.gather_full_weights(state.model)
+    before = fnppo.models.gather_full_weights(state.model)
     state, metrics = fnppo.critic_step(state, samples, cfg)
-    return {"metrics": metrics, "before": before, "weights": fnppo.gather_full_weights(state.model),
-            "values": gather_dp(values, layout), "step": state.step}
+    return {
+        "metrics": metrics,
+        "before": before,
+        "weights": fnppo.models.gather_full_weights(state.model),
+        "values": gather_dp(values, layout),
+        "step": state.step,
+    }
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
@@ -129,24 +144,31 @@ def _plain_loss(values: list, samples: list, mode: str, clip: float | None, scal
         if terms:
             seqs.append(terms)
     n_tok = sum(len(t) for t in seqs)
-    return aggregate(seqs, mode, scale), clipped, n_tok, torch.tensor(rets, dtype=torch.float64), torch.tensor(errs, dtype=torch.float64)
+    return (
+        aggregate(seqs, mode, scale),
+        clipped,
+        n_tok,
+        torch.tensor(rets, dtype=torch.float64),
+        torch.tensor(errs, dtype=torch.float64),
+    )
 
 
 def _plain_reference(modes) -> dict:
     """One forward of the whole batch (no schedule, no DDP), the plain loss, autograd."""
-    from fnppo.core.batch import collate_microbatch, unpack_per_sample
+    from fnppo.core.collate import collate_microbatch, unpack_per_sample
 
     out = {}
     samples = _samples()
     for mode in modes:
         (chunk,) = fnppo.build_gpt(_model_cfg(), head="value")
-        fnppo.layout_invariant_init([chunk], seed=3)
+        fnppo.models.layout_invariant_init([chunk], seed=3)
         mb = collate_microbatch(samples, layout="packed", pad_to_multiple_of=1)
         values = [v.double() for v in unpack_per_sample(fnppo.forward_values(chunk, mb), mb)]
         loss, clipped, n_tok, rets, errs = _plain_loss(values, samples, mode, CLIP, 8.0)
         loss.backward()
         out[mode] = {
-            "loss": float(loss.detach()), "clipfrac": clipped / n_tok,
+            "loss": float(loss.detach()),
+            "clipfrac": clipped / n_tok,
             "explained_var": 1.0 - float(errs.var(unbiased=False) / rets.var(unbiased=False)),
             "vpred_mean": float(sum(float(v) for v in (rets - errs)) / n_tok),
             "grads": {name: p.grad.detach().clone() for name, p in chunk.named_parameters()},
@@ -161,7 +183,7 @@ def _finalized_grads(modes, split: str) -> dict:
     with finalized_grads() as captured:
         for mode in modes:
             chunks = fnppo.build_gpt(_model_cfg(), head="value")
-            fnppo.layout_invariant_init(chunks, seed=3)
+            fnppo.models.layout_invariant_init(chunks, seed=3)
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
             state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
             _, metrics = fnppo.critic_step(state, _samples(), _critic_cfg(mode, split))
@@ -179,16 +201,24 @@ def _hf_values(path: str) -> dict:
     policy's config (a token classifier, read by transformers in the test)."""
     import transformers
 
-    chunks = fnppo.build_gpt_from_hf(path, head="value", dtype="fp32")
-    head_before = {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(chunks[0]).named_parameters() if k.startswith("value_head.")}
-    skipped = fnppo.load_hf_weights(chunks, path)
-    policy = fnppo.build_gpt_from_hf(path, dtype="fp32")
-    skipped_policy = fnppo.load_hf_weights(policy, path)
+    chunks = fnppo.hf.build_gpt_from_hf(path, head="value", dtype="fp32")
+    head_before = {
+        k: v.detach().clone()
+        for k, v in fnppo.megatron.unwrap.unwrap_model(chunks[0]).named_parameters()
+        if k.startswith("value_head.")
+    }
+    skipped = fnppo.hf.load_hf_weights(chunks, path)
+    policy = fnppo.hf.build_gpt_from_hf(path, dtype="fp32")
+    skipped_policy = fnppo.hf.load_hf_weights(policy, path)
     core = fnppo.megatron.unwrap.unwrap_model(chunks[0])
     head_after = {k: v.detach().clone() for k, v in core.named_parameters() if k.startswith("value_head.")}
     g = torch.Generator().manual_seed(4)
-    samples = [fnppo.Sample(prompt_ids=torch.randint(0, 96, (3 + i,), generator=g), response_ids=torch.randint(0, 96, (5,), generator=g))
-               for i in range(3)]
+    samples = [
+        fnppo.Sample(
+            prompt_ids=torch.randint(0, 96, (3 + i,), generator=g), response_ids=torch.randint(0, 96, (5,), generator=g)
+        )
+        for i in range(3)
+    ]
     got = fnppo.compute_values(chunks, samples)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = []
@@ -198,40 +228,60 @@ def _hf_values(path: str) -> dict:
             hidden = hf.model(input_ids=ids).last_hidden_state[0].double()  # after the final norm
             v = hidden @ head_after["value_head.weight"].double()[0] + head_after["value_head.bias"].double()
             want.append(v[s.prompt_len - 1 : s.prompt_len - 1 + s.response_len].float())
-    fnppo.export_hf_weights(chunks, path + "-export", hf_config=path)
-    return {"skipped": skipped, "skipped_policy": skipped_policy, "head_kept": all(torch.equal(head_before[k], head_after[k]) for k in head_before),
-            "got": got, "want": want, "samples": samples, "export": path + "-export"}
+    fnppo.hf.export_hf_weights(chunks, path + "-export", hf_config=path)
+    return {
+        "skipped": skipped,
+        "skipped_policy": skipped_policy,
+        "head_kept": all(torch.equal(head_before[k], head_after[k]) for k in head_before),
+        "got": got,
+        "want": want,
+        "samples": samples,
+        "export": path + "-export",
+    }
 
 
 def _structure() -> dict:
     """Names and ties of a value model; fresh-head loading from an actor's weights; layout_invariant_init."""
     (value,) = fnppo.build_gpt(_model_cfg(tie_embeddings=False), head="value")
     (actor,) = fnppo.build_gpt(_model_cfg(tie_embeddings=False))
-    fnppo.layout_invariant_init([actor], seed=5)
+    fnppo.models.layout_invariant_init([actor], seed=5)
     params = dict(value.named_parameters())
     head = {k: v.detach().clone() for k, v in params.items() if k.startswith("value_head.")}
-    actor_full = fnppo.gather_full_weights([actor])
-    skipped = fnppo.load_full_weights([value], actor_full, fresh_head=True)
+    actor_full = fnppo.models.gather_full_weights([actor])
+    skipped = fnppo.models.load_full_weights([value], actor_full, fresh_head=True)
     actor_params = dict(actor.named_parameters())
-    trunk_same = all(torch.equal(p, actor_params[k]) for k, p in value.named_parameters() if not k.startswith("value_head."))
+    trunk_same = all(
+        torch.equal(p, actor_params[k]) for k, p in value.named_parameters() if not k.startswith("value_head.")
+    )
     head_same = all(torch.equal(head[k], params[k]) for k in head)
-    full = fnppo.gather_full_weights([value])
-    reloaded_skip = fnppo.load_full_weights([value], full)  # a critic's own full weights: head included
-    fnppo.layout_invariant_init([value], seed=5)
+    full = fnppo.models.gather_full_weights([value])
+    reloaded_skip = fnppo.models.load_full_weights([value], full)  # a critic's own full weights: head included
+    fnppo.models.layout_invariant_init([value], seed=5)
     w5 = params["value_head.weight"].detach().clone()
-    fnppo.layout_invariant_init([value], seed=6)
+    fnppo.models.layout_invariant_init([value], seed=6)
     # a given layer spec is used as given (for both heads): Megatron's own core attention here
     spec = fnppo.megatron.layer_specs.local_layer_spec(_model_cfg(), packed_attention=False)
-    attention = {head: type(fnppo.build_gpt(_model_cfg(), head=head, layer_spec=spec)[0].decoder.layers[0].self_attention.core_attention).__name__
-                 for head in ("lm", "value")}
+    attention = {
+        head: type(
+            fnppo.build_gpt(_model_cfg(), head=head, layer_spec=spec)[0].decoder.layers[0].self_attention.core_attention
+        ).__name__
+        for head in ("lm", "value")
+    }
     attention["default"] = type(value.decoder.layers[0].self_attention.core_attention).__name__
     return {
         "attention": attention,
-        "names": sorted(params), "shapes": {k: tuple(v.shape) for k, v in head.items()},
-        "tied": value.share_embeddings_and_output_weights, "has_output_layer": hasattr(value, "output_layer"),
-        "skipped": skipped, "trunk_same": trunk_same, "head_same": head_same, "full_has_head": sorted(k for k in full if k.startswith("value_head.")),
-        "reloaded_skip": reloaded_skip, "seeded_heads_differ": not torch.equal(w5, params["value_head.weight"]),
-        "bias_zero": bool((params["value_head.bias"] == 0).all()), "head_std": float(w5.std()),
+        "names": sorted(params),
+        "shapes": {k: tuple(v.shape) for k, v in head.items()},
+        "tied": value.share_embeddings_and_output_weights,
+        "has_output_layer": hasattr(value, "output_layer"),
+        "skipped": skipped,
+        "trunk_same": trunk_same,
+        "head_same": head_same,
+        "full_has_head": sorted(k for k in full if k.startswith("value_head.")),
+        "reloaded_skip": reloaded_skip,
+        "seeded_heads_differ": not torch.equal(w5, params["value_head.weight"]),
+        "bias_zero": bool((params["value_head.bias"] == 0).all()),
+        "head_std": float(w5.std()),
     }
 
 
@@ -256,44 +306,60 @@ def _faults() -> dict:
     after = dict(fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters())
     out["changed_by_skip"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
     state, out["m3"] = fnppo.critic_step(state, samples, cfg)
-    out["moved_after"] = any(not torch.equal(before[k], v) for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters())
+    out["moved_after"] = any(
+        not torch.equal(before[k], v) for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()
+    )
 
     with finalize_dropped():
         try:
             fnppo.critic_step(state, samples, cfg)
             out["finalize"] = "no error"
-        except fnppo.FinalizeNotCalledError as err:
+        except fnppo.models.FinalizeNotCalledError as err:
             out["finalize"] = str(err)
 
     # checkpoints: {"policy", "critic"} in one manifest, loaded into freshly built states
     policy_chunks = fnppo.build_gpt(_model_cfg())
-    fnppo.layout_invariant_init(policy_chunks, seed=8)
+    fnppo.models.layout_invariant_init(policy_chunks, seed=8)
     pddp = fnppo.wrap_ddp(policy_chunks)
     policy = fnppo.TrainState(model=pddp, optimizer=fnppo.build_optimizer(pddp, lr=1e-3))
     for _ in range(4):  # a policy with optimizer state
         policy, _ = fnppo.train_step(policy, samples, fnppo.StepConfig())
     with tempfile.TemporaryDirectory() as tmp:
-        fnppo.save_checkpoint(tmp, {"policy": policy, "critic": state}, extra={"k": 1})
-        fresh = {"policy": fnppo.TrainState(model=fnppo.wrap_ddp(fnppo.build_gpt(_model_cfg())), optimizer=None), "critic": _build(lr=1e-2)}
-        fresh["policy"] = dataclasses.replace(fresh["policy"], optimizer=fnppo.build_optimizer(fresh["policy"].model, lr=1e-3))
-        loaded, extra = fnppo.load_checkpoint(tmp, fresh)
+        fnppo.checkpoint.save_checkpoint(tmp, {"policy": policy, "critic": state}, extra={"k": 1})
+        fresh = {
+            "policy": fnppo.TrainState(model=fnppo.wrap_ddp(fnppo.build_gpt(_model_cfg())), optimizer=None),
+            "critic": _build(lr=1e-2),
+        }
+        fresh["policy"] = dataclasses.replace(
+            fresh["policy"], optimizer=fnppo.build_optimizer(fresh["policy"].model, lr=1e-3)
+        )
+        loaded, extra = fnppo.checkpoint.load_checkpoint(tmp, fresh)
         out["ckpt_steps"] = {k: v.step for k, v in loaded.items()}
         out["ckpt_extra"] = extra
         out["ckpt_same"] = all(
             torch.equal(a, b)
             for name in ("policy", "critic")
-            for a, b in zip(fnppo.megatron.unwrap.unwrap_model((policy if name == "policy" else state).model[0]).parameters(),
-                            fnppo.megatron.unwrap.unwrap_model(loaded[name].model[0]).parameters(), strict=True)
+            for a, b in zip(
+                fnppo.megatron.unwrap.unwrap_model((policy if name == "policy" else state).model[0]).parameters(),
+                fnppo.megatron.unwrap.unwrap_model(loaded[name].model[0]).parameters(),
+                strict=True,
+            )
         )
         # the optimizer states too: one more update of the saved and of the loaded critic agrees bit for bit
         cont, _ = fnppo.critic_step(state, samples, cfg)
         cont_loaded, _ = fnppo.critic_step(loaded["critic"], samples, cfg)
-        out["ckpt_continues"] = all(torch.equal(a, b) for a, b in zip(
-            fnppo.megatron.unwrap.unwrap_model(cont.model[0]).parameters(), fnppo.megatron.unwrap.unwrap_model(cont_loaded.model[0]).parameters(), strict=True))
+        out["ckpt_continues"] = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                fnppo.megatron.unwrap.unwrap_model(cont.model[0]).parameters(),
+                fnppo.megatron.unwrap.unwrap_model(cont_loaded.model[0]).parameters(),
+                strict=True,
+            )
+        )
         try:
-            fnppo.load_checkpoint(tmp, {"critic": fresh["critic"]})
+            fnppo.checkpoint.load_checkpoint(tmp, {"critic": fresh["critic"]})
             out["ckpt_names"] = "no error"
-        except fnppo.CheckpointError as err:
+        except fnppo.checkpoint.CheckpointError as err:
             out["ckpt_names"] = str(err)
     return out
 
@@ -314,7 +380,9 @@ def _errors() -> dict:
     cfg = _critic_cfg("token-mean")
     no_values = [dataclasses.replace(s, values=None) for s in samples]
     no_returns = [dataclasses.replace(s, returns=None) for s in samples]
-    nan_returns = [dataclasses.replace(samples[0], returns=torch.full((samples[0].response_len,), float("nan")))] + samples[1:]
+    nan_returns = [
+        dataclasses.replace(samples[0], returns=torch.full((samples[0].response_len,), float("nan")))
+    ] + samples[1:]
     cases = {
         "unknown-head": lambda: fnppo.build_gpt(_model_cfg(), head="critic"),
         "forward-logits-of-value-model": lambda: fnppo.forward_logits(state.model[0], mb),
@@ -328,10 +396,18 @@ def _errors() -> dict:
         "no-values-without-clip": lambda: fnppo.critic_step(state, no_values, _critic_cfg("token-mean", clip=None)),
         "returns-for-some": lambda: fnppo.critic_step(state, samples[:1] + no_returns[1:], cfg),
         "nan-returns": lambda: fnppo.critic_step(state, nan_returns, cfg),
-        "values-shape": lambda: fnppo.critic_step(state, samples, dataclasses.replace(cfg, fns=fnppo.CriticFns(forward=_wrong_shape_forward))),
-        "compute-values-shape": lambda: fnppo.compute_values(state.model, samples, config=dataclasses.replace(cfg, fns=fnppo.CriticFns(forward=_wrong_shape_forward))),
-        "fresh-head-of-policy": lambda: fnppo.load_full_weights(policy.model, fnppo.gather_full_weights(policy.model), fresh_head=True),
-        "value-head-missing": lambda: fnppo.load_full_weights(state.model, fnppo.gather_full_weights(policy.model)),
+        "values-shape": lambda: fnppo.critic_step(
+            state, samples, dataclasses.replace(cfg, fns=fnppo.CriticFns(forward=_wrong_shape_forward))
+        ),
+        "compute-values-shape": lambda: fnppo.compute_values(
+            state.model, samples, config=dataclasses.replace(cfg, fns=fnppo.CriticFns(forward=_wrong_shape_forward))
+        ),
+        "fresh-head-of-policy": lambda: fnppo.models.load_full_weights(
+            policy.model, fnppo.models.gather_full_weights(policy.model), fresh_head=True
+        ),
+        "value-head-missing": lambda: fnppo.models.load_full_weights(
+            state.model, fnppo.models.gather_full_weights(policy.model)
+        ),
     }
     out = {}
     for case, call in cases.items():
@@ -360,8 +436,16 @@ def single(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("hf") / "qwen2"
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(str(path))
     return run_ranks(_single_process, 1, str(path))[0]
 
@@ -381,8 +465,11 @@ def test_value_model_has_a_fresh_scalar_head_and_no_output_layer(single):
 
 
 def test_build_gpt_uses_the_given_layer_spec(single):
-    assert single["structure"]["attention"] == {"lm": "DotProductAttention", "value": "DotProductAttention",
-                                                 "default": "PackedDotProductAttention"}
+    assert single["structure"]["attention"] == {
+        "lm": "DotProductAttention",
+        "value": "DotProductAttention",
+        "default": "PackedDotProductAttention",
+    }
 
 
 def test_value_model_on_a_hugging_face_policy_checkpoint(single):
@@ -437,8 +524,10 @@ def test_non_finite_value_loss_is_skipped_and_finalize_is_checked(single):
     assert f["m1"]["skipped"] == 0.0 and f["m1"]["step"] == 1.0
     assert math.isnan(f["m2"]["vf_loss"]) and f["m2"]["skipped"] == 1.0 and f["m2"]["updates"] == 0.0
     assert f["changed_by_skip"] == [] and f["m3"]["skipped"] == 0.0 and f["moved_after"]
-    assert f["finalize"] == ("critic_step: Megatron's schedule returned without calling finalize_model_grads; "
-                             "gradients were not reduced across data-parallel ranks")
+    assert f["finalize"] == (
+        "critic_step: Megatron's schedule returned without calling finalize_model_grads; "
+        "gradients were not reduced across data-parallel ranks"
+    )
 
 
 def test_checkpoint_of_policy_and_critic_round_trips(single):
@@ -451,20 +540,74 @@ def test_checkpoint_of_policy_and_critic_round_trips(single):
 ERRORS = {
     # case: (error type, function, argument, expected excerpt, received excerpt)
     "unknown-head": ("InputError", "build_gpt", "head", "one of ('lm', 'value')", "'critic'"),
-    "forward-logits-of-value-model": ("InputError", "forward_logits", "model", "a language model with a vocabulary output layer", "a value model (head='value')"),
-    "forward-values-of-policy": ("InputError", "forward_values", "model", "a value model (fnppo.build_gpt(cfg, head='value'))", "GPTModel with a vocabulary output layer"),
+    "forward-logits-of-value-model": (
+        "InputError",
+        "forward_logits",
+        "model",
+        "a language model with a vocabulary output layer",
+        "a value model (head='value')",
+    ),
+    "forward-values-of-policy": (
+        "InputError",
+        "forward_values",
+        "model",
+        "a value model (fnppo.build_gpt(cfg, head='value'))",
+        "GPTModel with a vocabulary output layer",
+    ),
     "train-step-of-value-model": ("InputError", "train_step", "state.model", "a language model", "a value model"),
-    "compute-logprobs-of-value-model": ("InputError", "compute_logprobs", "model_chunks", "a language model", "a value model"),
-    "critic-step-of-policy": ("InputError", "critic_step", "state.model", "a value model", "GPTModel with a vocabulary output layer"),
+    "compute-logprobs-of-value-model": (
+        "InputError",
+        "compute_logprobs",
+        "model_chunks",
+        "a language model",
+        "a value model",
+    ),
+    "critic-step-of-policy": (
+        "InputError",
+        "critic_step",
+        "state.model",
+        "a value model",
+        "GPTModel with a vocabulary output layer",
+    ),
     "compute-values-of-policy": ("InputError", "compute_values", "model_chunks", "a value model", "GPTModel"),
     "no-returns": ("InputError", "critic_step", "batch[0].returns", "a tensor (the critic's targets", "None"),
-    "no-values-with-clip": ("InputError", "critic_step", "batch[0].values", "since ValueLossConfig.clip_range=0.2", "None"),
-    "returns-for-some": ("InputError", "critic_step", "batch[1].returns", "a tensor (batch[0] has returns; all samples or none)", "None"),
+    "no-values-with-clip": (
+        "InputError",
+        "critic_step",
+        "batch[0].values",
+        "since ValueLossConfig.clip_range=0.2",
+        "None",
+    ),
+    "returns-for-some": (
+        "InputError",
+        "critic_step",
+        "batch[1].returns",
+        "a tensor (batch[0] has returns; all samples or none)",
+        "None",
+    ),
     "nan-returns": ("InputError", "critic_step", "batch[0].returns", "finite values", "NaN/inf"),
     "values-shape": ("InputError", "critic_step", "values", "(one value per position of the micro-batch)", "f32[1,"),
-    "compute-values-shape": ("InputError", "compute_values", "values", "(one value per position of the micro-batch)", "f32[1,"),
-    "fresh-head-of-policy": ("InputError", "load_full_weights", "fresh_head", "False for a model without a value head", "True"),
-    "value-head-missing": ("InputError", "load_full_weights", "full", "a tensor named 'value_head.weight'", "no such tensor"),
+    "compute-values-shape": (
+        "InputError",
+        "compute_values",
+        "values",
+        "(one value per position of the micro-batch)",
+        "f32[1,",
+    ),
+    "fresh-head-of-policy": (
+        "InputError",
+        "load_full_weights",
+        "fresh_head",
+        "False for a model without a value head",
+        "True",
+    ),
+    "value-head-missing": (
+        "InputError",
+        "load_full_weights",
+        "full",
+        "a tensor named 'value_head.weight'",
+        "no such tensor",
+    ),
 }
 
 
@@ -481,12 +624,16 @@ def test_clipping_off_needs_no_rollout_values(single):
     assert single["errors"]["no-values-without-clip"] == "ran: skipped=0.0"
 
 
-@pytest.mark.parametrize("build,where", [
-    (lambda: ValueLossConfig(clip_range=-0.1), "ValueLossConfig: argument 'clip_range'"),
-    (lambda: ValueLossConfig(agg=Aggregation("mean")), "Aggregation: argument 'mode'"),
-    (lambda: ValueLossConfig(agg=Aggregation("seq-mean-token-sum-norm")), "Aggregation: argument 'scale'"),
-    (lambda: ValueLossConfig(agg="token-mean"), "ValueLossConfig: argument 'agg'"),
-], ids=["negative-clip", "unknown-mode", "norm-without-scale", "agg-not-an-aggregation"])
+@pytest.mark.parametrize(
+    "build,where",
+    [
+        (lambda: ValueLossConfig(clip_range=-0.1), "ValueLossConfig: argument 'clip_range'"),
+        (lambda: ValueLossConfig(agg=Aggregation("mean")), "Aggregation: argument 'mode'"),
+        (lambda: ValueLossConfig(agg=Aggregation("seq-mean-token-sum-norm")), "Aggregation: argument 'scale'"),
+        (lambda: ValueLossConfig(agg="token-mean"), "ValueLossConfig: argument 'agg'"),
+    ],
+    ids=["negative-clip", "unknown-mode", "norm-without-scale", "agg-not-an-aggregation"],
+)
 def test_value_loss_config_is_checked_when_built(build, where):
     with pytest.raises(fnppo.InputError, match=f"{where} expected"):
         build()
@@ -503,7 +650,7 @@ def test_critic_config_is_checked_when_built():
 # pure torch: values and returns in the batch
 # ---------------------------------------------------------------------------------------------
 def test_values_and_returns_are_collated_like_the_other_per_token_fields():
-    from fnppo.core.batch import collate_microbatch, pad_microbatch, unpack_per_sample
+    from fnppo.core.collate import collate_microbatch, pad_microbatch, unpack_per_sample
 
     a = fnppo.Sample.from_lists([1, 2, 3], [4, 5], values=[0.5, -0.5], returns=[1.0, 2.0])
     b = fnppo.Sample.from_lists([6], [7, 8, 9], values=[0.1, 0.2, 0.3], returns=[3.0, 4.0, 5.0])
@@ -513,14 +660,18 @@ def test_values_and_returns_are_collated_like_the_other_per_token_fields():
             got = unpack_per_sample(getattr(mb, field), mb)
             assert [t.tolist() for t in got] == [getattr(a, field).tolist(), getattr(b, field).tolist()]
             # placed at the position of each response token's label (the state before it), 0 elsewhere
-            assert float(getattr(mb, field).abs().sum()) == pytest.approx(float(getattr(a, field).abs().sum() + getattr(b, field).abs().sum()))
+            assert float(getattr(mb, field).abs().sum()) == pytest.approx(
+                float(getattr(a, field).abs().sum() + getattr(b, field).abs().sum())
+            )
         padded = pad_microbatch(mb, mb.input_ids.shape[1] + 3)
         assert padded.values.shape == padded.input_ids.shape and float(padded.values[:, -3:].abs().sum()) == 0.0
     plain = collate_microbatch([fnppo.Sample.from_lists([1], [2])])
     assert plain.values is None and plain.returns is None
     with pytest.raises(fnppo.InputError, match=r"Sample: argument 'returns' expected length 2 \(the response length\)"):
         fnppo.Sample.from_lists([1], [2, 3], returns=[1.0])
-    with pytest.raises(fnppo.InputError, match=r"argument 'samples\[1\].values' expected a tensor \(samples\[0\] has values"):
+    with pytest.raises(
+        fnppo.InputError, match=r"argument 'samples\[1\].values' expected a tensor \(samples\[0\] has values"
+    ):
         collate_microbatch([a, fnppo.Sample.from_lists([1], [2], returns=[0.0])])
 
 
@@ -548,7 +699,9 @@ def _layouts(table: dict) -> dict:
         if cp > 1:  # the critic refuses a sequence-level loss under context parallelism, before anything runs
             state = _build()
             try:
-                fnppo.critic_step(state, fnppo.shard_for_data_parallel(_samples(), layout), _critic_cfg("seq-mean-token-mean"))
+                fnppo.critic_step(
+                    state, fnppo.shard_for_data_parallel(_samples(), layout), _critic_cfg("seq-mean-token-mean")
+                )
                 out[name]["refusal"] = "no error"
             except fnppo.InputError as err:
                 out[name]["refusal"] = str(err)
@@ -570,12 +723,20 @@ def test_critic_layouts_match_one_process(single, two_ranks, name):
 
 def test_critic_refuses_sequence_losses_under_context_parallelism(two_ranks):
     msg = two_ranks["cp2"]["refusal"]
-    check_message(fnppo.InputError(msg), fnppo.InputError, "critic_step", "config.loss.agg.mode",
-                  "'token-mean' with context parallelism (cp=2)", "'seq-mean-token-mean'")
+    check_message(
+        fnppo.InputError(msg),
+        fnppo.InputError,
+        "critic_step",
+        "config.loss.agg.mode",
+        "'token-mean' with context parallelism (cp=2)",
+        "'seq-mean-token-mean'",
+    )
 
 
 def test_critic_dp2_x_tp2_matches_one_process(single):
     table = {"dp2xtp2": (2, 1, None, 1, False, [("token-mean", "4mb"), ("seq-mean-token-mean", "1mb")])}
     got = run_ranks(_layouts, 4, table)[0]["dp2xtp2"]["cases"]
-    worst = max(_compare(single["reference"][(mode, "1mb")], r, f"dp2xtp2/{mode}/{split}") for (mode, split), r in got.items())
+    worst = max(
+        _compare(single["reference"][(mode, "1mb")], r, f"dp2xtp2/{mode}/{split}") for (mode, split), r in got.items()
+    )
     print(f"\ndp2xtp2: max relative difference vs 1 process {worst:.2e}")

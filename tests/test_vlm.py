@@ -19,9 +19,10 @@ import torch
 
 import fnppo
 import fnppo.megatron.unwrap
-from fnppo.core.batch import Sample, collate_microbatch, unpack_per_sample
+from fnppo.core.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.errors import InputError
 from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
-from fnppo.core.typing import InputError
+from fnppo.core.sample import Sample
 from fnppo.testing import run_ranks
 from tests.step_helpers import gather_dp, max_metric_error
 
@@ -33,8 +34,17 @@ REL = 1e-5
 def _vision(freeze: bool = False):
     from fnppo.megatron.vlm_collate import VisionConfig
 
-    return VisionConfig(image_token_id=IMG, image_size=8, patch_size=4, num_layers=1, hidden_size=32,
-                        num_attention_heads=2, ffn_hidden_size=64, projector_hidden_size=48, freeze_vision=freeze)
+    return VisionConfig(
+        image_token_id=IMG,
+        image_size=8,
+        patch_size=4,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        projector_hidden_size=48,
+        freeze_vision=freeze,
+    )
 
 
 def _images(k: int, seed: int) -> torch.Tensor:
@@ -60,11 +70,16 @@ def _batch(pixel_seed: int = 0) -> list[Sample]:
     out = []
     for i, (p, r, k) in enumerate(LAYOUT):
         n = len(r)
-        out.append(Sample(
-            prompt_ids=torch.tensor(p), response_ids=torch.tensor(r), advantages=torch.randn(n, generator=g),
-            old_logprobs=-4.0 + 0.3 * torch.randn(n, generator=g), ref_logprobs=-4.0 + 0.3 * torch.randn(n, generator=g),
-            multi_modal={"images": _images(k, 100 * pixel_seed + i)} if k else {},
-        ))
+        out.append(
+            Sample(
+                prompt_ids=torch.tensor(p),
+                response_ids=torch.tensor(r),
+                advantages=torch.randn(n, generator=g),
+                old_logprobs=-4.0 + 0.3 * torch.randn(n, generator=g),
+                ref_logprobs=-4.0 + 0.3 * torch.randn(n, generator=g),
+                multi_modal={"images": _images(k, 100 * pixel_seed + i)} if k else {},
+            )
+        )
     return out
 
 
@@ -88,9 +103,22 @@ def _expanded_by_hand(prompt: list[int]) -> list[int]:
 def test_collate_builds_every_field_on_the_expanded_sequence(layout):
     batch = _batch()
     mb = _collate()(batch, layout=layout, pad_to_multiple_of=2)
-    by_hand = [dataclasses.replace(s, prompt_ids=torch.tensor(_expanded_by_hand(p))) for s, (p, _, _) in zip(batch, LAYOUT)]
+    by_hand = [
+        dataclasses.replace(s, prompt_ids=torch.tensor(_expanded_by_hand(p))) for s, (p, _, _) in zip(batch, LAYOUT)
+    ]
     ref = collate_microbatch(by_hand, layout=layout, pad_to_multiple_of=2)
-    for name in ("input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages", "ref_logprobs", "seq_ids", "cu_seqlens", "attention_mask"):
+    for name in (
+        "input_ids",
+        "position_ids",
+        "labels",
+        "loss_mask",
+        "old_logprobs",
+        "advantages",
+        "ref_logprobs",
+        "seq_ids",
+        "cu_seqlens",
+        "attention_mask",
+    ):
         a, b = getattr(mb, name), getattr(ref, name)
         assert (a is None and b is None) or torch.equal(a, b), name
     assert mb.prompt_lens == tuple(len(_expanded_by_hand(p)) for p, _, _ in LAYOUT)
@@ -111,10 +139,18 @@ def test_text_only_microbatch_has_no_image_key():
 @pytest.mark.parametrize(
     "change,arg,expected",
     [
-        (dict(prompt_ids=torch.tensor([1, IMG, IMG])), "samples[0].prompt_ids", "one image placeholder (token 5) per image: 1"),
+        (
+            dict(prompt_ids=torch.tensor([1, IMG, IMG])),
+            "samples[0].prompt_ids",
+            "one image placeholder (token 5) per image: 1",
+        ),
         (dict(multi_modal={}), "samples[0].prompt_ids", "per image: 0"),
         (dict(response_ids=torch.tensor([IMG, 7])), "samples[0].response_ids", "no image placeholder"),
-        (dict(multi_modal={"images": torch.zeros(1, 3, 4, 4)}), "samples[0].multi_modal['images']", "floating images [k, 3, 8, 8]"),
+        (
+            dict(multi_modal={"images": torch.zeros(1, 3, 4, 4)}),
+            "samples[0].multi_modal['images']",
+            "floating images [k, 3, 8, 8]",
+        ),
     ],
     ids=["two-placeholders-one-image", "placeholder-without-image", "placeholder-in-response", "wrong-image-size"],
 )
@@ -123,7 +159,7 @@ def test_collate_refuses_placeholders_that_do_not_match_the_images(change, arg, 
     with pytest.raises(InputError) as err:
         _collate()([dataclasses.replace(s, **change)])
     msg = str(err.value)
-    assert msg.startswith("fnppo.megatron.vlm.VLMCollate") and arg in msg and expected in msg, msg
+    assert msg.startswith("fnppo.megatron.vlm_collate.VLMCollate") and arg in msg and expected in msg, msg
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -138,8 +174,14 @@ def test_collate_refuses_non_finite_pixels_naming_the_sample_and_key(bad):
     batch[3] = dataclasses.replace(batch[3], multi_modal={"images": images})
     with pytest.raises(InputError) as err:
         _collate()(batch)
-    check_message(err.value, InputError, "fnppo.megatron.vlm.VLMCollate", "samples[3].multi_modal['images']",
-                  "finite pixel values", "f32[2,3,8,8] with 1 NaN/inf pixels (the first in image 1)")
+    check_message(
+        err.value,
+        InputError,
+        "fnppo.megatron.vlm_collate.VLMCollate",
+        "samples[3].multi_modal['images']",
+        "finite pixel values",
+        "f32[2,3,8,8] with 1 NaN/inf pixels (the first in image 1)",
+    )
     with fnppo.core.typing.typechecking(False):
         mb = _collate()(batch)
     assert not bool(torch.isfinite(mb.multi_modal["images"]).all())
@@ -156,8 +198,14 @@ def test_an_image_without_its_item_dimension_is_named_not_the_prompt(image_shape
     want = "floating images [k, 3, 8, 8]" if image_shape else "floating images [k, C, H, W]"
     with pytest.raises(InputError) as err:
         VLMCollate(IMG, N_TOK, image_shape=image_shape)([_batch()[0], s])
-    check_message(err.value, InputError, "fnppo.megatron.vlm.VLMCollate", "samples[1].multi_modal['images']",
-                  f"{want} (an image without its leading item dimension k?)", "f32[3,8,8]")
+    check_message(
+        err.value,
+        InputError,
+        "fnppo.megatron.vlm_collate.VLMCollate",
+        "samples[1].multi_modal['images']",
+        f"{want} (an image without its leading item dimension k?)",
+        "f32[3,8,8]",
+    )
 
 
 def test_vision_config_takes_bools_only():
@@ -200,15 +248,19 @@ def _entry_refusals() -> dict:
     nan = _images(LAYOUT[3][2], 7)  # sample 3 has two images: the second gets one NaN pixel
     nan[1, 1, 2, 3] = float("nan")
     samples[3] = dataclasses.replace(samples[3], multi_modal={"images": nan})
-    step_cfg = fnppo.StepConfig(loss=_loss_cfg(), num_minibatches=2, ppo_epochs=2,
-                                fns=fnppo.StepFns(collate=VLMCollate.from_config(_vision(), max_seq_len=64)))
-    before = fnppo.gather_full_weights(state.model)
+    step_cfg = fnppo.StepConfig(
+        loss=_loss_cfg(),
+        num_minibatches=2,
+        ppo_epochs=2,
+        fns=fnppo.StepFns(collate=VLMCollate.from_config(_vision(), max_seq_len=64)),
+    )
+    before = fnppo.models.gather_full_weights(state.model)
     try:
         fnppo.train_step(state, samples, step_cfg)
         out["nan_pixel"] = "no error"
     except InputError as err:
         out["nan_pixel"] = str(err)
-    after = fnppo.gather_full_weights(state.model)
+    after = fnppo.models.gather_full_weights(state.model)
     out["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
     return out
 
@@ -221,12 +273,30 @@ def test_the_step_and_the_model_refuse_images_of_another_shape_or_nan_pixels():
     from tests.messages import check_message
 
     out = run_ranks(_entry_refusals, 1)[0]
-    check_message(InputError(out["one_channel"]), InputError, "compute_logprobs", "batch[2].multi_modal['images']",
-                  "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
-    check_message(InputError(out["forward"]), InputError, "fnppo.megatron.vlm.VisionLanguageGPT.forward", "multi_modal['images']",
-                  "floating images [k, 3, 8, 8]", "f32[1,1,8,8]")
-    check_message(InputError(out["nan_pixel"]), InputError, "train_step", "batch[3].multi_modal['images']",
-                  "finite pixel values", "1 NaN/inf pixels (the first in image 1)")
+    check_message(
+        InputError(out["one_channel"]),
+        InputError,
+        "compute_logprobs",
+        "batch[2].multi_modal['images']",
+        "floating images [k, 3, 8, 8]",
+        "f32[1,1,8,8]",
+    )
+    check_message(
+        InputError(out["forward"]),
+        InputError,
+        "fnppo.megatron.vlm_model.VisionLanguageGPT.forward",
+        "multi_modal['images']",
+        "floating images [k, 3, 8, 8]",
+        "f32[1,1,8,8]",
+    )
+    check_message(
+        InputError(out["nan_pixel"]),
+        InputError,
+        "train_step",
+        "batch[3].multi_modal['images']",
+        "finite pixel values",
+        "1 NaN/inf pixels (the first in image 1)",
+    )
     assert out["changed"] == []
 
 
@@ -241,8 +311,14 @@ def test_token_budget_counts_expanded_lengths():
     from fnppo.core.split import build_microbatches
 
     budget = 16
-    plan, mbs = build_microbatches(_batch(), ("max_tokens_per_microbatch", budget), layout="packed", pad_to_multiple_of=1,
-                                   collate=_collate(), device=torch.device("cpu"))
+    plan, mbs = build_microbatches(
+        _batch(),
+        ("max_tokens_per_microbatch", budget),
+        layout="packed",
+        pad_to_multiple_of=1,
+        collate=_collate(),
+        device=torch.device("cpu"),
+    )
     assert all(mb.input_ids.numel() <= budget for mb in mbs), [mb.input_ids.numel() for mb in mbs]
     # images travel with their sample
     for group, mb in zip(plan.microbatches, mbs):
@@ -323,8 +399,13 @@ def test_routes_follow_the_expanded_tokens(form):
         if not expanded:
             rows = _unexpanded_rows(rows, p, r)
         batch.append(dataclasses.replace(_batch()[i], routed_experts=rows[: len(rows) - missing]))
-    batch[4] = dataclasses.replace(batch[4], routed_experts=batch[4].routed_experts.clone().index_fill_(0, torch.tensor([2]), -1))
-    before = [(s.prompt_ids.clone(), s.prompt_ids._version, s.routed_experts.clone(), s.routed_experts._version) for s in batch]
+    batch[4] = dataclasses.replace(
+        batch[4], routed_experts=batch[4].routed_experts.clone().index_fill_(0, torch.tensor([2]), -1)
+    )
+    before = [
+        (s.prompt_ids.clone(), s.prompt_ids._version, s.routed_experts.clone(), s.routed_experts._version)
+        for s in batch
+    ]
     for layout in ("packed", "padded"):
         mb = _collate()(batch, layout=layout, pad_to_multiple_of=4)
         segments = []
@@ -355,10 +436,17 @@ def test_expand_image_routes_against_a_loop():
     assert torch.equal(expand_image_routes(full[:-1], is_image, N_TOK), full[:-1])
     short = _unexpanded_rows(full, prompt, response)[:-1]
     got = expand_image_routes(short, is_image, N_TOK)
-    assert got.dtype == torch.int16 and torch.equal(got.int(), torch.stack(_rows_by_hand(short, prompt, response, False)))
+    assert got.dtype == torch.int16 and torch.equal(
+        got.int(), torch.stack(_rows_by_hand(short, prompt, response, False))
+    )
     # uint8 rows of an image-only prompt (the placeholder's row missing): signed output, -1 at the image
     got = expand_image_routes(torch.tensor([[[1, 2], [3, 4]]], dtype=torch.uint8), torch.tensor([False, True]), N_TOK)
-    assert got.dtype == torch.int16 and got[0].tolist() == [[1, 2], [3, 4]] and bool((got[1:] == -1).all()) and len(got) == 1 + N_TOK
+    assert (
+        got.dtype == torch.int16
+        and got[0].tolist() == [[1, 2], [3, 4]]
+        and bool((got[1:] == -1).all())
+        and len(got) == 1 + N_TOK
+    )
 
 
 def _route_error(case: str) -> InputError:
@@ -385,16 +473,37 @@ def _route_error(case: str) -> InputError:
 
 
 ROUTE_ERRORS = {  # case -> (function, argument, expected, received)
-    "neither": ("VLMCollate", "samples[0].routed_experts",
-                "8 or 7 rows (one per position of the expanded sequence: 1 image(s) x 4 positions), or 5 or 4 (one per token, a row of -1 at each placeholder)",
-                "int16[6,2,2]"),
-    "ambiguous": ("VLMCollate", "samples[0].routed_experts", "6 rows (one per position of the expanded sequence: 1 image(s) x 2 positions; 5 rows are ambiguous",
-                  "int16[5,2,2]"),
-    "placeholder-row": ("VLMCollate", "samples[0].routed_experts", "a row of -1 at each image placeholder (5 rows: one per token of the unexpanded sequence",
-                        "experts [[1, 1001], [2001, 3001]] at placeholder token 1"),
-    "plain-collate": ("collate_microbatch", "samples[0].routed_experts", "5 or 4 rows (one per token collated; routes of a sequence whose multi-modal "
-                      "items take several positions need the collate stage that expands them, e.g. fnppo.VLMCollate)", "int16[8,2,2]"),
-    "too-few": ("Sample", "routed_experts", "at least 4 rows (one per position of the sequence the model runs", "int16[3,2,2]"),
+    "neither": (
+        "VLMCollate",
+        "samples[0].routed_experts",
+        "8 or 7 rows (one per position of the expanded sequence: 1 image(s) x 4 positions), or 5 or 4 (one per token, a row of -1 at each placeholder)",
+        "int16[6,2,2]",
+    ),
+    "ambiguous": (
+        "VLMCollate",
+        "samples[0].routed_experts",
+        "6 rows (one per position of the expanded sequence: 1 image(s) x 2 positions; 5 rows are ambiguous",
+        "int16[5,2,2]",
+    ),
+    "placeholder-row": (
+        "VLMCollate",
+        "samples[0].routed_experts",
+        "a row of -1 at each image placeholder (5 rows: one per token of the unexpanded sequence",
+        "experts [[1, 1001], [2001, 3001]] at placeholder token 1",
+    ),
+    "plain-collate": (
+        "collate_microbatch",
+        "samples[0].routed_experts",
+        "5 or 4 rows (one per token collated; routes of a sequence whose multi-modal "
+        "items take several positions need the collate stage that expands them, e.g. fnppo.vlm.VLMCollate)",
+        "int16[8,2,2]",
+    ),
+    "too-few": (
+        "Sample",
+        "routed_experts",
+        "at least 4 rows (one per position of the sequence the model runs",
+        "int16[3,2,2]",
+    ),
 }
 
 
@@ -409,8 +518,15 @@ def test_routes_that_do_not_fit_the_expanded_sequence_are_refused(case):
 # real Megatron: one run_ranks call per layout, every case inside it
 # ---------------------------------------------------------------------------------------------
 def _lm_cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                             ffn_hidden_size=64, vocab_size=64, max_seq_len=64)
+    return fnppo.ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=64,
+    )
 
 
 def _loss_cfg() -> LossConfig:
@@ -421,7 +537,7 @@ def _state(freeze: bool):
     from fnppo.megatron.vlm_model import build_vlm
 
     chunks = build_vlm(_lm_cfg(), _vision(freeze))
-    fnppo.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     # Adam with a large eps: the first update is ~ lr * g / eps, so updated weights compare gradients
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=10.0, adam_eps=10.0, clip_grad=0.0))
@@ -439,19 +555,27 @@ SPLITS = {
 def _update(split: str, freeze: bool) -> dict:
     from fnppo.megatron.vlm_collate import VLMCollate
 
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     state = _state(freeze)
-    before = fnppo.gather_full_weights(state.model)
-    cfg = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=VLMCollate.from_config(_vision(), max_seq_len=64)), **SPLITS[split])
+    before = fnppo.models.gather_full_weights(state.model)
+    cfg = fnppo.StepConfig(
+        loss=_loss_cfg(), fns=fnppo.StepFns(collate=VLMCollate.from_config(_vision(), max_seq_len=64)), **SPLITS[split]
+    )
     samples = fnppo.shard_for_data_parallel(_batch(), layout)
     logprobs, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
     state, metrics = fnppo.train_step(state, samples, cfg)
-    after = fnppo.gather_full_weights(state.model)
+    after = fnppo.models.gather_full_weights(state.model)
     logprobs = gather_dp(logprobs, layout)
     megatron_norm = float(state.optimizer.get_grad_norm())  # collective
     if layout.rank != 0:
         return {}
-    return {"metrics": metrics, "before": before, "weights": after, "logprobs": logprobs, "megatron_norm": megatron_norm}
+    return {
+        "metrics": metrics,
+        "before": before,
+        "weights": after,
+        "logprobs": logprobs,
+        "megatron_norm": megatron_norm,
+    }
 
 
 def _layout_cases(splits: tuple[str, ...]) -> dict:
@@ -491,7 +615,7 @@ def _reference_extras() -> dict:
         packed = fnppo.forward_logits(model, mb)[0]  # [T, V]
         starts = mb.cu_seqlens.tolist()
         by_hand = _by_hand_logits(model, batch)
-        placement = max(float((packed[a:a + len(h)] - h).abs().max()) for a, h in zip(starts, by_hand))
+        placement = max(float((packed[a : a + len(h)] - h).abs().max()) for a, h in zip(starts, by_hand))
     cfg = fnppo.StepConfig(fns=fnppo.StepFns(collate=col))
     lp, _ = fnppo.compute_logprobs(state.model, batch, config=cfg)
     lp_other_pixels, _ = fnppo.compute_logprobs(state.model, _batch(pixel_seed=1), config=cfg)
@@ -499,8 +623,10 @@ def _reference_extras() -> dict:
     text = [s for s in batch if not s.multi_modal]
     lp_text, _ = fnppo.compute_logprobs(state.model, text, config=cfg)
     gpt = fnppo.build_gpt(_lm_cfg())
-    full = fnppo.gather_full_weights(state.model)
-    fnppo.load_full_weights(gpt, {k[len("language_model."):]: v for k, v in full.items() if k.startswith("language_model.")})
+    full = fnppo.models.gather_full_weights(state.model)
+    fnppo.models.load_full_weights(
+        gpt, {k[len("language_model.") :]: v for k, v in full.items() if k.startswith("language_model.")}
+    )
     lp_gpt, _ = fnppo.compute_logprobs(gpt, text)
     return {"placement": placement, "lp": lp, "lp_other_pixels": lp_other_pixels, "lp_text": lp_text, "lp_gpt": lp_gpt}
 
@@ -513,40 +639,53 @@ def _moe_replay() -> dict:
     from fnppo.megatron.vlm_model import build_vlm
 
     run = _moe_record()
-    chunks, step, batch, lp, routes, col, cfg = (run[k] for k in ("chunks", "step", "batch", "lp", "routes", "collate", "cfg"))
+    chunks, step, batch, lp, routes, col, cfg = (
+        run[k] for k in ("chunks", "step", "batch", "lp", "routes", "collate", "cfg")
+    )
 
     def replay(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        return fnppo.compute_logprobs(chunks, [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, rows, strict=True)], config=step)[0]
+        return fnppo.compute_logprobs(
+            chunks, [dataclasses.replace(s, routed_experts=r) for s, r in zip(batch, rows, strict=True)], config=step
+        )[0]
 
     out = {"lp": lp, "routes": routes, "lengths": [col.collated_length(s) for s in batch]}
     out["replay"] = replay(routes)
     out["unexpanded"] = replay([_unexpanded_rows(r, p, y) for r, (p, y, _) in zip(routes, LAYOUT, strict=True)])
     out["shifted"] = replay([r.roll(1, dims=0) for r in routes])
+
     def without_images(s: Sample, r: torch.Tensor) -> torch.Tensor:  # the rows of the text tokens only
         z = torch.cat([s.prompt_ids, s.response_ids])
         return r[(z != IMG).repeat_interleave(torch.where(z == IMG, N_TOK, 1))]
 
     for case, which in (("dropped-one-image", 2), ("dropped-two-images", 3)):  # samples with 1 and 2 images
         try:
-            replay([without_images(s, r) if i == which else r for i, (s, r) in enumerate(zip(batch, routes, strict=True))])
+            replay(
+                [without_images(s, r) if i == which else r for i, (s, r) in enumerate(zip(batch, routes, strict=True))]
+            )
         except InputError as e:
             out[case] = str(e)
     ddp = fnppo.wrap_ddp(chunks)
-    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))  # lr 0: both steps see these weights
+    state = fnppo.TrainState(
+        model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0)
+    )  # lr 0: both steps see these weights
     for case, rows in (("train", routes), ("train_shifted", [r.roll(1, dims=0) for r in routes])):
-        replayed = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)]
+        replayed = [
+            dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)
+        ]
         _, out[case] = fnppo.train_step(state, replayed, step)
     # Megatron's "block" recomputation of the first layer only: its router replays again in the
     # backward (from the language decoder's block, below the vision tower), the other keeps nothing.
     from fnppo.megatron.routing import _first_layers
 
     blocky = build_vlm(cfg, _vision(), recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
-    fnppo.layout_invariant_init(blocky, seed=3, std=0.2)
+    fnppo.models.layout_invariant_init(blocky, seed=3, std=0.2)
     out["first_layers"] = sorted(_first_layers(blocky[0]).values())
     ddp = fnppo.wrap_ddp(blocky)
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))
     for case, rows in (("train_block", routes), ("train_block_shifted", [r.roll(1, dims=0) for r in routes])):
-        replayed = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)]
+        replayed = [
+            dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, lp, strict=True)
+        ]
         _, out[case] = fnppo.train_step(state, replayed, step)
     return out
 
@@ -563,7 +702,7 @@ def _moe_record() -> dict:
 
     cfg = _moe_lm_cfg()
     chunks = build_vlm(cfg, _vision())
-    fnppo.layout_invariant_init(chunks, seed=3, std=0.2)
+    fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2)
     col = VLMCollate.from_config(_vision(), max_seq_len=64)
     step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4)
     batch = _batch()
@@ -581,9 +720,12 @@ def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
     ddp = fnppo.wrap_ddp(chunks)
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.0))
     for case, rows in (("train", reference_routes), ("train_shifted", [r.roll(1, dims=0) for r in reference_routes])):
-        samples = [dataclasses.replace(s, routed_experts=r, old_logprobs=o) for s, r, o in zip(batch, rows, reference_lp, strict=True)]
+        samples = [
+            dataclasses.replace(s, routed_experts=r, old_logprobs=o)
+            for s, r, o in zip(batch, rows, reference_lp, strict=True)
+        ]
         _, out[case] = fnppo.train_step(state, samples, step)
-    layout = fnppo.current_layout()
+    layout = fnppo.parallel.current_layout()
     out["layout"] = (layout.tp, layout.pp, layout.ep)
     return out
 
@@ -597,21 +739,33 @@ def _fused_worker() -> dict:
     out = {}
     for fused in (False, True):
         chunks = build_vlm(_lm_cfg(), _vision())
-        fnppo.layout_invariant_init(chunks, seed=3, std=0.2)
+        fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2)
         col = VLMCollate.from_config(_vision(), max_seq_len=64)
-        step = fnppo.StepConfig(loss=_loss_cfg(), fns=fnppo.StepFns(collate=col), num_microbatches=2, pad_to_multiple_of=4,
-                                fused_output=fused, temperature=0.9)
+        step = fnppo.StepConfig(
+            loss=_loss_cfg(),
+            fns=fnppo.StepFns(collate=col),
+            num_microbatches=2,
+            pad_to_multiple_of=4,
+            fused_output=fused,
+            temperature=0.9,
+        )
         batch = _batch()
-        frozen = fnppo.snapshot_params(chunks)
+        frozen = fnppo.models.snapshot_params(chunks)
         lp, ent = fnppo.compute_logprobs(chunks, batch, with_entropy=True, config=step)
         ddp = fnppo.wrap_ddp(chunks)
         state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
-        init = fnppo.gather_full_weights(state.model)
+        init = fnppo.models.gather_full_weights(state.model)
         samples = [dataclasses.replace(s, old_logprobs=o.detach() - 0.05) for s, o in zip(batch, lp, strict=True)]
         state, metrics = fnppo.train_step(state, samples, step)
         lp_ref, _ = fnppo.compute_logprobs(state.model, batch, params=frozen, config=step)
-        full = fnppo.gather_full_weights(state.model)
-        out[fused] = {"lp": lp, "ent": ent, "lp_ref": lp_ref, "metrics": metrics, "update": {k: full[k] - init[k] for k in full}}
+        full = fnppo.models.gather_full_weights(state.model)
+        out[fused] = {
+            "lp": lp,
+            "ent": ent,
+            "lp_ref": lp_ref,
+            "metrics": metrics,
+            "update": {k: full[k] - init[k] for k in full},
+        }
     return out
 
 
@@ -629,7 +783,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _compare(ref: dict, got: dict, what: str) -> float:
-    worst = max_metric_error(ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL)
+    worst = max_metric_error(
+        ref["metrics"], got["metrics"], ("loss", "grad_norm", "pg_loss", "entropy", "kl_loss"), what, REL
+    )
     assert set(ref["weights"]) == set(got["weights"]), what
     for name, w in ref["weights"].items():
         err = _rel(got["weights"][name], w)
@@ -654,7 +810,11 @@ def test_single_process_splits_agree_and_the_vision_tower_trains_or_stays_frozen
             _compare(base, cases[(split, freeze)], f"{split}/freeze={freeze}")
         moved = _vision_moved(base)
         assert moved and (not any(moved) if freeze else all(moved)), moved
-        proj = [not torch.equal(base["before"][k], v) for k, v in base["weights"].items() if k.startswith("vision_projection.")]
+        proj = [
+            not torch.equal(base["before"][k], v)
+            for k, v in base["weights"].items()
+            if k.startswith("vision_projection.")
+        ]
         assert proj and all(proj)  # the projector trains either way
     # frozen and trained differ only through the vision tower's own update
     assert cases[("1mb", False)]["metrics"]["loss"] == cases[("1mb", True)]["metrics"]["loss"]
@@ -693,11 +853,21 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
     n, at = len(LAYOUT[2][0]) + len(LAYOUT[2][1]), LAYOUT[2][0].index(IMG)
     msg = moe["dropped-one-image"]
     # (the step's entry check asks the collate stage, VLMCollate.check_batch, naming the caller's batch[i])
-    assert re.match(r"compute_logprobs: argument 'batch\[\d\]\.routed_experts' expected a row of -1 at each image "
-                    rf"placeholder \({n - 1} rows: one per token of the unexpanded sequence", msg), msg
+    assert re.match(
+        r"compute_logprobs: argument 'batch\[\d\]\.routed_experts' expected a row of -1 at each image "
+        rf"placeholder \({n - 1} rows: one per token of the unexpanded sequence",
+        msg,
+    ), msg
     assert re.search(rf", received experts \[\[.*\]\] at placeholder token {at}$", msg), msg
     n = len(LAYOUT[3][0]) + len(LAYOUT[3][1])
-    check_message(InputError(moe["dropped-two-images"]), InputError, "Sample", "routed_experts", f"at least {n - 1} rows", f"int16[{n - 2},2,2]")
+    check_message(
+        InputError(moe["dropped-two-images"]),
+        InputError,
+        "Sample",
+        "routed_experts",
+        f"at least {n - 1} rows",
+        f"int16[{n - 2},2,2]",
+    )
     # training on the record: the first forward reproduces the old log-probs exactly
     assert moe["train"]["ppo_kl"] == 0.0 and moe["train"]["pg_clipfrac"] == 0.0, moe["train"]
     assert abs(moe["train_shifted"]["ppo_kl"]) > 1e-4, moe["train_shifted"]
@@ -707,7 +877,10 @@ def test_moe_vlm_replays_its_recorded_routing_bit_for_bit(reference):
     # (the shifted rows are not what the router would choose: a recomputation routing freely would differ)
     for case in ("train", "train_shifted"):
         got, want = moe[case.replace("train", "train_block")], moe[case]
-        assert abs(got["ppo_kl"] - want["ppo_kl"]) <= 1e-7 and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"], case
+        assert (
+            abs(got["ppo_kl"] - want["ppo_kl"]) <= 1e-7
+            and abs(got["grad_norm"] - want["grad_norm"]) <= 1e-6 * want["grad_norm"]
+        ), case
 
 
 def _build_error(moe: bool) -> str:
@@ -721,17 +894,21 @@ def _build_error(moe: bool) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("moe,kw,expected,received", [
-    (True, dict(tp=2), "tp=1 for a Mixture-of-Experts language model", "tp=2"),
-    (False, dict(cp=2), "cp=1 (image features are placed on the whole expanded sequence", "cp=2"),
-], ids=["moe-tp2", "cp2"])
+@pytest.mark.parametrize(
+    "moe,kw,expected,received",
+    [
+        (True, dict(tp=2), "tp=1 for a Mixture-of-Experts language model", "tp=2"),
+        (False, dict(cp=2), "cp=1 (image features are placed on the whole expanded sequence", "cp=2"),
+    ],
+    ids=["moe-tp2", "cp2"],
+)
 def test_build_vlm_refuses_layouts_it_cannot_train(moe, kw, expected, received):
     """An MoE VLM under TP (Megatron's MoE layers train under TP only with sequence parallelism) and
     any VLM under context parallelism are refused by name when built, not deep inside Megatron."""
     from tests.messages import check_message
 
     msg = run_ranks(_build_error, 2, moe, **kw)[0]
-    check_message(InputError(msg), InputError, "fnppo.build_vlm", "layout", expected, received)
+    check_message(InputError(msg), InputError, "fnppo.vlm.build_vlm", "layout", expected, received)
 
 
 @pytest.mark.parametrize("world,pp", [(1, 1), (2, 2)], ids=["1-process", "pp2"])
@@ -778,5 +955,8 @@ def test_layouts_match_single_process(reference, world, tp, pp, splits):
     results = run_ranks(_layout_cases, world, splits, tp=tp, pp=pp)[0]
     worst = 0.0
     for (split, freeze), got in results.items():
-        worst = max(worst, _compare(reference["cases"][("1mb", freeze)], got, f"tp{tp}-pp{pp}-ws{world}/{split}/freeze={freeze}"))
+        worst = max(
+            worst,
+            _compare(reference["cases"][("1mb", freeze)], got, f"tp{tp}-pp{pp}-ws{world}/{split}/freeze={freeze}"),
+        )
     print(f"tp{tp}-pp{pp}-ws{world}: max relative difference {worst:.2e}")

@@ -15,12 +15,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "vlm_toy.py"
-FAST = ["--steps", "3", "--prompts", "16", "--group-size", "2", "--num-microbatches", "8", "--no-progress", "--target-reward", "0"]
+FAST = [
+    "--steps",
+    "3",
+    "--prompts",
+    "16",
+    "--group-size",
+    "2",
+    "--num-microbatches",
+    "8",
+    "--no-progress",
+    "--target-reward",
+    "0",
+]
 
 
 def _call(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=600, cwd=cwd
+    )
 
 
 # The example run with one draw per step from each generator a checkpoint restores (Python's, NumPy's,
@@ -82,8 +96,24 @@ def test_a_preempted_run_resumes_bit_identically(tmp_path):
     the optimizer, the reference parameters and every RNG state (each drawn from once per step)."""
     import torch
 
-    small = ["--steps", "4", "--prompts", "16", "--group-size", "2", "--num-microbatches", "2", "--hidden", "32",
-             "--no-progress", "--no-plot", "--target-reward", "0", "--save-every", "2"]
+    small = [
+        "--steps",
+        "4",
+        "--prompts",
+        "16",
+        "--group-size",
+        "2",
+        "--num-microbatches",
+        "2",
+        "--hidden",
+        "32",
+        "--no-progress",
+        "--no-plot",
+        "--target-reward",
+        "0",
+        "--save-every",
+        "2",
+    ]
     _drawing_run([*small, "--out-dir", str(tmp_path / "straight")])
     out = _drawing_run([*small, "--out-dir", str(tmp_path / "resumed"), "--exit-after", "3"])
     assert "stopped after 3 steps (--exit-after)" in out
@@ -94,8 +124,10 @@ def test_a_preempted_run_resumes_bit_identically(tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert len({r["draw_numpy"] for r in straight}) == 4 and all(r["mb_images"] > 0 for r in straight)
     assert straight == resumed  # every metric and draw of every step, bit for bit (the rows hold no wall times)
-    final = [_leaves(torch.load(d / "checkpoints" / "step000004" / "rank00000.pt", weights_only=False))
-             for d in (tmp_path / "straight", tmp_path / "resumed")]
+    final = [
+        _leaves(torch.load(d / "checkpoints" / "step000004" / "rank00000.pt", weights_only=False))
+        for d in (tmp_path / "straight", tmp_path / "resumed")
+    ]
     assert any(".rng.numpy" in k for k in final[0]) and any(".extra.ref_params" in k for k in final[0])
     keys = final[0].keys() | final[1].keys()
     diff = sorted(k for k in keys if final[0].get(k, "missing") != final[1].get(k, "missing"))
@@ -106,8 +138,22 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path):
     """Exit 2 with one line, the run left as it was: another run-defining flag, a damaged checkpoint,
     no complete checkpoint."""
     run = tmp_path / "run"
-    small = ["--steps", "2", "--prompts", "16", "--group-size", "2", "--num-microbatches", "2", "--hidden", "32",
-             "--no-progress", "--no-plot", "--target-reward", "0"]
+    small = [
+        "--steps",
+        "2",
+        "--prompts",
+        "16",
+        "--group-size",
+        "2",
+        "--num-microbatches",
+        "2",
+        "--hidden",
+        "32",
+        "--no-progress",
+        "--no-plot",
+        "--target-reward",
+        "0",
+    ]
     out = _call([*small, "--out-dir", str(run), "--save-every", "1", "--exit-after", "1"])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = (run / "metrics.jsonl").read_text()
@@ -133,26 +179,45 @@ def test_a_few_steps_run_every_image_mix_and_write_the_run_directory(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["skipped"] == 0.0 for r in rows)
     # 16 micro-batches per step (2 mini-batches x 8, one block of prompts each): 4 without images, 4 with only images, 8 mixed
     assert all((r["mb_no_image"], r["mb_all_images"], r["mb_mixed"]) == (4, 4, 8) for r in rows), rows
-    m = re.search(r"image-count mix of the (\d+) micro-batches train_step ran: no image (\d+), all images (\d+), mixed (\d+)", out.stdout)
+    m = re.search(
+        r"image-count mix of the (\d+) micro-batches train_step ran: no image (\d+), all images (\d+), mixed (\d+)",
+        out.stdout,
+    )
     assert m and tuple(map(int, m.groups())) == (48, 12, 12, 24), out.stdout
     assert "-> PASS: reached the target 0" in out.stdout
     if not any("matplotlib" in line for line in out.stdout.splitlines() if line.startswith("plot: skipped")):
         assert (tmp_path / "run" / "vlm_toy.png").stat().st_size > 10_000
     # a second run into the same directory is refused (exit 2, one line), as in the text toy
     again = _call([*FAST, "--out-dir", str(tmp_path / "run")])
-    assert again.returncode == 2 and again.stderr.strip().startswith("vlm_toy.py: error:") and "already holds a run" in again.stderr
+    assert (
+        again.returncode == 2
+        and again.stderr.strip().startswith("vlm_toy.py: error:")
+        and "already holds a run" in again.stderr
+    )
 
 
 @pytest.mark.parametrize(
     "args,message",
-    [(["--prompts", "24"], "--prompts 24 must be divisible by 16"),
-     (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 1 processes"),
-     (["--steps", "-5"], "--steps must be >= 1, got -5"), (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
-     (["--exit-after", "0"], "--exit-after must be >= 1, got 0"), (["--lr", "nan"], "need --lr > 0"),
-     (["--resume", "--overwrite"], "--overwrite and --resume exclude each other"),
-     (["--resume"], "--resume: {run} holds no run to resume")],
-    ids=["prompts-not-in-blocks", "tp-does-not-divide", "negative-steps", "negative-save-every", "zero-exit-after",
-         "nan-lr", "resume-and-overwrite", "nothing-to-resume"],
+    [
+        (["--prompts", "24"], "--prompts 24 must be divisible by 16"),
+        (["--tp", "3"], "--tp 3 x --pp 1 = 3 does not divide the 1 processes"),
+        (["--steps", "-5"], "--steps must be >= 1, got -5"),
+        (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+        (["--exit-after", "0"], "--exit-after must be >= 1, got 0"),
+        (["--lr", "nan"], "need --lr > 0"),
+        (["--resume", "--overwrite"], "--overwrite and --resume exclude each other"),
+        (["--resume"], "--resume: {run} holds no run to resume"),
+    ],
+    ids=[
+        "prompts-not-in-blocks",
+        "tp-does-not-divide",
+        "negative-steps",
+        "negative-save-every",
+        "zero-exit-after",
+        "nan-lr",
+        "resume-and-overwrite",
+        "nothing-to-resume",
+    ],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
     out = _call([*args, "--out-dir", str(tmp_path / "run")], cwd=tmp_path)
@@ -164,12 +229,15 @@ def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
 
 def test_invalid_values_are_refused_before_torch_is_imported():
     """The values are checked before torch (seconds of imports) is: main() returns 2 with torch never imported."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import vlm_toy; rc = vlm_toy.main(['--save-every', '-1']); "
-            "print(rc, 'torch' in sys.modules)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import vlm_toy; rc = vlm_toy.main(['--save-every', '-1']); "
+        "print(rc, 'torch' in sys.modules)"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples")], capture_output=True, text=True, env=env,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "examples")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr[-2000:]
     assert out.stderr.strip() == "vlm_toy.py: error: --save-every must be >= 0, got -1"
     assert time.perf_counter() - start < 10
@@ -192,4 +260,7 @@ def test_make_prompts_is_half_images_and_the_answer_is_the_square_count():
         cells = img.abs().sum(0).unfold(0, 4, 4).unfold(1, 4, 4).sum((-1, -2))
         assert answer == vlm_toy.COUNT0 + int((cells > 0).sum())
     assert vlm_toy.make_prompts(0, 0, 64)[5][2] == prompts[5][2]  # a function of (seed, step)
-    assert torch.equal(torch.stack([p[1] for p in with_image]), torch.stack([p[1] for p in vlm_toy.make_prompts(0, 0, 64) if p[1] is not None]))
+    assert torch.equal(
+        torch.stack([p[1] for p in with_image]),
+        torch.stack([p[1] for p in vlm_toy.make_prompts(0, 0, 64) if p[1] is not None]),
+    )

@@ -48,8 +48,9 @@ def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str,
     """
     for i, s in enumerate(samples):
         if len(s) > limit:
-            raise input_error(fn, f"{arg}[{i}]", expected,
-                              f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})")
+            raise input_error(
+                fn, f"{arg}[{i}]", expected, f"{len(s)} tokens (prompt {s.prompt_len} + response {s.response_len})"
+            )
 
 
 def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
@@ -67,8 +68,12 @@ def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples
         have = [getattr(s, name) is not None for s in samples]
         if any(have) and not all(have):
             missing = have.index(False)
-            raise input_error(fn, f"{arg}[{missing}].{name}",
-                              f"a tensor ({arg}[{have.index(True)}] has {name}; all samples or none)", "None")
+            raise input_error(
+                fn,
+                f"{arg}[{missing}].{name}",
+                f"a tensor ({arg}[{have.index(True)}] has {name}; all samples or none)",
+                "None",
+            )
         present[name] = all(have)
     return present
 
@@ -78,8 +83,16 @@ def routing_dtype_holds(dtype: torch.dtype, num_experts: int) -> bool:
     return torch.iinfo(dtype).max >= num_experts - 1
 
 
-def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int | None = None, topk: int | None = None,
-                         num_experts: int | None = None, arg: str = "samples", values: bool = True) -> None:
+def check_routed_experts(
+    fn: str,
+    samples: Sequence[Sample],
+    *,
+    num_layers: int | None = None,
+    topk: int | None = None,
+    num_experts: int | None = None,
+    arg: str = "samples",
+    values: bool = True,
+) -> None:
     """Routed experts (routing replay) that a step can force: one shape, the model's, valid indices.
 
     With ``routed_experts`` on the samples (:func:`check_same_fields` checks all-or-none): every
@@ -105,12 +118,16 @@ def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int 
             continue
         if tuple(t.shape[1:]) != want:
             whose = "the model's MoE layers and top-k" if num_layers is not None else f"those of {arg}[0]"
-            raise input_error(fn, f"{arg}[{i}].routed_experts", f"[tokens, {want[0]}, {want[1]}] ({whose})",
-                              describe(t))
+            raise input_error(
+                fn, f"{arg}[{i}].routed_experts", f"[tokens, {want[0]}, {want[1]}] ({whose})", describe(t)
+            )
         if num_experts is not None and not routing_dtype_holds(t.dtype, num_experts):
-            raise input_error(fn, f"{arg}[{i}].routed_experts",
-                              f"an integer dtype that holds expert indices up to {num_experts - 1} (int16 or wider)",
-                              f"{describe(t)} (max {torch.iinfo(t.dtype).max})")
+            raise input_error(
+                fn,
+                f"{arg}[{i}].routed_experts",
+                f"an integer dtype that holds expert indices up to {num_experts - 1} (int16 or wider)",
+                f"{describe(t)} (max {torch.iinfo(t.dtype).max})",
+            )
     if not values:
         return
     high = num_experts if num_experts is not None else 2**62
@@ -134,13 +151,17 @@ def check_routed_experts(fn: str, samples: Sequence[Sample], *, num_layers: int 
             token, layer = divmod(flat, want[0])
             row = t.reshape(-1, k)[flat].tolist()
             if min(row) < 0 or max(row) >= high:
-                expected = (f"expert indices in [0, {num_experts}) (the model's num_experts)" if num_experts is not None
-                            else "expert indices >= 0")
+                expected = (
+                    f"expert indices in [0, {num_experts}) (the model's num_experts)"
+                    if num_experts is not None
+                    else "expert indices >= 0"
+                )
                 expected += ", or -1 in every entry of a row (no route: the router chooses)"
             else:
                 expected = f"{k} distinct experts per token and MoE layer"
-            raise input_error(fn, f"{arg}[{i}].routed_experts", expected,
-                              f"experts {row} for token {token}, MoE layer {layer}")
+            raise input_error(
+                fn, f"{arg}[{i}].routed_experts", expected, f"experts {row} for token {token}, MoE layer {layer}"
+            )
 
 
 def check_token_ids(fn: str, samples: Sequence[Sample], vocab_size: int | None, *, arg: str = "samples") -> None:
@@ -173,8 +194,12 @@ def check_devices(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -
         for name in ("prompt_ids", "response_ids", *PER_TOKEN_FLOAT, "response_mask", "routed_experts"):
             t = getattr(s, name)
             if t is not None and t.device != device:
-                raise input_error(fn, f"{arg}[{i}].{name}", f"a tensor on {device} (the device of {arg}[0])",
-                                  f"{describe(t)} on {t.device}")
+                raise input_error(
+                    fn,
+                    f"{arg}[{i}].{name}",
+                    f"a tensor on {device} (the device of {arg}[0])",
+                    f"{describe(t)} on {t.device}",
+                )
 
 
 def check_sample_values(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> None:
@@ -213,7 +238,7 @@ def check_routing_rows(fn: str, samples: Sequence[Sample], *, arg: str = "sample
     """Every sample's ``routed_experts`` has ``len(sample)`` or ``len(sample) - 1`` rows: one per
     token of the sequence being collated (shapes only, no host sync). :class:`Sample` checks this
     when it is built, except on a sample with multi-modal items, whose rows may be those of the
-    sequence with its items expanded (:class:`fnppo.megatron.vlm.VLMCollate` expands both).
+    sequence with its items expanded (:class:`fnppo.megatron.vlm_collate.VLMCollate` expands both).
 
     Raises:
         InputError: naming ``<arg>[i].routed_experts``, the row counts expected and its shape.
@@ -221,8 +246,11 @@ def check_routing_rows(fn: str, samples: Sequence[Sample], *, arg: str = "sample
     for i, s in enumerate(samples):
         t = s.routed_experts
         if t is not None and t.shape[0] not in (len(s), len(s) - 1):
-            raise input_error(fn, f"{arg}[{i}].routed_experts",
-                              f"{len(s)} or {len(s) - 1} rows (one per token collated; routes of a sequence whose "
-                              "multi-modal items take several positions need the collate stage that expands them, "
-                              "e.g. fnppo.VLMCollate)",
-                              describe(t))
+            raise input_error(
+                fn,
+                f"{arg}[{i}].routed_experts",
+                f"{len(s)} or {len(s) - 1} rows (one per token collated; routes of a sequence whose "
+                "multi-modal items take several positions need the collate stage that expands them, "
+                "e.g. fnppo.vlm.VLMCollate)",
+                describe(t),
+            )

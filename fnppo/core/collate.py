@@ -79,8 +79,9 @@ def collate_microbatch(
     """
     fn = "collate_microbatch"
     samples = list(samples)
-    index, present = _check_collate_inputs(fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size,
-                                           sample_index)
+    index, present = _check_collate_inputs(
+        fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index
+    )
     device = samples[0].prompt_ids.device
     seg_lens = [round_up(len(s), pad_to_multiple_of) for s in samples]
     per_token = _collate_fields(samples, seg_lens, layout, pad_token_id, present)
@@ -100,9 +101,15 @@ def collate_microbatch(
     )
 
 
-def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_multiple_of: int, max_seq_len: int | None,
-                          vocab_size: int | None,
-                          sample_index: Sequence[int] | None) -> tuple[Sequence[int], dict[str, bool]]:
+def _check_collate_inputs(
+    fn: str,
+    samples: list[Sample],
+    layout: str,
+    pad_to_multiple_of: int,
+    max_seq_len: int | None,
+    vocab_size: int | None,
+    sample_index: Sequence[int] | None,
+) -> tuple[Sequence[int], dict[str, bool]]:
     """Every check of :func:`collate_microbatch`; returns the sample index and the optional fields present."""
     if layout not in LAYOUTS:
         raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
@@ -127,8 +134,9 @@ def _check_collate_inputs(fn: str, samples: list[Sample], layout: str, pad_to_mu
     return sample_index, present
 
 
-def _collate_fields(samples: list[Sample], seg_lens: list[int], layout: str, pad_token_id: int,
-                    present: dict[str, bool]) -> dict[str, Tensor | None]:
+def _collate_fields(
+    samples: list[Sample], seg_lens: list[int], layout: str, pad_token_id: int, present: dict[str, bool]
+) -> dict[str, Tensor | None]:
     """Every per-token field of the micro-batch, built for all samples at once.
 
     Sample ``i`` occupies ``seg_lens[i]`` positions from ``start_i`` of the flat output (packed:
@@ -174,14 +182,21 @@ def _collate_fields(samples: list[Sample], seg_lens: list[int], layout: str, pad
         return flat.index_put_((rdest_d,), torch.cat(values)) if values else flat
 
     ones = torch.ones(int(rlen.max()) if n else 0, dtype=f32, device=device)
-    out["loss_mask"] = place([ones[: s.response_len] if s.response_mask is None else s.response_mask.to(f32)
-                              for s in samples])
+    out["loss_mask"] = place(
+        [ones[: s.response_len] if s.response_mask is None else s.response_mask.to(f32) for s in samples]
+    )
     for name in PER_TOKEN_FLOAT:
         if name in present and not present[name]:
             out[name] = None
             continue
-        out[name] = place([torch.zeros(s.response_len, dtype=f32, device=device) if getattr(s, name) is None
-                           else getattr(s, name).to(f32) for s in samples])
+        out[name] = place(
+            [
+                torch.zeros(s.response_len, dtype=f32, device=device)
+                if getattr(s, name) is None
+                else getattr(s, name).to(f32)
+                for s in samples
+            ]
+        )
     return {k: (None if v is None else v.view(rows, width)) for k, v in out.items()}
 
 
@@ -215,8 +230,9 @@ def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: to
     return {"attention_mask": seq_ids >= 0, "cu_seqlens": None, "max_seqlen": None}
 
 
-def _collate_multi_modal(fn: str, samples: list[Sample],
-                         device: torch.device) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def _collate_multi_modal(
+    fn: str, samples: list[Sample], device: torch.device
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Union of keys; per key, items concatenated on dim 0 in sample order, plus per-sample counts."""
     keys = sorted({k for s in samples for k in s.multi_modal})
     mm: dict[str, Tensor] = {}
@@ -236,7 +252,8 @@ def _collate_multi_modal(fn: str, samples: list[Sample],
                 j, t0 = first
                 if t.shape[1:] != t0.shape[1:] or t.dtype != t0.dtype or t.device != t0.device:
                     raise input_error(
-                        fn, f"samples[{i}].multi_modal[{key!r}]",
+                        fn,
+                        f"samples[{i}].multi_modal[{key!r}]",
                         f"items like samples[{j}]'s: trailing shape {tuple(t0.shape[1:])}, {t0.dtype}, on {t0.device}",
                         f"{describe(t)} on {t.device}",
                     )
@@ -348,5 +365,9 @@ def to_device(mb: Microbatch, device: torch.device) -> Microbatch:
     """``mb`` with every tensor leaf moved to ``device`` (non-blocking; None stays None; CPU: ``mb`` itself)."""
     if device.type == "cpu":
         return mb
-    return optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, mb,
-                           none_is_leaf=False, namespace="fnppo")
+    return optree.tree_map(
+        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x,
+        mb,
+        none_is_leaf=False,
+        namespace="fnppo",
+    )

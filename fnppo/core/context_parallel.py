@@ -58,8 +58,20 @@ __all__ = [
     "gather_per_sample",
 ]
 
-_PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages",
-              "ref_logprobs", "rollout_logprobs", "seq_ids", "values", "returns", "routed_experts")
+_PER_TOKEN = (
+    "input_ids",
+    "position_ids",
+    "labels",
+    "loss_mask",
+    "old_logprobs",
+    "advantages",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "seq_ids",
+    "values",
+    "returns",
+    "routed_experts",
+)
 
 
 def _boundaries(cu_seqlens: Tensor | Sequence[int]) -> list[int]:
@@ -89,8 +101,10 @@ def cp_token_index(cu_seqlens: Tensor | Sequence[int], cp: int, rank: int, *, de
         if (b - a) % (2 * cp):
             raise input_error(fn, f"cu_seqlens (segment {k})", f"a length divisible by 2*cp = {2 * cp}", str(b - a))
         c = (b - a) // (2 * cp)
-        parts += [torch.arange(a + rank * c, a + (rank + 1) * c),
-                  torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c)]
+        parts += [
+            torch.arange(a + rank * c, a + (rank + 1) * c),
+            torch.arange(a + (2 * cp - 1 - rank) * c, a + (2 * cp - rank) * c),
+        ]
     out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return out.to(device) if device is not None else out
 
@@ -99,8 +113,12 @@ def shard_tokens(x: Tensor, cu_seqlens: Tensor | Sequence[int], cp: int, rank: i
     """``x`` restricted to rank ``rank``'s tokens along ``dim`` (``index_select`` with :func:`cp_token_index`)."""
     idx = cp_token_index(cu_seqlens, cp, rank, device=x.device)
     if x.shape[dim] != (_boundaries(cu_seqlens)[-1]):
-        raise input_error("fnppo.core.context_parallel.shard_tokens", "x",
-                          f"size {_boundaries(cu_seqlens)[-1]} along dim {dim} (cu_seqlens[-1])", str(tuple(x.shape)))
+        raise input_error(
+            "fnppo.core.context_parallel.shard_tokens",
+            "x",
+            f"size {_boundaries(cu_seqlens)[-1]} along dim {dim} (cu_seqlens[-1])",
+            str(tuple(x.shape)),
+        )
     return x.index_select(dim, idx)
 
 
@@ -134,8 +152,12 @@ def shard_microbatch(mb: Microbatch, cp: int, rank: int) -> Microbatch:
     if cp == 1:
         return mb
     if not mb.is_packed or mb.cu_seqlens is None:
-        raise input_error("fnppo.core.context_parallel.shard_microbatch", "mb",
-                          "a packed micro-batch (context parallelism needs layout='packed')", f"layout={mb.layout!r}")
+        raise input_error(
+            "fnppo.core.context_parallel.shard_microbatch",
+            "mb",
+            "a packed micro-batch (context parallelism needs layout='packed')",
+            f"layout={mb.layout!r}",
+        )
     cu = _boundaries(mb.cu_seqlens)
     idx = cp_token_index(cu, cp, rank, device=mb.input_ids.device)
     changes = {name: getattr(mb, name).index_select(1, idx) for name in _PER_TOKEN if getattr(mb, name) is not None}
@@ -194,8 +216,16 @@ def _cp_mask(cu: list[int], cp: int, rank: int, device: Any) -> Tensor:
     return (seg_q[:, None] == seg_k[None, :]) & (keys[None, :] <= pos[:, None])
 
 
-def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, group: Any, *,
-                               softmax_scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
+def context_parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens: Tensor,
+    group: Any,
+    *,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
     """Exact document-causal attention of this CP rank's queries over the whole micro-batch.
 
     ``query [T/cp, heads, d]``, ``key``/``value [T/cp, groups, d]`` hold this rank's tokens in the
@@ -203,7 +233,7 @@ def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq
     gathered over ``group`` (:func:`gather_tokens`, differentiable) and
     ``out_i = sum_j softmax_j(scale q_i.k_j + M_ij) v_j`` with ``M_ij = 0`` iff key ``j`` lies in the
     segment of query ``i``'s global position ``pos_i`` and ``j <= pos_i`` (else ``-inf``); GQA as
-    in :func:`fnppo.megatron.attention.packed_causal_attention`. Kernel: SDPA with the ``[T/cp, T]`` mask.
+    in :func:`fnppo.megatron.packed_attention.packed_causal_attention`. Kernel: SDPA with the ``[T/cp, T]`` mask.
 
     Returns:
         ``[T/cp, heads, d_v]``, this rank's outputs in its local order.
@@ -211,15 +241,20 @@ def context_parallel_attention(query: Tensor, key: Tensor, value: Tensor, cu_seq
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     cu = _boundaries(cu_seqlens)
     if query.shape[0] * cp != cu[-1]:
-        raise input_error("fnppo.core.context_parallel.context_parallel_attention", "query",
-                          f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)", str(tuple(query.shape)))
+        raise input_error(
+            "fnppo.core.context_parallel.context_parallel_attention",
+            "query",
+            f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)",
+            str(tuple(query.shape)),
+        )
     k_full = gather_tokens(key, cu, group)
     v_full = gather_tokens(value, cu, group)
     mask = _cp_mask(cu, cp, rank, query.device)
     scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, k_full, v_full))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                         enable_gqa=key.shape[1] != query.shape[1])
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+    )
     return out.squeeze(0).transpose(0, 1)
 
 

@@ -50,8 +50,14 @@ def describe(t: Any) -> str:
     """Short description of a value for error messages: ``f32[2,3]`` for tensors."""
     if isinstance(t, torch.Tensor):
         dt = {
-            torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16",
-            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool", torch.uint8: "u8",
+            torch.float32: "f32",
+            torch.float64: "f64",
+            torch.bfloat16: "bf16",
+            torch.float16: "f16",
+            torch.int64: "i64",
+            torch.int32: "i32",
+            torch.bool: "bool",
+            torch.uint8: "u8",
         }.get(t.dtype, str(t.dtype).replace("torch.", ""))
         return f"{dt}[{','.join(str(s) for s in t.shape)}]"
     return repr(t)

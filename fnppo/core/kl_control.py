@@ -4,11 +4,11 @@ The state is an immutable :class:`KLControllerState`; ``update`` returns a new s
 nothing else, so the controller lives wherever the caller keeps its training state (and is
 checkpointed with it). No globals, no hidden mutation::
 
-    state = fnppo.adaptive_kl_init(init_coef=0.05, target=0.02, horizon=10_000)
+    state = fnppo.kl.adaptive_kl_init(init_coef=0.05, target=0.02, horizon=10_000)
     for step in ...:
-        loss_cfg = fnppo.with_kl_coef(loss_cfg, state)     # replace(cfg, kl=replace(cfg.kl, coef=state.coef))
+        loss_cfg = fnppo.kl.with_kl_coef(loss_cfg, state)     # replace(cfg, kl=replace(cfg.kl, coef=state.coef))
         state_train, metrics = fnppo.train_step(state_train, batch, dataclasses.replace(step_cfg, loss=loss_cfg))
-        state = fnppo.adaptive_kl_update(state, metrics["kl_loss"], n_steps=len(batch))
+        state = fnppo.kl.adaptive_kl_update(state, metrics["kl_loss"], n_steps=len(batch))
 
 * :func:`adaptive_kl_init` / :func:`adaptive_kl_update` -- the proportional controller of Ziegler
   et al. (2019): ``e = clip(KL / target - 1, -0.2, 0.2)``, ``coef <- coef * (1 + e * n_steps / horizon)``.
@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fnppo.core.errors import describe, input_error
 from fnppo.core.losses.config import LossConfig
-from fnppo.core.typing import describe, input_error
 
 __all__ = [
     "KLControllerState",
@@ -45,8 +45,12 @@ _ERROR_CLIP = 0.2
 
 
 def _number(fn: str, arg: str, value: Any, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (value <= 0 if positive else value < 0)
+    ):
         raise input_error(fn, arg, f"a finite number {'> 0' if positive else '>= 0'}", repr(value))
     return float(value)
 
@@ -73,23 +77,25 @@ class KLControllerState(_Fields):
         horizon: the adaptive controller's horizon in samples, a finite number ``> 0``; None: fixed.
 
     Raises:
-        InputError: ``fnppo.KLControllerState: argument '<field>' ...`` for a field out of range,
+        InputError: ``fnppo.kl.KLControllerState: argument '<field>' ...`` for a field out of range,
             NaN/inf, or not a number; ``target`` and ``horizon`` not both None or both numbers.
     """
 
     __slots__ = ()
 
     def __new__(cls, coef: float, target: float | None = None, horizon: float | None = None) -> KLControllerState:
-        fn = "fnppo.KLControllerState"
+        fn = "fnppo.kl.KLControllerState"
         coef = _number(fn, "coef", coef, positive=False)
         if target is None and horizon is None:
             return super().__new__(cls, coef, None, None)
         for arg, value, other in (("target", target, "horizon"), ("horizon", horizon, "target")):
             if value is None:
-                raise input_error(fn, arg, f"a finite number > 0 since {other} is set (both None: a fixed "
-                                  "controller)", "None")
-        return super().__new__(cls, coef, _number(fn, "target", target, positive=True),
-                               _number(fn, "horizon", horizon, positive=True))
+                raise input_error(
+                    fn, arg, f"a finite number > 0 since {other} is set (both None: a fixed controller)", "None"
+                )
+        return super().__new__(
+            cls, coef, _number(fn, "target", target, positive=True), _number(fn, "horizon", horizon, positive=True)
+        )
 
     @classmethod
     def _make(cls, iterable: Any) -> KLControllerState:
@@ -101,8 +107,9 @@ def _observed(fn: str, observed_kl: Any) -> float:
     """A finite float from a Python number or a one-element tensor (one host sync for tensors)."""
     if isinstance(observed_kl, torch.Tensor):
         if observed_kl.numel() != 1 or not observed_kl.is_floating_point():
-            raise input_error(fn, "observed_kl", "a finite number or a one-element floating tensor",
-                              describe(observed_kl))
+            raise input_error(
+                fn, "observed_kl", "a finite number or a one-element floating tensor", describe(observed_kl)
+            )
         observed_kl = float(observed_kl.detach().reshape(()).item())
     if isinstance(observed_kl, bool) or not isinstance(observed_kl, (int, float)) or not math.isfinite(observed_kl):
         raise input_error(fn, "observed_kl", "a finite number or a one-element floating tensor", repr(observed_kl))
@@ -129,10 +136,12 @@ def adaptive_kl_init(init_coef: float, target: float, horizon: float) -> KLContr
     Raises:
         InputError: a value out of range, NaN/inf, or not a number.
     """
-    fn = "fnppo.adaptive_kl_init"
-    return KLControllerState(_number(fn, "init_coef", init_coef, positive=False),
-                             _number(fn, "target", target, positive=True),
-                             _number(fn, "horizon", horizon, positive=True))
+    fn = "fnppo.kl.adaptive_kl_init"
+    return KLControllerState(
+        _number(fn, "init_coef", init_coef, positive=False),
+        _number(fn, "target", target, positive=True),
+        _number(fn, "horizon", horizon, positive=True),
+    )
 
 
 def adaptive_kl_update(state: KLControllerState, observed_kl: float | torch.Tensor, n_steps: int) -> KLControllerState:
@@ -157,7 +166,7 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: float | torch.Tens
     Raises:
         InputError: a fixed-controller state, a non-finite ``observed_kl``, a bad ``n_steps``.
     """
-    fn = "fnppo.adaptive_kl_update"
+    fn = "fnppo.kl.adaptive_kl_update"
     if not isinstance(state, KLControllerState) or state.target is None or state.horizon is None:
         raise input_error(fn, "state", "a KLControllerState from adaptive_kl_init", repr(state))
     kl = _observed(fn, observed_kl)
@@ -170,13 +179,13 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: float | torch.Tens
 
 def fixed_kl_init(coef: float) -> KLControllerState:
     """State of the fixed controller: ``KLControllerState(coef)`` (finite, ``>= 0``)."""
-    return KLControllerState(_number("fnppo.fixed_kl_init", "coef", coef, positive=False))
+    return KLControllerState(_number("fnppo.kl.fixed_kl_init", "coef", coef, positive=False))
 
 
 def fixed_kl_update(state: KLControllerState, observed_kl: float | torch.Tensor, n_steps: int) -> KLControllerState:
     """The fixed controller's update: returns ``state`` itself (arguments validated as in
     :func:`adaptive_kl_update`, so the two can be swapped in a training loop)."""
-    fn = "fnppo.fixed_kl_update"
+    fn = "fnppo.kl.fixed_kl_update"
     if not isinstance(state, KLControllerState):
         raise input_error(fn, "state", "a KLControllerState", repr(state))
     _observed(fn, observed_kl)
@@ -198,7 +207,7 @@ def with_kl_coef(config: LossConfig, state: KLControllerState) -> LossConfig:
             KL penalty while ``state.coef != 0`` (give it one, e.g. ``kl=KLPenalty(0.0, "k3")``); a
             ``state`` that is not a :class:`KLControllerState`.
     """
-    fn = "fnppo.with_kl_coef"
+    fn = "fnppo.kl.with_kl_coef"
     if not isinstance(config, LossConfig):
         raise input_error(fn, "config", "a LossConfig", type(config).__name__)
     if not isinstance(state, KLControllerState):
@@ -206,6 +215,10 @@ def with_kl_coef(config: LossConfig, state: KLControllerState) -> LossConfig:
     if config.kl is None and state.coef == 0:
         return config
     if config.kl is None:
-        raise input_error(fn, "config", f"a LossConfig with a KL penalty (kl=KLPenalty(coef, estimator)) since "
-                          f"state.coef={state.coef!r}", "kl=None")
+        raise input_error(
+            fn,
+            "config",
+            f"a LossConfig with a KL penalty (kl=KLPenalty(coef, estimator)) since state.coef={state.coef!r}",
+            "kl=None",
+        )
     return dataclasses.replace(config, kl=dataclasses.replace(config.kl, coef=state.coef))

@@ -98,7 +98,7 @@ def linear_logprob_and_entropy(
     backward runs none. As for ``hidden @ weight.T``, the gradient of ``hidden`` on each rank is
     this rank's share ``dz_r @ weight_r``; the caller sums it over the group, e.g. by passing
     ``megatron.core.tensor_parallel.copy_to_tensor_model_parallel_region(hidden)``, which is what
-    Megatron's output layer does (and :func:`fnppo.megatron.model.forward_hidden`). Sequence-parallel callers
+    Megatron's output layer does (and :func:`fnppo.megatron.forward.forward_hidden`). Sequence-parallel callers
     gather the hidden states over the sequence first (``gather_from_sequence_parallel_region``):
     every rank needs every token's hidden state.
 
@@ -150,7 +150,7 @@ def linear_logprob_and_entropy(
     """
     temperature = _check_args(hidden, weight, labels, tp_group, temperature, vocab_size, chunk_tokens, chunk_vocab)
     if graphs is not None and not isinstance(graphs, BackwardGraphs):
-        raise input_error(_FN, "graphs", "a fnppo.BackwardGraphs or None", describe(graphs))
+        raise input_error(_FN, "graphs", "a fnppo.ops.BackwardGraphs or None", describe(graphs))
     impl = _resolve_impl(_FN, impl, hidden, "inputs")
     tp_size, tp_rank = _group_size_rank(tp_group)
     shard = weight.shape[0]
@@ -159,8 +159,19 @@ def linear_logprob_and_entropy(
         _check_labels(_FN, labels, vocab_total)
     vocab_start = tp_rank * shard
     n_valid = max(0, min(shard, vocab_total - vocab_start))  # this shard's real (unpadded) rows
-    cfg = _Cfg(1.0 / float(temperature), bool(with_entropy), tp_group, tp_size, vocab_start, n_valid, vocab_total, impl,
-               chunk_tokens, chunk_vocab, graphs)
+    cfg = _Cfg(
+        1.0 / float(temperature),
+        bool(with_entropy),
+        tp_group,
+        tp_size,
+        vocab_start,
+        n_valid,
+        vocab_total,
+        impl,
+        chunk_tokens,
+        chunk_vocab,
+        graphs,
+    )
     out = _LinearLogprobEntropy.apply(hidden, weight, labels, cfg)
     if with_entropy:
         return out[0], out[1]
@@ -170,8 +181,19 @@ def linear_logprob_and_entropy(
 class _Cfg:
     """Non-tensor arguments of the autograd function."""
 
-    __slots__ = ("inv_t", "with_entropy", "group", "tp_size", "vocab_start", "n_valid", "vocab_total", "impl",
-                 "chunk_tokens", "chunk_vocab", "graphs")
+    __slots__ = (
+        "inv_t",
+        "with_entropy",
+        "group",
+        "tp_size",
+        "vocab_start",
+        "n_valid",
+        "vocab_total",
+        "impl",
+        "chunk_tokens",
+        "chunk_vocab",
+        "graphs",
+    )
 
     def __init__(self, *values: Any) -> None:
         for name, value in zip(self.__slots__, values, strict=True):
@@ -182,27 +204,47 @@ class _Cfg:
 # Validation (the label, option and TP checks: fnppo.core.logprob)
 # ---------------------------------------------------------------------------------------------
 def _check_args(
-    hidden: Tensor, weight: Tensor, labels: Tensor, tp_group: Any, temperature: Any,
-    vocab_size: Any, chunk_tokens: Any, chunk_vocab: Any,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    tp_group: Any,
+    temperature: Any,
+    vocab_size: Any,
+    chunk_tokens: Any,
+    chunk_vocab: Any,
 ) -> float:
     # These repeat what the annotations say, so that they hold with call-time checking off too.
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES or hidden.dim() < 1:
-        raise input_error(_FN, "hidden", "a floating [*tok, hidden] tensor (fp32, bf16, fp16 or fp64)",
-                          describe(hidden))
+        raise input_error(
+            _FN, "hidden", "a floating [*tok, hidden] tensor (fp32, bf16, fp16 or fp64)", describe(hidden)
+        )
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != hidden.dtype:
-        raise input_error(_FN, "weight",
-                          f"a [vocab_shard, hidden] tensor of the hidden states' dtype {describe(hidden)}",
-                          describe(weight))
+        raise input_error(
+            _FN,
+            "weight",
+            f"a [vocab_shard, hidden] tensor of the hidden states' dtype {describe(hidden)}",
+            describe(weight),
+        )
     if weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0 or hidden.shape[-1] == 0:
         raise input_error(
-            _FN, "weight", f"shape [vocab_shard > 0, {hidden.shape[-1]}] (hidden size of 'hidden' {describe(hidden)})",
+            _FN,
+            "weight",
+            f"shape [vocab_shard > 0, {hidden.shape[-1]}] (hidden size of 'hidden' {describe(hidden)})",
             describe(weight),
         )
     if weight.device != hidden.device:
-        raise input_error(_FN, "weight", f"a tensor on the hidden states' device {hidden.device}",
-                          f"one on {weight.device}")
+        raise input_error(
+            _FN, "weight", f"a tensor on the hidden states' device {hidden.device}", f"one on {weight.device}"
+        )
     t = _check_labels_and_options(
-        _FN, labels, hidden, "hidden", "the hidden states'", temperature, tp_group, chunk_tokens=chunk_tokens,
+        _FN,
+        labels,
+        hidden,
+        "hidden",
+        "the hidden states'",
+        temperature,
+        tp_group,
+        chunk_tokens=chunk_tokens,
         chunk_vocab=chunk_vocab,
     )
     if vocab_size is not None:
@@ -223,12 +265,14 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         lab = labels.reshape(-1)
         w_valid = weight[: cfg.n_valid]
         if cfg.impl == "triton":
-            m, s, w, zl = linear_logprob_kernels().forward_stats(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t,
-                                                                 cfg.with_entropy)
+            m, s, w, zl = linear_logprob_kernels().forward_stats(
+                h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy
+            )
         else:
             rows, cols = _torch_chunks(h2.shape[0], cfg.n_valid, h2.element_size(), cfg)
-            m, s, w, zl = _forward_stats_torch(h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy,
-                                               rows, cols)
+            m, s, w, zl = _forward_stats_torch(
+                h2, w_valid, lab, cfg.vocab_start, cfg.inv_t, cfg.with_entropy, rows, cols
+            )
         logp, entropy, lse = _combine(m, s, w, zl, lab, cfg.group, cfg.tp_size, cfg.vocab_total)
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.cfg = cfg
@@ -252,24 +296,48 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         g_h = None if g_h is None else g_h.reshape(-1)
         out = None
         if cfg.graphs is not None:
-            out = cfg.graphs._backward(h2, weight, labels.reshape(-1), (g_lp, g_h, entropy, lse), cfg, need_h, need_w,
-                                       grads=_grads, chunks=_backward_chunks)
+            out = cfg.graphs._backward(
+                h2,
+                weight,
+                labels.reshape(-1),
+                (g_lp, g_h, entropy, lse),
+                cfg,
+                need_h,
+                need_w,
+                grads=_grads,
+                chunks=_backward_chunks,
+            )
         if out is None:
             dw = None
             if need_w:
                 dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
                 dw[cfg.n_valid :].zero_()  # padding rows beyond the real vocabulary
             sizes = _backward_chunks(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), cfg)
-            dh = _grads(h2, weight[: cfg.n_valid], labels.reshape(-1), (g_lp, g_h, entropy, lse), cfg, need_h,
-                        None if dw is None else dw[: cfg.n_valid], sizes)
+            dh = _grads(
+                h2,
+                weight[: cfg.n_valid],
+                labels.reshape(-1),
+                (g_lp, g_h, entropy, lse),
+                cfg,
+                need_h,
+                None if dw is None else dw[: cfg.n_valid],
+                sizes,
+            )
             out = (dh, dw)
         dh, dw = out
         return (None if dh is None else dh.view(hidden.shape)), dw, None, None
 
 
 def _grads(
-    h2: Tensor, w_valid: Tensor, labels: Tensor, per_token: tuple[Tensor | None, ...], cfg: _Cfg, need_h: bool,
-    dw: Tensor | None, chunks: dict[str, int], spaces: dict[str, Tensor] | None = None,
+    h2: Tensor,
+    w_valid: Tensor,
+    labels: Tensor,
+    per_token: tuple[Tensor | None, ...],
+    cfg: _Cfg,
+    need_h: bool,
+    dw: Tensor | None,
+    chunks: dict[str, int],
+    spaces: dict[str, Tensor] | None = None,
 ) -> Tensor | None:
     """The backward's body: per-token coefficients, then the blocks (Triton or PyTorch).
 
@@ -353,7 +421,13 @@ def _block_logits(h32: Tensor, w_block: Tensor, inv_t: float) -> Tensor:
 
 
 def _forward_stats_torch(
-    h2: Tensor, w_valid: Tensor, labels: Tensor, vocab_start: int, inv_t: float, with_entropy: bool, rows: int,
+    h2: Tensor,
+    w_valid: Tensor,
+    labels: Tensor,
+    vocab_start: int,
+    inv_t: float,
+    with_entropy: bool,
+    rows: int,
     cols: int,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     n = h2.shape[0]
@@ -401,7 +475,13 @@ def _block_grad(z: Tensor, loc: Tensor, c0: int, coef: tuple[Tensor, ...], has_g
 
 
 def _backward_torch(
-    h2: Tensor, w_valid: Tensor, labels: Tensor, coef: tuple[Tensor, ...], has_gh: bool, cfg: _Cfg, need_h: bool,
+    h2: Tensor,
+    w_valid: Tensor,
+    labels: Tensor,
+    coef: tuple[Tensor, ...],
+    has_gh: bool,
+    cfg: _Cfg,
+    need_h: bool,
     dw: Tensor | None,
 ) -> Tensor | None:
     """Vocabulary blocks outside, token blocks inside; fp32 accumulators for both gradients.

@@ -84,7 +84,7 @@ class BackwardGraphs:
 
     def __init__(self, *, row_multiple: int = 256, max_graphs: int = 32, max_weights: int = 2) -> None:
         for name, value in (("row_multiple", row_multiple), ("max_graphs", max_graphs), ("max_weights", max_weights)):
-            check_positive_int("fnppo.BackwardGraphs", name, value)
+            check_positive_int("fnppo.ops.BackwardGraphs", name, value)
         self.row_multiple, self.max_graphs, self.max_weights = int(row_multiple), int(max_graphs), int(max_weights)
         self._spaces: OrderedDict[tuple, _Workspace] = OrderedDict()
         self.captures = self.replays = self.eager_calls = 0
@@ -98,15 +98,25 @@ class BackwardGraphs:
         return sum(t.numel() * t.element_size() for ws in self._spaces.values() for t in ws.tensors())
 
     def __repr__(self) -> str:
-        return (f"BackwardGraphs(row_multiple={self.row_multiple}, weights={len(self._spaces)}, "
-                f"graphs={sum(len(ws.graphs) for ws in self._spaces.values())}, captures={self.captures}, "
-                f"replays={self.replays}, eager_calls={self.eager_calls}, nbytes={self.nbytes()})")
+        return (
+            f"BackwardGraphs(row_multiple={self.row_multiple}, weights={len(self._spaces)}, "
+            f"graphs={sum(len(ws.graphs) for ws in self._spaces.values())}, captures={self.captures}, "
+            f"replays={self.replays}, eager_calls={self.eager_calls}, nbytes={self.nbytes()})"
+        )
 
     # -- the backward --------------------------------------------------------------------------
     def _backward(
-        self, h2: Tensor, weight: Tensor, labels: Tensor, per_token: tuple[Tensor | None, ...], cfg: Any, need_h: bool,
+        self,
+        h2: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        per_token: tuple[Tensor | None, ...],
+        cfg: Any,
+        need_h: bool,
         need_w: bool,
-        *, grads: Callable[..., Tensor | None], chunks: Callable[..., dict[str, int]],
+        *,
+        grads: Callable[..., Tensor | None],
+        chunks: Callable[..., dict[str, int]],
     ) -> tuple[Tensor | None, Tensor | None] | None:
         """``(dh, dw)`` through the static buffers, or None (no tokens: the caller's eager path).
 
@@ -118,8 +128,17 @@ class BackwardGraphs:
         if n == 0:
             return None
         rows = -(-n // self.row_multiple) * self.row_multiple
-        wkey = (str(weight.device), weight.dtype, weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()),
-                cfg.n_valid, cfg.impl, cfg.chunk_tokens, cfg.chunk_vocab)
+        wkey = (
+            str(weight.device),
+            weight.dtype,
+            weight.data_ptr(),
+            tuple(weight.shape),
+            tuple(weight.stride()),
+            cfg.n_valid,
+            cfg.impl,
+            cfg.chunk_tokens,
+            cfg.chunk_vocab,
+        )
         ws = self._spaces.pop(wkey, None)
         if ws is None or ws.rows < rows:
             ws = None  # free the old buffers first
@@ -245,9 +264,11 @@ class BackwardGraphs:
             error.append(exc)
         if not error:
             return graph
-        warnings.warn(f"fnppo.BackwardGraphs: capturing the fused backward failed ({error[0]!r}); "
-                      "it runs without a graph",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"fnppo.ops.BackwardGraphs: capturing the fused backward failed ({error[0]!r}); it runs without a graph",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         ws.stream.synchronize()
         self._on_side_stream(ws, body)
         return None

@@ -94,7 +94,7 @@ def logprob_and_entropy(
 
     Label validation: with call-time checking on (:func:`fnppo.core.typing.typechecking_enabled`, the
     default) labels outside ``[0, vocab_size)`` (``[0, vocab_shard * tp_size)`` without
-    ``vocab_size``) raise :class:`~fnppo.core.typing.InputError`; this costs one device-to-host sync.
+    ``vocab_size``) raise :class:`~fnppo.core.errors.InputError`; this costs one device-to-host sync.
     With checking off there is no sync and no error: the log-prob of an out-of-range label is NaN
     (so the loss turns NaN instead of being silently wrong).
 
@@ -129,8 +129,17 @@ def logprob_and_entropy(
         _check_labels(_FN, labels, vocab_total, vocab_size is not None)
     n_valid = max(0, min(shard, vocab_total - tp_rank * shard))  # this shard's real columns: [0, n_valid)
     out = _LogprobEntropy.apply(
-        logits, labels, float(temperature), bool(with_entropy), tp_group, tp_size, tp_rank, impl, chunk_tokens,
-        vocab_total, n_valid,
+        logits,
+        labels,
+        float(temperature),
+        bool(with_entropy),
+        tp_group,
+        tp_size,
+        tp_rank,
+        impl,
+        chunk_tokens,
+        vocab_total,
+        n_valid,
     )
     if with_entropy:
         return out[0], out[1]
@@ -148,8 +157,9 @@ def _check_args(
         raise input_error(_FN, "logits", "a floating tensor (fp32, bf16, fp16 or fp64)", describe(logits))
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise input_error(_FN, "logits", "a [*tok, vocab_shard] tensor with vocab_shard > 0", describe(logits))
-    t = _check_labels_and_options(_FN, labels, logits, "logits", "the logits'", temperature, tp_group,
-                                  chunk_tokens=chunk_tokens)
+    t = _check_labels_and_options(
+        _FN, labels, logits, "logits", "the logits'", temperature, tp_group, chunk_tokens=chunk_tokens
+    )
     if vocab_size is not None:
         tp_size, _ = _group_size_rank(tp_group)
         shard = logits.shape[-1]
@@ -157,7 +167,8 @@ def _check_args(
         _check_vocab_bound(_FN, vocab_size, shard, tp_size, "the real vocabulary; the logits may hold a padded one")
         if tp_size > 1 and vocab_size <= shard:
             raise input_error(
-                _FN, "logits",
+                _FN,
+                "logits",
                 f"this rank's vocab shard: a last dimension below vocab_size={vocab_size} with tp_size={tp_size}",
                 f"{describe(logits)} (these look like logits already gathered over tensor parallelism; pass this "
                 "rank's shard. A vocabulary padded so much that one shard holds every real column is not "
@@ -167,17 +178,29 @@ def _check_args(
 
 
 def _check_labels_and_options(
-    fn: str, labels: Any, source: Tensor, source_name: str, source_desc: str, temperature: Any, tp_group: Any,
+    fn: str,
+    labels: Any,
+    source: Tensor,
+    source_name: str,
+    source_desc: str,
+    temperature: Any,
+    tp_group: Any,
     **sizes: Any,
 ) -> float:
     """The checks of the labels (against ``source``, the tensor whose leading dims they index), the
     temperature, the optional sizes and the TP group; returns the temperature as a float."""
-    if (not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex()
-            or labels.dtype == torch.bool):
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+    ):
         raise input_error(fn, "labels", "an integer tensor of token ids", describe(labels))
     if tuple(labels.shape) != tuple(source.shape[:-1]):
         raise input_error(
-            fn, "labels", f"shape {tuple(source.shape[:-1])} ({source_desc} leading dims)",
+            fn,
+            "labels",
+            f"shape {tuple(source.shape[:-1])} ({source_desc} leading dims)",
             f"{describe(labels)} with {source_name} {describe(source)}",
         )
     if labels.device != source.device:
@@ -204,7 +227,9 @@ def _check_vocab_bound(fn: str, vocab_size: int, shard: int, tp_size: int, note:
     """``vocab_size <= shard * tp_size`` (the real vocabulary within the sharded one)."""
     if vocab_size > shard * tp_size:
         raise input_error(
-            fn, "vocab_size", f"at most vocab_shard * tp_size = {shard} * {tp_size} = {shard * tp_size} ({note})",
+            fn,
+            "vocab_size",
+            f"at most vocab_shard * tp_size = {shard} * {tp_size} = {shard * tp_size} ({note})",
             repr(vocab_size),
         )
 
@@ -218,7 +243,9 @@ def _check_labels(fn: str, labels: Tensor, vocab_total: int, real: bool = False)
         first = labels[bad].flatten()[0].item()
         lo, hi = int(labels.min().item()), int(labels.max().item())
         raise input_error(
-            fn, "labels", f"token ids in [0, {vocab_total})" + (" (vocab_size)" if real else ""),
+            fn,
+            "labels",
+            f"token ids in [0, {vocab_total})" + (" (vocab_size)" if real else ""),
             f"{describe(labels)} with values in [{lo}, {hi}] (first bad: {first})",
         )
 

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fnppo.core.typing import Tensor, check_finite, check_mask01, describe, input_error
+from fnppo.core.errors import check_finite, check_mask01, describe, input_error
+from fnppo.core.typing import Tensor
 
 __all__ = ["Checker", "finite_number", "describe_value", "check_non_empty", "validate_inputs"]
 
@@ -57,11 +58,13 @@ class Checker(NamedTuple):
     @classmethod
     def of(cls, obj: Any, fn: str) -> Checker:
         """The checker of a config object: settings are its attributes, ``"a.b"`` a nested one."""
+
         def get(path: str) -> Any:
             value = obj
             for part in path.split("."):
                 value = getattr(value, part)
             return value
+
         return cls(fn, get)
 
     def need(self, ok: bool, arg: str, expected: str) -> None:
@@ -69,8 +72,15 @@ class Checker(NamedTuple):
         if not ok:
             raise input_error(self.fn, self.label(arg), expected, repr(self.get(arg)))
 
-    def number(self, arg: str, low: float | None = None, *, strict: bool = False, high: float | None = None,
-               expected: str | None = None) -> None:
+    def number(
+        self,
+        arg: str,
+        low: float | None = None,
+        *,
+        strict: bool = False,
+        high: float | None = None,
+        expected: str | None = None,
+    ) -> None:
         """``arg`` is a finite number ``>= low`` (``> low`` when ``strict``) and ``<= high`` where given."""
         v = self.get(arg)
         ok = finite_number(v) and (low is None or (v > low if strict else v >= low)) and (high is None or v <= high)
@@ -85,8 +95,16 @@ def check_non_empty(fn: str, arg: str, t: Tensor) -> None:
         raise input_error(fn, arg, "a non-empty [batch, seq] tensor (an empty batch has no loss)", describe(t))
 
 
-def validate_inputs(fn: str, mask: Tensor, finite: dict[str, Tensor | None], normalizer: Any,
-                    seq_ids: Tensor | None, mask_name: str = "loss_mask", *, tis_mean: Any = None) -> None:
+def validate_inputs(
+    fn: str,
+    mask: Tensor,
+    finite: dict[str, Tensor | None],
+    normalizer: Any,
+    seq_ids: Tensor | None,
+    mask_name: str = "loss_mask",
+    *,
+    tis_mean: Any = None,
+) -> None:
     """The tensor checks of one loss call, at the cost of one device-to-host sync.
 
     ``mask`` is 0/1; every tensor of ``finite`` is finite wherever the mask is 1 (other positions are
@@ -123,5 +141,9 @@ def validate_inputs(fn: str, mask: Tensor, finite: dict[str, Tensor | None], nor
             raise input_error(fn, name, "a finite number >= 0", f"{describe(v)} = {v.item()!r}")
     if seq_ids is not None:
         lo, hi = int(seq_ids.min()), int(seq_ids.max())
-        raise input_error(fn, "seq_ids", f"values in [-1, {seq_ids.numel()}) and >= 0 wherever {mask_name} is 1",
-                          f"{describe(seq_ids)} with values in [{lo}, {hi}]")
+        raise input_error(
+            fn,
+            "seq_ids",
+            f"values in [-1, {seq_ids.numel()}) and >= 0 wherever {mask_name} is 1",
+            f"{describe(seq_ids)} with values in [{lo}, {hi}]",
+        )

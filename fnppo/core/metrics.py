@@ -67,9 +67,8 @@ def merge_metrics(metrics: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
 
 def reduce_metrics(
     per_microbatch: Sequence[Mapping[str, Tensor]],
-    layout: Any = None,
-    device: torch.device | None = None,
     *,
+    device: torch.device | None = None,
     dp_group: Any = None,
     pp_group: Any = None,
     is_last_stage: bool = True,
@@ -82,11 +81,6 @@ def reduce_metrics(
 
     Args:
         per_microbatch: this rank's metric dicts, one per micro-batch (empty on other stages).
-        layout: temporary (redesign), removed at integration: the old call
-            ``reduce_metrics(per_microbatch, layout, device)`` with an object that has
-            ``is_last_stage``, ``dp``, ``dp_group``, ``pp`` and ``pp_group`` (a
-            :class:`~fnppo.megatron.parallel.ParallelLayout`); when given, the keywords below are
-            taken from it. Pass the keywords instead.
         device: where the DP all-reduce runs (the model's device); None: where the pairs are.
         dp_group: the data-parallel process group the pairs are summed over (with context
             parallelism: data x context parallel); None or a group of one rank: no all-reduce.
@@ -97,11 +91,7 @@ def reduce_metrics(
     Returns:
         The merged ``dict[str, Tensor]`` (detached, on the CPU), identical on every rank.
     """
-    if layout is not None:
-        dp, dp_group, pp, pp_group = layout.dp, layout.dp_group, layout.pp, layout.pp_group
-        is_last_stage = layout.is_last_stage
-    else:
-        dp, pp = _group_size(dp_group), _group_size(pp_group)
+    dp, pp = _group_size(dp_group), _group_size(pp_group)
     merged: dict[str, Any] = {}
     if is_last_stage:
         merged = merge_metrics(per_microbatch) if per_microbatch else {}

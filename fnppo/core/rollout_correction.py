@@ -65,23 +65,20 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.core.loss_checks import Checker, describe_value, finite_number, validate_inputs
 from fnppo.core.metrics import pair_metric, weighted_metric
 from fnppo.core.segments import Segments, segments
-from fnppo.core.typing import (
-    Integer,
-    PaddedFloat,
-    PaddedMask,
-    Shaped,
-    Tensor,
-    check_bool_fields,
-    input_error,
-    typechecked,
-    typechecking_enabled,
-)
+from fnppo.core.typing import Integer, PaddedFloat, PaddedMask, Shaped, Tensor, typechecked, typechecking_enabled
 
-__all__ = ["RolloutCorrection", "TISWeights", "TIS_LEVELS", "SEQ_REJECTION_CRITERIA", "compute_tis_weights",
-           "tis_batch_stats"]
+__all__ = [
+    "RolloutCorrection",
+    "TISWeights",
+    "TIS_LEVELS",
+    "SEQ_REJECTION_CRITERIA",
+    "compute_tis_weights",
+    "tis_batch_stats",
+]
 
 TIS_LEVELS = ("token", "sequence")
 """The levels of ``RolloutCorrection.level`` / ``reject_level``."""
@@ -133,8 +130,11 @@ def check_weight_rules(c: Checker) -> None:
     cap, low, high = c.get("cap"), c.get("reject_low"), c.get("reject_high")
     c.need(cap is None or (finite_number(cap) and cap > 0), "cap", "a number > 0 or None")
     c.need(c.get("level") in TIS_LEVELS, "level", f"one of {list(TIS_LEVELS)}")
-    c.need(c.get("reject_level") is None or c.get("reject_level") in TIS_LEVELS, "reject_level",
-           f"one of {list(TIS_LEVELS)} or None")
+    c.need(
+        c.get("reject_level") is None or c.get("reject_level") in TIS_LEVELS,
+        "reject_level",
+        f"one of {list(TIS_LEVELS)} or None",
+    )
     c.need(low is None or (finite_number(low) and low >= 0), "reject_low", "a number >= 0 or None")
     c.need(high is None or (finite_number(high) and high > 0), "reject_high", "a number > 0 or None")
     if low is not None and high is not None:
@@ -160,8 +160,11 @@ def check_seq_rejection(c: Checker) -> tuple[float, float] | None:
     if bounds is None:
         return None
     ok = isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(finite_number(b) for b in bounds)
-    c.need(ok and bounds[0] < bounds[1], "reject_seq_mean_log_ratio",
-           "None or (low, high): two finite numbers with low < high")
+    c.need(
+        ok and bounds[0] < bounds[1],
+        "reject_seq_mean_log_ratio",
+        "None or (low, high): two finite numbers with low < high",
+    )
     return float(bounds[0]), float(bounds[1])
 
 
@@ -237,9 +240,12 @@ class RolloutCorrection:
         bounds = check_correction(c)
         object.__setattr__(self, "reject_seq_mean_log_ratio", bounds)  # a list becomes a tuple
         active = (self.tis_cap, self.reject_low, self.reject_high, *(getattr(self, n) for n in SEQ_REJECTION_CRITERIA))
-        c.need(any(v is not None for v in active), "cap",
-               "a number > 0, or one of reject_low, reject_high, reject_seq_* set (a correction without any: "
-               "LossConfig(correction=None))")
+        c.need(
+            any(v is not None for v in active),
+            "cap",
+            "a number > 0, or one of reject_low, reject_high, reject_seq_* set (a correction without any: "
+            "LossConfig(correction=None))",
+        )
 
     @property
     def sequence_level(self) -> bool:
@@ -268,14 +274,25 @@ class Rules(NamedTuple):
         """The rules of a correction (validated when it was built); None: weights 1, nothing rejected."""
         if corr is None:
             return cls(None, clamp=clamp)
-        return cls(corr.tis_cap, corr.level, corr.reject_low, corr.reject_high, corr.reject_level or corr.level,
-                   corr.reject_seq_k2, corr.reject_seq_k3, corr.reject_seq_mean_log_ratio,
-                   corr.reject_seq_max_abs_log_ratio, corr.batch_normalize, clamp)
+        return cls(
+            corr.tis_cap,
+            corr.level,
+            corr.reject_low,
+            corr.reject_high,
+            corr.reject_level or corr.level,
+            corr.reject_seq_k2,
+            corr.reject_seq_k3,
+            corr.reject_seq_mean_log_ratio,
+            corr.reject_seq_max_abs_log_ratio,
+            corr.batch_normalize,
+            clamp,
+        )
 
     @property
     def seq_rules(self) -> bool:
-        return any(v is not None for v in (self.seq_k2, self.seq_k3, self.seq_mean_log_ratio,
-                                           self.seq_max_abs_log_ratio))
+        return any(
+            v is not None for v in (self.seq_k2, self.seq_k3, self.seq_mean_log_ratio, self.seq_max_abs_log_ratio)
+        )
 
 
 # =============================================================================================
@@ -289,8 +306,9 @@ def _seq_max(seg: Segments, x: Tensor) -> Tensor:
     return out.scatter_reduce(0, seg.ids.reshape(-1), x.reshape(-1), reduce="amax")[: seg.num]
 
 
-def _seq_rejection(d: Tensor, mf: Tensor, seg: Segments, seq_valid: Tensor,
-                   r: Rules) -> tuple[Tensor, dict[str, Tensor]]:
+def _seq_rejection(
+    d: Tensor, mf: Tensor, seg: Segments, seq_valid: Tensor, r: Rules
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Sequences rejected by the sequence-statistic criteria (``[num]`` bool) and their metrics.
 
     ``d`` is the clamped per-token log-ratio, 0 off the mask. Only valid sequences (>= 1 valid
@@ -335,8 +353,9 @@ def _bound_rejection(w_raw: Tensor, raw_weight: Callable[[str], Tensor], r: Rule
     return rejected
 
 
-def correction(train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rules,
-               tis_mean: float | Tensor | None = None) -> tuple[TISWeights, Tensor]:
+def correction(
+    train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rules, tis_mean: float | Tensor | None = None
+) -> tuple[TISWeights, Tensor]:
     """The rollout correction of one micro-batch (see the module docstring), trusting its inputs.
 
     Args:
@@ -387,12 +406,14 @@ def correction(train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rule
             mean = torch.as_tensor(tis_mean).to(device=train.device, dtype=dtype)
         w_applied = w_applied / torch.where(mean > 0, mean, torch.ones_like(mean))
         metrics["tis_batch_mean"] = pair_metric(stats[0], stats[1])
-    metrics.update({
-        "tis_weight": weighted_metric(w_applied, units[r.level]),
-        "tis_weight_sq": weighted_metric(w_applied * w_applied, units[r.level]),
-        "tis_truncated_frac": weighted_metric(truncated, units[r.level]),
-        "tis_rejected_frac": weighted_metric(rejected.to(dtype), units[r.reject_level]),
-    })
+    metrics.update(
+        {
+            "tis_weight": weighted_metric(w_applied, units[r.level]),
+            "tis_weight_sq": weighted_metric(w_applied * w_applied, units[r.level]),
+            "tis_truncated_frac": weighted_metric(truncated, units[r.level]),
+            "tis_rejected_frac": weighted_metric(rejected.to(dtype), units[r.reject_level]),
+        }
+    )
     return TISWeights((to_tokens(w_applied, r.level) * keep).detach(), keep.detach(), metrics), stats.detach()
 
 
@@ -409,16 +430,25 @@ class CorrectedLoss(Protocol):
 
 
 @typechecked
-def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask, *,
-                        cap: float | None, level: str = "token", reject_low: float | None = None,
-                        reject_high: float | None = None, reject_level: str | None = None,
-                        seq_ids: Integer[Tensor, "batch seq"] | None = None,
-                        log_ratio_clamp: float = 20.0,
-                        reject_seq_k2: float | None = None, reject_seq_k3: float | None = None,
-                        reject_seq_mean_log_ratio: tuple[float, float] | None = None,
-                        reject_seq_max_abs_log_ratio: float | None = None,
-                        batch_normalize: bool = False,
-                        tis_mean: float | int | Shaped[Tensor, ""] | None = None) -> TISWeights:
+def compute_tis_weights(
+    old_logprobs: PaddedFloat,
+    rollout_logprobs: PaddedFloat,
+    loss_mask: PaddedMask,
+    *,
+    cap: float | None,
+    level: str = "token",
+    reject_low: float | None = None,
+    reject_high: float | None = None,
+    reject_level: str | None = None,
+    seq_ids: Integer[Tensor, "batch seq"] | None = None,
+    log_ratio_clamp: float = 20.0,
+    reject_seq_k2: float | None = None,
+    reject_seq_k3: float | None = None,
+    reject_seq_mean_log_ratio: tuple[float, float] | None = None,
+    reject_seq_max_abs_log_ratio: float | None = None,
+    batch_normalize: bool = False,
+    tis_mean: float | int | Shaped[Tensor, ""] | None = None,
+) -> TISWeights:
     """Truncated importance weights and rejection correcting for the rollout engine's sampling.
 
     Token level: ``w_t = exp(logp_old_t - logp_rollout_t)``; sequence level:
@@ -463,12 +493,19 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
             ``loss_mask`` is 0 are never read), ``seq_ids`` out of range, a negative or non-finite
             ``tis_mean``.
     """
-    fn = "fnppo.compute_tis_weights"
-    given = {"cap": cap, "level": level, "reject_low": reject_low, "reject_high": reject_high,
-             "reject_level": reject_level, "log_ratio_clamp": log_ratio_clamp,
-             "reject_seq_k2": reject_seq_k2, "reject_seq_k3": reject_seq_k3,
-             "reject_seq_mean_log_ratio": reject_seq_mean_log_ratio,
-             "reject_seq_max_abs_log_ratio": reject_seq_max_abs_log_ratio}
+    fn = "fnppo.losses.compute_tis_weights"
+    given = {
+        "cap": cap,
+        "level": level,
+        "reject_low": reject_low,
+        "reject_high": reject_high,
+        "reject_level": reject_level,
+        "log_ratio_clamp": log_ratio_clamp,
+        "reject_seq_k2": reject_seq_k2,
+        "reject_seq_k3": reject_seq_k3,
+        "reject_seq_mean_log_ratio": reject_seq_mean_log_ratio,
+        "reject_seq_max_abs_log_ratio": reject_seq_max_abs_log_ratio,
+    }
     c = Checker(fn, given.__getitem__)
     check_weight_rules(c)
     check_clamp(c)
@@ -476,17 +513,41 @@ def compute_tis_weights(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat
     if tis_mean is not None and not batch_normalize:
         raise input_error(fn, "tis_mean", "None since batch_normalize=False", describe_value(tis_mean))
     if typechecking_enabled():
-        validate_inputs(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None,
-                        seq_ids, tis_mean=tis_mean)
-    rules = Rules(cap, level, reject_low, reject_high, level if reject_level is None else reject_level,
-                  reject_seq_k2, reject_seq_k3, bounds, reject_seq_max_abs_log_ratio, batch_normalize, log_ratio_clamp)
-    return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules,
-                      tis_mean)[0]
+        validate_inputs(
+            fn,
+            loss_mask,
+            {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs},
+            None,
+            seq_ids,
+            tis_mean=tis_mean,
+        )
+    rules = Rules(
+        cap,
+        level,
+        reject_low,
+        reject_high,
+        level if reject_level is None else reject_level,
+        reject_seq_k2,
+        reject_seq_k3,
+        bounds,
+        reject_seq_max_abs_log_ratio,
+        batch_normalize,
+        log_ratio_clamp,
+    )
+    return correction(
+        old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules, tis_mean
+    )[0]
 
 
 @typechecked
-def tis_batch_stats(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, loss_mask: PaddedMask,
-                    config: CorrectedLoss, *, seq_ids: Integer[Tensor, "batch seq"] | None = None) -> Tensor:
+def tis_batch_stats(
+    old_logprobs: PaddedFloat,
+    rollout_logprobs: PaddedFloat,
+    loss_mask: PaddedMask,
+    config: CorrectedLoss,
+    *,
+    seq_ids: Integer[Tensor, "batch seq"] | None = None,
+) -> Tensor:
     """``(sum of the TIS weights, number of units)`` over the kept units of one micro-batch.
 
     The units are those of ``config.correction.level``: kept tokens, or sequences with at least one
@@ -513,12 +574,17 @@ def tis_batch_stats(old_logprobs: PaddedFloat, rollout_logprobs: PaddedFloat, lo
         InputError: a config in bypass mode (its weights need the current policy); with checking
             on, as :func:`compute_tis_weights`.
     """
-    fn = "fnppo.tis_batch_stats"
+    fn = "fnppo.losses.tis_batch_stats"
     if config.bypass_old_logprobs:
-        raise input_error(fn, "config", "a LossConfig without bypass_old_logprobs (the weights would need the "
-                          "current policy's log-probs)", "bypass_old_logprobs=True")
+        raise input_error(
+            fn,
+            "config",
+            "a LossConfig without bypass_old_logprobs (the weights would need the current policy's log-probs)",
+            "bypass_old_logprobs=True",
+        )
     if typechecking_enabled():
-        validate_inputs(fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None,
-                        seq_ids)
+        validate_inputs(
+            fn, loss_mask, {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs}, None, seq_ids
+        )
     rules = Rules.of(config.correction, config.log_ratio_clamp)._replace(normalize=False)
     return correction(old_logprobs, rollout_logprobs, loss_mask != 0, segments(loss_mask.shape, seq_ids), rules)[1]

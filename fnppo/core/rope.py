@@ -19,7 +19,7 @@ element-wise kernels (cos, sin, two products, a chunk-negate-concatenate, a sum 
 concatenation). Here one kernel reads ``x`` and the angles and writes the result, forward and
 backward, with no host sync: the per-token positions come from :func:`thd_positions`, a few
 device ops (and memoized per ``cu_seqlens`` tensor by the Megatron adapter in
-:mod:`fnppo.megatron.model`). Angles and products are computed in fp32 and rounded once to ``x``'s dtype
+:mod:`fnppo.megatron.forward`). Angles and products are computed in fp32 and rounded once to ``x``'s dtype
 (Megatron rounds ``cos``/``sin`` to ``x``'s dtype first), so half-precision results differ from
 Megatron's unfused ones by rounding only.
 
@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from fnppo.core.kernels import rope_kernels, triton_available, triton_interpreting
 from fnppo.core.errors import describe, input_error
+from fnppo.core.kernels import rope_kernels, triton_available, triton_interpreting
 from fnppo.core.typing import CuSeqlens, Float, Int, Tensor, typechecked
 
 __all__ = ["apply_rotary", "thd_positions", "ROPE_IMPLS"]
 
-_FN = "fnppo.apply_rotary"
+_FN = "fnppo.ops.apply_rotary"
 ROPE_IMPLS = ("auto", "triton", "torch")
 
 
@@ -48,8 +48,9 @@ def _use_triton(x: Tensor, impl: str) -> bool:
         return False
     ok = triton_available() and (x.is_cuda or triton_interpreting())
     if impl == "triton" and not ok:
-        raise input_error(_FN, "impl", "'torch' or 'auto' here (Triton needs CUDA tensors or TRITON_INTERPRET=1)",
-                          repr(impl))
+        raise input_error(
+            _FN, "impl", "'torch' or 'auto' here (Triton needs CUDA tensors or TRITON_INTERPRET=1)", repr(impl)
+        )
     return ok and (impl == "triton" or x.is_cuda)
 
 
@@ -97,7 +98,7 @@ class _Rotary(torch.autograd.Function):
 def apply_rotary(
     x: Float[Tensor, "tokens heads dim"],
     freqs: Float[Tensor, "table rot"],
-    positions: Int[Tensor, "tokens"],
+    positions: Int[Tensor, tokens],
     *,
     impl: str = "auto",
 ) -> Float[Tensor, "tokens heads dim"]:
@@ -115,13 +116,14 @@ def apply_rotary(
         raise input_error(_FN, "impl", f"one of {ROPE_IMPLS}", repr(impl))
     rot = freqs.shape[-1]
     if rot % 2 or rot > x.shape[-1] or rot == 0:
-        raise input_error(_FN, "freqs", f"an even number of angles per position, at most dim={x.shape[-1]}",
-                          describe(freqs))
+        raise input_error(
+            _FN, "freqs", f"an even number of angles per position, at most dim={x.shape[-1]}", describe(freqs)
+        )
     return _Rotary.apply(x, freqs, positions, _use_triton(x, impl))
 
 
 @typechecked
-def thd_positions(cu_seqlens: CuSeqlens, total: int) -> Int[Tensor, "{total}"]:
+def thd_positions(cu_seqlens: CuSeqlens, total: int) -> Int[Tensor, {total}]:
     """Position of each packed token within its own sequence: ``pos_t = t - cu[seg(t)]``.
 
     ``seg(t)`` is the sequence holding token ``t`` (``cu[seg] <= t < cu[seg + 1]``; empty

@@ -15,7 +15,7 @@ carry that token's value at that position and 0 everywhere else. ``position_ids`
 every sample and are 0 on padding; ``seq_ids`` is the sample's index within the micro-batch, -1 on
 padding.
 
-Megatron's ``PackedSeqParams`` is built from ``cu_seqlens``/``max_seqlen`` in :mod:`fnppo.megatron.model`.
+Megatron's ``PackedSeqParams`` is built from ``cu_seqlens``/``max_seqlen`` in :mod:`fnppo.megatron.forward`.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class Sample:
     * ``values``, ``returns``: ``Float[Tensor, "r"]`` or None, for the critic
       (:func:`fnppo.critic_step`): ``values[j]`` is the critic's value at rollout time of the state
       before response token ``j`` (:func:`fnppo.compute_values`), ``returns[j]`` its target (e.g.
-      from :func:`fnppo.gae_advantages`); like ``ref_logprobs``, all samples of a batch or none;
+      from :func:`fnppo.advantages.gae_advantages`); like ``ref_logprobs``, all samples of a batch or none;
     * ``routed_experts``: ``Integer[Tensor, "tokens layers topk"]`` or None: routing replay
       (:mod:`fnppo.megatron.routing`). Row ``t`` holds the top-k expert indices the routers chose for token
       ``t`` of ``prompt ++ response``, one entry per MoE layer in global layer order (dense layers
@@ -109,7 +109,7 @@ class Sample:
       chooses itself). A row of ``-1`` (every entry) is a token without a route: the router chooses
       there too. In one batch either every sample has them or none. A sample with multi-modal
       items may carry the rows of the sequence the model runs, where an item takes several
-      positions (an image placeholder expanded by :class:`fnppo.megatron.vlm.VLMCollate`, which checks the
+      positions (an image placeholder expanded by :class:`fnppo.megatron.vlm_collate.VLMCollate`, which checks the
       exact count): construction then asks for at least ``len(sample) - 1`` rows, and
       :func:`~fnppo.core.collate.collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
 
@@ -168,13 +168,15 @@ class Sample:
         if t is None:
             return
         if not isinstance(t, torch.Tensor) or t.ndim != 3 or not _is_integer(t):
-            raise input_error(fn, "routed_experts", "None or an integer tensor [tokens, layers, topk]",
-                              _describe_any(t))
+            raise input_error(
+                fn, "routed_experts", "None or an integer tensor [tokens, layers, topk]", _describe_any(t)
+            )
         n = len(self)
         if any(int(v.shape[0]) for v in self.multi_modal.values()):
             if t.shape[0] < n - 1 or t.shape[1] < 1 or t.shape[2] < 1:
                 raise input_error(
-                    fn, "routed_experts",
+                    fn,
+                    "routed_experts",
                     f"at least {n - 1} rows (one per position of the sequence the model runs, whose multi-modal "
                     "items may take several positions each), at least one MoE layer and one expert per row",
                     describe(t),
@@ -182,9 +184,11 @@ class Sample:
             return
         if t.shape[0] not in (n, n - 1) or t.shape[1] < 1 or t.shape[2] < 1:
             raise input_error(
-                fn, "routed_experts",
+                fn,
+                "routed_experts",
                 f"{n} or {n - 1} rows (one per token of prompt + response; the last token's may be missing), "
-                "at least one MoE layer and one expert per row", describe(t),
+                "at least one MoE layer and one expert per row",
+                describe(t),
             )
 
     @property
@@ -242,7 +246,8 @@ class Sample:
             multi_modal=mm,
             values=floats(values),
             returns=floats(returns),
-            routed_experts=routed_experts if routed_experts is None or isinstance(routed_experts, Tensor)
+            routed_experts=routed_experts
+            if routed_experts is None or isinstance(routed_experts, Tensor)
             else torch.as_tensor(routed_experts, dtype=torch.int32),
         )
 
@@ -337,9 +342,23 @@ class Microbatch:
 
 
 _MB_LEAVES = (
-    "input_ids", "position_ids", "labels", "loss_mask", "old_logprobs", "advantages", "ref_logprobs",
-    "rollout_logprobs", "seq_ids", "attention_mask", "cu_seqlens", "sample_index", "multi_modal",
-    "multi_modal_counts", "values", "returns", "routed_experts",
+    "input_ids",
+    "position_ids",
+    "labels",
+    "loss_mask",
+    "old_logprobs",
+    "advantages",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "seq_ids",
+    "attention_mask",
+    "cu_seqlens",
+    "sample_index",
+    "multi_modal",
+    "multi_modal_counts",
+    "values",
+    "returns",
+    "routed_experts",
 )
 _MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)

@@ -4,8 +4,8 @@ Per-token tensors come in two layouts: padded ``[batch, seq]`` (each row is one 
 packed ``[1, total]`` (THD) with per-token sequence ids (``-1``: the token belongs to no
 sequence). :class:`Segments` hides the difference: ``sum`` reduces tokens to one value per
 sequence, ``gather`` spreads one value per sequence back over its tokens, both without Python
-loops over sequences and without a device-to-host sync. The losses (:mod:`fnppo.core.loss`,
-:mod:`fnppo.core.policy_losses`) and the advantage estimators (:mod:`fnppo.core.advantages`) share it.
+loops over sequences and without a device-to-host sync. The losses (:mod:`fnppo.core.losses`,
+:mod:`fnppo.core.rollout_correction`) and the advantage estimators (:mod:`fnppo.core.advantages`) share it.
 """
 
 from __future__ import annotations

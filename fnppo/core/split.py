@@ -31,8 +31,15 @@ from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.sample import LAYOUTS, Microbatch, Sample, round_up
 from fnppo.core.typing import typechecked
 
-__all__ = ["SplitPlan", "split_batch", "split_mode", "check_split", "plan_microbatches", "build_microbatches",
-           "SPLIT_MODES"]
+__all__ = [
+    "SplitPlan",
+    "split_batch",
+    "split_mode",
+    "check_split",
+    "plan_microbatches",
+    "build_microbatches",
+    "SPLIT_MODES",
+]
 
 SPLIT_MODES = ("num_microbatches", "microbatch_size", "max_tokens_per_microbatch")
 """The three ways to split a batch; exactly one is used."""
@@ -59,14 +66,19 @@ class SplitPlan:
         order = list(self.order)
         n = len(order)
         if sorted(order) != list(range(n)) or any(len(mb) == 0 for mb in self.microbatches):
-            raise input_error("SplitPlan", "microbatches", f"non-empty groups partitioning range({n})",
-                              repr(self.microbatches)[:200])
+            raise input_error(
+                "SplitPlan", "microbatches", f"non-empty groups partitioning range({n})", repr(self.microbatches)[:200]
+            )
         expected = [0] * n
         for pos, i in enumerate(order):
             expected[i] = pos
         if list(self.inverse) != expected:
-            raise input_error("SplitPlan", "inverse", f"the inverse of the concatenated order {expected}"[:200],
-                              repr(self.inverse)[:200])
+            raise input_error(
+                "SplitPlan",
+                "inverse",
+                f"the inverse of the concatenated order {expected}"[:200],
+                repr(self.inverse)[:200],
+            )
 
     @classmethod
     def from_groups(cls, groups: Sequence[Sequence[int]]) -> SplitPlan:
@@ -91,8 +103,9 @@ class SplitPlan:
     def apply(self, samples: Sequence[_T]) -> list[list[_T]]:
         """The samples grouped by micro-batch."""
         if len(samples) != len(self.inverse):
-            raise input_error("SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)",
-                              f"{len(samples)}")
+            raise input_error(
+                "SplitPlan.apply", "samples", f"{len(self.inverse)} samples (the planned batch)", f"{len(samples)}"
+            )
         return [[samples[i] for i in mb] for mb in self.microbatches]
 
     def restore(self, per_microbatch: Sequence[Sequence[_T]]) -> list[_T]:
@@ -100,7 +113,9 @@ class SplitPlan:
         flat = [x for group in per_microbatch for x in group]
         if [len(g) for g in per_microbatch] != [len(mb) for mb in self.microbatches]:
             raise input_error(
-                "SplitPlan.restore", "per_microbatch", f"group sizes {[len(mb) for mb in self.microbatches]}",
+                "SplitPlan.restore",
+                "per_microbatch",
+                f"group sizes {[len(mb) for mb in self.microbatches]}",
                 f"{[len(g) for g in per_microbatch]}",
             )
         return [flat[j] for j in self.inverse]
@@ -188,8 +203,9 @@ def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
     return int(t[0].item()), -int(t[1].item())
 
 
-def split_mode(num_microbatches: Any, microbatch_size: Any, max_tokens_per_microbatch: Any, *, fn: str,
-               required: bool) -> tuple[str, int] | None:
+def split_mode(
+    num_microbatches: Any, microbatch_size: Any, max_tokens_per_microbatch: Any, *, fn: str, required: bool
+) -> tuple[str, int] | None:
     """The split mode given, checked: ``(name, size)``, or None when none is given and not ``required``.
 
     The one home of the "one split mode" and "positive size" checks, used by :func:`split_batch`
@@ -198,12 +214,19 @@ def split_mode(num_microbatches: Any, microbatch_size: Any, max_tokens_per_micro
     Raises:
         InputError: two or more modes (or none when ``required``); a size that is not an int >= 1.
     """
-    modes = {"num_microbatches": num_microbatches, "microbatch_size": microbatch_size,
-             "max_tokens_per_microbatch": max_tokens_per_microbatch}
+    modes = {
+        "num_microbatches": num_microbatches,
+        "microbatch_size": microbatch_size,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
     given = [k for k, v in modes.items() if v is not None]
     if len(given) > 1 or (required and not given):
-        raise input_error(fn, "/".join(SPLIT_MODES), "exactly one of them" if required else "at most one of them",
-                          f"{given or 'none'}")
+        raise input_error(
+            fn,
+            "/".join(SPLIT_MODES),
+            "exactly one of them" if required else "at most one of them",
+            f"{given or 'none'}",
+        )
     if not given:
         return None
     check_positive_int(fn, given[0], modes[given[0]])
@@ -280,12 +303,20 @@ def split_batch(
     return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout)
 
 
-def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pad_to_multiple_of: int,
-          layout: str, length: Callable[[Sample], int] = len, count_multiple: int = 1) -> SplitPlan:
+def _plan(
+    samples: Sequence[Sample],
+    mode: tuple[str, int],
+    *,
+    dp_group: Any,
+    pad_to_multiple_of: int,
+    layout: str,
+    length: Callable[[Sample], int] = len,
+    count_multiple: int = 1,
+) -> SplitPlan:
     """:func:`split_batch` on checked arguments (the step's path): count, agree over DP, group.
 
     ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
-    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm.VLMCollate`, says how much). A count the
+    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how much). A count the
     split decides (``microbatch_size``, ``max_tokens_per_microbatch``) is rounded up to a multiple
     of ``count_multiple`` after the agreement; an explicit ``num_microbatches`` is taken as given.
 
@@ -314,7 +345,8 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
         agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
         raise input_error(
-            fn, "samples",
+            fn,
+            "samples",
             f"at least {agreed} samples on every data-parallel rank (the group's agreed number of "
             f"micro-batches{rounded}; empty micro-batches are not supported)",
             f"{smallest} samples on some rank ({n} here)",
@@ -327,9 +359,17 @@ def _plan(samples: Sequence[Sample], mode: tuple[str, int], *, dp_group: Any, pa
     return SplitPlan.from_groups(groups)
 
 
-def check_split(fn: str, samples: Sequence[Sample], mode: tuple[str, int], *, pad_to_multiple_of: int,
-                length: Callable[[Sample], int] = len, parts: int = 1, arg: str = "samples",
-                count_arg: str = "num_microbatches") -> None:
+def check_split(
+    fn: str,
+    samples: Sequence[Sample],
+    mode: tuple[str, int],
+    *,
+    pad_to_multiple_of: int,
+    length: Callable[[Sample], int] = len,
+    parts: int = 1,
+    arg: str = "samples",
+    count_arg: str = "num_microbatches",
+) -> None:
     """The checks of a split that only the data can answer, before any agreement over ranks: an
     explicit micro-batch count of at most the (mini-)batch size, and every (padded) sample within
     the token budget on its own.
@@ -353,21 +393,26 @@ def check_split(fn: str, samples: Sequence[Sample], mode: tuple[str, int], *, pa
     if name == "num_microbatches":
         n = len(samples) // parts
         if size > n:
-            where = (f"the batch size {n} (" if parts == 1
-                     else f"the mini-batch size {n} ({len(samples)} samples / num_minibatches={parts}; ")
+            where = (
+                f"the batch size {n} ("
+                if parts == 1
+                else f"the mini-batch size {n} ({len(samples)} samples / num_minibatches={parts}; "
+            )
             raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(size))
     elif name == "max_tokens_per_microbatch":
         lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
         _check_budget(fn, samples, lengths, size, pad_to_multiple_of, arg)
 
 
-def _check_budget(fn: str, samples: Sequence[Sample], lengths: list[int], budget: int, pad_to_multiple_of: int,
-                  arg: str) -> None:
+def _check_budget(
+    fn: str, samples: Sequence[Sample], lengths: list[int], budget: int, pad_to_multiple_of: int, arg: str
+) -> None:
     """Every (padded) sample fits the token budget on its own."""
     for i, ln in enumerate(lengths):
         if ln > budget:
             raise input_error(
-                fn, f"{arg}[{i}]",
+                fn,
+                f"{arg}[{i}]",
                 f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget "
                 "cannot be split)",
                 f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}"
@@ -375,14 +420,29 @@ def _check_budget(fn: str, samples: Sequence[Sample], lengths: list[int], budget
             )
 
 
-def plan_microbatches(samples: Sequence[Sample], mode: tuple[str, int], *, layout: str, pad_to_multiple_of: int,
-                      collate: Callable[..., Microbatch], dp_group: Any = None, count_multiple: int = 1) -> SplitPlan:
+def plan_microbatches(
+    samples: Sequence[Sample],
+    mode: tuple[str, int],
+    *,
+    layout: str,
+    pad_to_multiple_of: int,
+    collate: Callable[..., Microbatch],
+    dp_group: Any = None,
+    count_multiple: int = 1,
+) -> SplitPlan:
     """The plan of :func:`build_microbatches` (the same arguments), without collating: the training
     step plans every mini-batch before its first update, so that a refusal of the plan (too few
     samples for the count agreed over ``dp_group``, raised on every rank) comes before anything changed."""
     length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
-    return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, length=length,
-                 count_multiple=count_multiple)
+    return _plan(
+        samples,
+        mode,
+        dp_group=dp_group,
+        pad_to_multiple_of=pad_to_multiple_of,
+        layout=layout,
+        length=length,
+        count_multiple=count_multiple,
+    )
 
 
 def build_microbatches(
@@ -430,8 +490,15 @@ def build_microbatches(
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
     """
     if plan is None:
-        plan = plan_microbatches(samples, mode, layout=layout, pad_to_multiple_of=pad_to_multiple_of, collate=collate,
-                                 dp_group=dp_group, count_multiple=count_multiple)
+        plan = plan_microbatches(
+            samples,
+            mode,
+            layout=layout,
+            pad_to_multiple_of=pad_to_multiple_of,
+            collate=collate,
+            dp_group=dp_group,
+            count_multiple=count_multiple,
+        )
     mbs = [
         to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))

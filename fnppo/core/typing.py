@@ -33,14 +33,6 @@ from jaxtyping import Bool, Float, Float32, Int, Int32, Integer, Shaped, TypeChe
 
 from fnppo.core.errors import ShapeError, describe
 
-# temporary re-exports (redesign): the error helpers live in fnppo.core.errors; removed at integration
-from fnppo.core.errors import InputError as InputError
-from fnppo.core.errors import check_bool_fields as check_bool_fields
-from fnppo.core.errors import check_finite as check_finite
-from fnppo.core.errors import check_mask01 as check_mask01
-from fnppo.core.errors import check_range as check_range
-from fnppo.core.errors import input_error as input_error
-
 __all__ = [
     "ShapeError",
     "typechecked",
@@ -267,7 +259,3 @@ def _size_str(size: Any) -> str:
 
 def _is_type_violation(err: BaseException) -> bool:
     return isinstance(err, (TypeCheckError, BeartypeCallHintViolation))
-
-
-# temporary re-exports (redesign): see the imports above; removed at integration
-__all__ += ["InputError", "input_error", "check_mask01", "check_finite", "check_range", "describe", "check_bool_fields"]

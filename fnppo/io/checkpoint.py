@@ -1,4 +1,4 @@
-"""Atomic, layout-checked checkpoints of a :class:`~fnppo.steps.step.TrainState` (torch files per rank).
+"""Atomic, layout-checked checkpoints of a :class:`~fnppo.steps.config.TrainState` (torch files per rank).
 
 ``state`` may also be a mapping of names to train states (e.g. ``{"policy": ..., "critic": ...}``
 for PPO with a critic): they are saved into the same rank files under one manifest, so the
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fnppo.megatron.model import unwrap_model
+from fnppo.core.errors import input_error
 from fnppo.megatron.parallel import current_layout
-from fnppo.core.typing import input_error
+from fnppo.megatron.unwrap import unwrap_model
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint"]
 
@@ -52,7 +52,7 @@ class CheckpointError(RuntimeError):
 
 
 def _error(fn: str, arg: str, expected: str, received: str) -> CheckpointError:
-    """The standard message (:func:`fnppo.core.typing.input_error`'s) as a :class:`CheckpointError`."""
+    """The standard message (:func:`fnppo.core.errors.input_error`'s) as a :class:`CheckpointError`."""
     return CheckpointError(str(input_error(fn, arg, expected, received)))
 
 
@@ -63,7 +63,10 @@ def _rng_state() -> dict[str, Any]:
     try:
         from megatron.core import tensor_parallel
 
-        out["megatron"] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+        out["megatron"] = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+        }
     except Exception:  # noqa: BLE001 - tracker not initialized
         pass
     return out
@@ -83,8 +86,16 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 def _layout_dict() -> dict[str, int]:
     lay = current_layout()
-    return {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vpp": lay.vpp or 0,
-            "ep": lay.ep, "etp": lay.etp, "cp": lay.cp}
+    return {
+        "world_size": lay.world_size,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "dp": lay.dp,
+        "vpp": lay.vpp or 0,
+        "ep": lay.ep,
+        "etp": lay.etp,
+        "cp": lay.cp,
+    }
 
 
 def _saved_layout(manifest: Mapping[str, Any]) -> dict[str, int] | None:
@@ -125,8 +136,11 @@ def _model_shapes(state) -> dict[str, list[int]]:
 
 
 def _state_payload(state) -> dict[str, Any]:
-    return {"step": state.step, "model": [unwrap_model(c).state_dict() for c in state.model],
-            "optimizer": _optimizer_state(state.optimizer)}
+    return {
+        "step": state.step,
+        "model": [unwrap_model(c).state_dict() for c in state.model],
+        "optimizer": _optimizer_state(state.optimizer),
+    }
 
 
 def _sha256(path: Path) -> str:
@@ -164,9 +178,12 @@ def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
     optimizer.load_state_dict(saved["state_dict"])
     subs = _sub_optimizers(optimizer)
     if len(saved["param_state"]) != len(subs):
-        raise _error("load_checkpoint", "state",
-                     f"an optimizer of {len(saved['param_state'])} parts (the checkpoint's)",
-                     f"an optimizer of {len(subs)} parts")
+        raise _error(
+            "load_checkpoint",
+            "state",
+            f"an optimizer of {len(saved['param_state'])} parts (the checkpoint's)",
+            f"an optimizer of {len(subs)} parts",
+        )
     for sub, param_state in zip(subs, saved["param_state"]):
         if param_state is None:
             continue
@@ -191,7 +208,7 @@ def _load_optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> None:
 def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, Any] | None = None) -> Path:
     """Save ``state`` (model chunks, optimizer, step) plus RNG states and ``extra`` to ``directory``.
 
-    ``state``: a :class:`~fnppo.steps.step.TrainState`, or a mapping of names to train states (all in the
+    ``state``: a :class:`~fnppo.steps.config.TrainState`, or a mapping of names to train states (all in the
     same files, one manifest; its ``step`` is the first state's). Collective: every rank writes its
     own file; rank 0 writes the manifest last. Returns the path.
     """
@@ -201,8 +218,12 @@ def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, 
     path.mkdir(parents=True, exist_ok=True)
     named = _named(state)
     if isinstance(state, Mapping) and not (named and all(isinstance(k, str) and k for k in named)):
-        raise _error("save_checkpoint", "state",
-                     "a TrainState or a non-empty mapping of non-empty names to train states", repr(list(named)))
+        raise _error(
+            "save_checkpoint",
+            "state",
+            "a TrainState or a non-empty mapping of non-empty names to train states",
+            repr(list(named)),
+        )
     first = next(iter(named.values()))
     payload: dict[str, Any] = {"rng": _rng_state(), "extra": dict(extra or {})}
     if isinstance(state, Mapping):
@@ -211,8 +232,13 @@ def save_checkpoint(directory: str | os.PathLike, state, *, extra: Mapping[str, 
         payload.update(_state_payload(state))
     fname = path / f"rank{rank:05d}.pt"
     _atomic_write_bytes(fname, lambda f: torch.save(payload, f))
-    info = {"file": fname.name, "size": fname.stat().st_size, "sha256": _sha256(fname), "shapes": _shapes_digest(state),
-            "experts": _expert_range(state)}
+    info = {
+        "file": fname.name,
+        "size": fname.stat().st_size,
+        "sha256": _sha256(fname),
+        "shapes": _shapes_digest(state),
+        "experts": _expert_range(state),
+    }
     infos: list[Any] = [info]
     if dist.is_initialized() and world > 1:
         infos = [None] * world
@@ -252,6 +278,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def _validate(path: Path, rank: int, state) -> str | None:
     """Why this rank cannot load ``path`` (the full message), None if it can. Reads no state into the model."""
+
     def refuse(arg: str, expected: str, received: str) -> str:
         return str(_error("load_checkpoint", arg, expected, received))
 
@@ -261,45 +288,70 @@ def _validate(path: Path, rank: int, state) -> str | None:
         return refuse("directory", "a checkpoint directory", f"{str(path)!r}, which is not a directory")
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
-        return refuse("directory", "a complete checkpoint (a directory with manifest.json)",
-                      f"{str(path)!r}, which has no manifest.json (an interrupted save, or not a checkpoint)")
+        return refuse(
+            "directory",
+            "a complete checkpoint (a directory with manifest.json)",
+            f"{str(path)!r}, which has no manifest.json (an interrupted save, or not a checkpoint)",
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return refuse("directory", "a manifest.json holding JSON",
-                      f"{str(manifest_path)!r}, which is not valid JSON ({err})")
+        return refuse(
+            "directory", "a manifest.json holding JSON", f"{str(manifest_path)!r}, which is not valid JSON ({err})"
+        )
     if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), list)):
-        return refuse("directory", "a manifest.json of fnppo (an object with a list of rank 'files')",
-                      f"{str(manifest_path)!r} holding {type(manifest).__name__} without them")
+        return refuse(
+            "directory",
+            "a manifest.json of fnppo (an object with a list of rank 'files')",
+            f"{str(manifest_path)!r} holding {type(manifest).__name__} without them",
+        )
     names = list(state) if isinstance(state, Mapping) else None
     if manifest.get("states") != names:
         saved = manifest.get("states") or "of one TrainState"
         passed = names or "one TrainState"
-        return refuse("state", "the train states the checkpoint holds",
-                      f"other ones (checkpoint holds the train states {saved}, this run passes {passed})")
+        return refuse(
+            "state",
+            "the train states the checkpoint holds",
+            f"other ones (checkpoint holds the train states {saved}, this run passes {passed})",
+        )
     layout = _layout_dict()
     if _saved_layout(manifest) != layout:
-        return refuse("directory", f"a checkpoint of this run's layout {layout}",
-                      f"checkpoint layout {manifest.get('layout')}; convert it first "
-                      "(gather_full_weights, then load_full_weights in the new layout)")
+        return refuse(
+            "directory",
+            f"a checkpoint of this run's layout {layout}",
+            f"checkpoint layout {manifest.get('layout')}; convert it first "
+            "(gather_full_weights, then load_full_weights in the new layout)",
+        )
     files = manifest["files"]
     if rank >= len(files):
         return refuse("directory", f"a rank file for rank {rank}", f"a checkpoint of {len(files)} rank files")
     info = files[rank]
     fname = path / info["file"]
     if not fname.is_file():
-        return refuse("directory", f"the rank file {str(fname)!r} that the manifest lists",
-                      f"a checkpoint where {fname} is missing")
+        return refuse(
+            "directory",
+            f"the rank file {str(fname)!r} that the manifest lists",
+            f"a checkpoint where {fname} is missing",
+        )
     if fname.stat().st_size != info["size"]:
-        return refuse("directory", f"{str(fname)!r} of {info['size']} bytes (the manifest's)",
-                      f"{fname.stat().st_size} bytes: {fname} is truncated or altered")
+        return refuse(
+            "directory",
+            f"{str(fname)!r} of {info['size']} bytes (the manifest's)",
+            f"{fname.stat().st_size} bytes: {fname} is truncated or altered",
+        )
     if _sha256(fname) != info["sha256"]:
-        return refuse("directory", f"{str(fname)!r} with the sha256 of the manifest",
-                      f"a file whose sha256 differs from the manifest: {fname} is altered")
+        return refuse(
+            "directory",
+            f"{str(fname)!r} with the sha256 of the manifest",
+            f"a file whose sha256 differs from the manifest: {fname} is altered",
+        )
     if info.get("shapes") != _shapes_digest(state):
         first = _first_shape_difference(fname, state)
-        return refuse("state", f"the model shape of the checkpoint (rank {rank})",
-                      f"a model that differs from the checkpoint's on rank {rank}: {first}")
+        return refuse(
+            "state",
+            f"the model shape of the checkpoint (rank {rank})",
+            f"a model that differs from the checkpoint's on rank {rank}: {first}",
+        )
     return None
 
 
@@ -326,8 +378,12 @@ def _first_shape_difference(fname: Path, state) -> str:
         saved = _saved_shapes(fname, state)
     except Exception as err:  # noqa: BLE001 - the digests still tell that they differ
         return f"parameter names/shapes digest {_shapes_digest(state)} (the rank file cannot be read: {err})"
-    buffers = {f"{f'{key}/' if key else ''}{i}.{name}" for key, one in _named(state).items()
-               for i, chunk in enumerate(one.model) for name, _ in unwrap_model(chunk).named_buffers()}
+    buffers = {
+        f"{f'{key}/' if key else ''}{i}.{name}"
+        for key, one in _named(state).items()
+        for i, chunk in enumerate(one.model)
+        for name, _ in unwrap_model(chunk).named_buffers()
+    }
     for name, shape in ours.items():
         if saved.get(name) != shape:
             return f"parameter {name!r}: checkpoint {saved.get(name, 'absent')}, this model {shape}"
@@ -344,7 +400,7 @@ def _shapes_digest(state) -> str:
 def load_checkpoint(directory: str | os.PathLike, state):
     """Restore model, optimizer, RNG states and step from ``directory`` into ``state``'s objects.
 
-    ``state``: a :class:`~fnppo.steps.step.TrainState`, or the same mapping of names to train states that
+    ``state``: a :class:`~fnppo.steps.config.TrainState`, or the same mapping of names to train states that
     was saved. Returns ``(state, extra)`` (a new mapping for a mapping). Raises
     :class:`CheckpointError` (nothing loaded), on every rank, in the standard format
     ``load_checkpoint: argument 'directory' expected ..., received ...``: the directory does not
@@ -376,8 +432,12 @@ def load_checkpoint(directory: str | os.PathLike, state):
             missing, unexpected = core.load_state_dict(sd, strict=False)
             missing = [m for m in missing if not m.endswith("_extra_state")]
             if missing or unexpected:
-                raise _error("load_checkpoint", "state", "the names of the checkpoint's model state",
-                             f"a model state missing {missing[:5]} and not expecting {unexpected[:5]}")
+                raise _error(
+                    "load_checkpoint",
+                    "state",
+                    "the names of the checkpoint's model state",
+                    f"a model state missing {missing[:5]} and not expecting {unexpected[:5]}",
+                )
         _load_optimizer_state(one.optimizer, part["optimizer"])
         restored[key] = dataclasses.replace(one, step=int(part["step"]))
     _set_rng_state(payload["rng"])

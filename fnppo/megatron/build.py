@@ -30,7 +30,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from torch import nn
 
-from fnppo.core.typing import Tensor, input_error
+from fnppo.core.errors import input_error
+from fnppo.core.typing import Tensor
 from fnppo.megatron.config import ModelConfig, transformer_config
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.norms import SequenceParallelNorm
@@ -64,8 +65,8 @@ def build_gpt(
     ``layer_spec`` defaults to :func:`fnppo.megatron.layer_specs.choose_layer_spec`: Transformer Engine's
     spec when installed,
     else the local spec with packed-sequence attention, and the local spec under context
-    parallelism; pass ``layer_spec=fnppo.local_layer_spec(cfg)`` or
-    ``layer_spec=fnppo.default_layer_spec(cfg)`` to force either. With MoE layers ``layer_spec`` is the
+    parallelism; pass ``layer_spec=fnppo.models.local_layer_spec(cfg)`` or
+    ``layer_spec=fnppo.models.default_layer_spec(cfg)`` to force either. With MoE layers ``layer_spec`` is the
     spec of the MoE layers, and dense layers
     (``moe_layer_freq``) get the default dense spec. Every router's replay slot is its own
     (``fnppo.megatron.routing``): it is taken off Megatron's global list of replay instances, so models built
@@ -117,7 +118,7 @@ def build_gpt(
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
-        model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.steps.step), rope (fnppo.io.hf)
+        model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.steps.plan), rope (fnppo.io.hf)
         _own_replay_slots(model)
         if cfg.moe_freeze_router:
             _freeze_routers(model)

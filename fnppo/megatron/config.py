@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from fnppo.core.typing import check_bool_fields, input_error
+from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.megatron.fused_rope import install_fused_rope
 from fnppo.megatron.layer_specs import te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -271,7 +271,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
 
     ``variable_seq_lengths`` is on, so pipeline stages exchange the shape of every micro-batch
     (packed micro-batches differ in length); fnppo's steps run the interleaved schedule (``vpp``)
-    without it, on micro-batches of one shape (``fnppo.steps.step._run_schedule`` says why).
+    without it, on micro-batches of one shape (``fnppo.steps.schedule.run_schedule`` says why).
     Fusions: :func:`fusion_fields` (on where the model is
     built for CUDA unless ``cfg.fusions`` is False; off on CPU).
     """

@@ -43,7 +43,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from fnppo.core.context_parallel import context_parallel_attention
-from fnppo.core.typing import CuSeqlens, Tensor, describe, input_error, typechecked
+from fnppo.core.errors import describe, input_error
+from fnppo.core.typing import CuSeqlens, Tensor, typechecked
 from fnppo.megatron.packed_attention import check_cu_seqlens, packed_causal_attention
 
 __all__ = ["PackedDotProductAttention", "thd_packed_seq_params"]
@@ -57,7 +58,7 @@ def thd_packed_seq_params(cu_seqlens: CuSeqlens) -> PackedSeqParams:
     (exact: Megatron sizes its rotary table from it, and RoPE positions restart in every sequence;
     see the module docstring).
     """
-    fn = "fnppo.megatron.attention.thd_packed_seq_params"
+    fn = "fnppo.megatron.core_attention.thd_packed_seq_params"
     values = cu_seqlens.tolist()
     check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, values[-1] if values else 0)
     max_len = max(b - a for a, b in zip(values, values[1:]))
@@ -130,7 +131,7 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None,
         params: PackedSeqParams,
     ) -> Tensor:
-        fn = "fnppo.megatron.attention.PackedDotProductAttention.forward"
+        fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
         if params.qkv_format != "thd":
             raise input_error(fn, "packed_seq_params.qkv_format", "'thd'", repr(params.qkv_format))
         if attention_bias is not None:

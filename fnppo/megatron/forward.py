@@ -1,7 +1,7 @@
 """Running one model chunk on one micro-batch: ``forward_logits``, ``forward_hidden``, ``forward_values``.
 
-The stage between collation (:mod:`fnppo.core.batch`) and the log-prob / loss stages: a
-:class:`~fnppo.core.batch.Microbatch` goes through one chunk (Megatron's ``PackedSeqParams`` for
+The stage between collation (:mod:`fnppo.core.collate`) and the log-prob / loss stages: a
+:class:`~fnppo.core.sample.Microbatch` goes through one chunk (Megatron's ``PackedSeqParams`` for
 packed micro-batches, :func:`packed_seq_params`), optionally with another parameter set
 (``params``, ``torch.func.functional_call``; :func:`snapshot_params` makes one).
 :func:`deterministic_algorithms` is the numerics switch the steps run a schedule under.
@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import Float16Module
 from torch import nn
 
-from fnppo.core.batch import Microbatch
+from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.unwrap import check_head, unwrap_model
 
@@ -67,7 +67,7 @@ def _call_target(model: nn.Module) -> tuple[nn.Module, str]:
         model = model.module
     prefix = ""
     inner = model
-    while hasattr(inner, "module") and isinstance(getattr(inner, "module"), nn.Module):
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):
         inner = inner.module
         prefix += "module."
     return model, prefix
@@ -90,13 +90,13 @@ def packed_seq_params(mb: Microbatch):
 @typechecked
 def forward_values(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> Float[Tensor, "..."]:
+) -> Float[Tensor, ...]:
     """Run one chunk of a value model on a micro-batch: one value per position on the last stage.
 
     ``values[b, t] = V(input_ids[b, :t+1])``, the head of :class:`fnppo.megatron.value.GPTValueModel` on the
     decoder's (normed) output at position ``t``, ``[batch, seq]`` in the model's dtype (no fp32
     upcast), over the whole sequence also under sequence parallelism. With the alignment of
-    :mod:`fnppo.core.batch`, the value at the position of response token ``j``'s label is the value of
+    :mod:`fnppo.core.collate`, the value at the position of response token ``j``'s label is the value of
     the state before that token (the last prompt token for ``j = 0``). Other stages return
     Megatron's hidden state ``[seq, batch, hidden]`` (the schedule sends it on). Packed micro-batches
     get ``PackedSeqParams``; ``params`` as in :func:`forward_logits`.
@@ -113,7 +113,7 @@ def forward_values(
 @typechecked
 def forward_logits(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> Float[Tensor, "..."]:
+) -> Float[Tensor, ...]:
     """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
 
     Returns ``[batch, seq, vocab_shard]`` logits in the model's dtype (no fp32 upcast copy) on the
@@ -121,7 +121,7 @@ def forward_logits(
     sends it on). Packed micro-batches get ``PackedSeqParams`` (THD); padded ones use causal
     attention with right padding, so padding never influences real tokens.
 
-    A model whose unwrapped module sets ``takes_multi_modal = True`` (:class:`fnppo.megatron.vlm.VisionLanguageGPT`)
+    A model whose unwrapped module sets ``takes_multi_modal = True`` (:class:`fnppo.megatron.vlm_model.VisionLanguageGPT`)
     also receives ``multi_modal=microbatch.multi_modal`` and ``multi_modal_counts=`` (items per
     sample); other models are called as before (their micro-batches' items are not read).
 
@@ -142,7 +142,7 @@ def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tens
     target, prefix = _call_target(model)
     args = (microbatch.input_ids, microbatch.position_ids, None)
     kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(microbatch)}
-    if getattr(unwrap_model(target), "takes_multi_modal", False):  # e.g. fnppo.megatron.vlm.VisionLanguageGPT
+    if getattr(unwrap_model(target), "takes_multi_modal", False):  # e.g. fnppo.megatron.vlm_model.VisionLanguageGPT
         kwargs["multi_modal"] = microbatch.multi_modal
         kwargs["multi_modal_counts"] = microbatch.multi_modal_counts
     if isinstance(target, Float16Module):
@@ -156,7 +156,7 @@ def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tens
 @typechecked
 def forward_hidden(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> tuple[Float[Tensor, "..."], Tensor | None]:
+) -> tuple[Float[Tensor, ...], Tensor | None]:
     """Like :func:`forward_logits`, but the last pipeline stage stops before the output layer.
 
     Returns ``(hidden, weight)``. On the last stage: ``hidden`` ``[seq, batch, hidden]`` is the
@@ -169,12 +169,12 @@ def forward_hidden(
     (``GPTModel.shared_embedding_or_output_weight``; taken from ``params`` when given there). Feed
     both to :func:`fnppo.linear_logprob_and_entropy`: ``hidden @ weight.T`` are this rank's
     logits. On other stages: ``(hidden state to send, None)``, as :func:`forward_logits`. A model
-    that wraps its ``GPTModel`` as ``language_model`` (:class:`fnppo.megatron.vlm.VisionLanguageGPT`) stops
+    that wraps its ``GPTModel`` as ``language_model`` (:class:`fnppo.megatron.vlm_model.VisionLanguageGPT`) stops
     the same way; ``params`` are then named from the wrapper (``language_model.…``).
     """
     check_head("fnppo.forward_hidden", "model", model, "lm")
     core = unwrap_model(model)
-    # a model that wraps its GPTModel (fnppo.megatron.vlm.VisionLanguageGPT: ``language_model``)
+    # a model that wraps its GPTModel (fnppo.megatron.vlm_model.VisionLanguageGPT: ``language_model``)
     lm, prefix = (core.language_model, "language_model.") if hasattr(core, "language_model") else (core, "")
     if not lm.post_process:
         return _forward(model, microbatch, params), None

@@ -2,7 +2,7 @@
 
 The data-parallel reduction of gradients is the step most easily lost in a refactor: Megatron's
 schedule calls ``config.finalize_model_grads_func`` only if it is set, and silently skips it
-otherwise. In fnppo the schedule is driven by :func:`fnppo.steps.step.train_step`, which installs
+otherwise. In fnppo the schedule is driven by :func:`fnppo.steps.train.train_step`, which installs
 :func:`finalize_grads` itself and raises :class:`FinalizeNotCalledError` if the schedule returns
 without having called it.
 """

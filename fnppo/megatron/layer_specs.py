@@ -17,7 +17,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from fnppo.core.typing import input_error
+from fnppo.core.errors import input_error
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout
@@ -76,7 +76,7 @@ def local_layer_spec(
     parallelism). ``packed_attention=False`` keeps Megatron's local core attention. Multi-latent
     attention is not offered.
     """
-    fn = "fnppo.megatron.attention.local_layer_spec"
+    fn = "fnppo.megatron.layer_specs.local_layer_spec"
     opts = _spec_options(
         config,
         qk_layernorm=qk_layernorm,
@@ -168,12 +168,12 @@ def default_layer_spec(
 def choose_layer_spec(cfg: Any, layout: ParallelLayout, **options: Any):
     """The layer spec :func:`fnppo.megatron.build.build_gpt` builds when it is given none.
 
-    :func:`fnppo.megatron.attention.default_layer_spec` (Transformer Engine's spec where TE is installed,
+    :func:`fnppo.megatron.layer_specs.default_layer_spec` (Transformer Engine's spec where TE is installed,
     else the local spec), except under context parallelism (``layout.cp > 1``): there the local
     spec, whose packed attention computes exact document-causal attention across the CP group
     (:func:`fnppo.core.context_parallel.context_parallel_attention`, tested against one process).
     Megatron's own CP inside Transformer Engine's attention stays selectable with
-    ``layer_spec=fnppo.default_layer_spec(cfg)``; its agreement with fnppo's CP has not been
+    ``layer_spec=fnppo.models.default_layer_spec(cfg)``; its agreement with fnppo's CP has not been
     measured (it needs two GPUs).
     """
     if layout.cp > 1:

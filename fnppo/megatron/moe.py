@@ -54,8 +54,8 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
 
+from fnppo.core.errors import input_error
 from fnppo.core.metrics import merge_metrics, pair_metric
-from fnppo.core.typing import input_error
 from fnppo.megatron.routing import clear_routing
 from fnppo.megatron.unwrap import unwrap_model
 

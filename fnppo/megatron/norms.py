@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fnppo.core.typing import input_error
+from fnppo.core.errors import input_error
 
 __all__ = ["SequenceParallelNorm"]
 
@@ -34,8 +34,15 @@ class SequenceParallelNorm:
         InputError: a normalization other than LayerNorm/RMSNorm, or zero-centered gamma.
     """
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm") -> torch.nn.Module:
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
         fn = "fnppo.megatron.norms.SequenceParallelNorm"
         if getattr(config, "layernorm_zero_centered_gamma", False):
             raise input_error(fn, "config.layernorm_zero_centered_gamma", "False (not supported)", "True")

@@ -54,17 +54,8 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fnppo.core.typing import (
-    Bool,
-    CuSeqlens,
-    Float,
-    Int32,
-    Tensor,
-    describe,
-    input_error,
-    typechecked,
-    typechecking_enabled,
-)
+from fnppo.core.errors import describe, input_error
+from fnppo.core.typing import Bool, CuSeqlens, Float, Int32, Tensor, typechecked, typechecking_enabled
 
 __all__ = [
     "packed_causal_attention",
@@ -92,14 +83,14 @@ def check_cu_seqlens(fn: str, arg: str, cu_seqlens: Tensor, total: int) -> None:
 
 
 @typechecked
-def segment_ids(cu_seqlens: CuSeqlens, total: int) -> Int32[Tensor, "{total}"]:
+def segment_ids(cu_seqlens: CuSeqlens, total: int) -> Int32[Tensor, {total}]:
     """Index of the sequence that holds each packed token: ``seg(i) = k`` iff ``cu[k] <= i < cu[k+1]``.
 
     Computed as ``#{k >= 1 : cu[k] <= i}`` (a sorted search), so empty sequences are skipped.
     ``cu_seqlens`` must start at 0, be non-decreasing and end at ``total`` (checked).
     Reference: the THD layout of Transformer Engine / flash-attention varlen (arXiv:2205.14135).
     """
-    check_cu_seqlens("fnppo.megatron.attention.segment_ids", "cu_seqlens", cu_seqlens, total)
+    check_cu_seqlens("fnppo.megatron.packed_attention.segment_ids", "cu_seqlens", cu_seqlens, total)
     return _segment_ids(cu_seqlens, total)
 
 
@@ -116,7 +107,7 @@ def document_causal_mask(cu_seqlens: CuSeqlens, total: int) -> Bool[Tensor, "{to
     sequence (arXiv:2107.02027). Note the convention is PyTorch's (True = attend), the opposite of
     Megatron's masks (True = masked out).
     """
-    check_cu_seqlens("fnppo.megatron.attention.document_causal_mask", "cu_seqlens", cu_seqlens, total)
+    check_cu_seqlens("fnppo.megatron.packed_attention.document_causal_mask", "cu_seqlens", cu_seqlens, total)
     return _dense_mask(_segment_ids(cu_seqlens, total))
 
 
@@ -166,7 +157,7 @@ def flex_compile_count() -> int:
     return _FLEX_COMPILES[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_fn(device_type: str) -> Any:
     """flex_attention, compiled on CUDA (once per process), eager elsewhere (slow; for tests)."""
     if device_type != "cuda":
@@ -230,7 +221,7 @@ def packed_causal_attention(
     ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync;
     skipped with call-time checking off) and the mask is memoized for that tensor.
     """
-    fn = "fnppo.megatron.attention.packed_causal_attention"
+    fn = "fnppo.megatron.packed_attention.packed_causal_attention"
     heads, groups = query.shape[1], key.shape[1]
     if groups == 0 or heads % groups != 0:
         raise input_error(fn, "key", f"a number of key/value groups dividing the {heads} query heads", describe(key))

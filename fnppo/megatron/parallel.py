@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from fnppo.core.typing import InputError
+from fnppo.core.errors import InputError
 from fnppo.megatron.runtime import enter_cpu_mode_for_process, exit_cpu_mode_for_process
 
 __all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero", "agree_on_refusal"]
@@ -234,7 +234,7 @@ def agree_on_refusal(check: Callable[[], _T], layout: ParallelLayout | None = No
     """Run ``check`` (an entry point's input checks, which run no collective) and agree on its
     verdict over every rank of the world, so that a refusal is raised on all ranks or on none.
 
-    Each rank catches its own :class:`~fnppo.core.typing.InputError`; one all-reduce (MAX) of a 0/1
+    Each rank catches its own :class:`~fnppo.core.errors.InputError`; one all-reduce (MAX) of a 0/1
     verdict over the whole world (every DP, TP, PP, CP and EP rank) decides. When some rank refused,
     the refusing ranks' messages are gathered (only then) and every rank raises an InputError with
     the message of the lowest refusing rank; unless every rank refused with that same message, it is

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fnppo.core.typing import input_error
+from fnppo.core.errors import input_error
 
 __all__ = ["HEADS", "unwrap_model", "model_head", "check_head"]
 
@@ -21,7 +21,7 @@ HEADS = ("lm", "value")
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The ``GPTModel`` inside DDP / ``Float16Module`` wrappers."""
-    while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module):
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
 

@@ -40,7 +40,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch import nn
 
-from fnppo.core.typing import input_error
+from fnppo.core.errors import input_error
 
 __all__ = ["GPTValueModel", "ValueHead", "VALUE_HEAD_PREFIX"]
 
@@ -54,7 +54,7 @@ class ValueHead(nn.Module):
     """``values[b, s] = hidden[s, b] . w + c``: one scalar per token, replicated on every TP rank.
 
     The weight ``[1, hidden]`` is drawn from ``N(0, init_method_std^2)`` by a generator with a fixed
-    seed (the same head on every TP rank; :func:`fnppo.layout_invariant_init` redraws it from the
+    seed (the same head on every TP rank; :func:`fnppo.models.layout_invariant_init` redraws it from the
     run's seed), the bias ``[1]`` is 0.
     """
 

@@ -1,9 +1,9 @@
 """The collate stage of a vision-language model: image placeholders expanded before collation (pure torch).
 
 **Where a placeholder becomes N positions: in the collate stage.** A prompt holds one placeholder
-token (``image_token_id``) per image; :class:`VLMCollate` (a :class:`fnppo.steps.step.CollateFn`) replaces
+token (``image_token_id``) per image; :class:`VLMCollate` (a :class:`fnppo.steps.protocols.CollateFn`) replaces
 each by ``tokens_per_image`` copies of it and then calls the unchanged
-:func:`fnppo.core.batch.collate_microbatch`. Every per-token field (labels, loss mask, positions, old /
+:func:`fnppo.core.collate.collate_microbatch`. Every per-token field (labels, loss mask, positions, old /
 reference log-probs, ``cu_seqlens``, ``seq_ids``) is therefore built on the expanded sequence and
 no other stage knows about images; responses are untouched, so results per response token
 (:func:`fnppo.compute_logprobs`) are unchanged. The split counts expanded lengths
@@ -33,17 +33,10 @@ from typing import Any
 
 import torch
 
-from fnppo.core.batch import Microbatch, Sample, collate_microbatch
-from fnppo.core.typing import (
-    Bool,
-    Integer,
-    Tensor,
-    check_bool_fields,
-    describe,
-    input_error,
-    typechecked,
-    typechecking_enabled,
-)
+from fnppo.core.collate import collate_microbatch
+from fnppo.core.errors import check_bool_fields, describe, input_error
+from fnppo.core.sample import Microbatch, Sample
+from fnppo.core.typing import Bool, Integer, Tensor, typechecked, typechecking_enabled
 
 __all__ = [
     "VisionConfig",
@@ -156,7 +149,7 @@ def expand_image_placeholders(
     tokens_per_image: int,
     image_key: str = "images",
     image_shape: tuple[int, ...] | None = None,
-    fn: str = "fnppo.megatron.vlm.expand_image_placeholders",
+    fn: str = "fnppo.megatron.vlm_collate.expand_image_placeholders",
     arg: str = "sample",
 ) -> Sample:
     """The sample with each image placeholder of its prompt repeated ``tokens_per_image`` times (pure).
@@ -217,7 +210,7 @@ def expand_image_routes(
     is_image: Bool[Tensor, " tokens"],
     tokens_per_image: int,
     *,
-    fn: str = "fnppo.megatron.vlm.expand_image_routes",
+    fn: str = "fnppo.megatron.vlm_collate.expand_image_routes",
     arg: str = "routes",
 ) -> Integer[Tensor, "expanded layers topk"]:
     """A VLM sample's routed experts, one row per position of its expanded sequence (pure).
@@ -292,10 +285,10 @@ def expand_image_routes(
 
 @dataclass(frozen=True)
 class VLMCollate:
-    """The collate stage of a vision-language model (a :class:`fnppo.steps.step.CollateFn`).
+    """The collate stage of a vision-language model (a :class:`fnppo.steps.protocols.CollateFn`).
 
     Each sample's placeholders are expanded (:func:`expand_image_placeholders`; its routed experts
-    with them, :func:`expand_image_routes`), then :func:`fnppo.core.batch.collate_microbatch` builds the
+    with them, :func:`expand_image_routes`), then :func:`fnppo.core.collate.collate_microbatch` builds the
     micro-batch on the expanded sequences, with ``max_seq_len`` checked on the expanded length. Use
     ``StepConfig(fns=StepFns(collate=...))``.
 
@@ -324,7 +317,7 @@ class VLMCollate:
             tokens_per_image=self.tokens_per_image,
             image_key=self.image_key,
             image_shape=self.image_shape,
-            fn="fnppo.megatron.vlm.VLMCollate",
+            fn="fnppo.megatron.vlm_collate.VLMCollate",
             arg=arg,
         )
 

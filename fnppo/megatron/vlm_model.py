@@ -51,7 +51,7 @@ buffer for it and it never changes.
   window attention in most layers with full attention in a few, plus SwiGLU MLPs. ``CLIPViTModel``
   has a fixed image size and learned positions, so a Qwen ViT needs its own Megatron module
   (``TransformerBlock`` with a packed/THD attention over the patches of each image, which
-  :mod:`fnppo.megatron.attention` provides for the causal case; a bidirectional and windowed mask is new).
+  :mod:`fnppo.megatron.packed_attention` provides for the causal case; a bidirectional and windowed mask is new).
 * Merger: the ``PatchMerger`` (2x2 spatial merge, LayerNorm, 2-layer MLP) maps to a reshape plus
   this projector; its weights map one to one.
 * Tokens: ``tokens_per_image`` becomes per image (``t * h * w / 4`` from ``image_grid_thw``);
@@ -83,7 +83,8 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from torch import nn
 
-from fnppo.core.typing import Float, Int, Tensor, describe, input_error, typechecked, typechecking_enabled
+from fnppo.core.errors import describe, input_error
+from fnppo.core.typing import Float, Int, Tensor, typechecked, typechecking_enabled
 from fnppo.megatron.build import build_gpt
 from fnppo.megatron.config import ModelConfig, transformer_config
 from fnppo.megatron.layer_specs import local_layer_spec, te_available
@@ -117,7 +118,7 @@ def scatter_image_features(
         count = int(mask.sum())
         if count != features.shape[0]:
             raise input_error(
-                "fnppo.megatron.vlm.scatter_image_features",
+                "fnppo.megatron.vlm_model.scatter_image_features",
                 "features",
                 f"{count} rows (one per placeholder position)",
                 describe(features),
@@ -265,7 +266,7 @@ class VisionLanguageGPT(MegatronModule):
             check_images(
                 images,
                 self.vision.image_shape,
-                fn="fnppo.megatron.vlm.VisionLanguageGPT.forward",
+                fn="fnppo.megatron.vlm_model.VisionLanguageGPT.forward",
                 arg=f"multi_modal[{self.vision.image_key!r}]",
                 values=False,
             )
@@ -273,7 +274,7 @@ class VisionLanguageGPT(MegatronModule):
                 emb = scatter_image_features(emb, input_ids, self.image_features(images), self.vision.image_token_id)
             elif typechecking_enabled() and bool((input_ids == self.vision.image_token_id).any()):
                 raise input_error(
-                    "fnppo.megatron.vlm.VisionLanguageGPT.forward",
+                    "fnppo.megatron.vlm_model.VisionLanguageGPT.forward",
                     "multi_modal",
                     f"images for the placeholder tokens {self.vision.image_token_id}",
                     "no images",
@@ -309,7 +310,7 @@ def build_vlm(
             parallelism, TP > 1 with an MoE language model, and everything
             :func:`fnppo.megatron.config.transformer_config` refuses.
     """
-    fn = "fnppo.build_vlm"
+    fn = "fnppo.vlm.build_vlm"
     if vision.image_token_id >= cfg.vocab_size:
         raise input_error(
             fn, "vision.image_token_id", f"a token id below vocab_size={cfg.vocab_size}", repr(vision.image_token_id)

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch import nn
 
-from fnppo.core.typing import InputError, Tensor, input_error
+from fnppo.core.errors import InputError, input_error
+from fnppo.core.typing import Tensor
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import model_head, unwrap_model
 from fnppo.megatron.value import VALUE_HEAD_PREFIX

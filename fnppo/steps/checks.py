@@ -26,10 +26,10 @@ from fnppo.core.checks import (
     check_token_ids,
 )
 from fnppo.core.collate import collate_microbatch
-from fnppo.core.losses import SEQ_REJECTION_CRITERIA, LossConfig, ValueLossConfig
-from fnppo.core.split import check_split
 from fnppo.core.errors import describe, input_error
+from fnppo.core.losses import SEQ_REJECTION_CRITERIA, LossConfig, ValueLossConfig
 from fnppo.core.sample import Microbatch, Sample, padding_multiple
+from fnppo.core.split import check_split
 from fnppo.core.typing import typechecking_enabled
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder
@@ -38,14 +38,25 @@ from fnppo.steps.plan import ModelFacts, Plan, make_plan
 from fnppo.steps.protocols import CollateFn
 
 __all__ = [
-    "checked_plan", "check_context_parallel", "check_interleaved", "check_batch", "check_collate_inputs",
-    "check_forward_only_microbatches", "check_logits", "check_values", "check_critic_targets",
-    "check_rollout_logprobs", "per_chunk", "routing_recorder", "interleaved_where",
+    "checked_plan",
+    "check_context_parallel",
+    "check_interleaved",
+    "check_batch",
+    "check_collate_inputs",
+    "check_forward_only_microbatches",
+    "check_logits",
+    "check_values",
+    "check_critic_targets",
+    "check_rollout_logprobs",
+    "per_chunk",
+    "routing_recorder",
+    "interleaved_where",
 ]
 
 
-def checked_plan(fn: str, config: Batching, model: ModelFacts, samples: Sequence[Any], *, num_minibatches: int = 1,
-                 loss: Any = None) -> Plan:
+def checked_plan(
+    fn: str, config: Batching, model: ModelFacts, samples: Sequence[Any], *, num_minibatches: int = 1, loss: Any = None
+) -> Plan:
     """:func:`~fnppo.steps.plan.make_plan`, after the checks every entry point makes before anything
     runs: :func:`check_context_parallel` (of the loss ``loss``; None: no loss is computed),
     :func:`check_interleaved`, :func:`check_batch` and :func:`check_collate_inputs`, in that order."""
@@ -70,27 +81,41 @@ def check_context_parallel(fn: str, config: Batching, plan: Plan, loss: Any) -> 
         return
     need = padding_multiple(layout.tp, layout.cp)
     if config.layout != "packed":
-        raise input_error(fn, "config.layout", f"'packed' with context parallelism (cp={layout.cp})",
-                          repr(config.layout))
+        raise input_error(
+            fn, "config.layout", f"'packed' with context parallelism (cp={layout.cp})", repr(config.layout)
+        )
     if plan.pad_to_multiple_of % need:
-        raise input_error(fn, "config.pad_to_multiple_of", f"a multiple of 2*cp*tp = {need} (context parallelism)",
-                          repr(plan.pad_to_multiple_of))
+        raise input_error(
+            fn,
+            "config.pad_to_multiple_of",
+            f"a multiple of 2*cp*tp = {need} (context parallelism)",
+            repr(plan.pad_to_multiple_of),
+        )
     if loss is None:
         return
     if loss.agg.mode != "token-mean":
-        raise input_error(fn, "config.loss.agg.mode", f"'token-mean' with context parallelism (cp={layout.cp})",
-                          repr(loss.agg.mode))
+        raise input_error(
+            fn, "config.loss.agg.mode", f"'token-mean' with context parallelism (cp={layout.cp})", repr(loss.agg.mode)
+        )
     correction = getattr(loss, "correction", None)  # the policy loss's rollout correction (the critic has none)
     if correction is None:
         return
     if correction.sequence_level:
         name = "level" if correction.level == "sequence" else "reject_level"
-        raise input_error(fn, f"config.loss.correction.{name}", f"'token' with context parallelism (cp={layout.cp})",
-                          repr(getattr(correction, name)))
+        raise input_error(
+            fn,
+            f"config.loss.correction.{name}",
+            f"'token' with context parallelism (cp={layout.cp})",
+            repr(getattr(correction, name)),
+        )
     seq_criteria = [n for n in SEQ_REJECTION_CRITERIA if getattr(correction, n) is not None]
     if seq_criteria:  # sequence statistics need the whole sequence; a CP rank holds part of it
-        raise input_error(fn, f"config.loss.correction.{seq_criteria[0]}",
-                          f"None with context parallelism (cp={layout.cp})", repr(getattr(correction, seq_criteria[0])))
+        raise input_error(
+            fn,
+            f"config.loss.correction.{seq_criteria[0]}",
+            f"None with context parallelism (cp={layout.cp})",
+            repr(getattr(correction, seq_criteria[0])),
+        )
 
 
 def interleaved_where(layout: ParallelLayout) -> str:
@@ -115,14 +140,24 @@ def check_interleaved(fn: str, config: Batching, plan: Plan) -> None:
     group = plan.count_multiple
     where = interleaved_where(layout)
     if config.layout != "packed":
-        raise input_error(fn, "config.layout", f"'packed' under {where}: its stages exchange activations of one shape "
-                          "per step, and padded micro-batches differ in their number of rows", repr(config.layout))
+        raise input_error(
+            fn,
+            "config.layout",
+            f"'packed' under {where}: its stages exchange activations of one shape "
+            "per step, and padded micro-batches differ in their number of rows",
+            repr(config.layout),
+        )
     name, count = plan.split
     if name == "num_microbatches" and count % group:
         got = repr(count) if config.num_microbatches is not None else "None (one micro-batch)"
-        raise input_error(fn, "config.num_microbatches", f"a multiple of {group} under {where}, which runs "
-                          f"micro-batches in groups of {group} per virtual stage (e.g. {-(-count // group) * group}; "
-                          "or split by microbatch_size or max_tokens_per_microbatch, whose count is rounded up)", got)
+        raise input_error(
+            fn,
+            "config.num_microbatches",
+            f"a multiple of {group} under {where}, which runs "
+            f"micro-batches in groups of {group} per virtual stage (e.g. {-(-count // group) * group}; "
+            "or split by microbatch_size or max_tokens_per_microbatch, whose count is rounded up)",
+            got,
+        )
 
 
 def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn, num_minibatches: int = 1) -> None:
@@ -157,9 +192,16 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
     if plan.max_seq_len is not None:
         limit = plan.max_seq_len
         check_lengths(fn, samples, limit, f"at most {limit} tokens ({plan.max_seq_len_source})", arg="batch")
-    check_split(fn, samples, plan.split, pad_to_multiple_of=plan.pad_to_multiple_of,
-                length=getattr(collate, "collated_length", len), parts=num_minibatches, arg="batch",
-                count_arg="config.num_microbatches")
+    check_split(
+        fn,
+        samples,
+        plan.split,
+        pad_to_multiple_of=plan.pad_to_multiple_of,
+        length=getattr(collate, "collated_length", len),
+        parts=num_minibatches,
+        arg="batch",
+        count_arg="config.num_microbatches",
+    )
     check_devices(fn, samples, arg="batch")
     check_same_fields(fn, samples, arg="batch")
     check_sample_values(fn, samples, arg="batch")
@@ -167,11 +209,13 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
     if samples[0].routed_experts is not None:  # check_same_fields: all samples or none
         routing = plan.model.routing
         if routing is None:
-            raise input_error(fn, "batch[0].routed_experts", "None (the model has no MoE layers)",
-                              describe(samples[0].routed_experts))
+            raise input_error(
+                fn, "batch[0].routed_experts", "None (the model has no MoE layers)", describe(samples[0].routed_experts)
+            )
         layers, topk, experts = routing
-        check_routed_experts(fn, samples, num_layers=layers, topk=topk, num_experts=experts, arg="batch",
-                             values=typechecking_enabled())
+        check_routed_experts(
+            fn, samples, num_layers=layers, topk=topk, num_experts=experts, arg="batch", values=typechecking_enabled()
+        )
         if collate is collate_microbatch:  # a stage that expands multi-modal items (VLMCollate) checks its own rows
             check_routing_rows(fn, samples, arg="batch")
 
@@ -179,7 +223,7 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
 def check_collate_inputs(fn: str, collate: CollateFn, samples: Sequence[Sample], model: ModelFacts) -> None:
     """A collate stage's own input checks, on the caller's whole batch before anything runs.
 
-    A stage with a ``check_batch(fn, samples, *, arg, model)`` method (:class:`~fnppo.megatron.vlm.VLMCollate`:
+    A stage with a ``check_batch(fn, samples, *, arg, model)`` method (:class:`~fnppo.megatron.vlm_collate.VLMCollate`:
     images, placeholders and their routed-expert rows, against the model's own image shape) is
     asked here, so its refusals name ``batch[i]`` and come before the first update, agreed over ranks.
     """
@@ -202,13 +246,22 @@ def check_forward_only_microbatches(fn: str, microbatches: Sequence[Microbatch],
         return
     where = interleaved_where(model.layout)
     if len(microbatches) % group:
-        raise input_error(fn, "microbatches", f"a multiple of {group} micro-batches under {where}, which runs "
-                          f"micro-batches in groups of {group} per virtual stage", f"{len(microbatches)} micro-batches")
+        raise input_error(
+            fn,
+            "microbatches",
+            f"a multiple of {group} micro-batches under {where}, which runs "
+            f"micro-batches in groups of {group} per virtual stage",
+            f"{len(microbatches)} micro-batches",
+        )
     shapes = sorted({tuple(mb.input_ids.shape) for mb in microbatches})
     if len(shapes) > 1:
-        raise input_error(fn, "microbatches", f"micro-batches of one shape under {where}, which runs without shape "
-                          "exchanges (pad packed micro-batches to one length with fnppo.pad_microbatch)",
-                          f"input_ids of shapes {', '.join(str(list(t)) for t in shapes)}")
+        raise input_error(
+            fn,
+            "microbatches",
+            f"micro-batches of one shape under {where}, which runs without shape "
+            "exchanges (pad packed micro-batches to one length with fnppo.pad_microbatch)",
+            f"input_ids of shapes {', '.join(str(list(t)) for t in shapes)}",
+        )
 
 
 def check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: ParallelLayout) -> None:
@@ -220,7 +273,8 @@ def check_logits(fn: str, logits: torch.Tensor, vocab: int | None, layout: Paral
         gathered = logits.shape[-1] == vocab and layout.tp > 1
         hint = " (logits already gathered over tensor parallelism; return this rank's shard)" if gathered else ""
         raise input_error(
-            fn, "logits",
+            fn,
+            "logits",
             f"a last dimension of vocab_size / tp = {vocab} / {layout.tp} = {shard} (this rank's vocab shard)",
             f"{describe(logits)}{hint}",
         )
@@ -238,11 +292,16 @@ def check_critic_targets(fn: str, samples: Sequence[Sample], loss_cfg: ValueLoss
     """The critic needs every sample's ``returns``, and its ``values`` when the value loss clips
     (all-or-none was checked with the batch, so the first sample speaks for all)."""
     if samples[0].returns is None:
-        raise input_error(fn, "batch[0].returns", "a tensor (the critic's targets, e.g. from fnppo.gae_advantages)",
-                          "None")
+        raise input_error(
+            fn, "batch[0].returns", "a tensor (the critic's targets, e.g. from fnppo.advantages.gae_advantages)", "None"
+        )
     if loss_cfg.clip_range is not None and samples[0].values is None:
-        raise input_error(fn, "batch[0].values", "a tensor (the rollout-time values) since "
-                          f"ValueLossConfig.clip_range={loss_cfg.clip_range!r}", "None")
+        raise input_error(
+            fn,
+            "batch[0].values",
+            f"a tensor (the rollout-time values) since ValueLossConfig.clip_range={loss_cfg.clip_range!r}",
+            "None",
+        )
 
 
 def check_rollout_logprobs(fn: str, samples: Sequence[Sample], loss_cfg: LossConfig) -> None:
@@ -277,6 +336,10 @@ def routing_recorder(return_routing: bool, samples: Sequence[Sample], plan: Plan
     if plan.model.routing is None:
         raise input_error("compute_logprobs", "return_routing", "False for a model without MoE layers", "True")
     if samples[0].routed_experts is not None:
-        raise input_error("compute_logprobs", "return_routing",
-                          "False when the samples carry routed_experts (those are replayed, not recorded)", "True")
+        raise input_error(
+            "compute_logprobs",
+            "return_routing",
+            "False when the samples carry routed_experts (those are replayed, not recorded)",
+            "True",
+        )
     return RoutingRecorder(plan.model.routing[2])

@@ -14,13 +14,12 @@ from typing import Any
 
 from torch import nn
 
-from fnppo.core.errors import check_positive_int
-from fnppo.core.sample import LAYOUTS
+from fnppo.core.errors import check_bool_fields, check_positive_int, input_error
 from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
+from fnppo.core.sample import LAYOUTS
 from fnppo.core.split import split_mode
-from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.megatron.forward import forward_logits
 from fnppo.steps.protocols import CriticFns, StepFns
 
@@ -106,18 +105,26 @@ class StepConfig(Batching):
         check_positive_int(fn, "fused_output_chunk_vocab", self.fused_output_chunk_vocab, allow_none=True)
         if self.fused_output_graphs is not None:
             if not isinstance(self.fused_output_graphs, BackwardGraphs):
-                raise input_error(fn, "fused_output_graphs", "a fnppo.BackwardGraphs or None",
-                                  repr(self.fused_output_graphs))
+                raise input_error(
+                    fn, "fused_output_graphs", "a fnppo.ops.BackwardGraphs or None", repr(self.fused_output_graphs)
+                )
             if not self.fused_output:
-                raise input_error(fn, "fused_output_graphs",
-                                  "None unless fused_output=True (the graphs are the fused backward's)",
-                                  repr(self.fused_output_graphs))
+                raise input_error(
+                    fn,
+                    "fused_output_graphs",
+                    "None unless fused_output=True (the graphs are the fused backward's)",
+                    repr(self.fused_output_graphs),
+                )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
         replaced = self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy
         if self.fused_output and replaced:
-            raise input_error(fn, "fused_output", "False when fns.forward or fns.logprob is replaced "
-                              "(the fused path replaces both)", "True")
+            raise input_error(
+                fn,
+                "fused_output",
+                "False when fns.forward or fns.logprob is replaced (the fused path replaces both)",
+                "True",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.split import SPLIT_MODES
-from fnppo.core.errors import input_error
 from fnppo.megatron.forward import forward_hidden, forward_logits
-from fnppo.megatron.unwrap import check_head
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.routing import RoutingRecorder
+from fnppo.megatron.unwrap import check_head
 from fnppo.steps.checks import check_forward_only_microbatches, check_values, checked_plan, per_chunk, routing_recorder
 from fnppo.steps.config import CriticConfig, StepConfig
 from fnppo.steps.plan import Plan, microbatches, model_facts, unpacker, without_routes
@@ -53,8 +53,9 @@ def shard_for_data_parallel(samples: Sequence[Any], layout: ParallelLayout | Non
     """
     layout = layout or current_layout()
     if len(samples) % layout.dp:
-        raise input_error("shard_for_data_parallel", "samples", f"a length divisible by dp={layout.dp}",
-                          str(len(samples)))
+        raise input_error(
+            "shard_for_data_parallel", "samples", f"a length divisible by dp={layout.dp}", str(len(samples))
+        )
     per = len(samples) // layout.dp
     return list(samples[layout.dp_rank * per : (layout.dp_rank + 1) * per])
 
@@ -116,8 +117,12 @@ def _logprob_config(config: StepConfig | None, **given: Any) -> StepConfig:
     return dataclasses.replace(base, **given) if given else base
 
 
-def _from_last_stage(per_sample: list[tuple[torch.Tensor, torch.Tensor | None]] | None, lengths: list[int],
-                     with_entropy: bool, plan: Plan) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+def _from_last_stage(
+    per_sample: list[tuple[torch.Tensor, torch.Tensor | None]] | None,
+    lengths: list[int],
+    with_entropy: bool,
+    plan: Plan,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Per-sample results of the last pipeline stage (None elsewhere), on every stage (one broadcast)."""
     layout = plan.model.layout
     total = sum(lengths)
@@ -152,8 +157,10 @@ def compute_logprobs(
     fns: StepFns | None = None,
     config: StepConfig | None = None,
     return_routing: bool = False,
-) -> (tuple[list[torch.Tensor], list[torch.Tensor] | None]
-      | tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]):
+) -> (
+    tuple[list[torch.Tensor], list[torch.Tensor] | None]
+    | tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]
+):
     """Forward-only log-probs (and entropy) of every sample's response tokens, in sample order.
 
     ``logprobs_i[j] = log pi(y_ij | x_i, y_i<j) `` at ``temperature`` (and the entropy of that
@@ -184,7 +191,7 @@ def compute_logprobs(
         shards are gathered (:func:`~fnppo.core.context_parallel.gather_per_sample`). With
         ``return_routing``, a third list: per sample ``[tokens, MoE layers, topk]`` expert
         indices, one row per token of the sample as collated (``len(sample)``; under
-        :class:`fnppo.megatron.vlm.VLMCollate` its expanded length, every image ``tokens_per_image`` rows)
+        :class:`fnppo.megatron.vlm_collate.VLMCollate` its expanded length, every image ``tokens_per_image`` rows)
         (:func:`fnppo.megatron.routing.record_dtype`; gathered over sequence, context and pipeline
         parallelism), ready for ``Sample.routed_experts``.
 
@@ -199,9 +206,17 @@ def compute_logprobs(
     samples = list(batch)
 
     def entry() -> tuple[StepConfig, Plan, RoutingRecorder | None]:
-        cfg = _logprob_config(config, temperature=temperature, layout=layout, num_microbatches=num_microbatches,
-                              microbatch_size=microbatch_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
-                              pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len, fns=fns)
+        cfg = _logprob_config(
+            config,
+            temperature=temperature,
+            layout=layout,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            pad_to_multiple_of=pad_to_multiple_of,
+            max_seq_len=max_seq_len,
+            fns=fns,
+        )
         check_head("compute_logprobs", "model_chunks", chunks[0], "lm")
         per_chunk(params, len(chunks))
         plan = checked_plan("compute_logprobs", cfg, model_facts(chunks, par), samples)
@@ -212,8 +227,9 @@ def compute_logprobs(
     unpack = unpacker(par)
     weights: dict[str, torch.Tensor | None] = {"w": None}
 
-    def fused_forward(model: nn.Module, mb: Microbatch, *,
-                      params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def fused_forward(
+        model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         # The schedule calls per_sample right after the last stage's forward of the same micro-batch.
         hidden, weights["w"] = forward_hidden(model, mb, params=params)
         return hidden
@@ -223,11 +239,18 @@ def compute_logprobs(
         if par.cp == 1:  # one copy to the host per micro-batch, then per-sample views of it
             lp, ent = lp.float().cpu(), (ent.float().cpu() if with_entropy else None)
         ents = unpack(ent, mb) if with_entropy else [None] * mb.num_samples
-        return [(a.float().cpu(), None if b is None else b.float().cpu())
-                for a, b in zip(unpack(lp, mb), ents, strict=True)]
+        return [
+            (a.float().cpu(), None if b is None else b.float().cpu()) for a, b in zip(unpack(lp, mb), ents, strict=True)
+        ]
 
-    store = run_forward_only(plan.model, mbs, per_sample, params=params,
-                             forward=fused_forward if cfg.fused_output else cfg.fns.forward, recorder=recorder)
+    store = run_forward_only(
+        plan.model,
+        mbs,
+        per_sample,
+        params=params,
+        forward=fused_forward if cfg.fused_output else cfg.fns.forward,
+        recorder=recorder,
+    )
     restored = None if store is None else split.restore(store)
     out = _from_last_stage(restored, [s.response_len for s in samples], with_entropy, plan)
     if recorder is None:

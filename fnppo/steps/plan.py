@@ -17,17 +17,26 @@ import torch
 from torch import nn
 
 from fnppo.core.collate import unpack_per_sample
-from fnppo.core.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.context_parallel import gather_per_sample
+from fnppo.core.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.split import SPLIT_MODES, SplitPlan, build_microbatches, plan_microbatches
-from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
+from fnppo.megatron.unwrap import unwrap_model
 from fnppo.steps.config import Batching
 from fnppo.steps.protocols import CollateFn
 
-__all__ = ["ModelFacts", "Plan", "model_facts", "make_plan", "with_cp_in_dp", "split_plan", "microbatches",
-           "unpacker", "without_routes"]
+__all__ = [
+    "ModelFacts",
+    "Plan",
+    "model_facts",
+    "make_plan",
+    "with_cp_in_dp",
+    "split_plan",
+    "microbatches",
+    "unpacker",
+    "without_routes",
+]
 
 
 @dataclass(frozen=True)
@@ -129,18 +138,35 @@ def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
 
 def split_plan(samples: Sequence[Sample], plan: Plan, collate: CollateFn) -> SplitPlan:
     """The split of ``samples`` as ``plan`` says (:func:`~fnppo.core.split.plan_microbatches`; agreed over DP)."""
-    return plan_microbatches(samples, plan.split, layout=plan.layout, pad_to_multiple_of=plan.pad_to_multiple_of,
-                             collate=collate, dp_group=plan.dp_group, count_multiple=plan.count_multiple)
+    return plan_microbatches(
+        samples,
+        plan.split,
+        layout=plan.layout,
+        pad_to_multiple_of=plan.pad_to_multiple_of,
+        collate=collate,
+        dp_group=plan.dp_group,
+        count_multiple=plan.count_multiple,
+    )
 
 
-def microbatches(samples: Sequence[Sample], plan: Plan, collate: CollateFn,
-                 split: SplitPlan | None = None) -> tuple[Any, list[Microbatch]]:
+def microbatches(
+    samples: Sequence[Sample], plan: Plan, collate: CollateFn, split: SplitPlan | None = None
+) -> tuple[Any, list[Microbatch]]:
     """``(split, micro-batches)`` of ``samples`` split (by ``split`` when given, else by :func:`split_plan`)
     and collated as ``plan`` says, on the model's device (:func:`~fnppo.core.split.build_microbatches`)."""
-    return build_microbatches(samples, plan.split, layout=plan.layout, pad_to_multiple_of=plan.pad_to_multiple_of,
-                              collate=collate, device=plan.model.device, dp_group=plan.dp_group,
-                              same_length=plan.same_length, context_parallel=plan.context_parallel,
-                              count_multiple=plan.count_multiple, plan=split)
+    return build_microbatches(
+        samples,
+        plan.split,
+        layout=plan.layout,
+        pad_to_multiple_of=plan.pad_to_multiple_of,
+        collate=collate,
+        device=plan.model.device,
+        dp_group=plan.dp_group,
+        same_length=plan.same_length,
+        context_parallel=plan.context_parallel,
+        count_multiple=plan.count_multiple,
+        plan=split,
+    )
 
 
 def unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], list[torch.Tensor]]:
@@ -153,5 +179,7 @@ def unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], lis
 
 def without_routes(batch: Sequence[Any]) -> list[Any]:
     """The critic routes on its own: the policy's ``routed_experts`` are not replayed on it."""
-    return [dataclasses.replace(s, routed_experts=None) if isinstance(s, Sample) and s.routed_experts is not None else s
-            for s in batch]
+    return [
+        dataclasses.replace(s, routed_experts=None) if isinstance(s, Sample) and s.routed_experts is not None else s
+        for s in batch
+    ]

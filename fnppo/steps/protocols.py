@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from fnppo.core.collate import collate_microbatch
-from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ppo_loss, value_loss
+from fnppo.core.sample import Microbatch, Sample
 from fnppo.megatron.forward import forward_logits, forward_values
 
 __all__ = ["CollateFn", "ForwardFn", "LogprobFn", "LossFn", "ValueLossFn", "StepFns", "CriticFns"]
@@ -31,8 +31,9 @@ class CollateFn(Protocol):
     in the (mini-)batch being split.
     """
 
-    def __call__(self, samples: Sequence[Sample], *, layout: str, pad_to_multiple_of: int,
-                 sample_index: Sequence[int]) -> Microbatch: ...
+    def __call__(
+        self, samples: Sequence[Sample], *, layout: str, pad_to_multiple_of: int, sample_index: Sequence[int]
+    ) -> Microbatch: ...
 
 
 class ForwardFn(Protocol):
@@ -43,8 +44,9 @@ class ForwardFn(Protocol):
     passed by :func:`~fnppo.steps.infer.compute_logprobs` / :func:`~fnppo.steps.infer.forward_only` only.
     """
 
-    def __call__(self, model: nn.Module, microbatch: Microbatch, *,
-                 params: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor: ...
+    def __call__(
+        self, model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor: ...
 
 
 class LogprobFn(Protocol):
@@ -54,8 +56,16 @@ class LogprobFn(Protocol):
     vocabulary: logits columns at or beyond it (a padded vocabulary's) must be left out.
     """
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, *, tp_group: Any, temperature: float,
-                 with_entropy: bool, vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        tp_group: Any,
+        temperature: float,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class LossFn(Protocol):
@@ -67,11 +77,20 @@ class LossFn(Protocol):
     normalizes its weights over the batch (``config.correction.batch_normalize``).
     """
 
-    def __call__(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                 loss_mask: torch.Tensor, config: LossConfig, *, entropy: torch.Tensor | None,
-                 ref_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor | None,
-                 normalizer: torch.Tensor | None,
-                 seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_mask: torch.Tensor,
+        config: LossConfig,
+        *,
+        entropy: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        rollout_logprobs: torch.Tensor | None,
+        normalizer: torch.Tensor | None,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 class ValueLossFn(Protocol):
@@ -83,10 +102,19 @@ class ValueLossFn(Protocol):
     ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
     """
 
-    def __call__(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                 clip_range: float | None, *, loss_agg_mode: str, loss_scale_factor: float | None,
-                 normalizer: torch.Tensor | None,
-                 seq_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def __call__(
+        self,
+        values: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        mask: torch.Tensor,
+        clip_range: float | None,
+        *,
+        loss_agg_mode: str,
+        loss_scale_factor: float | None,
+        normalizer: torch.Tensor | None,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from megatron.core import pipeline_parallel
 from torch import nn
 
-from fnppo.core.sample import Microbatch
 from fnppo.core.linear_logprob import linear_logprob_and_entropy
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
-from fnppo.megatron.grads import GradStats, finalize_grads
+from fnppo.core.sample import Microbatch
 from fnppo.megatron.forward import deterministic_algorithms, forward_hidden
+from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder, routed
@@ -33,8 +33,16 @@ from fnppo.steps.plan import ModelFacts, Plan
 from fnppo.steps.protocols import ForwardFn
 
 __all__ = [
-    "MEGATRON_HOOKS", "fnppo_finalizer", "run_schedule", "routers", "global_normalizer", "global_sums",
-    "token_logprobs", "policy_forward_step", "value_forward_step", "run_forward_only",
+    "MEGATRON_HOOKS",
+    "fnppo_finalizer",
+    "run_schedule",
+    "routers",
+    "global_normalizer",
+    "global_sums",
+    "token_logprobs",
+    "policy_forward_step",
+    "value_forward_step",
+    "run_forward_only",
 ]
 
 MEGATRON_HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
@@ -77,8 +85,9 @@ def fnppo_finalizer(model: ModelFacts) -> Iterator[dict[str, GradStats]]:
             setattr(config, name, value)
 
 
-def run_schedule(model: ModelFacts, mbs: Sequence[Microbatch], forward_step: Callable, *,
-                 forward_only: bool) -> list[Any]:
+def run_schedule(
+    model: ModelFacts, mbs: Sequence[Microbatch], forward_step: Callable, *, forward_only: bool
+) -> list[Any]:
     """Megatron's ``get_forward_backward_func`` over ``mbs``; under ``vpp``, without shape exchanges.
 
     With ``variable_seq_lengths`` (the model config's default) every pipeline send is preceded by
@@ -127,8 +136,9 @@ def routers(model: ModelFacts, mbs: Sequence[Microbatch]):
     return router_step(list(model.chunks), mbs, model.layout, model.device)
 
 
-def global_normalizer(mbs: Sequence[Microbatch], agg: Aggregation, layout: ParallelLayout,
-                      device: torch.device) -> torch.Tensor:
+def global_normalizer(
+    mbs: Sequence[Microbatch], agg: Aggregation, layout: ParallelLayout, device: torch.device
+) -> torch.Tensor:
     """The loss denominator of the whole mini-batch: summed over micro-batches and DP ranks (fp64).
 
     ``agg``: the loss's :class:`~fnppo.core.losses.aggregate.Aggregation`
@@ -143,8 +153,9 @@ def global_normalizer(mbs: Sequence[Microbatch], agg: Aggregation, layout: Paral
     return total[0].float()
 
 
-def global_sums(mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def global_sums(
+    mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The loss normalizer and, with ``correction.batch_normalize``, the mean TIS weight of the mini-batch.
 
     Both are summed over micro-batches and DP ranks before the schedule, in one all-reduce (fp64):
@@ -163,25 +174,47 @@ def global_sums(mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: Paralle
     return local[0].float(), local[1] / torch.where(count > 0, count, torch.ones_like(count))
 
 
-def token_logprobs(fn: str, out: torch.Tensor, weight: torch.Tensor | None, mb: Microbatch, config: StepConfig,
-                   plan: Plan, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    fn: str,
+    out: torch.Tensor,
+    weight: torch.Tensor | None,
+    mb: Microbatch,
+    config: StepConfig,
+    plan: Plan,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of ``mb``'s labels from the logits, or, with ``weight`` (the fused
     path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard; over the
     model's real vocabulary (a padded vocabulary's extra columns are left out)."""
     layout = plan.model.layout
     tp_group = layout.tp_group if layout.tp > 1 else None
-    kwargs = dict(tp_group=tp_group, temperature=config.temperature, with_entropy=with_entropy,
-                  vocab_size=plan.model.real_vocab_size)
+    kwargs = dict(
+        tp_group=tp_group,
+        temperature=config.temperature,
+        with_entropy=with_entropy,
+        vocab_size=plan.model.real_vocab_size,
+    )
     if weight is None:
         check_logits(fn, out, plan.model.vocab_size, layout)
         return config.fns.logprob(out, mb.labels, **kwargs)
-    return linear_logprob_and_entropy(out.transpose(0, 1), weight, mb.labels,
-                                      chunk_vocab=config.fused_output_chunk_vocab,
-                                      graphs=config.fused_output_graphs, **kwargs)
+    return linear_logprob_and_entropy(
+        out.transpose(0, 1),
+        weight,
+        mb.labels,
+        chunk_vocab=config.fused_output_chunk_vocab,
+        graphs=config.fused_output_graphs,
+        **kwargs,
+    )
 
 
-def policy_forward_step(config: StepConfig, plan: Plan, *, normalizer: torch.Tensor | None, loss_scale: float,
-                        tis_mean: torch.Tensor | None = None) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
+def policy_forward_step(
+    config: StepConfig,
+    plan: Plan,
+    *,
+    normalizer: torch.Tensor | None,
+    loss_scale: float,
+    tis_mean: torch.Tensor | None = None,
+) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     """Megatron's ``forward_step_func`` of the policy: forward, then (last stage) logprob -> loss, scaled."""
     fns = config.fns
     loss_cfg = config.loss
@@ -197,9 +230,17 @@ def policy_forward_step(config: StepConfig, plan: Plan, *, normalizer: torch.Ten
             lp, ent = token_logprobs("train_step", logits, weight, mb, config, plan, True)
             old = mb.rollout_logprobs if loss_cfg.bypass_old_logprobs else mb.old_logprobs  # bypass mode
             loss, metrics = fns.loss(
-                lp, old, mb.advantages, mb.loss_mask, loss_cfg,
-                entropy=ent, ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs,
-                normalizer=normalizer, seq_ids=mb.seq_ids, **extra,
+                lp,
+                old,
+                mb.advantages,
+                mb.loss_mask,
+                loss_cfg,
+                entropy=ent,
+                ref_logprobs=mb.ref_logprobs,
+                rollout_logprobs=mb.rollout_logprobs,
+                normalizer=normalizer,
+                seq_ids=mb.seq_ids,
+                **extra,
             )
             return loss * loss_scale, {"metrics": metrics}
 
@@ -208,8 +249,9 @@ def policy_forward_step(config: StepConfig, plan: Plan, *, normalizer: torch.Ten
     return forward_step
 
 
-def value_forward_step(config: CriticConfig, *, normalizer: torch.Tensor,
-                       loss_scale: float) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
+def value_forward_step(
+    config: CriticConfig, *, normalizer: torch.Tensor, loss_scale: float
+) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     """Megatron's ``forward_step_func`` of the critic: ``forward_values``, then (last stage) the value loss, scaled."""
     fns, loss_cfg = config.fns, config.loss
 
@@ -220,9 +262,17 @@ def value_forward_step(config: CriticConfig, *, normalizer: torch.Tensor,
         def loss_func(values: torch.Tensor):
             check_values("critic_step", values, mb)
             old = mb.values if mb.values is not None else values.detach()  # unused without clipping
-            loss, metrics = fns.loss(values, old, mb.returns, mb.loss_mask, loss_cfg.clip_range,
-                                     loss_agg_mode=loss_cfg.agg.mode, loss_scale_factor=loss_cfg.agg.scale,
-                                     normalizer=normalizer, seq_ids=mb.seq_ids)
+            loss, metrics = fns.loss(
+                values,
+                old,
+                mb.returns,
+                mb.loss_mask,
+                loss_cfg.clip_range,
+                loss_agg_mode=loss_cfg.agg.mode,
+                loss_scale_factor=loss_cfg.agg.scale,
+                normalizer=normalizer,
+                seq_ids=mb.seq_ids,
+            )
             return loss * loss_scale, {"metrics": metrics}
 
         return out, loss_func
@@ -230,9 +280,15 @@ def value_forward_step(config: CriticConfig, *, normalizer: torch.Tensor,
     return forward_step
 
 
-def run_forward_only(model: ModelFacts, microbatches: Sequence[Microbatch],
-                     output_fn: Callable[[torch.Tensor, Microbatch], Any], *, params: Any, forward: ForwardFn,
-                     recorder: RoutingRecorder | None) -> list[Any] | None:
+def run_forward_only(
+    model: ModelFacts,
+    microbatches: Sequence[Microbatch],
+    output_fn: Callable[[torch.Tensor, Microbatch], Any],
+    *,
+    params: Any,
+    forward: ForwardFn,
+    recorder: RoutingRecorder | None,
+) -> list[Any] | None:
     """The schedule forward-only (eval mode, no autograd) on micro-batches the caller built right
     (one shape and a valid count under ``vpp``): ``output_fn`` of each micro-batch's output on the
     last pipeline stage, in micro-batch order; None on the other stages."""

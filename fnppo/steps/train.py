@@ -24,13 +24,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.metrics import finalize_metrics, merge_metrics, reduce_metrics
+from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.split import SplitPlan
 from fnppo.megatron.grads import FinalizeNotCalledError
-from fnppo.megatron.unwrap import check_head
 from fnppo.megatron.moe import router_derived_metrics
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
+from fnppo.megatron.unwrap import check_head
 from fnppo.steps.checks import check_critic_targets, check_rollout_logprobs, checked_plan
 from fnppo.steps.config import Batching, CriticConfig, StepConfig, TrainState
 from fnppo.steps.plan import Plan, microbatches, model_facts, split_plan, with_cp_in_dp, without_routes
@@ -63,8 +63,9 @@ class _Objective(NamedTuple):
     loss_key: str  # the metric whose non-finite value skips the update
 
 
-def _update(state: TrainState, minibatch: Sequence[Sample], split: SplitPlan, objective: _Objective,
-            plan: Plan) -> tuple[dict[str, torch.Tensor], float, bool]:
+def _update(
+    state: TrainState, minibatch: Sequence[Sample], split: SplitPlan, objective: _Objective, plan: Plan
+) -> tuple[dict[str, torch.Tensor], float, bool]:
     """One optimizer update on one mini-batch (split by ``split``): the five steps of :func:`train_step`
     (and of :func:`critic_step`, with its objective).
 
@@ -95,8 +96,13 @@ def _update(state: TrainState, minibatch: Sequence[Sample], split: SplitPlan, ob
     stats = record["stats"]
     per_microbatch = [s["metrics"] for s in store] if layout.is_last_stage else []
     summed = with_cp_in_dp(layout)  # every token once over data x context parallelism
-    metrics = reduce_metrics(per_microbatch, device=device, dp_group=summed.dp_group if summed.dp > 1 else None,
-                             pp_group=layout.pp_group if layout.pp > 1 else None, is_last_stage=layout.is_last_stage)
+    metrics = reduce_metrics(
+        per_microbatch,
+        device=device,
+        dp_group=summed.dp_group if summed.dp > 1 else None,
+        pp_group=layout.pp_group if layout.pp > 1 else None,
+        is_last_stage=layout.is_last_stage,
+    )
     if moe is not None:
         metrics.update(moe.metrics)
     finite = stats.finite and bool(torch.isfinite(metrics.get(objective.loss_key, torch.zeros(2))).all())
@@ -106,8 +112,9 @@ def _update(state: TrainState, minibatch: Sequence[Sample], split: SplitPlan, ob
     return metrics, float(stats.grad_norm), finite
 
 
-def _train(state: TrainState, samples: list[Sample], objective: _Objective, config: Batching,
-           plan: Plan) -> tuple[TrainState, dict[str, float]]:
+def _train(
+    state: TrainState, samples: list[Sample], objective: _Objective, config: Batching, plan: Plan
+) -> tuple[TrainState, dict[str, float]]:
     """``ppo_epochs`` passes of ``num_minibatches`` updates (:func:`_update`); the step's metrics.
 
     Every mini-batch is planned before the first update (the plan is the same in every epoch), so
@@ -204,26 +211,35 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
 
     def entry() -> Plan:
         check_head("train_step", "state.model", state.model[0], "lm")
-        plan = checked_plan("train_step", config, model_facts(state.model, layout), samples,
-                            num_minibatches=config.num_minibatches, loss=config.loss)
+        plan = checked_plan(
+            "train_step",
+            config,
+            model_facts(state.model, layout),
+            samples,
+            num_minibatches=config.num_minibatches,
+            loss=config.loss,
+        )
         check_rollout_logprobs("train_step", samples, config.loss)
         return plan
 
     plan = agree_on_refusal(entry, layout)
 
-    def sums(mbs: Sequence[Microbatch], lay: ParallelLayout,
-             dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sums(
+        mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return global_sums(mbs, config.loss, lay, dev)
 
     def forward_step(pair: tuple[torch.Tensor, torch.Tensor | None], scale: float) -> Callable:
         return policy_forward_step(config, plan, normalizer=pair[0], loss_scale=scale, tis_mean=pair[1])
 
-    return _train(state, samples, _Objective("train_step", config.fns.collate, sums, forward_step, "loss"),
-                  config, plan)
+    return _train(
+        state, samples, _Objective("train_step", config.fns.collate, sums, forward_step, "loss"), config, plan
+    )
 
 
-def critic_step(state: TrainState, batch: Sequence[Sample],
-                config: CriticConfig) -> tuple[TrainState, dict[str, float]]:
+def critic_step(
+    state: TrainState, batch: Sequence[Sample], config: CriticConfig
+) -> tuple[TrainState, dict[str, float]]:
     """One update of the critic (or ``ppo_epochs`` x ``num_minibatches`` updates) on this rank's samples.
 
     The value-model counterpart of :func:`train_step`, through the same update mechanism: split and
@@ -269,8 +285,14 @@ def critic_step(state: TrainState, batch: Sequence[Sample],
 
     def entry() -> Plan:
         check_head("critic_step", "state.model", state.model[0], "value")
-        plan = checked_plan("critic_step", config, model_facts(state.model, layout), samples,
-                            num_minibatches=config.num_minibatches, loss=config.loss)
+        plan = checked_plan(
+            "critic_step",
+            config,
+            model_facts(state.model, layout),
+            samples,
+            num_minibatches=config.num_minibatches,
+            loss=config.loss,
+        )
         check_critic_targets("critic_step", samples, config.loss)
         return plan
 
@@ -282,5 +304,6 @@ def critic_step(state: TrainState, batch: Sequence[Sample],
     def forward_step(normalizer: torch.Tensor, scale: float) -> Callable:
         return value_forward_step(config, normalizer=normalizer, loss_scale=scale)
 
-    return _train(state, samples, _Objective("critic_step", config.fns.collate, sums, forward_step, "vf_loss"),
-                  config, plan)
+    return _train(
+        state, samples, _Objective("critic_step", config.fns.collate, sums, forward_step, "vf_loss"), config, plan
+    )

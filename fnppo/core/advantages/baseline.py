@@ -25,8 +25,9 @@ __all__ = ["remax_advantages", "optimal_token_baseline_advantages"]
 
 
 @typechecked
-def remax_advantages(scores: SeqScores, greedy_scores: Float[Tensor, "*greedy"], *,
-                     valid: SeqMask | None = None) -> SeqScores:
+def remax_advantages(
+    scores: SeqScores, greedy_scores: Float[Tensor, "*greedy"], *, valid: SeqMask | None = None
+) -> SeqScores:
     """ReMax: the reward minus the reward of the greedy response to the same prompt.
 
     ``A_i = s_i - s_greedy(prompt of i)``. The baseline does not depend on the sampled responses,
@@ -50,7 +51,7 @@ def remax_advantages(scores: SeqScores, greedy_scores: Float[Tensor, "*greedy"],
         InputError: ``greedy_scores`` of another shape, non-finite values on valid rows, a bad
             ``valid``.
     """
-    fn = "fnppo.remax_advantages"
+    fn = "fnppo.advantages.remax_advantages"
     keep = valid_rows(fn, valid, scores).reshape(scores.shape)
     if greedy_scores.shape == scores.shape:
         base = greedy_scores
@@ -70,7 +71,7 @@ def remax_advantages(scores: SeqScores, greedy_scores: Float[Tensor, "*greedy"],
 def optimal_token_baseline_advantages(
     rewards: PaddedFloat,
     mask: PaddedMask,
-    group_ids: Integer[Tensor, "batch"],
+    group_ids: Integer[Tensor, batch],
     logprobs: PaddedFloat,
     sum_pi_squared: PaddedFloat,
     *,
@@ -112,9 +113,10 @@ def optimal_token_baseline_advantages(
     Raises:
         InputError: a non-0/1 mask, non-finite inputs at valid positions. ShapeError: shapes.
     """
-    fn = "fnppo.optimal_token_baseline_advantages"
-    check_token_inputs(fn, mask, rewards=rewards, logprobs=logprobs, sum_pi_squared=sum_pi_squared,
-                        is_weights=is_weights)
+    fn = "fnppo.advantages.optimal_token_baseline_advantages"
+    check_token_inputs(
+        fn, mask, rewards=rewards, logprobs=logprobs, sum_pi_squared=sum_pi_squared, is_weights=is_weights
+    )
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     m = mask != 0
 

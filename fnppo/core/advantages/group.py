@@ -47,9 +47,13 @@ __all__ = [
 
 
 @typechecked
-def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"],
-                    group_ids: Integer[Tensor, "n"] | None = None, *, normalize_std: bool = True,
-                    eps: float = 1e-6) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:
+def grpo_advantages(
+    scores: Float[Tensor, n] | Float[Tensor, "groups group_size"],
+    group_ids: Integer[Tensor, n] | None = None,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Float[Tensor, n] | Float[Tensor, "groups group_size"]:
     """Group-relative outcome advantages.
 
     ``A_i = (s_i - mean_g) / (std_g + eps)`` over the group g of i (std with Bessel's correction,
@@ -75,7 +79,7 @@ def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
     Raises:
         InputError: NaN/inf scores, a bad ``eps``, groups given both ways or neither.
     """
-    fn = "fnppo.grpo_advantages"
+    fn = "fnppo.advantages.grpo_advantages"
     check_finite(fn, "scores", scores)
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise input_error(fn, "eps", "a finite number >= 0", repr(eps))
@@ -90,9 +94,9 @@ def grpo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
 
 
 @typechecked
-def rloo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"],
-                    group_ids: Integer[Tensor, "n"] | None = None
-                    ) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:
+def rloo_advantages(
+    scores: Float[Tensor, n] | Float[Tensor, "groups group_size"], group_ids: Integer[Tensor, n] | None = None
+) -> Float[Tensor, n] | Float[Tensor, "groups group_size"]:
     """REINFORCE leave-one-out advantages: ``A_i = s_i - (sum_{j in g, j != i} s_j) / (|g| - 1)``.
 
     Equivalently ``|g| / (|g| - 1) * (s_i - mean_g)``. A group of size 1 gets advantage 0.
@@ -110,7 +114,7 @@ def rloo_advantages(scores: Float[Tensor, "n"] | Float[Tensor, "groups group_siz
     Raises:
         InputError: NaN/inf scores, groups given both ways or neither.
     """
-    fn = "fnppo.rloo_advantages"
+    fn = "fnppo.advantages.rloo_advantages"
     check_finite(fn, "scores", scores)
     x, index, g = group_index(fn, scores.detach(), group_ids)
     count, total, _ = group_stats(x, index, g)
@@ -155,8 +159,15 @@ def _sorted_groups(x: Tensor, index: Tensor, g: int, keep: Tensor) -> tuple[Tens
 
 
 @typechecked
-def pass_at_k_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = None, *, k: int,
-                         valid: SeqMask | None = None, normalize_std: bool = True, eps: float = 1e-6) -> SeqScores:
+def pass_at_k_advantages(
+    scores: SeqScores,
+    group_ids: Integer[Tensor, n] | None = None,
+    *,
+    k: int,
+    valid: SeqMask | None = None,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> SeqScores:
     """Advantages for the best-of-k (pass@k / max@k) objective, in closed form over each group.
 
     For a group of ``n`` valid rows with rewards ``x_1..x_n`` and ``S`` ranging over its ``C(n, k)``
@@ -205,7 +216,7 @@ def pass_at_k_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | No
             1 is an error for k >= 2; for k = 1 its advantage is 0), non-finite valid scores, a bad
             ``valid`` or ``eps``. ShapeError: inconsistent shapes.
     """
-    fn = "fnppo.pass_at_k_advantages"
+    fn = "fnppo.advantages.pass_at_k_advantages"
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise input_error(fn, "k", "an int >= 1", repr(k))
     check_eps(fn, eps)
@@ -213,8 +224,13 @@ def pass_at_k_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | No
     values, present, counts, perm, slot = _sorted_groups(x, index, g, keep)
     small = (counts > 0) & (counts < k)
     if bool(small.any()):
-        raise input_error(fn, "k", f"an int <= the number of valid rows of every group "
-                          f"(smallest non-empty group: {int(counts[counts > 0].min())})", repr(k))
+        raise input_error(
+            fn,
+            "k",
+            f"an int <= the number of valid rows of every group "
+            f"(smallest non-empty group: {int(counts[counts > 0].min())})",
+            repr(k),
+        )
     f64 = dict(dtype=torch.float64, device=x.device)
     n = counts.to(**f64)[:, None]
     r = torch.arange(1, values.shape[1] + 1, **f64)[None, :]
@@ -243,8 +259,9 @@ def pass_at_k_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | No
 
 
 @typechecked
-def opo_advantages(scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tensor, "n"] | None = None, *,
-                   valid: SeqMask | None = None) -> SeqScores:
+def opo_advantages(
+    scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tensor, n] | None = None, *, valid: SeqMask | None = None
+) -> SeqScores:
     """OPO: outcome minus the length-weighted group mean (the optimal baseline of OPO).
 
     ``b_g = sum_{j in g} l_j s_j / sum_{j in g} l_j`` over the valid rows of group g (``l`` the
@@ -270,7 +287,7 @@ def opo_advantages(scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tenso
     Raises:
         InputError: ``lengths`` of another shape, negative or non-finite; non-finite valid scores.
     """
-    fn = "fnppo.opo_advantages"
+    fn = "fnppo.advantages.opo_advantages"
     if lengths.shape != scores.shape:
         raise input_error(fn, "lengths", f"a tensor of the shape of scores {tuple(scores.shape)}", describe(lengths))
     x, index, g, keep = seq_inputs(fn, scores, group_ids, valid)
@@ -287,8 +304,9 @@ def opo_advantages(scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tenso
     return adv.reshape(scores.shape)
 
 
-def _gpg_rows(fn: str, scores: Tensor, group_ids: Tensor | None,
-              valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _gpg_rows(
+    fn: str, scores: Tensor, group_ids: Tensor | None, valid: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Per row for GPG: ``(x, keep, informative, centered, stack([group count, group sum of squares]))``."""
     x, index, g, keep = seq_inputs(fn, scores, group_ids, valid)
     count, mean, sq, spread = masked_group_stats(x, index, g, keep)
@@ -298,22 +316,29 @@ def _gpg_rows(fn: str, scores: Tensor, group_ids: Tensor | None,
 
 
 @typechecked
-def gpg_batch_counts(scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = None, *,
-                     valid: SeqMask | None = None) -> Float[Tensor, "2"]:
+def gpg_batch_counts(
+    scores: SeqScores, group_ids: Integer[Tensor, n] | None = None, *, valid: SeqMask | None = None
+) -> Float[Tensor, 2]:
     """``(B, B_valid)`` of :func:`gpg_advantages` as a summable float64 ``[2]`` tensor.
 
     ``B``: valid rows; ``B_valid``: valid rows of groups with at least two valid rows whose rewards
     are not all equal. Sum it over the parts of a batch (whole groups per part) or all-reduce it
     over data-parallel ranks and pass the sum as ``batch_counts``.
     """
-    _, keep, informative, _, _ = _gpg_rows("fnppo.gpg_batch_counts", scores, group_ids, valid)
+    _, keep, informative, _, _ = _gpg_rows("fnppo.advantages.gpg_batch_counts", scores, group_ids, valid)
     return torch.stack([keep.sum(), informative.sum()]).to(torch.float64)
 
 
 @typechecked
-def gpg_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = None, *,
-                   valid: SeqMask | None = None, normalize_std: bool = False, eps: float = 1e-6,
-                   batch_counts: Float[Tensor, "2"] | None = None) -> SeqScores:
+def gpg_advantages(
+    scores: SeqScores,
+    group_ids: Integer[Tensor, n] | None = None,
+    *,
+    valid: SeqMask | None = None,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+    batch_counts: Float[Tensor, 2] | None = None,
+) -> SeqScores:
     """GPG's corrected group advantage: ``A_i = alpha (s_i - mean_g) / F``, ``alpha = B / B_valid``.
 
     ``mean_g`` over the valid rows of i's group; ``F = 1`` (GPG's default) or, with
@@ -347,14 +372,13 @@ def gpg_advantages(scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = N
         InputError: non-finite valid scores, bad ``valid`` / ``eps`` / ``batch_counts``
             (``B_valid > B`` or negative counts).
     """
-    fn = "fnppo.gpg_advantages"
+    fn = "fnppo.advantages.gpg_advantages"
     check_eps(fn, eps)
     x, keep, informative, centered, stats = _gpg_rows(fn, scores, group_ids, valid)
     if batch_counts is None:
         batch_counts = torch.stack([keep.sum(), informative.sum()]).to(torch.float64)
     elif not bool(torch.isfinite(batch_counts).all() & (batch_counts[1] >= 0) & (batch_counts[1] <= batch_counts[0])):
-        raise input_error(fn, "batch_counts", "finite (B, B_valid) with 0 <= B_valid <= B",
-                          repr(batch_counts.tolist()))
+        raise input_error(fn, "batch_counts", "finite (B, B_valid) with 0 <= B_valid <= B", repr(batch_counts.tolist()))
     b, b_valid = batch_counts.to(device=x.device, dtype=torch.float64).unbind()
     alpha = torch.where(b_valid > 0, b / torch.clamp(b_valid, min=1e-300), 0.0).to(x.dtype)
     adv = alpha * centered

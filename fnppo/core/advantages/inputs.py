@@ -54,8 +54,9 @@ def group_index(fn: str, scores: Tensor, group_ids: Tensor | None) -> tuple[Tens
     """Flattened scores, a group index in [0, G) per score, and G."""
     if group_ids is None:
         if scores.ndim != 2:
-            raise input_error(fn, "group_ids", "a tensor [n] when scores is 1-D (or scores [n_groups, group_size])",
-                              "None")
+            raise input_error(
+                fn, "group_ids", "a tensor [n] when scores is 1-D (or scores [n_groups, group_size])", "None"
+            )
         g, s = scores.shape
         index = torch.arange(g, device=scores.device).repeat_interleave(s)
         return scores.reshape(-1), index, g
@@ -86,8 +87,9 @@ def valid_rows(fn: str, valid: Tensor | None, scores: Tensor) -> Tensor:
     return (valid != 0).reshape(-1).to(scores.device)
 
 
-def seq_inputs(fn: str, scores: Tensor, group_ids: Tensor | None,
-                valid: Tensor | None) -> tuple[Tensor, Tensor, int, Tensor]:
+def seq_inputs(
+    fn: str, scores: Tensor, group_ids: Tensor | None, valid: Tensor | None
+) -> tuple[Tensor, Tensor, int, Tensor]:
     """Validated ``(x, index, G, keep)``: flat scores in the compute dtype, group index, count, valid rows."""
     keep = valid_rows(fn, valid, scores)
     check_finite(fn, "scores", scores, where=None if valid is None else valid)

@@ -76,8 +76,9 @@ def _next_valid_values(values: Tensor, m: Tensor) -> Tensor:
 
 
 @typechecked
-def gae_advantages(rewards: PaddedFloat, values: PaddedFloat, mask: PaddedMask, *, gamma: float,
-                   lam: float) -> tuple[PaddedFloat, PaddedFloat]:
+def gae_advantages(
+    rewards: PaddedFloat, values: PaddedFloat, mask: PaddedMask, *, gamma: float, lam: float
+) -> tuple[PaddedFloat, PaddedFloat]:
     """Generalized advantage estimation over the valid tokens of each row.
 
     With ``t'`` the next valid position after ``t`` (``V_{t'} = 0`` at the end of the row):
@@ -101,7 +102,7 @@ def gae_advantages(rewards: PaddedFloat, values: PaddedFloat, mask: PaddedMask, 
         InputError: ``gamma`` / ``lam`` outside ``[0, 1]``, a mask that is not 0/1, NaN/inf at
             valid positions.
     """
-    fn = "fnppo.gae_advantages"
+    fn = "fnppo.advantages.gae_advantages"
     check_unit(fn, "gamma", gamma)
     check_unit(fn, "lam", lam)
     check_token_inputs(fn, mask, rewards=rewards, values=values)
@@ -117,13 +118,19 @@ def gae_advantages(rewards: PaddedFloat, values: PaddedFloat, mask: PaddedMask, 
 
 
 @typechecked
-def reinforce_pp_advantages(rewards: PaddedFloat, mask: PaddedMask, *, gamma: float = 1.0,
-                            kl: PaddedFloat | None = None, kl_coef: float = 0.0,
-                            eps: float = 1e-8) -> tuple[PaddedFloat, PaddedFloat]:
+def reinforce_pp_advantages(
+    rewards: PaddedFloat,
+    mask: PaddedMask,
+    *,
+    gamma: float = 1.0,
+    kl: PaddedFloat | None = None,
+    kl_coef: float = 0.0,
+    eps: float = 1e-8,
+) -> tuple[PaddedFloat, PaddedFloat]:
     """REINFORCE++ advantages: whitened discounted returns of KL-shaped token rewards.
 
     ``r'_t = r_t - kl_coef * kl_t`` (``kl``: per-token KL to the reference policy, e.g.
-    ``fnppo.kl_penalty(logprobs, ref_logprobs, "k1")``; needed when ``kl_coef != 0``), returns
+    ``fnppo.losses.kl_penalty(logprobs, ref_logprobs, "k1")``; needed when ``kl_coef != 0``), returns
     ``G_t = r'_t + gamma G_{t'}`` over valid positions (``t'`` the next valid one, ``G = 0`` past
     the end), and ``A_t = (G_t - mu) / sqrt(var + eps)`` with the mean and (Bessel-corrected)
     variance of ``G`` over all valid tokens of the call. Both outputs are 0 where ``mask == 0``.
@@ -145,7 +152,7 @@ def reinforce_pp_advantages(rewards: PaddedFloat, mask: PaddedMask, *, gamma: fl
         InputError: a bad ``gamma`` / ``kl_coef`` / ``eps``, ``kl`` missing while ``kl_coef != 0``,
             a mask that is not 0/1, NaN/inf at valid positions.
     """
-    fn = "fnppo.reinforce_pp_advantages"
+    fn = "fnppo.advantages.reinforce_pp_advantages"
     check_unit(fn, "gamma", gamma)
     if isinstance(kl_coef, bool) or not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef)):
         raise input_error(fn, "kl_coef", "a finite number", repr(kl_coef))
@@ -171,8 +178,9 @@ def reinforce_pp_advantages(rewards: PaddedFloat, mask: PaddedMask, *, gamma: fl
 
 
 @typechecked
-def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
-                        seq_ids: Integer[Tensor, "batch seq"] | None = None) -> PaddedFloat:
+def broadcast_to_tokens(
+    values: Float[Tensor, nseq], mask: PaddedMask, *, seq_ids: Integer[Tensor, "batch seq"] | None = None
+) -> PaddedFloat:
     """Spread one value per sequence over its tokens: ``out[b, t] = values[seq(b, t)] * mask[b, t]``.
 
     ``seq_ids is None``: sequence ``i`` is row ``i`` (``nseq == batch``). Packed layout: ``seq_ids``
@@ -191,25 +199,30 @@ def broadcast_to_tokens(values: Float[Tensor, "nseq"], mask: PaddedMask, *,
         InputError: a mask that is not 0/1, not one value per row, ``seq_ids`` out of range or -1
             at a masked-in token.
     """
-    fn = "fnppo.broadcast_to_tokens"
+    fn = "fnppo.advantages.broadcast_to_tokens"
     check_mask01(fn, "mask", mask)
     m = mask != 0
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     if seq_ids is None:
         if values.shape[0] != mask.shape[0]:
-            raise input_error(fn, "values", f"one value per row ([{mask.shape[0]}]) when seq_ids is None",
-                              f"[{values.shape[0]}]")
+            raise input_error(
+                fn, "values", f"one value per row ([{mask.shape[0]}]) when seq_ids is None", f"[{values.shape[0]}]"
+            )
         return torch.where(m, segments(mask.shape, None).gather(values, mask), zero)
     if seq_ids.numel() and (int(seq_ids.min()) < -1 or int(seq_ids.max()) >= values.shape[0]):
-        raise input_error(fn, "seq_ids", f"values in [-1, {values.shape[0]})",
-                          f"values in [{int(seq_ids.min())}, {int(seq_ids.max())}]")
+        raise input_error(
+            fn,
+            "seq_ids",
+            f"values in [-1, {values.shape[0]})",
+            f"values in [{int(seq_ids.min())}, {int(seq_ids.max())}]",
+        )
     if bool((m & (seq_ids < 0)).any()):
         raise input_error(fn, "seq_ids", "a sequence (>= 0) wherever mask is 1", "-1 at a masked-in token")
     return torch.where(m, segments(mask.shape, seq_ids, num=values.shape[0]).gather(values, mask), zero)
 
 
 @typechecked
-def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, "3"]:
+def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, 3]:
     """``(count, sum, sum of squares)`` of ``values`` over the positions where ``mask == 1``.
 
     float64 ``[3]``, summable: the elementwise sum over the parts of a batch (micro-batches, data-
@@ -220,7 +233,7 @@ def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, "3"]:
     Raises:
         InputError: a mask that is not 0/1, non-finite values where ``mask == 1``.
     """
-    fn = "fnppo.masked_moments"
+    fn = "fnppo.advantages.masked_moments"
     check_token_inputs(fn, mask, values=values)
     m = mask != 0
     v = torch.where(m, values.detach().to(torch.float64), 0.0)
@@ -238,20 +251,20 @@ def _whiten(x: Tensor, m: Tensor, moments: Tensor, eps: float) -> Tensor:
 
 @typechecked
 def reinforce_pp_baseline_advantages(
-    scores: Float[Tensor, "batch"],
+    scores: Float[Tensor, batch],
     mask: PaddedMask,
-    group_ids: Integer[Tensor, "batch"],
+    group_ids: Integer[Tensor, batch],
     *,
     kl: PaddedFloat | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-8,
-    batch_moments: Float[Tensor, "3"] | None = None,
+    batch_moments: Float[Tensor, 3] | None = None,
 ) -> tuple[PaddedFloat, PaddedFloat]:
     """REINFORCE++-baseline: group-mean baseline on the outcome, then whitening over the batch.
 
     Row i (an episode, ``mask`` its trained tokens) in group g with outcome ``s_i``:
     ``G_it = (s_i - mean_g s) - kl_coef * sum_{t' >= t} kl_it'`` over the valid positions
-    (``gamma = 1``; the KL term needs ``kl``, e.g. ``fnppo.kl_penalty(logp, ref_logp, "k1")``), and
+    (``gamma = 1``; the KL term needs ``kl``, e.g. ``fnppo.losses.kl_penalty(logp, ref_logp, "k1")``), and
     ``A_it = (G_it - mu) / sqrt(var + eps)`` with the mean ``mu`` and Bessel-corrected variance
     ``var`` of ``G`` over every valid token of the batch.
 
@@ -280,7 +293,7 @@ def reinforce_pp_baseline_advantages(
         InputError: non-finite inputs where they are used, a non-0/1 mask, ``kl`` missing,
             bad ``kl_coef`` / ``eps``. ShapeError: inconsistent shapes.
     """
-    fn = "fnppo.reinforce_pp_baseline_advantages"
+    fn = "fnppo.advantages.reinforce_pp_baseline_advantages"
     if isinstance(kl_coef, bool) or not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef)):
         raise input_error(fn, "kl_coef", "a finite number", repr(kl_coef))
     if kl_coef != 0 and kl is None:

@@ -98,8 +98,21 @@ def _dz_blocks(nargs: dict) -> None:
 
 @triton.jit
 def _tile_logits(
-    h_ptr, w_ptr, rows, cols, row0, col0, hid, stride_h, stride_w,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    rows,
+    cols,
+    row0,
+    col0,
+    hid,
+    stride_h,
+    stride_w,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """fp32 ``h[rows] @ w[cols].T``.
 
@@ -167,10 +180,25 @@ def _fold_tile(acc, m, s, w, col_ok, scale2, WITH_ENT: tl.constexpr, MASKED: tl.
 
 @triton.jit
 def _fwd_kernel(
-    h_ptr, w_ptr, m_ptr, s_ptr, went_ptr,
-    n_tok, n_voc, hid, stride_h, stride_w, scale2, cols_per_split,
-    WITH_ENT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-    EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    m_ptr,
+    s_ptr,
+    went_ptr,
+    n_tok,
+    n_voc,
+    hid,
+    stride_h,
+    stride_w,
+    scale2,
+    cols_per_split,
+    WITH_ENT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -187,14 +215,30 @@ def _fwd_kernel(
     for i in range(0, n_full):  # whole tiles: no masks
         col0 = v_begin + i * BN
         cols = col0 + tl.arange(0, BN)
-        acc = _tile_logits(h_ptr, w_ptr, rows_c, cols, row0, col0, hid, stride_h, stride_w,
-                           BM, BN, BK, IEEE, EVEN_K, TMA)
+        acc = _tile_logits(
+            h_ptr, w_ptr, rows_c, cols, row0, col0, hid, stride_h, stride_w, BM, BN, BK, IEEE, EVEN_K, TMA
+        )
         m, s, w = _fold_tile(acc, m, s, w, cols < v_end, scale2, WITH_ENT, False)
     col0 = v_begin + n_full * BN
     if col0 < v_end:  # the split's last, partial tile
         cols = col0 + tl.arange(0, BN)
-        acc = _tile_logits(h_ptr, w_ptr, rows_c, tl.minimum(cols, n_voc - 1), row0, col0, hid, stride_h, stride_w,
-                           BM, BN, BK, IEEE, EVEN_K, TMA)
+        acc = _tile_logits(
+            h_ptr,
+            w_ptr,
+            rows_c,
+            tl.minimum(cols, n_voc - 1),
+            row0,
+            col0,
+            hid,
+            stride_h,
+            stride_w,
+            BM,
+            BN,
+            BK,
+            IEEE,
+            EVEN_K,
+            TMA,
+        )
         m, s, w = _fold_tile(acc, m, s, w, cols < v_end, scale2, WITH_ENT, True)
     out = pid_s.to(tl.int64) * n_tok + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -205,8 +249,19 @@ def _fwd_kernel(
 
 @triton.jit
 def _label_kernel(
-    h_ptr, w_ptr, labels_ptr, zl_ptr, n_tok, n_voc, hid, stride_h, stride_w, vocab_start, inv_t,
-    BR: tl.constexpr, BH: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    zl_ptr,
+    n_tok,
+    n_voc,
+    hid,
+    stride_h,
+    stride_w,
+    vocab_start,
+    inv_t,
+    BR: tl.constexpr,
+    BH: tl.constexpr,
 ):
     """``zl[t] = (h[t] . w[label_t - vocab_start]) / T`` in fp32 for labels in this shard, else 0."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -227,8 +282,17 @@ def _label_kernel(
 
 @triton.jit
 def _merge_kernel(
-    m_ptr, s_ptr, w_ptr, mo_ptr, so_ptr, wo_ptr, n_tok, splits,
-    WITH_ENT: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+    m_ptr,
+    s_ptr,
+    w_ptr,
+    mo_ptr,
+    so_ptr,
+    wo_ptr,
+    n_tok,
+    splits,
+    WITH_ENT: tl.constexpr,
+    BR: tl.constexpr,
+    BS: tl.constexpr,
 ):
     """The splits' ``(m, s, w)`` (base-2, ``[splits, tokens]``) merged per token, in natural units::
 
@@ -257,10 +321,32 @@ def _merge_kernel(
 
 @triton.jit
 def _dz_kernel(
-    h_ptr, w_ptr, labels_ptr, a_ptr, b_ptr, c_ptr, lse2_ptr, dz_ptr,
-    row_base, n_tok, col_base, n_cols, hid, stride_h, stride_w, stride_dz, col_start, scale2,
-    HAS_GH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    lse2_ptr,
+    dz_ptr,
+    row_base,
+    n_tok,
+    col_base,
+    n_cols,
+    hid,
+    stride_h,
+    stride_w,
+    stride_dz,
+    col_start,
+    scale2,
+    HAS_GH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The block of logit gradients of token rows ``row_base + [0, n_tok)`` and weight rows
     ``col_base + [0, n_cols)``, written to ``dz[0:n_tok, 0:n_cols]`` (the whole tensors are
@@ -281,8 +367,23 @@ def _dz_kernel(
     grow = row_base + tl.minimum(rows, n_tok - 1)  # clamped rows of the whole batch
     # TMA: rows past the group (or columns past the block) are loaded and computed, and their dz
     # lands in the buffer beyond [n_tok, n_cols], which nothing reads; past the tensors: zeros.
-    acc = _tile_logits(h_ptr, w_ptr, grow, col_base + tl.minimum(cols, n_cols - 1), row_base + row0, col_base + col0,
-                       hid, stride_h, stride_w, BM, BN, BK, IEEE, EVEN_K, TMA)
+    acc = _tile_logits(
+        h_ptr,
+        w_ptr,
+        grow,
+        col_base + tl.minimum(cols, n_cols - 1),
+        row_base + row0,
+        col_base + col0,
+        hid,
+        stride_h,
+        stride_w,
+        BM,
+        BN,
+        BK,
+        IEEE,
+        EVEN_K,
+        TMA,
+    )
     # The per-token coefficients arrive scaled: a/T, (b ln 2)/T, c/T (see backward_grads).
     logp2 = acc * scale2 - tl.load(lse2_ptr + grow)[:, None]  # log2 p
     p = tl.exp2(logp2)
@@ -369,12 +470,12 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _desc(t: torch.Tensor) -> "TensorDescriptor":
+def _desc(t: torch.Tensor) -> TensorDescriptor:
     # The block shape is a placeholder: the autotuner's hooks (or the caller) set the tiles'.
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [16, 16])
 
 
-def _with_blocks(desc: "TensorDescriptor", shape: list[int]) -> "TensorDescriptor":
+def _with_blocks(desc: TensorDescriptor, shape: list[int]) -> TensorDescriptor:
     desc.block_shape = shape
     return desc
 
@@ -393,7 +494,7 @@ def forward_stats(
     interp = _fwd_tuned is None
     bm = _INTERP["BM"] if interp else _FWD_BM
     splits = _num_splits(n, n_voc, h2.device, bm)
-    per = -(-(-(-n_voc // splits)) // 256) * 256  # columns per split, a multiple of every BN
+    per = -(-(-(-n_voc // splits)) // 256) * 256  # noqa: B002 - ceil divisions: columns per split, a multiple of every BN
     splits = -(-n_voc // per)
     m, s, w = (torch.empty((splits, n), **f32) for _ in range(3))
     ieee = h2.dtype == torch.float32
@@ -411,13 +512,25 @@ def forward_stats(
     # Launched after the tiles (the GPU starts on the long kernel sooner): label logits, the merge.
     zl = torch.empty(n, **f32)
     br, bh = (16, 16) if interp else (16, 128)
-    _label_kernel[(-(-n // br),)](h2, w_valid, labels, zl, n, n_voc, hid, h2.stride(0), w_valid.stride(0), vocab_start,
-                                  inv_t, BR=br, BH=bh)
+    _label_kernel[(-(-n // br),)](
+        h2, w_valid, labels, zl, n, n_voc, hid, h2.stride(0), w_valid.stride(0), vocab_start, inv_t, BR=br, BH=bh
+    )
     m_all, s_all = torch.empty(n, **f32), torch.empty(n, **f32)
     w_all = torch.empty(n, **f32) if with_entropy else None
     br = 16 if interp else 128
-    _merge_kernel[(-(-n // br),)](m, s, w, m_all, s_all, w_all if with_entropy else s_all, n, splits,
-                                  WITH_ENT=with_entropy, BR=br, BS=triton.next_power_of_2(splits))
+    _merge_kernel[(-(-n // br),)](
+        m,
+        s,
+        w,
+        m_all,
+        s_all,
+        w_all if with_entropy else s_all,
+        n,
+        splits,
+        WITH_ENT=with_entropy,
+        BR=br,
+        BS=triton.next_power_of_2(splits),
+    )
     return m_all, s_all, w_all, zl
 
 
@@ -457,7 +570,7 @@ def scaled_coefficients(coef: tuple[torch.Tensor, ...], inv_t: float) -> tuple[t
     return a * inv_t, b * (LN2 * inv_t), c * inv_t, lse * LOG2E
 
 
-_DZ_CHOSEN: dict[tuple, "triton.Config"] = {}  # the autotuner's pick per key (as its own cache's key)
+_DZ_CHOSEN: dict[tuple, triton.Config] = {}  # the autotuner's pick per key (as its own cache's key)
 
 
 def _launch_dz(ptrs, labels, coef2, block, strides, col_start, scale2, has_gh, tma):  # noqa: ANN001
@@ -493,14 +606,33 @@ def _launch_dz(ptrs, labels, coef2, block, strides, col_start, scale2, has_gh, t
     if tma and ptrs[0].block_shape != [kw["BM"], kw["BK"]]:
         _dz_blocks({**kw, "TMA": True, "h_ptr": ptrs[0], "w_ptr": ptrs[1], "dz_ptr": ptrs[2]})
     grid = (-(-n // kw["BM"]) * -(-n_cols // kw["BN"]),)
-    _dz_kernel[grid](*args, HAS_GH=has_gh, IEEE=ieee, EVEN_K=hid % kw["BK"] == 0, TMA=tma, **kw,
-                     num_warps=best.num_warps, num_stages=best.num_stages)
+    _dz_kernel[grid](
+        *args,
+        HAS_GH=has_gh,
+        IEEE=ieee,
+        EVEN_K=hid % kw["BK"] == 0,
+        TMA=tma,
+        **kw,
+        num_warps=best.num_warps,
+        num_stages=best.num_stages,
+    )
 
 
 def backward_grads(
-    h2: torch.Tensor, w_valid: torch.Tensor, labels: torch.Tensor, coef: tuple[torch.Tensor, ...], has_gh: bool,
-    cfg, need_h: bool, dw: torch.Tensor | None, *, group_tokens: int, block_vocab: int,  # noqa: ANN001
-    dh_out: torch.Tensor | None = None, dz_space: torch.Tensor | None = None, acc_space: torch.Tensor | None = None,
+    h2: torch.Tensor,
+    w_valid: torch.Tensor,
+    labels: torch.Tensor,
+    coef: tuple[torch.Tensor, ...],
+    has_gh: bool,
+    cfg,
+    need_h: bool,
+    dw: torch.Tensor | None,
+    *,
+    group_tokens: int,
+    block_vocab: int,  # noqa: ANN001
+    dh_out: torch.Tensor | None = None,
+    dz_space: torch.Tensor | None = None,
+    acc_space: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``dh`` (or None) in ``h2``'s dtype; writes the valid rows' weight gradient into ``dw``.
 
@@ -539,8 +671,9 @@ def backward_grads(
         acc = None if acc_buf is None else acc_buf[: g1 - g0].zero_()  # one accumulator, reused per group
         for c0 in range(0, n_valid, block_vocab):
             c1 = min(n_valid, c0 + block_vocab)
-            _launch_dz(ptrs, labels, coef2, (g0, g1 - g0, c0, c1 - c0), strides, cfg.vocab_start + c0, scale2, has_gh,
-                       tma)
+            _launch_dz(
+                ptrs, labels, coef2, (g0, g1 - g0, c0, c1 - c0), strides, cfg.vocab_start + c0, scale2, has_gh, tma
+            )
             dz = dz_buf[: g1 - g0, : c1 - c0]
             wb = w_valid[c0:c1]
             if acc is not None:

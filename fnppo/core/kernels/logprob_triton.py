@@ -60,9 +60,19 @@ _INTERP_BLOCK = 64  # the interpreter runs on CPU: small blocks exercise the mul
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr, stride_x, labels_ptr, m_ptr, s_ptr, w_ptr, zl_ptr,
-    n_cols, vocab_start, inv_t,
-    WITH_ENT: tl.constexpr, BLOCK: tl.constexpr, LANE_ACC: tl.constexpr,
+    x_ptr,
+    stride_x,
+    labels_ptr,
+    m_ptr,
+    s_ptr,
+    w_ptr,
+    zl_ptr,
+    n_cols,
+    vocab_start,
+    inv_t,
+    WITH_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LANE_ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_x
@@ -114,9 +124,22 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    x_ptr, stride_x, g_ptr, stride_g, labels_ptr, lse_ptr, h_ptr, glp_ptr, gh_ptr,
-    n_cols, n_store, vocab_start, inv_t,
-    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    stride_x,
+    g_ptr,
+    stride_g,
+    labels_ptr,
+    lse_ptr,
+    h_ptr,
+    glp_ptr,
+    gh_ptr,
+    n_cols,
+    n_store,
+    vocab_start,
+    inv_t,
+    HAS_GLP: tl.constexpr,
+    HAS_GH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     xbase = x_ptr + row * stride_x
@@ -165,7 +188,11 @@ def _rows(x2: torch.Tensor) -> torch.Tensor:
 
 
 def forward_stats(
-    x2: torch.Tensor, labels: torch.Tensor, vocab_start: int, inv_t: float, with_entropy: bool,
+    x2: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_start: int,
+    inv_t: float,
+    with_entropy: bool,
     n_valid: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per-row ``(m, s, w, zl)`` of this shard's first ``n_valid`` columns (default: all; see the
@@ -211,9 +238,19 @@ def backward_grad(
     has_glp, has_gh = g_lp is not None, g_h is not None
     dummy = lse
     args = (
-        x2, x2.stride(0), grad, grad.stride(0), labels, lse,
-        entropy if has_gh else dummy, g_lp if has_glp else dummy, g_h if has_gh else dummy,
-        n_valid, v, vocab_start, inv_t,
+        x2,
+        x2.stride(0),
+        grad,
+        grad.stride(0),
+        labels,
+        lse,
+        entropy if has_gh else dummy,
+        g_lp if has_glp else dummy,
+        g_h if has_gh else dummy,
+        n_valid,
+        v,
+        vocab_start,
+        inv_t,
     )
     if _bwd_tuned is None:
         _bwd_kernel[(n,)](*args, HAS_GLP=has_glp, HAS_GH=has_gh, BLOCK=_INTERP_BLOCK)

@@ -1,4 +1,4 @@
-"""Triton kernel for :func:`fnppo.apply_rotary`: one pass over ``x`` per direction.
+"""Triton kernel for :func:`fnppo.ops.apply_rotary`: one pass over ``x`` per direction.
 
 A program owns one token and ``BH`` of its heads: it loads the token's angle row
 ``freqs[pos]`` once (fp32), takes cos/sin, rotates the two halves of the rotary dimensions of each
@@ -17,9 +17,22 @@ __all__ = ["rotate"]
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, out_ptr, pos_ptr, f_ptr,
-    heads, dim, sx_t, sx_h, so_t, so_h, sf,
-    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PASS: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    pos_ptr,
+    f_ptr,
+    heads,
+    dim,
+    sx_t,
+    sx_h,
+    so_t,
+    so_h,
+    sf,
+    HALF: tl.constexpr,
+    BH: tl.constexpr,
+    BD: tl.constexpr,
+    BP: tl.constexpr,
+    PASS: tl.constexpr,
     INVERSE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -70,7 +83,22 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, invers
     rest = dim - 2 * half
     grid = (tokens, triton.cdiv(heads, bh))
     _rope_kernel[grid](
-        x, out, positions, freqs, heads, dim, x.stride(0), x.stride(1), out.stride(0), out.stride(1), freqs.stride(0),
-        HALF=half, BH=bh, BD=bd, BP=triton.next_power_of_2(max(rest, 1)), PASS=rest > 0, INVERSE=inverse,
+        x,
+        out,
+        positions,
+        freqs,
+        heads,
+        dim,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        freqs.stride(0),
+        HALF=half,
+        BH=bh,
+        BD=bd,
+        BP=triton.next_power_of_2(max(rest, 1)),
+        PASS=rest > 0,
+        INVERSE=inverse,
     )
     return out

@@ -27,6 +27,8 @@ from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
 from fnppo.core.losses.aggregate import Aggregation as Aggregation
 from fnppo.core.losses.aggregate import loss_normalizer as loss_normalizer
 from fnppo.core.losses.config import LossConfig as LossConfig
+from fnppo.core.losses.covariance import clip_cov as clip_cov
+from fnppo.core.losses.covariance import kl_cov as kl_cov
 from fnppo.core.losses.flat import POLICY_LOSSES as POLICY_LOSSES
 from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
@@ -34,8 +36,6 @@ from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
 from fnppo.core.losses.policy import PolicyLoss as PolicyLoss
-from fnppo.core.losses.covariance import clip_cov as clip_cov
-from fnppo.core.losses.covariance import kl_cov as kl_cov
 from fnppo.core.losses.policy import cispo as cispo
 from fnppo.core.losses.policy import gmpo as gmpo
 from fnppo.core.losses.policy import gpg as gpg
@@ -53,8 +53,32 @@ from fnppo.core.rollout_correction import compute_tis_weights as compute_tis_wei
 from fnppo.core.rollout_correction import tis_batch_stats as tis_batch_stats
 
 __all__ = [
-    "LossConfig", "PolicyInputs", "PolicyLoss", "ppo_clip", "gspo", "cispo", "gmpo", "sapo", "clip_cov", "kl_cov",
-    "gpg", "reinforce", "Aggregation", "LOSS_AGG_MODES", "loss_normalizer", "KLPenalty", "KL_ESTIMATORS",
-    "kl_penalty", "RolloutCorrection", "SEQ_REJECTION_CRITERIA", "TISWeights", "compute_tis_weights",
-    "tis_batch_stats", "ppo_loss", "ValueLossConfig", "value_loss", "POLICY_LOSSES", "from_flat",
+    "LossConfig",
+    "PolicyInputs",
+    "PolicyLoss",
+    "ppo_clip",
+    "gspo",
+    "cispo",
+    "gmpo",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "gpg",
+    "reinforce",
+    "Aggregation",
+    "LOSS_AGG_MODES",
+    "loss_normalizer",
+    "KLPenalty",
+    "KL_ESTIMATORS",
+    "kl_penalty",
+    "RolloutCorrection",
+    "SEQ_REJECTION_CRITERIA",
+    "TISWeights",
+    "compute_tis_weights",
+    "tis_batch_stats",
+    "ppo_loss",
+    "ValueLossConfig",
+    "value_loss",
+    "POLICY_LOSSES",
+    "from_flat",
 ]

@@ -23,8 +23,17 @@ from fnppo.core.loss_checks import Checker, finite_number
 from fnppo.core.segments import Segments, segments
 from fnppo.core.typing import Integer, PaddedMask, Scalar, Tensor, typechecked
 
-__all__ = ["LOSS_AGG_MODES", "Aggregation", "HasAggregation", "loss_normalizer", "agg_weights", "denominator",
-           "Tokens", "check_agg", "mode_and_scale"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "Aggregation",
+    "HasAggregation",
+    "loss_normalizer",
+    "agg_weights",
+    "denominator",
+    "Tokens",
+    "check_agg",
+    "mode_and_scale",
+]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """The aggregation modes (see :class:`Aggregation`)."""
@@ -39,8 +48,11 @@ def check_agg(c: Checker, *, stray_scale_ok: bool = False) -> None:
     mode, scale = c.get("mode"), c.get("scale")
     c.need(isinstance(mode, str) and mode in LOSS_AGG_MODES, "mode", f"one of {list(LOSS_AGG_MODES)}")
     if mode == "seq-mean-token-sum-norm":
-        c.need(finite_number(scale) and scale > 0, "scale",
-               "a number > 0 (the constant C of 'seq-mean-token-sum-norm', e.g. the max response length)")
+        c.need(
+            finite_number(scale) and scale > 0,
+            "scale",
+            "a number > 0 (the constant C of 'seq-mean-token-sum-norm', e.g. the max response length)",
+        )
     else:
         c.need(scale is None or stray_scale_ok, "scale", f"None unless {c.label('mode')}='seq-mean-token-sum-norm'")
 
@@ -108,8 +120,9 @@ def denominator(normalizer: float | int | Tensor | None, local: Tensor) -> Tenso
     return torch.where(n > 0, n, torch.ones_like(n))
 
 
-def mode_and_scale(fn: str, agg: Aggregation | str | HasAggregation, scale: float | None = None,
-                   label: dict[str, str] | None = None) -> tuple[str, float | None]:
+def mode_and_scale(
+    fn: str, agg: Aggregation | str | HasAggregation, scale: float | None = None, label: dict[str, str] | None = None
+) -> tuple[str, float | None]:
     """``(mode, scale)`` of an :class:`Aggregation` (validated when built), of a config holding one, or
     of a checked mode name (a stray ``scale`` with another mode is ignored); ``label`` names the two
     in errors (default ``loss_agg_mode`` / ``loss_scale_factor``)."""
@@ -123,8 +136,12 @@ def mode_and_scale(fn: str, agg: Aggregation | str | HasAggregation, scale: floa
 
 
 @typechecked
-def loss_normalizer(loss_mask: PaddedMask, agg: Aggregation | str | HasAggregation, *,
-                    seq_ids: Integer[Tensor, "batch seq"] | None = None) -> Scalar:
+def loss_normalizer(
+    loss_mask: PaddedMask,
+    agg: Aggregation | str | HasAggregation,
+    *,
+    seq_ids: Integer[Tensor, "batch seq"] | None = None,
+) -> Scalar:
     """The local denominator of the aggregation for one micro-batch (0-dim fp32).
 
     ``token-mean``: the number of valid tokens (``loss_mask == 1``); the ``seq-mean-*`` modes: the
@@ -146,7 +163,7 @@ def loss_normalizer(loss_mask: PaddedMask, agg: Aggregation | str | HasAggregati
     Raises:
         InputError: an unknown mode name (named ``loss_agg_mode``).
     """
-    mode, scale = mode_and_scale("fnppo.loss_normalizer", agg, 1.0)
+    mode, scale = mode_and_scale("fnppo.losses.loss_normalizer", agg, 1.0)
     mf = (loss_mask != 0).float()
     return agg_weights(mf, segments(loss_mask.shape, seq_ids), mode, scale)[1].float()
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.core.loss_checks import Checker
 from fnppo.core.losses.aggregate import Aggregation
 from fnppo.core.losses.kl import KLPenalty
 from fnppo.core.losses.policy import PolicyLoss, loss_name, ppo_clip, uses_ratio
 from fnppo.core.rollout_correction import RolloutCorrection
-from fnppo.core.typing import check_bool_fields, input_error
 
 __all__ = ["LossConfig", "check_cross"]
 
@@ -39,12 +39,18 @@ def check_cross(c: Checker, policy: PolicyLoss) -> None:
     if not c.get("bypass_old_logprobs"):
         return
     if uses_ratio(policy):
-        c.need(c.get("correction.tis_cap") is None, "correction.tis_cap",
-               f"None with {c.label('bypass_old_logprobs')}=True and the ratio-based policy loss "
-               f"{loss_name(policy)!r} (its ratio pi_theta / pi_rollout already is the importance weight)")
-    c.need(not c.get("correction.batch_normalize"), "correction.batch_normalize",
-           f"False with {c.label('bypass_old_logprobs')}=True (the weights would depend on the current parameters, "
-           "known only in the forward pass)")
+        c.need(
+            c.get("correction.tis_cap") is None,
+            "correction.tis_cap",
+            f"None with {c.label('bypass_old_logprobs')}=True and the ratio-based policy loss "
+            f"{loss_name(policy)!r} (its ratio pi_theta / pi_rollout already is the importance weight)",
+        )
+    c.need(
+        not c.get("correction.batch_normalize"),
+        "correction.batch_normalize",
+        f"False with {c.label('bypass_old_logprobs')}=True (the weights would depend on the current parameters, "
+        "known only in the forward pass)",
+    )
 
 
 @dataclass(frozen=True)
@@ -94,21 +100,38 @@ class LossConfig:
         check_bool_fields(fn, self)
         c = Checker.of(self, fn)
         if not callable(self.policy):
-            raise input_error(fn, "policy", "a policy loss: a callable taking PolicyInputs (e.g. "
-                              "fnppo.losses.ppo_clip(), or a plain function)", repr(self.policy))
-        c.need(isinstance(uses_ratio(self.policy), bool), "policy",
-               "a policy loss whose attribute uses_ratio (if any) is a bool")
+            raise input_error(
+                fn,
+                "policy",
+                "a policy loss: a callable taking PolicyInputs (e.g. fnppo.losses.ppo_clip(), or a plain function)",
+                repr(self.policy),
+            )
+        c.need(
+            isinstance(uses_ratio(self.policy), bool),
+            "policy",
+            "a policy loss whose attribute uses_ratio (if any) is a bool",
+        )
         c.need(isinstance(self.agg, Aggregation), "agg", "an Aggregation (e.g. Aggregation('token-mean'))")
         c.number("entropy_coef", 0)
         c.need(self.kl is None or isinstance(self.kl, KLPenalty), "kl", "a KLPenalty or None")
-        c.need(self.correction is None or isinstance(self.correction, RolloutCorrection), "correction",
-               "a RolloutCorrection or None")
+        c.need(
+            self.correction is None or isinstance(self.correction, RolloutCorrection),
+            "correction",
+            "a RolloutCorrection or None",
+        )
         c.number("log_ratio_clamp", 0, strict=True, expected="a number > 0")
         corr = self.correction
-        check_cross(Checker(fn, {"bypass_old_logprobs": self.bypass_old_logprobs,
-                                 "correction.tis_cap": None if corr is None else corr.tis_cap,
-                                 "correction.batch_normalize": corr is not None and corr.batch_normalize}.__getitem__),
-                    self.policy)
+        check_cross(
+            Checker(
+                fn,
+                {
+                    "bypass_old_logprobs": self.bypass_old_logprobs,
+                    "correction.tis_cap": None if corr is None else corr.tis_cap,
+                    "correction.batch_normalize": corr is not None and corr.batch_normalize,
+                }.__getitem__,
+            ),
+            self.policy,
+        )
 
     @property
     def needs_rollout_logprobs(self) -> bool:

@@ -85,8 +85,7 @@ class ClipCov:
         check_clip_cov(Checker.of(self, "fnppo.losses.clip_cov"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high,
-                                                  self.dual_clip)
+        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
         cov, n = _covariance(x)
         valid = x.mask > 0
         eligible = valid & ~clipped & (cov > self.lb) & (cov < self.ub)
@@ -127,8 +126,14 @@ class KLCov:
         return loss, {"kl_cov_frac": x.token_metric(chosen.float())}
 
 
-def clip_cov(ratio: float = 2e-4, lb: float = 1.0, ub: float = 5.0, clip_low: float = 0.2,
-             clip_high: float = 0.2, dual_clip: float | None = 3.0) -> ClipCov:
+def clip_cov(
+    ratio: float = 2e-4,
+    lb: float = 1.0,
+    ub: float = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+) -> ClipCov:
     """:class:`ClipCov`: the fraction ``ratio`` of tokens to detach, drawn from the covariance band
     ``(lb, ub)``, and the PPO bounds of the rest.
 

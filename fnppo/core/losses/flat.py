@@ -26,11 +26,12 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from fnppo.core.errors import input_error
 from fnppo.core.loss_checks import Checker
 from fnppo.core.losses.aggregate import Aggregation, check_agg
 from fnppo.core.losses.config import LossConfig, check_cross
-from fnppo.core.losses.kl import KLPenalty, check_kl
 from fnppo.core.losses.covariance import check_clip_cov, check_kl_cov, clip_cov, kl_cov
+from fnppo.core.losses.kl import KLPenalty, check_kl
 from fnppo.core.losses.policy import (
     PolicyLoss,
     check_cispo,
@@ -45,16 +46,24 @@ from fnppo.core.losses.policy import (
     sapo,
 )
 from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, RolloutCorrection, check_clamp, check_correction
-from fnppo.core.typing import input_error
 
 __all__ = ["POLICY_LOSSES", "LOSS_FIELDS", "DEFAULTS", "from_flat"]
 
 _FN = "fnppo.losses.from_flat"
 
-POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType({
-    "ppo": ppo_clip, "gspo": gspo, "cispo": cispo, "gpg": gpg, "reinforce": reinforce, "gmpo": gmpo,
-    "sapo": sapo, "clip_cov": clip_cov, "kl_cov": kl_cov,
-})
+POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType(
+    {
+        "ppo": ppo_clip,
+        "gspo": gspo,
+        "cispo": cispo,
+        "gpg": gpg,
+        "reinforce": reinforce,
+        "gmpo": gmpo,
+        "sapo": sapo,
+        "clip_cov": clip_cov,
+        "kl_cov": kl_cov,
+    }
+)
 """``policy_loss`` name -> factory of :mod:`fnppo.core.losses.policy` (read-only)."""
 
 _CLIP = (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high"))
@@ -71,28 +80,65 @@ _READS = (
     ("kl_cov", (("kl_cov_ratio", "ratio"), ("kl_cov_coef", "coef"))),
 )
 LOSS_FIELDS: Mapping[str, Mapping[str, str]] = MappingProxyType(
-    {name: MappingProxyType(dict(fields)) for name, fields in _READS})
+    {name: MappingProxyType(dict(fields)) for name, fields in _READS}
+)
 """``policy_loss`` name -> ``{flat field: argument of its factory}``: the fields each loss reads."""
 
-DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "policy_loss": "ppo", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
-    "loss_agg_mode": "token-mean", "loss_scale_factor": None, "entropy_coeff": 0.0, "kl_coef": 0.0,
-    "kl_estimator": "k3", "tis_cap": None, "tis_level": "token", "tis_reject_low": None, "tis_reject_high": None,
-    "tis_reject_level": None, "log_ratio_clamp": 20.0, "cispo_clip_low": 1.0, "cispo_clip_high": 0.28,
-    "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05, "clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0,
-    "kl_cov_ratio": 2e-4, "kl_cov_coef": 1.0, "bypass_old_logprobs": False, "tis_batch_normalize": False,
-    "reject_seq_k2": None, "reject_seq_k3": None, "reject_seq_mean_log_ratio": None,
-    "reject_seq_max_abs_log_ratio": None,
-})
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "policy_loss": "ppo",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": 3.0,
+        "loss_agg_mode": "token-mean",
+        "loss_scale_factor": None,
+        "entropy_coeff": 0.0,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "tis_cap": None,
+        "tis_level": "token",
+        "tis_reject_low": None,
+        "tis_reject_high": None,
+        "tis_reject_level": None,
+        "log_ratio_clamp": 20.0,
+        "cispo_clip_low": 1.0,
+        "cispo_clip_high": 0.28,
+        "sapo_tau_pos": 1.0,
+        "sapo_tau_neg": 1.05,
+        "clip_cov_ratio": 2e-4,
+        "clip_cov_lb": 1.0,
+        "clip_cov_ub": 5.0,
+        "kl_cov_ratio": 2e-4,
+        "kl_cov_coef": 1.0,
+        "bypass_old_logprobs": False,
+        "tis_batch_normalize": False,
+        "reject_seq_k2": None,
+        "reject_seq_k3": None,
+        "reject_seq_mean_log_ratio": None,
+        "reject_seq_max_abs_log_ratio": None,
+    }
+)
 """Every flat field and its default (the former ``PolicyLossConfig``'s)."""
 
-_CHECKS = (("ppo", check_ppo_clip), ("cispo", check_cispo), ("sapo", check_sapo), ("clip_cov", check_clip_cov),
-           ("kl_cov", check_kl_cov))
+_CHECKS = (
+    ("ppo", check_ppo_clip),
+    ("cispo", check_cispo),
+    ("sapo", check_sapo),
+    ("clip_cov", check_clip_cov),
+    ("kl_cov", check_kl_cov),
+)
 """The rules of the policy-loss parameters, each applied to the flat fields of the loss it belongs to."""
 
-_CORRECTION = MappingProxyType({"cap": "tis_cap", "level": "tis_level", "reject_low": "tis_reject_low",
-                                "reject_high": "tis_reject_high", "reject_level": "tis_reject_level",
-                                "batch_normalize": "tis_batch_normalize"})
+_CORRECTION = MappingProxyType(
+    {
+        "cap": "tis_cap",
+        "level": "tis_level",
+        "reject_low": "tis_reject_low",
+        "reject_high": "tis_reject_high",
+        "reject_level": "tis_reject_level",
+        "batch_normalize": "tis_batch_normalize",
+    }
+)
 """Rule name of the rollout correction -> flat field (the ``reject_seq_*`` names are the same)."""
 
 _CROSS = MappingProxyType({"correction.tis_cap": "tis_cap", "correction.batch_normalize": "tis_batch_normalize"})
@@ -112,8 +158,12 @@ def _merge(flat: Mapping[str, Any] | None, fields: dict[str, Any]) -> dict[str, 
             raise input_error(_FN, "flat", "a mapping of flat field names to values, or None", repr(flat))
         for key, value in flat.items():
             if key in given:
-                raise input_error(_FN, str(key), "a field given once (in the mapping or as a keyword)",
-                                  f"{value!r} and {given[key]!r}")
+                raise input_error(
+                    _FN,
+                    str(key),
+                    "a field given once (in the mapping or as a keyword)",
+                    f"{value!r} and {given[key]!r}",
+                )
             given[key] = value
     for key in given:
         if not isinstance(key, str) or key not in DEFAULTS:
@@ -128,8 +178,12 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
             raise input_error(_FN, arg, "a bool", f"{v[arg]!r} ({type(v[arg]).__name__})")
     name = v["policy_loss"]
     if not isinstance(name, str) or name not in POLICY_LOSSES:
-        raise input_error(_FN, "policy_loss", f"one of {sorted(POLICY_LOSSES)} (a loss of your own: "
-                          "LossConfig(policy=my_loss))", repr(name))
+        raise input_error(
+            _FN,
+            "policy_loss",
+            f"one of {sorted(POLICY_LOSSES)} (a loss of your own: LossConfig(policy=my_loss))",
+            repr(name),
+        )
     check_ppo_clip(_checker(v, {b: a for a, b in LOSS_FIELDS["ppo"].items()}))
     check_agg(_checker(v, {"mode": "loss_agg_mode", "scale": "loss_scale_factor"}))
     _checker(v, {}).number("entropy_coeff", 0)
@@ -142,8 +196,9 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
     policy_fields = {f for fields in LOSS_FIELDS.values() for f in fields}
     for field in sorted(policy_fields - set(LOSS_FIELDS[name])):
         if v[field] != DEFAULTS[field]:
-            raise input_error(_FN, field, f"its default {DEFAULTS[field]!r} (policy_loss={name!r} does not read it)",
-                              repr(v[field]))
+            raise input_error(
+                _FN, field, f"its default {DEFAULTS[field]!r} (policy_loss={name!r} does not read it)", repr(v[field])
+            )
     return bounds
 
 
@@ -152,9 +207,18 @@ def _correction(v: Mapping[str, Any], bounds: tuple[float, float] | None) -> Rol
     active = [v["tis_cap"], v["tis_reject_low"], v["tis_reject_high"], *(v[n] for n in SEQ_REJECTION_CRITERIA)]
     if all(x is None for x in active):
         return None
-    return RolloutCorrection(v["tis_cap"], v["tis_level"], v["tis_reject_low"], v["tis_reject_high"],
-                             v["tis_reject_level"], v["tis_batch_normalize"], v["reject_seq_k2"], v["reject_seq_k3"],
-                             bounds, v["reject_seq_max_abs_log_ratio"])
+    return RolloutCorrection(
+        v["tis_cap"],
+        v["tis_level"],
+        v["tis_reject_low"],
+        v["tis_reject_high"],
+        v["tis_reject_level"],
+        v["tis_batch_normalize"],
+        v["reject_seq_k2"],
+        v["reject_seq_k3"],
+        bounds,
+        v["reject_seq_max_abs_log_ratio"],
+    )
 
 
 def from_flat(flat: Mapping[str, Any] | None = None, /, **fields: Any) -> LossConfig:
@@ -187,5 +251,12 @@ def from_flat(flat: Mapping[str, Any] | None = None, /, **fields: Any) -> LossCo
     correction = _correction(v, bounds)
     check_cross(_checker(v, _CROSS), policy)
     kl = None if v["kl_coef"] == 0 and v["kl_estimator"] == "k3" else KLPenalty(v["kl_coef"], v["kl_estimator"])
-    return LossConfig(policy, Aggregation(v["loss_agg_mode"], v["loss_scale_factor"]), v["entropy_coeff"], kl,
-                      correction, v["bypass_old_logprobs"], v["log_ratio_clamp"])
+    return LossConfig(
+        policy,
+        Aggregation(v["loss_agg_mode"], v["loss_scale_factor"]),
+        v["entropy_coeff"],
+        kl,
+        correction,
+        v["bypass_old_logprobs"],
+        v["log_ratio_clamp"],
+    )

@@ -12,8 +12,9 @@ from types import MappingProxyType
 
 import torch
 
+from fnppo.core.errors import input_error
 from fnppo.core.loss_checks import Checker, finite_number
-from fnppo.core.typing import TokenFloat, input_error, typechecked
+from fnppo.core.typing import TokenFloat, typechecked
 
 __all__ = ["KL_ESTIMATORS", "KLPenalty", "kl_penalty", "check_kl"]
 
@@ -49,8 +50,9 @@ class KLPenalty:
 
 
 @typechecked
-def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = "k3", *,
-               log_ratio_clamp: float = 20.0) -> TokenFloat:
+def kl_penalty(
+    logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = "k3", *, log_ratio_clamp: float = 20.0
+) -> TokenFloat:
     """Per-token estimate of ``KL(policy || ref)`` from samples of the policy.
 
     With ``d = logp - logp_ref`` (clamped to ``[-log_ratio_clamp, log_ratio_clamp]``):
@@ -80,9 +82,9 @@ def kl_penalty(logprobs: TokenFloat, ref_logprobs: TokenFloat, estimator: str = 
         InputError: an unknown ``estimator``; a ``log_ratio_clamp`` that is not a finite number > 0.
     """
     if estimator not in KL_ESTIMATORS:
-        raise input_error("fnppo.kl_penalty", "estimator", f"one of {list(KL_ESTIMATORS)}", repr(estimator))
+        raise input_error("fnppo.losses.kl_penalty", "estimator", f"one of {list(KL_ESTIMATORS)}", repr(estimator))
     if not (finite_number(log_ratio_clamp) and log_ratio_clamp > 0):
-        raise input_error("fnppo.kl_penalty", "log_ratio_clamp", "a number > 0", repr(log_ratio_clamp))
+        raise input_error("fnppo.losses.kl_penalty", "log_ratio_clamp", "a number > 0", repr(log_ratio_clamp))
     straight_through = estimator.endswith("+")
     base = _KL_BASE[estimator.rstrip("+")]
     d = torch.clamp(logprobs - ref_logprobs, -log_ratio_clamp, log_ratio_clamp)

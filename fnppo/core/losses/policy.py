@@ -32,9 +32,24 @@ from fnppo.core.segments import Segments
 from fnppo.core.typing import Tensor
 
 __all__ = [
-    "PolicyInputs", "PolicyLoss", "uses_ratio", "loss_name",
-    "PPOClip", "GSPO", "CISPO", "GMPO", "SAPO", "GPG", "Reinforce",
-    "ppo_clip", "gspo", "cispo", "gmpo", "sapo", "gpg", "reinforce",
+    "PolicyInputs",
+    "PolicyLoss",
+    "uses_ratio",
+    "loss_name",
+    "PPOClip",
+    "GSPO",
+    "CISPO",
+    "GMPO",
+    "SAPO",
+    "GPG",
+    "Reinforce",
+    "ppo_clip",
+    "gspo",
+    "cispo",
+    "gmpo",
+    "sapo",
+    "gpg",
+    "reinforce",
 ]
 
 
@@ -136,8 +151,11 @@ def check_clip_bounds(c: Checker) -> None:
 def check_dual_clip(c: Checker) -> None:
     """``dual_clip``: a number > 1 or None."""
     v = c.get("dual_clip")
-    c.need(v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 1),
-           "dual_clip", "a number > 1 or None")
+    c.need(
+        v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 1),
+        "dual_clip",
+        "a number > 1 or None",
+    )
 
 
 def check_ppo_clip(c: Checker) -> None:
@@ -158,8 +176,9 @@ def check_sapo(c: Checker) -> None:
 # =============================================================================================
 # Built-in policy losses
 # =============================================================================================
-def clipped_surrogate(ratio: Tensor, adv: Tensor, low: float, high: float,
-                       dual_clip: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, low: float, high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """PPO pessimistic surrogate; returns (loss, clipped, dual_clipped) per token.
 
     A token is clipped only where the clipped term is strictly larger (resp. the dual bound
@@ -201,10 +220,11 @@ class PPOClip:
         check_ppo_clip(Checker.of(self, "fnppo.losses.ppo_clip"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high,
-                                                  self.dual_clip)
-        return loss, {"pg_clipfrac": x.token_metric(clipped.float()),
-                      "pg_clipfrac_lower": x.token_metric(lower.float())}
+        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
+        return loss, {
+            "pg_clipfrac": x.token_metric(clipped.float()),
+            "pg_clipfrac_lower": x.token_metric(lower.float()),
+        }
 
 
 @dataclass(frozen=True)

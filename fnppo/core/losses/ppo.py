@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fnppo.core.errors import describe, input_error
 from fnppo.core.loss_checks import check_non_empty, describe_value, validate_inputs
 from fnppo.core.losses.aggregate import Tokens, agg_weights, denominator
 from fnppo.core.losses.config import LossConfig
@@ -46,8 +47,6 @@ from fnppo.core.typing import (
     Scalar,
     Shaped,
     Tensor,
-    describe,
-    input_error,
     typechecked,
     typechecking_enabled,
 )
@@ -55,8 +54,15 @@ from fnppo.core.typing import (
 __all__ = ["ppo_loss"]
 
 
-def _check_loss_inputs(fn: str, config: LossConfig, old_logprobs: Tensor | None, entropy: Tensor | None,
-                       ref_logprobs: Tensor | None, rollout_logprobs: Tensor | None, tis_mean: Any) -> None:
+def _check_loss_inputs(
+    fn: str,
+    config: LossConfig,
+    old_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    rollout_logprobs: Tensor | None,
+    tis_mean: Any,
+) -> None:
     """The optional inputs that ``config`` needs are given (and ``tis_mean`` only when it is used)."""
     if old_logprobs is None and not config.bypass_old_logprobs:
         raise input_error(fn, "old_logprobs", "a tensor (or LossConfig.bypass_old_logprobs=True)", "None")
@@ -65,11 +71,13 @@ def _check_loss_inputs(fn: str, config: LossConfig, old_logprobs: Tensor | None,
     if config.kl is not None and config.kl.coef != 0 and ref_logprobs is None:
         raise input_error(fn, "ref_logprobs", f"a tensor since kl.coef={config.kl.coef!r}", "None")
     if config.bypass_old_logprobs and rollout_logprobs is None:
-        raise input_error(fn, "rollout_logprobs",
-                          "a tensor since bypass_old_logprobs=True (they are the old log-probs)", "None")
+        raise input_error(
+            fn, "rollout_logprobs", "a tensor since bypass_old_logprobs=True (they are the old log-probs)", "None"
+        )
     if config.correction is not None and rollout_logprobs is None:
-        raise input_error(fn, "rollout_logprobs", "a tensor since rollout correction (LossConfig.correction) is "
-                          "configured", "None")
+        raise input_error(
+            fn, "rollout_logprobs", "a tensor since rollout correction (LossConfig.correction) is configured", "None"
+        )
     if tis_mean is not None and not (config.correction is not None and config.correction.batch_normalize):
         raise input_error(fn, "tis_mean", "None unless correction.batch_normalize=True", describe_value(tis_mean))
 
@@ -78,13 +86,23 @@ def _policy_term(fn: str, config: LossConfig, x: PolicyInputs, tok: Tokens) -> t
     """The policy loss per token (0 off the mask) and its metrics; checks its output shape."""
     pg_tok, extra = config.policy(x)
     if not isinstance(pg_tok, Tensor) or pg_tok.shape != x.logprobs.shape:
-        raise input_error(fn, f"policy loss {loss_name(config.policy)!r}",
-                          f"a per-token loss of shape {tuple(x.logprobs.shape)}", describe(pg_tok))
+        raise input_error(
+            fn,
+            f"policy loss {loss_name(config.policy)!r}",
+            f"a per-token loss of shape {tuple(x.logprobs.shape)}",
+            describe(pg_tok),
+        )
     return torch.where(tok.m, pg_tok.to(tok.zero.dtype), tok.zero), extra
 
 
-def _importance(config: LossConfig, train: Tensor, rollout_logprobs: Tensor | None, tok: Tokens,
-                metrics: dict[str, Tensor], tis_mean: Any) -> tuple[Tensor | None, Tensor]:
+def _importance(
+    config: LossConfig,
+    train: Tensor,
+    rollout_logprobs: Tensor | None,
+    tok: Tokens,
+    metrics: dict[str, Tensor],
+    tis_mean: Any,
+) -> tuple[Tensor | None, Tensor]:
     """TIS weights (None without a correction) and the kept tokens; adds ``rollout_kl`` and the TIS metrics.
 
     ``train`` is the trainer side of the correction: the old log-probs, or ``sg(logp)`` in bypass mode.
@@ -100,9 +118,17 @@ def _importance(config: LossConfig, train: Tensor, rollout_logprobs: Tensor | No
     return tis.weights.to(tok.mf.dtype), tis.keep.to(tok.mf.dtype)
 
 
-def _add_regularizers(total_num: Tensor, config: LossConfig, lp: Tensor, entropy: Tensor | None,
-                      ref_logprobs: Tensor | None, tok: Tokens, term_w: Tensor, local_den: Tensor,
-                      metrics: dict[str, Tensor]) -> Tensor:
+def _add_regularizers(
+    total_num: Tensor,
+    config: LossConfig,
+    lp: Tensor,
+    entropy: Tensor | None,
+    ref_logprobs: Tensor | None,
+    tok: Tokens,
+    term_w: Tensor,
+    local_den: Tensor,
+    metrics: dict[str, Tensor],
+) -> Tensor:
     """``total_num - entropy_coef * H + kl.coef * KL`` (numerators); adds ``entropy`` / ``kl_loss``."""
     if entropy is not None:
         ent_num = (tok.clean(entropy, detach=config.entropy_coef == 0) * term_w).sum()
@@ -111,8 +137,12 @@ def _add_regularizers(total_num: Tensor, config: LossConfig, lp: Tensor, entropy
             total_num = total_num - config.entropy_coef * ent_num
     if ref_logprobs is not None:
         coef, estimator = (0.0, "k3") if config.kl is None else (config.kl.coef, config.kl.estimator)
-        kl_tok = kl_penalty(lp if coef != 0 else lp.detach(), tok.clean(ref_logprobs, detach=True), estimator,
-                            log_ratio_clamp=config.log_ratio_clamp)
+        kl_tok = kl_penalty(
+            lp if coef != 0 else lp.detach(),
+            tok.clean(ref_logprobs, detach=True),
+            estimator,
+            log_ratio_clamp=config.log_ratio_clamp,
+        )
         kl_num = (torch.where(tok.m, kl_tok, tok.zero) * term_w).sum()
         metrics["kl_loss"] = pair_metric(kl_num, local_den)
         if coef != 0:
@@ -203,14 +233,25 @@ def ppo_loss(
     bypass = config.bypass_old_logprobs
     _check_loss_inputs(fn, config, old_logprobs, entropy, ref_logprobs, rollout_logprobs, tis_mean)
     if typechecking_enabled():
-        validate_inputs(fn, loss_mask, {"advantages": advantages, "old_logprobs": None if bypass else old_logprobs,
-                                        "ref_logprobs": ref_logprobs, "rollout_logprobs": rollout_logprobs},
-                        normalizer, seq_ids, tis_mean=tis_mean)
+        validate_inputs(
+            fn,
+            loss_mask,
+            {
+                "advantages": advantages,
+                "old_logprobs": None if bypass else old_logprobs,
+                "ref_logprobs": ref_logprobs,
+                "rollout_logprobs": rollout_logprobs,
+            },
+            normalizer,
+            seq_ids,
+            tis_mean=tis_mean,
+        )
     tok = Tokens.of(logprobs, loss_mask, seq_ids)
     lp = tok.clean(logprobs, detach=False)
     old = tok.clean(rollout_logprobs if bypass else old_logprobs, detach=True)
-    inputs = PolicyInputs(lp, old, tok.clean(advantages, detach=True), tok.mf, tok.seg, config.log_ratio_clamp,
-                          generator)
+    inputs = PolicyInputs(
+        lp, old, tok.clean(advantages, detach=True), tok.mf, tok.seg, config.log_ratio_clamp, generator
+    )
     pg_tok, extra = _policy_term(fn, config, inputs, tok)
     metrics: dict[str, Tensor] = {}
     tis_w, keep = _importance(config, lp.detach() if bypass else old, rollout_logprobs, tok, metrics, tis_mean)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fnppo.core.errors import input_error
 from fnppo.core.loss_checks import Checker, check_non_empty, finite_number, validate_inputs
 from fnppo.core.losses.aggregate import Aggregation, Tokens, agg_weights, denominator, mode_and_scale
 from fnppo.core.metrics import pair_metric, weighted_metric
@@ -21,7 +22,6 @@ from fnppo.core.typing import (
     Scalar,
     Shaped,
     Tensor,
-    input_error,
     typechecked,
     typechecking_enabled,
 )
@@ -54,8 +54,9 @@ class ValueLossConfig:
     def __post_init__(self) -> None:
         fn = "fnppo.losses.ValueLossConfig"
         _check_value_clip(fn, self.clip_range)
-        Checker.of(self, fn).need(isinstance(self.agg, Aggregation), "agg",
-                                  "an Aggregation (e.g. Aggregation('token-mean'))")
+        Checker.of(self, fn).need(
+            isinstance(self.agg, Aggregation), "agg", "an Aggregation (e.g. Aggregation('token-mean'))"
+        )
 
 
 @typechecked
@@ -111,8 +112,14 @@ def value_loss(
     _check_value_clip(fn, clip_range)
     mode, scale = mode_and_scale(fn, loss_agg_mode, loss_scale_factor)
     if typechecking_enabled():
-        validate_inputs(fn, mask, {"values": values, "old_values": old_values, "returns": returns}, normalizer,
-                        seq_ids, mask_name="mask")
+        validate_inputs(
+            fn,
+            mask,
+            {"values": values, "old_values": old_values, "returns": returns},
+            normalizer,
+            seq_ids,
+            mask_name="mask",
+        )
     tok = Tokens.of(values, mask, seq_ids)
     v, old, ret = tok.clean(values, detach=False), tok.clean(old_values, detach=True), tok.clean(returns, detach=True)
     l1 = (v - ret) ** 2
@@ -129,8 +136,12 @@ def value_loss(
     num = (per_tok * agg_w).sum()
     loss = num / denominator(normalizer, local_den)
     err = (ret - v).detach()
-    return loss, {"vf_loss": pair_metric(num, local_den),
-                  "vf_clipfrac": weighted_metric(clipped.to(tok.mf.dtype), tok.mf),
-                  "vpred_mean": weighted_metric(v, tok.mf), "vf_returns": weighted_metric(ret, tok.mf),
-                  "vf_returns_sq": weighted_metric(ret * ret, tok.mf), "vf_error": weighted_metric(err, tok.mf),
-                  "vf_error_sq": weighted_metric(err * err, tok.mf)}
+    return loss, {
+        "vf_loss": pair_metric(num, local_den),
+        "vf_clipfrac": weighted_metric(clipped.to(tok.mf.dtype), tok.mf),
+        "vpred_mean": weighted_metric(v, tok.mf),
+        "vf_returns": weighted_metric(ret, tok.mf),
+        "vf_returns_sq": weighted_metric(ret * ret, tok.mf),
+        "vf_error": weighted_metric(err, tok.mf),
+        "vf_error_sq": weighted_metric(err * err, tok.mf),
+    }

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints of the Llama / Qwen2 / Qwen3 families and their Mixture-of-Experts
 siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 
-* :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.megatron.model.ModelConfig`;
+* :func:`model_config_from_hf` reads a ``config.json`` into a :class:`fnppo.megatron.config.ModelConfig`;
 * :func:`build_gpt_from_hf` builds this rank's model chunks from it;
 * :func:`load_hf_weights` streams the safetensors shards into this rank's TP/PP shard. A value
   model (``build_gpt_from_hf(path, head="value")``, the critic of PPO) takes a value or reward

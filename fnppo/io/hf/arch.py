@@ -14,8 +14,8 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.io.hf.families import SUPPORTED_ARCHITECTURES, VALUE_HEAD_LAYOUTS
-from fnppo.megatron.model import model_head, unwrap_model
 from fnppo.megatron.routing import moe_layer_indices
+from fnppo.megatron.unwrap import model_head, unwrap_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +169,7 @@ def expert_names(a: Arch) -> tuple[str, tuple[str, str, str]]:
 
 def _expected_moe(a: Arch, p: str) -> dict[str, tuple[int, ...]]:
     """The HF tensors of one MoE layer (prefix ``p``): router, experts, shared expert and its gate."""
-    H, I = a.hidden, a.moe_ffn
+    H, I = a.hidden, a.moe_ffn  # noqa: E741 - the paper's names: hidden H, intermediate I
     block, (gate, up, down) = expert_names(a)
     out: dict[str, tuple[int, ...]] = {p + block + "gate.weight": (a.experts, H)}
     for j in range(a.experts):

@@ -22,7 +22,7 @@ _FULL_ATTENTION = ("sliding_window", "use_sliding_window", "layer_types")
 def _model_fields(core: nn.Module, a: Arch) -> dict[str, Any]:
     """What the model was built for, in the keys of a Hugging Face ``config.json``.
 
-    Rope and vocabulary come from the :class:`ModelConfig` that :func:`fnppo.megatron.model.build_gpt`
+    Rope and vocabulary come from the :class:`ModelConfig` that :func:`fnppo.megatron.build.build_gpt`
     keeps on the model (``fnppo_config``); a model built otherwise is compared on the rest.
     """
     family = a.family

@@ -1,5 +1,5 @@
 """A Hugging Face ``config.json`` as a Megatron model: :func:`model_config_from_hf` reads it into a
-:class:`fnppo.megatron.model.ModelConfig` (family, sizes, rope, MoE router), :func:`build_gpt_from_hf`
+:class:`fnppo.megatron.config.ModelConfig` (family, sizes, rope, MoE router), :func:`build_gpt_from_hf`
 builds this rank's model chunks from it.
 
 Families: Llama (arXiv:2302.13971; RoPE theta and Llama 3 ``"llama3"`` rope scaling), Qwen2
@@ -44,8 +44,10 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.io.hf.families import MOE_FAMILIES, QWEN_FAMILIES, SUPPORTED_ARCHITECTURES, checkpoint_head
-from fnppo.megatron.model import ModelConfig, build_gpt, unwrap_model
+from fnppo.megatron.build import build_gpt
+from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.unwrap import unwrap_model
 
 # Megatron 0.16's llama3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
@@ -282,10 +284,10 @@ def build_gpt_from_hf(
     ``head="value"``.
 
     ``model_config_from_hf(config_or_path, **overrides)`` (``dtype``: ``"fp32"``/``"bf16"``/``"fp16"``,
-    default the checkpoint's) built with :func:`fnppo.megatron.model.build_gpt` for the current Megatron
+    default the checkpoint's) built with :func:`fnppo.megatron.build.build_gpt` for the current Megatron
     layout (call inside :func:`fnppo.init_parallel`). ``tp``/``pp``, if given, must equal the
     current layout's sizes. ``layer_spec`` defaults to
-    ``fnppo.megatron.attention.default_layer_spec(cfg)`` (Transformer Engine's spec when installed, else the
+    ``fnppo.megatron.layer_specs.default_layer_spec(cfg)`` (Transformer Engine's spec when installed, else the
     local spec; RMSNorm, and q/k norms for Qwen3, from the config). Weights are random: load them
     with :func:`load_hf_weights`.
     """

@@ -27,8 +27,20 @@ from fnppo.io.hf.keys import param_rule
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
 from fnppo.io.hf.value_head import token_classification_config
-from fnppo.megatron.model import _global_name, _is_expert, _is_gated_fc1, _tp_of, unwrap_model
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.unwrap import unwrap_model
+from fnppo.megatron.weights import (
+    global_name as _global_name,
+)
+from fnppo.megatron.weights import (
+    is_expert as _is_expert,
+)
+from fnppo.megatron.weights import (
+    is_gated_fc1 as _is_gated_fc1,
+)
+from fnppo.megatron.weights import (
+    tp_of as _tp_of,
+)
 
 
 def _gather_tp(core: nn.Module, name: str, param: Tensor, layout: ParallelLayout) -> Tensor:

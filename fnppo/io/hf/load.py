@@ -28,8 +28,10 @@ from fnppo.io.hf.keys import VALUE_HEAD_RULES, param_rule
 from fnppo.io.hf.layouts import read_shard
 from fnppo.io.hf.shards import Reader, open_shards, shard_files
 from fnppo.io.hf.value_head import ValueHead, value_head_of
-from fnppo.megatron.model import _global_name, _tp_of, unwrap_model
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.unwrap import unwrap_model
+from fnppo.megatron.weights import global_name as _global_name
+from fnppo.megatron.weights import tp_of as _tp_of
 
 _Plan = list[tuple[Tensor, str, tuple[str, ...]]]  # (parameter, kind, HF names) of every parameter to fill
 

@@ -1,9 +1,10 @@
-# temporary re-export shim (redesign): removed at integration
-"""Former home of the losses; they live in :mod:`fnppo.core.losses` (and :mod:`fnppo.core.rollout_correction`).
+"""The losses, built from parts: ``fnppo.losses.LossConfig(policy=fnppo.losses.cispo(...), kl=...)``.
 
-``PolicyLossConfig`` is :func:`fnppo.core.losses.flat.from_flat`: ``PolicyLossConfig(policy_loss="ppo",
-kl_coef=0.05)`` returns the equivalent :class:`~fnppo.core.losses.config.LossConfig`.
-"""
+A policy loss is any function of :class:`PolicyInputs` returning ``(per-token loss, metrics)``; the
+built-in ones are small frozen parts with their own parameters. ``from_flat`` maps flat (verl-style)
+settings to parts. Implementation: :mod:`fnppo.core.losses` and :mod:`fnppo.core.rollout_correction`."""
+
+from __future__ import annotations
 
 from fnppo.core.losses import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses import LOSS_AGG_MODES as LOSS_AGG_MODES
@@ -33,10 +34,34 @@ from fnppo.core.losses import reinforce as reinforce
 from fnppo.core.losses import sapo as sapo
 from fnppo.core.losses import tis_batch_stats as tis_batch_stats
 from fnppo.core.losses import value_loss as value_loss
-from fnppo.core.metrics import finalize_metrics as finalize_metrics
-from fnppo.core.metrics import merge_metrics as merge_metrics
-from fnppo.core.metrics import weighted_metric as weighted_metric
-from fnppo.core.segments import Segments as Segments
 
-PolicyLossConfig = from_flat
-PolicyLossInputs = PolicyInputs
+__all__ = [
+    "LossConfig",
+    "PolicyInputs",
+    "PolicyLoss",
+    "ppo_clip",
+    "gspo",
+    "cispo",
+    "gmpo",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "gpg",
+    "reinforce",
+    "KLPenalty",
+    "kl_penalty",
+    "KL_ESTIMATORS",
+    "Aggregation",
+    "LOSS_AGG_MODES",
+    "loss_normalizer",
+    "RolloutCorrection",
+    "SEQ_REJECTION_CRITERIA",
+    "TISWeights",
+    "compute_tis_weights",
+    "tis_batch_stats",
+    "ppo_loss",
+    "value_loss",
+    "ValueLossConfig",
+    "from_flat",
+    "POLICY_LOSSES",
+]

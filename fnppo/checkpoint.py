@@ -1,0 +1,16 @@
+"""Checkpoints of a TrainState (model, optimizer, step, RNG and run state), verified on load.
+Implementation: :mod:`fnppo.io.checkpoint`."""
+
+from __future__ import annotations
+
+from fnppo.io.checkpoint import CheckpointError as CheckpointError
+from fnppo.io.checkpoint import latest_checkpoint as latest_checkpoint
+from fnppo.io.checkpoint import load_checkpoint as load_checkpoint
+from fnppo.io.checkpoint import save_checkpoint as save_checkpoint
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "CheckpointError",
+]

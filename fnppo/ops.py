@@ -1,0 +1,18 @@
+"""The log-prob kernels and rotary embeddings, usable on their own (pure torch, Triton on CUDA).
+Implementation: :mod:`fnppo.core.logprob`, :mod:`fnppo.core.linear_logprob`, :mod:`fnppo.core.rope`."""
+
+from __future__ import annotations
+
+from fnppo.core.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
+from fnppo.core.linear_logprob_graphs import BackwardGraphs as BackwardGraphs
+from fnppo.core.logprob import logprob_and_entropy as logprob_and_entropy
+from fnppo.core.rope import apply_rotary as apply_rotary
+from fnppo.core.rope import thd_positions as thd_positions
+
+__all__ = [
+    "logprob_and_entropy",
+    "linear_logprob_and_entropy",
+    "BackwardGraphs",
+    "apply_rotary",
+    "thd_positions",
+]
