@@ -27,6 +27,7 @@ over the expert-data-parallel group and saved the same way as the dense state (p
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 
 from fnppo.core.errors import input_error
 from fnppo.megatron.parallel import current_layout
@@ -61,8 +63,6 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state()
     try:
-        from megatron.core import tensor_parallel
-
         out["megatron"] = {
             k: v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()
@@ -79,8 +79,6 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "megatron" in state:
-        from megatron.core import tensor_parallel
-
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron"]))
 
 
@@ -409,8 +407,6 @@ def load_checkpoint(directory: str | os.PathLike, state):
     ``argument 'state' ...``: other train-state names, or another model shape (it names the first
     differing parameter with the checkpoint's shape and this model's).
     """
-    import dataclasses
-
     path = Path(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
     problem = _validate(path, rank, state)

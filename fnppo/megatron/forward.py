@@ -90,7 +90,7 @@ def packed_seq_params(mb: Microbatch):
 @typechecked
 def forward_values(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> Float[Tensor, ...]:
+) -> Float[Tensor, "..."]:
     """Run one chunk of a value model on a micro-batch: one value per position on the last stage.
 
     ``values[b, t] = V(input_ids[b, :t+1])``, the head of :class:`fnppo.megatron.value.GPTValueModel` on the
@@ -113,7 +113,7 @@ def forward_values(
 @typechecked
 def forward_logits(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> Float[Tensor, ...]:
+) -> Float[Tensor, "..."]:
     """Run one model chunk on a micro-batch: vocab-parallel logits on the last pipeline stage.
 
     Returns ``[batch, seq, vocab_shard]`` logits in the model's dtype (no fp32 upcast copy) on the
@@ -156,7 +156,7 @@ def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tens
 @typechecked
 def forward_hidden(
     model: nn.Module, microbatch: Microbatch, *, params: Mapping[str, Tensor] | None = None
-) -> tuple[Float[Tensor, ...], Tensor | None]:
+) -> tuple[Float[Tensor, "..."], Tensor | None]:
     """Like :func:`forward_logits`, but the last pipeline stage stops before the output layer.
 
     Returns ``(hidden, weight)``. On the last stage: ``hidden`` ``[seq, batch, hidden]`` is the

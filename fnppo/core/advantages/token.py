@@ -179,7 +179,7 @@ def reinforce_pp_advantages(
 
 @typechecked
 def broadcast_to_tokens(
-    values: Float[Tensor, nseq], mask: PaddedMask, *, seq_ids: Integer[Tensor, "batch seq"] | None = None
+    values: Float[Tensor, "nseq"], mask: PaddedMask, *, seq_ids: Integer[Tensor, "batch seq"] | None = None
 ) -> PaddedFloat:
     """Spread one value per sequence over its tokens: ``out[b, t] = values[seq(b, t)] * mask[b, t]``.
 
@@ -222,7 +222,7 @@ def broadcast_to_tokens(
 
 
 @typechecked
-def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, 3]:
+def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, "3"]:
     """``(count, sum, sum of squares)`` of ``values`` over the positions where ``mask == 1``.
 
     float64 ``[3]``, summable: the elementwise sum over the parts of a batch (micro-batches, data-
@@ -251,14 +251,14 @@ def _whiten(x: Tensor, m: Tensor, moments: Tensor, eps: float) -> Tensor:
 
 @typechecked
 def reinforce_pp_baseline_advantages(
-    scores: Float[Tensor, batch],
+    scores: Float[Tensor, "batch"],
     mask: PaddedMask,
-    group_ids: Integer[Tensor, batch],
+    group_ids: Integer[Tensor, "batch"],
     *,
     kl: PaddedFloat | None = None,
     kl_coef: float = 0.0,
     eps: float = 1e-8,
-    batch_moments: Float[Tensor, 3] | None = None,
+    batch_moments: Float[Tensor, "3"] | None = None,
 ) -> tuple[PaddedFloat, PaddedFloat]:
     """REINFORCE++-baseline: group-mean baseline on the outcome, then whitening over the batch.
 
