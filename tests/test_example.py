@@ -589,7 +589,7 @@ def test_invalid_value_creates_nothing_and_the_next_run_goes_ahead(scenarios):
 
 
 def test_resume_in_another_layout_is_refused_on_every_rank(tmp_path):
-    """A one-process checkpoint resumed under torchrun with --tp 2: every rank exits 2, one line from rank 0."""
+    """A one-process checkpoint resumed under torchrun with --tp 2: refused with exit 2, one line from rank 0."""
     run = str(tmp_path / "run")
     _run(["--steps", "1", "--save-every", "1", *SMALL, "--out-dir", run])
     out = _call(["--steps", "2", "--tp", "2", "--resume", *SMALL, "--out-dir", run], nproc=2)
@@ -598,5 +598,7 @@ def test_resume_in_another_layout_is_refused_on_every_rank(tmp_path):
     assert both.count("ppo_toy.py: error: --resume: load_checkpoint: argument 'directory' expected a checkpoint of this "
                       "run's layout") == 1, both[-3000:]
     assert 'ppo_toy.py", line' not in both  # no per-rank Python traceback
+    # torchrun ends the other rank (SIGTERM, -15) as soon as one rank has exited: each rank either
+    # exited 2 itself or was ended after a sibling's exit 2; none exited 1 or crashed with a traceback
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", both)
-    assert codes and set(codes) == {"2"}, both[-3000:]
+    assert codes and "2" in codes and set(codes) <= {"2", "-15"}, both[-3000:]
