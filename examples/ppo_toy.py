@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
-    p.add_argument("--group-size", type=int, default=16, help="responses per prompt (GRPO group)")
+    p.add_argument("--group-size", type=int, default=32, help="responses per prompt (GRPO group)")
     p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per mini-batch (default 2)")
     p.add_argument("--max-tokens-per-microbatch", type=int, default=None, help="token budget per micro-batch")
     p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
