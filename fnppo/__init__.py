@@ -18,7 +18,7 @@ with the package; a name or namespace that needs Megatron is imported when first
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnppo.megatron.quiet import install_warning_filters as _install_warning_filters
 
@@ -35,6 +35,31 @@ from fnppo.core.losses import value_loss as value_loss  # noqa: E402
 from fnppo.core.sample import Microbatch as Microbatch  # noqa: E402
 from fnppo.core.sample import Sample as Sample  # noqa: E402
 from fnppo.core.split import split_batch as split_batch  # noqa: E402
+
+if TYPE_CHECKING:  # what type checkers and the API reference read; at run time __getattr__ imports these
+    from fnppo.models import (
+        ModelConfig,
+        build_gpt,
+        build_optimizer,
+        finalize_grads,
+        forward_logits,
+        forward_values,
+        wrap_ddp,
+    )
+    from fnppo.parallel import init_parallel
+    from fnppo.steps import (
+        CriticConfig,
+        CriticFns,
+        StepConfig,
+        StepFns,
+        TrainState,
+        compute_logprobs,
+        compute_values,
+        critic_step,
+        forward_only,
+        shard_for_data_parallel,
+        train_step,
+    )
 
 __version__ = "0.1.0"
 

@@ -174,9 +174,9 @@ def compute_logprobs(
             parameter set with the same modules, e.g. the frozen reference policy
             (:func:`fnppo.megatron.forward.snapshot_params`).
         with_entropy: also return the entropies.
-        temperature, layout, num_microbatches, microbatch_size, max_tokens_per_microbatch,
-            pad_to_multiple_of, max_seq_len: as in :class:`~fnppo.steps.config.StepConfig` (None: from ``config``,
-            else the default).
+        temperature: as in :class:`~fnppo.steps.config.StepConfig` (None: from ``config``, else the
+            default); so are ``layout``, ``num_microbatches``, ``microbatch_size``,
+            ``max_tokens_per_microbatch``, ``pad_to_multiple_of`` and ``max_seq_len``.
         fns: the collate, forward and logprob stages (:class:`~fnppo.steps.protocols.StepFns`; its loss is unused).
         config: a :class:`~fnppo.steps.config.StepConfig` supplying every field above left None (accepted for
             compatibility; its loss settings are unused).
