@@ -279,7 +279,7 @@ def tp1_run(checkpoints, value_checkpoints, foreign_critics, tmp_path_factory):
 def _assert_close_logits(results: list, world: int, tp: int, pp: int, checkpoints) -> None:
     last = [r for r in results if r["llama"] is not None]
     assert len(last) == world // pp
-    for family, (_, _ids, ref) in checkpoints.items():
+    for family, (_, ids, ref) in checkpoints.items():  # noqa: B007 - the ids are not needed here
         for res in last:
             got = res[family]
             assert got.shape == ref.shape, (family, got.shape)
@@ -345,7 +345,7 @@ def test_logits_export_and_compute_logprobs_pp2(checkpoints, pp2_run):
     results, tmp_path = pp2_run
     _assert_close_logits(results, 2, 1, 2, checkpoints)
     _assert_export_equal(tmp_path, checkpoints)
-    for family, (_, _ids, ref) in checkpoints.items():  # log p(ids[t] | ids[<t]) for response tokens t >= 4
+    for family, (_, ids, ref) in checkpoints.items():  # log p(ids[t] | ids[<t]) for response tokens t >= 4
         ref_lp = torch.log_softmax(ref[0, 3:-1].double(), -1).gather(-1, ids[0, 4:, None])[:, 0]
         for res in results:
             assert (res[family + "/logprobs"].double() - ref_lp).abs().max().item() <= TOL, family

@@ -139,7 +139,7 @@ def test_with_kl_coef_updates_the_loss_config():
     ],
 )
 def test_validation(call, arg):
-    with pytest.raises(InputError, match=rf"fnppo\.\w+_kl_\w+: argument '{arg}' expected .+, received .+"):
+    with pytest.raises(InputError, match=rf"fnppo\.kl\.\w+_kl_\w+: argument '{arg}' expected .+, received .+"):
         call()
 
 
