@@ -22,13 +22,14 @@ import importlib
 import inspect
 import os
 import re
-import socket
 import subprocess
 import sys
 import unicodedata
 from pathlib import Path
 
 import pytest
+
+from fnppo.megatron.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -65,12 +66,6 @@ BLOCKS = _blocks()
 
 def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -13,47 +13,21 @@ The guides' code, links and commands are checked by ``tests/test_docs.py``.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fnppo.megatron.parallel import free_port
+from tests.test_docs import _env, _run_file
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 BLOCK = re.compile(r"(<!-- readme-test: ([^>]*)-->\n)?```python\n(.*?)```", re.S)
 BLOCKS = [(m.group(3), (m.group(2) or "").strip()) for m in BLOCK.finditer(README)]
 NOT_RUN = "# not run:"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
-def _run_file(path: Path, nproc: int, timeout: int = 600) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(path)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(path),
-        ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return out
 
 
 def _block_id(i: int) -> str:
