@@ -77,12 +77,29 @@ class ModelConfig:
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns
     otherwise).
 
+    ``batch_invariant``: exactly on-policy numerics (``docs/batch-invariance.md``). fnppo's steps
+    run the model under :func:`fnppo.megatron.forward.batch_invariant_numerics` (batch-invariant
+    products, norms, softmaxes, reductions and element-wise kernels; Megatron-core's Triton kernels
+    on CUDA where they import) and its packed and padded attention one sequence at a time
+    (:func:`fnppo.core.kernels.invariant.sequence_attention`), so a sample's per-token log-probs and
+    entropies have the same bits whatever its micro-batch companions, position in the pack, token
+    budget, number of micro-batches or layout (packed or padded), in ``compute_logprobs`` and inside
+    ``train_step`` (with or without recomputation); for MoE models together with
+    ``deterministic=True``. Megatron's ``TransformerConfig.batch_invariant_mode`` is set on the
+    built config (Transformer Engine's attention then runs with ``num_splits=1``). Not covered:
+    another tensor-parallel size (its partial sums are added in another order: ``tp`` above 2 is
+    refused, as a sum of more than two partial results is not commutative bit for bit), context
+    parallelism (refused), dropout (refused: the training forward would differ from the
+    log-prob forward anyway), another device, dtype, thread count or library version, and the
+    backward pass (gradients are not claimed invariant).
+
     Raises:
         InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions`` and
             ``moe_grouped_gemm``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
             are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
             unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
-            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``.
+            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``; ``batch_invariant`` with
+            dropout (:func:`transformer_config`: with ``tp`` above 2 or context parallelism).
     """
 
     num_layers: int
@@ -129,6 +146,7 @@ class ModelConfig:
     moe_grouped_gemm: bool | None = None
     fusions: bool | None = None
     deterministic: bool = False
+    batch_invariant: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,6 +181,10 @@ class ModelConfig:
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
         if self.num_experts is not None:
             self._check_moe(fn)
+        if self.batch_invariant:
+            for name in ("attention_dropout", "hidden_dropout"):
+                if getattr(self, name) != 0.0:
+                    raise input_error(fn, name, "0.0 with batch_invariant=True", repr(getattr(self, name)))
 
     def _check_moe(self, fn: str) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -350,7 +372,32 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
         install_fused_rope()  # Megatron checks for a fused RoPE when the config is built
-    return TransformerConfig(**kwargs)
+    if cfg.batch_invariant:
+        _check_batch_invariant_layout(layout)
+    tc = TransformerConfig(**kwargs)
+    # Set after construction: Megatron's own check asks for its FlashAttention backend, which fnppo's
+    # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
+    tc.batch_invariant_mode = bool(cfg.batch_invariant)
+    return tc
+
+
+def _check_batch_invariant_layout(layout: ParallelLayout) -> None:
+    """Refuse the parallel layouts under which batch invariance cannot hold."""
+    if layout.tp > 2:
+        raise input_error(
+            "transformer_config",
+            "ModelConfig.batch_invariant",
+            "False with tp > 2 (partial sums of more than two tensor-parallel ranks are added in a "
+            "position-dependent order)",
+            f"True with tp={layout.tp}",
+        )
+    if layout.cp > 1:
+        raise input_error(
+            "transformer_config",
+            "ModelConfig.batch_invariant",
+            "False with context parallelism (a sequence's attention is split over ranks)",
+            f"True with cp={layout.cp}",
+        )
 
 
 # Megatron-core 0.16's output-discarding checkpoint (``CheckpointWithoutOutput``) takes its FP8 path

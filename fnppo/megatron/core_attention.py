@@ -44,6 +44,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from fnppo.core.context_parallel import context_parallel_attention
 from fnppo.core.errors import describe, input_error
+from fnppo.core.kernels.invariant import sequence_attention
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked
 from fnppo.megatron.packed_attention import check_cu_seqlens, packed_causal_attention
 
@@ -109,6 +110,8 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
+        if getattr(self.config, "batch_invariant_mode", False):
+            return self._forward_invariant(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
         if packed_seq_params is None:
             return super().forward(
                 query,
@@ -120,6 +123,44 @@ class PackedDotProductAttention(DotProductAttention):
                 packed_seq_params=None,
             )
         return self._forward_thd(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
+
+    def _forward_invariant(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None,
+        params: PackedSeqParams | None,
+    ) -> Tensor:
+        """Batch-invariant attention (``batch_invariant_mode``): every sequence alone
+        (:func:`fnppo.core.kernels.invariant.sequence_attention`), packed (THD) or padded (each row
+        of ``[s, b, heads, dim]`` one causal sequence; its right padding is never attended to by its
+        real tokens)."""
+        fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or attention_mask is not None:
+            raise input_error(
+                fn,
+                "attention_mask",
+                "None with a causal mask type in batch-invariant mode",
+                f"{describe(attention_mask)} with {mask_type}",
+            )
+        if self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None:
+            raise input_error(fn, "config", "vanilla softmax without a window in batch-invariant mode", "other")
+        coeff = self.scale_mask_softmax.scale
+        scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
+        if params is not None:
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            squeeze = query.dim() == 4
+            q, k, v = (t[:, 0] for t in (query, key, value)) if squeeze else (query, key, value)
+            bounds = [int(x) for x in cu.tolist()]
+            out = sequence_attention(q, k, v, bounds, softmax_scale=scale)
+            total = out.shape[0]
+            return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
+        seq, batch = query.shape[0], query.shape[1]
+        rows = [sequence_attention(query[:, b], key[:, b], value[:, b], [0, seq], softmax_scale=scale) for b in range(batch)]
+        return torch.stack(rows, dim=1).reshape(seq, batch, -1)
 
     def _forward_thd(
         self,

@@ -10,6 +10,8 @@ packed micro-batches, :func:`packed_seq_params`), optionally with another parame
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import Float16Module
 from torch import nn
 
+from fnppo.core.batch_invariant import batch_invariant
 from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.unwrap import check_head, unwrap_model
@@ -34,6 +37,8 @@ __all__ = [
     "packed_seq_params",
     "snapshot_params",
     "deterministic_algorithms",
+    "batch_invariant_numerics",
+    "megatron_invariant_kernels",
 ]
 
 
@@ -59,6 +64,44 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@functools.cache
+def megatron_invariant_kernels() -> Any:
+    """Megatron-core's batch-invariant Triton kernels module
+    (``megatron.core.transformer.custom_layers.batch_invariant_kernels``: a persistent matmul,
+    log-softmax, mean, and a Transformer Engine GEMM/RMSNorm patch), or None where it cannot be
+    imported (no Triton) or there is no CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return importlib.import_module("megatron.core.transformer.custom_layers.batch_invariant_kernels")
+    except Exception:  # noqa: BLE001 - no Triton (or an incompatible one): fnppo's torch kernels are used
+        return None
+
+
+@contextlib.contextmanager
+def batch_invariant_numerics(enabled: bool, *, use_megatron: bool = True) -> Iterator[None]:
+    """Run the block batch-invariantly when ``enabled`` (a model built with ``ModelConfig(batch_invariant=True)``).
+
+    fnppo's torch kernels (:func:`fnppo.core.batch_invariant.batch_invariant`: products, norms,
+    softmaxes and row reductions in fixed row tiles, invariant element-wise compositions) for the
+    torch operations of the local layer spec; on CUDA with Megatron-core's Triton kernels
+    importable (:func:`megatron_invariant_kernels`) and ``use_megatron``, also Megatron's
+    ``set_batch_invariant_mode(True)`` (its ``aten`` matmul/log-softmax/mean overrides and the
+    Transformer Engine GEMM and RMSNorm patch, which reach the layers of Transformer Engine's spec),
+    and the products are left to its persistent matmul. Everything is restored on exit, also on
+    an exception; with ``enabled`` False nothing changes.
+    """
+    if not enabled:
+        yield
+        return
+    megatron = megatron_invariant_kernels() if use_megatron else None
+    with contextlib.ExitStack() as stack:
+        if megatron is not None:
+            stack.enter_context(megatron.set_batch_invariant_mode(True))
+        stack.enter_context(batch_invariant(True, products=megatron is None))
+        yield
 
 
 def _call_target(model: nn.Module) -> tuple[nn.Module, str]:

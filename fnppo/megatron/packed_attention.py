@@ -245,9 +245,54 @@ def packed_causal_attention(
         block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex", padded)
         if padded > total:  # the padding tokens attend among themselves only; their outputs are dropped
             q, k, v = (F.pad(t, (0, 0, 0, padded - total)) for t in (q, k, v))
-        out = _flex_fn(query.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-        out = out[:, :, :total]
+        out = _flex_fn(query.device.type)(q, k, _finite_values(v), block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = _restore_nonfinite(out[:, :, :total], value, cu_seqlens, heads)
     else:
-        mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "dense")
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        out = _per_sequence_sdpa(q, k, v, _bounds(fn, cu_seqlens, total), dropout_p, scale, gqa)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _bounds(fn: str, cu_seqlens: Tensor, total: int) -> list[int]:
+    """``cu_seqlens`` as host ints (one sync), validated."""
+    values = [int(v) for v in cu_seqlens.tolist()]
+    if not values or values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        check_cu_seqlens(fn, "cu_seqlens", cu_seqlens, total)
+    return values
+
+
+def _per_sequence_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, bounds: list[int], dropout_p: float, scale: float, gqa: bool
+) -> Tensor:
+    """SDPA with a causal mask on each sequence alone (``[1, H, T, D]`` views): no score, product
+    or NaN crosses a sequence boundary, and the work is ``sum_i l_i^2``, not ``T^2``."""
+    parts = [
+        F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+        for a, b in zip(bounds, bounds[1:])
+        if b > a
+    ]
+    if not parts:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def _finite_values(v: Tensor) -> Tensor:
+    """``v`` with its non-finite entries set to 0: flex attention multiplies a masked probability
+    (exactly 0) by the values of other sequences in a shared block, and ``0 * NaN`` is NaN."""
+    return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+
+
+def _restore_nonfinite(out: Tensor, value: Tensor, cu_seqlens: Tensor, heads: int) -> Tensor:
+    """NaN at the outputs (query token, head) whose visible keys (same sequence, at or before it)
+    include a non-finite value of the head's group, as attention over those values gives; the
+    other outputs are those of the finite values, i.e. exactly the unaffected ones."""
+    bad = (~torch.isfinite(value)).any(dim=-1)  # [T, groups]
+    total = bad.shape[0]
+    count = torch.cumsum(bad.to(torch.int32), dim=0)  # bad keys at or before each token
+    seg = _segment_ids(cu_seqlens, total).to(torch.int64)
+    starts = cu_seqlens.to(torch.int64)[seg]  # first token of each token's sequence
+    before = torch.where(starts[:, None] > 0, count[(starts - 1).clamp_min(0)], torch.zeros_like(count))
+    seen = (count - before) > 0  # [T, groups]
+    seen = seen.repeat_interleave(heads // bad.shape[1], dim=1).transpose(0, 1)[None, :, :, None]  # [1, H, T, 1]
+    return torch.where(seen, torch.full_like(out, float("nan")), out)

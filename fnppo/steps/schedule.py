@@ -22,7 +22,7 @@ from torch import nn
 from fnppo.core.linear_logprob import linear_logprob_and_entropy
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.core.sample import Microbatch
-from fnppo.megatron.forward import deterministic_algorithms, forward_hidden
+from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms, forward_hidden
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
 from fnppo.megatron.parallel import ParallelLayout
@@ -41,6 +41,8 @@ __all__ = [
     "global_sums",
     "token_logprobs",
     "policy_forward_step",
+    "onpolicy_gaps",
+    "onpolicy_max",
     "value_forward_step",
     "run_forward_only",
 ]
@@ -103,7 +105,9 @@ def run_schedule(
     micro-batch (:func:`~fnppo.steps.checks.check_interleaved`, the ``same_length`` padding of the split).
 
     A model built with ``ModelConfig(deterministic=True)`` (Megatron's ``deterministic_mode``) runs
-    under torch's deterministic algorithms (:func:`fnppo.megatron.forward.deterministic_algorithms`).
+    under torch's deterministic algorithms (:func:`fnppo.megatron.forward.deterministic_algorithms`);
+    one built with ``ModelConfig(batch_invariant=True)`` (Megatron's ``batch_invariant_mode`` set on
+    its config) with batch-invariant kernels (:func:`fnppo.megatron.forward.batch_invariant_numerics`).
     """
     fb = pipeline_parallel.get_forward_backward_func()
     layout = model.layout
@@ -115,7 +119,8 @@ def run_schedule(
     saved = config.variable_seq_lengths
     config.variable_seq_lengths = saved and not interleaved
     try:
-        with deterministic_algorithms(config.deterministic_mode):
+        invariant = bool(getattr(config, "batch_invariant_mode", False))
+        with deterministic_algorithms(config.deterministic_mode), batch_invariant_numerics(invariant):
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=data if interleaved else data[0],
@@ -242,11 +247,39 @@ def policy_forward_step(
                 seq_ids=mb.seq_ids,
                 **extra,
             )
-            return loss * loss_scale, {"metrics": metrics}
+            return loss * loss_scale, {"metrics": metrics, "onpolicy": onpolicy_gaps(lp, old, mb.loss_mask)}
 
         return out, loss_func
 
     return forward_step
+
+
+def onpolicy_gaps(logprobs: torch.Tensor, old: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """``[max |logprobs - old|, max |exp(logprobs - old) - 1|]`` over the tokens of ``mask`` (fp32,
+    detached; 0 without tokens or without ``old``; a NaN is reported as inf). On-policy, before any
+    update, both are exactly 0 in batch-invariant mode (``ModelConfig(batch_invariant=True)``) when
+    ``old`` came from ``compute_logprobs`` (or an engine matching its numerics)."""
+    if old is None:
+        return torch.zeros(2, dtype=torch.float32, device=logprobs.device)
+    keep = mask != 0
+    diff = logprobs.detach().float() - old.detach().float()
+    gaps = torch.stack([diff.abs(), torch.expm1(diff).abs()])
+    gaps = torch.where(keep, torch.nan_to_num(gaps, nan=float("inf")), torch.zeros_like(gaps))
+    return gaps.flatten(1).amax(dim=1) if keep.numel() else torch.zeros(2, device=logprobs.device)
+
+
+def onpolicy_max(store: Sequence[Any], layout: ParallelLayout, dp_group: Any, device: torch.device) -> torch.Tensor:
+    """The largest :func:`onpolicy_gaps` over a schedule's micro-batches, data-parallel ranks
+    (``dp_group``, may include CP) and pipeline stages (only the last has them), on every rank."""
+    local = torch.zeros(2, dtype=torch.float32, device=device)
+    for s in store:
+        if isinstance(s, dict) and "onpolicy" in s:
+            local = torch.maximum(local, s["onpolicy"].to(device))
+    if dp_group is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=dp_group)
+    if layout.pp > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=layout.pp_group)
+    return local
 
 
 def value_forward_step(

@@ -39,6 +39,7 @@ from fnppo.steps.schedule import (
     fnppo_finalizer,
     global_normalizer,
     global_sums,
+    onpolicy_max,
     policy_forward_step,
     routers,
     run_schedule,
@@ -65,13 +66,15 @@ class _Objective(NamedTuple):
 
 def _update(
     state: TrainState, minibatch: Sequence[Sample], split: SplitPlan, objective: _Objective, plan: Plan
-) -> tuple[dict[str, torch.Tensor], float, bool]:
+) -> tuple[dict[str, torch.Tensor], float, bool, torch.Tensor]:
     """One optimizer update on one mini-batch (split by ``split``): the five steps of :func:`train_step`
     (and of :func:`critic_step`, with its objective).
 
     Returns:
-        ``(metrics, grad_norm, stepped)``: metric pairs reduced over micro-batches and DP ranks
-        (identical on every rank), the global grad norm, and whether the optimizer stepped.
+        ``(metrics, grad_norm, stepped, onpolicy)``: metric pairs reduced over micro-batches and DP
+        ranks (identical on every rank), the global grad norm, whether the optimizer stepped, and
+        the on-policy gaps of this update's forward (:func:`~fnppo.steps.schedule.onpolicy_max`;
+        zeros for the critic).
 
     Raises:
         FinalizeNotCalledError: Megatron's schedule returned without calling the finalizer.
@@ -105,11 +108,12 @@ def _update(
     )
     if moe is not None:
         metrics.update(moe.metrics)
+    gaps = onpolicy_max(store if layout.is_last_stage else [], layout, summed.dp_group if summed.dp > 1 else None, device)
     finite = stats.finite and bool(torch.isfinite(metrics.get(objective.loss_key, torch.zeros(2))).all())
     if finite:
         ok, _norm, _zeros = optimizer.step()
         finite = bool(ok)
-    return metrics, float(stats.grad_norm), finite
+    return metrics, float(stats.grad_norm), finite, gaps
 
 
 def _train(
@@ -126,9 +130,11 @@ def _train(
     # divisible by num_minibatches, mini-batch k holds the same samples in every layout.
     minibatches = [samples[k :: config.num_minibatches] for k in range(config.num_minibatches)]
     splits = [split_plan(mb, plan, objective.collate) for mb in minibatches]
+    first_gaps: torch.Tensor | None = None
     for _epoch in range(config.ppo_epochs):
         for minibatch, split in zip(minibatches, splits, strict=True):
-            metrics, norm, stepped = _update(state, minibatch, split, objective, plan)
+            metrics, norm, stepped, gaps = _update(state, minibatch, split, objective, plan)
+            first_gaps = gaps if first_gaps is None else first_gaps
             totals = merge_metrics([totals, metrics])
             grad_norms.append(norm)
             skipped += 0 if stepped else 1
@@ -139,6 +145,10 @@ def _train(
     out["skipped"] = float(skipped)
     out["updates"] = float(len(grad_norms) - skipped)
     out["step"] = float(step)
+    if objective.fn == "train_step" and first_gaps is not None:
+        # the first update's forward ran before any optimizer step: on-policy, current == old
+        out["onpolicy/max_abs_logprob_diff"] = float(first_gaps[0])
+        out["onpolicy/max_abs_ratio_minus_1"] = float(first_gaps[1])
     lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
     if lr:
         out["lr"] = float(lr[0])
@@ -180,7 +190,13 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         The new state (same objects, ``step`` advanced by the number of optimizer updates) and
         metrics reduced exactly over micro-batches, mini-batches and DP ranks, identical on every
         rank: the finalized loss metrics, ``grad_norm`` (mean over updates), ``skipped``,
-        ``updates``, ``step`` and ``lr``; for MoE models the router metrics of
+        ``updates``, ``step`` and ``lr``; the on-policy check of the first update's forward, run
+        before any optimizer step (the first mini-batch of the first epoch):
+        ``onpolicy/max_abs_logprob_diff`` (the largest ``|log pi - old|`` over its response tokens,
+        ``old`` being the log-probs the loss compares with: ``old_logprobs``, or
+        ``rollout_logprobs`` in bypass mode) and ``onpolicy/max_abs_ratio_minus_1`` (the largest
+        ``|pi / old - 1|``), both exactly 0 on-policy with ``ModelConfig(batch_invariant=True)``
+        and ``old`` from ``compute_logprobs``; for MoE models the router metrics of
         :mod:`fnppo.megatron.moe` (aux and z losses, expert loads and imbalance).
 
     Raises:
