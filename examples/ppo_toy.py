@@ -29,6 +29,7 @@ controller of Ziegler et al. (``fnppo.kl.adaptive_kl_init`` / ``adaptive_kl_upda
     python examples/ppo_toy.py --moe                             # Mixture of Experts (4 experts, top-2)
     torchrun --nproc-per-node 2 examples/ppo_toy.py --moe --ep 2 # experts split over 2 ranks
     python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
+    python examples/ppo_toy.py --batch-invariant                 # rollout == trainer log-probs, ratio - 1 = 0
 
 Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``),
 created when its first file is written: ``metrics.jsonl`` (unless ``--metrics-out`` puts the metrics
@@ -94,6 +95,7 @@ RUN_DEFINING = (
     "moe_aux_coeff",
     "moe_z_coeff",
     "spec",
+    "batch_invariant",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint")
@@ -101,6 +103,7 @@ SETTING_DEFAULTS = {
     "algo": "grpo",
     "spec": "default",
     "critic_checkpoint": None,
+    "batch_invariant": False,
 }  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
@@ -178,6 +181,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["default", "local", "te"],
         default="default",
         help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant numerics (ModelConfig(batch_invariant=True)): rollout log-probs equal compute_logprobs' "
+        "bit for bit and the first update's ratio - 1 is exactly 0 (reported per step)",
     )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -267,6 +276,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _check_floats(args)
     if args.spec != "default" and args.hf_checkpoint:
         raise ArgumentError("--spec applies to the random model; --hf-checkpoint builds its own")
+    if args.batch_invariant and (args.tp > 1 or args.hf_checkpoint):
+        raise ArgumentError(
+            "--batch-invariant runs with --tp 1 (the sampler compares full-vocabulary log-probs) and without --hf-checkpoint"
+        )
     if args.device == "cuda" and not cuda_available:
         raise ArgumentError(
             "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is False); use --device cpu"
@@ -466,12 +479,14 @@ def token_rewards(prompt, response):
 # ---------------------------------------------------------------------------------------------
 # sampling through Megatron's forward-only schedule (works for any TP/PP layout)
 # ---------------------------------------------------------------------------------------------
-def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, device):
+def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, device, invariant: bool = False):
     """Autoregressive sampling by inverse CDF with given uniforms ``[n, RESPONSE_LEN]``.
 
     Returns tokens ``[n, RESPONSE_LEN]`` and their log-probs (fp32). The uniforms are drawn for the
     global batch from (seed, step), so every layout samples the same tokens. Only the ``VOCAB`` real
-    columns are sampled from (a padded vocabulary's extra columns are never drawn).
+    columns are sampled from (a padded vocabulary's extra columns are never drawn). ``invariant``
+    (a batch-invariant model): the log-probs are :func:`invariant_logprobs`, bit for bit those of
+    ``compute_logprobs``.
     """
     import torch
 
@@ -496,10 +511,27 @@ def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, d
             tok = (cdf < uniforms[:, t : t + 1].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1)
             pick[0] = tok.float()
             pick[1] = logp.gather(1, tok[:, None]).squeeze(1).float()
+            if invariant:  # the inference engine's log-probs computed as the trainer computes them
+                pick[1] = invariant_logprobs(out[0], tok, temperature, layout).cpu()
         pick = from_last_stage(pick, layout, device)
         seqs = torch.cat([seqs, pick[0].long()[:, None]], dim=1)
         logps[:, t] = pick[1]
     return seqs[:, PROMPT_LEN:], logps
+
+
+def invariant_logprobs(logits, tokens, temperature: float, layout):
+    """``log softmax(logits / T)[token]`` by fnppo's log-prob kernel under batch-invariant numerics:
+    with the model's batch-invariant forward, bit for bit what ``compute_logprobs`` gives the token
+    (one tensor-parallel rank: ``logits`` are the full vocabulary)."""
+    import fnppo
+    from fnppo.core.batch_invariant import batch_invariant
+
+    with batch_invariant(True):
+        lp, _ = fnppo.logprob_and_entropy(
+            logits[:, None, :].float(), tokens[:, None].to(logits.device), temperature=temperature, with_entropy=False,
+            vocab_size=VOCAB, impl="torch",
+        )
+    return lp[:, 0].float()
 
 
 def gather_vocab(x, layout):
@@ -569,6 +601,7 @@ def build(args: argparse.Namespace, head: str = "lm"):
             dtype=args.dtype,
             tie_embeddings=True,
             **(moe_fields(args) if args.moe else {}),
+            **({"batch_invariant": True, "deterministic": True} if args.batch_invariant else {}),
         )
         if args.spec == "te" and not fnppo.models.te_available():
             raise ArgumentError("--spec te: Transformer Engine is not installed (pip install 'fnppo[te]')")
@@ -676,7 +709,13 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     phase = phase or (lambda name: contextlib.nullcontext())
     with phase("sampling"):
         responses, rollout_lp = sample_responses(
-            state.model, prompts, uniforms, temperature=args.temperature, layout=layout, device=device
+            state.model,
+            prompts,
+            uniforms,
+            temperature=args.temperature,
+            layout=layout,
+            device=device,
+            invariant=args.batch_invariant,
         )
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     if critic is not None:
@@ -1051,6 +1090,10 @@ def run(args: argparse.Namespace, layout) -> int:
         )
         if args.kl_target is not None:
             row["kl_coef"] = kl_state.coef  # the coefficient this step trained with
+        if args.batch_invariant:  # the sampler's log-probs against compute_logprobs' (0 bits differ in the mode)
+            row["onpolicy/rollout_vs_old_max_abs_diff"] = max(
+                float((s.rollout_logprobs - s.old_logprobs).abs().max()) for s in samples
+            )
         kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
             critic_part = (
@@ -1216,6 +1259,12 @@ def _report(
             print(f"plot: {plot}")
         except ImportError:
             print("plot: skipped (matplotlib is not installed; pip install 'fnppo[examples]')")
+    if args.batch_invariant and rows:
+        gaps = [(r["onpolicy/max_abs_ratio_minus_1"], r["onpolicy/rollout_vs_old_max_abs_diff"]) for r in rows]
+        print(
+            f"batch-invariant: max |ratio - 1| at the first pass over {len(rows)} steps: {max(g[0] for g in gaps):.3g}; "
+            f"max |rollout - compute_logprobs| log-prob: {max(g[1] for g in gaps):.3g}"
+        )
     print(
         f"final reward (mean of last {len(last)} steps): {final:.3f} -> {verdict}: {'reached' if ok else 'did NOT reach'} the target {args.target_reward:g}"
     )

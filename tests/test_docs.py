@@ -42,6 +42,7 @@ GUIDES = [
     "long-context",
     "vlm",
     "fused-output",
+    "batch-invariance",
     "huggingface",
     "checkpoints",
     "gpu",

@@ -26,10 +26,16 @@ Kernels (:func:`packed_causal_attention`):
   costs up to 12.5 % more attention work. Measured on one H200,
   bf16, 32 heads / 8 groups of 128, forward + backward: 6.7 ms for 32k tokens in 32 sequences
   (SDPA with a dense mask: 207 ms); 2.1 ms vs 3.4 ms for 4k tokens in 4 sequences.
-* CPU, and any device when attention dropout is active: ``scaled_dot_product_attention`` with an
-  explicit ``[T, T]`` boolean mask. On CPU it is the fastest of the exact options (measured for
-  1k-4k tokens, 8 heads of 64, forward: 4-8x faster than flex_attention in eager mode, which also
-  has no CPU backward, and 1.6-6x faster than a plain matmul-softmax-matmul).
+* CPU, and any device when attention dropout is active: ``scaled_dot_product_attention`` with a
+  causal mask on each sequence alone (a loop over ``cu_seqlens``, one host sync): the work is
+  ``sum_i len_i^2``. (A single call over the pack with a dense ``[T, T]`` mask let a NaN or inf of
+  one sequence reach every other one, as ``0 * NaN`` in the masked products.)
+
+NaN isolation: a non-finite value in one sequence never reaches another's outputs. The flex path
+zeroes non-finite values before the kernel (inside a block shared by two sequences a masked
+probability, exactly 0, multiplies the other sequence's values) and sets NaN at exactly the
+outputs whose visible keys hold one (:func:`_restore_nonfinite`); masked scores are replaced, not
+added to, so a NaN key stays in its sequence.
 
 GQA (``num_query_groups < num_attention_heads``) is passed to the kernels (``enable_gqa``), not
 expanded. Softmax statistics are kept in fp32 by both kernels whatever the input dtype (as

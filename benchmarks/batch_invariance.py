@@ -1,0 +1,239 @@
+"""Batch invariance on one device: one set of samples through many compositions, and the mode's cost.
+
+For each model (random weights, ``layout_invariant_init``) built with
+``ModelConfig(batch_invariant=True)`` (MoE models also ``deterministic=True``), the same samples of
+varied lengths go through ``compute_logprobs`` (with entropies) in several compositions:
+
+* ``one``: one packed micro-batch (the reference);
+* ``shuffled``: the samples in another order, two micro-batches;
+* ``budget``: a token budget of about the longest sample (many micro-batches, other companions);
+* ``alone``: every sample in its own micro-batch;
+* ``padded``: the padded layout, three micro-batches;
+
+and through ``train_step`` with ``old_logprobs`` from ``one`` (``onpolicy/max_abs_logprob_diff``
+and ``onpolicy/max_abs_ratio_minus_1`` of its first, pre-update forward). It prints, per
+composition, the number of log-prob and entropy values whose bits differ from ``one`` and the
+largest difference (all must be 0), then the cost: the median ``train_step`` and ``compute_logprobs``
+time in the mode over the same model built without it (``time_ratio``).
+
+Models: ``qwen2.5-0.5b`` and ``qwen2.5-1.5b`` shapes (hidden, heads, groups, FFN, vocabulary of
+Qwen2.5; ``--layers`` of them, fewer than the real 24 / 28 by default), ``moe`` (a small MoE:
+hidden 1,024, 16 heads / 4 groups, 16 experts of FFN 512, top-4, every layer), and ``tiny`` /
+``tiny-moe`` for ``--smoke`` (CPU, fp32, seconds).
+
+    python benchmarks/batch_invariance.py                                  # one GPU: 0.5b, 1.5b, moe (bf16)
+    python benchmarks/batch_invariance.py --spec te                        # Transformer Engine's spec
+    python benchmarks/batch_invariance.py --smoke --json out.json          # CPU, tiny shapes (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fnppo
+
+MODELS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864, vocab_size=151_936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960, vocab_size=151_936),
+    "moe": dict(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=2048,
+        vocab_size=151_936,
+        num_experts=16,
+        moe_topk=4,
+        moe_ffn_hidden_size=512,
+        deterministic=True,
+    ),
+    "tiny": dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, vocab_size=96),
+    "tiny-moe": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=96,
+        num_experts=4,
+        moe_topk=2,
+        moe_ffn_hidden_size=32,
+        deterministic=True,
+    ),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=None, help="comma-separated, of " + ", ".join(MODELS))
+    p.add_argument("--layers", type=int, default=None, help="layers per model (default: 4 on GPU, 2 with --smoke)")
+    p.add_argument("--samples", type=int, default=None, help="samples (default: 16 on GPU, 6 with --smoke)")
+    p.add_argument("--max-len", type=int, default=None, help="longest sample (default: 1,024 on GPU, 14 with --smoke)")
+    p.add_argument("--spec", choices=["local", "te"], default="local", help="fnppo's local spec or Transformer Engine's")
+    p.add_argument("--steps", type=int, default=3, help="timed train_step calls per mode")
+    p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    args = p.parse_args(argv)
+    args.models = args.models or ("tiny,tiny-moe" if args.smoke else "qwen2.5-0.5b,qwen2.5-1.5b,moe")
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        p.error(f"--models: unknown {unknown}")
+    args.layers = args.layers or (2 if args.smoke else 4)
+    args.samples = args.samples or (6 if args.smoke else 16)
+    args.max_len = args.max_len or (14 if args.smoke else 1024)
+    return args
+
+
+def make_samples(n: int, max_len: int, vocab: int, seed: int = 0) -> list[fnppo.Sample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        total = int(torch.randint(max(4, max_len // 4), max_len + 1, (), generator=g))
+        prompt = max(2, total // 3)
+        r = total - prompt
+        out.append(
+            fnppo.Sample(
+                prompt_ids=torch.randint(0, vocab, (prompt,), generator=g),
+                response_ids=torch.randint(0, vocab, (r,), generator=g),
+                advantages=torch.randn(r, generator=g),
+            )
+        )
+    return out
+
+
+def build(name: str, args, invariant: bool):
+    fields = dict(MODELS[name])
+    cfg = fnppo.ModelConfig(
+        num_layers=args.layers,
+        max_seq_len=args.max_len,
+        dtype="fp32" if args.smoke else "bf16",
+        batch_invariant=invariant,
+        **fields,
+    )
+    spec = fnppo.models.default_layer_spec(cfg) if args.spec == "te" else fnppo.models.local_layer_spec(cfg)
+    chunks = fnppo.build_gpt(cfg, layer_spec=spec)
+    fnppo.models.layout_invariant_init(chunks, seed=1)
+    ddp = fnppo.wrap_ddp(chunks)
+    return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-5))
+
+
+def compositions(n: int, max_len: int) -> dict[str, dict]:
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    return {
+        "one": {},
+        "shuffled": {"order": order, "num_microbatches": 2},
+        "budget": {"max_tokens_per_microbatch": max_len + 1},
+        "alone": {"num_microbatches": n},
+        "padded": {"layout": "padded", "num_microbatches": 3},
+    }
+
+
+def logprobs(state, samples, comp):
+    comp = dict(comp)
+    order = comp.pop("order", None)
+    batch = samples if order is None else [samples[i] for i in order]
+    lp, ent = fnppo.compute_logprobs(state.model, batch, with_entropy=True, **comp)
+    if order is not None:
+        back = sorted(zip(order, lp, ent), key=lambda t: t[0])
+        lp, ent = [t[1] for t in back], [t[2] for t in back]
+    return lp, ent
+
+
+def differ(ref, got) -> tuple[int, float]:
+    bits = sum(int((a != b).sum()) for a, b in zip(ref, got, strict=True))
+    gap = max(float((a.double() - b.double()).abs().max()) if a.numel() else 0.0 for a, b in zip(ref, got))
+    return bits, gap
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(name: str, args) -> dict:
+    vocab = MODELS[name]["vocab_size"]
+    samples = make_samples(args.samples, args.max_len, vocab)
+    loss = fnppo.losses.LossConfig(policy=fnppo.losses.ppo_clip(), agg=fnppo.losses.Aggregation("token-mean"))
+    budget = {"max_tokens_per_microbatch": max(4 * args.max_len, 64)}
+    out: dict = {"layers": args.layers, "samples": args.samples, "tokens": sum(len(s) for s in samples)}
+    times = {}
+    for invariant in (True, False):
+        state = build(name, args, invariant)
+        if invariant:
+            results = {k: logprobs(state, samples, c) for k, c in compositions(args.samples, args.max_len).items()}
+            ref = results["one"]
+            for k, (lp, ent) in results.items():
+                out[k] = {"logprob": differ(ref[0], lp), "entropy": differ(ref[1], ent)}
+            batch = [dataclasses.replace(s, old_logprobs=o) for s, o in zip(samples, ref[0])]
+            _, metrics = fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **budget))
+            out["train_step"] = {
+                k: metrics[k] for k in ("onpolicy/max_abs_logprob_diff", "onpolicy/max_abs_ratio_minus_1")
+            }
+        else:
+            lp, _ = fnppo.compute_logprobs(state.model, samples, **budget)
+            batch = [dataclasses.replace(s, old_logprobs=o) for s, o in zip(samples, lp)]
+        step = lambda: fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **budget))  # noqa: E731
+        infer = lambda: fnppo.compute_logprobs(state.model, samples, **budget)  # noqa: E731
+        step()  # warm-up (compilations, autotuning)
+        times[invariant] = (timed(step, args.steps), timed(infer, args.steps))
+        del state
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out["train_step_s"] = {"invariant": times[True][0], "normal": times[False][0]}
+    out["compute_logprobs_s"] = {"invariant": times[True][1], "normal": times[False][1]}
+    out["time_ratio"] = {
+        "train_step": times[True][0] / times[False][0],
+        "compute_logprobs": times[True][1] / times[False][1],
+    }
+    worst = max(max(v["logprob"][0], v["entropy"][0]) for k, v in out.items() if k in compositions(2, 2))
+    out["max_bits_differing"] = worst
+    out["max_abs_diff"] = max(max(v["logprob"][1], v["entropy"][1]) for k, v in out.items() if k in compositions(2, 2))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    fnppo.init_parallel(1, 1, device=device, seed=0)
+    results = {}
+    try:
+        for name in args.models.split(","):
+            results[name] = r = measure(name, args)
+            print(
+                f"{name} ({args.layers} layers, {args.spec} spec): values with other bits {r['max_bits_differing']}, "
+                f"max |diff| {r['max_abs_diff']:.3g}; train_step on-policy gaps {r['train_step']}; "
+                f"time invariant/normal: train_step {r['time_ratio']['train_step']:.2f}x "
+                f"({r['train_step_s']['invariant']:.3f} s / {r['train_step_s']['normal']:.3f} s), "
+                f"compute_logprobs {r['time_ratio']['compute_logprobs']:.2f}x",
+                flush=True,
+            )
+            print(json.dumps(r), flush=True)
+    finally:
+        fnppo.megatron.parallel.destroy_parallel()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    bad = [n for n, r in results.items() if r["max_bits_differing"] or any(r["train_step"].values())]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
