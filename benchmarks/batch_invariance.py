@@ -42,8 +42,12 @@ import torch
 import fnppo
 
 MODELS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864, vocab_size=151_936),
-    "qwen2.5-1.5b": dict(hidden_size=1536, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960, vocab_size=151_936),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, num_attention_heads=14, num_query_groups=2, ffn_hidden_size=4864, vocab_size=151_936
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960, vocab_size=151_936
+    ),
     "moe": dict(
         hidden_size=1024,
         num_attention_heads=16,
@@ -76,7 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=None, help="layers per model (default: 4 on GPU, 2 with --smoke)")
     p.add_argument("--samples", type=int, default=None, help="samples (default: 16 on GPU, 6 with --smoke)")
     p.add_argument("--max-len", type=int, default=None, help="longest sample (default: 1,024 on GPU, 14 with --smoke)")
-    p.add_argument("--spec", choices=["local", "te"], default="local", help="fnppo's local spec or Transformer Engine's")
+    p.add_argument(
+        "--spec", choices=["local", "te"], default="local", help="fnppo's local spec or Transformer Engine's"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed train_step calls per mode")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -528,8 +528,12 @@ def invariant_logprobs(logits, tokens, temperature: float, layout):
 
     with batch_invariant(True):
         lp, _ = fnppo.logprob_and_entropy(
-            logits[:, None, :].float(), tokens[:, None].to(logits.device), temperature=temperature, with_entropy=False,
-            vocab_size=VOCAB, impl="torch",
+            logits[:, None, :].float(),
+            tokens[:, None].to(logits.device),
+            temperature=temperature,
+            with_entropy=False,
+            vocab_size=VOCAB,
+            impl="torch",
         )
     return lp[:, 0].float()
 

@@ -262,3 +262,26 @@ def test_step_stats_per_round_ratios_quartiles_and_probe_correlation(tmp_path):
     f = tmp_path / "s.jsonl"
     f.write_text(json.dumps(run) + "\n\n" + json.dumps(dict(run, model="other")) + "\n")
     assert step_stats.main([str(f), "--model", "m", "--markdown"]) == 0
+
+
+def test_batch_invariance_benchmark_smoke_on_cpu(tmp_path):
+    """benchmarks/batch_invariance.py --smoke: the tiny dense and MoE models give 0 differing bits in
+    every composition and exactly 0 on-policy gaps in train_step, and the mode's time ratio is printed."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bi.json"
+    cmd = [sys.executable, "benchmarks/batch_invariance.py", "--smoke", "--steps", "1", "--json", str(out)]
+    done = subprocess.run(
+        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"tiny", "tiny-moe"}
+    for name, r in result.items():
+        for comp in ("shuffled", "budget", "alone", "padded"):
+            assert r[comp]["logprob"] == [0, 0.0] and r[comp]["entropy"] == [0, 0.0], (name, comp, r[comp])
+        assert r["train_step"] == {"onpolicy/max_abs_logprob_diff": 0.0, "onpolicy/max_abs_ratio_minus_1": 0.0}
+        assert r["time_ratio"]["train_step"] > 0 and "time invariant/normal" in done.stdout

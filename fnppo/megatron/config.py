@@ -60,7 +60,8 @@ class ModelConfig:
       chooses it when Transformer Engine is installed, else Megatron's ``SequentialMLP``.
 
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
-    them on where the model is built for CUDA (NCCL) and off on CPU; True or False forces them.
+    them on where the model is built for CUDA (NCCL) and off on CPU (and with ``batch_invariant``);
+    True or False forces them.
 
     ``deterministic``: repeatable results on a GPU (measured: repeated MoE forwards agree bit for
     bit; the backward uses torch's deterministic kernels where torch has them). Megatron's
@@ -280,7 +281,9 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
     for it).
     """
-    on = cfg.fusions if cfg.fusions is not None else (torch.cuda.is_available() and layout.backend == "nccl")
+    # batch-invariant mode: the plain torch element-wise ops, which its torch-function mode sees
+    default = torch.cuda.is_available() and layout.backend == "nccl" and not cfg.batch_invariant
+    on = cfg.fusions if cfg.fusions is not None else default
     return dict(
         bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
         bias_dropout_fusion=bool(on),

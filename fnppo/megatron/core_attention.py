@@ -159,7 +159,9 @@ class PackedDotProductAttention(DotProductAttention):
             total = out.shape[0]
             return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
         seq, batch = query.shape[0], query.shape[1]
-        rows = [sequence_attention(query[:, b], key[:, b], value[:, b], [0, seq], softmax_scale=scale) for b in range(batch)]
+        rows = [
+            sequence_attention(query[:, b], key[:, b], value[:, b], [0, seq], softmax_scale=scale) for b in range(batch)
+        ]
         return torch.stack(rows, dim=1).reshape(seq, batch, -1)
 
     def _forward_thd(

@@ -108,7 +108,9 @@ def _update(
     )
     if moe is not None:
         metrics.update(moe.metrics)
-    gaps = onpolicy_max(store if layout.is_last_stage else [], layout, summed.dp_group if summed.dp > 1 else None, device)
+    gaps = onpolicy_max(
+        store if layout.is_last_stage else [], layout, summed.dp_group if summed.dp > 1 else None, device
+    )
     finite = stats.finite and bool(torch.isfinite(metrics.get(objective.loss_key, torch.zeros(2))).all())
     if finite:
         ok, _norm, _zeros = optimizer.step()

@@ -105,7 +105,9 @@ def invariant_linear(
     linear layers batch-variant).
     """
     if x.dtype != weight.dtype:
-        raise input_error("fnppo.core.kernels.invariant.invariant_linear", "weight", f"dtype {x.dtype}", describe(weight))
+        raise input_error(
+            "fnppo.core.kernels.invariant.invariant_linear", "weight", f"dtype {x.dtype}", describe(weight)
+        )
     wt = weight.t()
     out = row_tiled(lambda t: torch.mm(t, wt), x, tile)
     return out if bias is None else out + bias
@@ -146,9 +148,7 @@ def invariant_row_reduce(op: str, x: Tensor, *, keepdim: bool = False, tile: int
     return out if keepdim else out.squeeze(-1)
 
 
-def invariant_rms_norm(
-    x: Tensor, weight: Tensor | None, eps: float | None, *, tile: int | None = None
-) -> Tensor:
+def invariant_rms_norm(x: Tensor, weight: Tensor | None, eps: float | None, *, tile: int | None = None) -> Tensor:
     """RMSNorm over the last dimension, ``y = x / sqrt(mean(x^2) + eps) * w`` (arXiv:1910.07467).
 
     The mean in fixed row tiles, the reciprocal square root as ``1 / sqrt`` (the vectorized CPU
@@ -296,9 +296,7 @@ def sequence_attention(
     k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
     v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
     qf, kf, vf = _upcast(query), _upcast(k), _upcast(v)
-    pieces = [
-        _one_sequence(qf[a:b], kf[a:b], vf[a:b], scale, block) for a, b in zip(bounds, bounds[1:]) if b > a
-    ]
+    pieces = [_one_sequence(qf[a:b], kf[a:b], vf[a:b], scale, block) for a, b in zip(bounds, bounds[1:]) if b > a]
     if not pieces:
         return query.new_zeros(total, heads, value.shape[-1])
     return torch.cat(pieces).to(query.dtype)

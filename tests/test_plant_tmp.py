@@ -1,0 +1,324 @@
+"""Batch-invariant mode: a sample's log-probs have the same bits whatever its micro-batch.
+
+Kernel tests (in process): the invariant kernels against float64 references and against
+themselves at other row counts / offsets / paddings; packed attention keeps a NaN in its sequence.
+Model tests (one gloo rank, real Megatron on CPU, one launch): ``compute_logprobs`` of the same
+samples under many compositions and ``train_step``'s on-policy metrics, dense and MoE; the NaN
+isolation of a vision-language model's packed and padded layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnppo
+from fnppo.core.batch_invariant import batch_invariant
+from fnppo.core.kernels import invariant as inv
+from fnppo.megatron.packed_attention import packed_causal_attention
+from fnppo.testing import run_ranks, synthetic_samples
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+def _rows_agree(fn, x: torch.Tensor, counts=(1, 2, 5, 17, 70, 130)) -> None:
+    """Row r of fn(x[a:b]) has the bits of row r of fn(x) for windows of many sizes and offsets."""
+    full = fn(x)
+    for n in counts:
+        for start in (0, 3, x.shape[0] - n):
+            if 0 <= start <= x.shape[0] - n:
+                part = fn(x[start : start + n].clone())
+                assert torch.equal(part, full[start : start + n]), f"rows {start}:{start + n} differ"
+
+
+def test_invariant_kernels_match_float64_and_keep_row_bits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(150, 96, generator=g)
+    w = torch.randn(80, 96, generator=g)
+    b = torch.randn(80, generator=g)
+    lin = functools.partial(inv.invariant_linear, weight=w, bias=b, tile=16)
+    torch.testing.assert_close(lin(x).double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-4)
+    _rows_agree(lin, x)
+    gamma = torch.rand(96, generator=g) + 0.5
+    rms = lambda t: inv.invariant_rms_norm(t, gamma, 1e-6, tile=16)  # noqa: E731
+    xd = x.double()
+    ref = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.double()
+    torch.testing.assert_close(rms(x).double(), ref, rtol=1e-5, atol=1e-6)
+    _rows_agree(rms, x)
+    long = torch.randn(6, 40_000, generator=g)  # long rows: few of them are split across threads
+    lse = functools.partial(inv.invariant_row_reduce, "logsumexp", tile=4)
+    torch.testing.assert_close(lse(long).double(), torch.logsumexp(long.double(), -1), rtol=1e-6, atol=1e-5)
+    _rows_agree(lse, long, counts=(1, 2, 3, 6))
+    flat = torch.randn(5000, generator=g) * 4
+    for f, r in [(inv.invariant_silu, F.silu), (inv.invariant_sigmoid, torch.sigmoid), (inv.invariant_gelu, F.gelu)]:
+        torch.testing.assert_close(f(flat).double(), r(flat.double()), rtol=1e-6, atol=1e-6)
+        full = f(flat)
+        for o in range(0, 40, 3):  # an element's bits do not depend on its offset in the tensor
+            assert torch.equal(f(flat[o : o + 37].clone()), full[o : o + 37])
+
+
+def _attention_reference(q, k, v, bounds, scale):
+    """Per-sequence causal softmax attention in float64."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+    for a, b in zip(bounds, bounds[1:]):
+        s = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b]) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[a:b])
+    return out
+
+
+def test_sequence_attention_is_exact_and_the_same_in_any_pack_or_padding():
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 19, 1, 33, 8]
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    q, k, v = (torch.randn(bounds[-1], h, 16, generator=g) for h in (4, 2, 2))
+    out = inv.sequence_attention(q, k, v, bounds, softmax_scale=0.25, block=8)
+    torch.testing.assert_close(out.double(), _attention_reference(q, k, v, bounds, 0.25), rtol=1e-5, atol=1e-6)
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        alone = inv.sequence_attention(q[a:b], k[a:b], v[a:b], [0, b - a], softmax_scale=0.25, block=8)
+        assert torch.equal(alone, out[a:b]), f"sequence {i}: alone vs packed"
+        pad = 40 - (b - a)  # the padded layout: the row's padding after it, attended by nothing real
+        junk = [torch.cat([t[a:b], 7 * torch.randn(pad, *t.shape[1:], generator=g)]) for t in (q, k, v)]
+        padded = inv.sequence_attention(*junk, [0, 40], softmax_scale=0.25, block=8)
+        assert torch.equal(padded[: b - a], out[a:b]), f"sequence {i}: padded vs packed"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "invariant"])
+def test_a_nan_stays_in_its_sequence_of_the_pack(backend):
+    """NaN in one sequence's keys/values: that sequence's outputs after it are NaN, its neighbours'
+    are those they have alone (the dense [T, T] mask let 0 * NaN through to every neighbour)."""
+    g = torch.Generator().manual_seed(2)
+    bounds = [0, 6, 15, 21]
+    q, k, v = (torch.randn(21, h, 8, generator=g) for h in (4, 2, 2))
+    k, v = k.clone(), v.clone()
+    k[8, 1, 3] = float("nan")
+    v[9, 0, 2] = float("nan")
+
+    def attend(qq, kk, vv, bb):
+        if backend == "invariant":
+            return inv.sequence_attention(qq, kk, vv, bb)
+        return packed_causal_attention(qq, kk, vv, torch.tensor(bb, dtype=torch.int32), backend=backend)
+
+    with torch.no_grad():
+        out = attend(q, k, v, bounds)
+    assert bool(torch.isfinite(out[:6]).all()) and bool(torch.isfinite(out[15:]).all())
+    assert bool(torch.isnan(out[9:15]).any(dim=-1).all())
+    for a, b in ((0, 6), (15, 21)):
+        with torch.no_grad():
+            alone = attend(q[a:b], k[a:b], v[a:b], [0, b - a])
+        torch.testing.assert_close(out[a:b], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_the_mode_is_scoped_and_restores_torch():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(32, 64, generator=g)
+    with batch_invariant(True, tile=8):
+        inside = F.linear(x, w)
+        assert torch.equal(inside[:1], F.linear(x[:1], w))
+    assert torch.equal(inside, inv.invariant_linear(x, w, tile=8))
+    assert torch.overrides._get_current_function_mode_stack() == []  # noqa: SLF001 - nothing left pushed
+
+
+# ---------------------------------------------------------------------------------------------
+# real Megatron (one launch): compositions, the train step's on-policy metrics, NaN isolation
+# ---------------------------------------------------------------------------------------------
+VOCAB = 64
+
+
+def _cfg(**kw) -> fnppo.ModelConfig:
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        max_seq_len=64,
+        batch_invariant=False,  # PLANT
+    )
+    return fnppo.ModelConfig(**{**base, **kw})
+
+
+MOE = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, deterministic=True, moe_grouped_gemm=False)
+N = 9
+
+
+def _compositions() -> dict[str, dict]:
+    order = list(range(N))
+    random.Random(0).shuffle(order)
+    return {
+        "one": {},
+        "budget24": {"max_tokens_per_microbatch": 24},
+        "budget40": {"max_tokens_per_microbatch": 40},
+        "alone": {"num_microbatches": N},
+        "shuffled": {"order": order, "num_microbatches": 2},
+        "padded": {"layout": "padded"},
+        "padded3": {"layout": "padded", "num_microbatches": 3},
+        "fused": {"fused_output": True},
+        "fused_budget": {"fused_output": True, "max_tokens_per_microbatch": 24},
+    }
+
+
+def _logprobs(chunks, samples, comp: dict):
+    comp = dict(comp)
+    order = comp.pop("order", None)
+    fused = comp.pop("fused_output", False)
+    batch = samples if order is None else [samples[i] for i in order]
+    cfg = fnppo.StepConfig(fused_output=fused)
+    lp, ent = fnppo.compute_logprobs(chunks, batch, with_entropy=True, config=cfg, **comp)
+    if order is not None:
+        back = sorted(zip(order, lp, ent), key=lambda t: t[0])
+        lp, ent = [t[1] for t in back], [t[2] for t in back]
+    return lp, ent
+
+
+def _bit_diffs(ref, got) -> int:
+    return sum(int((a != b).sum()) for a, b in zip(ref, got, strict=True))
+
+
+def _step_gaps(cfg: fnppo.ModelConfig, samples, step: dict) -> dict:
+    chunks = fnppo.build_gpt(cfg)
+    fnppo.models.layout_invariant_init(chunks, seed=3)
+    ddp = fnppo.wrap_ddp(chunks)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3))
+    old, _ = fnppo.compute_logprobs(state.model, samples, max_tokens_per_microbatch=40)
+    batch = [dataclasses.replace(s, old_logprobs=o) for s, o in zip(samples, old)]
+    loss = fnppo.losses.LossConfig(policy=fnppo.losses.ppo_clip(), agg=fnppo.losses.Aggregation("token-mean"))
+    state, metrics = fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **step))
+    _, metrics2 = fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **step))  # now off-policy
+    keys = ("onpolicy/max_abs_logprob_diff", "onpolicy/max_abs_ratio_minus_1")
+    return {"first": [metrics[k] for k in keys], "after_update": [metrics2[k] for k in keys]}
+
+
+def _model_run() -> dict:
+    samples = synthetic_samples(N, vocab_size=VOCAB, seed=5, prompt_len=(2, 9), response_len=(2, 9))
+    out: dict = {}
+    for name, extra in (("dense", {}), ("moe", MOE)):
+        chunks = fnppo.build_gpt(_cfg(**extra))
+        fnppo.models.layout_invariant_init(chunks, seed=3)
+        comps = _compositions() if name == "dense" else {k: v for k, v in _compositions().items() if "fused" not in k}
+        results = {k: _logprobs(chunks, samples, c) for k, c in comps.items()}
+        ref = results["one"]
+        fref = results.get("fused", ref)
+        out[name] = {
+            k: (_bit_diffs((fref if "fused" in k else ref)[0], lp), _bit_diffs((fref if "fused" in k else ref)[1], e))
+            for k, (lp, e) in results.items()
+        }
+        out[name + "_finite"] = all(bool(torch.isfinite(t).all()) for t in ref[0])
+    out["step_dense"] = _step_gaps(_cfg(), samples, {"num_microbatches": 3})
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    out["step_recompute_padded"] = _step_gaps(_cfg(extra=recompute), samples, {"layout": "padded"})
+    out["step_moe"] = _step_gaps(_cfg(**MOE), samples, {"max_tokens_per_microbatch": 24})
+    return out
+
+
+@functools.cache
+def _model_results() -> dict:
+    return run_ranks(_model_run, 1, timeout_s=900)[0]
+
+
+def test_compute_logprobs_has_the_same_bits_in_every_composition_dense_and_moe():
+    """Token budgets, micro-batch counts, every sample alone, shuffled, packed vs padded, fused output:
+    0 log-prob and 0 entropy bits differ from one packed micro-batch (dense; MoE with deterministic)."""
+    res = _model_results()
+    assert res["dense_finite"] and res["moe_finite"]
+    for name in ("dense", "moe"):
+        bad = {k: v for k, v in res[name].items() if v != (0, 0)}
+        assert not bad, f"{name}: bits differ (log-probs, entropies) by composition: {bad}"
+
+
+def test_train_step_reports_exact_on_policy_gaps():
+    """old = compute_logprobs (another split): the first update's forward gives ratio - 1 = 0 exactly,
+    with recomputation and the padded layout too, dense and MoE; after an update it does not."""
+    res = _model_results()
+    for key in ("step_dense", "step_recompute_padded", "step_moe"):
+        assert res[key]["first"] == [0.0, 0.0], f"{key}: {res[key]['first']}"
+        assert min(res[key]["after_update"]) > 0.0, f"{key}: the policy moved, the gap must show it"
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN isolation: a NaN pixel in one sample never reaches another's log-probs
+# ---------------------------------------------------------------------------------------------
+IMG, N_TOK = 5, 4
+
+
+def _nan_run(invariant: bool) -> dict:
+    from fnppo.core.sample import Sample
+    from fnppo.core.typing import typechecking
+    from fnppo.megatron.vlm_collate import VisionConfig, VLMCollate
+    from fnppo.megatron.vlm_model import build_vlm
+
+    vision = VisionConfig(
+        image_token_id=IMG,
+        image_size=8,
+        patch_size=4,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=64,
+        projector_hidden_size=48,
+    )
+    g = torch.Generator().manual_seed(4)
+    images = torch.randn(1, 3, 8, 8, generator=g)
+    images[0, 1, 2, 3] = float("nan")
+    with_image = Sample(
+        prompt_ids=torch.tensor([1, IMG, 3]), response_ids=torch.tensor([7, 8, 9]), multi_modal={"images": images}
+    )
+    text = Sample(prompt_ids=torch.tensor([2, 4, 6]), response_ids=torch.tensor([10, 11, 12, 13]))
+    out = {}
+    for name, extra in (("dense", {}), ("moe", MOE)):
+        chunks = build_vlm(_cfg(batch_invariant=invariant, **extra), vision)
+        fnppo.models.layout_invariant_init(chunks, seed=3)
+        cfg = fnppo.StepConfig(fns=fnppo.StepFns(collate=VLMCollate(IMG, N_TOK)))
+        with typechecking(False):  # the collate's own finite-pixel check is a call-time check
+            alone, _ = fnppo.compute_logprobs(chunks, [text], config=cfg)
+            for layout in ("packed", "padded"):
+                lp, _ = fnppo.compute_logprobs(chunks, [with_image, text], config=cfg, layout=layout)
+                out[(name, layout)] = (lp[0].tolist(), lp[1].tolist(), alone[0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_nan_pixel_never_reaches_the_text_only_neighbour(invariant):
+    res = run_ranks(_nan_run, 1, invariant)[0]
+    for key, (poisoned, neighbour, alone) in res.items():
+        assert all(math.isnan(x) for x in poisoned), f"{key}: the NaN image's own sample must be NaN: {poisoned}"
+        assert all(math.isfinite(x) for x in neighbour), f"{key}: NaN reached the neighbour: {neighbour}"
+        torch.testing.assert_close(torch.tensor(neighbour), torch.tensor(alone), rtol=1e-5, atol=1e-5)
+        if invariant:
+            assert neighbour == alone, f"{key}: batch-invariant mode, bits differ from the sample alone"
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals: where invariance cannot hold
+# ---------------------------------------------------------------------------------------------
+def _layout(**kw):
+    from fnppo.megatron.parallel import ParallelLayout
+
+    base = dict(world_size=4, rank=0, tp=1, pp=1, dp=1, vpp=None, tp_rank=0, pp_rank=0, dp_rank=0)
+    return ParallelLayout(**{**base, **kw, "tp_group": None, "pp_group": None, "dp_group": None, "backend": "gloo"})
+
+
+def test_batch_invariant_refuses_dropout_tp_above_2_and_context_parallelism():
+    from fnppo.core.errors import InputError
+    from fnppo.megatron.config import transformer_config
+    from tests.messages import check_message
+
+    with pytest.raises(InputError) as err:
+        _cfg(hidden_dropout=0.1)
+    check_message(err.value, InputError, "ModelConfig", "hidden_dropout", "0.0 with batch_invariant=True", "0.1")
+    cfg = _cfg(num_attention_heads=4, num_query_groups=4)
+    for kw, got in (({"tp": 4}, "True with tp=4"), ({"cp": 2}, "True with cp=2")):
+        with pytest.raises(InputError) as err:
+            transformer_config(cfg, _layout(**kw))
+        check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "False with", got)
+    assert transformer_config(cfg, _layout(tp=2)).batch_invariant_mode is True
