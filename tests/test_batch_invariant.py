@@ -128,6 +128,22 @@ def test_the_mode_is_scoped_and_restores_torch():
     assert torch.overrides._get_current_function_mode_stack() == []  # noqa: SLF001 - nothing left pushed
 
 
+def test_onpolicy_gaps_are_masked_maxima_against_float64():
+    from fnppo.steps.schedule import onpolicy_gaps
+
+    g = torch.Generator().manual_seed(6)
+    lp, old = -torch.rand(3, 7, generator=g) * 3, -torch.rand(3, 7, generator=g) * 3
+    mask = (torch.rand(3, 7, generator=g) > 0.4).float()
+    lp[0, 0], mask[0, 0] = float("nan"), 0.0  # a masked-out NaN is ignored
+    gaps = onpolicy_gaps(lp, old, mask)
+    d = (lp.double() - old.double())[mask.bool()]
+    ref = torch.stack([d.abs().max(), torch.expm1(d).abs().max()])
+    torch.testing.assert_close(gaps.double(), ref, rtol=1e-6, atol=1e-7)
+    assert onpolicy_gaps(old, old, mask).tolist() == [0.0, 0.0]
+    mask[0, 0] = 1.0  # a NaN on a kept token is reported, as inf
+    assert onpolicy_gaps(lp, old, mask).tolist() == [float("inf"), float("inf")]
+
+
 # ---------------------------------------------------------------------------------------------
 # real Megatron (one launch): compositions, the train step's on-policy metrics, NaN isolation
 # ---------------------------------------------------------------------------------------------
