@@ -3,13 +3,13 @@ Implementation: :mod:`fnppo.megatron`."""
 
 from __future__ import annotations
 
+from fnppo.core.batch_invariant import batch_invariant as batch_invariant
+from fnppo.core.kernels.invariant import sequence_attention as sequence_attention
 from fnppo.megatron.build import build_gpt as build_gpt
 from fnppo.megatron.build import build_optimizer as build_optimizer
 from fnppo.megatron.build import wrap_ddp as wrap_ddp
 from fnppo.megatron.config import ModelConfig as ModelConfig
 from fnppo.megatron.core_attention import PackedDotProductAttention as PackedDotProductAttention
-from fnppo.core.batch_invariant import batch_invariant as batch_invariant
-from fnppo.core.kernels.invariant import sequence_attention as sequence_attention
 from fnppo.megatron.forward import batch_invariant_numerics as batch_invariant_numerics
 from fnppo.megatron.forward import forward_hidden as forward_hidden
 from fnppo.megatron.forward import forward_logits as forward_logits
