@@ -23,6 +23,7 @@ hidden 1,024, 16 heads / 4 groups, 16 experts of FFN 512, top-4, every layer), a
 
     python benchmarks/batch_invariance.py                                  # one GPU: 0.5b, 1.5b, moe (bf16)
     python benchmarks/batch_invariance.py --spec te                        # Transformer Engine's spec
+    python benchmarks/batch_invariance.py --torch-kernels                  # fnppo's torch kernels only
     python benchmarks/batch_invariance.py --smoke --json out.json          # CPU, tiny shapes (CI)
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 import fnppo
+from fnppo.megatron.forward import megatron_invariant_kernels
 
 MODELS = {
     "qwen2.5-0.5b": dict(
@@ -85,6 +88,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--steps", type=int, default=3, help="timed train_step calls per mode")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny shapes")
+    p.add_argument(
+        "--torch-kernels",
+        action="store_true",
+        help="fnppo's torch kernels alone on CUDA, not Megatron-core's Triton ones (FNPPO_BATCH_INVARIANT_MEGATRON=0)",
+    )
     p.add_argument("--json", default=None, help="write the results to this file")
     args = p.parse_args(argv)
     args.models = args.models or ("tiny,tiny-moe" if args.smoke else "qwen2.5-0.5b,qwen2.5-1.5b,moe")
@@ -218,7 +226,11 @@ def measure(name: str, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.torch_kernels:
+        os.environ["FNPPO_BATCH_INVARIANT_MEGATRON"] = "0"
     device = "cpu" if args.smoke else "cuda"
+    megatron = device == "cuda" and megatron_invariant_kernels() is not None
+    print(f"kernels: {'Megatron-core Triton + fnppo torch' if megatron else 'fnppo torch'}", flush=True)
     fnppo.init_parallel(1, 1, device=device, seed=0)
     results = {}
     try:

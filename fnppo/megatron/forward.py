@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,8 +72,11 @@ def megatron_invariant_kernels() -> Any:
     """Megatron-core's batch-invariant Triton kernels module
     (``megatron.core.transformer.custom_layers.batch_invariant_kernels``: a persistent matmul,
     log-softmax, mean, and a Transformer Engine GEMM/RMSNorm patch), or None where it cannot be
-    imported (no Triton) or there is no CUDA."""
+    imported (no Triton) or there is no CUDA, or where the environment variable
+    ``FNPPO_BATCH_INVARIANT_MEGATRON=0`` (read at the first call) asks for fnppo's torch kernels alone."""
     if not torch.cuda.is_available():
+        return None
+    if os.environ.get("FNPPO_BATCH_INVARIANT_MEGATRON", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     try:
         return importlib.import_module("megatron.core.transformer.custom_layers.batch_invariant_kernels")
