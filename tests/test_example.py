@@ -355,6 +355,7 @@ def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
         (["--profile-out", "p.txt"], "--profile-out needs --profile-step"),
         (["--hf-checkpoint", "/nonexistent"], "--hf-checkpoint /nonexistent: does not exist"),
         (["--algo", "ppo", "--critic-checkpoint", "/nonexistent"], "--critic-checkpoint /nonexistent: does not exist"),
+        (["--batch-invariant", "--tp", "2"], "--batch-invariant runs with --tp 1"),
     ],
     ids=[
         "negative-steps",
@@ -376,6 +377,7 @@ def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
         "profile-out-without-step",
         "hf-checkpoint-missing",
         "critic-checkpoint-missing",
+        "batch-invariant-with-tp",
     ],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):
