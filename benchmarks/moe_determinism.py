@@ -14,9 +14,11 @@ four 2,048-token samples (``benchmarks/step.py``'s ``make_samples``), and report
   (``Sample.routed_experts``);
 * ``compute_logprobs_s``: the median of the three timed calls.
 
-Variants: ``te`` (the default spec, Transformer Engine's grouped-GEMM experts where it is installed),
-``te_nogg`` (the same with ``moe_grouped_gemm=False``), ``local`` (fnppo's local spec, Megatron's
-``SequentialMLP``) and ``local_det`` (``local`` with ``ModelConfig(deterministic=True)``).
+Variants: ``te`` (the default spec with Transformer Engine's grouped-GEMM experts,
+``moe_experts="te_grouped"``), ``te_nogg`` (the same with ``moe_experts="sequential"``), ``stacked``
+(the default spec with fnppo's stacked experts) and ``stacked_det`` (with
+``ModelConfig(deterministic=True)``), ``local`` (fnppo's local spec, Megatron's ``SequentialMLP``) and
+``local_det`` (``local`` with ``ModelConfig(deterministic=True)``).
 
     python benchmarks/moe_determinism.py --variants te,te_nogg,local           # one GPU (TE installed)
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/moe_determinism.py --variants local,local_det
@@ -42,10 +44,12 @@ from step import make_samples, step_config  # noqa: E402
 import fnppo  # noqa: E402
 
 VARIANTS = {
-    "te": (None, {}),
-    "te_nogg": (None, {"moe_grouped_gemm": False}),
-    "local": ("local", {}),
-    "local_det": ("local", {"deterministic": True}),
+    "te": (None, {"moe_experts": "te_grouped"}),
+    "te_nogg": (None, {"moe_experts": "sequential"}),
+    "stacked": (None, {"moe_experts": "stacked"}),
+    "stacked_det": (None, {"moe_experts": "stacked", "deterministic": True}),
+    "local": ("local", {"moe_experts": "sequential"}),
+    "local_det": ("local", {"moe_experts": "sequential", "deterministic": True}),
 }
 
 

@@ -77,6 +77,11 @@ MODELS = {
     "qwen2.5-1.5b": dict(
         hidden_size=1536, num_layers=28, num_attention_heads=12, num_query_groups=2, ffn_hidden_size=8960
     ),
+    # Qwen2.5-7B's widths with 12 of its 28 layers (its full size does not fit one H200 with Adam);
+    # untied embeddings as the real model
+    "qwen2.5-7b-12l": dict(
+        hidden_size=3584, num_layers=12, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944
+    ),
     "tiny": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128),
     # Mixture of Experts (Qwen3-MoE-like widths, every layer MoE): see the module docstring for its memory
     "moe-5b-a1b": dict(
@@ -87,6 +92,19 @@ MODELS = {
         kv_channels=128,
         ffn_hidden_size=768,
         num_experts=64,
+        moe_topk=8,
+        moe_ffn_hidden_size=768,
+    ),
+    # Qwen3-30B-A3B's widths (128 experts of FFN 768, top-8, 32 heads of 128, 4 KV groups) with 8 of its
+    # 48 layers: 5.3e9 parameters, what fits one H200 with Adam
+    "qwen3-30b-a3b-8l": dict(
+        hidden_size=2048,
+        num_layers=8,
+        num_attention_heads=32,
+        num_query_groups=4,
+        kv_channels=128,
+        ffn_hidden_size=768,
+        num_experts=128,
         moe_topk=8,
         moe_ffn_hidden_size=768,
     ),
@@ -125,6 +143,16 @@ def parse_args(argv=None):
         "--fusions", choices=["auto", "on", "off"], default="auto", help="ModelConfig.fusions (auto: on with CUDA)"
     )
     p.add_argument("--checks", choices=["on", "off"], default="off", help="fnppo's call-time checks during the steps")
+    p.add_argument(
+        "--moe-experts",
+        choices=["auto", "stacked", "te_grouped", "sequential"],
+        default="auto",
+        help="ModelConfig.moe_experts (auto: the library's choice)",
+    )
+    p.add_argument("--fp8", choices=["none", "e4m3", "hybrid"], default="none", help="ModelConfig.fp8")
+    p.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise"], default="tensorwise")
+    p.add_argument("--deterministic", action="store_true", help="ModelConfig(deterministic=True)")
+    p.add_argument("--untied", action="store_true", help="untied embeddings (Qwen2.5-7B's)")
     p.add_argument(
         "--recompute",
         choices=["none", "full", "selective"],
@@ -284,10 +312,14 @@ def build_state(args, layout):
         vocab_size=args.vocab,
         max_seq_len=max(4096, args.seq, args.search_seq_max if args.search_seq else 0),
         dtype="bf16" if args.device == "cuda" else "fp32",
-        tie_embeddings=True,
+        tie_embeddings=not args.untied,
         add_qkv_bias=True,
         rotary_base=1_000_000.0,
         fusions=fusions,
+        moe_experts=None if args.moe_experts == "auto" else args.moe_experts,
+        fp8=None if args.fp8 == "none" else args.fp8,
+        fp8_recipe=args.fp8_recipe,
+        deterministic=args.deterministic,
         **MODELS[args.model],
     )
     overrides = {"sequence_parallel": True} if args.sp else {}
@@ -302,6 +334,19 @@ def build_state(args, layout):
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True, overlap_grad_reduce=args.overlap)
     opt = fnppo.build_optimizer(ddp, lr=1e-6, clip_grad=1.0)
     return fnppo.TrainState(model=ddp, optimizer=opt)
+
+
+DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense BF16 (FP8: 1,979)
+
+
+def experts_name(state) -> str | None:
+    """The class of the first MoE layer's experts module (None for a dense model)."""
+    core = fnppo.megatron.unwrap.unwrap_model(state.model[0])
+    for layer in core.decoder.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            return type(experts).__name__
+    return None
 
 
 def spec_name(state) -> str:
@@ -688,6 +733,9 @@ def run(args, layout, device) -> int:
         "model": args.model,
         "rotate": args.rotate,
         "spec": spec_name(state),
+        "experts": experts_name(state),
+        "fp8": args.fp8 if args.fp8 == "none" else f"{args.fp8}:{args.fp8_recipe}",
+        "deterministic": args.deterministic,
         "fusions": args.fusions,
         "checks": args.checks,
         "fused_chunk_vocab": args.fused_chunk_vocab,
@@ -731,10 +779,14 @@ def run(args, layout, device) -> int:
         if peak_tflops:
             result[p]["mfu"] = tps * flops["flops_per_token"] / (peak_tflops * 1e12 * layout.world_size)
             result[p]["mfu_6n"] = tps * flops["flops_6n"] / (peak_tflops * 1e12 * layout.world_size)
+            # against the data sheet's dense BF16 peak of an H100/H200 (989 TFLOP/s), as published MFUs are
+            result[p]["mfu_datasheet"] = (
+                tps * flops["flops_per_token"] / (DATASHEET_BF16_TFLOPS * 1e12 * layout.world_size)
+            )
         if rank0:  # right away: a run cut short still reports the paths it timed
             print(
                 f"path {p}: {tps:,.0f} tokens/s, step {med * 1e3:.1f} ms, peak {peak[p]:.2f} GiB"
-                + (f", MFU {result[p]['mfu']:.1%}" if peak_tflops else ""),
+                + (f", MFU {result[p]['mfu']:.1%} ({result[p]['mfu_datasheet']:.1%} of 989)" if peak_tflops else ""),
                 flush=True,
             )
     if "A" in paths and "B" in paths:

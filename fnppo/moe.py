@@ -1,5 +1,5 @@
-"""Mixture-of-Experts: router metrics and routing replay.
-Implementation: :mod:`fnppo.megatron.moe`, :mod:`fnppo.megatron.routing`."""
+"""Mixture-of-Experts: router metrics, routing replay, stacked experts.
+Implementation: :mod:`fnppo.megatron.moe`, :mod:`fnppo.megatron.routing`, :mod:`fnppo.megatron.stacked_experts`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fnppo.megatron.routing import RoutingRecorder as RoutingRecorder
 from fnppo.megatron.routing import moe_layer_indices as moe_layer_indices
 from fnppo.megatron.routing import routed as routed
 from fnppo.megatron.routing import routing_spec as routing_spec
+from fnppo.megatron.stacked_experts import StackedExperts as StackedExperts
 
 __all__ = [
     "routers",
@@ -19,4 +20,5 @@ __all__ = [
     "routed",
     "routing_spec",
     "moe_layer_indices",
+    "StackedExperts",
 ]

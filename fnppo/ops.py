@@ -1,8 +1,10 @@
-"""The log-prob kernels and rotary embeddings, usable on their own (pure torch, Triton on CUDA).
-Implementation: :mod:`fnppo.core.logprob`, :mod:`fnppo.core.linear_logprob`, :mod:`fnppo.core.rope`."""
+"""The log-prob kernels, rotary embeddings and the grouped matmul, usable on their own (pure torch,
+Triton on CUDA). Implementation: :mod:`fnppo.core.logprob`, :mod:`fnppo.core.linear_logprob`,
+:mod:`fnppo.core.rope`, :mod:`fnppo.core.grouped_matmul`."""
 
 from __future__ import annotations
 
+from fnppo.core.grouped_matmul import grouped_matmul as grouped_matmul
 from fnppo.core.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
 from fnppo.core.linear_logprob_graphs import BackwardGraphs as BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy as logprob_and_entropy
@@ -15,4 +17,5 @@ __all__ = [
     "BackwardGraphs",
     "apply_rotary",
     "thd_positions",
+    "grouped_matmul",
 ]

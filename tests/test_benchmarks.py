@@ -158,6 +158,8 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
         "--rotate",
         "--host-profile",
         str(tmp_path / "host.txt"),
+        "--moe-experts",
+        "stacked",
     ]
     done = subprocess.run(
         cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300
@@ -165,6 +167,7 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["params_total"] == result["params_this_rank"]  # the formula counts the built model
+    assert result["experts"] == "StackedExperts"
     assert result["recompute"] == "selective:moe,core_attn" and result["fused_chunk_vocab"] == 100
     for path in ("A", "B", "C", "D"):
         assert result[path]["tokens_per_s"] > 0 and math.isfinite(result[path]["first_grad_norm"]), path
@@ -285,3 +288,27 @@ def test_batch_invariance_benchmark_smoke_on_cpu(tmp_path):
             assert r[comp]["logprob"] == [0, 0.0] and r[comp]["entropy"] == [0, 0.0], (name, comp, r[comp])
         assert r["train_step"] == {"onpolicy/max_abs_logprob_diff": 0.0, "onpolicy/max_abs_ratio_minus_1": 0.0}
         assert r["time_ratio"]["train_step"] > 0 and "time invariant/normal" in done.stdout
+
+
+def test_fp8_benchmark_runs_its_bf16_half_on_cpu_and_reports_fp8_refused(tmp_path):
+    """benchmarks/fp8.py --smoke: the BF16 side trains and writes its curves; FP8 is refused with fnppo's message."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "fp8.jsonl"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fp8.py", "--smoke", "--json", str(out)],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    bf = result["bf16"]
+    assert len(bf["loss"]) == len(bf["grad_norm"]) == 2 and all(math.isfinite(x) for x in bf["loss"])
+    assert bf["tokens_per_s"] > 0
+    assert "argument 'dtype' expected 'bf16' with fp8 set" in result["fp8"]["refused"]

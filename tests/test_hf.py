@@ -1257,9 +1257,10 @@ MOE_FAMILIES = {
     "mixtral": ("MixtralConfig", dict(_COMMON, **_MOE, num_local_experts=4, tie_word_embeddings=False)),
 }
 # (name, tp, pp, ep) of each layout; one run_ranks call (2 ranks) re-initializes the layouts in turn
+# (a name ending in "-stacked": the model's experts are fnppo's StackedExperts, moe_experts="stacked")
 MOE_RUNS = {
-    "ep2-pp2": [("ep2", 1, 1, 2), ("pp2", 1, 2, 1)],
-    "tp2-dp2": [("tp2", 2, 1, 1), ("tp1", 1, 1, 1)],  # tp2: expert TP 2 as well; tp1: one model per rank
+    "ep2-pp2": [("ep2", 1, 1, 2), ("pp2", 1, 2, 1), ("ep2-stacked", 1, 1, 2)],
+    "tp2-dp2": [("tp2", 2, 1, 1), ("tp1", 1, 1, 1), ("tp2-stacked", 2, 1, 1)],  # tp2: expert TP 2 as well
 }
 
 
@@ -1332,7 +1333,10 @@ def _moe_worker(ckpts: dict, export_root: str, layouts: list, value: dict | None
     for name, tp, pp, ep in layouts:
         layout = fnppo.init_parallel(tp=tp, pp=pp, ep=ep, device="cpu")
         for family, (path, ids, _) in ckpts.items():
-            chunks = build_gpt_from_hf(path, dtype="fp32")
+            experts = "stacked" if name.endswith("-stacked") else None
+            chunks = build_gpt_from_hf(path, dtype="fp32", moe_experts=experts)
+            if experts:
+                assert any(type(m).__name__ == "StackedExperts" for m in chunks[0].modules())
             load_hf_weights(chunks, path)
             res[(name, family)] = _megatron_logits(chunks, ids)
             export_hf_weights(chunks, f"{export_root}/{name}/{family}", hf_config=path)

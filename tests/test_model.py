@@ -12,7 +12,7 @@ import torch
 import fnppo
 from fnppo.core.errors import InputError
 from fnppo.core.losses import LossConfig
-from fnppo.megatron.config import transformer_config
+from fnppo.megatron.config import fp8_fields, transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples
@@ -287,12 +287,12 @@ def test_model_config_refuses_expert_bias_without_sigmoid_scores():
 
 def test_model_config_switches_accept_bools_and_none_where_allowed():
     names = _bool_fields()
-    assert {"swiglu", "tie_embeddings", "deterministic", "fusions", "moe_grouped_gemm"} <= set(names)
+    assert {"swiglu", "tie_embeddings", "deterministic", "fusions"} <= set(names)
     for name in names:
         moe = dict(num_experts=4, moe_shared_expert_size=16, moe_score_function="sigmoid")
         assert getattr(_cfg(**moe, **{name: True}), name) is True
         assert getattr(_cfg(**{name: False}), name) is False
-    assert _cfg(fusions=None).fusions is None and _cfg(moe_grouped_gemm=None).moe_grouped_gemm is None
+    assert _cfg(fusions=None).fusions is None
 
 
 def test_model_config_is_frozen_and_derives_dtype_and_vocab():
@@ -814,8 +814,22 @@ SETTINGS = {
         lambda t, c, k: (t.moe_token_dispatcher_type, type(_layer0(c).mlp.token_dispatcher).__name__),
         ("allgather", "MoEAllGatherTokenDispatcher"),
     ),
-    # config only (a grouped GEMM needs Transformer Engine to build); compared with moe_grouped_gemm=False
-    "moe_grouped_gemm": (dict(MOE, moe_grouped_gemm=True), lambda t, c, k: t.moe_grouped_gemm, True),
+    "moe_experts": (
+        dict(MOE, moe_experts="stacked"),
+        lambda t, c, k: type(_layer0(c).mlp.experts).__name__,
+        "StackedExperts",
+    ),
+    # translation only (FP8 needs a CUDA GPU and Transformer Engine to build: refused on CPU, tested apart)
+    "fp8": (
+        dict(fp8="hybrid", dtype="bf16"),
+        lambda t, c, k: fp8_fields(c),
+        dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_wgrad=True),
+    ),
+    "fp8_recipe": (
+        dict(fp8="e4m3", fp8_recipe="delayed", dtype="bf16"),
+        lambda t, c, k: fp8_fields(c)["fp8_recipe"],
+        "delayed",
+    ),
     "fusions": (
         dict(fusions=True),
         lambda t, c, k: (t.bias_activation_fusion, t.bias_dropout_fusion, t.apply_rope_fusion),
@@ -828,7 +842,11 @@ SETTINGS = {
         ("full", "uniform", 1),
     ),
 }
-CONFIG_ONLY = {"moe_grouped_gemm": dict(MOE, moe_grouped_gemm=False)}  # field -> the keywords to compare with
+CONFIG_ONLY: dict[str, dict] = {}  # field -> the keywords to compare with (a TransformerConfig read-back)
+TRANSLATION_ONLY = {
+    "fp8": dict(dtype="bf16"),
+    "fp8_recipe": dict(fp8="e4m3", dtype="bf16"),
+}  # read back from fp8_fields(ModelConfig)
 
 
 def _read_settings() -> dict:
@@ -837,9 +855,12 @@ def _read_settings() -> dict:
     out = {}
     for name, (kw, read, _) in SETTINGS.items():
         got = []
-        without = CONFIG_ONLY.get(name, {k: v for k, v in kw.items() if k != name})
+        without = CONFIG_ONLY.get(name, TRANSLATION_ONLY.get(name, {k: v for k, v in kw.items() if k != name}))
         for keywords in (kw, without if name != "num_experts" else {}):  # num_experts: against a dense model
             try:
+                if name in TRANSLATION_ONLY:
+                    got.append(read(None, _cfg(**keywords), None))
+                    continue
                 if name in CONFIG_ONLY:
                     got.append(read(transformer_config(_cfg(**keywords), current_layout()), None, None))
                     continue

@@ -32,7 +32,7 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
-from fnppo.megatron.config import ModelConfig, transformer_config
+from fnppo.megatron.config import ModelConfig, moe_experts_choice, transformer_config
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -91,7 +91,7 @@ def build_gpt(
         spec = (
             layer_spec
             if layer_spec is not None
-            else choose_layer_spec(cfg, layout, moe_grouped_gemm=tcfg.moe_grouped_gemm)
+            else choose_layer_spec(cfg, layout, moe_experts=moe_experts_choice(cfg, layout))
         )
         if len(cfg.moe_layers) < cfg.num_layers:
             dense_spec = choose_layer_spec(dataclasses.replace(cfg, num_experts=None), layout)

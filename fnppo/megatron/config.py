@@ -21,7 +21,11 @@ from fnppo.megatron.fused_rope import install_fused_rope
 from fnppo.megatron.layer_specs import te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 
-__all__ = ["ModelConfig", "transformer_config", "fusion_fields"]
+__all__ = ["ModelConfig", "transformer_config", "fusion_fields", "fp8_fields", "moe_experts_choice"]
+
+MOE_EXPERTS = ("stacked", "te_grouped", "sequential")
+FP8_FORMATS = (None, "e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,20 @@ class ModelConfig:
       the load error; a rate of 0 keeps it fixed); only with ``moe_score_function="sigmoid"``;
     * ``moe_freeze_router``: the router weights get no gradient and are not updated;
     * ``moe_dispatcher``: ``"alltoall"`` or ``"allgather"`` token dispatch over expert parallelism;
-    * ``moe_grouped_gemm``: one grouped GEMM for the local experts (Transformer Engine); None
-      chooses it when Transformer Engine is installed, else Megatron's ``SequentialMLP``.
+    * ``moe_experts``: how the local experts compute: ``"stacked"`` (fnppo's
+      :class:`~fnppo.megatron.stacked_experts.StackedExperts`: each projection's weights stacked
+      into one parameter and one grouped GEMM, ``torch._grouped_mm``; any device, no Transformer
+      Engine needed), ``"te_grouped"`` (Megatron's ``TEGroupedMLP``: one Transformer Engine GEMM
+      and one parameter per expert; needed for FP8 experts), ``"sequential"`` (Megatron's
+      ``SequentialMLP``: one MLP per expert); None: ``"stacked"`` on a CUDA model without FP8,
+      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU.
+
+    ``fp8``: FP8 training through Transformer Engine (Hopper or newer GPU, ``dtype="bf16"``):
+    ``"e4m3"`` (every FP8 tensor E4M3) or ``"hybrid"`` (E4M3 forward, E5M2 gradients), with
+    ``fp8_recipe`` ``"tensorwise"`` (current per-tensor scaling), ``"delayed"`` (scales from an
+    amax history) or ``"blockwise"`` (1x128 / 128x128 blocks). The transformer layers' linear
+    layers run their GEMMs in FP8; the embedding, the output layer and the log-prob computation
+    stay in bf16/fp32. Refused on CPU and without Transformer Engine.
 
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
     them on where the model is built for CUDA (NCCL) and off on CPU (and with ``batch_invariant``);
@@ -95,8 +111,7 @@ class ModelConfig:
     backward pass (gradients are not claimed invariant).
 
     Raises:
-        InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions`` and
-            ``moe_grouped_gemm``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
+        InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
             are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
             unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
             ``moe_expert_bias`` without ``moe_score_function="sigmoid"``; ``batch_invariant`` with
@@ -144,7 +159,9 @@ class ModelConfig:
     moe_bias_update_rate: float = 1e-3
     moe_freeze_router: bool = False
     moe_dispatcher: str = "alltoall"
-    moe_grouped_gemm: bool | None = None
+    moe_experts: str | None = None
+    fp8: str | None = None
+    fp8_recipe: str = "tensorwise"
     fusions: bool | None = None
     deterministic: bool = False
     batch_invariant: bool = False
@@ -180,6 +197,12 @@ class ModelConfig:
             raise input_error(fn, "dtype", "one of 'fp32', 'bf16', 'fp16'", repr(self.dtype))
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise input_error(fn, "normalization", "'RMSNorm' or 'LayerNorm'", repr(self.normalization))
+        if self.fp8 not in FP8_FORMATS:
+            raise input_error(fn, "fp8", f"one of {FP8_FORMATS}", repr(self.fp8))
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise input_error(fn, "fp8_recipe", f"one of {FP8_RECIPES}", repr(self.fp8_recipe))
+        if self.fp8 is not None and self.dtype != "bf16":
+            raise input_error(fn, "dtype", "'bf16' with fp8 set (FP8 GEMMs keep bf16 parameters)", repr(self.dtype))
         if self.num_experts is not None:
             self._check_moe(fn)
         if self.batch_invariant:
@@ -197,6 +220,7 @@ class ModelConfig:
             "moe_score_function": ("softmax", "sigmoid"),
             "moe_router_dtype": (None, "fp32", "fp64"),
             "moe_dispatcher": ("alltoall", "allgather"),
+            "moe_experts": (None, *MOE_EXPERTS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -282,7 +306,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     for it).
     """
     # batch-invariant mode: the plain torch element-wise ops, which its torch-function mode sees
-    default = torch.cuda.is_available() and layout.backend == "nccl" and not cfg.batch_invariant
+    default = _on_cuda(layout) and not cfg.batch_invariant
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
         bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
@@ -370,6 +394,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     kwargs.update(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
     if cfg.num_experts is not None:
         kwargs.update(_moe_kwargs(cfg, layout))
+    kwargs.update(_fp8_kwargs(cfg, layout))
     kwargs.update(dict(cfg.extra))
     kwargs.update(overrides)
     _check_recompute_modules(kwargs)
@@ -456,13 +481,58 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
         moe_router_enable_expert_bias=cfg.moe_expert_bias,
         moe_router_bias_update_rate=float(cfg.moe_bias_update_rate),
         moe_token_dispatcher_type=cfg.moe_dispatcher,
-        moe_grouped_gemm=_grouped_gemm(cfg),
+        moe_grouped_gemm=moe_experts_choice(cfg, layout) == "te_grouped",
+        # Transformer Engine's fused token (un)permutation: fewer kernels and no host syncs
+        # (measured on an H200: BENCHMARKS.md, the MoE step); CUDA models only.
+        moe_permute_fusion=_on_cuda(layout) and te_available(),
         moe_expert_capacity_factor=None,
     )
 
 
-def _grouped_gemm(cfg: ModelConfig) -> bool:
-    """Megatron's ``moe_grouped_gemm``: ``cfg``'s choice, else whether Transformer Engine is installed."""
-    if cfg.moe_grouped_gemm is not None:
-        return bool(cfg.moe_grouped_gemm)
-    return te_available()
+def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
+    """The experts module of ``cfg`` on ``layout`` (``cfg.moe_experts``; None: ``"stacked"`` for a
+    CUDA model without FP8, ``"te_grouped"`` with FP8, ``"sequential"`` on CPU)."""
+    if cfg.moe_experts is not None:
+        if cfg.moe_experts == "te_grouped" and not te_available():
+            raise input_error(
+                "transformer_config",
+                "moe_experts",
+                "'stacked' or 'sequential' (Transformer Engine is not installed)",
+                "'te_grouped'",
+            )
+        if cfg.fp8 is not None and cfg.moe_experts != "te_grouped":
+            raise input_error(
+                "transformer_config", "moe_experts", "'te_grouped' (or None) with fp8 set", repr(cfg.moe_experts)
+            )
+        return cfg.moe_experts
+    if cfg.fp8 is not None:
+        return "te_grouped"
+    return "stacked" if _on_cuda(layout) else "sequential"
+
+
+def _on_cuda(layout: ParallelLayout) -> bool:
+    return torch.cuda.is_available() and layout.backend == "nccl"
+
+
+def fp8_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """``TransformerConfig``'s FP8 fields for ``cfg.fp8`` (none when it is None); FP8 weight
+    gradients too (``fp8_wgrad``), the output layer stays in bf16 (it is not a Transformer Engine
+    module)."""
+    if cfg.fp8 is None:
+        return {}
+    return dict(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe, fp8_wgrad=True)
+
+
+def _fp8_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
+    """:func:`fp8_fields`, refused on CPU and without Transformer Engine."""
+    if cfg.fp8 is None:
+        return {}
+    if not _on_cuda(layout):
+        raise input_error(
+            "transformer_config", "fp8", "None on CPU (FP8 GEMMs need a CUDA GPU, Hopper or newer)", repr(cfg.fp8)
+        )
+    if not te_available():
+        raise input_error(
+            "transformer_config", "fp8", "None without Transformer Engine (it runs the FP8 GEMMs)", repr(cfg.fp8)
+        )
+    return fp8_fields(cfg)

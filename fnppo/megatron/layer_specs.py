@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -21,6 +22,7 @@ from fnppo.core.errors import input_error
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout
+from fnppo.megatron.stacked_experts import StackedExperts
 
 __all__ = ["te_available", "local_layer_spec", "default_layer_spec", "choose_layer_spec"]
 
@@ -36,9 +38,40 @@ _SPEC_DEFAULTS: dict[str, Any] = {
     "qk_layernorm": False,
     "normalization": "LayerNorm",
     "num_experts": None,
-    "moe_grouped_gemm": False,
+    "moe_experts": None,
     "qk_l2_norm": False,
 }
+MoEExperts = Literal["stacked", "te_grouped", "sequential"]
+
+
+def _experts(config: Any, given: str | None) -> str:
+    """The experts module: ``given``, else the config's ``moe_experts`` (a Megatron config's
+    ``moe_grouped_gemm=True`` means ``"te_grouped"``), else ``"te_grouped"`` for an FP8 config,
+    ``"stacked"`` where CUDA is present, ``"sequential"`` on CPU."""
+    if given is None and getattr(config, "moe_grouped_gemm", None) is True:
+        given = "te_grouped"
+    if given is None:
+        fp8 = getattr(config, "fp8", None)
+        given = "te_grouped" if fp8 else ("stacked" if torch.cuda.is_available() else "sequential")
+    if given not in ("stacked", "te_grouped", "sequential"):
+        raise input_error(
+            "fnppo.models.default_layer_spec", "moe_experts", "'stacked', 'te_grouped' or 'sequential'", repr(given)
+        )
+    return given
+
+
+def _with_experts(spec: ModuleSpec, experts: str) -> ModuleSpec:
+    """``spec`` (an MoE layer's) with :class:`~fnppo.megatron.stacked_experts.StackedExperts` as its
+    experts module when ``experts == "stacked"``."""
+    mlp = spec.submodules.mlp
+    if experts != "stacked" or not dataclasses.is_dataclass(getattr(mlp, "submodules", None)):
+        return spec
+    if not hasattr(mlp.submodules, "experts"):
+        return spec
+    new_mlp = dataclasses.replace(
+        mlp, submodules=dataclasses.replace(mlp.submodules, experts=ModuleSpec(module=StackedExperts))
+    )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=new_mlp))
 
 
 def _spec_options(config: Any, **explicit: Any) -> dict[str, Any]:
@@ -63,7 +96,7 @@ def local_layer_spec(
     qk_layernorm: bool | None = None,
     normalization: Normalization | None = None,
     num_experts: int | None = None,
-    moe_grouped_gemm: bool | None = None,
+    moe_experts: MoEExperts | None = None,
     qk_l2_norm: bool | None = None,
 ) -> ModuleSpec:
     """Megatron's ``get_gpt_layer_local_spec(...)`` with :class:`PackedDotProductAttention` as core attention.
@@ -82,19 +115,20 @@ def local_layer_spec(
         qk_layernorm=qk_layernorm,
         normalization=normalization,
         num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm,
+        moe_experts=moe_experts,
         qk_l2_norm=qk_l2_norm,
     )
+    experts = _experts(config, opts["moe_experts"])
     if opts["normalization"] not in ("LayerNorm", "RMSNorm"):
         raise input_error(fn, "normalization", "'LayerNorm' or 'RMSNorm'", repr(opts["normalization"]))
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=opts["num_experts"],
-        moe_grouped_gemm=bool(opts["moe_grouped_gemm"]),
+        moe_grouped_gemm=experts == "te_grouped",
         qk_layernorm=bool(opts["qk_layernorm"]),
         normalization=opts["normalization"],
         qk_l2_norm=bool(opts["qk_l2_norm"]),
     )
-    spec = _with_sequence_parallel_norms(spec)
+    spec = _with_experts(_with_sequence_parallel_norms(spec), experts)
     if not packed_attention:
         return spec
     attn = spec.submodules.self_attention
@@ -139,30 +173,35 @@ def default_layer_spec(
     qk_layernorm: bool | None = None,
     normalization: Normalization | None = None,
     num_experts: int | None = None,
-    moe_grouped_gemm: bool | None = None,
+    moe_experts: MoEExperts | None = None,
     qk_l2_norm: bool | None = None,
 ) -> ModuleSpec:
     """Transformer Engine's GPT layer spec when TE is installed, else :func:`local_layer_spec`.
 
     Both take packed (THD) micro-batches. Options as in :func:`local_layer_spec`; with TE the norm
-    follows the model config's ``normalization`` (TE's norm module reads it).
+    follows the model config's ``normalization`` (TE's norm module reads it). ``moe_experts``
+    (MoE models): ``"stacked"``, ``"te_grouped"`` or ``"sequential"``, see
+    :class:`fnppo.megatron.config.ModelConfig`; None reads the config's, else chooses as
+    :func:`fnppo.megatron.config.moe_experts_choice` does without a layout (CUDA present or not).
     """
     opts = _spec_options(
         config,
         qk_layernorm=qk_layernorm,
         normalization=normalization,
         num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm,
+        moe_experts=moe_experts,
         qk_l2_norm=qk_l2_norm,
     )
+    experts = _experts(config, opts["moe_experts"])
     if te_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=opts["num_experts"],
-            moe_grouped_gemm=bool(opts["moe_grouped_gemm"]),
+            moe_grouped_gemm=experts == "te_grouped",
             qk_layernorm=bool(opts["qk_layernorm"]),
             qk_l2_norm=bool(opts["qk_l2_norm"]),
         )
-    return local_layer_spec(packed_attention=True, **opts)
+        return _with_experts(spec, experts)
+    return local_layer_spec(packed_attention=True, **dict(opts, moe_experts=experts))
 
 
 def choose_layer_spec(cfg: Any, layout: ParallelLayout, **options: Any):

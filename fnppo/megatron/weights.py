@@ -21,6 +21,7 @@ from torch import nn
 from fnppo.core.errors import InputError, input_error
 from fnppo.core.typing import Tensor
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import model_head, unwrap_model
 from fnppo.megatron.value import VALUE_HEAD_PREFIX
 
@@ -47,7 +48,9 @@ def tp_of(param: Tensor, layout: ParallelLayout) -> tuple[int, int]:
 
 def global_name(core: nn.Module, name: str) -> str:
     """The 1-rank name: global layer index (any prefix, e.g. a VLM's ``language_model.``); local
-    expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``."""
+    expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``, named as Megatron's ``SequentialMLP``
+    names it (``experts.local_experts.<j>.linear_fc1.weight``) whatever the experts module (grouped
+    experts' ``experts.linear_fc1.weight<i>`` too), so full weights move between expert modules."""
     parts = name.split(".")
     for j in range(len(parts) - 2):
         if parts[j] == "decoder" and parts[j + 1] == "layers" and parts[j + 2].isdigit():
@@ -60,10 +63,10 @@ def global_name(core: nn.Module, name: str) -> str:
         if "local_experts" in parts:  # SequentialMLP: experts.local_experts.<i>.linear_fc1.weight
             i = parts.index("local_experts") + 1
             parts[i] = str(int(parts[i]) + offset)
-        else:  # grouped GEMM: experts.linear_fc1.weight<i>
+        else:  # grouped GEMM: experts.linear_fc1.weight<i> -> experts.local_experts.<i + offset>.linear_fc1.weight
             head, idx = parts[-1].rstrip("0123456789"), parts[-1][len(parts[-1].rstrip("0123456789")) :]
-            if idx:
-                parts[-1] = f"{head}{int(idx) + offset}"
+            if idx and parts[-2] in ("linear_fc1", "linear_fc2"):
+                parts[-3:] = ["experts", "local_experts", str(int(idx) + offset), parts[-2], head]
     return ".".join(parts)
 
 
@@ -149,7 +152,7 @@ def load_full_weights(
     problem: str | None = None
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in core.named_parameters():
+        for name, param in named_weights(core):
             gname = global_name(core, name)
             if fresh_head and _is_value_head(gname):
                 continue  # keeps its weights
@@ -207,7 +210,7 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
     local: dict[str, Tensor] = {}
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in core.named_parameters():
+        for name, param in named_weights(core):
             gname = global_name(core, name)
             t = param.detach().to(torch.float32, copy=True)  # a copy even when already fp32
             tp, _ = tp_of(param, layout)
@@ -266,7 +269,7 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
             core = unwrap_model(chunk)
             cfg = core.config
             sigma = std if std is not None else cfg.init_method_std
-            for name, param in core.named_parameters():
+            for name, param in named_weights(core):
                 gname = global_name(core, name)
                 if _tied_output(core, gname):
                     gname = _embedding_name(gname)
@@ -281,7 +284,7 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
                     g = torch.Generator().manual_seed(_name_seed(seed, gname))
                     s = (
                         sigma / math.sqrt(2.0 * cfg.num_layers)
-                        if name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                        if gname.endswith(("linear_proj.weight", "linear_fc2.weight"))
                         else sigma
                     )
                     full = torch.randn(shape, generator=g) * s

@@ -9,6 +9,7 @@ them from the :class:`Plan` it is given. The helpers that split and collate by a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,16 @@ class Plan:
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
 
 
+def _default_multiple(model: ModelFacts) -> int:
+    """Megatron's padding multiple for the layout (:func:`fnppo.core.sample.padding_multiple`); with
+    FP8 GEMMs (Transformer Engine needs token counts divisible by 16) its least common multiple with 16."""
+    layout = model.layout
+    multiple = padding_multiple(layout.tp, layout.cp)
+    if getattr(model.core.config, "fp8", None):
+        multiple = math.lcm(multiple, 16)
+    return multiple
+
+
 def make_plan(config: Batching, model: ModelFacts) -> Plan:
     """The :class:`Plan` of ``config``'s batching fields for ``model``."""
     layout = model.layout
@@ -116,7 +127,7 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         model=model,
         split=given[0] if given else ("num_microbatches", 1),  # Batching allows at most one
         layout=config.layout,
-        pad_to_multiple_of=config.pad_to_multiple_of or padding_multiple(layout.tp, layout.cp),
+        pad_to_multiple_of=config.pad_to_multiple_of or _default_multiple(model),
         max_seq_len=limit,
         max_seq_len_source=source,
         dp_group=layout.dp_group if layout.dp > 1 else None,

@@ -28,6 +28,7 @@ from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
 from fnppo.io.hf.value_head import token_classification_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import (
     global_name as _global_name,
@@ -191,7 +192,7 @@ def _write_tensors(
     add the Hugging Face tensors of those it writes to ``shards`` (a tied output layer: none)."""
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in core.named_parameters():
+        for name, param in named_weights(core):
             gname = _global_name(core, name)
             kind, names = param_rule(fn, a, gname)
             gathers, writes = role[_is_expert(param)]

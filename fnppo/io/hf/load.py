@@ -29,6 +29,7 @@ from fnppo.io.hf.layouts import read_shard
 from fnppo.io.hf.shards import Reader, open_shards, shard_files
 from fnppo.io.hf.value_head import ValueHead, value_head_of
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import global_name as _global_name
 from fnppo.megatron.weights import tp_of as _tp_of
@@ -222,7 +223,7 @@ def _plan(fn: str, a: Arch, model_chunks: Sequence[nn.Module], value_head: Value
     plan: _Plan = []
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in core.named_parameters():
+        for name, param in named_weights(core):
             gname = _global_name(core, name)
             kind, names = param_rule(fn, a, gname)
             if a.value and gname in VALUE_HEAD_RULES:
