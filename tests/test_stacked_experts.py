@@ -152,6 +152,7 @@ def _refusals() -> dict:
         "fp8 on cpu": dict(fp8="e4m3", dtype="bf16"),
         "te_grouped without TE": dict(num_experts=4, moe_experts="te_grouped"),
         "stacked with fp8": dict(num_experts=4, moe_experts="stacked", fp8="e4m3", dtype="bf16"),
+        "stacked batch-invariant": dict(num_experts=4, moe_experts="stacked", batch_invariant=True),
     }.items():
         try:
             transformer_config(_cfg(**{"num_experts": None, **kw}))
@@ -175,7 +176,12 @@ def test_fp8_and_expert_modules_are_refused_clearly_where_they_cannot_run():
         "argument 'moe_experts' expected 'te_grouped' (or None) with fp8 set, received 'stacked'"
         in (got["stacked with fp8"])
     )
+    assert (
+        "argument 'moe_experts' expected 'sequential' or None with batch_invariant=True"
+        in (got["stacked batch-invariant"])
+    )
     for kw, arg in (
+        (dict(fp8="e4m3", dtype="bf16", batch_invariant=True), "fp8"),
         (dict(fp8="e5m2"), "fp8"),
         (dict(fp8="e4m3", fp8_recipe="mx", dtype="bf16"), "fp8_recipe"),
         (dict(fp8="e4m3", dtype="fp32"), "dtype"),

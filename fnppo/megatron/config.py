@@ -66,7 +66,7 @@ class ModelConfig:
       Engine needed), ``"te_grouped"`` (Megatron's ``TEGroupedMLP``: one Transformer Engine GEMM
       and one parameter per expert; needed for FP8 experts), ``"sequential"`` (Megatron's
       ``SequentialMLP``: one MLP per expert); None: ``"stacked"`` on a CUDA model without FP8,
-      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU.
+      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU and with ``batch_invariant``.
 
     ``fp8``: FP8 training through Transformer Engine (Hopper or newer GPU, ``dtype="bf16"``):
     ``"e4m3"`` (every FP8 tensor E4M3) or ``"hybrid"`` (E4M3 forward, E5M2 gradients), with
@@ -205,6 +205,10 @@ class ModelConfig:
             raise input_error(fn, "dtype", "'bf16' with fp8 set (FP8 GEMMs keep bf16 parameters)", repr(self.dtype))
         if self.num_experts is not None:
             self._check_moe(fn)
+        if self.batch_invariant and self.fp8 is not None:
+            raise input_error(
+                fn, "fp8", "None with batch_invariant=True (FP8 scales depend on the batch)", repr(self.fp8)
+            )
         if self.batch_invariant:
             for name in ("attention_dropout", "hidden_dropout"):
                 if getattr(self, name) != 0.0:
@@ -500,6 +504,13 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "'stacked' or 'sequential' (Transformer Engine is not installed)",
                 "'te_grouped'",
             )
+        if cfg.batch_invariant and cfg.moe_experts == "stacked":
+            raise input_error(
+                "transformer_config",
+                "moe_experts",
+                "'sequential' or None with batch_invariant=True (the grouped GEMM's tiling depends on the group sizes)",
+                "'stacked'",
+            )
         if cfg.fp8 is not None and cfg.moe_experts != "te_grouped":
             raise input_error(
                 "transformer_config", "moe_experts", "'te_grouped' (or None) with fp8 set", repr(cfg.moe_experts)
@@ -507,7 +518,7 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
         return cfg.moe_experts
     if cfg.fp8 is not None:
         return "te_grouped"
-    return "stacked" if _on_cuda(layout) else "sequential"
+    return "stacked" if _on_cuda(layout) and not cfg.batch_invariant else "sequential"
 
 
 def _on_cuda(layout: ParallelLayout) -> bool:

@@ -52,7 +52,8 @@ def _experts(config: Any, given: str | None) -> str:
         given = "te_grouped"
     if given is None:
         fp8 = getattr(config, "fp8", None)
-        given = "te_grouped" if fp8 else ("stacked" if torch.cuda.is_available() else "sequential")
+        invariant = getattr(config, "batch_invariant", False) or getattr(config, "batch_invariant_mode", False)
+        given = "te_grouped" if fp8 else ("stacked" if torch.cuda.is_available() and not invariant else "sequential")
     if given not in ("stacked", "te_grouped", "sequential"):
         raise input_error(
             "fnppo.models.default_layer_spec", "moe_experts", "'stacked', 'te_grouped' or 'sequential'", repr(given)
