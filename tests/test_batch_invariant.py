@@ -164,7 +164,7 @@ def _cfg(**kw) -> fnppo.ModelConfig:
     return fnppo.ModelConfig(**{**base, **kw})
 
 
-MOE = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, deterministic=True, moe_grouped_gemm=False)
+MOE = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, deterministic=True, moe_experts="sequential")
 N = 8
 
 

@@ -836,6 +836,7 @@ SETTINGS = {
         (True, True, True),
     ),
     "deterministic": (dict(deterministic=True), lambda t, c, k: t.deterministic_mode, True),
+    "batch_invariant": (dict(batch_invariant=True), lambda t, c, k: t.batch_invariant_mode, True),
     "extra": (
         dict(extra=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)),
         lambda t, c, k: (t.recompute_granularity, t.recompute_method, t.recompute_num_layers),
