@@ -5,7 +5,7 @@ q/k/v bias, tied) Hugging Face checkpoint under TP=2, PP=2 (streamed to the last
 streams the weights to one rank in small buckets, and feeds every bucket, as it comes, to a
 randomly initialized ``transformers`` model's ``load_state_dict``: its logits must equal fnppo's
 and transformers' own on the checkpoint. Each rank's memory is measured while the iterator runs:
-the torch storages it allocates that are still alive (a dispatch mode that sees every allocation),
+the torch storages it allocates that are still alive (``fnppo.testing.LiveBytes``),
 bounded by one bucket plus one full tensor -- the whole model never is.
 """
 
@@ -15,41 +15,16 @@ import re
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from fnppo.core.errors import InputError
 from fnppo.io.hf import build_gpt_from_hf, load_hf_weights, stream_hf_weights
-from fnppo.testing import run_ranks
+from fnppo.testing import LiveBytes, run_ranks
 from tests.messages import check_message, messages_of
 from tests.test_hf import _COMMON, FAMILIES, MOE_FAMILIES, SEQ, _hf_logits, _megatron_logits
 
 BUCKET = 64 * 2**10  # a few tensors of these tiny models; the models hold about 10 buckets each
 LAYOUTS = [("tp2", 2, 1, 1, 0), ("pp2", 1, 2, 1, 1), ("ep2", 1, 1, 2, 0)]  # (name, tp, pp, ep, dst_rank)
 STREAMED = {"llama": FAMILIES["llama"], "qwen2_moe": MOE_FAMILIES["qwen2_moe"]}
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the torch storages allocated inside this mode that are still alive: at every
-    allocation, the sum over the new storages of every op (an output storage that is none of its
-    inputs'; views, in-place ops and received buffers are not allocations) not yet freed, and its peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
-                st = t.untyped_storage()
-                self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
-        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
-        return out
 
 
 def _families(ckpts: dict, ep: int) -> dict:
@@ -189,3 +164,15 @@ def test_bad_arguments_are_refused(stream_checkpoints):
     fn = "fnppo.io.hf.stream_hf_weights"
     check_message(InputError(res["bucket"]), InputError, fn, "bucket_bytes", "an int >= 1", "0")
     check_message(InputError(res["dst"]), InputError, fn, "dst_rank", "an int in [0, 1) (a rank of the world)", "2")
+
+
+def test_live_bytes_counts_allocations_alive_not_views():
+    x = torch.zeros(1000)
+    with LiveBytes() as m:
+        view = x[:500]
+        x.add_(1)  # a view and an in-place op allocate nothing
+        a = torch.empty(250)  # 1,000 bytes
+        b = a * 2  # 1,000 more, both alive
+        del a, b
+        c = torch.ones(100)  # 400 bytes: the peak stays 2,000
+    assert m.peak == 2000 and view.untyped_storage().nbytes() == 4000 and c.sum() == 100
