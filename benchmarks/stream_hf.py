@@ -53,7 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     layout = fnppo.init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, device=args.device)
-    moe = dict(num_experts=args.experts, moe_topk=2, moe_ffn_hidden_size=args.ffn, moe_router_dtype=None) if args.experts else {}
+    moe = (
+        dict(num_experts=args.experts, moe_topk=2, moe_ffn_hidden_size=args.ffn, moe_router_dtype=None)
+        if args.experts
+        else {}
+    )
     cfg = fnppo.ModelConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
