@@ -34,7 +34,10 @@ controller of Ziegler et al. (``fnppo.kl.adaptive_kl_init`` / ``adaptive_kl_upda
 Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``),
 created when its first file is written: ``metrics.jsonl`` (unless ``--metrics-out`` puts the metrics
 elsewhere), ``ppo_toy.png`` (unless ``--no-plot``), ``profile.txt`` (``--profile-step``, unless
-``--profile-out``) and, with ``--save-every``, checkpoints. ``--resume`` continues the newest run (or
+``--profile-out``), with ``--save-every``, checkpoints, and with ``--log tensorboard,wandb,mlflow`` (any
+subset; rank 0; ``--log-to`` under torchrun, which takes ``--log`` for its own ``--log-dir``) the metrics and the run's settings for those tools: ``tensorboard/``, ``wandb/`` (offline)
+and ``mlruns/`` (MLflow's file store). Without a terminal (CI logs) the progress bar is a line every
+``--progress-every`` steps. ``--resume`` continues the newest run (or
 ``--out-dir``) from its newest checkpoint, bit-identical to an uninterrupted run (data and sampling
 are functions of (seed, step); the run's settings are stored in the checkpoint); ``--overwrite``
 replaces the run in ``--out-dir`` (its metrics and checkpoints are removed when the run starts).
@@ -223,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    add_logging_args(p)
     p.add_argument(
         "--profile-step",
         type=int,
@@ -267,6 +271,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     for name in ("num_microbatches", "max_tokens_per_microbatch", "exit_after", "profile_step"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_logging_args(args)
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
@@ -914,6 +919,89 @@ def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# metrics sinks (--log) and the progress report
+# ---------------------------------------------------------------------------------------------
+LOG_SINKS = ("tensorboard", "wandb", "mlflow")  # fnppo.sinks.SINKS, known here before fnppo is imported
+
+
+def add_logging_args(p: argparse.ArgumentParser) -> None:
+    """``--log`` and ``--progress-every`` (shared with examples/vlm_toy.py)."""
+    p.add_argument(
+        "--log",
+        "--log-to",  # the spelling torchrun passes on: it reads --log itself as an abbreviation of its --log-dir
+        dest="log",
+        type=str,
+        default="",
+        help="metrics sinks besides metrics.jsonl, any of tensorboard,wandb,mlflow (comma-separated; rank 0 "
+        "writes them under the run directory: tensorboard/, wandb/ offline, mlruns/; under torchrun: --log-to)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=int,
+        default=10,
+        help="when stdout is not a terminal, a progress line every N steps instead of a bar (default: %(default)s)",
+    )
+
+
+def check_logging_args(args: argparse.Namespace) -> None:
+    """``--log``: known names whose package is installed; ``--progress-every`` >= 1 (before torch is imported)."""
+    import importlib.util
+
+    if args.progress_every < 1:
+        raise ArgumentError(f"--progress-every must be >= 1, got {args.progress_every}")
+    for name in (n.strip() for n in args.log.split(",") if n.strip()):
+        if name not in LOG_SINKS:
+            raise ArgumentError(f"--log {name}: expected any of {','.join(LOG_SINKS)}")
+        if importlib.util.find_spec(name) is None:
+            raise ArgumentError(f"--log {name}: the {name} package is not installed (pip install 'fnppo[log]')")
+
+
+def open_logging(args: argparse.Namespace, out_dir: Path, layout) -> list:
+    """Rank 0: the ``--log`` sinks under ``out_dir``, given the run's settings (every argument and the
+    layout) as hyperparameters; other ranks: none."""
+    from fnppo import sinks
+
+    opened = sinks.open_sinks(args.log, out_dir, rank=layout.rank, run_name=out_dir.name)
+    settings = {**vars(args), "world_size": layout.world_size, "dp": layout.dp, "ep": layout.ep}
+    sinks.log_hparams(opened, settings)
+    return opened
+
+
+class LineProgress:
+    """The progress report when stdout is not a terminal (CI logs): one line every ``every`` steps and
+    at the last, instead of a bar redrawn at every step (the ``tqdm`` methods the loops use)."""
+
+    def __init__(self, total: int, initial: int, desc: str, every: int) -> None:
+        self.total, self.n, self.desc, self.every = total, initial, desc, every
+        self.start_n, self.t0, self.postfix = initial, time.perf_counter(), {}
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = values
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n >= self.total:
+            rate = (time.perf_counter() - self.t0) / max(1, self.n - self.start_n)
+            fields = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            print(f"{self.desc} {self.n}/{self.total} {fields} ({rate:.2f} s/step)", flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def make_progress(args: argparse.Namespace, initial: int, desc: str):
+    """Rank 0's progress report: a ``tqdm`` bar on a terminal, :class:`LineProgress` otherwise, None
+    with ``--no-progress``."""
+    if args.no_progress:
+        return None
+    if not sys.stdout.isatty():
+        return LineProgress(args.steps, initial, desc, args.progress_every)
+    from tqdm import tqdm
+
+    return tqdm(total=args.steps, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 def _is_rank0_env() -> bool:
@@ -1017,10 +1105,11 @@ def _metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
 
 
 def _replace_run(out_dir: Path) -> None:
-    """Rank 0, ``--overwrite``: remove the replaced run's metrics and checkpoints from ``out_dir`` (a later
-    ``--resume`` must not continue the old run's checkpoints)."""
-    if (out_dir / "checkpoints").is_dir():
-        shutil.rmtree(out_dir / "checkpoints")
+    """Rank 0, ``--overwrite``: remove the replaced run's metrics, checkpoints and ``--log`` files from
+    ``out_dir`` (a later ``--resume`` must not continue the old run's checkpoints)."""
+    for sub in ("checkpoints", "tensorboard", "wandb", "mlruns"):
+        if (out_dir / sub).is_dir():
+            shutil.rmtree(out_dir / sub)
     if (out_dir / "metrics.jsonl").is_file():
         (out_dir / "metrics.jsonl").unlink()
 
@@ -1055,11 +1144,8 @@ def run(args: argparse.Namespace, layout) -> int:
     if rank0 and args.overwrite:
         _replace_run(out_dir)
     metrics_path, rows = _metrics_file(args, out_dir, start_step) if rank0 else (None, [])
-    progress = None
-    if rank0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.steps, initial=start_step, desc="ppo", unit="step", dynamic_ncols=True)
+    sinks = open_logging(args, out_dir, layout)
+    progress = make_progress(args, start_step, "ppo") if rank0 else None
     start = time.perf_counter()
     step = start_step
     durations: list[float] = []  # wall time per step of this invocation
@@ -1068,6 +1154,7 @@ def run(args: argparse.Namespace, layout) -> int:
         if args.exit_after is not None and step - start_step >= args.exit_after:
             if rank0:
                 print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
+            fnppo.sinks.close_sinks(sinks)
             return 0
         profiling = args.profile_step is not None and step + 1 == args.profile_step
         with profiled(profiling, args, out_dir, device, rank0) as phase:
@@ -1111,6 +1198,7 @@ def run(args: argparse.Namespace, layout) -> int:
             )
         if rank0:
             append_row(rows, metrics_path, row)
+            fnppo.sinks.log_metrics(sinks, step, row)
             if progress is not None:
                 extra_bar = (
                     {}
@@ -1131,6 +1219,7 @@ def run(args: argparse.Namespace, layout) -> int:
             fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)
     if progress is not None:
         progress.close()
+    fnppo.sinks.close_sinks(sinks)
     if not rank0:
         return 0
     return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, step - start_step, durations)

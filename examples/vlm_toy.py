@@ -136,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    text_toy.add_logging_args(p)
     args = p.parse_args(argv)
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
@@ -163,6 +164,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.exit_after is not None and args.exit_after < 1:
         raise ArgumentError(f"--exit-after must be >= 1, got {args.exit_after}")
+    text_toy.check_logging_args(args)
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
@@ -564,16 +566,14 @@ def run(args: argparse.Namespace, layout) -> int:
     metrics_path, rows = text_toy._metrics_file(args, out_dir, start_step) if rank0 else (None, [])
     recorder = MixRecorder(VLMCollate.from_config(vision_config(args), max_seq_len=16))
     train_cfg, lp_cfg = step_configs(args, recorder)
-    progress = None
-    if rank0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.steps, initial=start_step, desc="vlm", unit="step", dynamic_ncols=True)
+    sinks = text_toy.open_logging(args, out_dir, layout)
+    progress = text_toy.make_progress(args, start_step, "vlm") if rank0 else None
     start = time.perf_counter()
     for step in range(start_step, args.steps):
         if args.exit_after is not None and step - start_step >= args.exit_after:
             if rank0:
                 print(f"stopped after {args.exit_after} steps (--exit-after); resume with --resume")
+            fnppo.sinks.close_sinks(sinks)
             return 0
         samples, rewards = rollout(state, ref_params, args, layout, device, step, recorder.collate, lp_cfg)
         text_toy.set_lr(state.optimizer, text_toy.learning_rate(args, step))
@@ -587,6 +587,7 @@ def run(args: argparse.Namespace, layout) -> int:
         }
         if rank0:
             text_toy.append_row(rows, metrics_path, row)
+            fnppo.sinks.log_metrics(sinks, step + 1, row)
             if progress is not None:
                 progress.set_postfix(
                     reward=f"{rewards['reward']:.3f}",
@@ -599,6 +600,7 @@ def run(args: argparse.Namespace, layout) -> int:
             fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step + 1:06d}", state, extra=extra)
     if progress is not None:
         progress.close()
+    fnppo.sinks.close_sinks(sinks)
     if not rank0:
         return 0
     return _report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, args.steps - start_step)

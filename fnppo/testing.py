@@ -6,7 +6,7 @@
 and returns every rank's result. If any rank raises, all ranks are stopped and the first error is
 re-raised with its remote traceback. The rank processes are kept for the next call of the same
 size (imports are paid once; ``fresh=True`` for new ones). :func:`synthetic_samples` draws random
-samples for tests and demos.
+samples for tests and demos; :class:`LiveBytes` measures the torch memory a piece of code holds.
 
 Not imported by the library.
 """
@@ -35,7 +35,7 @@ from fnppo.megatron.runtime import enter_cpu_mode_for_process as enter_cpu_mode_
 from fnppo.megatron.runtime import exit_cpu_mode_for_process as exit_cpu_mode_for_process
 from fnppo.megatron.runtime import megatron_on_cpu as megatron_on_cpu
 
-__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "synthetic_samples"]
+__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "synthetic_samples", "LiveBytes"]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -328,3 +328,44 @@ def synthetic_samples(
             )
         )
     return out
+
+
+class LiveBytes:
+    """The peak of the bytes that torch storages allocated inside ``with LiveBytes() as m:`` hold while
+    still alive (``m.peak``), on any device: a dispatch mode sees every op; an output storage that is
+    none of the op's inputs' is an allocation (views, in-place ops and a ``recv`` into a buffer are
+    not), kept by a weak reference until freed, and the sum over those alive is taken at every op.
+    Memory that torch's ops do not allocate (a collective's internal buffers) is not seen. Enter it
+    again to measure more code: the peak and the storages still alive carry over."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[Any, int]] = {}
+        self.peak = 0
+        self._mode: Any = None
+
+    def __enter__(self) -> LiveBytes:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                        st = t.untyped_storage()
+                        tracker.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+                tracker.live = {k: v for k, v in tracker.live.items() if not v[0].expired()}
+                tracker.peak = max(tracker.peak, sum(n for _, n in tracker.live.values()))
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None

@@ -247,6 +247,7 @@ def test_every_namespace_has_an_api_page():
             "vlm",
             "hf",
             "checkpoint",
+            "sinks",
             "ops",
             "typing",
             "testing",

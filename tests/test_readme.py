@@ -46,7 +46,7 @@ def test_readme_is_short():
 
 
 MAIN = (
-    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test,examples]" && '
+    'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test,examples,log]" && '
     ".venv/bin/python examples/ppo_toy.py"
 )
 TESTS = ".venv/bin/python -m pytest -q"

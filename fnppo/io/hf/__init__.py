@@ -14,7 +14,9 @@ siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 * :func:`export_hf_weights` writes the inverse (HF names, safetensors shards, ``config.json``), so
   a trained policy can be served by an inference engine, and a trained critic is a
   ``*ForTokenClassification`` checkpoint with ``num_labels=1`` (transformers'
-  ``AutoModelForTokenClassification``: ``logits[..., 0]`` are the values).
+  ``AutoModelForTokenClassification``: ``logits[..., 0]`` are the values);
+* :func:`stream_hf_weights` hands the same tensors to an inference engine without files: buckets of
+  ``(name, tensor)`` pairs on one rank (vLLM's ``model.load_weights``), never the whole model at once.
 
 The modules, one job each (each imports only the ones above it)::
 
@@ -27,7 +29,9 @@ The modules, one job each (each imports only the ones above it)::
     checks      a config.json against the model it is loaded into or exported from
     value_head  which value head a checkpoint holds; a value model's exported config.json
     load        load_hf_weights
+    sources     the parameters an export reads, each through one function; TP shard placement
     export      export_hf_weights
+    stream      stream_hf_weights
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """
@@ -44,6 +48,7 @@ from fnppo.io.hf.families import (
     VALUE_HEAD_LAYOUTS,
 )
 from fnppo.io.hf.load import load_hf_weights
+from fnppo.io.hf.stream import stream_hf_weights
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -56,5 +61,6 @@ __all__ = [
     "build_gpt_from_hf",
     "load_hf_weights",
     "export_hf_weights",
+    "stream_hf_weights",
     "hf_tensor_shapes",
 ]

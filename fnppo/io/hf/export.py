@@ -23,16 +23,12 @@ from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config
 from fnppo.io.hf.config import model_config_from_hf, read_hf_config
-from fnppo.io.hf.keys import param_rule
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
+from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
 from fnppo.io.hf.value_head import token_classification_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
-from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.megatron.weights import (
-    global_name as _global_name,
-)
 from fnppo.megatron.weights import (
     is_expert as _is_expert,
 )
@@ -44,19 +40,22 @@ from fnppo.megatron.weights import (
 )
 
 
-def _gather_tp(core: nn.Module, name: str, param: Tensor, layout: ParallelLayout) -> Tensor:
-    """The full (1-rank) Megatron tensor of ``param``: all-gathered over its TP group (expert TP for
-    experts; collective)."""
-    t = param.detach()
-    dim, n = split_dim(param, _tp_of(param, layout)[0])
+def gather_tp(p: ExportParam, layout: ParallelLayout) -> Tensor:
+    """The full (1-rank) Megatron tensor of ``p`` (:func:`local_weight` of every rank of its TP
+    group, expert TP for experts, placed with :func:`place_shard`; collective over that group)."""
+    t = local_weight(p)
+    dim, n = split_dim(p.param, _tp_of(p.param, layout)[0])
     if dim is None:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(parts, t.contiguous(), group=layout.etp_group if _is_expert(param) else layout.tp_group)
-    if _is_gated_fc1(core, name):
-        halves = [p.chunk(2, dim=dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-    return torch.cat(parts, dim=dim)
+    dist.all_gather(parts, t.contiguous(), group=layout.etp_group if _is_expert(p.param) else layout.tp_group)
+    shape = list(t.shape)
+    shape[dim] *= n
+    full = t.new_empty(shape)
+    gated = _is_gated_fc1(p.core, p.name)
+    for r, part in enumerate(parts):
+        place_shard(full, part, r, dim, gated)
+    return full
 
 
 def _write_hf_config(path: Path, hf_config: Any) -> None:
@@ -70,7 +69,7 @@ def _write_hf_config(path: Path, hf_config: Any) -> None:
         fh.write("\n")
 
 
-def _check_config_matches(fn: str, core: nn.Module, a: Arch, hf_config: Any) -> tuple[int, Any]:
+def check_config_matches(fn: str, core: nn.Module, a: Arch, hf_config: Any) -> tuple[int, Any]:
     """Check that ``hf_config`` describes the model; returns its vocabulary size and the config to
     write (for a value model: :func:`token_classification_config` of it)."""
     hf = read_hf_config(fn, "hf_config", hf_config)
@@ -118,7 +117,7 @@ def export_hf_weights(
     vocab, written_config = (
         (a.padded_vocab, None)
         if hf_config is None
-        else _check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
+        else check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)
     )
     layout = current_layout()
     out = Path(path)
@@ -190,20 +189,16 @@ def _write_tensors(
 ) -> None:
     """Gather every parameter this rank's role gathers (``role[is_expert] = (gathers, writes)``) and
     add the Hugging Face tensors of those it writes to ``shards`` (a tied output layer: none)."""
-    for chunk in model_chunks:
-        core = unwrap_model(chunk)
-        for name, param in named_weights(core):
-            gname = _global_name(core, name)
-            kind, names = param_rule(fn, a, gname)
-            gathers, writes = role[_is_expert(param)]
-            if (gname == "output_layer.weight" and a.tied) or not gathers:
-                continue
-            full = _gather_tp(core, name, param, layout)
-            if not writes:
-                continue
-            for hf_name, t in to_hf(a, kind, names, full, vocab).items():
-                shards.add(hf_name, t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone())
-            del full
+    for p in export_params(fn, a, model_chunks):
+        gathers, writes = role[_is_expert(p.param)]
+        if not gathers:
+            continue
+        full = gather_tp(p, layout)
+        if not writes:
+            continue
+        for hf_name, t in to_hf(a, p.kind, p.names, full, vocab).items():
+            shards.add(hf_name, t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone())
+        del full
 
 
 def _all_parts(fn: str, a: Arch, layout: ParallelLayout, written: list[_Part] | None, vocab: int) -> list[_Part]:

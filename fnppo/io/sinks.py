@@ -1,0 +1,213 @@
+"""Metrics sinks: where a training loop's metrics go besides its own files, one object per tool.
+
+A sink has three methods: ``log(step, metrics)`` (a step's scalars), ``log_hparams(hparams)`` (the
+run's settings, once) and ``close()``. Sinks compose as a plain list (:func:`log_metrics`,
+:func:`log_hparams`, :func:`close_sinks` call each in turn); :func:`open_sinks` opens the named ones
+on rank 0 and none elsewhere, every file under the run directory, nothing over the network:
+
+* ``tensorboard``: :class:`TensorBoardSink`, event files in ``<run dir>/tensorboard``
+  (``torch.utils.tensorboard``; the settings in TensorBoard's HParams tab);
+* ``wandb``: :class:`WandbSink`, a Weights & Biases run in ``<run dir>/wandb`` in offline mode
+  (``wandb sync`` uploads it later; the settings are the run's config);
+* ``mlflow``: :class:`MlflowSink`, an MLflow run in the local file store ``<run dir>/mlruns``
+  (``mlflow ui --backend-store-uri <run dir>/mlruns``; the settings are the run's params).
+
+The libraries are optional (``pip install fnppo[log]``) and imported when a sink is opened. Only
+finite numbers are logged (a metric that is ``None``, a string or NaN is left out of that step).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from fnppo.core.errors import input_error
+
+__all__ = [
+    "MetricsSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "MlflowSink",
+    "SINKS",
+    "open_sinks",
+    "log_metrics",
+    "log_hparams",
+    "close_sinks",
+]
+
+
+class MetricsSink(Protocol):
+    """What a training loop logs to: a step's scalars, the run's settings once, then close."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The finite real numbers of ``metrics`` (bools and 0-d tensors included), as floats."""
+    out = {}
+    for k, v in metrics.items():
+        if hasattr(v, "item") and getattr(v, "numel", lambda: 0)() == 1:
+            v = v.item()
+        if isinstance(v, numbers.Real) and math.isfinite(float(v)):
+            out[str(k)] = float(v)
+    return out
+
+
+def _plain(hparams: Mapping[str, Any]) -> dict[str, int | float | str | bool]:
+    """Settings as the tools store them: numbers, strings and bools kept, anything else as its str."""
+    return {str(k): v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+
+
+class TensorBoardSink:
+    """TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``): each metric
+    a scalar series ``add_scalar(name, value, step)``; the settings an HParams session."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for k, v in _scalars(metrics).items():
+            self.writer.add_scalar(k, v, global_step=step)
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        for summary in hparams_summary(_plain(hparams), {}):  # in this run's own event file
+            self.writer.file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run in ``directory`` (its ``wandb/`` folder), offline by default: no network,
+    ``wandb sync`` uploads it later. ``mode``: wandb's (``"offline"``, ``"online"``, ``"disabled"``)."""
+
+    def __init__(
+        self, directory: str | os.PathLike, *, project: str = "fnppo", name: str | None = None, mode: str = "offline"
+    ) -> None:
+        import wandb
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=str(directory),
+            mode=mode,
+            reinit="create_new",
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.run.log(_scalars(metrics), step=step)
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        self.run.config.update(_plain(hparams), allow_val_change=True)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """An MLflow run in the local file store ``store`` (a directory; ``mlflow.tracking.MlflowClient``,
+    no global active run): each metric a series with its step, the settings as params.
+
+    MLflow 3 keeps its file store behind ``MLFLOW_ALLOW_FILE_STORE``: set to ``true`` for this process
+    unless already set. ``tracking_uri`` (e.g. ``sqlite:///run/mlflow.db``, a server) replaces the
+    file store."""
+
+    def __init__(
+        self,
+        store: str | os.PathLike,
+        *,
+        experiment: str = "fnppo",
+        name: str | None = None,
+        tracking_uri: str | None = None,
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if tracking_uri is None:
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            tracking_uri = Path(store).resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in _scalars(metrics).items()]
+        if batch:
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, str(v)) for k, v in _plain(hparams).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+SINKS = ("tensorboard", "wandb", "mlflow")
+"""The names :func:`open_sinks` knows."""
+
+
+def open_sinks(
+    names: str | Sequence[str], run_dir: str | os.PathLike, *, rank: int = 0, run_name: str | None = None
+) -> list[MetricsSink]:
+    """The sinks ``names`` (``"tensorboard,wandb"`` or a list; any subset of :data:`SINKS`, empty for
+    none) writing under ``run_dir``; on a rank other than 0 none (only rank 0 logs).
+
+    Raises:
+        InputError: an unknown name (before anything is opened).
+    """
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in wanted if n not in SINKS]
+    if unknown:
+        raise input_error("open_sinks", "names", f"a subset of {', '.join(SINKS)}", repr(unknown[0]))
+    if rank != 0:
+        return []
+    root = Path(run_dir)
+    opened: list[MetricsSink] = []
+    for n in dict.fromkeys(wanted):
+        if n == "tensorboard":
+            opened.append(TensorBoardSink(root / "tensorboard"))
+        elif n == "wandb":
+            opened.append(WandbSink(root, name=run_name, mode=os.environ.get("WANDB_MODE", "offline")))
+        else:
+            opened.append(MlflowSink(root / "mlruns", name=run_name))
+    return opened
+
+
+def log_metrics(sinks: Sequence[MetricsSink], step: int, metrics: Mapping[str, Any]) -> None:
+    """``sink.log(step, metrics)`` for each sink."""
+    for s in sinks:
+        s.log(step, metrics)
+
+
+def log_hparams(sinks: Sequence[MetricsSink], hparams: Mapping[str, Any]) -> None:
+    """``sink.log_hparams(hparams)`` for each sink."""
+    for s in sinks:
+        s.log_hparams(hparams)
+
+
+def close_sinks(sinks: Sequence[MetricsSink]) -> None:
+    """``sink.close()`` for each sink."""
+    for s in sinks:
+        s.close()

@@ -1,0 +1,137 @@
+"""Tests for fnppo.sinks: what each sink writes is read back with that tool's own reader.
+
+TensorBoard's ``EventAccumulator`` (scalars and the HParams plugin's session), MLflow's
+``MlflowClient`` on the file store (metric histories with their steps, params), and the offline
+Weights & Biases run's transaction log (``run-<id>.wandb``: LevelDB-log framed records, each a
+``wandb.proto.wandb_internal_pb2.Record``: history rows and config updates). The example's
+``--log`` is tested in tests/test_example_logging.py.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from fnppo.sinks import close_sinks, log_hparams, log_metrics, open_sinks
+from tests.messages import raises_message
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+ROWS = {1: {"loss": 0.5, "reward": 0.25}, 2: {"loss": 0.375, "reward": 0.5}, 3: {"loss": 0.25, "reward": 0.875}}
+HPARAMS = {"lr": 0.003, "algo": "grpo", "tp": 2, "flag": True, "schedule_steps": None}
+
+
+def tensorboard_data(log_dir: Path) -> tuple[dict, dict]:
+    """({tag: [(step, value)]}, {hparam: value}) from the event files, by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    hparams = {}
+    for content in acc.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            for k, v in data.session_start_info.hparams.items():
+                hparams[k] = getattr(v, v.WhichOneof("kind"))
+    return scalars, hparams
+
+
+def mlflow_data(store: Path) -> tuple[dict, dict, str]:
+    """({metric: [(step, value)]}, params, status) of the one run in the file store, by MLflow's client."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("fnppo").experiment_id])
+    history = {
+        k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics
+    }
+    return history, dict(run.data.params), run.info.status
+
+
+def wandb_records(path: Path) -> list:
+    """The records of a wandb transaction log (LevelDB log framing: a 7-byte header, 32 KiB blocks of
+    chunks ``crc32 u32, length u16, type u8`` (1 full, 2 first, 3 middle, 4 last); each record a
+    ``wandb_internal_pb2.Record``)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is zero padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def wandb_data(root: Path) -> tuple[dict, dict, bool]:
+    """({metric: [(step, value)]}, config, finished) of the one offline run under ``root/wandb``."""
+    (log,) = root.glob("wandb/offline-run-*/run-*.wandb")
+    history: dict = {}
+    config: dict = {}
+    finished = False
+    for rec in wandb_records(log):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            for k, v in row.items():
+                if not k.startswith("_"):
+                    history.setdefault(k, []).append((row["_step"], v))
+        elif kind == "config":
+            for item in rec.config.update:
+                config[item.key] = json.loads(item.value_json)
+        elif kind == "exit":
+            finished = True
+    return history, config, finished
+
+
+def _expected() -> dict:
+    return {k: [(s, row[k]) for s, row in ROWS.items()] for k in ("loss", "reward")}
+
+
+def test_each_sink_writes_what_its_reader_reads_back(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default
+    sinks = open_sinks("tensorboard, wandb,mlflow", tmp_path, run_name="run007")
+    log_hparams(sinks, HPARAMS)
+    for step, row in ROWS.items():
+        log_metrics(sinks, step, {**row, "note": "text", "nan": float("nan")})  # only finite numbers logged
+    close_sinks(sinks)
+
+    scalars, hp = tensorboard_data(tmp_path / "tensorboard")
+    assert scalars == _expected()
+    assert hp == {"lr": 0.003, "algo": "grpo", "tp": 2.0, "flag": True, "schedule_steps": "None"}
+
+    history, params, status = mlflow_data(tmp_path / "mlruns")
+    assert history == _expected()
+    assert params == {"lr": "0.003", "algo": "grpo", "tp": "2", "flag": "True", "schedule_steps": "None"}
+    assert status == "FINISHED"
+
+    history, config, finished = wandb_data(tmp_path)
+    assert history == _expected()
+    assert {k: config[k] for k in HPARAMS} == {**HPARAMS, "schedule_steps": "None"}
+    assert finished
+
+
+def test_only_rank_zero_logs_and_unknown_names_are_refused(tmp_path):
+    assert open_sinks("tensorboard,mlflow", tmp_path, rank=1) == []
+    assert not any(tmp_path.iterdir())  # nothing opened, nothing written
+    with raises_message("open_sinks", "names", "a subset of tensorboard, wandb, mlflow", "'neptune'"):
+        open_sinks("tensorboard,neptune", tmp_path)
+    assert not any(tmp_path.iterdir())
+    assert open_sinks("", tmp_path) == []
