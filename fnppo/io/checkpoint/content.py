@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,7 @@ __all__ = [
     "set_rng_state",
     "rng_object",
     "RNG_KEY",
+    "quiet_checkpointing",
 ]
 
 RNG_KEY = "fnppo.rng"
@@ -144,12 +147,39 @@ def drop_filled_state(filled: list[tuple[dict, Any]]) -> None:
         state.pop(p, None)
 
 
-def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict[str, Any], *, is_loading: bool) -> Any:
-    """The optimizer's sharded state dict over the model's (all chunks of one train state)."""
+def _is_distributed(sub: Any) -> bool:
+    return hasattr(sub, "load_parameter_state_from_fully_reshardable")
+
+
+def optimizer_sharded_state_dict(
+    optimizer: Any, model_sd: dict[str, Any], *, is_loading: bool
+) -> tuple[dict[str, Any], list[list[int]] | None]:
+    """The optimizer's sharded state dict over the model's (all chunks of one train state), and for a
+    distributed optimizer the index that maps it back (each part's parameter indices).
+
+    Megatron chains one distributed optimizer per gradient-buffer group, and how many there are depends
+    on the layout (experts get their own under EP > 1). So the parts are merged into one layout-free dict:
+    ``param_groups`` (all parts' groups; each part picks its own by Megatron's group keys on load) and
+    ``param_state`` by model key (main parameter and Adam moments, each sharded like its parameter). A
+    non-distributed optimizer is saved in Megatron's own (chained) form.
+    """
     flat: dict[str, Any] = {}
     for chunk_sd in model_sd.values():
         flat.update(chunk_sd)
-    return optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+    subs = sub_optimizers(optimizer)
+    if not all(_is_distributed(sub) for sub in subs):
+        sd = optimizer.sharded_state_dict(flat, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+        return {"kind": "megatron", "state": sd}, None
+    groups: list[Any] = []
+    param_state: dict[int, Any] = {}
+    for i, sub in enumerate(subs):
+        sd = sub.sharded_state_dict(flat, is_loading=is_loading, metadata=dict(OPTIMIZER_METADATA))
+        groups += sd["optimizer"]["param_groups"]
+        param_state[i] = sd["param_state"]  # (sharded tensors only: matched by their keys, not by i)
+    out = {"kind": "distributed", "param_groups": groups, "param_state": param_state}
+    if getattr(subs[0], "grad_scaler", None) is not None and not is_loading:
+        out["grad_scaler"] = subs[0].grad_scaler.state_dict()
+    return out, [sorted(part) for part in param_state.values()]
 
 
 def rng_state() -> dict[str, Any]:
@@ -181,3 +211,14 @@ def set_rng_state(state: Mapping[str, Any], *, trackers: bool) -> None:
 def rng_object(data: Any, rank: int, world: int) -> ShardedObject:
     """Rank ``rank``'s generators as its shard of the ``[world]``-shaped object :data:`RNG_KEY`."""
     return ShardedObject(RNG_KEY, data, (world,), (rank,), replica_id=0)
+
+
+@contextlib.contextmanager
+def quiet_checkpointing() -> Iterator[None]:
+    """Without the deprecation notices torch.distributed.checkpoint prints on every call Megatron makes
+    (``load_state_dict`` is deprecated; ShardedTensor is deprecated): they are about Megatron's calls, not
+    the caller's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*|megatron.*|fnppo.*")
+        warnings.filterwarnings("ignore", message=".*(load_state_dict. is deprecated|deprecating ShardedTensor).*")
+        yield

@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
+    quiet_checkpointing,
     fill_empty_adam_state,
     layout_record,
     lora_base_params,
@@ -115,22 +116,26 @@ def _unshare_steps(optimizer: Any) -> None:
                 st["step"] = st["step"].clone()
 
 
-def _load_optimizer(optimizer: Any, loaded: Any) -> None:
-    """``optimizer.load_state_dict`` of the loaded sharded state, with one gap of Megatron's filled: its
+def _load_optimizer(optimizer: Any, loaded: Mapping[str, Any], index: list[list[int]] | None) -> None:
+    """Load what :func:`optimizer_sharded_state_dict` asked for into ``optimizer``.
+
+    For each distributed part: the param groups (Megatron picks the part's own by its group keys; this
+    sets 'step'), then the parameter state in the part's order, with the 'step' entries set aside (Megatron's
     ``fully_reshardable`` load copies every key of a parameter's state, 'step' included, from tensors that
-    have none (torch's Adam keeps a 'step' per parameter); the param-group part (which sets 'step') is
-    loaded first, and the parameter state with the 'step' entries set aside."""
-    subs = sub_optimizers(optimizer)
-    parts = [loaded] if len(subs) == 1 else [loaded[i] for i in range(len(subs))]
-    for sub, part in zip(subs, parts, strict=True):
-        if not (isinstance(part, Mapping) and part.get("param_state_sharding_type") == "fully_reshardable"):
-            sub.load_state_dict(part)
-            continue
-        sub.load_state_dict({k: v for k, v in part.items() if k != "param_state"})
+    have none; torch's Adam keeps a 'step' per parameter)."""
+    if loaded["kind"] != "distributed" or index is None:
+        optimizer.load_state_dict(loaded["state"])
+        _unshare_steps(optimizer)
+        return
+    common = {"optimizer": {"param_groups": loaded["param_groups"]}}
+    if "grad_scaler" in loaded:
+        common["grad_scaler"] = loaded["grad_scaler"]
+    for i, (sub, part) in enumerate(zip(sub_optimizers(optimizer), index, strict=True)):
+        sub.load_state_dict(common)
         inner = sub.optimizer.state
         steps = {p: st.pop("step") for p, st in inner.items() if "step" in st}
         try:
-            sub.load_parameter_state_from_fully_reshardable(part["param_state"])
+            sub.load_parameter_state_from_fully_reshardable({k: loaded["param_state"][i][k] for k in part})
         finally:
             for p, step in steps.items():
                 inner[p]["step"] = step
@@ -199,17 +204,17 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
     saved_world = int(saved_layout.get("world_size", world))
     filled: list = []
     request: dict[str, Any] = {"states": {}}
+    indexes: dict[str, Any] = {}
     try:
         for name, one in named.items():
             filled += fill_empty_adam_state(one.optimizer)  # Megatron's load needs allocated state
-            request["states"][name] = {
-                "model": model_sds[name],
-                "optimizer": optimizer_sharded_state_dict(one.optimizer, model_sds[name], is_loading=True),
-            }
+            opt_sd, indexes[name] = optimizer_sharded_state_dict(one.optimizer, model_sds[name], is_loading=True)
+            request["states"][name] = {"model": model_sds[name], "optimizer": opt_sd}
             _unshare_steps(one.optimizer)
         src = rank if same_layout else rank % saved_world
         request["rng"] = rng_object(None, src, saved_world)
-        loaded = dist_checkpointing.load(request, str(path), validate_access_integrity=False)
+        with quiet_checkpointing():
+            loaded = dist_checkpointing.load(request, str(path), validate_access_integrity=False)
     except BaseException:
         drop_filled_state(filled)
         raise
@@ -217,7 +222,7 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
     for name, one in named.items():
         part = loaded["states"][name]
         _load_model(one, part["model"], prefixes[name])
-        _load_optimizer(one.optimizer, part["optimizer"])
+        _load_optimizer(one.optimizer, part["optimizer"], indexes[name])
         restored[name] = dataclasses.replace(one, step=int(part["step"]))
     set_rng_state(loaded["rng"], trackers=same_layout)
     dist.barrier()

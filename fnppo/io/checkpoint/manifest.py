@@ -181,6 +181,12 @@ def verify_checkpoint(directory: str | os.PathLike, *, hash_files: bool = True) 
     return manifest
 
 
+def _report(message: str, *args: Any) -> None:
+    """A warning on the ``fnppo.checkpoint`` logger, from rank 0 only."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        logger.warning(message, *args)
+
+
 def _step_of(d: Path) -> int | None:
     try:
         return int(json.loads((d / MANIFEST).read_text())["step"])
@@ -208,7 +214,7 @@ def latest_checkpoint(root: str | os.PathLike, *, fallback: bool = False) -> Pat
         step = _step_of(d)
         if step is None:
             kind = "the temporary directory of a save that did not finish" if TMP_MARK in d.name else "no readable manifest.json"
-            logger.warning("skipping incomplete checkpoint %s: %s", d, kind)
+            _report("skipping incomplete checkpoint %s: %s", d, kind)
             continue
         steps.append((step, d.name, d))
     for _, _, d in sorted(steps, reverse=True):
@@ -223,5 +229,5 @@ def latest_checkpoint(root: str | os.PathLike, *, fallback: bool = False) -> Pat
                     "a newest checkpoint that verifies (pass fallback=True to use the previous one)",
                     f"the damaged checkpoint {str(d)!r}: {err}",
                 ) from None
-            logger.warning("skipping damaged checkpoint %s (fallback=True): %s", d, err)
+            _report("skipping damaged checkpoint %s (fallback=True): %s", d, err)
     return None

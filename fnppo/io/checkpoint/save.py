@@ -42,6 +42,7 @@ from fnppo.io.checkpoint.content import (
     model_sharded_state_dict,
     named_states,
     optimizer_sharded_state_dict,
+    quiet_checkpointing,
     rng_object,
     rng_state,
 )
@@ -99,7 +100,7 @@ def sharded_checkpoint_state(state: Any, extra: Mapping[str, Any] | None, fn: st
             states[name] = {
                 "step": int(one.step),
                 "model": model_sd,
-                "optimizer": optimizer_sharded_state_dict(one.optimizer, model_sd, is_loading=False),
+                "optimizer": optimizer_sharded_state_dict(one.optimizer, model_sd, is_loading=False)[0],
             }
     except BaseException:
         drop_filled_state(filled)
@@ -173,7 +174,8 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, *, extra: Mapping[
                 TorchCommonSaveStrategy("torch", 1).save_common(holder["common"], tmp)
 
         _phase(common, tmp, rank, directory)
-        _phase(lambda: SyncTorchDistSave().save(holder["sharded"], tmp), tmp, rank, directory)
+        with quiet_checkpointing():
+            _phase(lambda: SyncTorchDistSave().save(holder["sharded"], tmp), tmp, rank, directory)
     finally:
         drop_filled_state(filled)
 
