@@ -6,7 +6,8 @@ one training step, are loaded under one process, TP=2 and PP=2 (dense) and one p
 * the loaded weights equal the saved ones (gathered at the save by plain all-gathers,
   ``gather_full_weights``), bit for bit;
 * the loaded Adam moments (one process: the whole of each parameter's moments) equal those of an
-  independent one-process run of the same first step (float tolerance: another reduction order);
+  independent one-process run of the same first step (to 1e-5 of each tensor's largest entry: another
+  reduction order);
 * the next two steps' loss and grad norm equal the uninterrupted run's to 1e-5 (the second of them
   depends on the loaded moments too).
 
@@ -184,7 +185,9 @@ def test_loaded_moments_equal_a_one_process_first_step(runs, model):
     for name, ref in reference.items():
         for k in ("exp_avg", "exp_avg_sq"):
             assert ref[k].abs().max() > 0, (name, k)  # the moments moved
-            torch.testing.assert_close(loaded[name][k], ref[k], rtol=1e-4, atol=1e-9, msg=f"{name} {k}")
+            # another reduction order: equal to float rounding of the tensor's scale
+            scale = float(ref[k].abs().max())
+            torch.testing.assert_close(loaded[name][k], ref[k], rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_lora_base_weights_are_left_out_and_not_loaded(runs):

@@ -128,7 +128,10 @@ def _opt_state(state: fnppo.TrainState):
     distributed optimizer's parameter state (main parameters, Adam moments)."""
     opt = state.optimizer
     subs = list(getattr(opt, "chained_optimizers", None) or [opt])
-    shards = [s.get_parameter_state_dp_reshardable() if hasattr(s, "get_parameter_state_dp_reshardable") else None for s in subs]
+    shards = [
+        s.get_parameter_state_dp_reshardable() if hasattr(s, "get_parameter_state_dp_reshardable") else None
+        for s in subs
+    ]
     return _clone_tree({"state_dict": opt.state_dict(), "param_state": shards})
 
 
@@ -358,7 +361,11 @@ def _one_rank_run(root: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     saved_shapes, wider_shapes = (
-        {k: list(v.global_shape) for k, v in unwrap_model(s.model[0]).sharded_state_dict().items() if isinstance(v, ShardedTensor)}
+        {
+            k: list(v.global_shape)
+            for k, v in unwrap_model(s.model[0]).sharded_state_dict().items()
+            if isinstance(v, ShardedTensor)
+        }
         for s in (_build(), wider)
     )
     first = next(k for k in wider_shapes if saved_shapes.get(k) != wider_shapes[k])

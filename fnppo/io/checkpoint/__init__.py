@@ -16,13 +16,22 @@ Layout of a checkpoint directory::
     <dir>/manifest.json       written last: step, layout of the save, each file's size and sha256
 
 Modules: :mod:`.content` (what is saved, as sharded state dicts), :mod:`.save` (the atomic, non-forking
-save), :mod:`.load`, :mod:`.manifest` (integrity, :func:`latest_checkpoint`).
+save), :mod:`.load`, :mod:`.manifest` (integrity, :func:`latest_checkpoint`), :mod:`.reader`
+(:func:`read_checkpoint`: the contents in one process).
 """
 
 from __future__ import annotations
 
 from fnppo.io.checkpoint.load import load_checkpoint
 from fnppo.io.checkpoint.manifest import CheckpointError, latest_checkpoint, verify_checkpoint
+from fnppo.io.checkpoint.reader import read_checkpoint
 from fnppo.io.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "verify_checkpoint",
+    "read_checkpoint",
+]

@@ -27,13 +27,13 @@ from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
-    quiet_checkpointing,
     fill_empty_adam_state,
     layout_record,
     lora_base_params,
     model_sharded_state_dict,
     named_states,
     optimizer_sharded_state_dict,
+    quiet_checkpointing,
     rng_object,
     set_rng_state,
     sub_optimizers,

@@ -60,7 +60,9 @@ def sha256(path: Path) -> str:
 
 def _files(directory: Path) -> list[str]:
     """Every file under ``directory`` but the manifest, as sorted relative POSIX paths."""
-    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(
+        p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
 
 
 def _share(names: Sequence[str]) -> list[str]:
@@ -100,7 +102,9 @@ def file_entries(directory: Path) -> dict[str, dict[str, Any]]:
 def read_manifest(path: Path, fn: str = "load_checkpoint") -> dict[str, Any]:
     """The manifest of the checkpoint directory ``path``; :class:`CheckpointError` if there is none."""
     if not path.exists():
-        raise checkpoint_error(fn, "directory", "an existing checkpoint directory", f"{str(path)!r}, which does not exist")
+        raise checkpoint_error(
+            fn, "directory", "an existing checkpoint directory", f"{str(path)!r}, which does not exist"
+        )
     if not path.is_dir():
         raise checkpoint_error(fn, "directory", "a checkpoint directory", f"{str(path)!r}, which is not a directory")
     mpath = path / MANIFEST
@@ -139,7 +143,9 @@ def _file_problem(path: Path, name: str, info: Mapping[str, Any], hash_it: bool)
     return None
 
 
-def check_files(path: Path, manifest: Mapping[str, Any], *, fn: str = "load_checkpoint", hash_it: bool = True) -> str | None:
+def check_files(
+    path: Path, manifest: Mapping[str, Any], *, fn: str = "load_checkpoint", hash_it: bool = True
+) -> str | None:
     """Why the files of ``path`` do not match ``manifest`` (the full message), None when they do. Every file
     is checked for presence and size, and (``hash_it``) its sha256. Collective when torch.distributed is
     initialized: the ranks share the hashing and all get the same answer."""
@@ -154,7 +160,9 @@ def check_files(path: Path, manifest: Mapping[str, Any], *, fn: str = "load_chec
     if not found:
         return None
     name, problem = min(found)
-    expected = f"the file {str(path / name)!r} that the manifest lists, of {files[name].get('size')} bytes with its sha256"
+    expected = (
+        f"the file {str(path / name)!r} that the manifest lists, of {files[name].get('size')} bytes with its sha256"
+    )
     return str(checkpoint_error(fn, "directory", expected, problem))
 
 
@@ -213,7 +221,11 @@ def latest_checkpoint(root: str | os.PathLike, *, fallback: bool = False) -> Pat
             continue
         step = _step_of(d)
         if step is None:
-            kind = "the temporary directory of a save that did not finish" if TMP_MARK in d.name else "no readable manifest.json"
+            kind = (
+                "the temporary directory of a save that did not finish"
+                if TMP_MARK in d.name
+                else "no readable manifest.json"
+            )
             _report("skipping incomplete checkpoint %s: %s", d, kind)
             continue
         steps.append((step, d.name, d))
