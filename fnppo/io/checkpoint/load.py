@@ -5,9 +5,9 @@ size and sha256), holds the train states passed, and has every tensor this model
 same global shape (Megatron's sharded keys; the first difference is named). Then Megatron's
 ``dist_checkpointing.load`` reads each rank's part (resharding model and optimizer state to this
 layout), the model chunks and the optimizer load it, and the RNG states are restored: every rank's own
-under the layout it was saved in; under another layout, each rank gets the CPU generators (torch, Python,
-NumPy, CUDA) of the saved rank ``rank % saved world size`` and keeps the Megatron trackers that
-``init_parallel`` seeded for its new position.
+under the layout it was saved in; under another layout, every rank gets saved rank 0's CPU generators
+(torch, Python, NumPy, CUDA: ranks that must draw alike, such as TP peers, do) and keeps the Megatron
+trackers that ``init_parallel`` seeded for its new position.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
     checkpoint's shape and this model's).
     """
     path = Path(directory)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     named = named_states(state, "load_checkpoint")
     manifest, problem = None, None
     try:
@@ -201,7 +201,7 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
 
     saved_layout = manifest.get("layout") or {}
     same_layout = saved_layout == layout_record()
-    saved_world = int(saved_layout.get("world_size", world))
+    saved_world = int(saved_layout.get("world_size", 1))
     filled: list = []
     request: dict[str, Any] = {"states": {}}
     indexes: dict[str, Any] = {}
@@ -211,7 +211,7 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
             opt_sd, indexes[name] = optimizer_sharded_state_dict(one.optimizer, model_sds[name], is_loading=True)
             request["states"][name] = {"model": model_sds[name], "optimizer": opt_sd}
             _unshare_steps(one.optimizer)
-        src = rank if same_layout else rank % saved_world
+        src = rank if same_layout else 0  # another layout: one stream for all (TP/PP/CP peers must agree)
         request["rng"] = rng_object(None, src, saved_world)
         with quiet_checkpointing():
             loaded = dist_checkpointing.load(request, str(path), validate_access_integrity=False)

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: every rank's write errors)
 
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
@@ -122,7 +123,7 @@ def _phase(work: Callable[[], Any], tmp: Path, rank: int, directory: Path) -> No
     error: BaseException | None = None
     try:
         work()
-    except Exception as err:  # noqa: BLE001 - reported on every rank below
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank below
         error = err
     problem = _agree(error)
     if problem is None:
