@@ -12,7 +12,8 @@ one training step, are loaded under one process, TP=2 and PP=2 (dense) and one p
   depends on the loaded moments too).
 
 Also in the one-process launch: a parameter tagged ``fnppo_lora_base`` is left out of the checkpoint and
-untouched by a load, and a save before the first step resumes exactly like a fresh optimizer.
+untouched by a load, a save before the first step resumes exactly like a fresh optimizer, and the
+non-distributed optimizer resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def _cfg(moe: bool) -> fnppo.ModelConfig:
     )
 
 
-def _build(moe: bool = False, init_seed: int = 3, frozen: str | None = None) -> fnppo.TrainState:
+def _build(
+    moe: bool = False, init_seed: int = 3, frozen: str | None = None, distributed: bool = True
+) -> fnppo.TrainState:
     chunks = fnppo.build_gpt(_cfg(moe))
     fnppo.models.layout_invariant_init(chunks, seed=init_seed, std=0.2 if moe else None)
     for c in chunks:
@@ -53,7 +56,7 @@ def _build(moe: bool = False, init_seed: int = 3, frozen: str | None = None) -> 
             if frozen and name.endswith(frozen):  # a frozen base weight of a LoRA adapter
                 p.fnppo_lora_base = True
                 p.requires_grad_(False)
-    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=distributed)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2, clip_grad=1.0))
 
 
@@ -140,15 +143,27 @@ def _lora_and_first_step(root: str) -> dict:
     loaded = [n for n in before if not n.endswith(frozen) and torch.equal(after[n], saved[n])]
 
     fnppo.checkpoint.save_checkpoint(Path(root) / "step0", _build())  # never stepped
-    fresh_run = [_step(_build(), s)[1] for s in (1,)]
+    fresh, m1 = _step(_build(), 1)
+    fresh_run = [m1, _step(fresh, 2)[1]]  # step 2 depends on the first update (Adam's step count, moments)
     resumed, _ = fnppo.checkpoint.load_checkpoint(Path(root) / "step0", _build(init_seed=99))
+    step0 = resumed.step
+    resumed, r1 = _step(resumed, 1)
+    # the non-distributed optimizer (Megatron's own sharded form): resumes bit for bit
+    plain, _ = _step(_build(distributed=False), 1)
+    fnppo.checkpoint.save_checkpoint(Path(root) / "plain", plain)
+    straight = [_step(plain, 2)[1]]
+    plain, _ = _step(plain, 2)
+    straight.append(_step(plain, 3)[1])
+    again, _ = fnppo.checkpoint.load_checkpoint(Path(root) / "plain", _build(init_seed=99, distributed=False))
+    again, m2 = _step(again, 2)
     return {
+        "plain": (straight, [m2, _step(again, 3)[1]]),
         "lora_keys": keys,
         "lora_untouched": untouched,
         "lora_loaded": loaded,
         "n_params": len(before),
-        "first_step": (fresh_run[0], _step(resumed, 1)[1]),
-        "step0_step": resumed.step,
+        "first_step": (fresh_run, [r1, _step(resumed, 2)[1]]),
+        "step0_step": step0,
     }
 
 
@@ -196,6 +211,11 @@ def test_lora_base_weights_are_left_out_and_not_loaded(runs):
     assert any("linear_fc2.weight" in k for k in one["lora_keys"])
     assert one["lora_untouched"] == ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight"]
     assert len(one["lora_loaded"]) == one["n_params"] - 2
+
+
+def test_non_distributed_optimizer_resumes_bit_for_bit(runs):
+    straight, resumed = runs["one"]["plain"]
+    assert straight == resumed  # step 3 depends on the loaded Adam moments too
 
 
 def test_save_before_the_first_step_resumes_like_a_fresh_optimizer(runs):
