@@ -170,9 +170,10 @@ def _lora_and_first_step(root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("layouts"))
-    four = run_ranks(_four_ranks, 4, root, tp=2)[0]
-    two = run_ranks(_two_ranks, 2, root, ep=2)
-    one = run_ranks(_one_rank, 1, root)[0]
+    # 4 ranks on a small shared CPU can be slow: a generous bound per launch
+    four = run_ranks(_four_ranks, 4, root, tp=2, timeout_s=900)[0]
+    two = run_ranks(_two_ranks, 2, root, ep=2, timeout_s=900)
+    one = run_ranks(_one_rank, 1, root, timeout_s=900)[0]
     return {"dense": four, "moe": two[0]["moe"], "tp2": two[0]["tp2"], "pp2": two[0]["pp2"], "one": one}
 
 

@@ -13,8 +13,11 @@ Everything runs real Megatron on CPU (gloo ranks through :func:`fnppo.testing.ru
   generator a checkpoint restores (torch's, Python's, NumPy's; dropout draws from Megatron's
   trackers), and a save / draw / load / draw round trip gives the same draws from each of them (CUDA's
   too on a GPU machine). A missing directory, an interrupted save, a missing manifest, a truncated
-  or altered file, another model shape and another TP layout are refused in the standard message
-  format (the shape refusal names the first differing parameter and both shapes) and load nothing.
+  or altered file and another model shape are refused in the standard message format (the shape
+  refusal names the first differing parameter and both shapes) and load nothing; a DP=2 checkpoint
+  loads under TP=2. A full disk (on one rank of two, or the only one) and a crash before the final
+  rename fail on every rank and leave nothing behind; incomplete checkpoints are reported and
+  skipped by ``latest_checkpoint``, a damaged newest one is refused unless ``fallback=True``.
 * Determinism: two runs with the same seed and layout give bit-identical metrics and weights.
 """
 
