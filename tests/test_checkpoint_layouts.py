@@ -151,9 +151,8 @@ def _lora_and_first_step(root: str) -> dict:
     # the non-distributed optimizer (Megatron's own sharded form): resumes bit for bit
     plain, _ = _step(_build(distributed=False), 1)
     fnppo.checkpoint.save_checkpoint(Path(root) / "plain", plain)
-    straight = [_step(plain, 2)[1]]
-    plain, _ = _step(plain, 2)
-    straight.append(_step(plain, 3)[1])
+    plain, m2 = _step(plain, 2)  # (train_step updates the model and optimizer objects it is given)
+    straight = [m2, _step(plain, 3)[1]]
     again, _ = fnppo.checkpoint.load_checkpoint(Path(root) / "plain", _build(init_seed=99, distributed=False))
     again, m2 = _step(again, 2)
     return {
