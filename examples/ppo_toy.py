@@ -39,10 +39,13 @@ subset; rank 0; ``--log-to`` under torchrun, which takes ``--log`` for its own `
 and ``mlruns/`` (MLflow's file store). Without a terminal (CI logs) the progress bar is a line every
 ``--progress-every`` steps. ``--resume`` continues the newest run (or
 ``--out-dir``) from its newest checkpoint, bit-identical to an uninterrupted run (data and sampling
-are functions of (seed, step); the run's settings are stored in the checkpoint); ``--overwrite``
+are functions of (seed, step); the run's settings are stored in the checkpoint), in any layout: a run
+saved under ``torchrun --nproc-per-node 2 ... --tp 2`` continues in one process (``--tp``, ``--pp``,
+``--ep`` and the number of processes may change; the next steps agree to float rounding). A damaged
+newest checkpoint is refused unless ``--resume-fallback`` (then the previous one is used); ``--overwrite``
 replaces the run in ``--out-dir`` (its metrics and checkpoints are removed when the run starts).
 Every argument is checked before anything is imported or created: an invalid one, or a refused
-``--resume`` (other settings, another layout, a damaged checkpoint), ends with one line and exit 2.
+``--resume`` (other settings, a damaged checkpoint), ends with one line and exit 2.
 """
 
 from __future__ import annotations
@@ -70,8 +73,6 @@ RUNS_ROOT = Path("runs/ppo_toy")
 #: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
 RUN_DEFINING = (
     "seed",
-    "tp",
-    "pp",
     "dtype",
     "prompts",
     "group_size",
@@ -92,7 +93,6 @@ RUN_DEFINING = (
     "kl_target",
     "kl_horizon",
     "moe",
-    "ep",
     "moe_experts",
     "moe_topk",
     "moe_aux_coeff",
@@ -210,7 +210,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
     p.add_argument(
-        "--resume", action="store_true", help="continue --out-dir (default: the newest run) from its newest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue --out-dir (default: the newest run) from its newest checkpoint, in any --tp/--pp/--ep layout",
+    )
+    p.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: if the newest checkpoint is damaged, report it and resume from the previous one",
     )
     p.add_argument(
         "--exit-after",
@@ -310,6 +317,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         raise ArgumentError(f"--prompts {args.prompts} must be divisible by the data-parallel size {dp}")
     if args.overwrite and args.resume:
         raise ArgumentError("--overwrite and --resume exclude each other")
+    if args.resume_fallback and not args.resume:
+        raise ArgumentError("--resume-fallback applies to --resume")
     if args.critic_checkpoint and (args.algo != "ppo" or args.moe):
         raise ArgumentError("--critic-checkpoint needs --algo ppo (a critic) and runs without --moe")
     if args.algo == "ppo":
@@ -1069,10 +1078,13 @@ def _setup_run(args, layout):
     ref_params = fnppo.models.snapshot_params(state.model)
     kl_state, _ = kl_controller(args)
     if args.resume:  # validate_args found a complete checkpoint written with this --algo
-        latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints")
+        try:  # a damaged newest checkpoint: refused on every rank (unless --resume-fallback), nothing loaded
+            latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints", fallback=args.resume_fallback)
+        except fnppo.checkpoint.CheckpointError as err:
+            raise ArgumentError(f"--resume: {err}; pass --resume-fallback to resume from the previous one") from None
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
-        try:  # another layout, a damaged file: refused on every rank, nothing loaded
+        try:  # a damaged file, another model: refused on every rank, nothing loaded (any layout loads)
             if critic is not None:
                 states, extra = fnppo.checkpoint.load_checkpoint(latest, {"policy": state, "critic": critic})
                 state, critic = states["policy"], states["critic"]
@@ -1081,7 +1093,7 @@ def _setup_run(args, layout):
         except fnppo.checkpoint.CheckpointError as err:
             raise ArgumentError(f"--resume: {err}") from None
         check_resume_settings(extra.get("settings", {}), args)
-        ref_params = [dict(p) for p in extra["ref_params"]]
+        # the reference policy is the initial one: rebuilt above from the settings, in this run's layout
         if "kl_state" in extra:
             kl_state = fnppo.kl.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
@@ -1214,7 +1226,7 @@ def run(args: argparse.Namespace, layout) -> int:
                 )
                 progress.update(1)
         if args.save_every and step % args.save_every == 0:
-            extra = {"ref_params": ref_params, "settings": run_settings(args), "kl_state": kl_state._asdict()}
+            extra = {"settings": run_settings(args), "kl_state": kl_state._asdict()}
             states = state if critic is None else {"policy": state, "critic": critic}  # one manifest: both or neither
             fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)
     if progress is not None:

@@ -23,8 +23,8 @@ reference log-probs (``compute_logprobs``) -> ``train_step`` (clipped PPO, k3 KL
 
 Each run writes to its own directory (``runs/vlm_toy/run000``, ... or ``--out-dir``):
 ``metrics.jsonl``, ``vlm_toy.png`` and, with ``--save-every N``, a checkpoint every N steps
-(``checkpoints/stepNNNNNN``: the model, the optimizer, every RNG state, the reference parameters and
-the run's settings). ``--resume`` continues the newest run (or ``--out-dir``) from its newest
+(``checkpoints/stepNNNNNN``: the model, the optimizer, every RNG state and the run's settings; the
+reference parameters are the initial ones, rebuilt from the settings). ``--resume`` continues the newest run (or ``--out-dir``) from its newest
 checkpoint, bit-identical to an uninterrupted run (data and sampling are functions of (seed, step));
 ``--exit-after N`` stops after N steps (a preempted job). The command line's skeleton (argument
 errors, exit status, parallel set-up), the run directory, the metrics file on resume, the
@@ -528,7 +528,7 @@ def seed_everything(seed: int) -> None:
 
 def setup_run(args: argparse.Namespace, layout):
     """Run directory, state and reference parameters; with ``--resume`` restored from the newest
-    checkpoint (model, optimizer, RNG states, reference parameters), its settings checked. Nothing
+    checkpoint (model, optimizer, RNG states), its settings checked. Nothing
     is written before the checkpoint loaded: a refused resume leaves the run as it was."""
     import fnppo
 
@@ -536,15 +536,15 @@ def setup_run(args: argparse.Namespace, layout):
     state = build(args)
     ref_params = fnppo.models.snapshot_params(state.model)
     if args.resume:
-        latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints")
-        if latest is None:
-            raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
-        try:
+        try:  # a damaged newest checkpoint or file, another model: refused on every rank, nothing loaded
+            latest = fnppo.checkpoint.latest_checkpoint(out_dir / "checkpoints")
+            if latest is None:
+                raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
             state, extra = fnppo.checkpoint.load_checkpoint(latest, state)
         except fnppo.checkpoint.CheckpointError as err:
             raise ArgumentError(f"--resume: {' '.join(str(err).split())}") from err
         check_resume_settings(extra.get("settings", {}), args)
-        ref_params = [dict(p) for p in extra["ref_params"]]
+        # the reference policy is the initial one: rebuilt above from the settings, in this run's layout
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
     if args.overwrite and layout.rank == 0:
@@ -596,7 +596,7 @@ def run(args: argparse.Namespace, layout) -> int:
                 )
                 progress.update(1)
         if args.save_every and (step + 1) % args.save_every == 0:
-            extra = {"ref_params": ref_params, "settings": run_settings(args)}
+            extra = {"settings": run_settings(args)}
             fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step + 1:06d}", state, extra=extra)
     if progress is not None:
         progress.close()

@@ -6,11 +6,15 @@ from __future__ import annotations
 from fnppo.io.checkpoint import CheckpointError as CheckpointError
 from fnppo.io.checkpoint import latest_checkpoint as latest_checkpoint
 from fnppo.io.checkpoint import load_checkpoint as load_checkpoint
+from fnppo.io.checkpoint import read_checkpoint as read_checkpoint
 from fnppo.io.checkpoint import save_checkpoint as save_checkpoint
+from fnppo.io.checkpoint import verify_checkpoint as verify_checkpoint
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "verify_checkpoint",
+    "read_checkpoint",
     "CheckpointError",
 ]

@@ -13,8 +13,11 @@ Everything runs real Megatron on CPU (gloo ranks through :func:`fnppo.testing.ru
   generator a checkpoint restores (torch's, Python's, NumPy's; dropout draws from Megatron's
   trackers), and a save / draw / load / draw round trip gives the same draws from each of them (CUDA's
   too on a GPU machine). A missing directory, an interrupted save, a missing manifest, a truncated
-  or altered file, another model shape and another TP layout are refused in the standard message
-  format (the shape refusal names the first differing parameter and both shapes) and load nothing.
+  or altered file and another model shape are refused in the standard message format (the shape
+  refusal names the first differing parameter and both shapes) and load nothing; a DP=2 checkpoint
+  loads under TP=2. A full disk (on one rank of two, or the only one) and a crash before the final
+  rename fail on every rank and leave nothing behind; incomplete checkpoints are reported and
+  skipped by ``latest_checkpoint``, a damaged newest one is refused unless ``fallback=True``.
 * Determinism: two runs with the same seed and layout give bit-identical metrics and weights.
 """
 
@@ -124,10 +127,15 @@ def _params(state: fnppo.TrainState) -> dict[str, torch.Tensor]:
 
 
 def _opt_state(state: fnppo.TrainState):
-    """Everything a checkpoint keeps of the optimizer (this rank's distributed-optimizer shard too)."""
-    from fnppo.io.checkpoint import _optimizer_state
-
-    return _clone_tree(_optimizer_state(state.optimizer))
+    """Everything a checkpoint keeps of the optimizer: its state dict and this rank's shard of the
+    distributed optimizer's parameter state (main parameters, Adam moments)."""
+    opt = state.optimizer
+    subs = list(getattr(opt, "chained_optimizers", None) or [opt])
+    shards = [
+        s.get_parameter_state_dp_reshardable() if hasattr(s, "get_parameter_state_dp_reshardable") else None
+        for s in subs
+    ]
+    return _clone_tree({"state_dict": opt.state_dict(), "param_state": shards})
 
 
 def _snapshot(state: fnppo.TrainState) -> dict:
@@ -331,7 +339,7 @@ def _one_rank_run(root: str) -> dict:
         damage(d)
         return _refusal(d, state)
 
-    rank_file = "rank00000.pt"
+    rank_file = "__0_0.distcp"  # rank 0's shards (torch.distributed.checkpoint)
     out["no_manifest"] = variant("no_manifest", lambda d: (d / "manifest.json").unlink())
 
     def truncate(d: Path) -> None:
@@ -351,44 +359,96 @@ def _one_rank_run(root: str) -> dict:
     out["not_json"] = variant("not_json", lambda d: (d / "manifest.json").write_text("{half a manif"))
     wider = _trained(_build(hidden=48))
     out["other_shape"] = _refusal(good, wider)
-    # the first parameter (in the model's order) whose shape differs, from the two models themselves
+    # the first tensor (in the model's order) whose global shape differs, read off Megatron's sharded
+    # state dicts of the two models
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     saved_shapes, wider_shapes = (
-        {f"{i}.{k}": list(v.shape) for i, c in enumerate(s.model) for k, v in unwrap_model(c).named_parameters()}
+        {
+            k: list(v.global_shape)
+            for k, v in unwrap_model(s.model[0]).sharded_state_dict().items()
+            if isinstance(v, ShardedTensor)
+        }
         for s in (_build(), wider)
     )
     first = next(k for k in wider_shapes if saved_shapes.get(k) != wider_shapes[k])
     out["other_shape_first"] = (first, saved_shapes[first], wider_shapes[first])
 
-    # --- a save that "crashes" between writing and renaming ------------------------------------
-    real_replace = os.replace
-
-    def crash_on(target: str):
-        def replace(src, dst):
-            if Path(dst).name == target:
-                raise OSError(f"simulated crash before renaming {target}")
-            return real_replace(src, dst)
-
-        return replace
-
-    crashes = {}
-    runs = root / "runs"  # a complete step-2 checkpoint and two interrupted step-9 saves
+    # --- a save that dies: a full disk (fsync fails), a crash before the final rename -----------
+    out["crashes"] = {
+        "full_disk": _failed_save(root / "full", state, "fsync", OSError(28, "No space left on device")),
+        "rename": _failed_save(root / "renamed", state, "replace", OSError("simulated crash before the rename")),
+    }
+    # --- latest_checkpoint: incomplete ones reported and skipped; a damaged newest one refused ---
+    runs = root / "runs"
     shutil.copytree(good, runs / "step2")
-    for target in ("manifest.json", rank_file):
-        d = runs / f"step9_crash_{target}"
-        os.replace = crash_on(target)
-        try:
-            fnppo.checkpoint.save_checkpoint(d, fnppo.TrainState(model=state.model, optimizer=state.optimizer, step=9))
-            crashes[target] = {"save": "no error"}
-        except OSError as err:
-            crashes[target] = {"save": str(err)}
-        finally:
-            os.replace = real_replace
-        crashes[target]["files"] = sorted(p.name for p in d.iterdir())
-        crashes[target]["load"] = _refusal(d, state)
-    out["crashes"] = crashes
-    latest = fnppo.checkpoint.latest_checkpoint(runs)
+    shutil.copytree(good, runs / "step9")
+    (runs / "step9" / "manifest.json").unlink()  # an interrupted save (no manifest)
+    shutil.copytree(good, runs / ".step10.tmp-0123")  # the temporary directory of a save that died
+    (runs / ".step10.tmp-0123" / "manifest.json").unlink()
+    with _logged("fnppo.checkpoint") as records:
+        latest = fnppo.checkpoint.latest_checkpoint(runs)
     out["latest"] = None if latest is None else latest.name
+    out["latest_reported"] = list(records)
+    shutil.copytree(good, runs / "step4")  # the newest, damaged
+    manifest = json.loads((runs / "step4" / "manifest.json").read_text())
+    (runs / "step4" / "manifest.json").write_text(json.dumps({**manifest, "step": 4}))
+    flip(runs / "step4")
+    try:
+        fnppo.checkpoint.latest_checkpoint(runs)
+        out["damaged_newest"] = "no error"
+    except fnppo.checkpoint.CheckpointError as err:
+        out["damaged_newest"] = str(err)
+    with _logged("fnppo.checkpoint") as records:
+        fallback = fnppo.checkpoint.latest_checkpoint(runs, fallback=True)
+    out["fallback"] = (None if fallback is None else fallback.name, list(records))
     return out
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class _logged:
+    """The warnings logged on ``name`` inside the block, as a list of messages."""
+
+    def __init__(self, name: str) -> None:
+        self.logger, self.handler = logging.getLogger(name), _Records()
+
+    def __enter__(self) -> list[str]:
+        self.logger.addHandler(self.handler)
+        return self.handler.lines
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self.handler)
+
+
+def _failed_save(d: Path, state: fnppo.TrainState, call: str, error: OSError, rank: int | None = None) -> dict:
+    """Save to ``d`` with ``os.<call>`` failing (on ``rank``, or every rank): the error on every rank, and
+    what is left next to ``d``."""
+    real = getattr(os, call)
+
+    def failing(*args, **kw):
+        if rank is None or dist.get_rank() == rank:
+            raise error
+        return real(*args, **kw)
+
+    setattr(os, call, failing)
+    try:
+        fnppo.checkpoint.save_checkpoint(d, state)
+        result = {"save": "no error"}
+    except fnppo.checkpoint.CheckpointError as err:
+        result = {"save": str(err)}
+    finally:
+        setattr(os, call, real)
+    dist.barrier()
+    result["left"] = sorted(p.name for p in d.parent.iterdir() if p.name.startswith((d.name, f".{d.name}")))
+    return result
 
 
 def _two_rank_run(root: str) -> dict:
@@ -403,11 +463,16 @@ def _two_rank_run(root: str) -> dict:
     out["resume_diff"] = _compare_runs(straight, resumed)
     out["straight_metrics"] = straight["metrics"]
     with open(root / "dp2_step2" / "manifest.json") as f:
-        out["manifest_files"] = [x["file"] for x in json.load(f)["files"]]
-    # the same world re-initialized as TP=2: the DP=2 checkpoint must be refused on every rank
+        out["manifest_files"] = sorted(json.load(f)["files"])
+    # a full disk on rank 1 only: both ranks raise, nothing is left behind
+    out["full_disk"] = _failed_save(root / "full", _build(), "fsync", OSError(28, "No space left on device"), rank=1)
+    # the same world re-initialized as TP=2: the DP=2 checkpoint loads (resharded) and trains on
     fnppo.init_parallel(2, 1, seed=1234, device="cpu", timeout_s=120.0)
     out["tp"] = fnppo.parallel.current_layout().tp
-    out["other_layout"] = _refusal(root / "dp2_step2", _trained(_build()))
+    state, _ = fnppo.checkpoint.load_checkpoint(root / "dp2_step2", _build(init_seed=99))
+    out["other_layout_step"] = state.step
+    state, metrics = fnppo.train_step(state, _batch(torch.Generator().manual_seed(5)), cfg)
+    out["other_layout_metrics"] = metrics
     return out
 
 
@@ -463,7 +528,7 @@ def test_resume_is_bit_identical_one_rank(one_rank):
 def test_resume_is_bit_identical_dp2_distributed_optimizer(two_ranks):
     for r in two_ranks:
         assert r["resume_diff"] == [], r["resume_diff"][:10]
-        assert r["manifest_files"] == ["rank00000.pt", "rank00001.pt"]
+        assert r["manifest_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
     # both DP ranks report the same (globally reduced) metrics
     assert two_ranks[0]["straight_metrics"] == two_ranks[1]["straight_metrics"]
 
@@ -479,9 +544,9 @@ _STANDARD = re.compile(r"^load_checkpoint: argument '(directory|state)' expected
         ("no_manifest", "directory", "has no manifest.json"),
         ("truncated", "directory", "is truncated or altered"),
         ("altered", "directory", "sha256 differs from the manifest"),
-        ("missing_file", "directory", "rank00000.pt is missing"),
+        ("missing_file", "directory", "__0_0.distcp is missing"),
         ("not_json", "directory", "is not valid JSON"),
-        ("other_shape", "state", "a model that differs from the checkpoint's on rank 0: parameter"),
+        ("other_shape", "state", "a model that differs from the checkpoint's: parameter"),
     ],
     ids=["missing_dir", "not_a_dir", "no_manifest", "truncated", "altered", "missing_file", "not_json", "other_shape"],
 )
@@ -512,30 +577,42 @@ def test_load_restores_every_generator(one_rank, generator):
     assert r["again"][generator] == r["first"][generator], (generator, r)
 
 
-def test_checkpoint_from_other_tp_layout_is_refused_on_every_rank(two_ranks):
+def test_checkpoint_of_dp2_loads_under_tp2_and_trains_on(two_ranks):
     for r in two_ranks:
-        assert r["tp"] == 2
-        msg = r["other_layout"]
-        assert "checkpoint layout" in msg and "'tp': 1" in msg and "'tp': 2" in msg, msg
-        assert _STANDARD.match(msg) and msg.startswith("load_checkpoint: argument 'directory' expected"), msg
-        assert "convert it first" in msg and "BUT STATE CHANGED" not in msg, msg
+        assert r["tp"] == 2 and r["other_layout_step"] == SAVE_AT
+        assert r["other_layout_metrics"]["updates"] == 1.0 and np.isfinite(r["other_layout_metrics"]["loss"])
 
 
-def test_interrupted_save_is_refused_and_skipped_by_latest(one_rank):
-    crashes = one_rank["crashes"]
-    # crash before the manifest is renamed into place: the rank file is there, no manifest
-    c = crashes["manifest.json"]
-    assert "simulated crash" in c["save"]
-    assert "rank00000.pt" in c["files"] and "manifest.json" not in c["files"], c["files"]
-    assert "has no manifest.json" in c["load"] and "BUT STATE CHANGED" not in c["load"]
-    assert _STANDARD.match(c["load"]), c["load"]
-    # crash before the rank file is renamed: no file under its final name, no manifest
-    c = crashes["rank00000.pt"]
-    assert "simulated crash" in c["save"]
-    assert "rank00000.pt" not in c["files"] and "manifest.json" not in c["files"], c["files"]
-    assert "has no manifest.json" in c["load"]
-    # the newest *complete* checkpoint is the step-2 one, not the interrupted step-9 saves
+_SAVE = re.compile(r"^save_checkpoint: argument 'directory' expected .+, received .+", re.DOTALL)
+
+
+def test_full_disk_fails_on_every_rank_and_leaves_nothing(one_rank, two_ranks):
+    for r in [one_rank["crashes"]["full_disk"], *(x["full_disk"] for x in two_ranks)]:
+        assert _SAVE.match(r["save"]) and "No space left on device" in r["save"], r["save"]
+        assert r["left"] == [], r["left"]  # no temporary directory, no checkpoint
+
+
+def test_crash_before_the_final_rename_leaves_nothing(one_rank):
+    r = one_rank["crashes"]["rename"]
+    assert _SAVE.match(r["save"]) and "simulated crash before the rename" in r["save"], r["save"]
+    assert r["left"] == [], r["left"]
+
+
+def test_latest_skips_incomplete_checkpoints_and_reports_them(one_rank):
+    # the newest *complete* checkpoint is the step-2 one, not the interrupted step-9 / step-10 saves
     assert one_rank["latest"] == "step2"
+    reported = one_rank["latest_reported"]
+    assert any("step9" in m and "no readable manifest.json" in m for m in reported), reported
+    assert any(".step10.tmp-0123" in m and "a save that did not finish" in m for m in reported), reported
+
+
+def test_damaged_newest_checkpoint_is_refused_unless_fallback(one_rank):
+    msg = one_rank["damaged_newest"]
+    assert msg.startswith("latest_checkpoint: argument 'root' expected a newest checkpoint that verifies"), msg
+    assert "step4" in msg and "sha256 differs from the manifest" in msg, msg
+    name, reported = one_rank["fallback"]
+    assert name == "step2"
+    assert any("skipping damaged checkpoint" in m and "step4" in m for m in reported), reported
 
 
 # ---------------------------------------------------------------------------------------------

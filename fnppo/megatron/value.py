@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from torch import nn
 
 from fnppo.core.errors import input_error
@@ -101,6 +103,14 @@ class GPTValueModel(GPTModel):
         if self.post_process:
             del self.output_layer
             self.value_head = ValueHead(self.config, self.pg_collection.tp)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """Megatron's sharded state dict (distributed checkpoints) of the trunk and the value head (replicated
+        over TP). ``GPTModel``'s own marks the vocabulary output layer, which a value model does not have, so
+        the module-by-module default is used (no output layer to tie or pad; no MTP layers)."""
+        return MegatronModule.sharded_state_dict(
+            self, prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata)
+        )
 
     def _postprocess(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # GPTModel.forward's last step
         if not self.post_process:

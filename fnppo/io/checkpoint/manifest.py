@@ -1,0 +1,245 @@
+"""A checkpoint's manifest and integrity: what was written (sizes, sha256), how to check it, which is newest.
+
+``manifest.json`` is written last into the temporary directory of a save, after every file is on
+disk, and lists every other file of the checkpoint with its size and sha256, the step, the train
+states' names and the parallel layout the checkpoint was saved under (a record, not a condition:
+any layout loads it). A directory without one is not a checkpoint fnppo will load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from fnppo.core.errors import input_error
+
+__all__ = [
+    "CheckpointError",
+    "MANIFEST",
+    "FORMAT",
+    "TMP_MARK",
+    "checkpoint_error",
+    "sha256",
+    "file_entries",
+    "read_manifest",
+    "check_files",
+    "verify_checkpoint",
+    "latest_checkpoint",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = "fnppo-checkpoint-2"  # Megatron distributed checkpoint (torch_dist) + this manifest
+TMP_MARK = ".tmp-"  # a save in progress (or one that died): ".<name>.tmp-<id>" next to the final name
+logger = logging.getLogger("fnppo.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or does not fit the current run. Its message has the
+    one format of every refusal: ``<function>: argument '<argument>' expected <what>, received <what>``."""
+
+
+def checkpoint_error(fn: str, arg: str, expected: str, received: str) -> CheckpointError:
+    """The standard message (:func:`fnppo.core.errors.input_error`'s) as a :class:`CheckpointError`."""
+    return CheckpointError(str(input_error(fn, arg, expected, received)))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(directory: Path) -> list[str]:
+    """Every file under ``directory`` but the manifest, as sorted relative POSIX paths."""
+    return sorted(
+        p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST
+    )
+
+
+def _share(names: Sequence[str]) -> list[str]:
+    """This rank's part of ``names`` (every ``world``-th), so that the ranks hash a checkpoint together."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(names)
+    return list(names[dist.get_rank() :: dist.get_world_size()])
+
+
+def _gather(value: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def file_entries(directory: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``directory``, each fsync'ed first (the
+    ranks share the work; collective when torch.distributed is initialized)."""
+    names = _files(directory)
+    mine: dict[str, dict[str, Any]] = {}
+    for name in _share(names):
+        path = directory / name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        mine[name] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    out: dict[str, dict[str, Any]] = {}
+    for part in _gather(mine):
+        out.update(part)
+    return dict(sorted(out.items()))
+
+
+def read_manifest(path: Path, fn: str = "load_checkpoint") -> dict[str, Any]:
+    """The manifest of the checkpoint directory ``path``; :class:`CheckpointError` if there is none."""
+    if not path.exists():
+        raise checkpoint_error(
+            fn, "directory", "an existing checkpoint directory", f"{str(path)!r}, which does not exist"
+        )
+    if not path.is_dir():
+        raise checkpoint_error(fn, "directory", "a checkpoint directory", f"{str(path)!r}, which is not a directory")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise checkpoint_error(
+            fn,
+            "directory",
+            "a complete checkpoint (a directory with manifest.json)",
+            f"{str(path)!r}, which has no manifest.json (an interrupted save, or not a checkpoint)",
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise checkpoint_error(
+            fn, "directory", "a manifest.json holding JSON", f"{str(mpath)!r}, which is not valid JSON ({err})"
+        ) from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest):
+        raise checkpoint_error(
+            fn,
+            "directory",
+            f"a manifest.json of fnppo (format {FORMAT!r}: an object with the 'step' and the 'files')",
+            f"{str(mpath)!r} holding {type(manifest).__name__} without them (format {manifest.get('format') if isinstance(manifest, dict) else None!r})",
+        )
+    return manifest
+
+
+def _file_problem(path: Path, name: str, info: Mapping[str, Any], hash_it: bool) -> str | None:
+    fpath = path / name
+    if not fpath.is_file():
+        return f"a checkpoint where {fpath} is missing"
+    size = fpath.stat().st_size
+    if size != info.get("size"):
+        return f"{size} bytes instead of {info.get('size')}: {fpath} is truncated or altered"
+    if hash_it and sha256(fpath) != info.get("sha256"):
+        return f"a file whose sha256 differs from the manifest: {fpath} is altered"
+    return None
+
+
+def check_files(
+    path: Path, manifest: Mapping[str, Any], *, fn: str = "load_checkpoint", hash_it: bool = True
+) -> str | None:
+    """Why the files of ``path`` do not match ``manifest`` (the full message), None when they do. Every file
+    is checked for presence and size, and (``hash_it``) its sha256. Collective when torch.distributed is
+    initialized: the ranks share the hashing and all get the same answer."""
+    files = manifest["files"]
+    mine = None
+    for name in _share(sorted(files)):
+        problem = _file_problem(path, name, files[name], hash_it)
+        if problem:
+            mine = (name, problem)
+            break
+    found = [p for p in _gather(mine) if p]
+    if not found:
+        return None
+    name, problem = min(found)
+    expected = (
+        f"the file {str(path / name)!r} that the manifest lists, of {files[name].get('size')} bytes with its sha256"
+    )
+    return str(checkpoint_error(fn, "directory", expected, problem))
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, hash_files: bool = True) -> dict[str, Any]:
+    """Check the checkpoint in ``directory`` against its manifest; return the manifest.
+
+    Raises :class:`CheckpointError` naming the problem: no directory, no ``manifest.json`` (an
+    interrupted save), a manifest that is not JSON, a file that is missing, truncated (its size) or
+    altered (its sha256, unless ``hash_files=False``). Collective when torch.distributed is initialized
+    (every rank gets the same answer; the ranks share the hashing).
+    """
+    path = Path(directory)
+    try:
+        manifest = read_manifest(path, "verify_checkpoint")
+        problem = None
+    except CheckpointError as err:
+        manifest, problem = None, str(err)
+    problems = [p for p in _gather(problem) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    problem = check_files(path, manifest, fn="verify_checkpoint", hash_it=hash_files)
+    if problem:
+        raise CheckpointError(problem)
+    return manifest
+
+
+def _report(message: str, *args: Any) -> None:
+    """A warning on the ``fnppo.checkpoint`` logger, from rank 0 only."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        logger.warning(message, *args)
+
+
+def _step_of(d: Path) -> int | None:
+    try:
+        return int(json.loads((d / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint(root: str | os.PathLike, *, fallback: bool = False) -> Path | None:
+    """The newest checkpoint (highest step) under ``root``, verified; None when there is none.
+
+    Every directory under ``root`` without a readable manifest (an interrupted save, a leftover
+    temporary directory of a save that died) is reported on the ``fnppo.checkpoint`` logger (a warning)
+    and skipped. The newest complete checkpoint is verified (:func:`verify_checkpoint`: sizes and
+    sha256). A damaged one raises :class:`CheckpointError`, unless ``fallback=True``: then it is reported
+    (a warning naming the damage) and the next newest is tried. Collective when torch.distributed is
+    initialized (call it on every rank).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps: list[tuple[int, str, Path]] = []
+    for d in sorted(root.iterdir()):
+        if not d.is_dir():
+            continue
+        step = _step_of(d)
+        if step is None:
+            kind = (
+                "the temporary directory of a save that did not finish"
+                if TMP_MARK in d.name
+                else "no readable manifest.json"
+            )
+            _report("skipping incomplete checkpoint %s: %s", d, kind)
+            continue
+        steps.append((step, d.name, d))
+    for _, _, d in sorted(steps, reverse=True):
+        try:
+            verify_checkpoint(d)
+            return d
+        except CheckpointError as err:
+            if not fallback:
+                raise checkpoint_error(
+                    "latest_checkpoint",
+                    "root",
+                    "a newest checkpoint that verifies (pass fallback=True to use the previous one)",
+                    f"the damaged checkpoint {str(d)!r}: {err}",
+                ) from None
+            _report("skipping damaged checkpoint %s (fallback=True): %s", d, err)
+    return None

@@ -1,0 +1,215 @@
+"""``save_checkpoint``: a Megatron distributed checkpoint (``torch_dist``), written atomically, no forks.
+
+Megatron's default ``torch_dist`` save strategy writes through worker processes that it forks (which
+hangs on CPU/gloo and is refused in daemonic processes); :class:`SyncTorchDistSave` keeps Megatron's
+translation of sharded tensors to ``torch.distributed.checkpoint`` and its planner but writes with
+torch's own ``FileSystemWriter`` in the calling thread (one file per rank, fsync'ed).
+
+The save goes to a temporary directory ``.<name>.tmp-<id>`` next to ``directory``: the sharded state
+(every rank), ``common.pt`` and Megatron's ``metadata.json`` (rank 0), then ``manifest.json`` with the
+size and sha256 of every file; then the directory is renamed into place (a checkpoint already there
+is replaced). After each phase the ranks agree: a failure on any rank (a full disk, say) removes the
+temporary directory and raises :class:`CheckpointError` on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: every rank's write errors)
+
+from fnppo.io.checkpoint.content import (
+    drop_filled_state,
+    fill_empty_adam_state,
+    layout_record,
+    model_sharded_state_dict,
+    named_states,
+    optimizer_sharded_state_dict,
+    quiet_checkpointing,
+    rng_object,
+    rng_state,
+)
+from fnppo.io.checkpoint.manifest import FORMAT, MANIFEST, TMP_MARK, checkpoint_error, file_entries
+
+__all__ = ["SyncTorchDistSave", "save_checkpoint", "sharded_checkpoint_state"]
+
+
+class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+    """Megatron's ``torch_dist`` format, written synchronously by torch's ``FileSystemWriter`` (no worker
+    processes, no threads: ``thread_count=1``), every file fsync'ed."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1, keep_only_main_replica=True, thread_count=1)
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded, False)
+        writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, sync_files=True, thread_count=1)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+        dcp.save(pyt_state_dict, storage_writer=writer, planner=planner)
+
+
+def _rank_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _agree(error: BaseException | None) -> str | None:
+    """Every rank's failure of the phase just run (the first one's message), or None when all succeeded."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next((m for m in everyone if m), None)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sharded_checkpoint_state(state: Any, extra: Mapping[str, Any] | None, fn: str) -> tuple[dict[str, Any], list]:
+    """The sharded state dict a save writes, and the optimizer state filled for it (to drop after)."""
+    named = named_states(state, fn)
+    rank, world = _rank_world()
+    first = next(iter(named.values()))
+    filled: list = []
+    states: dict[str, Any] = {}
+    try:
+        for name, one in named.items():
+            filled += fill_empty_adam_state(one.optimizer)
+            model_sd = model_sharded_state_dict(one, f"{name}." if name else "")
+            states[name] = {
+                "step": int(one.step),
+                "model": model_sd,
+                "optimizer": optimizer_sharded_state_dict(one.optimizer, model_sd, is_loading=False)[0],
+            }
+    except BaseException:
+        drop_filled_state(filled)
+        raise
+    sd = {
+        "fnppo": {
+            "format": FORMAT,
+            "step": int(first.step),
+            "names": None if not isinstance(state, Mapping) else list(named),
+            "extra": dict(extra or {}),
+        },
+        "states": states,
+        "rng": rng_object(rng_state(), rank, world),
+    }
+    return sd, filled
+
+
+def _phase(work: Callable[[], Any], tmp: Path, rank: int, directory: Path) -> None:
+    """Run ``work``; if it failed on any rank, remove ``tmp`` (rank 0) and raise on every rank."""
+    error: BaseException | None = None
+    try:
+        work()
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank below
+        error = err
+    problem = _agree(error)
+    if problem is None:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    raise checkpoint_error(
+        "save_checkpoint",
+        "directory",
+        "a directory the checkpoint can be written to (room on the disk, write permission)",
+        f"{str(directory)!r}, where writing failed ({problem}); nothing was left behind",
+    ) from error
+
+
+def save_checkpoint(directory: str | os.PathLike, state: Any, *, extra: Mapping[str, Any] | None = None) -> Path:
+    """Save ``state`` (model chunks, optimizer, step) plus RNG states and ``extra`` to ``directory``.
+
+    A Megatron distributed checkpoint (``torch_dist``): a later :func:`load_checkpoint` reads it under any
+    parallel layout (TP, PP, VPP, DP, EP, CP). ``state``: a :class:`~fnppo.steps.config.TrainState`, or a
+    mapping of names to train states (all in one checkpoint; its ``step`` is the first state's).
+    ``extra``: run state (data position, KL controller, settings, ...), the same on every rank (rank 0's is
+    written, every rank gets it back). Parameters tagged ``fnppo_lora_base`` are left out. Atomic: the
+    checkpoint appears complete under ``directory`` or not at all (a checkpoint already there is
+    replaced). Collective; returns the path. Raises :class:`CheckpointError` (on every rank, nothing
+    left behind) when writing fails.
+    """
+    directory = Path(directory)
+    rank, world = _rank_world()
+    box = [f".{directory.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    tmp = directory.parent / box[0]
+    sd, filled = sharded_checkpoint_state(state, extra, "save_checkpoint")
+    try:
+        holder: dict[str, Any] = {}
+
+        def prepare() -> None:
+            if rank == 0:
+                tmp.mkdir(parents=True)
+            holder["sharded"], holder["common"] = save_preprocess(sd, validate_access_integrity=True)
+
+        _phase(prepare, tmp, rank, directory)
+        dist.barrier()  # the directory exists for every rank
+
+        def common() -> None:
+            if rank == 0:
+                TorchCommonSaveStrategy("torch", 1).save_common(holder["common"], tmp)
+
+        _phase(common, tmp, rank, directory)
+        with quiet_checkpointing():
+            _phase(lambda: SyncTorchDistSave().save(holder["sharded"], tmp), tmp, rank, directory)
+    finally:
+        drop_filled_state(filled)
+
+    def config() -> None:
+        if rank == 0:
+            save_config(CheckpointingConfig("torch_dist", 1), str(tmp))
+
+    _phase(config, tmp, rank, directory)
+    entries: dict[str, Any] = {}
+    _phase(lambda: entries.update(file_entries(tmp)), tmp, rank, directory)
+
+    def finish() -> None:
+        if rank != 0:
+            return
+        manifest = {
+            "format": FORMAT,
+            "step": sd["fnppo"]["step"],
+            "states": sd["fnppo"]["names"],
+            "layout": layout_record(),
+            "files": entries,
+        }
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if directory.exists():  # replaced: moved aside first, removed once the new one is in place
+            old = directory.parent / f".{directory.name}{TMP_MARK}old-{uuid.uuid4().hex[:12]}"
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        _fsync_dir(directory.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    _phase(finish, tmp, rank, directory)
+    return directory
