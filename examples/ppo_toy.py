@@ -1038,6 +1038,8 @@ def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
     except ArgumentError as err:
         if _is_rank0_env():
             print(f"{prog}: error: {err}", file=sys.stderr)
+        else:  # torchrun stops every rank when one exits: give rank 0 time to print the one line
+            time.sleep(3.0)
         return 2
     import fnppo
 

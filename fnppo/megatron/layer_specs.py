@@ -64,8 +64,10 @@ def _experts(config: Any, given: str | None) -> str:
 def _with_experts(spec: ModuleSpec, experts: str) -> ModuleSpec:
     """``spec`` (an MoE layer's) with :class:`~fnppo.megatron.stacked_experts.StackedExperts` as its
     experts module when ``experts == "stacked"``."""
+    if experts != "stacked":
+        return spec
     mlp = spec.submodules.mlp
-    if experts != "stacked" or not dataclasses.is_dataclass(getattr(mlp, "submodules", None)):
+    if not dataclasses.is_dataclass(getattr(mlp, "submodules", None)):
         return spec
     if not hasattr(mlp.submodules, "experts"):
         return spec
