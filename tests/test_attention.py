@@ -139,6 +139,36 @@ def test_property_matches_reference(lens, groups, rep, seed):
     torch.testing.assert_close(out, _reference(q, k, v, lens), atol=1e-5, rtol=0)
 
 
+def test_sdpa_rows_of_many_lengths_match_reference_in_float64():
+    """The sdpa path pads sequences into rows of a few widths (16-multiples up to 128, then 8 per
+    octave) and restores the packed order: lengths on both sides of each width boundary, empty
+    sequences and one long sequence, outputs and gradients against each sequence alone."""
+    lens = [3, 0, 16, 17, 130, 1, 128, 129, 0, 300, 15, 33]
+    q, k, v = (t.double().requires_grad_() for t in _qkv(sum(lens), 4, 2, 8, seed=5))
+    out = packed_causal_attention(q, k, v, _cu(lens), backend="sdpa")
+    ref = _reference(q, k, v, lens)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    w = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-12, rtol=0)
+
+
+def test_sdpa_nan_stays_in_its_sequence_forward_and_backward():
+    lens = [5, 7, 6]
+    q, k, v = _qkv(sum(lens), 4, 2, 8, seed=3)
+    v = v.clone()
+    v[7, 1, 2] = float("nan")  # sequence 1 (tokens 5..11)
+    kg, vg = k.clone().requires_grad_(), v.clone().requires_grad_()
+    out = packed_causal_attention(q, kg, vg, _cu(lens), backend="sdpa")
+    other = torch.ones(sum(lens), dtype=torch.bool)
+    other[5:12] = False
+    assert torch.isfinite(out[other]).all() and torch.isnan(out[7:12]).any()
+    out[other].sum().backward()
+    assert torch.isfinite(kg.grad[other]).all() and torch.isfinite(vg.grad[other]).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_attention_across_sequences(backend):
     lens = [4, 6, 5]
