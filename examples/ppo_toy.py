@@ -101,12 +101,13 @@ RUN_DEFINING = (
     "batch_invariant",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
-PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint")
+PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint", "whiten")
 SETTING_DEFAULTS = {
     "algo": "grpo",
     "spec": "default",
     "critic_checkpoint": None,
     "batch_invariant": False,
+    "whiten": False,
 }  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
 
@@ -169,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
     p.add_argument(
         "--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)"
+    )
+    p.add_argument(
+        "--whiten",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--algo ppo: whiten the GAE advantages over the batch (fnppo.advantages.whiten; default: on)",
     )
     p.add_argument(
         "--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)"
@@ -780,7 +787,10 @@ def _ppo_samples(critic, prompts, responses, rollout_lp, args):
     ]
     values = torch.stack(fnppo.compute_values(critic.model, bare, config=critic_config(args)))  # [n, RESPONSE_LEN]
     token_r = torch.stack([token_rewards(p, r) for p, r in zip(prompts, responses, strict=True)])
-    adv, ret = fnppo.advantages.gae_advantages(token_r, values, torch.ones_like(values), gamma=args.gamma, lam=args.lam)
+    mask = torch.ones_like(values)
+    adv, ret = fnppo.advantages.gae_advantages(token_r, values, mask, gamma=args.gamma, lam=args.lam)
+    if args.whiten:  # the returns (the critic's targets) stay as they are
+        adv = fnppo.advantages.whiten(adv, mask)
     return [
         dataclasses.replace(s, advantages=a, values=v, returns=r)
         for s, a, v, r in zip(bare, adv, values, ret, strict=True)

@@ -17,6 +17,7 @@ from fnppo.core.advantages import reinforce_pp_advantages as reinforce_pp_advant
 from fnppo.core.advantages import reinforce_pp_baseline_advantages as reinforce_pp_baseline_advantages
 from fnppo.core.advantages import remax_advantages as remax_advantages
 from fnppo.core.advantages import rloo_advantages as rloo_advantages
+from fnppo.core.advantages import whiten as whiten
 
 __all__ = [
     "gae_advantages",
@@ -28,6 +29,7 @@ __all__ = [
     "pass_at_k_advantages",
     "reinforce_pp_baseline_advantages",
     "masked_moments",
+    "whiten",
     "remax_advantages",
     "opo_advantages",
     "gpg_advantages",

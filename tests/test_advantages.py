@@ -804,3 +804,60 @@ def test_new_estimators_float32_in_float32_out(index):
     for a, b in zip(out32, out64, strict=True):
         assert a.dtype == torch.float32 and b.dtype == F64
         torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# whiten
+# ---------------------------------------------------------------------------------------------
+def _whiten_reference(x, mask, shift=True, eps=1e-8):
+    """numpy in float64: mean and Bessel-corrected variance over the valid entries."""
+    import numpy as np
+
+    xs, ms = x.double().numpy(), mask.numpy() != 0
+    valid = xs[ms]
+    mean = valid.mean() if shift else 0.0
+    out = np.where(ms, (xs - mean) / np.sqrt(valid.var(ddof=1) + eps), 0.0)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_whiten_matches_numpy_and_keeps_masked_zero(shift):
+    from fnppo.advantages import whiten
+
+    g = torch.Generator().manual_seed(0)
+    x = 3.0 + 2.0 * torch.randn(4, 7, generator=g)
+    mask = (torch.rand(4, 7, generator=g) > 0.3).to(torch.int64)
+    x_masked_nan = torch.where(mask != 0, x, torch.full_like(x, float("nan")))  # masked values are ignored
+    out = whiten(x_masked_nan, mask, shift_mean=shift)
+    assert out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), _whiten_reference(x, mask, shift), atol=1e-6, rtol=0)
+    assert torch.all(out[mask == 0] == 0)
+    if shift:
+        valid = out[mask != 0].double()
+        assert abs(valid.mean().item()) < 1e-6 and abs(valid.std().item() - 1) < 1e-6
+
+
+def test_whiten_parts_with_batch_moments_equal_the_whole():
+    from fnppo.advantages import masked_moments, whiten
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    mask = (torch.rand(6, 5, generator=g) > 0.2).to(torch.int64)
+    whole = whiten(x, mask)
+    moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])
+    parts = torch.cat([whiten(x[:2], mask[:2], batch_moments=moments), whiten(x[2:], mask[2:], batch_moments=moments)])
+    torch.testing.assert_close(parts, whole, atol=1e-12, rtol=0)
+    assert not torch.allclose(whiten(x[:2], mask[:2]), whole[:2])  # local statistics differ
+
+
+def test_whiten_constant_values_and_bad_inputs():
+    from fnppo.advantages import whiten
+
+    x, mask = torch.full((2, 3), 5.0), torch.ones(2, 3, dtype=torch.int64)
+    assert torch.all(whiten(x, mask, eps=0.0) == 0)
+    with pytest.raises(InputError, match="eps"):
+        whiten(x, mask, eps=-1.0)
+    with pytest.raises(InputError, match="batch_moments"):
+        whiten(x, mask, batch_moments=torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64))
+    with pytest.raises(InputError, match="values"):
+        whiten(torch.tensor([[float("nan"), 1.0]]), torch.ones(1, 2, dtype=torch.int64))

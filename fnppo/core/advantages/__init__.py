@@ -8,6 +8,7 @@ skipped:
 * :func:`reinforce_pp_baseline_advantages` -- REINFORCE++-baseline (:func:`masked_moments`: its
   whole-batch moments).
 * :func:`broadcast_to_tokens` -- spread one scalar per sequence over its response tokens.
+* :func:`whiten` -- masked whitening (e.g. of GAE advantages), whole-batch moments if given.
 * :func:`discounted_scan` -- the log-depth scan behind the discounted sums.
 
 Group estimators (:mod:`fnppo.core.advantages.group`), one score per sequence, ``[n]`` with group
@@ -46,6 +47,7 @@ from fnppo.core.advantages.token import (
     masked_moments,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
+    whiten,
 )
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "pass_at_k_advantages",
     "reinforce_pp_baseline_advantages",
     "masked_moments",
+    "whiten",
     "remax_advantages",
     "opo_advantages",
     "gpg_advantages",

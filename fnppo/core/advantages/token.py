@@ -6,6 +6,7 @@
 * :func:`reinforce_pp_baseline_advantages` -- REINFORCE++-baseline: group-mean baseline on the
   outcome, whitened over the batch (:func:`masked_moments`: the summable batch moments).
 * :func:`broadcast_to_tokens` -- spread one scalar per sequence over its response tokens.
+* :func:`whiten` -- masked whitening (e.g. of GAE advantages), with whole-batch moments if given.
 
 Per-token tensors use the padded layout ``[batch, seq]`` (each row is one episode; positions with
 ``mask == 0`` are skipped: they neither receive nor break the discounting, so prompt, padding and
@@ -30,6 +31,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "broadcast_to_tokens",
     "masked_moments",
+    "whiten",
     "reinforce_pp_baseline_advantages",
 ]
 
@@ -238,6 +240,57 @@ def masked_moments(values: PaddedFloat, mask: PaddedMask) -> Float[Tensor, "3"]:
     m = mask != 0
     v = torch.where(m, values.detach().to(torch.float64), 0.0)
     return torch.stack([m.sum().to(torch.float64), v.sum(), (v * v).sum()])
+
+
+@typechecked
+def whiten(
+    values: PaddedFloat,
+    mask: PaddedMask,
+    *,
+    batch_moments: Float[Tensor, "3"] | None = None,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> PaddedFloat:
+    """Masked whitening: ``(x - mu) / sqrt(var + eps)`` over the positions where ``mask == 1``.
+
+    ``mu`` and the Bessel-corrected ``var`` are those of ``values`` at the valid positions, or of
+    ``batch_moments`` (the summed :func:`masked_moments` of every part of the batch: micro-batches,
+    data-parallel ranks after an all-reduce) so that each part is whitened with whole-batch
+    statistics. ``shift_mean=False`` keeps the mean: ``x / sqrt(var + eps)``. The output is 0 where
+    ``mask == 0`` and keeps the dtype of ``values`` (statistics in float64). The usual treatment of
+    GAE advantages in PPO for language models (Ziegler et al., Fine-Tuning Language Models from
+    Human Preferences, arXiv:1909.08593; Huang et al., The N+ Implementation Details of RLHF with
+    PPO, arXiv:2403.17031).
+
+    Raises:
+        InputError: a mask that is not 0/1, non-finite values where ``mask == 1``, ``eps < 0``,
+            ``batch_moments`` with a negative count or non-finite entries.
+    """
+    fn = "fnppo.advantages.whiten"
+    check_token_inputs(fn, mask, values=values)
+    check_eps(fn, eps)
+    m = mask != 0
+    if batch_moments is None:
+        moments = masked_moments(values, mask)
+    else:
+        if not bool(torch.isfinite(batch_moments).all()) or float(batch_moments[0]) < 0:
+            raise input_error(
+                fn, "batch_moments", "finite (count >= 0, sum, sum of squares)", f"{batch_moments.tolist()}"
+            )
+        moments = batch_moments
+    n, s1, _ = moments.to(device=values.device, dtype=torch.float64).unbind()
+    x = values.detach().to(torch.float64)
+    if shift_mean:
+        x = x - s1 / torch.clamp(n, min=1)
+    return torch.where(m, (x * _inv_std(moments, eps).to(values.device)).to(values.dtype), 0.0)
+
+
+def _inv_std(moments: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(var + eps)`` (0 when ``var + eps = 0``) with Bessel's variance from ``(count, sum, sumsq)``."""
+    n, s1, s2 = moments.to(torch.float64).unbind()
+    mean = s1 / torch.clamp(n, min=1)
+    var = torch.clamp((s2 - s1 * mean) / torch.clamp(n - 1, min=1), min=0.0)
+    return torch.where(var + eps > 0, torch.rsqrt(var + eps), 0.0)
 
 
 def _whiten(x: Tensor, m: Tensor, moments: Tensor, eps: float) -> Tensor:
