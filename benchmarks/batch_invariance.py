@@ -25,6 +25,7 @@ hidden 1,024, 16 heads / 4 groups, 16 experts of FFN 512, top-4, every layer), a
     python benchmarks/batch_invariance.py --spec te                        # Transformer Engine's spec
     python benchmarks/batch_invariance.py --torch-kernels                  # fnppo's torch kernels only
     python benchmarks/batch_invariance.py --smoke --json out.json          # CPU, tiny shapes (CI)
+    python benchmarks/batch_invariance.py --models qwen2.5-1.5b --profile 15   # where the time goes
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def parse_args(argv=None):
         help="fnppo's torch kernels alone on CUDA, not Megatron-core's Triton ones (FNPPO_BATCH_INVARIANT_MEGATRON=0)",
     )
     p.add_argument("--json", default=None, help="write the results to this file")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one train_step per mode (torch.profiler) and print its N most expensive operations",
+    )
     args = p.parse_args(argv)
     args.models = args.models or ("tiny,tiny-moe" if args.smoke else "qwen2.5-0.5b,qwen2.5-1.5b,moe")
     unknown = [m for m in args.models.split(",") if m not in MODELS]
@@ -183,6 +191,33 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def profile(fn, top: int) -> list[dict]:
+    """The ``top`` operations of one call of ``fn`` by self time on the device (CPU time on CPU),
+    printed as a table and returned as rows (name, calls, self device ms, self CPU ms)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts) as prof:
+        fn()
+        sync()
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = prof.key_averages()
+    print(events.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
+    rows = sorted(
+        events, key=lambda e: getattr(e, key.replace("cuda", "device"), 0) or getattr(e, key, 0), reverse=True
+    )
+    return [
+        {
+            "name": e.key,
+            "calls": e.count,
+            "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+        }
+        for e in rows[:top]
+    ]
+
+
 def measure(name: str, args) -> dict:
     vocab = MODELS[name]["vocab_size"]
     samples = make_samples(args.samples, args.max_len, vocab)
@@ -209,6 +244,8 @@ def measure(name: str, args) -> dict:
         infer = lambda: fnppo.compute_logprobs(state.model, samples, **budget)  # noqa: E731
         step()  # warm-up (compilations, autotuning)
         times[invariant] = (timed(step, args.steps), timed(infer, args.steps))
+        if args.profile:
+            out.setdefault("profile", {})["invariant" if invariant else "normal"] = profile(step, args.profile)
         del state
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

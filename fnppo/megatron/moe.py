@@ -151,8 +151,10 @@ def _router_record(
     k, e_num = router.topk, cfg.num_moe_experts
     aux_map, scores = compute_routing_scores_for_aux_loss(logits, k, router.score_function)
     # switch loss: E * sum_e f_e P_e, f_e = tokens_e / (n k), P_e = mean_t score_te
-    aux = e_num * ((aux_map.sum(0).double() / (n * k)) * scores.double().mean(0)).sum()
-    z = torch.logsumexp(logits.double(), dim=-1).square().mean()
+    # sums over n, not mean(): Megatron's batch-invariant mode routes aten::mean.dim to a Triton
+    # kernel without float64 support
+    aux = e_num * ((aux_map.sum(0).double() / (n * k)) * (scores.double().sum(0) / max(n, 1))).sum()
+    z = torch.logsumexp(logits.double(), dim=-1).square().sum() / max(n, 1)
     tn = torch.full((), float(n), dtype=torch.float64, device=logits.device)
     out = {
         "moe_aux_loss": pair_metric(aux * n, tn),
