@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -103,9 +104,26 @@ def batch_invariant_numerics(enabled: bool, *, use_megatron: bool = True) -> Ite
     megatron = megatron_invariant_kernels() if use_megatron else None
     with contextlib.ExitStack() as stack:
         if megatron is not None:
-            stack.enter_context(megatron.set_batch_invariant_mode(True))
+            if importlib.util.find_spec("transformer_engine") is not None:
+                stack.enter_context(megatron.set_batch_invariant_mode(True))
+            else:  # Megatron's switch also patches Transformer Engine and fails without it
+                stack.enter_context(_aten_triton_products(megatron))
         stack.enter_context(batch_invariant(True, products=megatron is None))
         yield
+
+
+@contextlib.contextmanager
+def _aten_triton_products(kernels: Any) -> Iterator[None]:
+    """Megatron's persistent Triton matmul for ``aten::mm`` / ``aten::addmm`` on CUDA for the
+    duration of the block (the part of Megatron's batch-invariant switch that needs no Transformer
+    Engine); the registrations are removed on exit, also on an exception."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        lib.impl("aten::mm", kernels.mm_batch_invariant, "CUDA")
+        lib.impl("aten::addmm", kernels.addmm_batch_invariant, "CUDA")
+        yield
+    finally:
+        lib._destroy()
 
 
 def _call_target(model: nn.Module) -> tuple[nn.Module, str]:
