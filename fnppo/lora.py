@@ -4,6 +4,9 @@ weights). Implementation: :mod:`fnppo.megatron.lora`, :mod:`fnppo.megatron.lora_
 
 from __future__ import annotations
 
+from fnppo.io.hf.peft import load_peft_adapter as load_peft_adapter
+from fnppo.io.hf.peft import lora_config_from_peft as lora_config_from_peft
+from fnppo.io.hf.peft import save_peft_adapter as save_peft_adapter
 from fnppo.megatron.lora import TARGETS as TARGETS
 from fnppo.megatron.lora import LoRAConfig as LoRAConfig
 from fnppo.megatron.lora import adapter_names as adapter_names
@@ -22,4 +25,7 @@ __all__ = [
     "adapter_names",
     "lora_config_of",
     "is_adapter",
+    "save_peft_adapter",
+    "load_peft_adapter",
+    "lora_config_from_peft",
 ]
