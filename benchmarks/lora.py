@@ -105,7 +105,11 @@ def reference_memory(state, samples, cfg, device) -> dict:
         off_bytes = sum(t.untyped_storage().nbytes() for c in off for t in c.values())
     del copy, base
     same = all(torch.equal(a, b) for a, b in zip(lp_off, lp_copy, strict=True))
-    return {"reference_copy_gib": copy_bytes / GIB, "reference_adapters_off_gib": off_bytes / GIB, "same_logprobs": same}
+    return {
+        "reference_copy_gib": copy_bytes / GIB,
+        "reference_adapters_off_gib": off_bytes / GIB,
+        "same_logprobs": same,
+    }
 
 
 def measure(args, rank: int | None, device) -> dict:

@@ -103,6 +103,7 @@ RUN_DEFINING = (
     "lora_rank",
     "lora_alpha",
     "lora_lr",
+    "init_std",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint")
@@ -114,8 +115,13 @@ SETTING_DEFAULTS = {
     "lora_rank": 0,
     "lora_alpha": None,
     "lora_lr": None,
+    "init_std": None,
 }  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
+#: the random base of a LoRA run: its frozen tied embeddings (std x sqrt(hidden) per row) and final norm
+#: bound the logits' range; at 0.02 the best symbol's probability stays below 0.2 (docs/lora.md)
+LORA_INIT_STD = 0.1
+LORA_LR = 1e-2
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
@@ -206,8 +212,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "policy is the base (the adapters switched off, no second model). 0: full-weight training (default)",
     )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x --lora-rank)")
+    p.add_argument("--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 1e-2)")
     p.add_argument(
-        "--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 10 x --lr)"
+        "--init-std",
+        type=float,
+        default=None,
+        help="std of the random model's initial matrices (default: 0.02; with --lora-rank 0.1, see docs/lora.md)",
     )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -651,7 +661,7 @@ def build(args: argparse.Namespace, head: str = "lm"):
             args.spec
         ]
         chunks = fnppo.build_gpt(cfg, head=head, layer_spec=None if spec is None else spec(cfg))
-        fnppo.models.layout_invariant_init(chunks, seed=args.seed)
+        fnppo.models.layout_invariant_init(chunks, seed=args.seed, std=init_std(args))
     if head == "lm" and args.lora_rank:  # adapters on the policy; only they train (the critic stays full)
         fnppo.lora.apply_lora(chunks, lora_config(args))
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
@@ -669,11 +679,18 @@ def lora_config(args: argparse.Namespace):
     return fnppo.lora.LoRAConfig(rank=args.lora_rank, alpha=alpha, seed=args.seed)
 
 
+def init_std(args: argparse.Namespace) -> float:
+    """The random model's initial std: ``--init-std``, else Megatron's 0.02, with LoRA :data:`LORA_INIT_STD`."""
+    if args.init_std is not None:
+        return args.init_std
+    return LORA_INIT_STD if args.lora_rank else 0.02
+
+
 def policy_lr(args: argparse.Namespace) -> float:
-    """The policy's peak learning rate: ``--lr``, or with LoRA ``--lora-lr`` (default 10 x ``--lr``)."""
+    """The policy's peak learning rate: ``--lr``, or with LoRA ``--lora-lr`` (default :data:`LORA_LR`)."""
     if not args.lora_rank:
         return args.lr
-    return args.lora_lr if args.lora_lr is not None else 10.0 * args.lr
+    return args.lora_lr if args.lora_lr is not None else LORA_LR
 
 
 def moe_fields(args: argparse.Namespace) -> dict:

@@ -85,6 +85,7 @@ def _one_step(moe: bool, **overrides) -> dict:
 
 LAYOUTS = {  # name: (init_parallel arguments, MoE, build_gpt overrides)
     "dp2": (dict(tp=1, pp=1), False, {}),
+    "tp2": (dict(tp=2, pp=1), False, {}),
     "tp2-sp": (dict(tp=2, pp=1), False, dict(sequence_parallel=True)),
     "pp2": (dict(tp=1, pp=2), False, {}),
     "cp2": (dict(tp=1, pp=1, cp=2), False, {}),
@@ -178,7 +179,7 @@ def _one_rank(root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("lora"))
-    return {"one": run_ranks(_one_rank, 1, root, timeout_s=300)[0], "two": run_ranks(_two_ranks, 2, timeout_s=600)}
+    return {"one": run_ranks(_one_rank, 1, root, timeout_s=900)[0], "two": run_ranks(_two_ranks, 2, timeout_s=900)}
 
 
 def _close(got: float, want: float) -> bool:

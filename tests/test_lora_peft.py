@@ -14,7 +14,6 @@ PEFT's logits within 1e-5.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -86,7 +85,7 @@ def _worker(root: str, ids: torch.Tensor) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(reference):
-    return run_ranks(_worker, 2, str(reference["root"]), reference["ids"], timeout_s=300)
+    return run_ranks(_worker, 2, str(reference["root"]), reference["ids"], timeout_s=900)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

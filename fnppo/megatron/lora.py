@@ -146,7 +146,7 @@ def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn
             raise input_error(
                 fn,
                 "model_chunks",
-                f"Megatron's column/row-parallel linears at the targets (experts: SequentialMLP)",
+                "Megatron's column/row-parallel linears at the targets (experts: SequentialMLP)",
                 f"{type(module).__name__} at {name}",
             )
         if expert and tp_size(module) > 1:
@@ -177,7 +177,11 @@ def _add_adapter(core: nn.Module, name: str, module: nn.Module, role: str, confi
     a = nn.Parameter(torch.zeros((len(parts) * r, inp), **kw))
     b = nn.Parameter(torch.zeros((out, r), **kw))
     tp = tp_size(module)
-    sp = bool(getattr(module, "sequence_parallel", False)) and tp > 1 and not getattr(module, "explicit_expert_comm", False)
+    sp = (
+        bool(getattr(module, "sequence_parallel", False))
+        and tp > 1
+        and not getattr(module, "explicit_expert_comm", False)
+    )
     split, whole = (b, a) if role == "column" else (a, b)
     for p in (a, b):
         p.fnppo_lora_adapter = True
@@ -273,4 +277,6 @@ def adapters_off(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:
 def snapshot_adapters(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:
     """Detached copies of every chunk's adapter tensors (names of the unwrapped model): a parameter
     set (``params=``) that evaluates the model with these adapters later."""
-    return [{n: p.detach().clone() for n, p in unwrap_model(c).named_parameters() if is_adapter(p)} for c in model_chunks]
+    return [
+        {n: p.detach().clone() for n, p in unwrap_model(c).named_parameters() if is_adapter(p)} for c in model_chunks
+    ]

@@ -89,7 +89,9 @@ def save_peft_adapter(
     config = lora_config_of(model_chunks)
     if config is None:
         raise input_error(fn, "model_chunks", "a model with adapters (fnppo.lora.apply_lora)", "no adapters")
-    if config.experts and any(".experts." in n for c in model_chunks for n, _ in named_weights(unwrap_model(c), adapters=True)):
+    if config.experts and any(
+        ".experts." in n for c in model_chunks for n, _ in named_weights(unwrap_model(c), adapters=True)
+    ):
         raise input_error(fn, "model_chunks", "adapters on dense projections (PEFT's format)", "adapters in experts")
     a = model_arch(fn, model_chunks)
     full = gather_full_weights(model_chunks, adapters=True)
