@@ -4,7 +4,7 @@ frozen base weights, adapters-only optimizer and DDP buffers, the adapter-free r
 Every layout builds the same full model (``layout_invariant_init``), puts adapters on it and loads
 one set of full random adapters (``B`` non-zero, so that ``A`` gets a gradient), then runs one
 ``train_step``. The loss, the grad norm and the updated full adapters must equal the one-process
-run's to 1e-5 under DP=2, TP=2 with sequence parallelism, PP=2, CP=2 (dense) and EP=2 (MoE: the
+run's to 1e-5 under DP=2, TP=2 (with and without sequence parallelism), PP=2, CP=2 (dense) and EP=2 (MoE: the
 experts' linears carry adapters too), all in one 2-rank launch. In the one-process run: the base
 weights stay bit-identical, DDP's buffers and the optimizer hold exactly the adapters, the adapter-free
 parameter set (``adapters_off``) gives the log-probs of a model built without adapters bit for bit, and
