@@ -30,6 +30,7 @@ controller of Ziegler et al. (``fnppo.kl.adaptive_kl_init`` / ``adaptive_kl_upda
     torchrun --nproc-per-node 2 examples/ppo_toy.py --moe --ep 2 # experts split over 2 ranks
     python examples/ppo_toy.py --steps 1 --layout-check --target-reward 0   # first-step loss/grad norm
     python examples/ppo_toy.py --batch-invariant                 # rollout == trainer log-probs, ratio - 1 = 0
+    python examples/ppo_toy.py --lora-rank 8                     # LoRA: adapters train, the base stays frozen
 
 Each run writes to its own directory (``runs/ppo_toy/run000``, ``run001``, ... or ``--out-dir``),
 created when its first file is written: ``metrics.jsonl`` (unless ``--metrics-out`` puts the metrics
@@ -99,6 +100,10 @@ RUN_DEFINING = (
     "moe_z_coeff",
     "spec",
     "batch_invariant",
+    "lora_rank",
+    "lora_alpha",
+    "lora_lr",
+    "init_std",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint", "whiten")
@@ -108,8 +113,16 @@ SETTING_DEFAULTS = {
     "critic_checkpoint": None,
     "batch_invariant": False,
     "whiten": False,
+    "lora_rank": 0,
+    "lora_alpha": None,
+    "lora_lr": None,
+    "init_std": None,
 }  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
+#: the random base of a LoRA run: its frozen tied embeddings (std x sqrt(hidden) per row) and final norm
+#: bound the logits' range; at 0.02 the best symbol's probability stays below 0.2 (docs/lora.md)
+LORA_INIT_STD = 0.1
+LORA_LR = 1e-2
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
@@ -197,6 +210,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="batch-invariant numerics (ModelConfig(batch_invariant=True)): rollout log-probs equal compute_logprobs' "
         "bit for bit and the first update's ratio - 1 is exactly 0 (reported per step)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA adapters of this rank on every linear of the policy; the base stays frozen and the reference "
+        "policy is the base (the adapters switched off, no second model). 0: full-weight training (default)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x --lora-rank)")
+    p.add_argument("--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 1e-2)")
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=None,
+        help="std of the random model's initial matrices (default: 0.02; with --lora-rank 0.1, see docs/lora.md)",
     )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -286,6 +314,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_logging_args(args)
+    if args.lora_rank < 0:
+        raise ArgumentError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    for name in ("lora_alpha", "lora_lr"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value) and args.lora_rank > 0):
+            raise ArgumentError(f"--{name.replace('_', '-')} needs --lora-rank > 0 and a finite value > 0, got {value}")
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
@@ -634,12 +668,36 @@ def build(args: argparse.Namespace, head: str = "lm"):
             args.spec
         ]
         chunks = fnppo.build_gpt(cfg, head=head, layer_spec=None if spec is None else spec(cfg))
-        fnppo.models.layout_invariant_init(chunks, seed=args.seed)
+        fnppo.models.layout_invariant_init(chunks, seed=args.seed, std=init_std(args))
+    if head == "lm" and args.lora_rank:  # adapters on the policy; only they train (the critic stays full)
+        fnppo.lora.apply_lora(chunks, lora_config(args))
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     optimizer = fnppo.build_optimizer(
-        ddp, lr=args.critic_lr if head == "value" else args.lr, clip_grad=1.0, weight_decay=0.0
+        ddp, lr=args.critic_lr if head == "value" else policy_lr(args), clip_grad=1.0, weight_decay=0.0
     )
     return fnppo.TrainState(model=ddp, optimizer=optimizer, step=0)
+
+
+def lora_config(args: argparse.Namespace):
+    """The policy's ``fnppo.lora.LoRAConfig`` (every linear; alpha default 2 x rank; ``A`` from ``--seed``)."""
+    import fnppo
+
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    return fnppo.lora.LoRAConfig(rank=args.lora_rank, alpha=alpha, seed=args.seed)
+
+
+def init_std(args: argparse.Namespace) -> float:
+    """The random model's initial std: ``--init-std``, else Megatron's 0.02, with LoRA :data:`LORA_INIT_STD`."""
+    if args.init_std is not None:
+        return args.init_std
+    return LORA_INIT_STD if args.lora_rank else 0.02
+
+
+def policy_lr(args: argparse.Namespace) -> float:
+    """The policy's peak learning rate: ``--lr``, or with LoRA ``--lora-lr`` (default :data:`LORA_LR`)."""
+    if not args.lora_rank:
+        return args.lr
+    return args.lora_lr if args.lora_lr is not None else LORA_LR
 
 
 def moe_fields(args: argparse.Namespace) -> dict:
@@ -1087,7 +1145,8 @@ def _setup_run(args, layout):
     out_dir = agreed_run_dir(args, layout)
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
-    ref_params = fnppo.models.snapshot_params(state.model)
+    # the reference policy is the initial one: a copy of the weights, or with LoRA the base (adapters off)
+    ref_params = fnppo.lora.adapters_off(state.model) if args.lora_rank else fnppo.models.snapshot_params(state.model)
     kl_state, _ = kl_controller(args)
     if args.resume:  # validate_args found a complete checkpoint written with this --algo
         try:  # a damaged newest checkpoint: refused on every rank (unless --resume-fallback), nothing loaded
@@ -1184,7 +1243,7 @@ def run(args: argparse.Namespace, layout) -> int:
         with profiled(profiling, args, out_dir, device, rank0) as phase:
             with phase("rollout"):
                 samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic, phase=phase)
-            set_lr(state.optimizer, learning_rate(args, step))
+            set_lr(state.optimizer, learning_rate(args, step, policy_lr(args)))
             step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
             with phase("train_step"):
                 state, metrics = fnppo.train_step(state, samples, step_cfg)

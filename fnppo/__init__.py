@@ -7,7 +7,7 @@ schedule (``train_step``, ``critic_step``, ``compute_logprobs``, ...), their con
 Families live in namespaces: :mod:`fnppo.losses`, :mod:`fnppo.advantages`, :mod:`fnppo.kl`,
 :mod:`fnppo.metrics`, :mod:`fnppo.batching`, :mod:`fnppo.ops`, :mod:`fnppo.typing` (pure torch) and
 :mod:`fnppo.models`, :mod:`fnppo.parallel`, :mod:`fnppo.moe`, :mod:`fnppo.vlm`, :mod:`fnppo.hf`,
-:mod:`fnppo.checkpoint`, :mod:`fnppo.testing` (Megatron), and :mod:`fnppo.sinks` (metrics to
+:mod:`fnppo.lora`, :mod:`fnppo.checkpoint`, :mod:`fnppo.testing` (Megatron), and :mod:`fnppo.sinks` (metrics to
 TensorBoard, Weights & Biases, MLflow).
 
 The code is layered (a contract in CI checks it): ``fnppo.core`` (pure torch, never imports
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
 __version__ = "0.1.0"
 
 _PURE = ("losses", "advantages", "kl", "metrics", "batching", "ops", "typing")
-_MEGATRON = ("models", "parallel", "moe", "vlm", "hf", "checkpoint", "sinks", "testing")
+_MEGATRON = ("models", "parallel", "moe", "vlm", "hf", "lora", "checkpoint", "sinks", "testing")
 # where the top-level names that need Megatron are found (the namespaces themselves, no name table)
 _SOURCES = ("fnppo.steps", "fnppo.models", "fnppo.parallel")
 

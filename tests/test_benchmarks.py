@@ -312,3 +312,34 @@ def test_fp8_benchmark_runs_its_bf16_half_on_cpu_and_reports_fp8_refused(tmp_pat
     assert len(bf["loss"]) == len(bf["grad_norm"]) == 2 and all(math.isfinite(x) for x in bf["loss"])
     assert bf["tokens_per_s"] > 0
     assert "argument 'dtype' expected 'bf16' with fp8 set" in result["fp8"]["refused"]
+
+
+def test_lora_benchmark_smoke_on_cpu(tmp_path):
+    """benchmarks/lora.py --smoke: full fine-tuning and two LoRA ranks step on the tiny model; LoRA trains
+    a small fraction of the parameters, and the adapter-free reference equals a copy of the base weights in
+    log-probs while holding (almost) none of their bytes."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "lora.jsonl"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/lora.py", "--smoke", "--json", str(out)],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["rank"]) for r in rows] == [("full", None), ("lora", 4), ("lora", 8)]
+    full, *lora = rows
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+    assert full["trainable_params"] == full["params"]
+    for r in lora:
+        assert 0 < r["trainable_params"] < full["params"] / 4, r
+        assert r["same_logprobs"] and r["reference_copy_gib"] * 2**30 >= full["params"] * 4
+        assert r["reference_adapters_off_gib"] * 2**30 < 1024, r
+    assert lora[0]["trainable_params"] * 2 == lora[1]["trainable_params"]

@@ -44,6 +44,7 @@ GUIDES = [
     "fused-output",
     "batch-invariance",
     "huggingface",
+    "lora",
     "checkpoints",
     "gpu",
     "testing",

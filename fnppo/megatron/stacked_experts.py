@@ -152,16 +152,21 @@ def _view(param: Tensor, view: Tensor, partition_dim: int) -> Tensor:
     return view
 
 
-def named_weights(core: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def named_weights(core: nn.Module, *, adapters: bool = False) -> Iterator[tuple[str, Tensor]]:
     """``core.named_parameters()``, with each :class:`StackedExperts` stack given as per-expert views.
 
     Local expert ``i``'s fc1 is ``<prefix>.linear_fc1.weight<i>`` (``[2 * ffn / etp, hidden]``: gate
     rows then up rows, as a gated fc1 of Megatron's other expert modules), its fc2
     ``<prefix>.linear_fc2.weight<i>`` (``[hidden, ffn / etp]``); the views carry Megatron's
     tensor-parallel attributes (``partition_dim`` 0 and 1) and write through to the stacks.
+
+    LoRA adapter matrices (parameters tagged ``fnppo_lora_adapter``, :mod:`fnppo.megatron.lora`)
+    are left out: the weights are the base model's. ``adapters=True``: the adapter matrices only.
     """
     stacked = {name for name, m in core.named_modules() if isinstance(m, StackedExperts)}
     for name, param in core.named_parameters():
+        if bool(getattr(param, "fnppo_lora_adapter", False)) != adapters:
+            continue
         owner, _, leaf = name.rpartition(".")
         if owner not in stacked:
             yield name, param

@@ -33,6 +33,9 @@ __all__ = [
     "is_expert",
     "is_gated_fc1",
     "tp_of",
+    "shard_of",
+    "full_shape",
+    "name_seed",
 ]
 
 
@@ -89,14 +92,16 @@ def is_gated_fc1(core: nn.Module, name: str) -> bool:
         "mlp" in parts
         and len(parts) >= 3
         and parts[-2] == "linear_fc1"
-        and parts[-1].rstrip("0123456789") in ("weight", "bias")
+        and parts[-1].rstrip("0123456789") in ("weight", "bias", "lora_B")
     ):
         return False
     owner = core.get_submodule(".".join(parts[:-2]))
     return bool(getattr(getattr(owner, "config", core.config), "gated_linear_unit", False))
 
 
-def _shard(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_rank: int) -> Tensor:
+def shard_of(core: nn.Module, name: str, param: Tensor, full: Tensor, tp: int, tp_rank: int) -> Tensor:
+    """Tensor-parallel rank ``tp_rank``'s shard of the full tensor ``full`` of ``param`` (along its
+    ``partition_dim``; a gated fc1's gate and up halves each split; unsplit parameters: ``full``)."""
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return full
     dim = param.partition_dim
@@ -118,7 +123,12 @@ def _skippable_with_fresh_head(gname: str) -> bool:
 
 
 def load_full_weights(
-    model_chunks: Sequence[nn.Module], full: Mapping[str, Tensor], *, strict: bool = True, fresh_head: bool = False
+    model_chunks: Sequence[nn.Module],
+    full: Mapping[str, Tensor],
+    *,
+    strict: bool = True,
+    fresh_head: bool = False,
+    adapters: bool = False,
 ) -> list[str]:
     """Copy this rank's TP/PP/EP shard of full (1-rank) weights into the model chunks' parameters.
 
@@ -133,6 +143,10 @@ def load_full_weights(
     ``fresh_head=True`` (value models, ``build_gpt(cfg, head="value")``): the trunk is loaded and the
     value head keeps the weights it has (a fresh head on an actor's trunk); a policy's vocabulary
     output layer (``output_layer.weight``) and a stored value head in ``full`` are skipped.
+
+    LoRA adapters (:mod:`fnppo.megatron.lora`) are not among the weights; ``adapters=True`` loads
+    the adapter tensors (``<linear>.lora_A``, ``<linear>.lora_B``, as :func:`gather_full_weights`
+    with ``adapters=True`` returns them) instead of the base weights.
 
     Returns:
         The names of the tensors of ``full`` that were not loaded (sorted; empty with ``strict``
@@ -152,7 +166,7 @@ def load_full_weights(
     problem: str | None = None
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in named_weights(core):
+        for name, param in named_weights(core, adapters=adapters):
             gname = global_name(core, name)
             if fresh_head and _is_value_head(gname):
                 continue  # keeps its weights
@@ -166,14 +180,14 @@ def load_full_weights(
             used.add(gname)
             src = full[gname]
             tp, tp_rank = tp_of(param, layout)
-            shard = _shard(core, name, param, src, tp, tp_rank)
-            full_shape = _full_shape(core, name, param, tp)  # uneven chunks can still fit a shard
-            if tuple(src.shape) != full_shape or tuple(shard.shape) != tuple(param.shape):
+            shard = shard_of(core, name, param, src, tp, tp_rank)
+            want_shape = full_shape(param, tp)  # uneven chunks can still fit a shard
+            if tuple(src.shape) != want_shape or tuple(shard.shape) != tuple(param.shape):
                 problem = problem or str(
                     input_error(
                         "load_full_weights",
                         f"full[{gname!r}]",
-                        f"shape {full_shape} (shard {tuple(param.shape)} for tp_rank {tp_rank} of {tp})",
+                        f"shape {want_shape} (shard {tuple(param.shape)} for tp_rank {tp_rank} of {tp})",
                         f"{tuple(src.shape)} (shard {tuple(shard.shape)})",
                     )
                 )
@@ -201,16 +215,17 @@ def load_full_weights(
     return unused
 
 
-def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
+def gather_full_weights(model_chunks: Sequence[nn.Module], *, adapters: bool = False) -> dict[str, Tensor]:
     """All ranks' shards assembled into full (1-rank) weights, returned on every rank (CPU fp32 copies).
 
-    The inverse of :func:`load_full_weights`. Collective over the whole world.
+    The inverse of :func:`load_full_weights` (``adapters=True``: the LoRA adapter tensors instead of
+    the base weights). Collective over the whole world.
     """
     layout = current_layout()
     local: dict[str, Tensor] = {}
     for chunk in model_chunks:
         core = unwrap_model(chunk)
-        for name, param in named_weights(core):
+        for name, param in named_weights(core, adapters=adapters):
             gname = global_name(core, name)
             t = param.detach().to(torch.float32, copy=True)  # a copy even when already fp32
             tp, _ = tp_of(param, layout)
@@ -242,14 +257,15 @@ def gather_full_weights(model_chunks: Sequence[nn.Module]) -> dict[str, Tensor]:
     return out
 
 
-def _full_shape(core: nn.Module, name: str, param: Tensor, tp: int) -> tuple[int, ...]:
+def full_shape(param: Tensor, tp: int) -> tuple[int, ...]:
+    """The full (1-rank) shape of ``param`` split over ``tp`` tensor-parallel ranks."""
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
         shape[param.partition_dim] *= tp
     return tuple(shape)
 
 
-def _name_seed(seed: int, name: str) -> int:
+def name_seed(seed: int, name: str) -> int:
     """The seed of full tensor ``name``'s generator: a function of ``(seed, name)`` only."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
@@ -274,18 +290,18 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
                 if _tied_output(core, gname):
                     gname = _embedding_name(gname)
                 tp, tp_rank = tp_of(param, layout)
-                shape = _full_shape(core, name, param, tp)
+                shape = full_shape(param, tp)
                 owner = name.split(".")[-2]
                 if "norm" in owner or owner.startswith("ln_") or name.endswith("layer_norm_weight"):
                     full = torch.ones(shape)
                 elif name.endswith("bias"):
                     full = torch.zeros(shape)
                 else:
-                    g = torch.Generator().manual_seed(_name_seed(seed, gname))
+                    g = torch.Generator().manual_seed(name_seed(seed, gname))
                     s = (
                         sigma / math.sqrt(2.0 * cfg.num_layers)
                         if gname.endswith(("linear_proj.weight", "linear_fc2.weight"))
                         else sigma
                     )
                     full = torch.randn(shape, generator=g) * s
-                param.copy_(_shard(core, name, param, full, tp, tp_rank).to(param.dtype))
+                param.copy_(shard_of(core, name, param, full, tp, tp_rank).to(param.dtype))

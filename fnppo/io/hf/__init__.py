@@ -32,6 +32,7 @@ The modules, one job each (each imports only the ones above it)::
     sources     the parameters an export reads, each through one function; TP shard placement
     export      export_hf_weights
     stream      stream_hf_weights
+    peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter, lora_config_from_peft
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """

@@ -20,6 +20,7 @@ from torch import nn
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch
 from fnppo.io.hf.keys import param_rule
+from fnppo.megatron.lora_linear import merged_delta
 from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import global_name
@@ -57,9 +58,18 @@ def export_params(fn: str, a: Arch, model_chunks: Sequence[nn.Module]) -> Iterat
 
 def local_weight(p: ExportParam) -> Tensor:
     """This rank's shard of ``p`` as exported (detached; the parameter's own storage, so callers copy
-    before they change it). Every exported tensor is read here: merging an adapter into its base
-    weight belongs here and nowhere else."""
-    return p.param.detach()
+    before they change it). Every exported tensor is read here: a LoRA adapter
+    (:mod:`fnppo.megatron.lora`) is merged into its base weight here and nowhere else, as
+    ``W + s B A`` of this rank's shard (:func:`fnppo.megatron.lora_linear.merged_delta`; then a new
+    tensor in the weight's dtype)."""
+    weight = p.param.detach()
+    owner_name, _, leaf = p.name.rpartition(".")
+    if leaf != "weight":
+        return weight
+    owner = p.core.get_submodule(owner_name)
+    if getattr(owner, "fnppo_lora", None) is None:
+        return weight
+    return (weight.float() + merged_delta(owner)).to(weight.dtype)
 
 
 def place_shard(full: Tensor, shard: Tensor, r: int, dim: int, gated: bool) -> None:

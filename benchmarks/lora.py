@@ -1,0 +1,191 @@
+"""LoRA against full fine-tuning: step throughput and peak memory, and what the adapter-free reference saves.
+
+The same model shapes, samples and timed step as ``benchmarks/step.py`` (random weights, bf16 on CUDA,
+DDP + distributed Adam, path A's ``StepConfig``). For every configuration in turn (full fine-tuning,
+then LoRA of each ``--ranks`` value on every linear, ``alpha = 2 r``), in one process with the
+memory of the previous configuration released: tokens/s (median over the timed steps), step time,
+the peak memory of the steps, the trainable parameters; a configuration that runs out of memory is
+recorded as ``"OOM"`` and the next one runs. With LoRA it also measures the memory of the reference
+policy: a second copy of the weights (``fnppo.models.snapshot_params``, what a full-weight run keeps
+for the KL term) against ``fnppo.lora.adapters_off`` (the base model as a parameter set: one
+expanded zero per adapter), and checks that the reference log-probs through ``adapters_off`` equal
+those of the copy of the base weights.
+
+    python benchmarks/lora.py --model qwen2.5-1.5b --ranks 32,64 --json lora.jsonl   # one GPU
+    python benchmarks/lora.py --model qwen2.5-7b-12l --untied --ranks 32,64          # Qwen2.5-7B widths
+    python benchmarks/lora.py --smoke                                                # tiny, CPU, seconds
+
+``--json FILE`` appends one JSON line per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step import MODELS, make_samples, step_config, sync, timed_step  # noqa: E402
+
+import fnppo  # noqa: E402
+
+GIB = 2.0**30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="LoRA vs full fine-tuning: tokens/s, peak memory, reference memory")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
+    p.add_argument("--ranks", default="32,64", help="LoRA ranks, comma-separated")
+    p.add_argument("--no-full", action="store_true", help="skip the full fine-tuning configuration")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sample")
+    p.add_argument("--mb-tokens", type=int, default=8192, help="micro-batch token budget")
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--untied", action="store_true", help="untied embeddings (Qwen2.5-7B's)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, one timed step: the code path only")
+    p.add_argument("--json", default=None, help="append one JSON line per configuration to this file")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.device, args.vocab, args.seq, args.mb_tokens = "tiny", "cpu", 64, 32, 64
+        args.microbatches, args.steps, args.warmup, args.ranks = 2, 1, 1, "4,8"
+    return args
+
+
+def build(args, rank: int | None):
+    """The train state of one configuration: full weights (``rank`` None) or LoRA of ``rank``."""
+    cfg = fnppo.ModelConfig(
+        vocab_size=args.vocab,
+        max_seq_len=max(4096, args.seq),
+        dtype="bf16" if args.device == "cuda" else "fp32",
+        tie_embeddings=not args.untied,
+        add_qkv_bias=True,
+        rotary_base=1_000_000.0,
+        **MODELS[args.model],
+    )
+    chunks = fnppo.build_gpt(cfg)
+    fnppo.models.layout_invariant_init(chunks, seed=0)
+    if rank is not None:
+        fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(rank=rank, alpha=2.0 * rank))
+    ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
+    return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-5, clip_grad=1.0))
+
+
+def allocated(device) -> int:
+    gc.collect()
+    sync(device)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reference_memory(state, samples, cfg, device) -> dict:
+    """Bytes of a full copy of the weights (a second reference model) against ``adapters_off``, and
+    whether both give the same reference log-probs."""
+    before = allocated(device)
+    off = fnppo.lora.adapters_off(state.model)
+    off_bytes = allocated(device) - before
+    lp_off, _ = fnppo.compute_logprobs(state.model, samples, params=off, config=cfg)
+    before = allocated(device)
+    copy = fnppo.models.snapshot_params(state.model)
+    copy_bytes = allocated(device) - before
+    base = [{k: v for k, v in c.items() if not k.endswith("lora_B")} for c in copy]  # the copy, adapters off
+    for c, o in zip(base, off, strict=True):
+        c.update(o)
+    lp_copy, _ = fnppo.compute_logprobs(state.model, samples, params=base, config=cfg)
+    if device.type != "cuda":  # CPU: count the tensors instead
+        copy_bytes = sum(t.numel() * t.element_size() for c in copy for t in c.values())
+        off_bytes = sum(t.untyped_storage().nbytes() for c in off for t in c.values())
+    del copy, base
+    same = all(torch.equal(a, b) for a, b in zip(lp_off, lp_copy, strict=True))
+    return {
+        "reference_copy_gib": copy_bytes / GIB,
+        "reference_adapters_off_gib": off_bytes / GIB,
+        "same_logprobs": same,
+    }
+
+
+def measure(args, rank: int | None, device) -> dict:
+    row = {"model": args.model, "mode": "full" if rank is None else "lora", "rank": rank, "seq": args.seq}
+    row.update(mb_tokens=args.mb_tokens, microbatches=args.microbatches, untied=args.untied, device=device.type)
+    state = None
+    try:
+        state = build(args, rank)
+        core = fnppo.models.unwrap_model(state.model[0])
+        row["trainable_params"] = sum(p.numel() for p in core.parameters() if p.requires_grad)
+        row["params"] = sum(p.numel() for p in core.parameters())
+        n = args.microbatches * max(1, args.mb_tokens // args.seq)
+        samples = make_samples(n, args.seq, args.vocab, seed=1)
+        cfg = step_config("A", args.mb_tokens)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for i in range(args.warmup + args.steps):
+            state, metrics, seconds, _ = timed_step(state, samples, cfg, device)
+            if i >= args.warmup:
+                times.append(seconds)
+        step_s = statistics.median(times)
+        tokens = sum(len(s) for s in samples)
+        row.update(status="ok", step_s=step_s, tokens_per_s=tokens / step_s, loss=metrics["loss"])
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        if rank is not None:
+            row.update(reference_memory(state, samples[:2], cfg, device))
+    except torch.OutOfMemoryError:
+        row.update(status="OOM")
+    finally:
+        del state
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    from fnppo.testing import megatron_on_cpu
+
+    ranks = [int(r) for r in args.ranks.split(",") if r]
+    configs = ([] if args.no_full else [None]) + ranks
+    ctx = megatron_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
+    rows = []
+    with ctx:
+        fnppo.init_parallel(1, 1, device=args.device, seed=0)
+        try:
+            for rank in configs:
+                row = measure(args, rank, device)
+                rows.append(row)
+                what = "full" if rank is None else f"LoRA r={rank}"
+                if row["status"] != "ok":
+                    print(f"{args.model} {what}: {row['status']}", flush=True)
+                    continue
+                peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.1f} GiB"
+                ref = (
+                    ""
+                    if rank is None
+                    else f", reference: copy {row['reference_copy_gib']:.2f} GiB vs adapters_off "
+                    f"{row['reference_adapters_off_gib']:.4f} GiB (same log-probs: {row['same_logprobs']})"
+                )
+                print(
+                    f"{args.model} {what}: {row['tokens_per_s']:.0f} tokens/s, step {row['step_s']:.3f} s, "
+                    f"peak {peak}, trainable {row['trainable_params']:,} of {row['params']:,}{ref}",
+                    flush=True,
+                )
+        finally:
+            fnppo.megatron.parallel.destroy_parallel()
+    if args.json:
+        with open(args.json, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

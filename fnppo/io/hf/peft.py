@@ -1,0 +1,271 @@
+"""LoRA adapters in PEFT's on-disk format: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+PEFT (Hugging Face's ``peft`` library) stores one adapter per Hugging Face projection,
+``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``, with
+``r``, ``lora_alpha`` (scaling ``lora_alpha / r``) and ``target_modules`` in ``adapter_config.json``.
+fnppo's adapter of a fused Megatron linear holds one adapter per projection it fuses
+(:mod:`fnppo.megatron.lora_linear`): ``A`` stacks the projections' ``A`` (query, key, value; gate,
+up), ``B`` holds their rows in the base weight's layout (fused QKV per query group, ``[gate; up]``),
+so the conversion is exact both ways: the rows of ``B`` are moved as the base weight's rows are
+(:func:`fnppo.io.hf.layouts.to_hf` / :func:`~fnppo.io.hf.layouts.read_shard`).
+
+:func:`save_peft_adapter` writes a model's adapters (collective; rank 0 writes);
+:func:`load_peft_adapter` loads an adapter saved by ``peft`` (``PeftModel.save_pretrained``) into a
+model with adapters of the same rank and alpha; :func:`lora_config_from_peft` reads the
+:class:`~fnppo.megatron.lora.LoRAConfig` to build that model with. Dense layers' projections only
+(adapters inside MoE experts are refused: PEFT stores fused experts in another form).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fnppo.core.errors import input_error
+from fnppo.core.typing import Tensor
+from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
+from fnppo.io.hf.keys import param_rule
+from fnppo.io.hf.layouts import read_shard, to_hf
+from fnppo.megatron.lora import TARGETS, LoRAConfig, lora_config_of
+from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.stacked_experts import named_weights
+from fnppo.megatron.unwrap import unwrap_model
+from fnppo.megatron.weights import full_shape, gather_full_weights, global_name, load_full_weights, tp_of
+
+__all__ = ["save_peft_adapter", "load_peft_adapter", "lora_config_from_peft", "CONFIG_FILE", "WEIGHTS_FILE"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+#: Megatron target -> the Hugging Face projections PEFT names
+_HF_TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+def _modules(fn: str, a: Arch, gname: str) -> tuple[str, tuple[str, ...]]:
+    """(layout kind, Hugging Face modules) of the adapter ``gname`` (``<linear>.lora_A`` or ``lora_B``)."""
+    if ".experts." in gname:
+        raise input_error(fn, "model_chunks", "adapters on dense projections (PEFT's format)", f"an adapter at {gname}")
+    kind, names = param_rule(fn, a, gname.rpartition(".")[0] + ".weight")
+    return kind, tuple(n.removesuffix(".weight") for n in names)
+
+
+def _to_peft(a: Arch, kind: str, modules: tuple[str, ...], lora_a: Tensor, lora_b: Tensor) -> dict[str, Tensor]:
+    """PEFT's tensors of one fnppo adapter (full tensors)."""
+    weights = tuple(m + ".weight" for m in modules)
+    bs = {k.removesuffix(".weight"): v for k, v in to_hf(a, kind, weights, lora_b, 0).items()}
+    As = lora_a.chunk(len(modules), dim=0)
+    out = {}
+    for m, am in zip(modules, As, strict=True):
+        out[f"{_PREFIX}{m}.lora_A.weight"] = am.contiguous()
+        out[f"{_PREFIX}{m}.lora_B.weight"] = bs[m].contiguous()
+    return out
+
+
+def save_peft_adapter(
+    model_chunks: Sequence[nn.Module], path: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> None:
+    """Write the model's adapters in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Collective over the whole world (the adapters are gathered as full tensors,
+    :func:`fnppo.megatron.weights.gather_full_weights` with ``adapters=True``); rank 0 writes.
+    ``peft.PeftModel.from_pretrained(hf_model, path)`` then computes what the fnppo model computes.
+
+    Raises:
+        InputError: a model without adapters, or with adapters inside MoE experts.
+    """
+    fn = "fnppo.lora.save_peft_adapter"
+    config = lora_config_of(model_chunks)
+    if config is None:
+        raise input_error(fn, "model_chunks", "a model with adapters (fnppo.lora.apply_lora)", "no adapters")
+    if config.experts and any(
+        ".experts." in n for c in model_chunks for n, _ in named_weights(unwrap_model(c), adapters=True)
+    ):
+        raise input_error(fn, "model_chunks", "adapters on dense projections (PEFT's format)", "adapters in experts")
+    a = model_arch(fn, model_chunks)
+    full = gather_full_weights(model_chunks, adapters=True)
+    error: list[str | None] = [None]
+    if current_layout().rank == 0:
+        try:
+            _write_peft(fn, a, config, full, Path(path), base_model_name_or_path)
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            error[0] = f"{type(err).__name__}: {err}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(f"{fn}: rank 0 failed to write {str(path)!r}: {error[0]}")
+
+
+def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], out: Path, base: str | None) -> None:
+    """Rank 0: PEFT's two files from the full adapters."""
+    tensors: dict[str, Tensor] = {}
+    for gname in sorted(n for n in full if n.endswith(".lora_A")):
+        kind, modules = _modules(fn, a, gname)
+        tensors.update(_to_peft(a, kind, modules, full[gname], full[gname[: -len("A")] + "B"]))
+    out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": sorted({m for t in config.targets for m in _HF_TARGETS[t]}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "base_model_name_or_path": base,
+    }
+    with open(out / CONFIG_FILE, "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+
+
+def _read_config(fn: str, path: Path) -> dict[str, Any]:
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise input_error(fn, "path", f"a directory with {CONFIG_FILE}", repr(str(path)))
+    cfg = json.loads(file.read_text(encoding="utf-8"))
+    checks = (
+        ("peft_type", "LORA", cfg.get("peft_type")),
+        ("use_dora", False, bool(cfg.get("use_dora", False))),
+        ("use_rslora", False, bool(cfg.get("use_rslora", False))),
+        ("fan_in_fan_out", False, bool(cfg.get("fan_in_fan_out", False))),
+        ("bias", "none", cfg.get("bias", "none")),
+        ("rank_pattern", {}, cfg.get("rank_pattern") or {}),
+        ("alpha_pattern", {}, cfg.get("alpha_pattern") or {}),
+    )
+    for key, want, got in checks:
+        if got != want:
+            raise input_error(fn, f"{CONFIG_FILE}[{key!r}]", repr(want), repr(got))
+    return cfg
+
+
+def lora_config_from_peft(path: str | os.PathLike, **changes: Any) -> LoRAConfig:
+    """The :class:`~fnppo.megatron.lora.LoRAConfig` of a PEFT adapter directory (rank, alpha,
+    dropout, and the Megatron targets its ``target_modules`` name), with ``changes`` applied.
+
+    Raises:
+        InputError: not a LoRA adapter PEFT's way (DoRA, rsLoRA, per-module ranks, biases), or target
+            modules no Megatron target holds.
+    """
+    fn = "fnppo.lora.lora_config_from_peft"
+    cfg = _read_config(fn, Path(path))
+    names = cfg.get("target_modules") or []
+    names = [names] if isinstance(names, str) else list(names)
+    known = {m: t for t, ms in _HF_TARGETS.items() for m in ms}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise input_error(fn, f"{CONFIG_FILE}['target_modules']", f"names from {sorted(known)}", repr(names))
+    targets = tuple(t for t in TARGETS if any(known[n] == t for n in names))
+    fields = dict(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout", 0.0)))
+    fields.update(targets=targets, experts=False)
+    fields.update(changes)
+    return LoRAConfig(**fields)
+
+
+def _from_peft(
+    a: Arch, kind: str, modules: tuple[str, ...], peft: dict[str, Tensor], rank: int, shapes: dict, inputs: int
+) -> tuple[Tensor, Tensor, list[str]]:
+    """(A, B) of one fnppo adapter from PEFT's tensors (a projection PEFT does not adapt: zeros), and
+    the PEFT keys used."""
+    used, As, Bs = [], [], {}
+    for m in modules:
+        ka, kb = f"{_PREFIX}{m}.lora_A.weight", f"{_PREFIX}{m}.lora_B.weight"
+        if ka in peft and kb in peft:
+            As.append(peft[ka].float())
+            Bs[m + ".weight"] = peft[kb].float()
+            used += [ka, kb]
+        else:
+            As.append(torch.zeros(rank, inputs))
+            Bs[m + ".weight"] = torch.zeros(shapes[m + ".weight"][0], rank)
+    weights = tuple(m + ".weight" for m in modules)
+
+    def read(name: str, idx: Any) -> Tensor:
+        return Bs[name] if idx is None else Bs[name][idx]
+
+    rows = sum(shapes[w][0] for w in weights)
+    b = read_shard(read, a, kind, weights, torch.empty(rows, rank, device="meta"), 1, 0, a.padded_vocab)
+    return torch.cat(As, dim=0), b, used
+
+
+def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike) -> list[str]:
+    """Load a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``, as
+    ``PeftModel.save_pretrained`` writes it) into a model with adapters (:func:`fnppo.lora.apply_lora`
+    with the adapter's rank and alpha, e.g. from :func:`lora_config_from_peft`).
+
+    Collective: every rank reads the file and loads its shard (:func:`fnppo.megatron.weights.load_full_weights`
+    with ``adapters=True``; all ranks load or none does). A projection of an adapted Megatron linear
+    that PEFT does not adapt (e.g. ``k_proj`` when PEFT targets ``q_proj`` and ``v_proj``) gets a zero
+    adapter.
+
+    Returns:
+        The model's adapter names (full, 1-rank) that PEFT's file did not fill at all.
+
+    Raises:
+        InputError: a model without adapters, or whose rank or alpha differ from the file's; a file
+            that is not PEFT's LoRA (see :func:`lora_config_from_peft`); PEFT tensors that no adapter
+            of the model takes.
+    """
+    fn = "fnppo.lora.load_peft_adapter"
+    src = Path(path)
+    cfg = _read_config(fn, src)
+    config = lora_config_of(model_chunks)
+    if config is None:
+        raise input_error(fn, "model_chunks", "a model with adapters (fnppo.lora.apply_lora)", "no adapters")
+    for key, mine in (("r", config.rank), ("lora_alpha", config.alpha)):
+        if float(cfg.get(key, -1)) != float(mine):
+            raise input_error(fn, f"{CONFIG_FILE}[{key!r}]", f"{mine} (the model's adapters)", repr(cfg.get(key)))
+    from safetensors.torch import load_file
+
+    weights = src / WEIGHTS_FILE
+    if not weights.is_file():
+        raise input_error(fn, "path", f"a directory with {WEIGHTS_FILE}", repr(str(src)))
+    peft = load_file(str(weights))
+    a = model_arch(fn, model_chunks)
+    shapes = expected_hf_shapes(a, a.padded_vocab)
+    layout = current_layout()
+    full: dict[str, Tensor] = {}
+    used: set[str] = set()
+    empty: list[str] = []
+    for chunk in model_chunks:
+        core = unwrap_model(chunk)
+        for name, param in named_weights(core, adapters=True):
+            gname = global_name(core, name)
+            if not gname.endswith(".lora_A"):
+                continue
+            kind, modules = _modules(fn, a, gname)
+            inputs = full_shape(param, tp_of(param, layout)[0])[1]
+            lora_a, lora_b, keys = _from_peft(a, kind, modules, peft, config.rank, shapes, inputs)
+            full[gname], full[gname[: -len("A")] + "B"] = lora_a, lora_b
+            used.update(keys)
+            if not keys:
+                empty += [gname, gname[: -len("A")] + "B"]
+    everyone: list[Any] = [used]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, used)
+    unused = sorted(set(peft) - set().union(*everyone))
+    if unused:
+        raise input_error(fn, "path", "PEFT tensors of the model's adapted projections", f"unused tensors {unused[:4]}")
+    load_full_weights(model_chunks, full, strict=False, adapters=True)
+    return sorted(empty)

@@ -1,0 +1,282 @@
+"""LoRA adapters on a Megatron GPT: the config, putting adapters on built chunks, and parameter sets.
+
+:func:`apply_lora` gives the chosen linears of built model chunks (before :func:`fnppo.wrap_ddp`)
+low-rank adapters (:mod:`fnppo.megatron.lora_linear`), freezes every other parameter and tags it
+``fnppo_lora_base`` (left out of checkpoints). Megatron's DDP, the (distributed) optimizer and the
+grad norm then hold the adapters only: :func:`fnppo.wrap_ddp`, :func:`fnppo.build_optimizer`,
+``train_step`` and ``critic_step`` take such a model unchanged.
+
+The reference policy needs no second model: :func:`adapters_off` is a parameter set (one dict per
+chunk, ``params=`` of ``compute_logprobs``) whose every ``B`` is zero, so the same modules compute
+the base model (bit for bit: the adapter adds exact zeros); :func:`snapshot_adapters` copies the
+adapters (any other adapter set is a dict of the same names).
+
+Adapter tensors are named after their linear (``decoder.layers.0.self_attention.linear_qkv.lora_A``);
+:func:`fnppo.megatron.weights.gather_full_weights` / ``load_full_weights`` with ``adapters=True``
+move them as full (1-rank) tensors, and :func:`fnppo.megatron.weights.named_weights`-based tools
+(full weights, Hugging Face load and export) see the base weights only; the Hugging Face export
+writes the merged weights ``W + s B A``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from fnppo.core.errors import check_positive_int, input_error
+from fnppo.core.typing import Tensor
+from fnppo.megatron.lora_linear import AdapterSpec, is_adapter, lora_class, tp_size
+from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.unwrap import unwrap_model
+from fnppo.megatron.weights import full_shape, global_name, name_seed, shard_of, tp_of
+
+__all__ = [
+    "LoRAConfig",
+    "TARGETS",
+    "apply_lora",
+    "adapters_off",
+    "snapshot_adapters",
+    "adapter_names",
+    "lora_config_of",
+    "is_adapter",
+]
+
+#: the linears that can carry adapters, by their Megatron name
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_FN = "fnppo.lora.apply_lora"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters: ``W x + (alpha / rank) B A dropout(x)`` on the ``targets`` linears.
+
+    Reference: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
+
+    Args:
+        rank: ``r`` of every adapter (each part of a fused linear: query, key and value of the fused
+            QKV, gate and up of a gated fc1, gets its own rank-``r`` adapter, as in PEFT).
+        alpha: the scaling numerator; the adapter's output is multiplied by ``alpha / rank``.
+        dropout: dropout on the adapter's input in training forwards (0: none).
+        targets: names of the linears to adapt, from :data:`TARGETS` (fused QKV, attention output,
+            MLP fc1 (gate/up), MLP fc2 (down)).
+        experts: also adapt the targets inside MoE experts (Megatron's ``SequentialMLP``).
+        seed: ``A`` of each adapter is drawn from a generator seeded by ``(seed, its full name)``,
+            uniform in ``±1/sqrt(in)`` (PEFT's default, Kaiming-uniform with ``a = sqrt(5)``), the
+            same in every layout; ``B`` starts at zero, so the adapted model starts as the base.
+
+    Raises:
+        InputError: a rank that is not a positive int, ``alpha <= 0``, ``dropout`` outside
+            ``[0, 1)``, no targets or an unknown one.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = TARGETS
+    experts: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.lora.LoRAConfig"
+        check_positive_int(fn, "rank", self.rank)
+        if not (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0):
+            raise input_error(fn, "alpha", "a number > 0", repr(self.alpha))
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise input_error(fn, "dropout", "a number in [0, 1)", repr(self.dropout))
+        targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
+        if not targets or any(t not in TARGETS for t in targets):
+            raise input_error(fn, "targets", f"a non-empty tuple of names from {TARGETS}", repr(self.targets))
+        object.__setattr__(self, "targets", targets)
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank``."""
+        return float(self.alpha) / self.rank
+
+
+def _parts(fn: str, name: str, module: nn.Module, leaf: str, role: str) -> tuple[tuple[int, ...], int, bool]:
+    """(rows per group of each part in this rank's shard, local groups, gated fc1) of a target."""
+    cfg = module.config
+    tp = tp_size(module)
+    out_local = module.weight.shape[0]
+    if leaf == "linear_qkv":
+        groups, heads, d = cfg.num_query_groups, cfg.num_attention_heads, cfg.kv_channels
+        if groups % tp:
+            raise input_error(fn, "model_chunks", f"query groups divisible by TP {tp} at {name}", str(groups))
+        parts, local = (heads // groups * d, d, d), groups // tp
+    elif leaf == "linear_fc1" and cfg.gated_linear_unit:
+        parts, local = (out_local // 2, out_local // 2), 1
+    else:
+        parts, local = (out_local,), 1
+    if role == "column" and local * sum(parts) != out_local:
+        raise input_error(fn, "model_chunks", f"{name} with {local * sum(parts)} output rows", str(out_local))
+    return parts, local, leaf == "linear_fc1" and bool(cfg.gated_linear_unit)
+
+
+def _role(module: nn.Module) -> str | None:
+    """``"column"`` / ``"row"`` for Megatron's (and Transformer Engine's) parallel linears, else None."""
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    mode = getattr(module, "parallel_mode", None)  # Transformer Engine's linears (Megatron's TE wrappers)
+    if type(module).__name__.startswith("TE") and mode in ("column", "row"):
+        return mode
+    return None
+
+
+def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, role)`` of every linear of ``core`` to adapt."""
+    found = []
+    for name, module in core.named_modules():
+        leaf = name.rpartition(".")[2]
+        if leaf not in config.targets:
+            continue
+        expert = ".experts." in f".{name}."
+        if expert and not config.experts:
+            continue
+        role = _role(module)
+        if role is None:
+            raise input_error(
+                fn,
+                "model_chunks",
+                "Megatron's column/row-parallel linears at the targets (experts: SequentialMLP)",
+                f"{type(module).__name__} at {name}",
+            )
+        if expert and tp_size(module) > 1:
+            raise input_error(fn, "model_chunks", "expert tensor parallelism 1 for adapters in experts", name)
+        if getattr(module, "weight", None) is None or module.weight.dim() != 2:
+            raise input_error(fn, "model_chunks", f"a 2-D weight at {name}", type(module).__name__)
+        found.append((name, module, role))
+    return found
+
+
+def _init_a(core: nn.Module, name: str, param: Tensor, seed: int) -> Tensor:
+    """This rank's shard of ``A``, uniform in ``±1/sqrt(in)`` from the generator of ``(seed, full name)``."""
+    gname = global_name(core, name)
+    tp = tp_of(param, current_layout())
+    shape = full_shape(param, tp[0])
+    g = torch.Generator().manual_seed(name_seed(seed, gname))
+    bound = 1.0 / math.sqrt(shape[1])
+    full = (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+    return shard_of(core, name, param, full, *tp)
+
+
+def _add_adapter(core: nn.Module, name: str, module: nn.Module, role: str, config: LoRAConfig) -> None:
+    parts, groups, gated = _parts(_FN, name, module, name.rpartition(".")[2], role)
+    base = module.weight
+    out, inp = base.shape
+    r = config.rank
+    kw = dict(dtype=base.dtype, device=base.device)
+    a = nn.Parameter(torch.zeros((len(parts) * r, inp), **kw))
+    b = nn.Parameter(torch.zeros((out, r), **kw))
+    tp = tp_size(module)
+    sp = (
+        bool(getattr(module, "sequence_parallel", False))
+        and tp > 1
+        and not getattr(module, "explicit_expert_comm", False)
+    )
+    split, whole = (b, a) if role == "column" else (a, b)
+    for p in (a, b):
+        p.fnppo_lora_adapter = True
+        p.allreduce = getattr(base, "allreduce", True)
+        p.tensor_model_parallel = p is split and tp > 1
+        p.partition_dim = 0 if role == "column" else 1
+        p.partition_stride = 1
+    if sp:  # its gradient comes from this rank's tokens only: summed over TP by Megatron's finalize
+        whole.sequence_parallel = True
+    module.register_parameter("lora_A", a)
+    module.register_parameter("lora_B", b)
+    module.fnppo_lora = AdapterSpec(
+        role=role,
+        rank=r,
+        parts=parts,
+        groups=groups,
+        scaling=config.scaling,
+        dropout=float(config.dropout),
+        gated=gated,
+        norm=hasattr(module, "layer_norm_weight"),
+    )
+    module.__class__ = lora_class(type(module))
+    with torch.no_grad():
+        a.copy_(_init_a(core, f"{name}.lora_A", a, config.seed).to(a.dtype))
+
+
+def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn.Module]:
+    """Put LoRA adapters on built model chunks; freeze and tag every other parameter.
+
+    Call after :func:`fnppo.build_gpt` (and after loading base weights, or before: the full-weight
+    and Hugging Face loaders read and write the base weights only) and before :func:`fnppo.wrap_ddp`.
+    Every linear named in ``config.targets`` (inside MoE experts too with ``config.experts``) gets
+    ``lora_A`` and ``lora_B`` (:mod:`fnppo.megatron.lora_linear`: sharded like its weight under
+    tensor parallelism, with Megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``sequence_parallel`` / ``allreduce`` attributes so DDP, the optimizer and the finalize treat
+    them right); ``A`` is initialized layout-invariantly (see :class:`LoRAConfig`), ``B`` to zero.
+    All other parameters get ``requires_grad=False`` and ``fnppo_lora_base = True``.
+
+    Returns:
+        The same chunks (their modules changed in place), ready for :func:`fnppo.wrap_ddp`.
+
+    Raises:
+        InputError: DDP-wrapped chunks, chunks that already carry adapters, a target that is not a
+            Megatron column/row-parallel linear (e.g. grouped or stacked experts), adapters in
+            experts under expert tensor parallelism > 1, no linear matched.
+    """
+    chunks = list(model_chunks)
+    if any(isinstance(c, DistributedDataParallel) for c in chunks):
+        raise input_error(_FN, "model_chunks", "chunks before fnppo.wrap_ddp", "DistributedDataParallel chunks")
+    if any(is_adapter(p) for c in chunks for p in c.parameters()):
+        raise input_error(_FN, "model_chunks", "chunks without adapters", "chunks that already carry adapters")
+    plans = [(unwrap_model(c), _targets(_FN, unwrap_model(c), config)) for c in chunks]
+    if not any(found for _, found in plans):
+        raise input_error(_FN, "config.targets", "names of linears of the model", repr(config.targets))
+    for core, found in plans:
+        for p in core.parameters():
+            p.requires_grad_(False)
+            p.fnppo_lora_base = True
+        for name, module, role in found:
+            _add_adapter(core, name, module, role, config)
+        core.fnppo_lora_config = config
+    return chunks
+
+
+def lora_config_of(model_chunks: Sequence[nn.Module]) -> LoRAConfig | None:
+    """The :class:`LoRAConfig` the chunks were adapted with, or None."""
+    return getattr(unwrap_model(model_chunks[0]), "fnppo_lora_config", None)
+
+
+def adapter_names(model_chunks: Sequence[nn.Module]) -> list[list[str]]:
+    """Per chunk, the names (of the unwrapped model) of its adapter tensors."""
+    return [[n for n, p in unwrap_model(c).named_parameters() if is_adapter(p)] for c in model_chunks]
+
+
+def adapters_off(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:
+    """A parameter set that switches every adapter off: per chunk, each ``lora_B`` as zeros.
+
+    Pass it as ``params=`` to ``compute_logprobs`` (or ``forward_logits``): the same modules then
+    compute the base model, the reference policy of the KL term without a second model. The zeros
+    are one expanded scalar per tensor (no memory the size of ``B``); the adapter's term is then
+    exactly zero, so the result equals the base model's bit for bit.
+    """
+    return [
+        {
+            n: torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            for n, p in unwrap_model(c).named_parameters()
+            if is_adapter(p) and n.endswith("lora_B")
+        }
+        for c in model_chunks
+    ]
+
+
+def snapshot_adapters(model_chunks: Sequence[nn.Module]) -> list[dict[str, Tensor]]:
+    """Detached copies of every chunk's adapter tensors (names of the unwrapped model): a parameter
+    set (``params=``) that evaluates the model with these adapters later."""
+    return [
+        {n: p.detach().clone() for n, p in unwrap_model(c).named_parameters() if is_adapter(p)} for c in model_chunks
+    ]

@@ -1,0 +1,232 @@
+"""LoRA on Megatron (fnppo.lora): one train_step of the adapters in every layout against one process,
+frozen base weights, adapters-only optimizer and DDP buffers, the adapter-free reference.
+
+Every layout builds the same full model (``layout_invariant_init``), puts adapters on it and loads
+one set of full random adapters (``B`` non-zero, so that ``A`` gets a gradient), then runs one
+``train_step``. The loss, the grad norm and the updated full adapters must equal the one-process
+run's to 1e-5 under DP=2, TP=2 (with and without sequence parallelism), PP=2, CP=2 (dense) and EP=2 (MoE: the
+experts' linears carry adapters too), all in one 2-rank launch. In the one-process run: the base
+weights stay bit-identical, DDP's buffers and the optimizer hold exactly the adapters, the adapter-free
+parameter set (``adapters_off``) gives the log-probs of a model built without adapters bit for bit, and
+a checkpoint holds the adapters (and their optimizer state) only and resumes bit for bit. The adapted
+forward itself is checked against ``peft`` on ``transformers`` in ``tests/test_lora_peft.py``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import fnppo
+from fnppo.megatron.unwrap import unwrap_model
+from fnppo.testing import run_ranks, synthetic_samples
+
+REL = 1e-5
+LORA = dict(rank=4, alpha=12.0, seed=5)
+
+
+def _cfg(moe: bool) -> fnppo.ModelConfig:
+    extra = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48, moe_load_balancing="none") if moe else {}
+    return fnppo.ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+        **extra,
+    )
+
+
+def _random_adapters(full: dict) -> dict:
+    """Full adapters of the given names and shapes, drawn from a generator seeded by each name."""
+    out = {}
+    for name, t in full.items():
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        out[name] = torch.randn(t.shape, generator=g) * 0.3
+    return out
+
+
+def _build(moe: bool, lora: bool = True, **overrides) -> list:
+    chunks = fnppo.build_gpt(_cfg(moe), **overrides)
+    fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2 if moe else None)
+    if lora:
+        fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**LORA))
+        full = fnppo.models.gather_full_weights(chunks, adapters=True)
+        fnppo.models.load_full_weights(chunks, _random_adapters(full), adapters=True)
+    return chunks
+
+
+def _step_cfg() -> fnppo.StepConfig:
+    loss = fnppo.losses.from_flat(loss_agg_mode="token-mean", kl_coef=0.05, entropy_coeff=0.01)
+    return fnppo.StepConfig(loss=loss, num_microbatches=2)
+
+
+def _one_step(moe: bool, **overrides) -> dict:
+    chunks = _build(moe, **overrides)
+    base = fnppo.models.gather_full_weights(chunks)
+    ddp = fnppo.wrap_ddp(chunks)
+    # Adam with eps = 1: the first update is lr * g / (|g| + 1), close to the gradient itself (with a small
+    # eps, g / (|g| + eps) magnifies reduction-order noise in the near-zero gradients of rarely routed experts)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.5, adam_eps=1.0))
+    batch = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7))
+    state, metrics = fnppo.train_step(state, batch, _step_cfg())
+    after = fnppo.models.gather_full_weights(state.model)
+    return {
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "adapters": fnppo.models.gather_full_weights(state.model, adapters=True),
+        "base_unchanged": sorted(base) == sorted(after) and all(torch.equal(base[k], after[k]) for k in base),
+    }
+
+
+LAYOUTS = {  # name: (init_parallel arguments, MoE, build_gpt overrides)
+    "dp2": (dict(tp=1, pp=1), False, {}),
+    "tp2": (dict(tp=2, pp=1), False, {}),
+    "tp2-sp": (dict(tp=2, pp=1), False, dict(sequence_parallel=True)),
+    "pp2": (dict(tp=1, pp=2), False, {}),
+    "cp2": (dict(tp=1, pp=1, cp=2), False, {}),
+    "ep2": (dict(tp=1, pp=1, ep=2, etp=1), True, {}),
+}
+
+
+def _two_ranks() -> dict:
+    out = {}
+    for name, (par, moe, overrides) in LAYOUTS.items():
+        fnppo.init_parallel(**par, seed=1234, device="cpu", timeout_s=120.0)
+        out[name] = _one_step(moe, **overrides)
+    return out
+
+
+def _holds_adapters_only(state: fnppo.TrainState) -> dict:
+    """What DDP's buffers and the optimizer hold (one process), against the adapters."""
+    core = unwrap_model(state.model[0])
+    adapters = {id(p) for n, p in core.named_parameters() if fnppo.lora.is_adapter(p)}
+    in_buffers = {id(p) for c in state.model for b in [*c.buffers, *c.expert_parallel_buffers] for p in b.params}
+    grad_numel = sum(b.numel_unpadded for c in state.model for b in [*c.buffers, *c.expert_parallel_buffers])
+    subs = state.optimizer.chained_optimizers
+    in_optimizer = {id(p) for s in subs for p in s.model_param_group_index_map}
+    moments = [t for s in subs for st in s.optimizer.state.values() for k, t in st.items() if k.startswith("exp_avg")]
+    adapter_numel = sum(p.numel() for n, p in core.named_parameters() if fnppo.lora.is_adapter(p))
+    return {
+        "buffers_are_adapters": in_buffers == adapters,
+        "optimizer_params_are_adapters": in_optimizer == adapters,
+        "grad_numel": grad_numel,
+        "moment_numel": sum(t.numel() for t in moments),
+        "adapter_numel": adapter_numel,
+        "trainable": sorted(n for n, p in core.named_parameters() if p.requires_grad),
+        "adapter_names": sorted(n for n, p in core.named_parameters() if fnppo.lora.is_adapter(p)),
+    }
+
+
+def _reference_is_the_base(moe: bool) -> bool:
+    """compute_logprobs with ``adapters_off`` on the adapted model == a model built without adapters."""
+    cfg = fnppo.StepConfig(num_microbatches=2)
+    batch = synthetic_samples(6, seed=11)
+    plain = fnppo.wrap_ddp(_build(moe, lora=False))
+    want, _ = fnppo.compute_logprobs(plain, batch, config=cfg)
+    adapted = fnppo.wrap_ddp(_build(moe))
+    got, _ = fnppo.compute_logprobs(adapted, batch, params=fnppo.lora.adapters_off(adapted), config=cfg)
+    on, _ = fnppo.compute_logprobs(adapted, batch, config=cfg)
+    differs = max(float((a - b).abs().max()) for a, b in zip(on, want, strict=True))
+    return all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and differs > 1e-3
+
+
+def _adam_state(seed: int = 5) -> fnppo.TrainState:
+    chunks = fnppo.build_gpt(_cfg(False))
+    fnppo.models.layout_invariant_init(chunks, seed=3)
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**dict(LORA, seed=seed)))
+    ddp = fnppo.wrap_ddp(chunks)
+    return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
+
+
+def _resume(root: str) -> dict:
+    """Step, save, step (the uninterrupted run); load into a state of other adapters, step again."""
+    from megatron.core import dist_checkpointing
+
+    batch = [synthetic_samples(8, seed=20 + i) for i in range(2)]
+    state, _ = fnppo.train_step(_adam_state(), batch[0], _step_cfg())
+    fnppo.checkpoint.save_checkpoint(f"{root}/lora", state)
+    keys = sorted(dist_checkpointing.load_tensors_metadata(f"{root}/lora"))
+    state, want = fnppo.train_step(state, batch[1], _step_cfg())
+    other, _ = fnppo.checkpoint.load_checkpoint(f"{root}/lora", _adam_state(seed=99))
+    other, got = fnppo.train_step(other, batch[1], _step_cfg())
+    a = fnppo.models.gather_full_weights(state.model, adapters=True)
+    b = fnppo.models.gather_full_weights(other.model, adapters=True)
+    return {
+        "keys": keys,
+        "metrics_equal": all(got[k] == want[k] for k in ("loss", "grad_norm")),
+        "adapters_equal": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
+    }
+
+
+def _one_rank(root: str) -> dict:
+    out = {name: _one_step(moe) for name, moe in (("dense", False), ("moe", True))}
+    out["resume"] = _resume(root)
+    chunks = _build(False)
+    ddp = fnppo.wrap_ddp(chunks)
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
+    state, _ = fnppo.train_step(state, synthetic_samples(8, seed=7), _step_cfg())
+    out["holds"] = _holds_adapters_only(state)
+    out["reference_dense"] = _reference_is_the_base(False)
+    out["reference_moe"] = _reference_is_the_base(True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("lora"))
+    return {"one": run_ranks(_one_rank, 1, root, timeout_s=900)[0], "two": run_ranks(_two_ranks, 2, timeout_s=900)}
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= REL * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_lora_step_is_layout_invariant(runs, layout):
+    want = runs["one"]["moe" if LAYOUTS[layout][1] else "dense"]
+    for rank, got in enumerate(runs["two"]):
+        got = got[layout]
+        for key in ("loss", "grad_norm"):
+            assert _close(got[key], want[key]), (layout, rank, key, got[key], want[key])
+        assert sorted(got["adapters"]) == sorted(want["adapters"]), layout
+        for name, t in want["adapters"].items():
+            err = float((got["adapters"][name] - t).abs().max())
+            assert err <= REL * max(1.0, float(t.abs().max())), (layout, rank, name, err)
+        assert got["base_unchanged"], (layout, rank)
+
+
+def test_adapters_moved_and_base_stayed(runs):
+    for key in ("dense", "moe"):
+        one = runs["one"][key]
+        assert one["base_unchanged"], key
+        start = _random_adapters(one["adapters"])
+        moved = [n for n in one["adapters"] if not torch.equal(one["adapters"][n], start[n])]
+        assert sorted(moved) == sorted(one["adapters"]), (key, sorted(set(one["adapters"]) - set(moved)))
+    experts = [n for n in runs["one"]["moe"]["adapters"] if ".experts.local_experts." in n]
+    assert len(experts) == 2 * 2 * 4 * 2  # 2 layers x 4 experts x (fc1, fc2) x (A, B)
+
+
+def test_only_adapters_are_trained_and_held(runs):
+    h = runs["one"]["holds"]
+    assert h["trainable"] == h["adapter_names"] and h["adapter_names"], h["trainable"]
+    assert h["buffers_are_adapters"] and h["optimizer_params_are_adapters"]
+    assert h["grad_numel"] == h["adapter_numel"]
+    assert h["moment_numel"] == 2 * h["adapter_numel"]  # exp_avg and exp_avg_sq of the adapters only
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_adapters_off_is_the_base_model_bit_for_bit(runs, moe):
+    assert runs["one"]["reference_moe" if moe else "reference_dense"]
+
+
+def test_checkpoint_holds_adapters_only_and_resumes_bit_for_bit(runs):
+    r = runs["one"]["resume"]
+    model_keys = [k for k in r["keys"] if k.startswith("decoder.") or k.startswith("embedding.")]
+    assert model_keys and all(".lora_" in k for k in model_keys), model_keys
+    assert not [k for k in r["keys"] if "word_embeddings" in k or k.endswith("linear_qkv.weight")], r["keys"]
+    assert r["metrics_equal"] and r["adapters_equal"]
