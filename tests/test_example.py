@@ -801,5 +801,6 @@ def test_lora_run_trains_adapters_only_and_resumes_bit_identically(tmp_path):
     final = [_checkpoint(d / "checkpoints" / "step000003") for d in (tmp_path / "straight", tmp_path / "resumed")]
     model_keys = [k for k in final[0]["tensors"] if not k.startswith("optimizer.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
-    assert "optimizer.state.exp_avg.decoder.layers.0.self_attention.linear_qkv.lora_B" in final[0]["tensors"]
+    moments = [k for k in final[0]["tensors"] if k.startswith("optimizer.state.exp_avg")]
+    assert any(k.endswith("linear_qkv.lora_B") for k in moments) and all(".lora_" in k for k in moments), moments
     assert _bit_diff(*final) == []
