@@ -102,7 +102,7 @@ def test_peft_adapter_gives_peft_logprobs(reference, runs, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_adapter_saved_back_is_peft_file(reference, layout):
+def test_adapter_saved_back_is_peft_file(reference, runs, layout):  # runs: writes the adapters
     want = load_file(str(reference["root"] / "adapter" / "adapter_model.safetensors"))
     got = load_file(str(reference["root"] / f"{layout}-adapter" / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want)
