@@ -249,6 +249,7 @@ def test_every_namespace_has_an_api_page():
             "hf",
             "checkpoint",
             "sinks",
+            "lora",
             "ops",
             "typing",
             "testing",
