@@ -295,11 +295,9 @@ def _inv_std(moments: Tensor, eps: float) -> Tensor:
 
 def _whiten(x: Tensor, m: Tensor, moments: Tensor, eps: float) -> Tensor:
     """``(x - mu) / sqrt(var + eps)`` with Bessel's variance from ``(count, sum, sumsq)`` moments."""
-    n, s1, s2 = moments.to(device=x.device, dtype=torch.float64).unbind()
-    mean = s1 / torch.clamp(n, min=1)
-    var = torch.clamp((s2 - s1 * mean) / torch.clamp(n - 1, min=1), min=0.0)
-    scale = torch.where(var + eps > 0, torch.rsqrt(var + eps), 0.0)  # var = eps = 0: all equal, A = 0
-    return torch.where(m, ((x.to(torch.float64) - mean) * scale).to(x.dtype), 0.0)
+    n, s1, _ = moments.to(device=x.device, dtype=torch.float64).unbind()
+    inv = _inv_std(moments, eps).to(x.device)
+    return torch.where(m, ((x.to(torch.float64) - s1 / torch.clamp(n, min=1)) * inv).to(x.dtype), 0.0)
 
 
 @typechecked
