@@ -14,6 +14,8 @@ those of the copy of the base weights.
     python benchmarks/lora.py --model qwen2.5-1.5b --ranks 32,64 --json lora.jsonl   # one GPU
     python benchmarks/lora.py --model qwen2.5-7b-12l --untied --ranks 32,64          # Qwen2.5-7B widths
     python benchmarks/lora.py --smoke                                                # tiny, CPU, seconds
+    python benchmarks/lora.py --spec te --check-merged 2 --ranks 32                  # TE's layers (GPU)
+    python benchmarks/lora.py --model qwen2.5-1.5b --ranks 32 --profile 25           # where a step's time goes
 
 ``--json FILE`` appends one JSON line per configuration.
 """
@@ -32,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step import MODELS, make_samples, step_config, sync, timed_step  # noqa: E402
+from batch_invariance import profile  # noqa: E402
+from step import MODELS, layer_spec, make_samples, step_config, sync, timed_step  # noqa: E402
 
 import fnppo  # noqa: E402
 
@@ -52,8 +55,29 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--untied", action="store_true", help="untied embeddings (Qwen2.5-7B's)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument(
+        "--spec",
+        choices=["auto", "local", "te"],
+        default="auto",
+        help="layer spec: Megatron's local modules, Transformer Engine's, or TE's where installed",
+    )
+    p.add_argument(
+        "--check-merged",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help="first check, on a fp32 model of the same widths with LAYERS layers and random nonzero B, "
+        "that the adapters' log-probs equal those of the merged weights W + s B A",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, one timed step: the code path only")
     p.add_argument("--json", default=None, help="append one JSON line per configuration to this file")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile one step per configuration (torch.profiler) and print its N most expensive operations",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.device, args.vocab, args.seq, args.mb_tokens = "tiny", "cpu", 64, 32, 64
@@ -61,18 +85,19 @@ def parse_args(argv=None):
     return args
 
 
-def build(args, rank: int | None):
+def build(args, rank: int | None, *, dtype: str | None = None, layers: int | None = None):
     """The train state of one configuration: full weights (``rank`` None) or LoRA of ``rank``."""
+    shape = dict(MODELS[args.model], **({"num_layers": layers} if layers else {}))
     cfg = fnppo.ModelConfig(
         vocab_size=args.vocab,
         max_seq_len=max(4096, args.seq),
-        dtype="bf16" if args.device == "cuda" else "fp32",
+        dtype=dtype or ("bf16" if args.device == "cuda" else "fp32"),
         tie_embeddings=not args.untied,
         add_qkv_bias=True,
         rotary_base=1_000_000.0,
-        **MODELS[args.model],
+        **shape,
     )
-    chunks = fnppo.build_gpt(cfg)
+    chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg))
     fnppo.models.layout_invariant_init(chunks, seed=0)
     if rank is not None:
         fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(rank=rank, alpha=2.0 * rank))
@@ -112,6 +137,43 @@ def reference_memory(state, samples, cfg, device) -> dict:
     }
 
 
+def merged_check(args, device) -> dict:
+    """Max |log-prob difference| between the adapters' forward (``x W^T + s x A^T B^T``, every ``B``
+    drawn at random) and the same modules with merged weights ``W + s B A`` and ``B = 0``, in fp32
+    with ``args.check_merged`` layers: the adapters of this layer spec compute what PEFT's merge
+    means. Also the spec's class of the fused QKV."""
+    from fnppo.megatron.lora_linear import merged_delta
+
+    rank = int(args.ranks.split(",")[0])
+    state = build(args, rank, dtype="fp32", layers=args.check_merged)
+    g = torch.Generator().manual_seed(3)
+    adapted, merged = [], []
+    qkv = None
+    for chunk in state.model:
+        core = fnppo.models.unwrap_model(chunk)
+        a_set, m_set = {}, {}
+        for name, module in core.named_modules():
+            if not hasattr(module, "fnppo_lora"):
+                continue
+            qkv = qkv or (type(module).__name__ if name.endswith("linear_qkv") else None)
+            b = (torch.randn(module.lora_B.shape, generator=g) * 0.02).to(module.lora_B)
+            a_set[f"{name}.lora_B"] = b
+            m_set[f"{name}.lora_B"] = torch.zeros_like(b)
+            m_set[f"{name}.weight"] = module.weight.detach() + merged_delta(module, b=b).to(module.weight)
+        adapted.append(a_set)
+        merged.append(m_set)
+    samples = make_samples(2, min(args.seq, 512), args.vocab, seed=2)
+    cfg = step_config("A", args.mb_tokens)
+    lp_a, _ = fnppo.compute_logprobs(state.model, samples, params=adapted, config=cfg)
+    lp_m, _ = fnppo.compute_logprobs(state.model, samples, params=merged, config=cfg)
+    lp_0, _ = fnppo.compute_logprobs(state.model, samples, config=cfg)
+    diff = max(float((a - m).abs().max()) for a, m in zip(lp_a, lp_m, strict=True))
+    moved = max(float((a - z).abs().max()) for a, z in zip(lp_a, lp_0, strict=True))
+    del state
+    gc.collect()
+    return {"check": "merged", "qkv_class": qkv, "max_abs_diff": diff, "adapter_effect": moved, "device": device.type}
+
+
 def measure(args, rank: int | None, device) -> dict:
     row = {"model": args.model, "mode": "full" if rank is None else "lora", "rank": rank, "seq": args.seq}
     row.update(mb_tokens=args.mb_tokens, microbatches=args.microbatches, untied=args.untied, device=device.type)
@@ -135,6 +197,15 @@ def measure(args, rank: int | None, device) -> dict:
         tokens = sum(len(s) for s in samples)
         row.update(status="ok", step_s=step_s, tokens_per_s=tokens / step_s, loss=metrics["loss"])
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        if args.profile:
+            box = [state]
+
+            def one_step():
+                box[0], _ = fnppo.train_step(box[0], samples, cfg)
+
+            print(f"== profile: {row['mode']} rank {rank}", flush=True)
+            row["profile"] = profile(one_step, args.profile)
+            state = box[0]
         if rank is not None:
             row.update(reference_memory(state, samples[:2], cfg, device))
     except torch.OutOfMemoryError:
@@ -159,6 +230,14 @@ def main(argv=None) -> int:
     with ctx:
         fnppo.init_parallel(1, 1, device=args.device, seed=0)
         try:
+            if args.check_merged:
+                row = merged_check(args, device)
+                rows.append(row)
+                print(
+                    f"merged check ({row['qkv_class']}, fp32, {args.check_merged} layers): max |log-prob diff| "
+                    f"{row['max_abs_diff']:.2e} (the adapters move log-probs by up to {row['adapter_effect']:.2e})",
+                    flush=True,
+                )
             for rank in configs:
                 row = measure(args, rank, device)
                 rows.append(row)
