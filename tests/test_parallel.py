@@ -432,6 +432,24 @@ def _what_a_call_sees(fail: bool = False) -> dict:
     return seen
 
 
+def _leave_threads(n: int) -> int:
+    """Start ``n`` threads that outlive the call (as the gloo threads of a leaked process group do)."""
+    import threading
+
+    stop = threading.Event()
+    for _ in range(n):
+        threading.Thread(target=stop.wait, daemon=True).start()
+    return os.getpid()
+
+
+def test_run_ranks_replaces_a_rank_that_kept_too_many_threads():
+    first = run_ranks(_leave_threads, 1, 4)
+    assert run_ranks(_leave_threads, 1, 0) == first  # a few threads: reused
+    many = run_ranks(_leave_threads, 1, 200)
+    assert many == first
+    assert run_ranks(_leave_threads, 1, 0) != many  # replaced after the call that left 200 threads
+
+
 def test_run_ranks_reuses_its_processes_and_each_call_starts_clean():
     first = run_ranks(_what_a_call_sees, 2)
     second = run_ranks(_what_a_call_sees, 2, tp=2)  # another layout in the same processes
