@@ -104,6 +104,7 @@ RUN_DEFINING = (
     "lora_alpha",
     "lora_lr",
     "init_std",
+    "lora_output_std",
 )
 #: the run-defining flags of --algo ppo (stored only for PPO runs, so GRPO checkpoints keep their settings)
 PPO_DEFINING = ("algo", "gamma", "lam", "critic_lr", "value_clip", "critic_checkpoint", "whiten")
@@ -117,12 +118,13 @@ SETTING_DEFAULTS = {
     "lora_alpha": None,
     "lora_lr": None,
     "init_std": None,
+    "lora_output_std": None,
 }  # what a checkpoint without the key was written with
 DEFAULT_KL_HORIZON = 10_000.0
-#: the random base of a LoRA run: its frozen tied embeddings (std x sqrt(hidden) per row) and final norm
-#: bound the logits' range; at 0.02 the best symbol's probability stays below 0.2 (docs/lora.md)
-LORA_INIT_STD = 0.1
-LORA_LR = 1e-2
+#: the random base of a LoRA run has its own (untied) output layer of this std: the frozen output layer
+#: bounds the logits' range, at 0.02 the best symbol's probability stays below 0.2 (docs/lora.md)
+LORA_OUTPUT_STD = 0.15
+LORA_LR = 5e-3
 
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
@@ -219,12 +221,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "policy is the base (the adapters switched off, no second model). 0: full-weight training (default)",
     )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x --lora-rank)")
-    p.add_argument("--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 1e-2)")
+    p.add_argument("--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 5e-3)")
+    p.add_argument(
+        "--lora-output-std",
+        type=float,
+        default=None,
+        help="with --lora-rank and a random base: the base has its own output layer (untied), drawn with this std "
+        "(default: 0.15, see docs/lora.md)",
+    )
     p.add_argument(
         "--init-std",
         type=float,
         default=None,
-        help="std of the random model's initial matrices (default: 0.02; with --lora-rank 0.1, see docs/lora.md)",
+        help="std of the random model's initial matrices (default: Megatron's 0.02)",
     )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -316,7 +325,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     check_logging_args(args)
     if args.lora_rank < 0:
         raise ArgumentError(f"--lora-rank must be >= 0, got {args.lora_rank}")
-    for name in ("lora_alpha", "lora_lr"):
+    for name in ("lora_alpha", "lora_lr", "lora_output_std"):
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value) and args.lora_rank > 0):
             raise ArgumentError(f"--{name.replace('_', '-')} needs --lora-rank > 0 and a finite value > 0, got {value}")
@@ -658,7 +667,7 @@ def build(args: argparse.Namespace, head: str = "lm"):
             vocab_size=VOCAB,
             max_seq_len=PROMPT_LEN + RESPONSE_LEN,
             dtype=args.dtype,
-            tie_embeddings=True,
+            tie_embeddings=not (args.lora_rank and head == "lm"),
             **(moe_fields(args) if args.moe else {}),
             **({"batch_invariant": True, "deterministic": True} if args.batch_invariant else {}),
         )
@@ -669,6 +678,8 @@ def build(args: argparse.Namespace, head: str = "lm"):
         ]
         chunks = fnppo.build_gpt(cfg, head=head, layer_spec=None if spec is None else spec(cfg))
         fnppo.models.layout_invariant_init(chunks, seed=args.seed, std=init_std(args))
+        if head == "lm" and args.lora_rank:  # a base whose frozen output layer can express sure answers
+            scale_output_layer(chunks, lora_output_std(args) / init_std(args))
     if head == "lm" and args.lora_rank:  # adapters on the policy; only they train (the critic stays full)
         fnppo.lora.apply_lora(chunks, lora_config(args))
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
@@ -687,10 +698,27 @@ def lora_config(args: argparse.Namespace):
 
 
 def init_std(args: argparse.Namespace) -> float:
-    """The random model's initial std: ``--init-std``, else Megatron's 0.02, with LoRA :data:`LORA_INIT_STD`."""
-    if args.init_std is not None:
-        return args.init_std
-    return LORA_INIT_STD if args.lora_rank else 0.02
+    """The random model's initial std: ``--init-std``, else Megatron's 0.02."""
+    return args.init_std if args.init_std is not None else 0.02
+
+
+def lora_output_std(args: argparse.Namespace) -> float:
+    """The std of a LoRA run's random output layer: ``--lora-output-std``, else :data:`LORA_OUTPUT_STD`."""
+    return args.lora_output_std if args.lora_output_std is not None else LORA_OUTPUT_STD
+
+
+def scale_output_layer(chunks, factor: float) -> None:
+    """Multiply the (untied) output layer of freshly built chunks by ``factor`` (its weights are then
+    N(0, (factor x init std)^2), the same in every layout); the last pipeline stage holds it."""
+    import torch
+
+    import fnppo
+
+    with torch.no_grad():
+        for chunk in chunks:
+            layer = getattr(fnppo.models.unwrap_model(chunk), "output_layer", None)
+            if layer is not None and layer.weight is not None:
+                layer.weight.copy_(layer.weight * factor)
 
 
 def policy_lr(args: argparse.Namespace) -> float:
@@ -976,7 +1004,10 @@ def append_row(rows: list[dict], path: Path, row: dict) -> None:
 
 def run_settings(args: argparse.Namespace) -> dict:
     keys = RUN_DEFINING + (PPO_DEFINING if args.algo == "ppo" else ())
-    return {k: getattr(args, k) for k in keys}
+    out = {k: getattr(args, k) for k in keys}
+    # the value in effect: a checkpoint without it (a tied LoRA base) is refused
+    out["lora_output_std"] = lora_output_std(args) if args.lora_rank and not args.hf_checkpoint else None
+    return out
 
 
 def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
