@@ -4,8 +4,9 @@ frozen base weights, adapters-only optimizer and DDP buffers, the adapter-free r
 Every layout builds the same full model (``layout_invariant_init``), puts adapters on it and loads
 one set of full random adapters (``B`` non-zero, so that ``A`` gets a gradient), then runs one
 ``train_step``. The loss, the grad norm and the updated full adapters must equal the one-process
-run's to 1e-5 under DP=2, TP=2 (with and without sequence parallelism), PP=2, CP=2 (dense) and EP=2 (MoE: the
-experts' linears carry adapters too), all in one 2-rank launch. In the one-process run: the base
+run's to 1e-5 under DP=2, TP=2 (with and without sequence parallelism), PP=2, PP=2 with VPP=2
+(4 layers), CP=2 (dense) and EP=2 (MoE: the experts' linears carry adapters too), all in one
+2-rank launch. In the one-process run: the base
 weights stay bit-identical, DDP's buffers and the optimizer hold exactly the adapters, the adapter-free
 parameter set (``adapters_off``) gives the log-probs of a model built without adapters bit for bit, and
 a checkpoint holds the adapters (and their optimizer state) only and resumes bit for bit. The adapted
@@ -27,10 +28,10 @@ REL = 1e-5
 LORA = dict(rank=4, alpha=12.0, seed=5)
 
 
-def _cfg(moe: bool) -> fnppo.ModelConfig:
+def _cfg(moe: bool, layers: int = 2) -> fnppo.ModelConfig:
     extra = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48, moe_load_balancing="none") if moe else {}
     return fnppo.ModelConfig(
-        num_layers=2,
+        num_layers=layers,
         hidden_size=32,
         num_attention_heads=4,
         num_query_groups=2,
@@ -50,8 +51,8 @@ def _random_adapters(full: dict) -> dict:
     return out
 
 
-def _build(moe: bool, lora: bool = True, **overrides) -> list:
-    chunks = fnppo.build_gpt(_cfg(moe), **overrides)
+def _build(moe: bool, lora: bool = True, layers: int = 2, **overrides) -> list:
+    chunks = fnppo.build_gpt(_cfg(moe, layers), **overrides)
     fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2 if moe else None)
     if lora:
         fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**LORA))
@@ -65,8 +66,8 @@ def _step_cfg() -> fnppo.StepConfig:
     return fnppo.StepConfig(loss=loss, num_microbatches=2)
 
 
-def _one_step(moe: bool, **overrides) -> dict:
-    chunks = _build(moe, **overrides)
+def _one_step(moe: bool, layers: int = 2, **overrides) -> dict:
+    chunks = _build(moe, layers=layers, **overrides)
     base = fnppo.models.gather_full_weights(chunks)
     ddp = fnppo.wrap_ddp(chunks)
     # Adam with eps = 1: the first update is lr * g / (|g| + 1), close to the gradient itself (with a small
@@ -90,14 +91,20 @@ LAYOUTS = {  # name: (init_parallel arguments, MoE, build_gpt overrides)
     "pp2": (dict(tp=1, pp=2), False, {}),
     "cp2": (dict(tp=1, pp=1, cp=2), False, {}),
     "ep2": (dict(tp=1, pp=1, ep=2, etp=1), True, {}),
+    "pp2-vpp2": (dict(tp=1, pp=2, vpp=2), False, {}),  # 4 layers: one per virtual stage
 }
+
+
+def _reference_key(layout: str) -> str:
+    par, moe, _ = LAYOUTS[layout]
+    return "moe" if moe else ("dense4" if par.get("vpp") else "dense")
 
 
 def _two_ranks() -> dict:
     out = {}
     for name, (par, moe, overrides) in LAYOUTS.items():
         fnppo.init_parallel(**par, seed=1234, device="cpu", timeout_s=120.0)
-        out[name] = _one_step(moe, **overrides)
+        out[name] = _one_step(moe, layers=4 if par.get("vpp") else 2, **overrides)
     return out
 
 
@@ -176,6 +183,7 @@ def _token_batched_products(state: fnppo.TrainState) -> list:
 
 def _one_rank(root: str) -> dict:
     out = {name: _one_step(moe) for name, moe in (("dense", False), ("moe", True))}
+    out["dense4"] = _one_step(False, layers=4)
     out["resume"] = _resume(root)
     chunks = _build(False)
     ddp = fnppo.wrap_ddp(chunks)
@@ -200,7 +208,7 @@ def _close(got: float, want: float) -> bool:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_lora_step_is_layout_invariant(runs, layout):
-    want = runs["one"]["moe" if LAYOUTS[layout][1] else "dense"]
+    want = runs["one"][_reference_key(layout)]
     for rank, got in enumerate(runs["two"]):
         got = got[layout]
         for key in ("loss", "grad_norm"):
