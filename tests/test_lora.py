@@ -100,11 +100,43 @@ def _reference_key(layout: str) -> str:
     return "moe" if moe else ("dense4" if par.get("vpp") else "dense")
 
 
+def _dropout_masks(sp: bool) -> dict:
+    """Which inputs the adapters' dropout kept on this TP rank, for a column-parallel (fused QKV)
+    and a row-parallel (attention output) linear in training mode (``F.dropout`` recorded)."""
+    import types
+
+    import fnppo.megatron.lora_linear as ll
+
+    chunks = fnppo.build_gpt(_cfg(False), **({"sequence_parallel": True} if sp else {}))
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**dict(LORA, dropout=0.5)))
+    attn = unwrap_model(chunks[0]).decoder.layers[0].self_attention
+    attn.train()
+    kept = []
+
+    def dropout(x, p, training):
+        y = torch.nn.functional.dropout(x, p=p, training=training)
+        kept.append((y != 0).flatten().tolist())
+        return y
+
+    saved = ll.F
+    ll.F = types.SimpleNamespace(linear=saved.linear, layer_norm=saved.layer_norm, dropout=dropout)
+    try:
+        tokens = 8 // (2 if sp else 1)  # this rank's tokens under sequence parallelism
+        attn.linear_qkv(torch.ones(tokens, 1, 32))
+        attn.linear_proj(torch.ones(8, 1, 16))  # the whole sequence, this rank's input columns
+    finally:
+        ll.F = saved
+    return {"column": kept[0], "row": kept[1]}
+
+
 def _two_ranks() -> dict:
     out = {}
     for name, (par, moe, overrides) in LAYOUTS.items():
         fnppo.init_parallel(**par, seed=1234, device="cpu", timeout_s=120.0)
         out[name] = _one_step(moe, layers=4 if par.get("vpp") else 2, **overrides)
+    fnppo.init_parallel(tp=2, pp=1, seed=1234, device="cpu", timeout_s=120.0)
+    out["dropout"] = _dropout_masks(sp=False)
+    out["dropout_sp"] = _dropout_masks(sp=True)
     return out
 
 
@@ -218,6 +250,17 @@ def test_one_lora_step_is_layout_invariant(runs, layout):
             err = float((got["adapters"][name] - t).abs().max())
             assert err <= REL * max(1.0, float(t.abs().max())), (layout, rank, name, err)
         assert got["base_unchanged"], (layout, rank)
+
+
+def test_dropout_masks_are_shared_where_the_input_is_and_independent_where_it_is_split(runs):
+    """Under TP=2: the replicated input of a column-parallel linear gets the same mask on both ranks
+    (each rank's rank-r activations must be the same); a row-parallel linear's input columns, and
+    under sequence parallelism each rank's tokens, get masks of their own (Megatron's TP RNG stream)."""
+    tp, sp = [r["dropout"] for r in runs["two"]], [r["dropout_sp"] for r in runs["two"]]
+    assert tp[0]["column"] == tp[1]["column"]
+    assert tp[0]["row"] != tp[1]["row"]
+    assert sp[0]["column"] != sp[1]["column"]
+    assert 0.3 < sum(tp[0]["row"]) / len(tp[0]["row"]) < 0.7  # p = 0.5
 
 
 def test_adapters_moved_and_base_stayed(runs):

@@ -29,6 +29,7 @@ Tensor parallelism (Megatron-LM, arXiv:1909.08053) shards the adapter like its b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -41,6 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
@@ -116,6 +118,17 @@ def _expand(z: Tensor, b: Tensor, spec: AdapterSpec) -> Tensor:
     return torch.cat(ys, dim=-1).flatten(-2)
 
 
+def _dropout_rng(spec: AdapterSpec, mode: str) -> Any:
+    """Where the adapter's dropout mask is drawn: an input split over the tensor-parallel ranks (a
+    row-parallel base's input columns, or this rank's tokens under sequence parallelism) draws from
+    Megatron's tensor-parallel RNG stream (its own seed per TP rank), as Megatron's dropout inside a
+    TP region does; a replicated input (column-parallel without SP, or no TP) draws from torch's
+    default generator, seeded alike on the TP ranks, so that every rank drops the same entries."""
+    if mode == "sp" or (mode == "tp" and spec.role == "row"):
+        return get_cuda_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
 def adapter_output(module: nn.Module, x: Tensor) -> Tensor:
     """The adapter's term ``s * dropout(x) A^T B^T`` of ``module``'s output, in the layout of the
     base output (this rank's rows for a column-parallel base; this rank's tokens under sequence
@@ -123,9 +136,10 @@ def adapter_output(module: nn.Module, x: Tensor) -> Tensor:
     spec: AdapterSpec = module.fnppo_lora
     if spec.norm:
         x = _normed(module, x)
-    if spec.dropout and module.training:
-        x = F.dropout(x, p=spec.dropout, training=True)
     mode = comm_mode(module)
+    if spec.dropout and module.training:
+        with _dropout_rng(spec, mode):
+            x = F.dropout(x, p=spec.dropout, training=True)
     group = getattr(module, "tp_group", None)
     z = F.linear(x, module.lora_A)
     if spec.role == "column":
