@@ -169,6 +169,39 @@ def test_sdpa_nan_stays_in_its_sequence_forward_and_backward():
     assert torch.isfinite(kg.grad[other]).all() and torch.isfinite(vg.grad[other]).all()
 
 
+def _plain_attention_f64(q, k, v, lens):
+    """Causal softmax attention in float64, query by query over the keys it sees (its sequence, at or
+    before it; a masked key is left out, not multiplied by 0), key/value group ``h // (heads // groups)``."""
+    rep = q.shape[1] // k.shape[1]
+    rows, start = [], 0
+    for n in lens:
+        for i in range(start, start + n):
+            ks = k[start : i + 1].double().repeat_interleave(rep, 1).transpose(0, 1)  # [H, i+1-start, D]
+            vs = v[start : i + 1].double().repeat_interleave(rep, 1).transpose(0, 1)
+            scores = (ks @ q[i].double().unsqueeze(-1)).squeeze(-1) / q.shape[-1] ** 0.5  # [H, keys]
+            rows.append((scores.softmax(-1).unsqueeze(1) @ vs).squeeze(1))  # [H, D]
+        start += n
+    return torch.stack(rows)
+
+
+def test_flex_nan_reaches_exactly_the_outputs_plain_attention_gives_nan():
+    """flex attention zeroes non-finite values (a masked 0 times NaN would spread over a block) and
+    puts NaN back at the outputs (query token, head) whose visible keys hold one: non-finite at
+    exactly the (token, head) outputs where plain attention is (which makes only the affected
+    channels non-finite, and inf rather than NaN for an inf value); the others equal it."""
+    lens = [5, 7, 0, 6, 9]
+    q, k, v = _qkv(sum(lens), 4, 2, 8, seed=4)
+    v = v.clone()
+    v[7, 1, 2] = float("nan")  # sequence 1 (tokens 5..11), group 1: heads 2, 3 from token 7 on
+    v[20, 0, 0] = float("inf")  # sequence 4 (tokens 18..26), group 0: heads 0, 1 from token 20 on
+    out = packed_causal_attention(q, k, v, _cu(lens), backend="flex")
+    ref = _plain_attention_f64(q, k, v, lens)
+    bad = (~ref.isfinite()).any(-1)  # [T, heads]
+    assert bad.any() and torch.equal((~out.isfinite()).any(-1), bad)
+    finite = ~bad
+    torch.testing.assert_close(out[finite].double(), ref[finite], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_attention_across_sequences(backend):
     lens = [4, 6, 5]

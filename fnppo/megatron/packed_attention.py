@@ -321,7 +321,9 @@ def _restore_nonfinite(out: Tensor, value: Tensor, cu_seqlens: Tensor, heads: in
     other outputs are those of the finite values, i.e. exactly the unaffected ones."""
     bad = (~torch.isfinite(value)).any(dim=-1)  # [T, groups]
     total = bad.shape[0]
-    count = torch.cumsum(bad.to(torch.int32), dim=0)  # bad keys at or before each token
+    # bad keys at or before each token; scanned along the innermost dim ([groups, T]): a scan over
+    # dim 0 of the [T, groups] tensor runs CUDA's outer-dim kernel, 0.77 ms per layer at 8,192 tokens
+    count = torch.cumsum(bad.t().to(torch.int32).contiguous(), dim=1, dtype=torch.int32).t()
     seg = _segment_ids(cu_seqlens, total).to(torch.int64)
     starts = cu_seqlens.to(torch.int64)[seg]  # first token of each token's sequence
     before = torch.where(starts[:, None] > 0, count[(starts - 1).clamp_min(0)], torch.zeros_like(count))
