@@ -322,7 +322,8 @@ def _restore_nonfinite(out: Tensor, value: Tensor, cu_seqlens: Tensor, heads: in
     bad = (~torch.isfinite(value)).any(dim=-1)  # [T, groups]
     total = bad.shape[0]
     # bad keys at or before each token; scanned along the innermost dim ([groups, T]): a scan over
-    # dim 0 of the [T, groups] tensor runs CUDA's outer-dim kernel, 0.77 ms per layer at 8,192 tokens
+    # dim 0 of the [T, groups] tensor runs CUDA's outer-dim kernel, 775 us per layer at 8,192 tokens
+    # on an H200 against 43 us this way
     count = torch.cumsum(bad.t().to(torch.int32).contiguous(), dim=1, dtype=torch.int32).t()
     seg = _segment_ids(cu_seqlens, total).to(torch.int64)
     starts = cu_seqlens.to(torch.int64)[seg]  # first token of each token's sequence
