@@ -57,9 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument(
         "--spec",
-        choices=["auto", "local", "te"],
-        default="auto",
-        help="layer spec: Megatron's local modules, Transformer Engine's, or TE's where installed",
+        choices=["default", "local", "te"],
+        default="default",
+        help="layer spec: build_gpt's default (TE when installed), fnppo's local spec, or TE's (as benchmarks/step.py)",
     )
     p.add_argument(
         "--check-merged",

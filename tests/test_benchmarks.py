@@ -18,6 +18,25 @@ from actor_baseline import InplaceVocabParallelEntropy, actor_loss  # noqa: E402
 from fnppo.core.losses import KLPenalty, LossConfig, ppo_clip  # noqa: E402
 
 
+def _run_benchmark(cmd: list[str], timeout: int = 300):
+    """Run ``cmd`` (a benchmark's arguments after the interpreter) from the repository root with
+    fnppo importable; it must exit 0 (else its output's tail is the failure message)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, *cmd],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def test_inplace_entropy_value_and_gradient_against_float64():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 1500, 37, generator=g, dtype=torch.float64) * 3).requires_grad_()  # > one row block
@@ -121,13 +140,9 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
     parameter count is the shape's, with selective recomputation, path C's block option and path D
     (C with ``BackwardGraphs``: on CPU every backward runs eagerly through its buffers)."""
     import json
-    import os
-    import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "step.jsonl"
     cmd = [
-        sys.executable,
         "benchmarks/step.py",
         "--model",
         "tiny-moe",
@@ -161,10 +176,7 @@ def test_step_benchmark_runs_an_moe_shape_on_cpu(tmp_path):
         "--moe-experts",
         "stacked",
     ]
-    done = subprocess.run(
-        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_benchmark(cmd)
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["params_total"] == result["params_this_rank"]  # the formula counts the built model
     assert result["experts"] == "StackedExperts"
@@ -187,13 +199,9 @@ def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/moe_determinism.py --device cpu: on CPU every kernel is deterministic, so the three
     calls, path B's stages and the routing replay agree exactly, and every (token, layer) row is counted."""
     import json
-    import os
-    import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "det.json"
     cmd = [
-        sys.executable,
         "benchmarks/moe_determinism.py",
         "--device",
         "cpu",
@@ -202,10 +210,7 @@ def test_moe_determinism_benchmark_runs_on_cpu(tmp_path):
         "--json",
         str(out),
     ]
-    done = subprocess.run(
-        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_benchmark(cmd)
     result = json.loads(out.read_text())
     for variant in ("local", "local_det"):
         r = result[variant]
@@ -271,16 +276,10 @@ def test_batch_invariance_benchmark_smoke_on_cpu(tmp_path):
     """benchmarks/batch_invariance.py --smoke: the tiny dense and MoE models give 0 differing bits in
     every composition and exactly 0 on-policy gaps in train_step, and the mode's time ratio is printed."""
     import json
-    import os
-    import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bi.json"
-    cmd = [sys.executable, "benchmarks/batch_invariance.py", "--smoke", "--steps", "1", "--json", str(out)]
-    done = subprocess.run(
-        cmd, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cmd = ["benchmarks/batch_invariance.py", "--smoke", "--steps", "1", "--json", str(out)]
+    done = _run_benchmark(cmd, timeout=600)
     result = json.loads(out.read_text())
     assert set(result) == {"tiny", "tiny-moe"}
     for name, r in result.items():
@@ -293,20 +292,9 @@ def test_batch_invariance_benchmark_smoke_on_cpu(tmp_path):
 def test_fp8_benchmark_runs_its_bf16_half_on_cpu_and_reports_fp8_refused(tmp_path):
     """benchmarks/fp8.py --smoke: the BF16 side trains and writes its curves; FP8 is refused with fnppo's message."""
     import json
-    import os
-    import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "fp8.jsonl"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/fp8.py", "--smoke", "--json", str(out)],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_benchmark(["benchmarks/fp8.py", "--smoke", "--json", str(out)])
     result = json.loads(out.read_text().splitlines()[-1])
     bf = result["bf16"]
     assert len(bf["loss"]) == len(bf["grad_norm"]) == 2 and all(math.isfinite(x) for x in bf["loss"])
@@ -319,20 +307,9 @@ def test_lora_benchmark_smoke_on_cpu(tmp_path):
     a small fraction of the parameters, and the adapter-free reference equals a copy of the base weights in
     log-probs while holding (almost) none of their bytes."""
     import json
-    import os
-    import subprocess
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "lora.jsonl"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/lora.py", "--smoke", "--json", str(out)],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _run_benchmark(["benchmarks/lora.py", "--smoke", "--json", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["rank"]) for r in rows] == [("full", None), ("lora", 4), ("lora", 8)]
     full, *lora = rows
