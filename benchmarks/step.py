@@ -151,6 +151,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--fp8", choices=["none", "e4m3", "hybrid"], default="none", help="ModelConfig.fp8")
     p.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "blockwise"], default="tensorwise")
+    p.add_argument(
+        "--fp8-bf16-ends",
+        default=None,
+        metavar="START,END",
+        help="with --fp8: keep the first START and last END layers in BF16 (Megatron's first_last_layers_bf16)",
+    )
     p.add_argument("--deterministic", action="store_true", help="ModelConfig(deterministic=True)")
     p.add_argument("--untied", action="store_true", help="untied embeddings (Qwen2.5-7B's)")
     p.add_argument(
@@ -323,6 +329,9 @@ def build_state(args, layout):
         **MODELS[args.model],
     )
     overrides = {"sequence_parallel": True} if args.sp else {}
+    if getattr(args, "fp8_bf16_ends", None):
+        start, end = (int(v) for v in args.fp8_bf16_ends.split(","))
+        overrides.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start, num_layers_at_end_in_bf16=end)
     if args.recompute == "full":
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif args.recompute == "selective":

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.megatron.fused_rope import install_fused_rope
 from fnppo.megatron.layer_specs import te_available
@@ -410,6 +411,10 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     # Set after construction: Megatron's own check asks for its FlashAttention backend, which fnppo's
     # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
     tc.batch_invariant_mode = bool(cfg.batch_invariant)
+    # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
+    tc.fnppo_invariant_kernels = (
+        invariant_kernels(cuda=_on_cuda(layout), moe=cfg.num_experts is not None) if cfg.batch_invariant else None
+    )
     return tc
 
 

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,14 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import Float16Module
 from torch import nn
 
-from fnppo.core.batch_invariant import batch_invariant
+from fnppo.core.batch_invariant import (
+    CUDA_MIN_ROWS,
+    BatchInvariantKernels,
+    batch_invariant,
+    invariant_kernels,
+    min_rows_products,
+)
+from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.unwrap import check_head, unwrap_model
@@ -41,6 +47,8 @@ __all__ = [
     "deterministic_algorithms",
     "batch_invariant_numerics",
     "megatron_invariant_kernels",
+    "invariant_kernels",
+    "CUDA_MIN_ROWS",
 ]
 
 
@@ -73,35 +81,45 @@ def megatron_invariant_kernels() -> Any:
     """Megatron-core's batch-invariant Triton kernels module
     (``megatron.core.transformer.custom_layers.batch_invariant_kernels``: a persistent matmul,
     log-softmax, mean, and a Transformer Engine GEMM/RMSNorm patch), or None where it cannot be
-    imported (no Triton) or there is no CUDA, or where the environment variable
-    ``FNPPO_BATCH_INVARIANT_MEGATRON=0`` (read at the first call) asks for fnppo's torch kernels alone."""
+    imported (no Triton) or there is no CUDA."""
     if not torch.cuda.is_available():
-        return None
-    if os.environ.get("FNPPO_BATCH_INVARIANT_MEGATRON", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
     try:
         return importlib.import_module("megatron.core.transformer.custom_layers.batch_invariant_kernels")
-    except Exception:  # noqa: BLE001 - no Triton (or an incompatible one): fnppo's torch kernels are used
+    except Exception:  # noqa: BLE001 - no Triton (or an incompatible one)
         return None
 
 
 @contextlib.contextmanager
-def batch_invariant_numerics(enabled: bool, *, use_megatron: bool = True) -> Iterator[None]:
+def batch_invariant_numerics(enabled: bool, *, kernels: BatchInvariantKernels | None = None) -> Iterator[None]:
     """Run the block batch-invariantly when ``enabled`` (a model built with ``ModelConfig(batch_invariant=True)``).
 
-    fnppo's torch kernels (:func:`fnppo.core.batch_invariant.batch_invariant`: products, norms,
-    softmaxes and row reductions in fixed row tiles, invariant element-wise compositions) for the
-    torch operations of the local layer spec; on CUDA with Megatron-core's Triton kernels
-    importable (:func:`megatron_invariant_kernels`) and ``use_megatron``, also Megatron's
-    ``set_batch_invariant_mode(True)`` (its ``aten`` matmul/log-softmax/mean overrides and the
-    Transformer Engine GEMM and RMSNorm patch, which reach the layers of Transformer Engine's spec),
-    and the products are left to its persistent matmul. Everything is restored on exit, also on
-    an exception; with ``enabled`` False nothing changes.
+    ``kernels`` (default :func:`invariant_kernels` of a dense model; the steps pass the one recorded on
+    the model's config): ``"fast"`` (CUDA): the library's kernels, with
+    products of fewer than :data:`CUDA_MIN_ROWS` rows zero-padded to that many
+    (:func:`fnppo.core.batch_invariant.min_rows_products`); together with the steps' micro-batch
+    shaping (each sequence aligned to the attention block, at least :data:`CUDA_MIN_ROWS` tokens) a
+    token's forward values do not depend on its micro-batch, and the backward runs the ordinary
+    kernels. ``"torch"``: fnppo's fixed-tile torch kernels
+    (:func:`fnppo.core.batch_invariant.batch_invariant`: products, norms, softmaxes and row
+    reductions in fixed row tiles, invariant element-wise compositions). ``"megatron"``:
+    Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer
+    Engine GEMM / RMSNorm patches, forward and backward) with fnppo's torch kernels for the rest.
+    Everything is restored on exit, also on an exception; with ``enabled`` False nothing changes.
     """
     if not enabled:
         yield
         return
-    megatron = megatron_invariant_kernels() if use_megatron else None
+    kind = kernels or invariant_kernels()
+    if kind not in ("fast", "torch", "megatron"):
+        raise input_error(
+            "fnppo.megatron.forward.batch_invariant_numerics", "kernels", "'fast', 'torch' or 'megatron'", repr(kind)
+        )
+    if kind == "fast":
+        with min_rows_products(CUDA_MIN_ROWS):
+            yield
+        return
+    megatron = megatron_invariant_kernels() if kind == "megatron" else None
     with contextlib.ExitStack() as stack:
         if megatron is not None:
             if importlib.util.find_spec("transformer_engine") is not None:

@@ -71,9 +71,14 @@ __all__ = [
     "flex_bucket_length",
     "flex_compile_count",
     "check_cu_seqlens",
+    "FLEX_BLOCK",
 ]
 
 Backend = Literal["auto", "flex", "sdpa"]
+
+FLEX_BLOCK = 128
+"""The block size of the flex-attention ``BlockMask`` (torch's default): key blocks start at
+multiples of it from the start of the pack (the batch-invariant mode aligns sequences to it)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,11 +170,17 @@ def flex_compile_count() -> int:
 
 
 @functools.cache
-def _flex_fn(device_type: str) -> Any:
-    """flex_attention, compiled on CUDA (once per process), eager elsewhere (slow; for tests)."""
+def _flex_fn(device_type: str, dynamic: bool = False) -> Any:
+    """flex_attention, compiled on CUDA (once per process), eager elsewhere (slow; for tests).
+
+    ``dynamic``: compiled for any pack length from the first call. By default torch.compile
+    specializes its first graph on the first call's length and compiles a dynamic one at the
+    second length: two kernels whose results for a token can differ in the last bits (on one
+    H200 the first call's log-probs differed from every later composition's by up to 0.1 in bf16),
+    so the batch-invariant mode runs the dynamic kernel for every call."""
     if device_type != "cuda":
         return flex_attention
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=True) if dynamic else torch.compile(flex_attention)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         before = counters["stats"]["unique_graphs"]
@@ -209,6 +220,7 @@ def packed_causal_attention(
     softmax_scale: float | None = None,
     dropout_p: float = 0.0,
     backend: Backend = "auto",
+    dynamic: bool = False,
 ) -> Float[Tensor, "tokens heads v_dim"]:
     """Causal attention restricted to each sequence of a packed (THD) batch.
 
@@ -224,6 +236,9 @@ def packed_causal_attention(
     CUDA without dropout, sdpa otherwise). ``dropout_p > 0`` needs sdpa; the draw uses the current
     default generator of the device (fork Megatron's RNG tracker around the call for TP-consistent
     dropout, as :class:`PackedDotProductAttention` does).
+
+    ``dynamic``: the CUDA flex kernel is compiled for any length from the first call (one kernel for
+    every pack length, as the batch-invariant mode needs; see :func:`_flex_fn`).
 
     ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync;
     skipped with call-time checking off) and the mask is memoized for that tensor.
@@ -252,7 +267,8 @@ def packed_causal_attention(
         block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex", padded)
         if padded > total:  # the padding tokens attend among themselves only; their outputs are dropped
             q, k, v = (F.pad(t, (0, 0, 0, padded - total)) for t in (q, k, v))
-        out = _flex_fn(query.device.type)(q, k, _finite_values(v), block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        flex = _flex_fn(query.device.type, dynamic)
+        out = flex(q, k, _finite_values(v), block_mask=block_mask, scale=scale, enable_gqa=gqa)
         out = _restore_nonfinite(out[:, :, :total], value, cu_seqlens, heads)
     else:
         out = _per_sequence_sdpa(q, k, v, _bounds(fn, cu_seqlens, total), dropout_p, scale, gqa)

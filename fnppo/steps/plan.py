@@ -17,10 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.core.collate import unpack_per_sample
+from fnppo.core.batch_invariant import CUDA_MIN_ROWS
+from fnppo.core.collate import pad_microbatch, unpack_per_sample
 from fnppo.core.context_parallel import gather_per_sample
+from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.split import SPLIT_MODES, SplitPlan, build_microbatches, plan_microbatches
+from fnppo.megatron.packed_attention import FLEX_BLOCK
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
 from fnppo.megatron.unwrap import unwrap_model
@@ -103,6 +106,7 @@ class Plan:
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
     count_multiple: int  # the interleaved schedule's micro-batch group (1 otherwise): counts are multiples of it
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
+    min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (CUDA batch-invariant mode)
 
 
 def _default_multiple(model: ModelFacts) -> int:
@@ -123,11 +127,25 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
     else:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
     given = [(name, getattr(config, name)) for name in SPLIT_MODES if getattr(config, name) is not None]
+    multiple = config.pad_to_multiple_of or _default_multiple(model)
+    min_tokens = None
+    if fast_invariant(model):
+        # every sequence starts at a multiple of the attention's key block, and no micro-batch has
+        # fewer tokens than the library kernels need to keep a row's bits (fnppo.core.batch_invariant)
+        multiple, min_tokens = math.lcm(multiple, FLEX_BLOCK), CUDA_MIN_ROWS
+        if config.layout == "padded" and uses_transformer_engine(model.core):
+            raise input_error(
+                type(config).__name__,
+                "layout",
+                "'packed' for a batch-invariant model of Transformer Engine's spec (its padded attention "
+                "is another kernel: other bits than the packed layout)",
+                repr(config.layout),
+            )
     return Plan(
         model=model,
         split=given[0] if given else ("num_microbatches", 1),  # Batching allows at most one
         layout=config.layout,
-        pad_to_multiple_of=config.pad_to_multiple_of or _default_multiple(model),
+        pad_to_multiple_of=multiple,
         max_seq_len=limit,
         max_seq_len_source=source,
         dp_group=layout.dp_group if layout.dp > 1 else None,
@@ -136,7 +154,35 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         same_length=layout.vpp is not None,
         count_multiple=model.interleaved_group or 1,
         context_parallel=(layout.cp, layout.cp_rank),
+        min_tokens=min_tokens,
     )
+
+
+def fast_invariant(model: ModelFacts) -> bool:
+    """Whether ``model`` runs the CUDA batch-invariant mode with the library's kernels
+    (``"fast"`` kernels, :func:`fnppo.core.batch_invariant.invariant_kernels`, recorded on its config), whose micro-batches the
+    steps shape (aligned sequences, :data:`~fnppo.core.batch_invariant.CUDA_MIN_ROWS` tokens at least)."""
+    return (
+        bool(getattr(model.config, "batch_invariant_mode", False))
+        and model.device.type == "cuda"
+        and getattr(model.config, "fnppo_invariant_kernels", None) == "fast"
+    )
+
+
+def uses_transformer_engine(core: nn.Module) -> bool:
+    """Whether any module of ``core`` is one of Megatron's Transformer Engine layers."""
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in core.modules())
+
+
+def _min_tokens(mb: Microbatch, plan: Plan) -> Microbatch:
+    """``mb`` padded (:func:`~fnppo.core.collate.pad_microbatch`) to at least ``plan.min_tokens``
+    tokens, its length kept a multiple of ``plan.pad_to_multiple_of``."""
+    rows, length = (int(n) for n in mb.input_ids.shape)
+    if plan.min_tokens is None or rows * length >= plan.min_tokens:
+        return mb
+    need = -(-plan.min_tokens // rows)
+    m = plan.pad_to_multiple_of
+    return pad_microbatch(mb, -(-need // m) * m)
 
 
 def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
@@ -165,7 +211,7 @@ def microbatches(
 ) -> tuple[Any, list[Microbatch]]:
     """``(split, micro-batches)`` of ``samples`` split (by ``split`` when given, else by :func:`split_plan`)
     and collated as ``plan`` says, on the model's device (:func:`~fnppo.core.split.build_microbatches`)."""
-    return build_microbatches(
+    split, mbs = build_microbatches(
         samples,
         plan.split,
         layout=plan.layout,
@@ -178,6 +224,9 @@ def microbatches(
         count_multiple=plan.count_multiple,
         plan=split,
     )
+    if plan.min_tokens is not None:
+        mbs = [_min_tokens(mb, plan) for mb in mbs]
+    return split, mbs
 
 
 def unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], list[torch.Tensor]]:

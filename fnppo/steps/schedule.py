@@ -120,7 +120,8 @@ def run_schedule(
     config.variable_seq_lengths = saved and not interleaved
     try:
         invariant = bool(getattr(config, "batch_invariant_mode", False))
-        with deterministic_algorithms(config.deterministic_mode), batch_invariant_numerics(invariant):
+        kernels = getattr(config, "fnppo_invariant_kernels", None)
+        with deterministic_algorithms(config.deterministic_mode), batch_invariant_numerics(invariant, kernels=kernels):
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=data if interleaved else data[0],
