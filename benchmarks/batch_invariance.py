@@ -175,7 +175,7 @@ def compositions(n: int, max_len: int) -> dict[str, dict]:
     return out
 
 
-def logprobs(state, samples, comp):
+def logprobs(state, samples, comp, vocab: int):
     """Log-probs and entropies of ``samples`` in composition ``comp``, in the order of ``samples``
     (``others``: that many other samples are mixed in and their values dropped)."""
     comp = dict(comp)
@@ -183,7 +183,7 @@ def logprobs(state, samples, comp):
     others = comp.pop("others", 0)
     batch = samples if order is None else [samples[i] for i in order]
     if others:
-        extra = make_samples(others, max(len(s) for s in samples), 1000, seed=7, min_len=8)
+        extra = make_samples(others, max(len(s) for s in samples), vocab, seed=7, min_len=8)
         batch = [x for pair in zip(batch, extra + [None] * len(batch)) for x in pair if x is not None]
         keep = [i for i, x in enumerate(batch) if any(x is s for s in samples)]
     lp, ent = fnppo.compute_logprobs(state.model, batch, with_entropy=True, **comp)
@@ -287,7 +287,7 @@ def measure(name: str, args) -> dict:
             results = {}
             for k, c in compositions(args.samples, args.max_len).items():
                 try:
-                    results[k] = logprobs(state, samples, c)
+                    results[k] = logprobs(state, samples, c, vocab)
                 except fnppo.InputError as e:  # a composition the mode refuses (the padded layout under TE)
                     out.setdefault("refused", {})[k] = str(e).splitlines()[0]
             ref = results["one"]

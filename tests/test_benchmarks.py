@@ -283,10 +283,31 @@ def test_batch_invariance_benchmark_smoke_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert set(result) == {"tiny", "tiny-moe"}
     for name, r in result.items():
-        for comp in ("shuffled", "budget", "alone", "padded"):
+        for comp in ("shuffled", "budget", "alone", "mixed", "padded"):
             assert r[comp]["logprob"] == [0, 0.0] and r[comp]["entropy"] == [0, 0.0], (name, comp, r[comp])
         assert r["train_step"] == {"onpolicy/max_abs_logprob_diff": 0.0, "onpolicy/max_abs_ratio_minus_1": 0.0}
         assert r["time_ratio"]["train_step"] > 0 and "time invariant/normal" in done.stdout
+
+
+def test_fp8_numerics_compares_layers_kl_and_logprobs_against_float64():
+    """benchmarks/fp8_numerics.py's comparison: relative error per layer, per-token KL(ref || other)
+    over the full distribution (chunked), and the log-prob gaps, each against a float64 formula."""
+    import fp8_numerics
+
+    g = torch.Generator().manual_seed(0)
+    ref = {"layers": [torch.randn(30, 8, generator=g) for _ in range(3)], "logits": torch.randn(30, 50, generator=g)}
+    ref["logprobs"] = torch.randn(30, generator=g)
+    got = {k: [t + 0.1 * torch.randn(t.shape, generator=g) for t in v] for k, v in ref.items() if k == "layers"}
+    got["logits"] = ref["logits"] + 0.3 * torch.randn(30, 50, generator=g)
+    got["logprobs"] = ref["logprobs"] + torch.linspace(-1, 2, 30)
+    row = fp8_numerics.compare(ref, got)
+    p, q = torch.log_softmax(ref["logits"].double(), -1), torch.log_softmax(got["logits"].double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert math.isclose(row["kl_mean"], float(kl.mean()), rel_tol=1e-5)
+    assert torch.allclose(fp8_numerics._kl(ref["logits"], got["logits"], chunk=7).double(), kl, rtol=1e-5, atol=1e-7)
+    rel = [float((b.double() - a.double()).norm() / a.double().norm()) for a, b in zip(ref["layers"], got["layers"])]
+    assert all(math.isclose(x, round(y, 5), abs_tol=1e-5) for x, y in zip(row["layer_rel_err"], rel))
+    assert math.isclose(row["logprob_abs_diff_max"], 2.0, rel_tol=1e-6)
 
 
 def test_fp8_benchmark_runs_its_bf16_half_on_cpu_and_reports_fp8_refused(tmp_path):

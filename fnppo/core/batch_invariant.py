@@ -23,12 +23,12 @@ Everything else passes through unchanged (indexing, element-wise arithmetic, ``e
 matrix products to another batch-invariant implementation (on CUDA, Megatron-core's persistent
 Triton matmul: :func:`fnppo.megatron.forward.batch_invariant_numerics`).
 
-On CUDA the tiles are not needed: cuBLAS's bf16/fp32 GEMMs give a row the same bits whatever the
-number of rows once that number is large enough for the library not to split the reduction
-(split-K), and row-wise reductions and norms launch one program per row at such sizes.
-:class:`MinRowsProducts` keeps the fast library kernels and only pads products with fewer rows
-than that to a fixed minimum (``with min_rows_products(2048):``); fnppo's steps pad each
-micro-batch to at least that many tokens too (:mod:`fnppo.steps.plan`).
+On CUDA the tiles are not needed (:func:`invariant_kernels` ``"fast"``): cuBLAS's GEMMs give a
+row the same bits whatever the number of rows once that number is large enough for the library
+not to split the reduction (split-K), and row-wise reductions and norms run one program per row
+at such sizes; so fnppo's steps give every micro-batch at least :data:`CUDA_MIN_ROWS` tokens and
+start every packed sequence at a multiple of the attention's key block (:mod:`fnppo.steps.plan`),
+and the model runs its ordinary kernels, forward and backward.
 
 Not covered (the results are batch-invariant, not invariant to these): a different tensor-,
 context- or expert-parallel layout (other reduction orders), another device, dtype, torch or
@@ -53,8 +53,6 @@ from fnppo.core.kernels import invariant as inv
 __all__ = [
     "BatchInvariantOps",
     "batch_invariant",
-    "MinRowsProducts",
-    "min_rows_products",
     "CUDA_MIN_ROWS",
     "BatchInvariantKernels",
     "invariant_kernels",
@@ -198,8 +196,7 @@ def batch_invariant(enabled: bool, *, tile: int | None = None, products: bool = 
 
 
 CUDA_MIN_ROWS = 2048
-"""Rows below which a product runs zero-padded in the CUDA batch-invariant mode (and tokens below
-which fnppo's steps pad a micro-batch). On one H200 (bf16, the Qwen2.5-1.5B widths and
+"""The fewest tokens a micro-batch has in the CUDA batch-invariant mode (fnppo's steps pad it). On one H200 (bf16, the Qwen2.5-1.5B widths and
 vocabulary), cuBLAS gave a row other bits than in a 16,384-row product only at 333 rows or fewer
 (the ``fc2`` product, K = 8,960: split-K), and torch's row reductions over the vocabulary likewise;
 from 1,000 rows on every product and reduction gave the same bits (``benchmarks/batch_invariance.py
@@ -214,8 +211,8 @@ def invariant_kernels(*, cuda: bool | None = None, moe: bool = False) -> BatchIn
     Without CUDA (``cuda`` None: ``torch.cuda.is_available()``): ``"torch"``, fnppo's fixed-tile
     kernels (:func:`fnppo.core.batch_invariant.batch_invariant`). With CUDA the environment variable
     ``FNPPO_BATCH_INVARIANT_KERNELS`` if set, else ``"fast"`` for a dense model: the library's own
-    kernels, forward and backward at full speed, with products of fewer than :data:`CUDA_MIN_ROWS`
-    rows padded (:func:`min_rows_products`) and the micro-batches shaped by the steps; and
+    kernels, forward and backward at full speed, on micro-batches the steps shape (at least
+    :data:`CUDA_MIN_ROWS` tokens, sequences aligned to the attention block); and
     ``"megatron"`` for an MoE model (``moe``; its expert products and token routing are not yet
     invariant with the fast kernels): Megatron-core's persistent Triton matmul and Transformer
     Engine patches (:func:`fnppo.megatron.forward.megatron_invariant_kernels`) with fnppo's tiles
@@ -231,73 +228,3 @@ def invariant_kernels(*, cuda: bool | None = None, moe: bool = False) -> BatchIn
             repr(kind),
         )
     return kind  # type: ignore[return-value]
-
-
-_PRODUCTS_2D = (torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-_MM = (torch.mm, torch.Tensor.mm)
-_ADDMM = (torch.addmm, torch.Tensor.addmm)
-
-
-def _padded_rows(x: Any, rows: int) -> tuple[torch.Tensor, int] | None:
-    """``x`` flattened to ``[n, k]`` and zero-padded to ``rows`` rows, with ``n``; None when ``x``
-    is not a floating tensor of at least 2 dims or already has ``rows`` rows or more."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point():
-        return None
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    if n >= rows or n == 0:
-        return None
-    return F.pad(flat, (0, 0, 0, rows - n)), n
-
-
-class MinRowsProducts(TorchFunctionMode):
-    """The mode of :func:`min_rows_products`: products with a weight (``linear``, ``matmul`` with a
-    2-D right operand, ``mm``, ``addmm``) whose left operand has fewer than ``rows`` rows run on
-    that operand zero-padded to ``rows`` rows, and the first rows of the result are returned; every
-    other call passes through unchanged (the same library kernels, forward and backward).
-
-    Args:
-        rows: the minimum number of rows a product runs with (an int >= 1).
-    """
-
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise input_error("fnppo.core.batch_invariant.MinRowsProducts", "rows", "an int >= 1", repr(rows))
-        self.rows = rows
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _PRODUCTS_2D and len(args) >= 2 and not kwargs.get("out"):
-            a, b = args[0], args[1]
-            if isinstance(b, torch.Tensor) and b.dim() == 2:
-                padded = _padded_rows(a, self.rows)
-                if padded is not None:
-                    flat, n = padded
-                    out = func(flat, *args[1:], **kwargs)
-                    return out[:n].reshape(*a.shape[:-1], out.shape[-1])
-        elif func in _MM and len(args) >= 2 and not kwargs.get("out"):
-            padded = _padded_rows(args[0], self.rows) if args[0].dim() == 2 else None
-            if padded is not None:
-                flat, n = padded
-                return func(flat, *args[1:], **kwargs)[:n]
-        elif func in _ADDMM and len(args) >= 3 and not kwargs.get("out"):
-            c, a = args[0], args[1]
-            padded = _padded_rows(a, self.rows) if a.dim() == 2 else None
-            if padded is not None and isinstance(c, torch.Tensor):
-                flat, n = padded
-                if c.dim() == 2 and c.shape[0] == n and n > 1:
-                    c = F.pad(c, (0, 0, 0, self.rows - n))
-                return func(c, flat, *args[2:], **kwargs)[:n]
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def min_rows_products(rows: int | None) -> Iterator[None]:
-    """Run the block with every product of fewer than ``rows`` rows padded to ``rows`` rows
-    (:class:`MinRowsProducts`); ``rows`` None changes nothing."""
-    if rows is None:
-        yield
-        return
-    with MinRowsProducts(rows):
-        yield

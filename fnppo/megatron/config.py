@@ -77,7 +77,8 @@ class ModelConfig:
     stay in bf16/fp32. Refused on CPU and without Transformer Engine.
 
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
-    them on where the model is built for CUDA (NCCL) and off on CPU (and with ``batch_invariant``);
+    them on where the model is built for CUDA (NCCL) and off on CPU (and with ``batch_invariant``
+    unless its kernels are the CUDA ``"fast"`` ones);
     True or False forces them.
 
     ``deterministic``: repeatable results on a GPU (measured: repeated MoE forwards agree bit for
@@ -310,8 +311,10 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
     for it).
     """
-    # batch-invariant mode: the plain torch element-wise ops, which its torch-function mode sees
-    default = _on_cuda(layout) and not cfg.batch_invariant
+    # batch-invariant mode with fnppo's torch or Megatron's kernels: the plain torch element-wise ops,
+    # which its torch-function mode sees (the CUDA "fast" kernels keep the fused ones: one kernel per op)
+    fast = cfg.batch_invariant and invariant_kernels(cuda=_on_cuda(layout), moe=cfg.num_experts is not None) == "fast"
+    default = _on_cuda(layout) and (not cfg.batch_invariant or fast)
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
         bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),

@@ -31,7 +31,6 @@ from fnppo.core.batch_invariant import (
     BatchInvariantKernels,
     batch_invariant,
     invariant_kernels,
-    min_rows_products,
 )
 from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch
@@ -95,12 +94,10 @@ def batch_invariant_numerics(enabled: bool, *, kernels: BatchInvariantKernels | 
     """Run the block batch-invariantly when ``enabled`` (a model built with ``ModelConfig(batch_invariant=True)``).
 
     ``kernels`` (default :func:`invariant_kernels` of a dense model; the steps pass the one recorded on
-    the model's config): ``"fast"`` (CUDA): the library's kernels, with
-    products of fewer than :data:`CUDA_MIN_ROWS` rows zero-padded to that many
-    (:func:`fnppo.core.batch_invariant.min_rows_products`); together with the steps' micro-batch
-    shaping (each sequence aligned to the attention block, at least :data:`CUDA_MIN_ROWS` tokens) a
-    token's forward values do not depend on its micro-batch, and the backward runs the ordinary
-    kernels. ``"torch"``: fnppo's fixed-tile torch kernels
+    the model's config): ``"fast"`` (CUDA): nothing is swapped; the steps' micro-batch shaping
+    (each packed sequence aligned to the attention block, at least :data:`CUDA_MIN_ROWS` tokens,
+    :mod:`fnppo.steps.plan`) is what makes a token's forward values independent of its
+    micro-batch, and forward and backward run the ordinary kernels. ``"torch"``: fnppo's fixed-tile torch kernels
     (:func:`fnppo.core.batch_invariant.batch_invariant`: products, norms, softmaxes and row
     reductions in fixed row tiles, invariant element-wise compositions). ``"megatron"``:
     Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer
@@ -115,9 +112,8 @@ def batch_invariant_numerics(enabled: bool, *, kernels: BatchInvariantKernels | 
         raise input_error(
             "fnppo.megatron.forward.batch_invariant_numerics", "kernels", "'fast', 'torch' or 'megatron'", repr(kind)
         )
-    if kind == "fast":
-        with min_rows_products(CUDA_MIN_ROWS):
-            yield
+    if kind == "fast":  # the steps shaped the micro-batches; the model runs its own kernels
+        yield
         return
     megatron = megatron_invariant_kernels() if kind == "megatron" else None
     with contextlib.ExitStack() as stack:

@@ -174,15 +174,22 @@ def uses_transformer_engine(core: nn.Module) -> bool:
     return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in core.modules())
 
 
-def _min_tokens(mb: Microbatch, plan: Plan) -> Microbatch:
-    """``mb`` padded (:func:`~fnppo.core.collate.pad_microbatch`) to at least ``plan.min_tokens``
-    tokens, its length kept a multiple of ``plan.pad_to_multiple_of``."""
+def min_tokens(mb: Microbatch, tokens: int, multiple: int) -> Microbatch:
+    """``mb`` padded (:func:`~fnppo.core.collate.pad_microbatch`) to at least ``tokens`` tokens, its
+    length a multiple of ``multiple`` (``mb`` itself when it has that many already)."""
     rows, length = (int(n) for n in mb.input_ids.shape)
-    if plan.min_tokens is None or rows * length >= plan.min_tokens:
+    if rows * length >= tokens:
         return mb
-    need = -(-plan.min_tokens // rows)
-    m = plan.pad_to_multiple_of
-    return pad_microbatch(mb, -(-need // m) * m)
+    need = -(-tokens // rows)
+    return pad_microbatch(mb, -(-need // multiple) * multiple)
+
+
+def shape_for_invariance(model: ModelFacts, mbs: Sequence[Microbatch]) -> list[Microbatch]:
+    """Micro-batches made by the caller (``forward_only``) padded as the steps pad theirs in the CUDA
+    batch-invariant mode (:func:`fast_invariant`; at least ``CUDA_MIN_ROWS`` tokens), else as given."""
+    if not fast_invariant(model):
+        return list(mbs)
+    return [min_tokens(mb, CUDA_MIN_ROWS, FLEX_BLOCK) for mb in mbs]
 
 
 def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
@@ -225,7 +232,7 @@ def microbatches(
         plan=split,
     )
     if plan.min_tokens is not None:
-        mbs = [_min_tokens(mb, plan) for mb in mbs]
+        mbs = [min_tokens(mb, plan.min_tokens, plan.pad_to_multiple_of) for mb in mbs]
     return split, mbs
 
 
