@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from megatron.core import parallel_state as ps
 from megatron.core import utils as mutils
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -100,8 +99,7 @@ def build_gpt(
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     for vp in stages:
-        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
-        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        pre, post = layout.holds_stage_ends(vp)
         model = model_class(
             config=tcfg,
             transformer_layer_spec=_block_spec(spec, tcfg, vp, dense_spec=dense_spec, moe_layers=cfg.moe_layers),

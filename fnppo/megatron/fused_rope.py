@@ -7,8 +7,9 @@ Transformer Engine defines; :func:`install_fused_rope` sets the missing ones to 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import rope_utils
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -45,6 +46,20 @@ def _fused_rope_bshd(
     return apply_rotary(t.reshape(s * b, h, d), freqs[:, 0, 0, :], pos).view(s, b, h, d)
 
 
+@dataclass(frozen=True)
+class _GroupCoords:
+    """A process group's size and this rank's place in it, as ``ProcessGroup.size()`` / ``.rank()`` report them."""
+
+    n: int
+    r: int
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.r
+
+
 # positions per cu_seqlens tensor, dropped with it: cu_seqlens -> {(total, absolute, version): positions}
 _THD_POSITIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -58,9 +73,8 @@ def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int =
     """
     total = t.shape[0]
     if cp_size > 1 or freqs.dim() != 4 or freqs.shape[1] != 1:
-        return rope_utils._apply_rotary_pos_emb_thd(
-            t, cu_seqlens, freqs, cp_group=parallel_state.get_context_parallel_group()
-        )
+        # Megatron's unfused THD RoPE reads only the group's size and rank (passed in here), never the group itself
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_GroupCoords(cp_size, cp_rank))
     absolute = freqs.shape[0] == total
     key = (total, absolute, cu_seqlens._version)
     cached = _THD_POSITIONS.get(cu_seqlens)
