@@ -2,7 +2,10 @@
 
 Megatron's ``apply_rope_fusion`` (on where models are built for CUDA,
 :func:`fnppo.megatron.config.fusion_fields`) calls two functions of ``rope_utils`` that only
-Transformer Engine defines; :func:`install_fused_rope` sets the missing ones to the adapters here.
+Transformer Engine defines; :func:`fnppo.megatron.patches.patch_fused_rope` sets the missing ones
+to the adapters here (:func:`fused_rope_bshd`, :func:`fused_rope_thd`). Cases outside
+:func:`fnppo.core.rope.apply_rotary` (interleaved RoPE, per-sample angle tables, context parallelism
+in THD) use Megatron's unfused functions.
 """
 
 from __future__ import annotations
@@ -16,26 +19,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fnppo.core.rope import apply_rotary, thd_positions
 from fnppo.core.typing import Tensor
 
-__all__ = ["install_fused_rope"]
+__all__ = ["fused_rope_bshd", "fused_rope_thd"]
 
 
-def install_fused_rope() -> None:
-    """Give Megatron a fused RoPE when Transformer Engine does not (once per process).
-
-    Megatron's ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb`` (``[s, b, h, d]``)
-    and ``fused_apply_rotary_pos_emb_thd`` (packed ``[t, h, d]``), which only Transformer Engine
-    provides; where they are missing they are set to adapters of :func:`fnppo.core.rope.apply_rotary` (the
-    same rotation, one kernel, no host sync). Cases outside it (interleaved RoPE, per-sample angle
-    tables, context parallelism in THD) use Megatron's unfused functions. Transformer Engine's own
-    functions are left in place.
-    """
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
-    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
-        rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
-
-
-def _fused_rope_bshd(
+def fused_rope_bshd(
     t: Tensor, freqs: Tensor, transpose_output_memory: bool = False, interleaved: bool = False
 ) -> Tensor:
     """Megatron's fused-RoPE signature for ``t`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
@@ -64,7 +51,7 @@ class _GroupCoords:
 _THD_POSITIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+def fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
     """Megatron's fused-RoPE signature for packed ``t`` ``[t, h, d]``, ``freqs`` ``[max_s, 1, 1, rot]``.
 
     Positions restart in every sequence, except when the table has exactly one row per packed token

@@ -3,7 +3,7 @@
 :class:`Batching` holds how a batch becomes micro-batches and updates (the fields that the policy
 and the critic share) and checks them; :class:`StepConfig` (the policy) and :class:`CriticConfig`
 (the critic) inherit it, so both are built with flat keyword arguments. :class:`TrainState` is what
-persists between steps.
+persists between steps (defined in :mod:`fnppo.megatron.state`, where the checkpoint layer types it).
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
 
 from fnppo.core.errors import check_bool_fields, check_positive_int, input_error
 from fnppo.core.linear_logprob_graphs import BackwardGraphs
@@ -22,6 +19,7 @@ from fnppo.core.losses import LossConfig, ValueLossConfig
 from fnppo.core.sample import LAYOUTS
 from fnppo.core.split import split_mode
 from fnppo.megatron.forward import forward_logits
+from fnppo.megatron.state import TrainState
 from fnppo.steps.protocols import CriticFns, FusedHead, StepFns
 
 __all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
@@ -162,18 +160,3 @@ class CriticConfig(Batching):
 
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     fns: CriticFns = field(default_factory=CriticFns)
-
-
-@dataclass(frozen=True)
-class TrainState:
-    """What persists between steps: DDP-wrapped model chunks, Megatron optimizer, step counter."""
-
-    model: tuple[nn.Module, ...]
-    optimizer: Any
-    step: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, nn.Module):
-            object.__setattr__(self, "model", (self.model,))
-        else:
-            object.__setattr__(self, "model", tuple(self.model))
