@@ -8,6 +8,7 @@ patched object, its behaviour against Megatron's own (or a float64 reference), a
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import torch
@@ -106,3 +107,54 @@ def test_grad_clip_l2_norm(monkeypatch):
     monkeypatch.setattr(clip_grads, "l2_norm_impl", own)
     patches.patch_grad_clip_l2_norm()
     assert clip_grads.l2_norm_impl is own
+
+
+# ---------------------------------------------------------------------------------------------
+# The boundary: Megatron's parallel state is read in one function, and patched in one module
+# ---------------------------------------------------------------------------------------------
+def test_parallel_state_is_read_only_in_current_layout():
+    """Outside ``fnppo/megatron/parallel.py`` no module of fnppo reads Megatron's ``parallel_state``
+    (the layout is passed in as a ``ParallelLayout``), and nothing outside ``patches.py`` assigns to
+    the attributes the patches own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "fnppo"
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "parallel_state" in p.read_text())
+    assert readers == ["megatron/parallel.py"], readers
+    assign = re.compile(
+        r"\b(rope_utils\.fused_apply_rotary_pos_emb\w*|moe_utils\.te_general_gemm|"
+        r"token_dispatcher\.maybe_move_tensor_to_cpu|clip_grads\.l2_norm_impl)\s*=[^=]"
+    )
+    writers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if assign.search(p.read_text()))
+    assert writers == ["megatron/patches.py"], writers
+
+
+def test_stage_ends_of_a_layout_match_megatron(monkeypatch):
+    """``ParallelLayout.holds_stage_ends(vp)`` (what ``build_gpt`` passes as ``pre_process`` /
+    ``post_process``) equals Megatron's ``is_pipeline_first_stage`` / ``is_pipeline_last_stage``
+    (``ignore_virtual=False``) for every pipeline rank and chunk, with and without a virtual pipeline."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from fnppo.megatron.parallel import ParallelLayout
+
+    base = ParallelLayout(
+        world_size=1, rank=0, tp=1, pp=1, dp=1, vpp=None, tp_rank=0, pp_rank=0, dp_rank=0,
+        tp_group=None, pp_group=None, dp_group=None, backend="gloo",
+    )  # fmt: skip
+    seen = set()
+    for pp, vpp in ((1, None), (2, None), (4, None), (2, 2), (4, 3)):
+        for rank in range(pp):
+            lay = dataclasses.replace(base, pp=pp, vpp=vpp, pp_rank=rank)
+            monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda r=rank: r)
+            monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda p=pp: p)
+            monkeypatch.setattr(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda v=vpp: v)
+            for vp in range(vpp) if vpp else [None]:
+                want = (
+                    parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                    parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                )
+                assert lay.holds_stage_ends(vp) == want, (pp, vpp, rank, vp)
+                seen.add(want)
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
