@@ -9,9 +9,9 @@ entropy and loss, written from scratch in ``benchmarks/actor_baseline.py`` and d
 * entropy from a vocab-parallel entropy whose softmax buffer is reused in place in backward,
 * the vanilla (dual-clip) PPO loss with one global token normalizer, k3 KL to the reference.
 
-Path C is A with ``StepConfig(fused_output=True)``: the last stage stops before the output layer and
+Path C is A with ``StepConfig(fns=StepFns.fused())``: the last stage stops before the output layer and
 ``linear_logprob_and_entropy`` computes log-probs and entropy from the hidden states and the output
-weight, never materializing the logits. Path D is C with ``fused_output_graphs=fnppo.ops.BackwardGraphs()``
+weight, never materializing the logits. Path D is C with ``StepFns.fused(graphs=fnppo.ops.BackwardGraphs())``
 (the fused backward replayed as a CUDA graph).
 
 Prints: tokens/s (median over the timed steps), model FLOPs utilization (MFU: model FLOPs per token
@@ -22,7 +22,7 @@ Transformer Engine), ``--fusions off`` builds the model without Megatron's fused
 on`` keeps fnppo's call-time checks (host syncs) on during the timed steps, ``--profile FILE``
 writes a torch.profiler summary of one step per path, ``--recompute full|selective`` (with
 ``--recompute-modules``) turns on Megatron's activation recomputation, ``--fused-chunk-vocab N``
-sets path C's ``StepConfig.fused_output_chunk_vocab``, and ``--rotate`` starts each round of steps
+sets path C's ``StepFns.fused(chunk_vocab=N)``, and ``--rotate`` starts each round of steps
 with the next path and collects Python's garbage before every step, outside its time (the JSON has
 every step's time and, per path, the median over rounds of A's step time over the path's). Every
 step also records the time until ``train_step`` returned, the garbage collector's time, the caching
@@ -175,7 +175,7 @@ def parse_args(argv=None):
         "--fused-chunk-vocab",
         type=int,
         default=None,
-        help="path C: StepConfig.fused_output_chunk_vocab (vocabulary rows per block of the fused backward)",
+        help="path C: StepFns.fused(chunk_vocab=N) (vocabulary rows per block of the fused backward)",
     )
     p.add_argument("--overlap", action="store_true", help="DDP overlap_grad_reduce (data parallelism)")
     p.add_argument("--search", action="store_true", help="find the largest micro-batch budget per path")
@@ -368,17 +368,12 @@ def step_config(path: str, mb_tokens: int, chunk_vocab: int | None = None) -> fn
     loss = fnppo.losses.from_flat(
         policy_loss="ppo", loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.001, kl_estimator="k3"
     )
-    fns = actor_fns() if path == "B" else fnppo.StepFns()
-    fused = path in ("C", "D")
-    return fnppo.StepConfig(
-        loss=loss,
-        layout="packed",
-        max_tokens_per_microbatch=mb_tokens,
-        fns=fns,
-        fused_output=fused,
-        fused_output_chunk_vocab=chunk_vocab if fused else None,
-        fused_output_graphs=fnppo.ops.BackwardGraphs() if path == "D" else None,
-    )
+    if path in ("C", "D"):
+        graphs = fnppo.ops.BackwardGraphs() if path == "D" else None
+        fns = fnppo.StepFns.fused(chunk_vocab=chunk_vocab, graphs=graphs)
+    else:
+        fns = actor_fns() if path == "B" else fnppo.StepFns()
+    return fnppo.StepConfig(loss=loss, layout="packed", max_tokens_per_microbatch=mb_tokens, fns=fns)
 
 
 def sync(device):
@@ -823,7 +818,7 @@ def run(args, layout, device) -> int:
             (first["D"]["logprobs"] - first["A"]["logprobs"]).abs().max()
         )
         result["speedup_D_over_A"] = result["D"]["tokens_per_s"] / result["A"]["tokens_per_s"]
-        g = cfgs["D"].fused_output_graphs
+        g = cfgs["D"].fns.head.graphs
         result["D"]["graphs"] = {
             "captures": g.captures,
             "replays": g.replays,

@@ -429,9 +429,9 @@ def _gpt(tp: int, rope_fusion: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if rope_fusion:
-        from fnppo.megatron.fused_rope import install_fused_rope
+        from fnppo.megatron.patches import patch_fused_rope
 
-        install_fused_rope()  # fnppo's one-pass RoPE (Transformer Engine is absent here)
+        patch_fused_rope()  # fnppo's one-pass RoPE (Transformer Engine is absent here)
 
     cfg = TransformerConfig(
         num_layers=2,

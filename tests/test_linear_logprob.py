@@ -613,11 +613,20 @@ def _step_model_cfg(tied: bool):
 
 
 def step_worker(
-    tied: bool = True, build: dict | None = None, chunk_vocab: int | None = None, graphs: bool = False
+    tied: bool = True,
+    build: dict | None = None,
+    chunk_vocab: int | None = None,
+    graphs: bool = False,
+    legacy: bool = False,
 ) -> dict:
-    """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights."""
+    """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights.
+
+    Fused: ``StepConfig(fns=StepFns.fused(...))``; with ``legacy`` the deprecated
+    ``StepConfig(fused_output=True, ...)`` flags (their DeprecationWarnings are recorded)."""
+    import warnings
+
     import fnppo
-    import fnppo.steps.schedule as step_mod
+    import fnppo.steps.protocols as step_mod
     from fnppo.testing import synthetic_samples
 
     layout = fnppo.parallel.current_layout()
@@ -647,14 +656,23 @@ def step_worker(
             frozen = fnppo.models.snapshot_params(state.model)
             samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
             cache = fnppo.ops.BackwardGraphs(row_multiple=8) if graphs and fused else None
-            cfg = fnppo.StepConfig(
-                loss=loss,
-                num_microbatches=2,
-                temperature=0.9,
-                fused_output=fused,
-                fused_output_chunk_vocab=chunk_vocab if fused else None,
-                fused_output_graphs=cache,
-            )
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always", DeprecationWarning)
+                if legacy:
+                    cfg = fnppo.StepConfig(
+                        loss=loss,
+                        num_microbatches=2,
+                        temperature=0.9,
+                        fused_output=fused,
+                        fused_output_chunk_vocab=chunk_vocab if fused else None,
+                        fused_output_graphs=cache,
+                    )
+                else:
+                    fns = fnppo.StepFns.fused(chunk_vocab=chunk_vocab, graphs=cache) if fused else fnppo.StepFns()
+                    cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fns=fns)
+            out.setdefault("deprecations", {})[fused] = [
+                str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)
+            ]
             lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
             state, metrics = fnppo.train_step(state, samples, cfg)
             lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
@@ -699,11 +717,16 @@ def test_step_fused_output_equals_unfused_one_process():
 
 
 def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_number():
+    """Through the deprecated flags (``StepConfig(fused_output=True, fused_output_chunk_vocab=7)``):
+    the same numbers, the chunk reaches the function, one DeprecationWarning naming what to write."""
     from fnppo.testing import run_ranks
 
-    out = run_ranks(step_worker, 1, True, None, 7)[0]  # 7 of 64 rows per block: 10 blocks
+    out = run_ranks(step_worker, 1, True, None, 7, False, True)[0]  # 7 of 64 rows per block: 10 blocks
     _compare_fused(out, "fused_output_chunk_vocab=7")
     assert out["calls"][True] > 0 and out["chunk_vocab"][True] == {7}
+    assert out["deprecations"][False] == []
+    (message,) = out["deprecations"][True]
+    assert "is deprecated" in message and "StepConfig(fns=StepFns.fused(chunk_vocab=7, graphs=None))" in message
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InputError) as info:
             fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
@@ -713,8 +736,8 @@ def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_numbe
 
 
 def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
-    """``StepConfig.fused_output_graphs``: every fused call gets the cache, the backward runs
-    through its buffers (eagerly on CPU), and the step's numbers equal the unfused step's."""
+    """``StepFns.fused(graphs=cache)``: every fused call gets the cache the caller owns, the backward
+    runs through its buffers (eagerly on CPU), and the step's numbers equal the unfused step's."""
     from fnppo.testing import run_ranks
 
     out = run_ranks(step_worker, 1, True, None, None, True)[0]
@@ -762,6 +785,45 @@ def test_fused_output_refuses_replaced_stages():
         InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"
     ):
         fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns(logprob=lambda *a, **k: None))
+
+
+def test_fused_stage_values_and_deprecated_flags():
+    """``StepFns.fused`` builds the head stage (the forward stops before the output layer); the old
+    flags become it, with a DeprecationWarning that says what to write, and survive ``replace``."""
+    import dataclasses
+    import warnings
+
+    import fnppo
+    from fnppo.megatron.forward import forward_hidden, forward_logits
+    from fnppo.steps import FusedHead
+
+    cache = BackwardGraphs()
+    fns = fnppo.StepFns.fused(chunk_vocab=5, graphs=cache)
+    assert fns.forward is forward_hidden and fns.head == FusedHead(chunk_vocab=5, graphs=cache)
+    assert fns.head.graphs is cache  # the caller's object, not a copy
+    with pytest.warns(DeprecationWarning, match=r"write StepConfig\(fns=StepFns.fused\(chunk_vocab=5, graphs=Backward"):
+        cfg = fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=5, fused_output_graphs=cache)
+    assert cfg.fns.head == fns.head and cfg.fns.forward is forward_hidden
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dataclasses.replace(cfg, temperature=2.0).fns.head.graphs is cache  # translated once, no warning
+        assert fnppo.StepConfig().fns.head is None and fnppo.StepConfig().fns.forward is forward_logits
+    with pytest.raises(InputError) as info:
+        fnppo.StepFns(head=FusedHead())
+    check_message(info.value, InputError, "StepFns", "forward", "forward_hidden when head is set", "forward_logits")
+    with pytest.raises(InputError) as info:
+        fnppo.StepFns(forward=forward_hidden, head=FusedHead(), logprob=lambda *a, **k: None)
+    check_message(info.value, InputError, "StepFns", "logprob", "the default when head is set", "")
+    with pytest.raises(InputError) as info:
+        fnppo.StepFns.fused(chunk_vocab=3, head=FusedHead())
+    check_message(info.value, InputError, "StepFns.fused", "head", "None when chunk_vocab or graphs is given", "")
+    with pytest.raises(InputError) as info:
+        fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns.fused(chunk_vocab=3))
+    check_message(info.value, InputError, "StepConfig", "fused_output", "False when fns.head is set", "True")
+    for bad, name in ((0, "chunk_vocab"), ("yes", "graphs")):
+        with pytest.raises(InputError) as info:
+            FusedHead(**{name: bad})
+        check_message(info.value, InputError, "fnppo.FusedHead", name, "", repr(bad))
 
 
 # ---------------------------------------------------------------------------------------------

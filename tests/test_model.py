@@ -562,7 +562,7 @@ def test_load_strict_refuses_unknown_tensor(sharded):
 
 def test_grad_clipping_norm_without_syncs_matches_float64():
     """The replacement of Megatron's per-tensor-sync grad-norm fallback: the same global L2 norm."""
-    from fnppo.megatron.build import _l2_norm_without_syncs
+    from fnppo.megatron.patches import l2_norm_without_syncs as _l2_norm_without_syncs
 
     g = torch.Generator().manual_seed(0)
     groups = [[torch.randn(5, 3, generator=g), torch.randn(7, generator=g)], [torch.randn(2, 2, 2, generator=g)]]

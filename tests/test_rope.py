@@ -59,7 +59,8 @@ def test_matches_closed_form_and_its_gradient_is_the_inverse_rotation(rot):
 def test_adapters_match_megatron_unfused_thd_and_bshd():
     from megatron.core.models.common.embeddings import rope_utils
 
-    from fnppo.megatron.fused_rope import _fused_rope_bshd, _fused_rope_thd
+    from fnppo.megatron.fused_rope import fused_rope_bshd as _fused_rope_bshd
+    from fnppo.megatron.fused_rope import fused_rope_thd as _fused_rope_thd
 
     class OneRank:
         def size(self):

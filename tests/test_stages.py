@@ -1,7 +1,7 @@
 """How train_step composes its parts, over real Megatron on CPU (one gloo rank).
 
-* Every stage of :class:`fnppo.StepFns` (collate, forward, logprob, loss) can be swapped for a user
-  function: the function is called once per micro-batch and its result is what the step uses
+* Every stage of :class:`fnppo.StepFns` (collate, forward, logprob, loss, and the fused path's head)
+  can be swapped for a user function: the function is called once per micro-batch and its result is what the step uses
   (compared with an equivalent step that needs no swap).
 * ``ppo_epochs`` x ``num_minibatches`` updates in one call equal a plain loop of single updates
   on the strided mini-batches (weights bit-identical, metrics merged exactly).
@@ -66,7 +66,7 @@ def _step(samples, **kw):
 # stage swaps
 # ---------------------------------------------------------------------------------------------
 def _stage_swaps(samples) -> dict:
-    calls = {"collate": 0, "forward": 0, "logprob": 0, "loss": 0}
+    calls = {"collate": 0, "forward": 0, "logprob": 0, "loss": 0, "head": 0}
 
     def collate(group, *, layout, pad_to_multiple_of, sample_index):
         calls["collate"] += 1
@@ -85,6 +85,12 @@ def _stage_swaps(samples) -> dict:
             logits, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy, vocab_size=vocab_size
         )
 
+    def head(hidden, weight, labels, *, tp_group, temperature, with_entropy, vocab_size):
+        calls["head"] += 1
+        return fnppo.ops.linear_logprob_and_entropy(
+            hidden, weight, labels, tp_group=tp_group, temperature=4.0, with_entropy=with_entropy, vocab_size=vocab_size
+        )
+
     def loss(*args, **kwargs):
         calls["loss"] += 1
         value, metrics = ppo_loss(*args, **kwargs)
@@ -97,9 +103,10 @@ def _stage_swaps(samples) -> dict:
         ("forward", forward, _step(samples, temperature=0.5)),  # 2 * logits == logits / 0.5
         ("logprob", logprob, _step(samples, temperature=4.0)),  # the user's temperature wins
         ("loss", loss, None),
+        ("head", head, _step(samples, temperature=4.0, fns=fnppo.StepFns.fused())),  # the user's temperature wins
     ):
         before = dict(calls)
-        got = _step(samples, fns=fnppo.StepFns(**{name: fn}))
+        got = _step(samples, fns=fnppo.StepFns.fused(head=fn) if name == "head" else fnppo.StepFns(**{name: fn}))
         out[name] = {
             "calls": calls[name] - before[name],
             "others": {k: calls[k] - before[k] for k in calls if k != name},
@@ -271,7 +278,7 @@ def _moved(a: dict, b: dict) -> float:
     return max(_rel(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("stage", ["collate", "forward", "logprob", "loss"])
+@pytest.mark.parametrize("stage", ["collate", "forward", "logprob", "loss", "head"])
 def test_each_stage_can_be_swapped(results, stage):
     r = results["stages"][stage]
     default_weights, default_metrics = results["stages"]["default"]

@@ -15,14 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from megatron.core import parallel_state as ps
-from megatron.core import utils as mutils
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import transformer_block as tb
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -36,6 +33,7 @@ from fnppo.megatron.config import ModelConfig, moe_experts_choice, transformer_c
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.patches import patch_grad_clip_l2_norm, patch_moe_dispatch_numpy, patch_moe_router_gemm
 from fnppo.megatron.routing import replay_slot
 from fnppo.megatron.unwrap import HEADS, unwrap_model
 from fnppo.megatron.value import GPTValueModel
@@ -87,7 +85,8 @@ def build_gpt(
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     dense_spec = None
     if cfg.num_experts is not None:
-        _moe_without_te()
+        patch_moe_router_gemm()
+        patch_moe_dispatch_numpy()
         spec = (
             layer_spec
             if layer_spec is not None
@@ -100,8 +99,7 @@ def build_gpt(
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     for vp in stages:
-        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
-        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        pre, post = layout.holds_stage_ends(vp)
         model = model_class(
             config=tcfg,
             transformer_layer_spec=_block_spec(spec, tcfg, vp, dense_spec=dense_spec, moe_layers=cfg.moe_layers),
@@ -212,31 +210,6 @@ def _block_spec(spec: Any, tcfg: Any, vp: int | None, *, dense_spec: Any = None,
     )
 
 
-def _moe_without_te() -> None:
-    """Two gaps of megatron-core 0.16.1's MoE code off the GPU, filled once per process.
-
-    * The router gating reads ``moe_utils.te_general_gemm``, which it only defines when Transformer
-      Engine imports; without TE the name is set to None (its own fallback: ``torch.mm`` in the
-      router dtype).
-    * The all-to-all dispatcher turns its split sizes into numpy arrays only when they are CUDA
-      tensors; CPU split sizes stay tensors, which ``all_to_all_single`` refuses. The dispatcher's
-      copy helper is wrapped so that CPU tensors asked for ``as_numpy`` become numpy arrays too.
-    """
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    original = token_dispatcher.maybe_move_tensor_to_cpu
-    if getattr(original, "_fnppo", False):
-        return
-
-    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
-            return tensor.numpy()
-        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
-
-    move._fnppo = True  # type: ignore[attr-defined]
-    token_dispatcher.maybe_move_tensor_to_cpu = move
-
-
 def wrap_ddp(
     chunks: Sequence[nn.Module],
     *,
@@ -281,10 +254,10 @@ def build_optimizer(
     ``clip_grad`` > 0 clips the global grad norm (Megatron's own clipping); 0 disables it. On CUDA
     without Transformer Engine or Apex, Megatron's fallback for the grad norm of the clipping reads
     every parameter's norm to the host (one device sync per tensor); it is replaced by
-    :func:`_l2_norm_without_syncs` (see there).
+    :func:`fnppo.megatron.patches.l2_norm_without_syncs` (see there).
     """
     if torch.cuda.is_available() and current_layout().backend == "nccl":
-        _install_l2_norm_without_syncs()
+        patch_grad_clip_l2_norm()
 
     core = unwrap_model(chunks[0])
     ddp_cfg = getattr(chunks[0], "ddp_config", None)
@@ -303,23 +276,3 @@ def build_optimizer(
         **kwargs,
     )
     return get_megatron_optimizer(ocfg, list(chunks))
-
-
-def _l2_norm_without_syncs(
-    chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool, *args: Any
-) -> tuple[Tensor, None]:
-    r"""Drop-in for Megatron's ``local_multi_tensor_l2_norm``: :math:`\sqrt{\sum_t \|t\|_2^2}` over
-    all tensors as a ``[1]`` fp32 device tensor, from ``torch._foreach_norm`` (a few kernels, no
-    host sync; Megatron's fallback builds a host list of per-tensor norms)."""
-    tensors = [t for group in tensor_lists for t in group]
-    if not tensors:
-        return torch.zeros(1, dtype=torch.float32, device="cuda"), None
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
-
-
-def _install_l2_norm_without_syncs() -> None:
-    """Point Megatron's grad clipping at :func:`_l2_norm_without_syncs` where it uses its local
-    fallback (neither Transformer Engine nor Apex installed; once per process)."""
-    if clip_grads.l2_norm_impl is mutils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = _l2_norm_without_syncs

@@ -18,9 +18,9 @@ from megatron.core.transformer import TransformerConfig
 
 from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import check_bool_fields, input_error
-from fnppo.megatron.fused_rope import install_fused_rope
 from fnppo.megatron.layer_specs import te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
+from fnppo.megatron.patches import patch_fused_rope
 
 __all__ = ["ModelConfig", "transformer_config", "fusion_fields", "fp8_fields", "moe_experts_choice"]
 
@@ -305,7 +305,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     kernel that saves only its input for backward), ``bias_dropout_fusion`` (bias + dropout +
     residual add in one kernel) and ``apply_rope_fusion`` (RoPE in one kernel: Transformer
     Engine's when installed, else :func:`fnppo.core.rope.apply_rotary`, installed by
-    :func:`fnppo.megatron.fused_rope.install_fused_rope`). Megatron compiles the first two with ``torch.compile``.
+    :func:`fnppo.megatron.patches.patch_fused_rope`). Megatron compiles the first two with ``torch.compile``.
     Always off: ``masked_softmax_fusion`` and ``persist_layer_norm`` (Apex or Megatron's own CUDA
     extensions; fnppo's packed attention has no masked softmax) and ``gradient_accumulation_fusion``
     (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
@@ -407,7 +407,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     kwargs.update(overrides)
     _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
-        install_fused_rope()  # Megatron checks for a fused RoPE when the config is built
+        patch_fused_rope()  # Megatron checks for a fused RoPE when the config is built
     if cfg.batch_invariant:
         _check_batch_invariant_layout(layout)
     tc = TransformerConfig(**kwargs)

@@ -37,7 +37,7 @@ import copy
 from typing import Any
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -228,7 +228,7 @@ class PackedDotProductAttention(DotProductAttention):
                 key,
                 value,
                 cu_q,
-                parallel_state.get_context_parallel_group(),
+                self.pg_collection.cp,  # Megatron's attention passes its groups in (tp, cp)
                 softmax_scale=scale,
                 dropout_p=dropout_p,
             )

@@ -2,39 +2,27 @@
 
 Megatron's ``apply_rope_fusion`` (on where models are built for CUDA,
 :func:`fnppo.megatron.config.fusion_fields`) calls two functions of ``rope_utils`` that only
-Transformer Engine defines; :func:`install_fused_rope` sets the missing ones to the adapters here.
+Transformer Engine defines; :func:`fnppo.megatron.patches.patch_fused_rope` sets the missing ones
+to the adapters here (:func:`fused_rope_bshd`, :func:`fused_rope_thd`). Cases outside
+:func:`fnppo.core.rope.apply_rotary` (interleaved RoPE, per-sample angle tables, context parallelism
+in THD) use Megatron's unfused functions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import rope_utils
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fnppo.core.rope import apply_rotary, thd_positions
 from fnppo.core.typing import Tensor
 
-__all__ = ["install_fused_rope"]
+__all__ = ["fused_rope_bshd", "fused_rope_thd"]
 
 
-def install_fused_rope() -> None:
-    """Give Megatron a fused RoPE when Transformer Engine does not (once per process).
-
-    Megatron's ``apply_rope_fusion`` calls ``rope_utils.fused_apply_rotary_pos_emb`` (``[s, b, h, d]``)
-    and ``fused_apply_rotary_pos_emb_thd`` (packed ``[t, h, d]``), which only Transformer Engine
-    provides; where they are missing they are set to adapters of :func:`fnppo.core.rope.apply_rotary` (the
-    same rotation, one kernel, no host sync). Cases outside it (interleaved RoPE, per-sample angle
-    tables, context parallelism in THD) use Megatron's unfused functions. Transformer Engine's own
-    functions are left in place.
-    """
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = _fused_rope_bshd
-    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
-        rope_utils.fused_apply_rotary_pos_emb_thd = _fused_rope_thd
-
-
-def _fused_rope_bshd(
+def fused_rope_bshd(
     t: Tensor, freqs: Tensor, transpose_output_memory: bool = False, interleaved: bool = False
 ) -> Tensor:
     """Megatron's fused-RoPE signature for ``t`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, rot]``."""
@@ -45,11 +33,25 @@ def _fused_rope_bshd(
     return apply_rotary(t.reshape(s * b, h, d), freqs[:, 0, 0, :], pos).view(s, b, h, d)
 
 
+@dataclass(frozen=True)
+class _GroupCoords:
+    """A process group's size and this rank's place in it, as ``ProcessGroup.size()`` / ``.rank()`` report them."""
+
+    n: int
+    r: int
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self.r
+
+
 # positions per cu_seqlens tensor, dropped with it: cu_seqlens -> {(total, absolute, version): positions}
 _THD_POSITIONS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
+def fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int = 1, cp_rank: int = 0) -> Tensor:
     """Megatron's fused-RoPE signature for packed ``t`` ``[t, h, d]``, ``freqs`` ``[max_s, 1, 1, rot]``.
 
     Positions restart in every sequence, except when the table has exactly one row per packed token
@@ -58,9 +60,8 @@ def _fused_rope_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, cp_size: int =
     """
     total = t.shape[0]
     if cp_size > 1 or freqs.dim() != 4 or freqs.shape[1] != 1:
-        return rope_utils._apply_rotary_pos_emb_thd(
-            t, cu_seqlens, freqs, cp_group=parallel_state.get_context_parallel_group()
-        )
+        # Megatron's unfused THD RoPE reads only the group's size and rank (passed in here), never the group itself
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=_GroupCoords(cp_size, cp_rank))
     absolute = freqs.shape[0] == total
     key = (total, absolute, cu_seqlens._version)
     cached = _THD_POSITIONS.get(cu_seqlens)

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from torch import nn
+
+from fnppo.megatron.parallel import ParallelLayout, current_layout
 
 __all__ = ["GradStats", "finalize_grads", "grad_norm", "FinalizeNotCalledError"]
 
@@ -71,7 +72,7 @@ def _buffer_sq_sum(buffer, distributed: bool, rank_for_unique: int) -> torch.Ten
     return total
 
 
-def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
+def grad_norm(model_chunks: Sequence[nn.Module], *, layout: ParallelLayout | None = None) -> torch.Tensor:
     r"""Global gradient L2 norm over unique parameters of DDP-wrapped Megatron model chunks.
 
     .. math:: \|g\|_2 = \sqrt{\sum_{p\ \text{unique}} \sum_i g_{p,i}^2}
@@ -88,8 +89,8 @@ def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
     rank holding its shard), never deduplicated across EP ranks; parameters replicated over expert
     TP count on expert-TP rank 0 only.
     """
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    etp_rank = ps.get_expert_tensor_parallel_rank()
+    layout = layout or current_layout()
+    tp_rank, etp_rank = layout.tp_rank, layout.etp_rank
     distributed = False
     dense = expert = None
     for chunk in model_chunks:
@@ -113,13 +114,15 @@ def grad_norm(model_chunks: Sequence[nn.Module]) -> torch.Tensor:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     else:
         dense_part, expert_part = sums[:1].clone(), sums[1:].clone()
-        dist.all_reduce(dense_part, op=dist.ReduceOp.SUM, group=ps.get_model_parallel_group())
-        dist.all_reduce(expert_part, op=dist.ReduceOp.SUM, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        dist.all_reduce(dense_part, op=dist.ReduceOp.SUM, group=layout.mp_group)
+        dist.all_reduce(expert_part, op=dist.ReduceOp.SUM, group=layout.etmp_group)
         sums = torch.cat([dense_part, expert_part])
     return sums.sum().sqrt()
 
 
-def finalize_grads(model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tensor | None = None) -> GradStats:
+def finalize_grads(
+    model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tensor | None = None, layout: ParallelLayout | None = None
+) -> GradStats:
     """Finalize gradients after the backward passes of a step, and measure them.
 
     Calls Megatron's ``finalize_model_grads``: the data-parallel reduction (all-reduce, or
@@ -139,5 +142,5 @@ def finalize_grads(model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tenso
                 f"(fnppo.wrap_ddp), received {type(chunk).__name__}"
             )
     finalize_model_grads(list(model_chunks), num_tokens=num_tokens)
-    norm = grad_norm(model_chunks)
+    norm = grad_norm(model_chunks, layout=layout)
     return GradStats(grad_norm=norm, finite=bool(torch.isfinite(norm).item()))

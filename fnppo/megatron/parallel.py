@@ -1,7 +1,8 @@
 """Process groups: one ``init_parallel`` for CPU (gloo) and GPU (NCCL), and read-only helpers.
 
 Megatron keeps its parallel state in module globals; fnppo reads it in one place,
-:func:`current_layout`, and passes groups explicitly to everything below it.
+:func:`current_layout`, and passes the :class:`ParallelLayout` (sizes, ranks and groups) explicitly
+to everything below it. Functions that take a ``layout`` keyword default to reading it once there.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class ParallelLayout:
     cp_rank: int = 0
     cp_group: Any = None
     dp_cp_group: Any = None  # data parallel x context parallel: where gradients are reduced
+    mp_group: Any = None  # tensor x pipeline parallel (Megatron's model-parallel group): dense grad norms
+    etmp_group: Any = None  # expert-tensor x expert x pipeline parallel: expert grad norms
 
     @property
     def is_first_stage(self) -> bool:
@@ -70,6 +73,14 @@ class ParallelLayout:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def holds_stage_ends(self, vp_stage: int | None = None) -> tuple[bool, bool]:
+        """Whether this rank's chunk ``vp_stage`` (None without a virtual pipeline) is the first and the
+        last stage of the model (Megatron's ``is_pipeline_first_stage`` / ``is_pipeline_last_stage``
+        with ``ignore_virtual=False``)."""
+        first_vp = self.vpp is None or vp_stage == 0
+        last_vp = self.vpp is None or vp_stage == self.vpp - 1
+        return first_vp and self.is_first_stage, last_vp and self.is_last_stage
 
 
 def _default_backend(device: str | None) -> str:
@@ -199,6 +210,8 @@ def current_layout() -> ParallelLayout:
         cp_rank=parallel_state.get_context_parallel_rank(),
         cp_group=parallel_state.get_context_parallel_group(),
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        mp_group=parallel_state.get_model_parallel_group(),
+        etmp_group=parallel_state.get_expert_tensor_model_pipeline_parallel_group(),
     )
 
 

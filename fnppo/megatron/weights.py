@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from torch import nn
 
 from fnppo.core.errors import InputError, input_error
@@ -49,7 +48,7 @@ def tp_of(param: Tensor, layout: ParallelLayout) -> tuple[int, int]:
     return (layout.etp, layout.etp_rank) if is_expert(param) else (layout.tp, layout.tp_rank)
 
 
-def global_name(core: nn.Module, name: str) -> str:
+def global_name(core: nn.Module, name: str, layout: ParallelLayout | None = None) -> str:
     """The 1-rank name: global layer index (any prefix, e.g. a VLM's ``language_model.``); local
     expert ``i`` of EP rank ``r`` is expert ``r * E / ep + i``, named as Megatron's ``SequentialMLP``
     names it (``experts.local_experts.<j>.linear_fc1.weight``) whatever the experts module (grouped
@@ -61,8 +60,8 @@ def global_name(core: nn.Module, name: str) -> str:
             parts[j + 2] = str(layer.layer_number - 1)
             break
     if "experts" in parts and core.config.num_moe_experts:
-        ep = ps.get_expert_model_parallel_world_size()
-        offset = ps.get_expert_model_parallel_rank() * (core.config.num_moe_experts // ep)
+        layout = layout or current_layout()
+        offset = layout.ep_rank * (core.config.num_moe_experts // layout.ep)
         if "local_experts" in parts:  # SequentialMLP: experts.local_experts.<i>.linear_fc1.weight
             i = parts.index("local_experts") + 1
             parts[i] = str(int(parts[i]) + offset)
@@ -167,7 +166,7 @@ def load_full_weights(
     for chunk in model_chunks:
         core = unwrap_model(chunk)
         for name, param in named_weights(core, adapters=adapters):
-            gname = global_name(core, name)
+            gname = global_name(core, name, layout)
             if fresh_head and _is_value_head(gname):
                 continue  # keeps its weights
             if gname.endswith("output_layer.weight") and gname not in full and _embedding_name(gname) in full:
@@ -226,7 +225,7 @@ def gather_full_weights(model_chunks: Sequence[nn.Module], *, adapters: bool = F
     for chunk in model_chunks:
         core = unwrap_model(chunk)
         for name, param in named_weights(core, adapters=adapters):
-            gname = global_name(core, name)
+            gname = global_name(core, name, layout)
             t = param.detach().to(torch.float32, copy=True)  # a copy even when already fp32
             tp, _ = tp_of(param, layout)
             if getattr(param, "tensor_model_parallel", False) and tp > 1:
@@ -286,7 +285,7 @@ def layout_invariant_init(model_chunks: Sequence[nn.Module], *, seed: int = 0, s
             cfg = core.config
             sigma = std if std is not None else cfg.init_method_std
             for name, param in named_weights(core):
-                gname = global_name(core, name)
+                gname = global_name(core, name, layout)
                 if _tied_output(core, gname):
                     gname = _embedding_name(gname)
                 tp, tp_rank = tp_of(param, layout)

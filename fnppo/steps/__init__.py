@@ -19,6 +19,8 @@ from fnppo.steps.infer import shard_for_data_parallel as shard_for_data_parallel
 from fnppo.steps.protocols import CollateFn as CollateFn
 from fnppo.steps.protocols import CriticFns as CriticFns
 from fnppo.steps.protocols import ForwardFn as ForwardFn
+from fnppo.steps.protocols import FusedHead as FusedHead
+from fnppo.steps.protocols import HeadFn as HeadFn
 from fnppo.steps.protocols import LogprobFn as LogprobFn
 from fnppo.steps.protocols import LossFn as LossFn
 from fnppo.steps.protocols import StepFns as StepFns
@@ -38,6 +40,8 @@ __all__ = [
     "CollateFn",
     "CriticFns",
     "ForwardFn",
+    "FusedHead",
+    "HeadFn",
     "LogprobFn",
     "LossFn",
     "StepFns",

@@ -3,16 +3,14 @@
 :class:`Batching` holds how a batch becomes micro-batches and updates (the fields that the policy
 and the critic share) and checks them; :class:`StepConfig` (the policy) and :class:`CriticConfig`
 (the critic) inherit it, so both are built with flat keyword arguments. :class:`TrainState` is what
-persists between steps.
+persists between steps (defined in :mod:`fnppo.megatron.state`, where the checkpoint layer types it).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
-
-from torch import nn
 
 from fnppo.core.errors import check_bool_fields, check_positive_int, input_error
 from fnppo.core.linear_logprob_graphs import BackwardGraphs
@@ -21,7 +19,8 @@ from fnppo.core.losses import LossConfig, ValueLossConfig
 from fnppo.core.sample import LAYOUTS
 from fnppo.core.split import split_mode
 from fnppo.megatron.forward import forward_logits
-from fnppo.steps.protocols import CriticFns, StepFns
+from fnppo.megatron.state import TrainState
+from fnppo.steps.protocols import CriticFns, FusedHead, StepFns
 
 __all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
 
@@ -74,22 +73,16 @@ class StepConfig(Batching):
     only its aggregation, rollout correction and bypass mode). The batching fields (``layout``, the
     split, ``pad_to_multiple_of``, ``max_seq_len``, ``num_minibatches``, ``ppo_epochs``) are
     :class:`Batching`'s.
-    ``fused_output``: the last pipeline stage stops before the output layer
-    (:func:`~fnppo.megatron.forward.forward_hidden`) and computes log-probs and entropy with
-    :func:`~fnppo.linear_logprob_and_entropy`, never materializing the logits; it replaces the
-    ``forward`` and ``logprob`` stages of ``fns`` (which must then be the defaults).
-    ``fused_output_chunk_vocab``: the fused backward's block of vocabulary rows (its
-    ``chunk_vocab``; None: the function's default, about 3-5 % of the logits per block). Larger
-    blocks mean fewer kernel launches per micro-batch (host time, which bounds steps of small
-    models) for ``tokens x chunk_vocab`` more elements of memory. ``fused_output_graphs``: a
-    :class:`~fnppo.core.linear_logprob.BackwardGraphs` cache passed to the fused function (its
-    ``graphs``): on CUDA the fused backward is replayed as a CUDA graph, for steps whose host time
-    binds, at the cost of the cache's static buffers (about 0.17 of one logits tensor at the 0.5B
-    shape).
+    The fused output path is a stage value: ``fns=StepFns.fused(chunk_vocab=..., graphs=...)``
+    (:meth:`~fnppo.steps.protocols.StepFns.fused`). ``fused_output``, ``fused_output_chunk_vocab``
+    and ``fused_output_graphs`` are deprecated (one release): ``fused_output=True`` becomes
+    ``fns=StepFns.fused(chunk_vocab=fused_output_chunk_vocab, graphs=fused_output_graphs)`` with a
+    ``DeprecationWarning`` (``fns.collate`` and ``fns.loss`` are kept).
 
     Raises:
         InputError: ``fused_output`` that is not a bool (``"yes"``, ``0``), an unknown layout, two
-            split modes, a size that is not an int >= 1, a temperature that is not a finite float > 0.
+            split modes, a size that is not an int >= 1, a temperature that is not a finite float > 0;
+            the deprecated fused flags with replaced ``fns.forward``/``fns.logprob`` or another head.
     """
 
     loss: LossConfig = field(default_factory=LossConfig)
@@ -117,14 +110,38 @@ class StepConfig(Batching):
                 )
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
-        replaced = self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy
-        if self.fused_output and replaced:
+        self._translate_fused_flags()
+
+    def _translate_fused_flags(self) -> None:
+        """The deprecated fused flags as ``fns=StepFns.fused(...)`` (a DeprecationWarning), once."""
+        fn = "StepConfig"
+        chunk, graphs = self.fused_output_chunk_vocab, self.fused_output_graphs
+        if not self.fused_output:
+            if chunk is not None:
+                warnings.warn(_FUSED_DEPRECATED.format(chunk=chunk, graphs=None), DeprecationWarning, stacklevel=4)
+            return
+        head = self.fns.head
+        if head is not None:  # already translated (dataclasses.replace of a translated config) or set twice
+            if not (isinstance(head, FusedHead) and head.chunk_vocab == chunk and head.graphs is graphs):
+                raise input_error(fn, "fused_output", "False when fns.head is set (fns=StepFns.fused(...))", "True")
+            return
+        if self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy:
             raise input_error(
                 fn,
                 "fused_output",
                 "False when fns.forward or fns.logprob is replaced (the fused path replaces both)",
                 "True",
             )
+        graphs_text = None if graphs is None else "BackwardGraphs(...)"
+        warnings.warn(_FUSED_DEPRECATED.format(chunk=chunk, graphs=graphs_text), DeprecationWarning, stacklevel=4)
+        fns = StepFns.fused(chunk_vocab=chunk, graphs=graphs, collate=self.fns.collate, loss=self.fns.loss)
+        object.__setattr__(self, "fns", fns)
+
+
+_FUSED_DEPRECATED = (
+    "StepConfig(fused_output=..., fused_output_chunk_vocab=..., fused_output_graphs=...) is deprecated and will be "
+    "removed in the next release; write StepConfig(fns=StepFns.fused(chunk_vocab={chunk}, graphs={graphs}))"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,18 +160,3 @@ class CriticConfig(Batching):
 
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     fns: CriticFns = field(default_factory=CriticFns)
-
-
-@dataclass(frozen=True)
-class TrainState:
-    """What persists between steps: DDP-wrapped model chunks, Megatron optimizer, step counter."""
-
-    model: tuple[nn.Module, ...]
-    optimizer: Any
-    step: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, nn.Module):
-            object.__setattr__(self, "model", (self.model,))
-        else:
-            object.__setattr__(self, "model", tuple(self.model))

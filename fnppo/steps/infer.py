@@ -22,7 +22,7 @@ from torch import nn
 from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.split import SPLIT_MODES
-from fnppo.megatron.forward import forward_hidden, forward_logits
+from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.routing import RoutingRecorder
 from fnppo.megatron.unwrap import check_head
@@ -232,7 +232,7 @@ def compute_logprobs(
         model: nn.Module, mb: Microbatch, *, params: Mapping[str, torch.Tensor] | None = None
     ) -> torch.Tensor:
         # The schedule calls per_sample right after the last stage's forward of the same micro-batch.
-        hidden, weights["w"] = forward_hidden(model, mb, params=params)
+        hidden, weights["w"] = cfg.fns.forward(model, mb, params=params)
         return hidden
 
     def per_sample(out: torch.Tensor, mb: Microbatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -249,7 +249,7 @@ def compute_logprobs(
         mbs,
         per_sample,
         params=params,
-        forward=fused_forward if cfg.fused_output else cfg.fns.forward,
+        forward=fused_forward if cfg.fns.head is not None else cfg.fns.forward,
         recorder=recorder,
     )
     restored = None if store is None else split.restore(store)

@@ -2,8 +2,10 @@
 
 Every stage of a step is a field of :class:`StepFns` (the policy) or :class:`CriticFns` (the
 critic) and can be replaced by a function with the same signature (a custom loss, a custom
-log-prob); :class:`CollateFn`, :class:`ForwardFn`, :class:`LogprobFn`, :class:`LossFn` and
-:class:`ValueLossFn` state those signatures.
+log-prob); :class:`CollateFn`, :class:`ForwardFn`, :class:`LogprobFn`, :class:`HeadFn`,
+:class:`LossFn` and :class:`ValueLossFn` state those signatures. :meth:`StepFns.fused` is the
+fused output path (hidden states and the output weight -> log-probs, never the logits): its head
+stage is a :class:`FusedHead`, which owns the fused backward's block size and graph cache.
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ import torch
 from torch import nn
 
 from fnppo.core.collate import collate_microbatch
+from fnppo.core.errors import check_positive_int, input_error
+from fnppo.core.linear_logprob import linear_logprob_and_entropy
+from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ppo_loss, value_loss
 from fnppo.core.sample import Microbatch, Sample
-from fnppo.megatron.forward import forward_logits, forward_values
+from fnppo.megatron.forward import forward_hidden, forward_logits, forward_values
 
-__all__ = ["CollateFn", "ForwardFn", "LogprobFn", "LossFn", "ValueLossFn", "StepFns", "CriticFns"]
+__all__ = [
+    "CollateFn",
+    "ForwardFn",
+    "LogprobFn",
+    "HeadFn",
+    "FusedHead",
+    "LossFn",
+    "ValueLossFn",
+    "StepFns",
+    "CriticFns",
+]
 
 
 class CollateFn(Protocol):
@@ -66,6 +81,77 @@ class LogprobFn(Protocol):
         with_entropy: bool,
         vocab_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class HeadFn(Protocol):
+    """The head stage of the fused output path: hidden states and the output-weight shard -> ``(logprobs, entropy)``.
+
+    Used in place of the log-prob stage when :attr:`StepFns.head` is set; the forward stage then
+    returns ``(hidden, weight)`` (:func:`~fnppo.megatron.forward.forward_hidden`). ``hidden`` is
+    ``[batch, seq, hidden]``, ``weight`` ``[vocab_size / tp, hidden]`` (``hidden @ weight.T`` are
+    this rank's logits); the keywords and the result are those of :class:`LogprobFn`. Default
+    (:meth:`StepFns.fused`): a :class:`FusedHead`.
+    """
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        tp_group: Any,
+        temperature: float,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """:func:`~fnppo.core.linear_logprob.linear_logprob_and_entropy` as a :class:`HeadFn`, with its settings.
+
+    ``chunk_vocab``: the fused backward's block of vocabulary rows (None: the function's default,
+    about 3-5 % of the logits per block); larger blocks mean fewer kernel launches per micro-batch
+    (host time, which bounds steps of small models) for ``tokens x chunk_vocab`` more elements of
+    memory. ``graphs``: a :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs` cache that the
+    caller creates and owns (one per model; it keeps static buffers and, on CUDA, replays the fused
+    backward as a CUDA graph); None: no cache. The head holds a reference to it and never replaces it.
+
+    Raises:
+        InputError: ``chunk_vocab`` that is not an int >= 1 or None; ``graphs`` that is not a
+            ``BackwardGraphs`` or None.
+    """
+
+    chunk_vocab: int | None = None
+    graphs: BackwardGraphs | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("fnppo.FusedHead", "chunk_vocab", self.chunk_vocab, allow_none=True)
+        if self.graphs is not None and not isinstance(self.graphs, BackwardGraphs):
+            raise input_error("fnppo.FusedHead", "graphs", "a fnppo.ops.BackwardGraphs or None", repr(self.graphs))
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        tp_group: Any,
+        temperature: float,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return linear_logprob_and_entropy(
+            hidden,
+            weight,
+            labels,
+            tp_group=tp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            vocab_size=vocab_size,
+            chunk_vocab=self.chunk_vocab,
+            graphs=self.graphs,
+        )
 
 
 class LossFn(Protocol):
@@ -123,15 +209,58 @@ class StepFns:
 
     Attributes:
         collate: :class:`CollateFn` (default :func:`~fnppo.core.collate.collate_microbatch`).
-        forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.forward.forward_logits`).
-        logprob: :class:`LogprobFn` (default :func:`~fnppo.core.logprob.logprob_and_entropy`).
+        forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.forward.forward_logits`); with
+            ``head`` set, a forward returning ``(hidden, weight)`` on the last pipeline stage
+            (:func:`~fnppo.megatron.forward.forward_hidden`).
+        logprob: :class:`LogprobFn` (default :func:`~fnppo.core.logprob.logprob_and_entropy`); unused
+            (and must stay the default) when ``head`` is set.
         loss: :class:`LossFn` (default :func:`~fnppo.core.losses.ppo.ppo_loss`).
+        head: :class:`HeadFn` or None (default): the fused output path's head stage, which replaces
+            the log-prob stage and never materializes the logits. :meth:`fused` builds it.
+
+    Raises:
+        InputError: ``head`` set with the default ``forward`` (logits, not ``(hidden, weight)``) or
+            with a replaced ``logprob`` (the head replaces it).
     """
 
     collate: CollateFn = collate_microbatch
     forward: ForwardFn = forward_logits
     logprob: LogprobFn = logprob_and_entropy
     loss: LossFn = ppo_loss
+    head: HeadFn | None = None
+
+    def __post_init__(self) -> None:
+        if self.head is None:
+            return
+        if self.forward is forward_logits:
+            raise input_error(
+                "StepFns",
+                "forward",
+                "a forward returning (hidden, weight) such as forward_hidden when head is set (StepFns.fused())",
+                "forward_logits",
+            )
+        if self.logprob is not logprob_and_entropy:
+            raise input_error(
+                "StepFns", "logprob", "the default when head is set (the head replaces it)", repr(self.logprob)
+            )
+
+    @classmethod
+    def fused(cls, *, chunk_vocab: int | None = None, graphs: BackwardGraphs | None = None, **stages: Any) -> StepFns:
+        """The fused output path: the last pipeline stage stops before the output layer
+        (:func:`~fnppo.megatron.forward.forward_hidden`) and a :class:`FusedHead` computes log-probs
+        and entropy from the hidden states and the output weight, never materializing the logits.
+
+        ``chunk_vocab`` and ``graphs`` are :class:`FusedHead`'s (``graphs``: a
+        :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs` the caller creates and keeps);
+        ``stages``: other fields of :class:`StepFns` (``collate``, ``loss``, or ``head`` for a head
+        of one's own). ``StepFns.fused()`` replaces ``StepConfig(fused_output=True)``.
+        """
+        if "head" in stages and (chunk_vocab is not None or graphs is not None):
+            raise input_error(
+                "StepFns.fused", "head", "None when chunk_vocab or graphs is given (they are FusedHead's)", "a head"
+            )
+        head = stages.pop("head", None) or FusedHead(chunk_vocab=chunk_vocab, graphs=graphs)
+        return cls(**{"forward": forward_hidden, **stages, "head": head})
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,9 @@ import torch.distributed as dist
 from megatron.core import pipeline_parallel
 from torch import nn
 
-from fnppo.core.linear_logprob import linear_logprob_and_entropy
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.core.sample import Microbatch
-from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms, forward_hidden
+from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
 from fnppo.megatron.parallel import ParallelLayout
@@ -69,7 +68,9 @@ def fnppo_finalizer(model: ModelFacts) -> Iterator[dict[str, GradStats]]:
     record: dict[str, GradStats] = {}
 
     def finalize(chunks: list[nn.Module], num_tokens: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> None:
-        record["stats"] = finalize_grads(chunks, num_tokens=num_tokens if config.calculate_per_token_loss else None)
+        record["stats"] = finalize_grads(
+            chunks, num_tokens=num_tokens if config.calculate_per_token_loss else None, layout=model.layout
+        )
 
     no_sync = [c.no_sync for c in model.chunks]
     installed = {
@@ -189,9 +190,10 @@ def token_logprobs(
     plan: Plan,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of ``mb``'s labels from the logits, or, with ``weight`` (the fused
-    path), from the hidden states ``[seq, batch, hidden]`` and the output-weight shard; over the
-    model's real vocabulary (a padded vocabulary's extra columns are left out)."""
+    """Log-probs (and entropy) of ``mb``'s labels from the logits (``config.fns.logprob``), or, with
+    ``weight`` (the fused path, ``config.fns.head``), from the hidden states ``[seq, batch, hidden]``
+    and the output-weight shard; over the model's real vocabulary (a padded vocabulary's extra
+    columns are left out)."""
     layout = plan.model.layout
     tp_group = layout.tp_group if layout.tp > 1 else None
     kwargs = dict(
@@ -203,14 +205,7 @@ def token_logprobs(
     if weight is None:
         check_logits(fn, out, plan.model.vocab_size, layout)
         return config.fns.logprob(out, mb.labels, **kwargs)
-    return linear_logprob_and_entropy(
-        out.transpose(0, 1),
-        weight,
-        mb.labels,
-        chunk_vocab=config.fused_output_chunk_vocab,
-        graphs=config.fused_output_graphs,
-        **kwargs,
-    )
+    return config.fns.head(out.transpose(0, 1), weight, mb.labels, **kwargs)
 
 
 def policy_forward_step(
@@ -221,7 +216,10 @@ def policy_forward_step(
     loss_scale: float,
     tis_mean: torch.Tensor | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
-    """Megatron's ``forward_step_func`` of the policy: forward, then (last stage) logprob -> loss, scaled."""
+    """Megatron's ``forward_step_func`` of the policy: forward, then (last stage) logprob -> loss, scaled.
+
+    With a head stage (``config.fns.head``, the fused path) the forward returns ``(hidden, weight)``
+    and the head replaces the log-prob stage."""
     fns = config.fns
     loss_cfg = config.loss
     extra = {} if tis_mean is None else {"tis_mean": tis_mean}
@@ -229,7 +227,7 @@ def policy_forward_step(
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)
         with routed(model, mb):  # routing replay when the micro-batch carries routed experts
-            out, weight = forward_hidden(model, mb) if config.fused_output else (fns.forward(model, mb), None)
+            out, weight = fns.forward(model, mb) if fns.head is not None else (fns.forward(model, mb), None)
 
         def loss_func(logits: torch.Tensor):
             # the entropy is always computed: it is reported as a metric whatever its coefficient

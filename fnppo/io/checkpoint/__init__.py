@@ -1,6 +1,6 @@
 """Checkpoints of train states as Megatron distributed checkpoints: any layout saves, any layout loads.
 
-``save_checkpoint`` writes a :class:`~fnppo.steps.config.TrainState` (or a mapping of names to train
+``save_checkpoint`` writes a :class:`~fnppo.megatron.state.TrainState` (or a mapping of names to train
 states) with Megatron's ``dist_checkpointing`` in its ``torch_dist`` format: the model chunks'
 sharded state dicts, the optimizer's (the distributed optimizer's state in model space), every
 rank's RNG states and the run state (step, ``extra``), plus a ``manifest.json`` with the size and

@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 
 from fnppo.io.checkpoint.manifest import checkpoint_error
 from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.state import TrainState, TrainStates
 from fnppo.megatron.unwrap import unwrap_model
 
 __all__ = [
@@ -52,7 +53,7 @@ RNG_KEY = "fnppo.rng"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
-def named_states(state: Any, fn: str) -> dict[str, Any]:
+def named_states(state: TrainStates, fn: str) -> dict[str, TrainState]:
     """``{name: TrainState}`` of a mapping (non-empty names), ``{"": state}`` of one train state."""
     if not isinstance(state, Mapping):
         return {"": state}
@@ -97,7 +98,7 @@ def _without(tree: Any, skip: set[int]) -> Any:
 _SKIPPED = object()
 
 
-def model_sharded_state_dict(one: Any, prefix: str) -> dict[str, Any]:
+def model_sharded_state_dict(one: TrainState, prefix: str) -> dict[str, Any]:
     """``{"chunk<i>": chunk i's sharded state dict}`` of a train state's model (keys prefixed ``prefix``),
     LoRA base weights left out."""
     skip = lora_base_params(one.model)

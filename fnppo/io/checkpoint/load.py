@@ -39,6 +39,7 @@ from fnppo.io.checkpoint.content import (
     sub_optimizers,
 )
 from fnppo.io.checkpoint.manifest import CheckpointError, check_files, checkpoint_error, read_manifest
+from fnppo.megatron.state import TrainState, TrainStates
 from fnppo.megatron.unwrap import unwrap_model
 
 __all__ = ["load_checkpoint"]
@@ -59,7 +60,7 @@ def _raise_first(problem: str | None) -> None:
         raise CheckpointError(found)
 
 
-def _check_names(manifest: Mapping[str, Any], state: Any) -> str | None:
+def _check_names(manifest: Mapping[str, Any], state: TrainStates) -> str | None:
     names = list(state) if isinstance(state, Mapping) else None
     if manifest.get("states") == names:
         return None
@@ -146,7 +147,7 @@ def _strip(sd: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(prefix) :] if prefix and k.startswith(prefix) else k: v for k, v in sd.items()}
 
 
-def _load_model(one: Any, loaded: Mapping[str, Any], prefix: str) -> None:
+def _load_model(one: TrainState, loaded: Mapping[str, Any], prefix: str) -> None:
     skip = lora_base_params(one.model)
     for i, chunk in enumerate(one.model):
         core = unwrap_model(chunk)
@@ -162,11 +163,11 @@ def _load_model(one: Any, loaded: Mapping[str, Any], prefix: str) -> None:
             )
 
 
-def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict[str, Any]]:
+def load_checkpoint(directory: str | os.PathLike, state: TrainStates) -> tuple[TrainStates, dict[str, Any]]:
     """Restore model, optimizer, RNG states and step from ``directory`` into ``state``'s objects.
 
     Any parallel layout loads a checkpoint saved under any other (TP, PP, VPP, DP, EP, CP); the same
-    layout resumes bit for bit. ``state``: a :class:`~fnppo.steps.config.TrainState`, or the same
+    layout resumes bit for bit. ``state``: a :class:`~fnppo.megatron.state.TrainState`, or the same
     mapping of names to train states that was saved. Parameters tagged ``fnppo_lora_base`` are not
     loaded (load the base weights first). Returns ``(state, extra)`` (a new mapping for a mapping).
     Raises :class:`CheckpointError` (nothing loaded), on every rank, in the standard format

@@ -47,6 +47,7 @@ from fnppo.io.checkpoint.content import (
     rng_state,
 )
 from fnppo.io.checkpoint.manifest import FORMAT, MANIFEST, TMP_MARK, checkpoint_error, file_entries
+from fnppo.megatron.state import TrainStates
 
 __all__ = ["SyncTorchDistSave", "save_checkpoint", "sharded_checkpoint_state"]
 
@@ -139,11 +140,13 @@ def _phase(work: Callable[[], Any], tmp: Path, rank: int, directory: Path) -> No
     ) from error
 
 
-def save_checkpoint(directory: str | os.PathLike, state: Any, *, extra: Mapping[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    directory: str | os.PathLike, state: TrainStates, *, extra: Mapping[str, Any] | None = None
+) -> Path:
     """Save ``state`` (model chunks, optimizer, step) plus RNG states and ``extra`` to ``directory``.
 
     A Megatron distributed checkpoint (``torch_dist``): a later :func:`load_checkpoint` reads it under any
-    parallel layout (TP, PP, VPP, DP, EP, CP). ``state``: a :class:`~fnppo.steps.config.TrainState`, or a
+    parallel layout (TP, PP, VPP, DP, EP, CP). ``state``: a :class:`~fnppo.megatron.state.TrainState`, or a
     mapping of names to train states (all in one checkpoint; its ``step`` is the first state's).
     ``extra``: run state (data position, KL controller, settings, ...), the same on every rank (rank 0's is
     written, every rank gets it back). Parameters tagged ``fnppo_lora_base`` are left out. Atomic: the
