@@ -17,8 +17,10 @@ from fnppo.core.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    Aggregation,
     LossConfig,
     PolicyInputs,
+    ValueLossConfig,
     compute_tis_weights,
     from_flat,
     kl_penalty,
@@ -1213,3 +1215,17 @@ def test_value_loss_split_invariance(seed, b, cut, mode):
         if j > i
     ]
     torch.testing.assert_close(sum(parts), full)
+
+
+def test_value_loss_takes_a_config_like_ppo_loss():
+    """``value_loss(..., ValueLossConfig(...))`` is the loose form's loss; loose aggregation keywords
+    beside a config are refused (one way in per parameter)."""
+    g = torch.Generator().manual_seed(3)
+    v, old, ret = (torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = (torch.rand(3, 5, generator=g) < 0.7).double()
+    for clip, agg in ((0.1, Aggregation("seq-mean-token-sum-norm", 4.0)), (None, Aggregation("seq-mean-token-mean"))):
+        want = value_loss(v, old, ret, mask, clip, loss_agg_mode=agg.mode, loss_scale_factor=agg.scale)
+        got = value_loss(v, old, ret, mask, ValueLossConfig(clip_range=clip, agg=agg))
+        assert got[0].item() == want[0].item() and got[1].keys() == want[1].keys()
+    with raises_message("value_loss", "loss_agg_mode", "None when config is a ValueLossConfig", "'token-mean'"):
+        value_loss(v, old, ret, mask, ValueLossConfig(), loss_agg_mode="token-mean")
