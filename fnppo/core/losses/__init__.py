@@ -14,6 +14,7 @@ The modules, each with one job:
   declaring its flat name, flat fields and rule, :class:`~fnppo.core.losses.policy.Builtin`) and the
   line of its lowercase name: the tables of ``from_flat`` and these ``__all__`` lists derive from it.
 * :mod:`~fnppo.core.losses.covariance` -- the covariance-based policy losses ``clip_cov``, ``kl_cov``.
+* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts ``dppo_tv``, ``dppo_kl``, ``ipo``, ``dro``.
 * :mod:`~fnppo.core.losses.kl` -- :func:`kl_penalty` estimators and the :class:`KLPenalty` part.
 * :mod:`~fnppo.core.losses.aggregate` -- :class:`Aggregation`, :func:`loss_normalizer`.
 * :mod:`~fnppo.core.losses.config` -- :class:`LossConfig` and the rules across parts.
@@ -26,6 +27,7 @@ The rollout correction part (:class:`RolloutCorrection`, :func:`compute_tis_weig
 """
 
 from fnppo.core.losses import covariance as _covariance
+from fnppo.core.losses import offpolicy as _offpolicy
 from fnppo.core.losses import policy as _policy
 from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
 from fnppo.core.losses.aggregate import Aggregation as Aggregation
@@ -37,6 +39,7 @@ from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
+from fnppo.core.losses.offpolicy import *  # noqa: F403 - the built-in losses (offpolicy.LOSS_NAMES)
 from fnppo.core.losses.policy import *  # noqa: F403 - the built-in losses (policy.LOSS_NAMES)
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
 from fnppo.core.losses.policy import PolicyLoss as PolicyLoss
@@ -71,4 +74,5 @@ __all__ = [
     "from_flat",
     *_policy.LOSS_NAMES,
     *_covariance.LOSS_NAMES,
+    *_offpolicy.LOSS_NAMES,
 ]

@@ -29,7 +29,7 @@ from typing import Any
 
 from fnppo.core.errors import input_error
 from fnppo.core.loss_checks import Checker
-from fnppo.core.losses import covariance, policy
+from fnppo.core.losses import covariance, offpolicy, policy
 from fnppo.core.losses.aggregate import Aggregation, check_agg
 from fnppo.core.losses.config import LossConfig, check_cross
 from fnppo.core.losses.kl import KLPenalty, check_kl
@@ -46,9 +46,10 @@ def _default(cls: type, attr: str) -> Any:
     return next(f.default for f in dataclasses.fields(cls) if f.name == attr)
 
 
-_BUILTINS = tuple(dict.fromkeys(builtins_of(vars(policy)).values())) + tuple(
-    dict.fromkeys(builtins_of(vars(covariance)).values())
-)
+_MODULES = (policy, covariance, offpolicy)
+"""The modules of the built-in policy losses (a new module is one entry here; a new loss in one of
+them, nothing: :func:`~fnppo.core.losses.policy.builtins_of` finds it)."""
+_BUILTINS = tuple(dict.fromkeys(cls for module in _MODULES for cls in builtins_of(vars(module)).values()))
 _FLAT = tuple(cls for cls in _BUILTINS if cls.flat_name is not None)
 
 POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType({cls.flat_name: cls for cls in _FLAT})

@@ -65,7 +65,7 @@ def value_loss(
     old_values: PaddedFloat,
     returns: PaddedFloat,
     mask: PaddedMask,
-    config: ValueLossConfig | float | None = ValueLossConfig(),
+    config: ValueLossConfig | float | None = 0.2,
     *,
     loss_agg_mode: str | None = None,
     loss_scale_factor: float | None = None,
