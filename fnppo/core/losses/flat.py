@@ -100,12 +100,18 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "log_ratio_clamp": _default(LossConfig, "log_ratio_clamp"),
         **{f: v for f, v in _policy_defaults().items() if not f.startswith("clip_ratio")},
         "bypass_old_logprobs": _default(LossConfig, "bypass_old_logprobs"),
-        **{name: _default(RolloutCorrection, name) for name in SEQ_REJECTION_CRITERIA},
+        **{name: _default(RolloutCorrection, name) for name in (*SEQ_REJECTION_CRITERIA, "m2_threshold")},
     }
 )
 """Every flat field and its default (the former ``PolicyLossConfig``'s), derived from the parts' field defaults."""
 
-_CROSS = MappingProxyType({"correction.tis_cap": "tis_cap", "correction.batch_normalize": "tis_batch_normalize"})
+_CROSS = MappingProxyType(
+    {
+        "correction.tis_cap": "tis_cap",
+        "correction.batch_normalize": "tis_batch_normalize",
+        "correction.m2_threshold": "m2_threshold",
+    }
+)
 """Path of a setting read by the rules across parts -> flat field."""
 
 
@@ -169,7 +175,13 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
 
 def _correction(v: Mapping[str, Any], bounds: tuple[float, float] | None) -> RolloutCorrection | None:
     """The rollout correction of the flat fields, None when none of them corrects anything."""
-    active = [v["tis_cap"], v["tis_reject_low"], v["tis_reject_high"], *(v[n] for n in SEQ_REJECTION_CRITERIA)]
+    active = [
+        v["tis_cap"],
+        v["tis_reject_low"],
+        v["tis_reject_high"],
+        v["m2_threshold"],
+        *(v[n] for n in SEQ_REJECTION_CRITERIA),
+    ]
     if all(x is None for x in active):
         return None
     return RolloutCorrection(
@@ -183,6 +195,7 @@ def _correction(v: Mapping[str, Any], bounds: tuple[float, float] | None) -> Rol
         v["reject_seq_k3"],
         bounds,
         v["reject_seq_max_abs_log_ratio"],
+        v["m2_threshold"],
     )
 
 
