@@ -780,6 +780,9 @@ STEP_CASES = {
     "norm-token": dict(tis_cap=1.1, tis_batch_normalize=True),
     "norm-seq": dict(tis_cap=1.2, tis_level="sequence", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
     "reject-k3": dict(tis_cap=1.1, tis_batch_normalize=True, reject_seq_k3=0.006),
+    # M2PO: one cutoff over both micro-batches and both DP ranks (a per-micro-batch one would differ)
+    "m2po": dict(m2_threshold=0.006),
+    "bypass-ipo": dict(policy_loss="ipo", bypass_old_logprobs=True, ipo_threshold=0.0015, ipo_kl_coef=0.5),
 }
 STEP_METRICS = (
     "loss",
@@ -790,6 +793,8 @@ STEP_METRICS = (
     "tis_batch_mean",
     "rollout_rejected_frac",
     "reject_seq_k3_frac",
+    "m2po_masked_frac",
+    "pg_clipfrac",
     "tis_rejected_frac",
     "rollout_kl",
 )
@@ -912,6 +917,8 @@ def test_step_reference_cases_are_not_vacuous(step_reference):
             assert abs(m["tis_batch_mean"] - 1.0) > 1e-3 and m["tis_weight"] == pytest.approx(1.0, abs=0.2), (name, m)
     assert 0.0 < cases["bypass"]["metrics"]["tis_rejected_frac"] < 1.0
     assert 0.0 < cases["reject-k3"]["metrics"]["rollout_rejected_frac"] < 1.0
+    assert 0.0 < cases["m2po"]["metrics"]["m2po_masked_frac"] < 1.0
+    assert 0.0 < cases["bypass-ipo"]["metrics"]["pg_clipfrac"] < 1.0
     # bypass: the ratio is against the rollout log-probs, not the old ones
     assert cases["bypass"]["metrics"]["ppo_kl"] == pytest.approx(cases["bypass"]["metrics"]["rollout_kl"], rel=1e-5)
 
@@ -928,6 +935,7 @@ def test_train_step_matches_single_process_reference(step_reference, world, tp, 
         mine = got[name]
         assert mine["metrics"]["skipped"] == 0.0, name
         bypass = STEP_CASES[name].get("bypass_old_logprobs", False)
+        assert mine["metrics"]["offpolicy/old_logprobs_read"] == (0.0 if bypass else 1.0), name  # said, not silent
         assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (
             name,
             mine["old_is_rollout"],
@@ -1036,3 +1044,29 @@ def test_m2po_refusals():
     lp0, old, adv, mask, *_, rollout = _m2_batch(0)
     with raises_message("ppo_loss", "m2_cutoff", "None unless correction.m2_threshold is set", "0.5"):
         ppo_loss(lp0, old, adv, mask, LossConfig(), m2_cutoff=0.5)
+
+
+def test_staleness_owns_the_off_policy_contract():
+    from fnppo.core.losses import Staleness
+
+    recompute, bypass = Staleness(max_staleness=2), Staleness(max_staleness=2, proximal="behaviour")
+    loss = from_flat(policy_loss="ipo")
+    assert not recompute.loss_config(loss).bypass_old_logprobs and bypass.loss_config(loss).bypass_old_logprobs
+    assert recompute.needs_old_logprobs and not bypass.needs_old_logprobs
+    m = bypass.metrics([5, 4, 3, 5], current_version=5)
+    assert m == {
+        "offpolicy/staleness_mean": 0.75,
+        "offpolicy/staleness_max": 2.0,
+        "offpolicy/old_logprob_forward": 0.0,
+    }
+    with raises_message("Staleness.check", "versions[2]", "a version in [3, 5] (max_staleness=2", "2 (staleness 3)"):
+        recompute.check([5, 4, 2, 6], current_version=5)
+    with raises_message("Staleness.check", "versions[0]", "a version in [3, 5]", "6 (staleness -1)"):
+        recompute.check([6], current_version=5)  # from the future
+    with raises_message("Staleness", "proximal", "one of ['old', 'behaviour']", "'rollout'"):
+        Staleness(proximal="rollout")
+    with raises_message("Staleness", "max_staleness", "an int >= 0", "-1"):
+        Staleness(max_staleness=-1)
+    # a contract that bypasses the old log-probs refuses a loss that cannot run in bypass mode
+    with raises_message("LossConfig", "correction.m2_threshold", "None with bypass_old_logprobs=True", "0.1"):
+        bypass.loss_config(LossConfig(correction=RolloutCorrection(m2_threshold=0.1)))

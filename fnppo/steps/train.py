@@ -152,6 +152,10 @@ def _train(
         # the first update's forward ran before any optimizer step: on-policy, current == old
         out["onpolicy/max_abs_logprob_diff"] = float(first_gaps[0])
         out["onpolicy/max_abs_ratio_minus_1"] = float(first_gaps[1])
+    if isinstance(config, StepConfig):
+        # train_step never runs an old-log-prob forward itself: 1.0 when the loss read the samples'
+        # old_logprobs (computed by compute_logprobs before the step), 0.0 in bypass mode (none needed)
+        out["offpolicy/old_logprobs_read"] = 0.0 if config.loss.bypass_old_logprobs else 1.0
     lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
     if lr:
         out["lr"] = float(lr[0])

@@ -51,6 +51,7 @@ from fnppo.core.rollout_correction import RolloutCorrection as RolloutCorrection
 from fnppo.core.rollout_correction import TISWeights as TISWeights
 from fnppo.core.rollout_correction import compute_tis_weights as compute_tis_weights
 from fnppo.core.rollout_correction import tis_batch_stats as tis_batch_stats
+from fnppo.core.staleness import Staleness as Staleness
 
 __all__ = [
     "LossConfig",
@@ -67,6 +68,7 @@ __all__ = [
     "TISWeights",
     "compute_tis_weights",
     "tis_batch_stats",
+    "Staleness",
     "ppo_loss",
     "ValueLossConfig",
     "value_loss",
