@@ -259,7 +259,7 @@ class RolloutCorrection:
         c.need(
             any(v is not None for v in active),
             "cap",
-            "a number > 0, or one of reject_low, reject_high, reject_seq_*, m2_threshold set (a correction without any: "
+            "a number > 0, or one of reject_low, reject_high, reject_seq_* set (or m2_threshold; a correction without any: "
             "LossConfig(correction=None))",
         )
 
