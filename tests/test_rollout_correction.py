@@ -1070,3 +1070,36 @@ def test_staleness_owns_the_off_policy_contract():
     # a contract that bypasses the old log-probs refuses a loss that cannot run in bypass mode
     with raises_message("LossConfig", "correction.m2_threshold", "None with bypass_old_logprobs=True", "0.1"):
         bypass.loss_config(LossConfig(correction=RolloutCorrection(m2_threshold=0.1)))
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 4])
+def test_loglinear_decoupled_matches_float64_loop(staleness):
+    """AReaL's decoupled PPO with the log-linear proximal policy, in bypass mode (no old-log-prob
+    forward): a float64 loop from the formula, value and gradient at 1e-12."""
+    from fnppo.core.losses import loglinear_decoupled
+
+    lp0, _, adv, mask, _, _, rollout = random_batch(40 + staleness, 4, 6)
+    cfg = LossConfig(policy=loglinear_decoupled(staleness=staleness, weight_cap=1.05), bypass_old_logprobs=True)
+    lp = leaf(lp0)
+    loss, m = ppo_loss(lp, None, adv, mask, cfg, rollout_logprobs=rollout)
+    alpha = (staleness - 1) / staleness
+    lp64 = leaf(lp0)
+    terms = []
+    for p in [(b, j) for b in range(4) for j in range(6) if mask[b, j] != 0]:
+        a, behav = float(adv[p]), float(rollout[p])
+        prox = behav + alpha * (float(lp64[p]) - behav)
+        w = min(math.exp(prox - behav), 1.05)
+        r = torch.exp(lp64[p] - prox)
+        pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
+        pg = torch.minimum(pg, torch.tensor(-a * 3.0, dtype=torch.float64)) if a < 0 else pg
+        terms.append(w * pg)
+    expected = sum(terms) / len(terms)
+    torch.testing.assert_close(loss, expected, **EXACT)
+    torch.testing.assert_close(grad_of(loss, lp), grad_of(expected, lp64), **EXACT)
+    if staleness == 1:  # the proximal policy is the behaviour one: PPO in bypass mode
+        plain, _ = ppo_loss(lp0, None, adv, mask, LossConfig(bypass_old_logprobs=True), rollout_logprobs=rollout)
+        torch.testing.assert_close(loss, plain, **EXACT)
+    else:
+        assert 0.0 < finalize_metrics(m)["behaviour_weight"] != 1.0
+    with raises_message("loglinear_decoupled", "staleness", "an int >= 0", "-1"):
+        loglinear_decoupled(staleness=-1)

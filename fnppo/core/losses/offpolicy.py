@@ -1,4 +1,5 @@
-"""Policy losses for stale and mismatched rollouts: DPPO (TV, KL), IPO and DRO (pure torch).
+"""Policy losses for stale and mismatched rollouts: DPPO (TV, KL), IPO, DRO and decoupled PPO with a
+log-linear proximal policy (pure torch).
 
 Each is a built-in part like those of :mod:`fnppo.core.losses.policy` (a frozen dataclass, its own
 factory, a flat name for :func:`~fnppo.core.losses.flat.from_flat`), aggregated, weighted and
@@ -18,18 +19,19 @@ Masked tokens (outside the trust region) get loss 0 and no gradient but stay in 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from fnppo.core.loss_checks import Checker
-from fnppo.core.losses.policy import Builtin, PolicyInputs, builtins_of
+from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.policy import Builtin, PolicyInputs, PPOClip, builtins_of
 from fnppo.core.typing import Tensor
 
-__all__ = ["check_dppo", "check_ipo", "check_dro"]  # + the losses (end)
+__all__ = ["check_dppo", "check_ipo", "check_dro", "check_decoupled"]  # + the losses (end)
 
 
 def check_dppo(c: Checker) -> None:
@@ -170,9 +172,52 @@ class DRO(Builtin):
         return -x.advantages * x.logprobs + 0.5 * self.beta * d * d, {}
 
 
+def check_decoupled(c: Checker) -> None:
+    v = c.get("staleness")
+    c.need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "staleness", "an int >= 0")
+    c.need(callable(c.get("inner")), "inner", "a policy loss (a callable taking PolicyInputs)")
+    cap = c.get("weight_cap")
+    c.need(cap is None or (finite_number(cap) and cap > 0), "weight_cap", "a number > 0 or None")
+
+
+@dataclass(frozen=True)
+class LoglinearDecoupled(Builtin):
+    """Decoupled PPO with the proximal policy interpolated, not recomputed (AReaL's
+    ``prox_logp_method="loglinear"``): no old-log-prob forward. For bypass mode, where
+    ``x.old_logprobs`` are the behaviour (rollout engine's) log-probs.
+
+    The behaviour policy is ``staleness = K`` versions behind the current one and the proximal policy
+    one version behind, so ``alpha = (K - 1) / K`` (0 for ``K <= 1``) and
+    ``logp_prox = logp_behav + alpha (sg(logp) - logp_behav)``. The loss is
+    ``w inner(logp, logp_prox)`` with the behaviour weight ``w = sg(exp(logp_prox - logp_behav))``
+    (``min(w, weight_cap)`` when set): ``inner`` (default PPO's clip) anchors its trust region on the
+    proximal policy, ``w`` corrects the sampling. One ``K`` for the batch (AReaL reads one version per
+    token); :class:`~fnppo.core.staleness.Staleness` refuses older samples.
+
+    Reference: AReaL ``_compute_approx_prox_logp`` / ``ppo_actor_loss_fn`` (decoupled PPO,
+    arXiv:2505.24298).
+    """
+
+    rule = staticmethod(check_decoupled)
+
+    staleness: int = 1
+    inner: Any = PPOClip()
+    weight_cap: float | None = None
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        alpha = (self.staleness - 1) / self.staleness if self.staleness > 1 else 0.0
+        behav = x.old_logprobs
+        prox = behav + alpha * (x.logprobs.detach() - behav)
+        log_w = torch.clamp(prox - behav, -x.log_ratio_clamp, x.log_ratio_clamp)
+        w = torch.exp(log_w) if self.weight_cap is None else torch.clamp(torch.exp(log_w), max=self.weight_cap)
+        loss, metrics = self.inner(dataclasses.replace(x, old_logprobs=prox))
+        return w * loss, {**metrics, "behaviour_weight": x.token_metric(w)}
+
+
 dppo_tv = DPPOTV
 dppo_kl = DPPOKL
 ipo = IPO
+loglinear_decoupled = LoglinearDecoupled
 dro = DRO
 
 LOSS_NAMES = tuple(builtins_of(globals()))
