@@ -1,15 +1,17 @@
 """Advantage estimators (pure torch): GRPO, RLOO, GAE, REINFORCE++, pass@k, ReMax, OPO, GPG and the
-optimal token baseline. Implementation: :mod:`fnppo.core.advantages`."""
+optimal token baseline, GDPO and MaxRL. Implementation: :mod:`fnppo.core.advantages`."""
 
 from __future__ import annotations
 
 from fnppo.core.advantages import broadcast_to_tokens as broadcast_to_tokens
 from fnppo.core.advantages import discounted_scan as discounted_scan
 from fnppo.core.advantages import gae_advantages as gae_advantages
+from fnppo.core.advantages import gdpo_advantages as gdpo_advantages
 from fnppo.core.advantages import gpg_advantages as gpg_advantages
 from fnppo.core.advantages import gpg_batch_counts as gpg_batch_counts
 from fnppo.core.advantages import grpo_advantages as grpo_advantages
 from fnppo.core.advantages import masked_moments as masked_moments
+from fnppo.core.advantages import maxrl_advantages as maxrl_advantages
 from fnppo.core.advantages import opo_advantages as opo_advantages
 from fnppo.core.advantages import optimal_token_baseline_advantages as optimal_token_baseline_advantages
 from fnppo.core.advantages import pass_at_k_advantages as pass_at_k_advantages
@@ -35,4 +37,6 @@ __all__ = [
     "gpg_advantages",
     "gpg_batch_counts",
     "optimal_token_baseline_advantages",
+    "gdpo_advantages",
+    "maxrl_advantages",
 ]

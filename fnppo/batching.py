@@ -11,6 +11,10 @@ from fnppo.core.sample import LAYOUTS as LAYOUTS
 from fnppo.core.sample import Microbatch as Microbatch
 from fnppo.core.sample import Sample as Sample
 from fnppo.core.sample import padding_multiple as padding_multiple
+from fnppo.core.split import ByCount as ByCount
+from fnppo.core.split import BySize as BySize
+from fnppo.core.split import ByTokens as ByTokens
+from fnppo.core.split import Split as Split
 from fnppo.core.split import SplitPlan as SplitPlan
 from fnppo.core.split import split_batch as split_batch
 
@@ -19,6 +23,10 @@ __all__ = [
     "Microbatch",
     "padding_multiple",
     "LAYOUTS",
+    "Split",
+    "ByCount",
+    "BySize",
+    "ByTokens",
     "SplitPlan",
     "split_batch",
     "collate_microbatch",

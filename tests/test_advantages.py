@@ -861,3 +861,81 @@ def test_whiten_constant_values_and_bad_inputs():
         whiten(x, mask, batch_moments=torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64))
     with pytest.raises(InputError, match="values"):
         whiten(torch.tensor([[float("nan"), 1.0]]), torch.ones(1, 2, dtype=torch.int64))
+
+
+# =============================================================================================
+# GDPO and MaxRL: float64 loops from the formulas, at 1e-12
+# =============================================================================================
+def _loop_groups(ids: list[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, gid in enumerate(ids):
+        groups.setdefault(gid, []).append(i)
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gdpo_matches_float64_loop(seed):
+    from fnppo.core.advantages import gdpo_advantages
+
+    g = torch.Generator().manual_seed(seed)
+    n, k = 12, 3
+    rewards = torch.randint(0, 3, (n, k), generator=g).double() + 0.1 * torch.rand(
+        n, k, generator=g, dtype=torch.float64
+    )
+    ids = torch.randint(0, 4, (n,), generator=g)
+    ids[0] = 99  # a group of one
+    weights = torch.rand(k, generator=g, dtype=torch.float64) + 0.5
+    got = gdpo_advantages(rewards, ids, weights=weights, eps=1e-6)
+    groups = _loop_groups(ids.tolist())
+    total = [0.0] * n
+    for col in range(k):
+        r = rewards[:, col].tolist()
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            mean = sum(r[i] for i in members) / len(members)
+            std = math.sqrt(sum((r[i] - mean) ** 2 for i in members) / (len(members) - 1))
+            for i in members:
+                total[i] += float(weights[col]) * (r[i] - mean) / (std + 1e-6)
+    mean = sum(total) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in total) / (n - 1))
+    want = torch.tensor([(x - mean) / (std + 1e-6) for x in total], dtype=torch.float64)
+    assert (got - want).abs().max().item() <= 1e-12
+    # summing first (GRPO on the summed reward) is a different estimator
+    assert not torch.allclose(got, grpo_advantages(rewards @ weights, ids))
+
+
+def test_gdpo_keeps_reward_combinations_apart():
+    """The paper's example: a group with rewards (0, 1) and (0, 2) on two binary rewards; GRPO on the
+    sum gives the same advantages to (0,1)-vs-(1,1) and (0,2)-vs-..., GDPO does not collapse them."""
+    from fnppo.core.advantages import gdpo_advantages
+
+    a = gdpo_advantages(torch.tensor([[0.0, 0.0], [1.0, 1.0]]), torch.tensor([0, 0]))
+    b = gdpo_advantages(torch.tensor([[0.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+    assert a[1] > 0 and b[1] > 0 and a.tolist() == pytest.approx(b.tolist())  # whitened: both +-0.707
+    assert a[1].item() == pytest.approx(1 / math.sqrt(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_maxrl_matches_float64_loop(seed):
+    from fnppo.core.advantages import maxrl_advantages
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 2, (15,), generator=g).double()
+    ids = torch.randint(0, 5, (15,), generator=g)
+    ids[3] = 77  # a group of one: 0
+    got = maxrl_advantages(scores, ids, eps=1e-6)
+    want = [0.0] * 15
+    for members in _loop_groups(ids.tolist()).values():
+        if len(members) < 2:
+            continue
+        mean = sum(float(scores[i]) for i in members) / len(members)
+        for i in members:
+            want[i] = (float(scores[i]) - mean) / (mean + 1e-6)
+    assert (got - torch.tensor(want, dtype=torch.float64)).abs().max().item() <= 1e-12
+    rows = maxrl_advantages(scores[:12].reshape(3, 4))  # the [groups, size] form: the same rule
+    assert torch.equal(rows.reshape(-1), maxrl_advantages(scores[:12], torch.arange(3).repeat_interleave(4)))
+    # a success in a group passing 1 of 4: (1 - 1/4) / (1/4) = 3
+    assert maxrl_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), eps=0.0)[0, 0].item() == 3.0
+    with raises_message("maxrl_advantages", "eps", "a finite number >= 0", "-1.0"):
+        maxrl_advantages(scores, ids, eps=-1.0)

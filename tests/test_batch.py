@@ -885,3 +885,29 @@ def test_split_agrees_over_dp_group():
         assert (
             err is not None and "at least 3 samples on every data-parallel rank" in err and "received 2 samples" in err
         )
+
+
+def test_split_as_one_value_is_the_flat_keywords():
+    """``split_batch(samples, ByTokens(10))`` is ``split_batch(samples, max_tokens_per_microbatch=10)``
+    (and likewise ByCount / BySize); the step configs take the value and refuse it beside a flat keyword."""
+    from fnppo.steps.config import CriticConfig, StepConfig
+
+    samples = _lens(5, 5, 5, 5, 4, 4, 4, 4, 3)
+    for value, flat in (
+        (S.ByCount(3), "num_microbatches"),
+        (S.BySize(4), "microbatch_size"),
+        (S.ByTokens(10), "max_tokens_per_microbatch"),
+    ):
+        assert value.flat == flat
+        assert split_batch(samples, value) == split_batch(samples, **{flat: value.n})
+        assert StepConfig(split=value).splitting == StepConfig(**{flat: value.n}).splitting == value
+        assert S.as_split((flat, value.n)) == value
+        with raises_message("StepConfig", flat, "None when split is given", str(value.n)):
+            StepConfig(split=value, **{flat: value.n})
+    assert CriticConfig().splitting == S.ByCount(1)
+    with raises_message("split_batch", "num_microbatches", "None when split is given", "2"):
+        split_batch(samples, S.BySize(2), num_microbatches=2)
+    with raises_message("fnppo.ByTokens", "n", "an int >= 1", "0"):
+        S.ByTokens(0)
+    with raises_message("CriticConfig", "split", "a ByCount, BySize or ByTokens", "('num_microbatches', 2)"):
+        CriticConfig(split=("num_microbatches", 2))

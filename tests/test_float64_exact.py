@@ -161,6 +161,21 @@ def ref_policy_terms(name: str, lp, old, adv, mask, cfg) -> dict:
                 out[p] = loss.detach() if eligible else loss
             elif name == "kl_cov":
                 out[p] = -a * r + (cfg.kl_cov_coef * log_ratio(p).abs() if p in chosen else 0.0)
+            elif name in ("dppo_tv", "dppo_kl"):  # DPPO, arXiv:2602.04879 (the paper's binary divergences)
+                pp, q = math.exp(float(lp[p])), math.exp(float(old[p]))
+                if name == "dppo_tv":
+                    inside = pp - q <= cfg.clip_ratio_high if a > 0 else pp - q >= -cfg.clip_ratio_low
+                else:
+                    tail = (1 - q + 1e-8) / (1 - pp + 1e-8)  # a "probability" p > 1 (log-prob > 0): NaN, never inside
+                    d = q * math.log(q / pp) + (1 - q) * math.log(tail) if tail > 0 else math.nan
+                    inside = (d <= cfg.clip_ratio_high or pp <= q) if a > 0 else (d <= cfg.clip_ratio_low or pp >= q)
+                w = min(float(r.detach()), cfg.dppo_ratio_cap)
+                out[p] = -a * w * lp[p] if inside else lp[p] * 0
+            elif name == "ipo":  # prime-rl ipo_loss_fn
+                moved = abs(math.exp(float(lp[p])) - math.exp(float(old[p]))) > cfg.ipo_threshold
+                out[p] = (0.0 if moved else -a * r) + cfg.ipo_kl_coef * log_ratio(p) ** 2
+            elif name == "dro":  # tinker's dro
+                out[p] = -a * lp[p] + 0.5 * cfg.dro_beta * (lp[p] - old[p]) ** 2
             else:
                 raise AssertionError(f"no reference for {name!r}")
     return out
@@ -207,8 +222,27 @@ _LOSS_KW = {
     "gmpo": dict(clip_ratio_low=0.15, clip_ratio_high=0.25),
     "cispo": dict(cispo_clip_low=0.2, cispo_clip_high=0.1),
     "sapo": dict(sapo_tau_pos=1.1, sapo_tau_neg=1.05),
+    # bounds that mask some tokens and truncate some ratios of _data (so every branch is exercised)
+    "dppo_tv": dict(clip_ratio_low=0.03, clip_ratio_high=0.04, dppo_ratio_cap=1.15),
+    "dppo_kl": dict(clip_ratio_low=0.002, clip_ratio_high=0.003, dppo_ratio_cap=1.15),
+    "ipo": dict(ipo_threshold=0.03, ipo_kl_coef=0.3),
+    "dro": dict(dro_beta=0.7),
 }
-REFERENCED = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "clip_cov", "kl_cov")
+REFERENCED = (
+    "ppo",
+    "gspo",
+    "cispo",
+    "gpg",
+    "reinforce",
+    "gmpo",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "ipo",
+    "dro",
+)
 _EXTRAS = (
     dict(),
     dict(entropy_coeff=0.03, kl_coef=0.2, kl_estimator="k3", tis_cap=1.1),

@@ -17,8 +17,10 @@ from fnppo.core.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    Aggregation,
     LossConfig,
     PolicyInputs,
+    ValueLossConfig,
     compute_tis_weights,
     from_flat,
     kl_penalty,
@@ -45,7 +47,7 @@ from tests.loss_helpers import (
 )
 from tests.messages import check_message, raises_message
 
-DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo")
+DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "dppo_tv", "dppo_kl", "ipo", "dro")
 BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
 
 
@@ -121,7 +123,10 @@ def test_config_replace_is_validated():
 
 def test_unknown_loss_lists_names():
     with raises_message(
-        "from_flat", "policy_loss", "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo'", "'nope'"
+        "from_flat",
+        "policy_loss",
+        "one of ['cispo', 'clip_cov', 'dppo_kl', 'dppo_tv', 'dro', 'gmpo', 'gpg', 'gspo', 'ipo'",
+        "'nope'",
     ):
         from_flat(policy_loss="nope")
 
@@ -499,6 +504,20 @@ def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None
             elif name == "sapo":
                 tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
                 pg = -a * (4 / tau) * torch.sigmoid(tau * (r - 1))
+            elif name in ("dppo_tv", "dppo_kl"):
+                p, q = math.exp(float(lp[b, j])), math.exp(float(old[b, j]))
+                if name == "dppo_tv":
+                    inside = p - q <= cfg.clip_ratio_high if a > 0 else p - q >= -cfg.clip_ratio_low
+                else:
+                    tail = (1 - q + 1e-8) / (1 - p + 1e-8)
+                    d = q * math.log(q / p) + (1 - q) * math.log(tail) if tail > 0 else math.nan
+                    inside = (d <= cfg.clip_ratio_high or p <= q) if a > 0 else (d <= cfg.clip_ratio_low or p >= q)
+                pg = -a * min(float(r.detach()), cfg.dppo_ratio_cap) * lp[b, j] if inside else lp[b, j] * 0
+            elif name == "ipo":
+                moved = abs(math.exp(float(lp[b, j])) - math.exp(float(old[b, j]))) > cfg.ipo_threshold
+                pg = (0.0 if moved else -a * r) + cfg.ipo_kl_coef * lr**2
+            elif name == "dro":
+                pg = -a * lp[b, j] + 0.5 * cfg.dro_beta * lr**2
             if cfg.tis_cap is not None:
                 pg = pg * (seq_w if seq_w is not None else min(math.exp(float(old[b, j] - rollout[b, j])), cfg.tis_cap))
             term = pg
@@ -1048,7 +1067,7 @@ def test_custom_loss_is_passed_as_a_callable():
     with raises_message(
         "from_flat",
         "policy_loss",
-        "one of ['cispo', 'clip_cov', 'gmpo', 'gpg', 'gspo', 'kl_cov', 'ppo', 'reinforce', 'sapo']",
+        f"one of {sorted(POLICY_LOSSES)}",
         "'test_scaled_reinforce'",
     ):
         from_flat(policy_loss="test_scaled_reinforce")
@@ -1213,3 +1232,17 @@ def test_value_loss_split_invariance(seed, b, cut, mode):
         if j > i
     ]
     torch.testing.assert_close(sum(parts), full)
+
+
+def test_value_loss_takes_a_config_like_ppo_loss():
+    """``value_loss(..., ValueLossConfig(...))`` is the loose form's loss; loose aggregation keywords
+    beside a config are refused (one way in per parameter)."""
+    g = torch.Generator().manual_seed(3)
+    v, old, ret = (torch.randn(3, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = (torch.rand(3, 5, generator=g) < 0.7).double()
+    for clip, agg in ((0.1, Aggregation("seq-mean-token-sum-norm", 4.0)), (None, Aggregation("seq-mean-token-mean"))):
+        want = value_loss(v, old, ret, mask, clip, loss_agg_mode=agg.mode, loss_scale_factor=agg.scale)
+        got = value_loss(v, old, ret, mask, ValueLossConfig(clip_range=clip, agg=agg))
+        assert got[0].item() == want[0].item() and got[1].keys() == want[1].keys()
+    with raises_message("value_loss", "loss_agg_mode", "None when config is a ValueLossConfig", "'token-mean'"):
+        value_loss(v, old, ret, mask, ValueLossConfig(), loss_agg_mode="token-mean")

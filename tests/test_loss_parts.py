@@ -24,10 +24,14 @@ from fnppo.core.losses import (
     ValueLossConfig,
     cispo,
     clip_cov,
+    dppo_kl,
+    dppo_tv,
+    dro,
     from_flat,
     gmpo,
     gpg,
     gspo,
+    ipo,
     kl_cov,
     ppo_clip,
     ppo_loss,
@@ -230,6 +234,10 @@ BY_HAND = {
         clip_cov(0.5, -1.0, 3.0, 0.1, 0.3, None),
     ),
     "kl_cov": (dict(kl_cov_ratio=0.3, kl_cov_coef=0.7), kl_cov(0.3, 0.7)),
+    "dppo_tv": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0), dppo_tv(0.1, 0.3, 5.0)),
+    "dppo_kl": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0), dppo_kl(0.1, 0.3, 5.0)),
+    "ipo": (dict(ipo_threshold=0.2, ipo_kl_coef=0.01), ipo(0.2, 0.01)),
+    "dro": (dict(dro_beta=0.3), dro(0.3)),
 }
 
 

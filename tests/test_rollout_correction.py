@@ -780,6 +780,9 @@ STEP_CASES = {
     "norm-token": dict(tis_cap=1.1, tis_batch_normalize=True),
     "norm-seq": dict(tis_cap=1.2, tis_level="sequence", tis_batch_normalize=True, loss_agg_mode="seq-mean-token-mean"),
     "reject-k3": dict(tis_cap=1.1, tis_batch_normalize=True, reject_seq_k3=0.006),
+    # M2PO: one cutoff over both micro-batches and both DP ranks (a per-micro-batch one would differ)
+    "m2po": dict(m2_threshold=0.006),
+    "bypass-ipo": dict(policy_loss="ipo", bypass_old_logprobs=True, ipo_threshold=0.0015, ipo_kl_coef=0.5),
 }
 STEP_METRICS = (
     "loss",
@@ -790,6 +793,8 @@ STEP_METRICS = (
     "tis_batch_mean",
     "rollout_rejected_frac",
     "reject_seq_k3_frac",
+    "m2po_masked_frac",
+    "pg_clipfrac",
     "tis_rejected_frac",
     "rollout_kl",
 )
@@ -912,6 +917,8 @@ def test_step_reference_cases_are_not_vacuous(step_reference):
             assert abs(m["tis_batch_mean"] - 1.0) > 1e-3 and m["tis_weight"] == pytest.approx(1.0, abs=0.2), (name, m)
     assert 0.0 < cases["bypass"]["metrics"]["tis_rejected_frac"] < 1.0
     assert 0.0 < cases["reject-k3"]["metrics"]["rollout_rejected_frac"] < 1.0
+    assert 0.0 < cases["m2po"]["metrics"]["m2po_masked_frac"] < 1.0
+    assert 0.0 < cases["bypass-ipo"]["metrics"]["pg_clipfrac"] < 1.0
     # bypass: the ratio is against the rollout log-probs, not the old ones
     assert cases["bypass"]["metrics"]["ppo_kl"] == pytest.approx(cases["bypass"]["metrics"]["rollout_kl"], rel=1e-5)
 
@@ -928,6 +935,7 @@ def test_train_step_matches_single_process_reference(step_reference, world, tp, 
         mine = got[name]
         assert mine["metrics"]["skipped"] == 0.0, name
         bypass = STEP_CASES[name].get("bypass_old_logprobs", False)
+        assert mine["metrics"]["offpolicy/old_logprobs_read"] == (0.0 if bypass else 1.0), name  # said, not silent
         assert mine["old_is_rollout"] and all(x == bypass for x in mine["old_is_rollout"]), (
             name,
             mine["old_is_rollout"],
@@ -942,3 +950,156 @@ def test_train_step_matches_single_process_reference(step_reference, world, tp, 
             worst = max(worst, err)
             assert err <= STEP_REL, f"{name}: gradient of {k} differs by {err:.2e}"
     print(f"dp={world // tp} tp={tp}: max relative gradient difference {worst:.2e}")
+
+
+# =============================================================================================
+# M2PO: the second-moment trust region, one cutoff for the whole mini-batch
+# =============================================================================================
+def _m2_brute_force_kept(values: list[float], tau: float) -> set[int]:
+    """The kept tokens, by the definition: the largest cutoff ``c`` (a value of the batch, or inf) whose
+    kept set ``{v < c}`` is non-empty with a mean below ``tau``; none: the tokens of the smallest value."""
+    best = None
+    for c in sorted({*values, math.inf}):
+        kept = [v for v in values if v < c]
+        if kept and sum(kept) / len(kept) < tau:
+            best = c
+    if best is None:
+        return {i for i, v in enumerate(values) if v == min(values)}
+    return {i for i, v in enumerate(values) if v < best}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_m2po_cutoff_matches_brute_force(seed):
+    from fnppo.core.m2po import m2po_cutoff
+
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.rand(23, generator=g, dtype=torch.float64) * 0.2).round(decimals=2)  # ties
+    for tau in (0.001, 0.03, 0.06, 0.09, 1.0):
+        c = m2po_cutoff(values, tau)
+        kept = {i for i, v in enumerate(values.tolist()) if v < float(c)}
+        assert kept == _m2_brute_force_kept(values.tolist(), tau), (seed, tau)
+        shuffled = values[torch.randperm(values.numel(), generator=g)]
+        assert m2po_cutoff(shuffled, tau).item() == c.item()  # the order of the tokens does not matter
+
+
+def _m2_batch(seed: int):
+    lp0, old, adv, mask, ent, ref, rollout = random_batch(seed, 6, 7)
+    return lp0, old, adv, mask, ent, ref, rollout
+
+
+def test_m2po_loss_matches_loop_reference_and_is_split_invariant_with_the_global_cutoff():
+    from fnppo.core.m2po import m2_values, m2po_cutoff
+
+    for seed in range(4):
+        batch = _m2_batch(seed)
+        lp0, old, adv, mask, ent, ref, rollout = batch
+        sq = [((b, j), min(max(float(old[b, j] - rollout[b, j]), -20), 20) ** 2) for b in range(6) for j in range(7)]
+        sq = [(p, v) for p, v in sq if mask[p] != 0]
+        tau = 0.5 * sum(v for _, v in sq) / len(sq)  # half the batch's second moment: some tokens go
+        cfg = LossConfig(correction=RolloutCorrection(m2_threshold=tau))
+        kept = {sq[i][0] for i in _m2_brute_force_kept([v for _, v in sq], tau)}
+        lp = leaf(lp0)
+        loss, m = ppo_loss(lp, old, adv, mask, cfg, rollout_logprobs=rollout)
+        # float64 loop: the PPO surrogate (dual clip 3) on the kept tokens over all valid tokens
+        lp64 = leaf(lp0)
+        terms = []
+        for p, _ in sq:
+            a, r = float(adv[p]), torch.exp(lp64[p] - old[p])
+            pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
+            pg = torch.minimum(pg, torch.tensor(-a * 3.0, dtype=torch.float64)) if a < 0 else pg
+            terms.append(pg if p in kept else pg * 0)
+        expected = sum(terms) / len(terms)
+        torch.testing.assert_close(loss, expected, **EXACT)
+        torch.testing.assert_close(grad_of(loss, lp), grad_of(expected, lp64), **EXACT)
+        assert finalize_metrics(m)["m2po_masked_frac"] == pytest.approx(1 - len(kept) / len(sq))
+        assert 0 < len(kept) < len(sq)
+
+        def global_cutoff(parts: list[tuple[int, int]]) -> dict:
+            vals = torch.cat([m2_values(old[i:j], rollout[i:j], mask[i:j], 20.0) for i, j in parts])
+            return {"m2_cutoff": m2po_cutoff(vals, tau)}
+
+        for cuts in ([1], [2, 4], [1, 2, 3, 4, 5]):
+            check_split_invariance(batch, cfg, cuts, part_kwargs=global_cutoff)
+
+
+def test_m2po_needs_the_global_cutoff_under_a_split():
+    """Per-micro-batch cutoffs (AReaL's) change the loss with the split: the step's global one does not."""
+    batch = _m2_batch(11)
+    lp0, old, adv, mask, _, _, rollout = batch
+    cfg = LossConfig(correction=RolloutCorrection(m2_threshold=0.01))
+    full, _ = ppo_loss(lp0, old, adv, mask, cfg, rollout_logprobs=rollout)
+    n = loss_normalizer(mask, cfg.agg)
+    local = sum(
+        ppo_loss(lp0[i:j], old[i:j], adv[i:j], mask[i:j], cfg, rollout_logprobs=rollout[i:j], normalizer=n)[0]
+        for i, j in ((0, 1), (1, 6))
+    )
+    assert abs(float(local - full)) > 1e-6
+
+
+def test_m2po_refusals():
+    with raises_message("LossConfig", "correction.m2_threshold", "None with bypass_old_logprobs=True", "0.1"):
+        LossConfig(correction=RolloutCorrection(m2_threshold=0.1), bypass_old_logprobs=True)
+    with raises_message("RolloutCorrection", "m2_threshold", "a number > 0 or None", "0.0"):
+        RolloutCorrection(m2_threshold=0.0)
+    lp0, old, adv, mask, *_, rollout = _m2_batch(0)
+    with raises_message("ppo_loss", "m2_cutoff", "None unless correction.m2_threshold is set", "0.5"):
+        ppo_loss(lp0, old, adv, mask, LossConfig(), m2_cutoff=0.5)
+
+
+def test_staleness_owns_the_off_policy_contract():
+    from fnppo.core.losses import Staleness
+
+    recompute, bypass = Staleness(max_staleness=2), Staleness(max_staleness=2, proximal="behaviour")
+    loss = from_flat(policy_loss="ipo")
+    assert not recompute.loss_config(loss).bypass_old_logprobs and bypass.loss_config(loss).bypass_old_logprobs
+    assert recompute.needs_old_logprobs and not bypass.needs_old_logprobs
+    m = bypass.metrics([5, 4, 3, 5], current_version=5)
+    assert m == {
+        "offpolicy/staleness_mean": 0.75,
+        "offpolicy/staleness_max": 2.0,
+        "offpolicy/old_logprob_forward": 0.0,
+    }
+    with raises_message("Staleness.check", "versions[2]", "a version in [3, 5] (max_staleness=2", "2 (staleness 3)"):
+        recompute.check([5, 4, 2, 6], current_version=5)
+    with raises_message("Staleness.check", "versions[0]", "a version in [3, 5]", "6 (staleness -1)"):
+        recompute.check([6], current_version=5)  # from the future
+    with raises_message("Staleness", "proximal", "one of ['old', 'behaviour']", "'rollout'"):
+        Staleness(proximal="rollout")
+    with raises_message("Staleness", "max_staleness", "an int >= 0", "-1"):
+        Staleness(max_staleness=-1)
+    # a contract that bypasses the old log-probs refuses a loss that cannot run in bypass mode
+    with raises_message("LossConfig", "correction.m2_threshold", "None with bypass_old_logprobs=True", "0.1"):
+        bypass.loss_config(LossConfig(correction=RolloutCorrection(m2_threshold=0.1)))
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 4])
+def test_loglinear_decoupled_matches_float64_loop(staleness):
+    """AReaL's decoupled PPO with the log-linear proximal policy, in bypass mode (no old-log-prob
+    forward): a float64 loop from the formula, value and gradient at 1e-12."""
+    from fnppo.core.losses import loglinear_decoupled
+
+    lp0, _, adv, mask, _, _, rollout = random_batch(40 + staleness, 4, 6)
+    cfg = LossConfig(policy=loglinear_decoupled(staleness=staleness, weight_cap=1.05), bypass_old_logprobs=True)
+    lp = leaf(lp0)
+    loss, m = ppo_loss(lp, None, adv, mask, cfg, rollout_logprobs=rollout)
+    alpha = (staleness - 1) / staleness
+    lp64 = leaf(lp0)
+    terms = []
+    for p in [(b, j) for b in range(4) for j in range(6) if mask[b, j] != 0]:
+        a, behav = float(adv[p]), float(rollout[p])
+        prox = behav + alpha * (float(lp64[p]) - behav)
+        w = min(math.exp(prox - behav), 1.05)
+        r = torch.exp(lp64[p] - prox)
+        pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
+        pg = torch.minimum(pg, torch.tensor(-a * 3.0, dtype=torch.float64)) if a < 0 else pg
+        terms.append(w * pg)
+    expected = sum(terms) / len(terms)
+    torch.testing.assert_close(loss, expected, **EXACT)
+    torch.testing.assert_close(grad_of(loss, lp), grad_of(expected, lp64), **EXACT)
+    if staleness == 1:  # the proximal policy is the behaviour one: PPO in bypass mode
+        plain, _ = ppo_loss(lp0, None, adv, mask, LossConfig(bypass_old_logprobs=True), rollout_logprobs=rollout)
+        torch.testing.assert_close(loss, plain, **EXACT)
+    else:
+        assert 0.0 < finalize_metrics(m)["behaviour_weight"] != 1.0
+    with raises_message("loglinear_decoupled", "staleness", "an int >= 0", "-1"):
+        loglinear_decoupled(staleness=-1)

@@ -67,6 +67,7 @@ import torch
 
 from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.core.loss_checks import Checker, describe_value, finite_number, validate_inputs
+from fnppo.core.m2po import m2_values, m2po_cutoff
 from fnppo.core.metrics import pair_metric, weighted_metric
 from fnppo.core.segments import Segments, segments
 from fnppo.core.typing import Integer, PaddedFloat, PaddedMask, Shaped, Tensor, typechecked, typechecking_enabled
@@ -210,6 +211,12 @@ class RolloutCorrection:
             outside ``[low, high]``): a statistic exactly at the threshold keeps its sequence.
             Rejected sequences leave every numerator and stay in the denominator (as
             ``reject_low/high``); metrics ``rollout_rejected_frac`` and ``<field>_frac``.
+        m2_threshold: M2PO (:mod:`fnppo.core.m2po`): reject the tokens with the largest ``d^2``
+            until the mean ``d^2`` of the kept tokens of the *whole mini-batch* is below it (a
+            cutoff the step computes over every micro-batch and data-parallel rank before the
+            schedule, ``ppo_loss(m2_cutoff=...)``); rejected tokens leave the numerators and stay in
+            the denominator; metric ``m2po_masked_frac``. ``None``: off. Refused in bypass mode
+            (``d`` would depend on the current parameters).
 
     A correction always corrects something: at least one of ``tis_cap``, ``reject_low``,
     ``reject_high`` or a ``reject_seq_*`` criterion is set (no correction: ``LossConfig(correction=None)``).
@@ -231,6 +238,7 @@ class RolloutCorrection:
     reject_seq_k3: float | None = None
     reject_seq_mean_log_ratio: tuple[float, float] | None = None
     reject_seq_max_abs_log_ratio: float | None = None
+    m2_threshold: float | None = None
 
     def __post_init__(self) -> None:
         fn = "fnppo.losses.RolloutCorrection"
@@ -239,11 +247,19 @@ class RolloutCorrection:
         c = Checker(fn, lambda arg: getattr(self, name.get(arg, arg)), lambda arg: name.get(arg, arg))
         bounds = check_correction(c)
         object.__setattr__(self, "reject_seq_mean_log_ratio", bounds)  # a list becomes a tuple
-        active = (self.tis_cap, self.reject_low, self.reject_high, *(getattr(self, n) for n in SEQ_REJECTION_CRITERIA))
+        if self.m2_threshold is not None:
+            c.number("m2_threshold", 0, strict=True, expected="a number > 0 or None")
+        active = (
+            self.tis_cap,
+            self.reject_low,
+            self.reject_high,
+            self.m2_threshold,
+            *(getattr(self, n) for n in SEQ_REJECTION_CRITERIA),
+        )
         c.need(
             any(v is not None for v in active),
             "cap",
-            "a number > 0, or one of reject_low, reject_high, reject_seq_* set (a correction without any: "
+            "a number > 0, or one of reject_low, reject_high, reject_seq_* set (or m2_threshold; a correction without any: "
             "LossConfig(correction=None))",
         )
 
@@ -268,6 +284,7 @@ class Rules(NamedTuple):
     seq_max_abs_log_ratio: float | None = None
     normalize: bool = False
     clamp: float = 20.0
+    m2_threshold: float | None = None
 
     @classmethod
     def of(cls, corr: RolloutCorrection | None, clamp: float) -> Rules:
@@ -286,6 +303,7 @@ class Rules(NamedTuple):
             corr.reject_seq_max_abs_log_ratio,
             corr.batch_normalize,
             clamp,
+            corr.m2_threshold,
         )
 
     @property
@@ -354,7 +372,13 @@ def _bound_rejection(w_raw: Tensor, raw_weight: Callable[[str], Tensor], r: Rule
 
 
 def correction(
-    train: Tensor, rollout: Tensor, m: Tensor, seg: Segments, r: Rules, tis_mean: float | Tensor | None = None
+    train: Tensor,
+    rollout: Tensor,
+    m: Tensor,
+    seg: Segments,
+    r: Rules,
+    tis_mean: float | Tensor | None = None,
+    m2_cutoff: float | Tensor | None = None,
 ) -> tuple[TISWeights, Tensor]:
     """The rollout correction of one micro-batch (see the module docstring), trusting its inputs.
 
@@ -364,6 +388,8 @@ def correction(
         r: the :class:`Rules`.
         tis_mean: the global mean weight to divide by when ``r.normalize`` (None: this call's own
             mean; a mean <= 0, possible only without any kept unit, divides by 1).
+        m2_cutoff: with ``r.m2_threshold``: the mini-batch's M2PO cutoff (:func:`~fnppo.core.m2po.m2po_cutoff`
+            of every valid token's ``d^2``); None: this call's own.
 
     Returns:
         ``(TISWeights, stats)`` with ``stats = (sum of the truncated weights, number)`` over the kept
@@ -395,6 +421,13 @@ def correction(
         d_tok = torch.clamp(log_w_tok, -r.clamp, r.clamp)
         seq_rejected, metrics = _seq_rejection(d_tok, mf, seg, seq_valid, r)
         keep = keep * (1.0 - seg.gather(seq_rejected.to(dtype), mf))
+    if r.m2_threshold is not None:
+        sq = torch.clamp(train.detach().double() - rollout.detach().double(), -r.clamp, r.clamp) ** 2
+        if m2_cutoff is None:
+            m2_cutoff = m2po_cutoff(m2_values(train, rollout, m, r.clamp), r.m2_threshold)
+        m2_masked = m & (sq >= torch.as_tensor(m2_cutoff, dtype=torch.float64, device=sq.device))
+        metrics["m2po_masked_frac"] = weighted_metric(m2_masked.to(dtype), mf)
+        keep = keep * (~m2_masked).to(dtype)
     # The applied weight per unit of `level`: 0 for a unit with no kept token.
     kept_unit = keep if r.level == "token" else (seg.sum(keep) > 0).to(dtype)
     w_applied = w * kept_unit

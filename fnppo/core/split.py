@@ -11,8 +11,12 @@ Plain torch (``torch.distributed`` for the agreement); nothing here imports Mega
 * :func:`build_microbatches` is the one call the training step makes: plan, collate
   (:func:`fnppo.core.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
-* :func:`split_mode` is the one check of the split arguments (exactly / at most one mode, a
-  positive size), shared with :class:`fnppo.StepConfig`.
+* :data:`Split` is the split as one value, passed down as it is: :class:`ByCount` (a fixed number
+  of micro-batches), :class:`BySize` (a fixed number of samples each) or :class:`ByTokens` (a hard
+  token budget each). Each says how many micro-batches it makes and what only the data can refuse
+  (no dispatch on names anywhere below). The flat keywords ``num_microbatches`` /
+  ``microbatch_size`` / ``max_tokens_per_microbatch`` are sugar that builds one (:func:`split_mode`,
+  the one check of them, shared with :class:`fnppo.StepConfig`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,24 @@ from fnppo.core.collate import pad_microbatch, to_device
 from fnppo.core.context_parallel import shard_microbatch
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.sample import LAYOUTS, Microbatch, Sample, round_up
+from fnppo.core.splits import (
+    SPLIT_MODES,
+    ByCount,
+    BySize,
+    ByTokens,
+    Split,
+    _cost_fn,
+    as_split,
+    split_mode,
+)
 from fnppo.core.typing import typechecked
 
 __all__ = [
+    "Split",
+    "ByCount",
+    "BySize",
+    "ByTokens",
+    "as_split",
     "SplitPlan",
     "split_batch",
     "split_mode",
@@ -41,8 +60,6 @@ __all__ = [
     "SPLIT_MODES",
 ]
 
-SPLIT_MODES = ("num_microbatches", "microbatch_size", "max_tokens_per_microbatch")
-"""The three ways to split a batch; exactly one is used."""
 
 _T = TypeVar("_T")
 
@@ -121,32 +138,6 @@ class SplitPlan:
         return [flat[j] for j in self.inverse]
 
 
-def _cost_fn(layout: str) -> Callable[[int, int, int], int]:
-    """Collated token count of a group from (count, sum of lengths, max length)."""
-    if layout == "packed":
-        return lambda count, total, longest: total
-    return lambda count, total, longest: count * longest
-
-
-def _first_fit_decreasing(lengths: list[int], budget: int, layout: str) -> list[list[int]]:
-    """First-fit decreasing bin packing (Johnson 1973; at most 11/9 OPT + 6/9 bins, Dosa 2007)."""
-    cost = _cost_fn(layout)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    stats: list[list[int]] = []  # count, total, longest
-    for i in order:
-        ln = lengths[i]
-        for b, (c, t, mx) in enumerate(stats):
-            if cost(c + 1, t + ln, max(mx, ln)) <= budget:
-                bins[b].append(i)
-                stats[b] = [c + 1, t + ln, max(mx, ln)]
-                break
-        else:
-            bins.append([i])
-            stats.append([1, ln, ln])
-    return bins
-
-
 def _balanced(lengths: list[int], k: int, budget: int, layout: str) -> list[list[int]] | None:
     """Longest-processing-time-first onto exactly ``k`` groups under the cap (Graham 1969).
 
@@ -203,39 +194,10 @@ def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
     return int(t[0].item()), -int(t[1].item())
 
 
-def split_mode(
-    num_microbatches: Any, microbatch_size: Any, max_tokens_per_microbatch: Any, *, fn: str, required: bool
-) -> tuple[str, int] | None:
-    """The split mode given, checked: ``(name, size)``, or None when none is given and not ``required``.
-
-    The one home of the "one split mode" and "positive size" checks, used by :func:`split_batch`
-    (exactly one mode) and :class:`fnppo.StepConfig` (at most one; none means one micro-batch).
-
-    Raises:
-        InputError: two or more modes (or none when ``required``); a size that is not an int >= 1.
-    """
-    modes = {
-        "num_microbatches": num_microbatches,
-        "microbatch_size": microbatch_size,
-        "max_tokens_per_microbatch": max_tokens_per_microbatch,
-    }
-    given = [k for k, v in modes.items() if v is not None]
-    if len(given) > 1 or (required and not given):
-        raise input_error(
-            fn,
-            "/".join(SPLIT_MODES),
-            "exactly one of them" if required else "at most one of them",
-            f"{given or 'none'}",
-        )
-    if not given:
-        return None
-    check_positive_int(fn, given[0], modes[given[0]])
-    return given[0], modes[given[0]]
-
-
 @typechecked
 def split_batch(
     samples: Sequence[Sample],
+    split: Split | None = None,
     *,
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
@@ -247,7 +209,7 @@ def split_batch(
 ) -> SplitPlan:
     """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
 
-    Exactly one mode:
+    Exactly one mode: ``split`` (a :data:`Split`), or one of the flat keywords that build it:
 
     * ``num_microbatches=k``: ``k`` contiguous groups, sizes differing by at most one;
     * ``microbatch_size=b``: ``ceil(n / b)`` contiguous groups of at most ``b`` samples (sizes
@@ -274,7 +236,9 @@ def split_batch(
 
     Args:
         samples: the batch.
-        num_microbatches, microbatch_size, max_tokens_per_microbatch: the split mode (exactly one).
+        split: the :data:`Split` (``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``).
+        num_microbatches, microbatch_size, max_tokens_per_microbatch: sugar for ``split`` (exactly one
+            of the four).
         dp_group: the data-parallel group to agree with, or None.
         max_seq_len: refuse samples longer than this (None: no limit).
         pad_to_multiple_of, layout: as in :func:`fnppo.core.collate.collate_microbatch` (token counts).
@@ -292,7 +256,10 @@ def split_batch(
     samples = list(samples)
     if not samples:
         raise input_error(fn, "samples", "a non-empty sequence of Sample", "an empty sequence")
-    mode = split_mode(num_microbatches, microbatch_size, max_tokens_per_microbatch, fn=fn, required=True)
+    mode = split_mode(num_microbatches, microbatch_size, max_tokens_per_microbatch, fn=fn, required=split is None)
+    if split is not None and mode is not None:
+        raise input_error(fn, mode.flat, "None when split is given (one way in)", repr(mode.n))
+    mode = split if split is not None else mode
     check_positive_int(fn, "max_seq_len", max_seq_len, allow_none=True)
     check_positive_int(fn, "pad_to_multiple_of", pad_to_multiple_of)
     if layout not in LAYOUTS:
@@ -305,7 +272,7 @@ def split_batch(
 
 def _plan(
     samples: Sequence[Sample],
-    mode: tuple[str, int],
+    mode: Split,
     *,
     dp_group: Any,
     pad_to_multiple_of: int,
@@ -326,20 +293,12 @@ def _plan(
     """
     fn = "split_batch"
     n = len(samples)
-    name, size = mode
     check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length)
     lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-    local: list[list[int]] | None = None
-    if name == "num_microbatches":
-        k = size
-    elif name == "microbatch_size":
-        k = -(-n // size)
-    else:
-        local = _first_fit_decreasing(lengths, size, layout)
-        k = len(local)
+    k, local = mode.groups(lengths, layout)
     agreed, smallest = _agree(k, n, dp_group)
     rounded = ""
-    if name != "num_microbatches" and agreed % count_multiple != 0:
+    if not mode.explicit and agreed % count_multiple != 0:
         rounded = f", {agreed} rounded up to a multiple of {count_multiple}"
     if rounded:
         agreed = -(-agreed // count_multiple) * count_multiple
@@ -354,7 +313,8 @@ def _plan(
     if local is None:
         groups = _contiguous(n, agreed)
     else:
-        groups = _balanced(lengths, agreed, size, layout) or _split_to(local, agreed)
+        assert isinstance(mode, ByTokens)
+        groups = _balanced(lengths, agreed, mode.n, layout) or _split_to(local, agreed)
     groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
     return SplitPlan.from_groups(groups)
 
@@ -362,7 +322,7 @@ def _plan(
 def check_split(
     fn: str,
     samples: Sequence[Sample],
-    mode: tuple[str, int],
+    mode: Split,
     *,
     pad_to_multiple_of: int,
     length: Callable[[Sample], int] = len,
@@ -381,7 +341,7 @@ def check_split(
     Args:
         fn, arg, count_arg: the function, the samples' argument and the count's argument named in errors.
         samples: the samples (``len(samples)`` divisible by ``parts``).
-        mode: ``(name, size)`` from :func:`split_mode`.
+        mode: the :data:`Split`.
         pad_to_multiple_of, length: a sample counts ``round_up(length(sample), pad_to_multiple_of)`` tokens.
         parts: the number of equal mini-batches the samples are split into.
 
@@ -389,40 +349,13 @@ def check_split(
         InputError: naming ``count_arg`` (more micro-batches than samples per mini-batch) or
             ``<arg>[i]`` (a sample longer than ``max_tokens_per_microbatch``).
     """
-    name, size = mode
-    if name == "num_microbatches":
-        n = len(samples) // parts
-        if size > n:
-            where = (
-                f"the batch size {n} ("
-                if parts == 1
-                else f"the mini-batch size {n} ({len(samples)} samples / num_minibatches={parts}; "
-            )
-            raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(size))
-    elif name == "max_tokens_per_microbatch":
-        lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-        _check_budget(fn, samples, lengths, size, pad_to_multiple_of, arg)
-
-
-def _check_budget(
-    fn: str, samples: Sequence[Sample], lengths: list[int], budget: int, pad_to_multiple_of: int, arg: str
-) -> None:
-    """Every (padded) sample fits the token budget on its own."""
-    for i, ln in enumerate(lengths):
-        if ln > budget:
-            raise input_error(
-                fn,
-                f"{arg}[{i}]",
-                f"at most max_tokens_per_microbatch={budget} tokens (a single sample longer than the token budget "
-                "cannot be split)",
-                f"{ln} tokens (prompt {samples[i].prompt_len} + response {samples[i].response_len}"
-                + (f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"),
-            )
+    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
+    mode.check(fn, samples, lengths, parts, arg, count_arg, pad_to_multiple_of)
 
 
 def plan_microbatches(
     samples: Sequence[Sample],
-    mode: tuple[str, int],
+    mode: Split | tuple[str, int],
     *,
     layout: str,
     pad_to_multiple_of: int,
@@ -436,7 +369,7 @@ def plan_microbatches(
     length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
     return _plan(
         samples,
-        mode,
+        as_split(mode),
         dp_group=dp_group,
         pad_to_multiple_of=pad_to_multiple_of,
         layout=layout,
@@ -447,7 +380,7 @@ def plan_microbatches(
 
 def build_microbatches(
     samples: Sequence[Sample],
-    mode: tuple[str, int],
+    mode: Split | tuple[str, int],
     *,
     layout: str,
     pad_to_multiple_of: int,
@@ -468,7 +401,7 @@ def build_microbatches(
 
     Args:
         samples: the (mini-)batch.
-        mode: ``(name, size)`` from :func:`split_mode`.
+        mode: the :data:`Split` (a former ``(flat name, size)`` pair is accepted).
         layout, pad_to_multiple_of: as in :func:`split_batch` / :func:`collate_microbatch`.
         collate: the collate stage, called as ``collate(group, layout=, pad_to_multiple_of=,
             sample_index=)``; its ``collated_length(sample)``, when it has one, is the token count

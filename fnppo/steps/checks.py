@@ -147,16 +147,16 @@ def check_interleaved(fn: str, config: Batching, plan: Plan) -> None:
             "per step, and padded micro-batches differ in their number of rows",
             repr(config.layout),
         )
-    name, count = plan.split
-    if name == "num_microbatches" and count % group:
-        got = repr(count) if config.num_microbatches is not None else "None (one micro-batch)"
+    count = plan.split.n
+    if plan.split.explicit and count % group:
+        given = config.split is not None or config.num_microbatches is not None
         raise input_error(
             fn,
-            "config.num_microbatches",
+            f"config.{config.split_arg}",
             f"a multiple of {group} under {where}, which runs "
             f"micro-batches in groups of {group} per virtual stage (e.g. {-(-count // group) * group}; "
             "or split by microbatch_size or max_tokens_per_microbatch, whose count is rounded up)",
-            got,
+            repr(config.split or count) if given else "None (one micro-batch)",
         )
 
 
@@ -200,7 +200,7 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
         length=getattr(collate, "collated_length", len),
         parts=num_minibatches,
         arg="batch",
-        count_arg="config.num_microbatches",
+        count_arg=f"config.{plan.split_arg}",
     )
     check_devices(fn, samples, arg="batch")
     check_same_fields(fn, samples, arg="batch")

@@ -17,7 +17,7 @@ from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
 from fnppo.core.sample import LAYOUTS
-from fnppo.core.split import split_mode
+from fnppo.core.split import ByCount, BySize, ByTokens, Split, split_mode
 from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.state import TrainState
 from fnppo.steps.protocols import CriticFns, FusedHead, StepFns
@@ -29,11 +29,13 @@ __all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
 class Batching:
     """How a batch becomes micro-batches and updates (the fields every step config shares).
 
-    Exactly one of ``num_microbatches``, ``microbatch_size`` and ``max_tokens_per_microbatch``
-    chooses the split (default: one micro-batch). ``num_minibatches`` optimizer steps are taken per
-    epoch (mini-batch ``k`` holds samples ``k, k + num_minibatches, ...`` of this rank's batch, which
-    makes the mini-batches the same in every data-parallel layout), ``ppo_epochs`` passes over the
-    batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
+    ``split`` chooses the split, one :data:`~fnppo.core.split.Split` value (``ByCount(4)``,
+    ``BySize(8)``, ``ByTokens(4096)``); the flat fields ``num_microbatches``, ``microbatch_size`` and
+    ``max_tokens_per_microbatch`` are sugar for it (at most one of the four; default: one
+    micro-batch). :attr:`splitting` is the split in effect, the one value the step passes down.
+    ``num_minibatches`` optimizer steps are taken per epoch (mini-batch ``k`` holds samples
+    ``k, k + num_minibatches, ...`` of this rank's batch, which makes the mini-batches the same in
+    every data-parallel layout), ``ppo_epochs`` passes over the batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
     parallelism, :func:`~fnppo.core.sample.padding_multiple`). ``max_seq_len`` caps the length
     (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is the cap.
     A longer sample is refused (:class:`~fnppo.core.errors.InputError`), never truncated.
@@ -44,6 +46,7 @@ class Batching:
     """
 
     layout: str = "packed"
+    split: Split | None = None
     num_microbatches: int | None = None
     microbatch_size: int | None = None
     max_tokens_per_microbatch: int | None = None
@@ -57,11 +60,34 @@ class Batching:
         check_bool_fields(fn, self)
         if self.layout not in LAYOUTS:
             raise input_error(fn, "layout", "'packed' or 'padded'", repr(self.layout))
-        split_mode(self.num_microbatches, self.microbatch_size, self.max_tokens_per_microbatch, fn=fn, required=False)
+        flat = split_mode(
+            self.num_microbatches, self.microbatch_size, self.max_tokens_per_microbatch, fn=fn, required=False
+        )
+        if self.split is not None:
+            if not isinstance(self.split, (ByCount, BySize, ByTokens)):
+                raise input_error(
+                    fn, "split", "a ByCount, BySize or ByTokens (fnppo.batching) or None", repr(self.split)
+                )
+            if flat is not None:
+                raise input_error(fn, flat.flat, "None when split is given (one way in)", repr(flat.n))
         for n in ("num_minibatches", "ppo_epochs"):
             check_positive_int(fn, n, getattr(self, n))
         for n in ("pad_to_multiple_of", "max_seq_len"):
             check_positive_int(fn, n, getattr(self, n), allow_none=True)
+
+    @property
+    def splitting(self) -> Split:
+        """The split in effect: ``split``, else the one the flat field builds, else ``ByCount(1)``."""
+        flat = split_mode(
+            self.num_microbatches, self.microbatch_size, self.max_tokens_per_microbatch, fn="", required=False
+        )
+        return self.split or flat or ByCount(1)
+
+    @property
+    def split_arg(self) -> str:
+        """How errors name the split: the field it was given by (``num_microbatches`` by default: one micro-batch)."""
+        flat = [n for n in ("microbatch_size", "max_tokens_per_microbatch") if getattr(self, n) is not None]
+        return "split" if self.split is not None else (flat[0] if flat else "num_microbatches")
 
 
 @dataclass(frozen=True, kw_only=True)

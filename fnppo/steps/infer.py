@@ -21,7 +21,7 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch, Sample
-from fnppo.core.split import SPLIT_MODES
+from fnppo.core.split import SPLIT_MODES, Split
 from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.routing import RoutingRecorder
@@ -108,13 +108,15 @@ def forward_only(
 def _logprob_config(config: StepConfig | None, **given: Any) -> StepConfig:
     """``config`` (or the defaults) with the keywords of :func:`compute_logprobs` that are not None.
 
-    A split mode given as a keyword replaces the one of ``config``. Validated by
+    A split given as a keyword (``split`` or a flat one) replaces the one of ``config``. Validated by
     :class:`~fnppo.steps.config.StepConfig`.
     """
     base = config or StepConfig()
     given = {k: v for k, v in given.items() if v is not None}
-    if any(k in given for k in SPLIT_MODES):
-        base = dataclasses.replace(base, num_microbatches=None, microbatch_size=None, max_tokens_per_microbatch=None)
+    if any(k in given for k in (*SPLIT_MODES, "split")):
+        base = dataclasses.replace(
+            base, split=None, num_microbatches=None, microbatch_size=None, max_tokens_per_microbatch=None
+        )
     return dataclasses.replace(base, **given) if given else base
 
 
@@ -148,15 +150,16 @@ def compute_logprobs(
     *,
     params: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]] | None = None,
     with_entropy: bool = False,
+    config: StepConfig | None = None,
     temperature: float | None = None,
     layout: str | None = None,
+    split: Split | None = None,
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     max_tokens_per_microbatch: int | None = None,
     pad_to_multiple_of: int | None = None,
     max_seq_len: int | None = None,
     fns: StepFns | None = None,
-    config: StepConfig | None = None,
     return_routing: bool = False,
 ) -> (
     tuple[list[torch.Tensor], list[torch.Tensor] | None]
@@ -175,12 +178,12 @@ def compute_logprobs(
             parameter set with the same modules, e.g. the frozen reference policy
             (:func:`fnppo.megatron.forward.snapshot_params`).
         with_entropy: also return the entropies.
-        temperature: as in :class:`~fnppo.steps.config.StepConfig` (None: from ``config``, else the
-            default); so are ``layout``, ``num_microbatches``, ``microbatch_size``,
-            ``max_tokens_per_microbatch``, ``pad_to_multiple_of`` and ``max_seq_len``.
-        fns: the collate, forward and logprob stages (:class:`~fnppo.steps.protocols.StepFns`; its loss is unused).
-        config: a :class:`~fnppo.steps.config.StepConfig` supplying every field above left None (accepted for
-            compatibility; its loss settings are unused).
+        config: the :class:`~fnppo.steps.config.StepConfig` (temperature, layout, split, padding,
+            length cap, stages; its loss settings are unused), as :func:`compute_values` takes a
+            ``CriticConfig``; default ``StepConfig()``.
+        temperature, layout, split, num_microbatches, microbatch_size, max_tokens_per_microbatch,
+            pad_to_multiple_of, max_seq_len, fns: sugar: each one given (not None) replaces that
+            field of ``config`` (a split given this way replaces ``config``'s split).
         return_routing: also return the experts the routers chose (MoE models; routing replay,
             :mod:`fnppo.megatron.routing`). Samples that carry ``routed_experts`` are always run with
             those experts forced.
@@ -211,6 +214,7 @@ def compute_logprobs(
             config,
             temperature=temperature,
             layout=layout,
+            split=split,
             num_microbatches=num_microbatches,
             microbatch_size=microbatch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch,

@@ -22,7 +22,7 @@ from fnppo.core.collate import pad_microbatch, unpack_per_sample
 from fnppo.core.context_parallel import gather_per_sample
 from fnppo.core.errors import input_error
 from fnppo.core.sample import Microbatch, Sample, padding_multiple
-from fnppo.core.split import SPLIT_MODES, SplitPlan, build_microbatches, plan_microbatches
+from fnppo.core.split import Split, SplitPlan, build_microbatches, plan_microbatches
 from fnppo.megatron.packed_attention import FLEX_BLOCK
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
@@ -97,7 +97,8 @@ class Plan:
     """How one call turns samples into micro-batches: worked out once from the config and the model."""
 
     model: ModelFacts
-    split: tuple[str, int]  # (mode, size), see fnppo.core.split.split_mode
+    split: Split  # the split in effect (Batching.splitting), passed down as it is
+    split_arg: str  # the config field errors name for it (Batching.split_arg)
     layout: str  # 'packed' or 'padded'
     pad_to_multiple_of: int
     max_seq_len: int | None  # the config's max_seq_len, else the model's max_sequence_length
@@ -126,7 +127,6 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         limit, source = config.max_seq_len, f"{type(config).__name__}.max_seq_len"
     else:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
-    given = [(name, getattr(config, name)) for name in SPLIT_MODES if getattr(config, name) is not None]
     multiple = config.pad_to_multiple_of or _default_multiple(model)
     min_tokens = None
     if fast_invariant(model):
@@ -143,7 +143,8 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
             )
     return Plan(
         model=model,
-        split=given[0] if given else ("num_microbatches", 1),  # Batching allows at most one
+        split=config.splitting,
+        split_arg=config.split_arg,
         layout=config.layout,
         pad_to_multiple_of=multiple,
         max_seq_len=limit,

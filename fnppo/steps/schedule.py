@@ -11,6 +11,7 @@ schedule runs; :func:`run_forward_only` is the forward-only run (eval mode, no a
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from megatron.core import pipeline_parallel
 from torch import nn
 
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
+from fnppo.core.m2po import m2_values, m2po_cutoff
 from fnppo.core.sample import Microbatch
 from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms
 from fnppo.megatron.grads import GradStats, finalize_grads
@@ -160,6 +162,29 @@ def global_normalizer(
     return total[0].float()
 
 
+def global_m2_cutoff(
+    mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout, device: torch.device
+) -> torch.Tensor | None:
+    """M2PO's cutoff of the whole mini-batch (:mod:`fnppo.core.m2po`): the squared log-ratios of every
+    valid token of every micro-batch, gathered over the DP ranks (padded to the longest with NaN),
+    then :func:`~fnppo.core.m2po.m2po_cutoff`; None without ``correction.m2_threshold``."""
+    corr = loss_cfg.correction
+    if corr is None or corr.m2_threshold is None:
+        return None
+    clamp = loss_cfg.log_ratio_clamp
+    vals = torch.cat([m2_values(mb.old_logprobs, mb.rollout_logprobs, mb.loss_mask, clamp) for mb in mbs]).to(device)
+    if layout.dp > 1:
+        n = torch.tensor([vals.numel()], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=layout.dp_group)
+        padded = torch.full((int(n[0]),), math.nan, dtype=torch.float64, device=device)
+        padded[: vals.numel()] = vals
+        parts = [torch.empty_like(padded) for _ in range(layout.dp)]
+        dist.all_gather(parts, padded, group=layout.dp_group)
+        vals = torch.cat(parts)
+        vals = vals[~torch.isnan(vals)]
+    return m2po_cutoff(vals, corr.m2_threshold)
+
+
 def global_sums(
     mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,6 +240,7 @@ def policy_forward_step(
     normalizer: torch.Tensor | None,
     loss_scale: float,
     tis_mean: torch.Tensor | None = None,
+    m2_cutoff: torch.Tensor | None = None,
 ) -> Callable[[Iterator[Microbatch], nn.Module], Any]:
     """Megatron's ``forward_step_func`` of the policy: forward, then (last stage) logprob -> loss, scaled.
 
@@ -222,7 +248,7 @@ def policy_forward_step(
     and the head replaces the log-prob stage."""
     fns = config.fns
     loss_cfg = config.loss
-    extra = {} if tis_mean is None else {"tis_mean": tis_mean}
+    extra = {k: v for k, v in (("tis_mean", tis_mean), ("m2_cutoff", m2_cutoff)) if v is not None}
 
     def forward_step(data_iterator: Iterator[Microbatch], model: nn.Module):
         mb = next(data_iterator)

@@ -37,6 +37,7 @@ from fnppo.steps.plan import Plan, microbatches, model_facts, split_plan, with_c
 from fnppo.steps.protocols import CollateFn
 from fnppo.steps.schedule import (
     fnppo_finalizer,
+    global_m2_cutoff,
     global_normalizer,
     global_sums,
     onpolicy_max,
@@ -151,6 +152,10 @@ def _train(
         # the first update's forward ran before any optimizer step: on-policy, current == old
         out["onpolicy/max_abs_logprob_diff"] = float(first_gaps[0])
         out["onpolicy/max_abs_ratio_minus_1"] = float(first_gaps[1])
+    if isinstance(config, StepConfig):
+        # train_step never runs an old-log-prob forward itself: 1.0 when the loss read the samples'
+        # old_logprobs (computed by compute_logprobs before the step), 0.0 in bypass mode (none needed)
+        out["offpolicy/old_logprobs_read"] = 0.0 if config.loss.bypass_old_logprobs else 1.0
     lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
     if lr:
         out["lr"] = float(lr[0])
@@ -242,13 +247,11 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
 
     plan = agree_on_refusal(entry, layout)
 
-    def sums(
-        mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return global_sums(mbs, config.loss, lay, dev)
+    def sums(mbs: Sequence[Microbatch], lay: ParallelLayout, dev: torch.device) -> tuple[Any, ...]:
+        return (*global_sums(mbs, config.loss, lay, dev), global_m2_cutoff(mbs, config.loss, lay, dev))
 
-    def forward_step(pair: tuple[torch.Tensor, torch.Tensor | None], scale: float) -> Callable:
-        return policy_forward_step(config, plan, normalizer=pair[0], loss_scale=scale, tis_mean=pair[1])
+    def forward_step(s: tuple[Any, ...], scale: float) -> Callable:
+        return policy_forward_step(config, plan, normalizer=s[0], loss_scale=scale, tis_mean=s[1], m2_cutoff=s[2])
 
     return _train(
         state, samples, _Objective("train_step", config.fns.collate, sums, forward_step, "loss"), config, plan

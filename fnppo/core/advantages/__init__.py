@@ -40,6 +40,7 @@ from fnppo.core.advantages.group import (
     pass_at_k_advantages,
     rloo_advantages,
 )
+from fnppo.core.advantages.multi import gdpo_advantages, maxrl_advantages
 from fnppo.core.advantages.token import (
     broadcast_to_tokens,
     discounted_scan,
@@ -66,4 +67,6 @@ __all__ = [
     "gpg_advantages",
     "gpg_batch_counts",
     "optimal_token_baseline_advantages",
+    "gdpo_advantages",
+    "maxrl_advantages",
 ]

@@ -10,8 +10,11 @@ The modules, each with one job:
 
 * :mod:`~fnppo.core.losses.policy` -- :class:`PolicyInputs` and the per-token policy losses
   (``ppo_clip``, ``gspo``, ``cispo``, ``gmpo``, ``sapo``, ``gpg``, ``reinforce``); any callable
-  with the :class:`PolicyLoss` signature is one too.
+  with the :class:`PolicyLoss` signature is one too. A built-in loss is one class (its own factory,
+  declaring its flat name, flat fields and rule, :class:`~fnppo.core.losses.policy.Builtin`) and the
+  line of its lowercase name: the tables of ``from_flat`` and these ``__all__`` lists derive from it.
 * :mod:`~fnppo.core.losses.covariance` -- the covariance-based policy losses ``clip_cov``, ``kl_cov``.
+* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts ``dppo_tv``, ``dppo_kl``, ``ipo``, ``dro``.
 * :mod:`~fnppo.core.losses.kl` -- :func:`kl_penalty` estimators and the :class:`KLPenalty` part.
 * :mod:`~fnppo.core.losses.aggregate` -- :class:`Aggregation`, :func:`loss_normalizer`.
 * :mod:`~fnppo.core.losses.config` -- :class:`LossConfig` and the rules across parts.
@@ -23,26 +26,23 @@ The rollout correction part (:class:`RolloutCorrection`, :func:`compute_tis_weig
 :func:`tis_batch_stats`) lives in :mod:`fnppo.core.rollout_correction` and is re-exported here.
 """
 
+from fnppo.core.losses import covariance as _covariance
+from fnppo.core.losses import offpolicy as _offpolicy
+from fnppo.core.losses import policy as _policy
 from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
 from fnppo.core.losses.aggregate import Aggregation as Aggregation
 from fnppo.core.losses.aggregate import loss_normalizer as loss_normalizer
 from fnppo.core.losses.config import LossConfig as LossConfig
-from fnppo.core.losses.covariance import clip_cov as clip_cov
-from fnppo.core.losses.covariance import kl_cov as kl_cov
+from fnppo.core.losses.covariance import *  # noqa: F403 - the built-in losses (covariance.LOSS_NAMES)
 from fnppo.core.losses.flat import POLICY_LOSSES as POLICY_LOSSES
 from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
+from fnppo.core.losses.offpolicy import *  # noqa: F403 - the built-in losses (offpolicy.LOSS_NAMES)
+from fnppo.core.losses.policy import *  # noqa: F403 - the built-in losses (policy.LOSS_NAMES)
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
 from fnppo.core.losses.policy import PolicyLoss as PolicyLoss
-from fnppo.core.losses.policy import cispo as cispo
-from fnppo.core.losses.policy import gmpo as gmpo
-from fnppo.core.losses.policy import gpg as gpg
-from fnppo.core.losses.policy import gspo as gspo
-from fnppo.core.losses.policy import ppo_clip as ppo_clip
-from fnppo.core.losses.policy import reinforce as reinforce
-from fnppo.core.losses.policy import sapo as sapo
 from fnppo.core.losses.ppo import ppo_loss as ppo_loss
 from fnppo.core.losses.value import ValueLossConfig as ValueLossConfig
 from fnppo.core.losses.value import value_loss as value_loss
@@ -51,20 +51,12 @@ from fnppo.core.rollout_correction import RolloutCorrection as RolloutCorrection
 from fnppo.core.rollout_correction import TISWeights as TISWeights
 from fnppo.core.rollout_correction import compute_tis_weights as compute_tis_weights
 from fnppo.core.rollout_correction import tis_batch_stats as tis_batch_stats
+from fnppo.core.staleness import Staleness as Staleness
 
 __all__ = [
     "LossConfig",
     "PolicyInputs",
     "PolicyLoss",
-    "ppo_clip",
-    "gspo",
-    "cispo",
-    "gmpo",
-    "sapo",
-    "clip_cov",
-    "kl_cov",
-    "gpg",
-    "reinforce",
     "Aggregation",
     "LOSS_AGG_MODES",
     "loss_normalizer",
@@ -76,9 +68,13 @@ __all__ = [
     "TISWeights",
     "compute_tis_weights",
     "tis_batch_stats",
+    "Staleness",
     "ppo_loss",
     "ValueLossConfig",
     "value_loss",
     "POLICY_LOSSES",
     "from_flat",
+    *_policy.LOSS_NAMES,
+    *_covariance.LOSS_NAMES,
+    *_offpolicy.LOSS_NAMES,
 ]

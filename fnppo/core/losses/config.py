@@ -46,6 +46,12 @@ def check_cross(c: Checker, policy: PolicyLoss) -> None:
             f"{loss_name(policy)!r} (its ratio pi_theta / pi_rollout already is the importance weight)",
         )
     c.need(
+        c.get("correction.m2_threshold") is None,
+        "correction.m2_threshold",
+        f"None with {c.label('bypass_old_logprobs')}=True (M2PO's d = logp_old - logp_rollout would depend on the "
+        "current parameters, known only in the forward pass)",
+    )
+    c.need(
         not c.get("correction.batch_normalize"),
         "correction.batch_normalize",
         f"False with {c.label('bypass_old_logprobs')}=True (the weights would depend on the current parameters, "
@@ -128,6 +134,7 @@ class LossConfig:
                     "bypass_old_logprobs": self.bypass_old_logprobs,
                     "correction.tis_cap": None if corr is None else corr.tis_cap,
                     "correction.batch_normalize": corr is not None and corr.batch_normalize,
+                    "correction.m2_threshold": None if corr is None else corr.m2_threshold,
                 }.__getitem__,
             ),
             self.policy,

@@ -11,15 +11,18 @@ Reference: The Entropy Mechanism of Reinforcement Learning for Reasoning Languag
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
 
 import torch
 
 from fnppo.core.loss_checks import Checker
-from fnppo.core.losses.policy import PolicyInputs, check_ppo_clip, clipped_surrogate
+from fnppo.core.losses.policy import _DUAL, Builtin, PolicyInputs, builtins_of, check_ppo_clip, clipped_surrogate
 from fnppo.core.typing import Tensor
 
-__all__ = ["ClipCov", "KLCov", "clip_cov", "kl_cov", "check_clip_cov", "check_kl_cov"]
+__all__ = ["check_clip_cov", "check_kl_cov"]  # + the losses (end)
 
 
 def check_cov_ratio(c: Checker) -> None:
@@ -61,7 +64,7 @@ def _covariance(x: PolicyInputs) -> tuple[Tensor, Tensor]:
 
 
 @dataclass(frozen=True)
-class ClipCov:
+class ClipCov(Builtin):
     """Clip-Cov: PPO loss with the gradient of a few high-covariance tokens stopped.
 
     ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch. Among
@@ -74,15 +77,18 @@ class ClipCov:
     Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
     """
 
+    flat_name: ClassVar[str] = "clip_cov"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"clip_cov_ratio": "ratio", "clip_cov_lb": "lb", "clip_cov_ub": "ub", **_DUAL}
+    )
+    rule = staticmethod(check_clip_cov)
+
     ratio: float = 2e-4
     lb: float = 1.0
     ub: float = 5.0
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = 3.0
-
-    def __post_init__(self) -> None:
-        check_clip_cov(Checker.of(self, "fnppo.losses.clip_cov"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
@@ -101,7 +107,7 @@ class ClipCov:
 
 
 @dataclass(frozen=True)
-class KLCov:
+class KLCov(Builtin):
     """KL-Cov: unclipped surrogate plus a KL penalty on the highest-covariance tokens.
 
     ``l_t = -A_t r_t + coef * |log r_t| * [t in top-k of cov]`` with
@@ -111,11 +117,12 @@ class KLCov:
     Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
     """
 
+    flat_name: ClassVar[str] = "kl_cov"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({"kl_cov_ratio": "ratio", "kl_cov_coef": "coef"})
+    rule = staticmethod(check_kl_cov)
+
     ratio: float = 2e-4
     coef: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_kl_cov(Checker.of(self, "fnppo.losses.kl_cov"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = x.log_ratio()
@@ -126,29 +133,9 @@ class KLCov:
         return loss, {"kl_cov_frac": x.token_metric(chosen.float())}
 
 
-def clip_cov(
-    ratio: float = 2e-4,
-    lb: float = 1.0,
-    ub: float = 5.0,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-) -> ClipCov:
-    """:class:`ClipCov`: the fraction ``ratio`` of tokens to detach, drawn from the covariance band
-    ``(lb, ub)``, and the PPO bounds of the rest.
+clip_cov = ClipCov
+kl_cov = KLCov
 
-    Raises:
-        InputError: a ``ratio`` outside ``[0, 1]``, a non-finite ``lb``, ``ub <= lb``, and the rules
-            of :func:`~fnppo.core.losses.policy.ppo_clip`.
-    """
-    return ClipCov(ratio, lb, ub, clip_low, clip_high, dual_clip)
-
-
-def kl_cov(ratio: float = 2e-4, coef: float = 1.0) -> KLCov:
-    """:class:`KLCov`: the fraction ``ratio`` of tokens (largest covariance) that get the
-    ``coef * |log r|`` penalty.
-
-    Raises:
-        InputError: a ``ratio`` outside ``[0, 1]``, a ``coef`` that is not a number >= 0.
-    """
-    return KLCov(ratio, coef)
+LOSS_NAMES = tuple(builtins_of(globals()))
+"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
+__all__ += list(LOSS_NAMES)

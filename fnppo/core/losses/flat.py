@@ -22,112 +22,56 @@ The mapping: ``policy_loss`` and its fields -> ``policy``; ``loss_agg_mode``, ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from fnppo.core.errors import input_error
 from fnppo.core.loss_checks import Checker
+from fnppo.core.losses import covariance, offpolicy, policy
 from fnppo.core.losses.aggregate import Aggregation, check_agg
 from fnppo.core.losses.config import LossConfig, check_cross
-from fnppo.core.losses.covariance import check_clip_cov, check_kl_cov, clip_cov, kl_cov
 from fnppo.core.losses.kl import KLPenalty, check_kl
-from fnppo.core.losses.policy import (
-    PolicyLoss,
-    check_cispo,
-    check_ppo_clip,
-    check_sapo,
-    cispo,
-    gmpo,
-    gpg,
-    gspo,
-    ppo_clip,
-    reinforce,
-    sapo,
-)
+from fnppo.core.losses.policy import PolicyLoss, PPOClip, builtins_of
 from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, RolloutCorrection, check_clamp, check_correction
 
 __all__ = ["POLICY_LOSSES", "LOSS_FIELDS", "DEFAULTS", "from_flat"]
 
 _FN = "fnppo.losses.from_flat"
 
-POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType(
-    {
-        "ppo": ppo_clip,
-        "gspo": gspo,
-        "cispo": cispo,
-        "gpg": gpg,
-        "reinforce": reinforce,
-        "gmpo": gmpo,
-        "sapo": sapo,
-        "clip_cov": clip_cov,
-        "kl_cov": kl_cov,
-    }
-)
-"""``policy_loss`` name -> factory of :mod:`fnppo.core.losses.policy` (read-only)."""
 
-_CLIP = (("clip_ratio_low", "clip_low"), ("clip_ratio_high", "clip_high"))
-_DUAL = (*_CLIP, ("clip_ratio_c", "dual_clip"))
-_READS = (
-    ("ppo", _DUAL),
-    ("gspo", _CLIP),
-    ("cispo", (("cispo_clip_low", "clip_low"), ("cispo_clip_high", "clip_high"))),
-    ("gpg", ()),
-    ("reinforce", ()),
-    ("gmpo", _CLIP),
-    ("sapo", (("sapo_tau_pos", "tau_pos"), ("sapo_tau_neg", "tau_neg"))),
-    ("clip_cov", (("clip_cov_ratio", "ratio"), ("clip_cov_lb", "lb"), ("clip_cov_ub", "ub"), *_DUAL)),
-    ("kl_cov", (("kl_cov_ratio", "ratio"), ("kl_cov_coef", "coef"))),
-)
+def _default(cls: type, attr: str) -> Any:
+    """The default of a dataclass field (each default is written once, in its part)."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == attr)
+
+
+_MODULES = (policy, covariance, offpolicy)
+"""The modules of the built-in policy losses (a new module is one entry here; a new loss in one of
+them, nothing: :func:`~fnppo.core.losses.policy.builtins_of` finds it)."""
+_BUILTINS = tuple(dict.fromkeys(cls for module in _MODULES for cls in builtins_of(vars(module)).values()))
+_FLAT = tuple(cls for cls in _BUILTINS if cls.flat_name is not None)
+
+POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType({cls.flat_name: cls for cls in _FLAT})
+"""``policy_loss`` name -> the class of the built-in loss (its own factory; read-only), derived from
+the classes' ``flat_name``."""
+
 LOSS_FIELDS: Mapping[str, Mapping[str, str]] = MappingProxyType(
-    {name: MappingProxyType(dict(fields)) for name, fields in _READS}
+    {cls.flat_name: MappingProxyType(dict(cls.flat_fields)) for cls in _FLAT}
 )
 """``policy_loss`` name -> ``{flat field: argument of its factory}``: the fields each loss reads."""
 
-DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {
-        "policy_loss": "ppo",
-        "clip_ratio_low": 0.2,
-        "clip_ratio_high": 0.2,
-        "clip_ratio_c": 3.0,
-        "loss_agg_mode": "token-mean",
-        "loss_scale_factor": None,
-        "entropy_coeff": 0.0,
-        "kl_coef": 0.0,
-        "kl_estimator": "k3",
-        "tis_cap": None,
-        "tis_level": "token",
-        "tis_reject_low": None,
-        "tis_reject_high": None,
-        "tis_reject_level": None,
-        "log_ratio_clamp": 20.0,
-        "cispo_clip_low": 1.0,
-        "cispo_clip_high": 0.28,
-        "sapo_tau_pos": 1.0,
-        "sapo_tau_neg": 1.05,
-        "clip_cov_ratio": 2e-4,
-        "clip_cov_lb": 1.0,
-        "clip_cov_ub": 5.0,
-        "kl_cov_ratio": 2e-4,
-        "kl_cov_coef": 1.0,
-        "bypass_old_logprobs": False,
-        "tis_batch_normalize": False,
-        "reject_seq_k2": None,
-        "reject_seq_k3": None,
-        "reject_seq_mean_log_ratio": None,
-        "reject_seq_max_abs_log_ratio": None,
-    }
-)
-"""Every flat field and its default (the former ``PolicyLossConfig``'s)."""
 
-_CHECKS = (
-    ("ppo", check_ppo_clip),
-    ("cispo", check_cispo),
-    ("sapo", check_sapo),
-    ("clip_cov", check_clip_cov),
-    ("kl_cov", check_kl_cov),
-)
-"""The rules of the policy-loss parameters, each applied to the flat fields of the loss it belongs to."""
+def _policy_defaults() -> dict[str, Any]:
+    """Each flat policy field's default: its class's field default (one value where classes share a field)."""
+    out: dict[str, Any] = {}
+    for cls in _FLAT:
+        for field, attr in cls.flat_fields.items():
+            value = _default(cls, attr)
+            if out.setdefault(field, value) != value:  # a programming error in a class, caught at import
+                raise TypeError(f"flat field {field!r}: default {value!r} of {cls.__name__} != {out[field]!r}")
+    return out
+
 
 _CORRECTION = MappingProxyType(
     {
@@ -141,7 +85,33 @@ _CORRECTION = MappingProxyType(
 )
 """Rule name of the rollout correction -> flat field (the ``reject_seq_*`` names are the same)."""
 
-_CROSS = MappingProxyType({"correction.tis_cap": "tis_cap", "correction.batch_normalize": "tis_batch_normalize"})
+_CORRECTION_ATTR = MappingProxyType({"cap": "tis_cap"})  # rule name -> RolloutCorrection attribute where they differ
+
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "policy_loss": PPOClip.flat_name,
+        **{f: v for f, v in _policy_defaults().items() if f.startswith("clip_ratio")},
+        "loss_agg_mode": _default(Aggregation, "mode"),
+        "loss_scale_factor": _default(Aggregation, "scale"),
+        "entropy_coeff": _default(LossConfig, "entropy_coef"),
+        "kl_coef": 0.0,  # KLPenalty has no default coef; 0 means "no penalty" (kl=None)
+        "kl_estimator": _default(KLPenalty, "estimator"),
+        **{flat: _default(RolloutCorrection, _CORRECTION_ATTR.get(rule, rule)) for rule, flat in _CORRECTION.items()},
+        "log_ratio_clamp": _default(LossConfig, "log_ratio_clamp"),
+        **{f: v for f, v in _policy_defaults().items() if not f.startswith("clip_ratio")},
+        "bypass_old_logprobs": _default(LossConfig, "bypass_old_logprobs"),
+        **{name: _default(RolloutCorrection, name) for name in (*SEQ_REJECTION_CRITERIA, "m2_threshold")},
+    }
+)
+"""Every flat field and its default (the former ``PolicyLossConfig``'s), derived from the parts' field defaults."""
+
+_CROSS = MappingProxyType(
+    {
+        "correction.tis_cap": "tis_cap",
+        "correction.batch_normalize": "tis_batch_normalize",
+        "correction.m2_threshold": "m2_threshold",
+    }
+)
 """Path of a setting read by the rules across parts -> flat field."""
 
 
@@ -184,15 +154,16 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
             f"one of {sorted(POLICY_LOSSES)} (a loss of your own: LossConfig(policy=my_loss))",
             repr(name),
         )
-    check_ppo_clip(_checker(v, {b: a for a, b in LOSS_FIELDS["ppo"].items()}))
+    PPOClip.rule(_checker(v, {b: a for a, b in PPOClip.flat_fields.items()}))
     check_agg(_checker(v, {"mode": "loss_agg_mode", "scale": "loss_scale_factor"}))
     _checker(v, {}).number("entropy_coeff", 0)
     check_kl(_checker(v, {"coef": "kl_coef", "estimator": "kl_estimator"}))
     c = _checker(v, _CORRECTION)
     bounds = check_correction(c)
     check_clamp(c)
-    for loss, check in _CHECKS[1:]:
-        check(_checker(v, {b: a for a, b in LOSS_FIELDS[loss].items()}))
+    for cls in _FLAT:
+        if cls is not PPOClip:
+            cls.rule(_checker(v, {b: a for a, b in cls.flat_fields.items()}))
     policy_fields = {f for fields in LOSS_FIELDS.values() for f in fields}
     for field in sorted(policy_fields - set(LOSS_FIELDS[name])):
         if v[field] != DEFAULTS[field]:
@@ -204,7 +175,13 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
 
 def _correction(v: Mapping[str, Any], bounds: tuple[float, float] | None) -> RolloutCorrection | None:
     """The rollout correction of the flat fields, None when none of them corrects anything."""
-    active = [v["tis_cap"], v["tis_reject_low"], v["tis_reject_high"], *(v[n] for n in SEQ_REJECTION_CRITERIA)]
+    active = [
+        v["tis_cap"],
+        v["tis_reject_low"],
+        v["tis_reject_high"],
+        v["m2_threshold"],
+        *(v[n] for n in SEQ_REJECTION_CRITERIA),
+    ]
     if all(x is None for x in active):
         return None
     return RolloutCorrection(
@@ -218,6 +195,7 @@ def _correction(v: Mapping[str, Any], bounds: tuple[float, float] | None) -> Rol
         v["reject_seq_k3"],
         bounds,
         v["reject_seq_max_abs_log_ratio"],
+        v["m2_threshold"],
     )
 
 

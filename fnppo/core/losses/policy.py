@@ -21,7 +21,10 @@ so that :func:`fnppo.core.losses.flat.from_flat` applies the same rule under the
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -31,26 +34,7 @@ from fnppo.core.metrics import weighted_metric
 from fnppo.core.segments import Segments
 from fnppo.core.typing import Tensor
 
-__all__ = [
-    "PolicyInputs",
-    "PolicyLoss",
-    "uses_ratio",
-    "loss_name",
-    "PPOClip",
-    "GSPO",
-    "CISPO",
-    "GMPO",
-    "SAPO",
-    "GPG",
-    "Reinforce",
-    "ppo_clip",
-    "gspo",
-    "cispo",
-    "gmpo",
-    "sapo",
-    "gpg",
-    "reinforce",
-]
+__all__ = ["PolicyInputs", "PolicyLoss", "uses_ratio", "loss_name", "Builtin", "builtins_of"]  # + the losses (end)
 
 
 @dataclass(frozen=True)
@@ -176,6 +160,41 @@ def check_sapo(c: Checker) -> None:
 # =============================================================================================
 # Built-in policy losses
 # =============================================================================================
+class Builtin:
+    """What a built-in policy loss declares once, in its class (everything else is derived from it).
+
+    * ``flat_name``: its ``policy_loss`` name in :func:`fnppo.core.losses.flat.from_flat` (a class
+      without one is not reachable by a flat name);
+    * ``flat_fields``: ``{flat field: attribute}``, the flat fields it reads; the flat defaults are
+      its dataclass field defaults (:data:`fnppo.core.losses.flat.DEFAULTS`);
+    * ``rule``: the rule of its parameters over a :class:`~fnppo.core.loss_checks.Checker`, run when
+      built (also by ``dataclasses.replace``) and by ``from_flat`` under the flat names.
+
+    The class is its own factory (``ppo_clip = PPOClip``): a new built-in loss is its class and the
+    line of its public name.
+    """
+
+    flat_name: ClassVar[str | None] = None
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    @staticmethod
+    def rule(c: Checker) -> None:
+        """No parameters to check."""
+
+    def __post_init__(self) -> None:
+        self.rule(Checker.of(self, f"fnppo.losses.{public_name(type(self))}"))
+
+
+def public_name(cls: type) -> str:
+    """The lowercase name a built-in loss is known by (``ppo_clip`` for :class:`PPOClip`), else its class name."""
+    names = vars(sys.modules[cls.__module__])
+    return next((n for n, v in names.items() if v is cls and n.islower()), cls.__name__)
+
+
+_CLIP = MappingProxyType({"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high"})
+_DUAL = MappingProxyType({**_CLIP, "clip_ratio_c": "dual_clip"})
+
+
 def clipped_surrogate(
     ratio: Tensor, adv: Tensor, low: float, high: float, dual_clip: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -199,7 +218,7 @@ def clipped_surrogate(
 
 
 @dataclass(frozen=True)
-class PPOClip:
+class PPOClip(Builtin):
     """PPO clipped surrogate with asymmetric and dual clipping (:func:`ppo_clip`).
 
     ``r = exp(logp - logp_old)``, ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and,
@@ -212,12 +231,13 @@ class PPOClip:
     bounds), DAPO, arXiv:2503.14476.
     """
 
+    flat_name: ClassVar[str] = "ppo"
+    flat_fields: ClassVar[Mapping[str, str]] = _DUAL
+    rule = staticmethod(check_ppo_clip)
+
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = 3.0
-
-    def __post_init__(self) -> None:
-        check_ppo_clip(Checker.of(self, "fnppo.losses.ppo_clip"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
@@ -228,7 +248,7 @@ class PPOClip:
 
 
 @dataclass(frozen=True)
-class GSPO:
+class GSPO(Builtin):
     """GSPO: clipped surrogate on the length-normalized sequence ratio (token-level form GSPO-token).
 
     ``log s_i = mean_t (logp_t - logp_old_t)`` over the valid tokens of sequence i and, per token,
@@ -241,11 +261,12 @@ class GSPO:
     Reference: Group Sequence Policy Optimization, arXiv:2507.18071.
     """
 
+    flat_name: ClassVar[str] = "gspo"
+    flat_fields: ClassVar[Mapping[str, str]] = _CLIP
+    rule = staticmethod(check_clip_bounds)
+
     clip_low: float = 0.2
     clip_high: float = 0.2
-
-    def __post_init__(self) -> None:
-        check_clip_bounds(Checker.of(self, "fnppo.losses.gspo"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         c = x.log_ratio_clamp
@@ -256,7 +277,7 @@ class GSPO:
 
 
 @dataclass(frozen=True)
-class CISPO:
+class CISPO(Builtin):
     """CISPO: REINFORCE weighted by the clipped, stopped importance ratio.
 
     ``l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``; every token keeps a gradient
@@ -266,11 +287,14 @@ class CISPO:
     Reference: MiniMax-M1, arXiv:2506.13585.
     """
 
+    flat_name: ClassVar[str] = "cispo"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"cispo_clip_low": "clip_low", "cispo_clip_high": "clip_high"}
+    )
+    rule = staticmethod(check_cispo)
+
     clip_low: float = 1.0
     clip_high: float = 0.28
-
-    def __post_init__(self) -> None:
-        check_cispo(Checker.of(self, "fnppo.losses.cispo"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         ratio = x.ratio().detach()
@@ -280,7 +304,7 @@ class CISPO:
 
 
 @dataclass(frozen=True)
-class GMPO:
+class GMPO(Builtin):
     """GMPO: the geometric mean of token ratios, with token-level clipping in log space.
 
     Per token ``u_t = sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -clip_low, clip_high))``;
@@ -291,11 +315,12 @@ class GMPO:
     Reference: Geometric-Mean Policy Optimization, arXiv:2507.20673.
     """
 
+    flat_name: ClassVar[str] = "gmpo"
+    flat_fields: ClassVar[Mapping[str, str]] = _CLIP
+    rule = staticmethod(check_clip_bounds)
+
     clip_low: float = 0.2
     clip_high: float = 0.2
-
-    def __post_init__(self) -> None:
-        check_clip_bounds(Checker.of(self, "fnppo.losses.gmpo"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = x.log_ratio()
@@ -309,7 +334,7 @@ class GMPO:
 
 
 @dataclass(frozen=True)
-class SAPO:
+class SAPO(Builtin):
     """SAPO: a smooth sigmoid gate instead of the hard clip.
 
     ``l = -f(r) A`` with ``f(r) = (4 / tau) sigmoid(tau (r - 1))`` and ``tau = tau_pos`` for
@@ -319,11 +344,12 @@ class SAPO:
     Reference: Soft Adaptive Policy Optimization, arXiv:2511.20347.
     """
 
+    flat_name: ClassVar[str] = "sapo"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({"sapo_tau_pos": "tau_pos", "sapo_tau_neg": "tau_neg"})
+    rule = staticmethod(check_sapo)
+
     tau_pos: float = 1.0
     tau_neg: float = 1.05
-
-    def __post_init__(self) -> None:
-        check_sapo(Checker.of(self, "fnppo.losses.sapo"))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         adv = x.advantages
@@ -338,7 +364,7 @@ def _plain_policy_gradient(x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @dataclass(frozen=True)
-class Reinforce:
+class Reinforce(Builtin):
     """Plain policy gradient ``l = -A * logp`` (on-policy; ``old_logprobs`` is not used).
 
     With ``bypass_old_logprobs`` and ``tis_cap`` it is the REINFORCE estimator of rollout
@@ -348,6 +374,7 @@ class Reinforce:
     reinforcement learning".
     """
 
+    flat_name: ClassVar[str] = "reinforce"
     uses_ratio: ClassVar[bool] = False
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
@@ -355,13 +382,14 @@ class Reinforce:
 
 
 @dataclass(frozen=True)
-class GPG:
+class GPG(Builtin):
     """Group Policy Gradient: the plain policy gradient ``l = -A * logp`` of :class:`Reinforce`
     (GPG's advantage correction is left to the advantage estimator, ``gpg_advantages``).
 
     Reference: GPG, arXiv:2504.02546.
     """
 
+    flat_name: ClassVar[str] = "gpg"
     uses_ratio: ClassVar[bool] = False
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
@@ -369,60 +397,27 @@ class GPG:
 
 
 # =============================================================================================
-# Factories (the public names; each returns the validated part)
+# The public names: each class is its own factory (same arguments, validated when built)
 # =============================================================================================
-def ppo_clip(clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = 3.0) -> PPOClip:
-    """:class:`PPOClip`: the clipped surrogate, ratio clipped to ``[1 - clip_low, 1 + clip_high]``,
-    dual clip ``dual_clip > 1`` for negative advantages (None: off).
-
-    Raises:
-        InputError: ``fnppo.losses.ppo_clip: argument '<name>' ...`` for a bound that is not a finite
-            number >= 0, a ``dual_clip`` that is not a number > 1 or None.
-    """
-    return PPOClip(clip_low, clip_high, dual_clip)
+ppo_clip = PPOClip
+gspo = GSPO
+cispo = CISPO
+gmpo = GMPO
+sapo = SAPO
+gpg = GPG
+reinforce = Reinforce
 
 
-def gspo(clip_low: float = 0.2, clip_high: float = 0.2) -> GSPO:
-    """:class:`GSPO` with its sequence ratio clipped to ``[1 - clip_low, 1 + clip_high]``.
-
-    Raises:
-        InputError: a bound that is not a finite number >= 0.
-    """
-    return GSPO(clip_low, clip_high)
-
-
-def cispo(clip_low: float = 1.0, clip_high: float = 0.28) -> CISPO:
-    """:class:`CISPO` with its stopped weight clipped to ``[1 - clip_low, 1 + clip_high]``.
-
-    Raises:
-        InputError: a ``clip_low`` outside ``[0, 1]``, a ``clip_high`` that is not a number >= 0.
-    """
-    return CISPO(clip_low, clip_high)
+def builtins_of(namespace: Mapping[str, Any]) -> dict[str, type]:
+    """The built-in policy losses defined in a module's namespace, by every public name bound to one
+    (class and factory alias), in definition order: how the tables and ``__all__`` lists are derived."""
+    return {
+        name: v
+        for name, v in namespace.items()
+        if isinstance(v, type) and issubclass(v, Builtin) and v is not Builtin and not name.startswith("_")
+    }
 
 
-def gmpo(clip_low: float = 0.2, clip_high: float = 0.2) -> GMPO:
-    """:class:`GMPO` with the log-ratio clipped to ``[-clip_low, clip_high]`` (log-space bounds).
-
-    Raises:
-        InputError: a bound that is not a finite number >= 0.
-    """
-    return GMPO(clip_low, clip_high)
-
-
-def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05) -> SAPO:
-    """:class:`SAPO` with gate temperatures ``tau_pos`` (``A > 0``) and ``tau_neg`` (otherwise).
-
-    Raises:
-        InputError: a temperature that is not a number > 0.
-    """
-    return SAPO(tau_pos, tau_neg)
-
-
-def gpg() -> GPG:
-    """:class:`GPG`, ratio-free (``uses_ratio = False``)."""
-    return GPG()
-
-
-def reinforce() -> Reinforce:
-    """:class:`Reinforce`, ratio-free (``uses_ratio = False``)."""
-    return Reinforce()
+LOSS_NAMES = tuple(builtins_of(globals()))
+"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
+__all__ += list(LOSS_NAMES)

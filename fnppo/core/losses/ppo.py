@@ -62,8 +62,9 @@ def _check_loss_inputs(
     ref_logprobs: Tensor | None,
     rollout_logprobs: Tensor | None,
     tis_mean: Any,
+    m2_cutoff: Any = None,
 ) -> None:
-    """The optional inputs that ``config`` needs are given (and ``tis_mean`` only when it is used)."""
+    """The optional inputs that ``config`` needs are given (and ``tis_mean``, ``m2_cutoff`` only when used)."""
     if old_logprobs is None and not config.bypass_old_logprobs:
         raise input_error(fn, "old_logprobs", "a tensor (or LossConfig.bypass_old_logprobs=True)", "None")
     if config.entropy_coef != 0 and entropy is None:
@@ -80,6 +81,8 @@ def _check_loss_inputs(
         )
     if tis_mean is not None and not (config.correction is not None and config.correction.batch_normalize):
         raise input_error(fn, "tis_mean", "None unless correction.batch_normalize=True", describe_value(tis_mean))
+    if m2_cutoff is not None and (config.correction is None or config.correction.m2_threshold is None):
+        raise input_error(fn, "m2_cutoff", "None unless correction.m2_threshold is set", describe_value(m2_cutoff))
 
 
 def _policy_term(fn: str, config: LossConfig, x: PolicyInputs, tok: Tokens) -> tuple[Tensor, dict[str, Tensor]]:
@@ -102,6 +105,7 @@ def _importance(
     tok: Tokens,
     metrics: dict[str, Tensor],
     tis_mean: Any,
+    m2_cutoff: Any = None,
 ) -> tuple[Tensor | None, Tensor]:
     """TIS weights (None without a correction) and the kept tokens; adds ``rollout_kl`` and the TIS metrics.
 
@@ -113,7 +117,8 @@ def _importance(
     metrics["rollout_kl"] = weighted_metric(rollout - train, tok.mf)
     if config.correction is None:
         return None, tok.mf
-    tis, _ = correction(train, rollout, tok.m, tok.seg, Rules.of(config.correction, config.log_ratio_clamp), tis_mean)
+    rules = Rules.of(config.correction, config.log_ratio_clamp)
+    tis, _ = correction(train, rollout, tok.m, tok.seg, rules, tis_mean, m2_cutoff)
     metrics.update(tis.metrics)
     return tis.weights.to(tok.mf.dtype), tis.keep.to(tok.mf.dtype)
 
@@ -165,6 +170,7 @@ def ppo_loss(
     seq_ids: Integer[Tensor, "batch seq"] | None = None,
     generator: torch.Generator | None = None,
     tis_mean: float | int | Shaped[Tensor, ""] | None = None,
+    m2_cutoff: float | Shaped[Tensor, ""] | None = None,
 ) -> tuple[Scalar, dict[str, Tensor]]:
     """Policy loss + entropy bonus + KL penalty, aggregated with ``config.agg``.
 
@@ -211,6 +217,9 @@ def ppo_loss(
             :func:`~fnppo.core.rollout_correction.tis_batch_stats` summed over the step,
             ``sum / count``); None: the mean of this call. A mean of 0 (no kept unit anywhere)
             divides by 1.
+        m2_cutoff: with ``correction.m2_threshold``: the M2PO cutoff of the whole mini-batch
+            (:func:`~fnppo.core.m2po.m2po_cutoff` of every valid token's squared log-ratio, as
+            :func:`fnppo.train_step` computes it before the schedule); None: this call's own.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and ``dict[str, Tensor]`` of detached ``[2]`` metrics
@@ -231,7 +240,7 @@ def ppo_loss(
     fn = "fnppo.ppo_loss"
     check_non_empty(fn, "logprobs", logprobs)
     bypass = config.bypass_old_logprobs
-    _check_loss_inputs(fn, config, old_logprobs, entropy, ref_logprobs, rollout_logprobs, tis_mean)
+    _check_loss_inputs(fn, config, old_logprobs, entropy, ref_logprobs, rollout_logprobs, tis_mean, m2_cutoff)
     if typechecking_enabled():
         validate_inputs(
             fn,
@@ -254,7 +263,8 @@ def ppo_loss(
     )
     pg_tok, extra = _policy_term(fn, config, inputs, tok)
     metrics: dict[str, Tensor] = {}
-    tis_w, keep = _importance(config, lp.detach() if bypass else old, rollout_logprobs, tok, metrics, tis_mean)
+    train = lp.detach() if bypass else old
+    tis_w, keep = _importance(config, train, rollout_logprobs, tok, metrics, tis_mean, m2_cutoff)
     if tis_w is not None:
         pg_tok = pg_tok * tis_w
     agg_w, local_den = agg_weights(tok.mf, tok.seg, config.agg.mode, config.agg.scale)

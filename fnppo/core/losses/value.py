@@ -65,9 +65,9 @@ def value_loss(
     old_values: PaddedFloat,
     returns: PaddedFloat,
     mask: PaddedMask,
-    clip_range: float | None = 0.2,
+    config: ValueLossConfig | float | None = 0.2,
     *,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str | None = None,
     loss_scale_factor: float | None = None,
     normalizer: float | int | Shaped[Tensor, ""] | None = None,
     seq_ids: Integer[Tensor, "batch seq"] | None = None,
@@ -89,9 +89,10 @@ def value_loss(
         values: ``[batch, seq]`` predicted values (carry the gradient).
         old_values, returns: the values at rollout time and the targets (detached).
         mask: 0/1 mask of the trained tokens.
-        clip_range: ``>= 0``, or ``None`` for no clipping.
-        loss_agg_mode, loss_scale_factor: the ``mode`` and ``scale`` of
-            :class:`~fnppo.core.losses.aggregate.Aggregation` (``ValueLossConfig.agg``).
+        config: the :class:`ValueLossConfig` (its ``clip_range`` and ``agg``), as ``ppo_loss`` takes
+            a ``LossConfig``. Sugar: a number ``>= 0`` or ``None`` is the ``clip_range`` alone, with
+            ``loss_agg_mode`` (default ``"token-mean"``) and ``loss_scale_factor`` as the ``mode`` and
+            ``scale`` of its aggregation; both must be left None with a ``ValueLossConfig``.
         normalizer, seq_ids: as in :func:`fnppo.core.losses.ppo.ppo_loss`.
 
     Returns:
@@ -102,15 +103,23 @@ def value_loss(
         exact ``vf_explained_var`` of the whole step.
 
     Raises:
-        InputError: an empty batch, a bad ``clip_range`` or mode; with checking on, as
+        InputError: an empty batch, a bad ``clip_range`` or mode, ``loss_agg_mode`` /
+            ``loss_scale_factor`` given with a ``ValueLossConfig``; with checking on, as
             :func:`fnppo.core.losses.ppo.ppo_loss` for the mask, NaN/inf (in ``values``,
             ``old_values``, ``returns`` where ``mask`` is 1; other positions are never read),
             ``seq_ids`` and ``normalizer``.
     """
     fn = "fnppo.value_loss"
     check_non_empty(fn, "values", values)
-    _check_value_clip(fn, clip_range)
-    mode, scale = mode_and_scale(fn, loss_agg_mode, loss_scale_factor)
+    if isinstance(config, ValueLossConfig):
+        for name, v in (("loss_agg_mode", loss_agg_mode), ("loss_scale_factor", loss_scale_factor)):
+            if v is not None:
+                raise input_error(fn, name, "None when config is a ValueLossConfig (its agg says it)", repr(v))
+        clip_range, (mode, scale) = config.clip_range, mode_and_scale(fn, config)
+    else:
+        clip_range = config
+        _check_value_clip(fn, clip_range)
+        mode, scale = mode_and_scale(fn, "token-mean" if loss_agg_mode is None else loss_agg_mode, loss_scale_factor)
     if typechecking_enabled():
         validate_inputs(
             fn,

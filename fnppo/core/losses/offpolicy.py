@@ -1,0 +1,225 @@
+"""Policy losses for stale and mismatched rollouts: DPPO (TV, KL), IPO, DRO and decoupled PPO with a
+log-linear proximal policy (pure torch).
+
+Each is a built-in part like those of :mod:`fnppo.core.losses.policy` (a frozen dataclass, its own
+factory, a flat name for :func:`~fnppo.core.losses.flat.from_flat`), aggregated, weighted and
+split-invariant exactly like them: every one is a per-token function of its own token's log-probs
+and advantage, so the sum over micro-batches with the step's ``normalizer`` is the full-batch loss.
+
+Which log-probs play which role (see ``docs/conventions.md``): ``x.old_logprobs`` is the policy the
+trust region is measured against. Outside bypass mode that is the trainer's recomputed old
+log-probs (the *proximal* policy of decoupled PPO, while ``rollout_logprobs`` are the *behaviour*
+policy that the rollout correction weights against); with ``LossConfig(bypass_old_logprobs=True)``
+it is the inference engine's log-probs (behaviour = proximal, no old-log-prob forward): IPO and
+prime-rl's DPPO are meant to run this way.
+
+Masked tokens (outside the trust region) get loss 0 and no gradient but stay in the denominator
+``N`` of the aggregation (as in verl and prime-rl, where the mask multiplies the per-token loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+
+from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.policy import Builtin, PolicyInputs, PPOClip, builtins_of
+from fnppo.core.typing import Tensor
+
+__all__ = ["check_dppo", "check_ipo", "check_dro", "check_decoupled"]  # + the losses (end)
+
+
+def check_dppo(c: Checker) -> None:
+    for arg in ("low", "high"):  # the rule of the flat clip_ratio_low/high they share with ppo: >= 0
+        c.number(arg, 0)
+    c.number("ratio_cap", 0, strict=True, expected="a number > 0 (the truncation of the stopped ratio)")
+
+
+def check_ipo(c: Checker) -> None:
+    c.number("threshold", 0, strict=True, expected="a number > 0")
+    c.number("kl_coef", 0)
+
+
+def check_dro(c: Checker) -> None:
+    c.number("beta", 0)
+
+
+def _dppo(x: PolicyInputs, valid: Tensor, ratio_cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """``-A sg(min(r, ratio_cap)) logp`` on the tokens inside the trust region, 0 elsewhere."""
+    ratio = x.ratio().detach()
+    weight = torch.clamp(ratio, max=ratio_cap)
+    loss = torch.where(valid, -x.advantages * weight * x.logprobs, torch.zeros_like(x.logprobs))
+    return loss, {
+        "pg_clipfrac": x.token_metric((~valid).float()),
+        "pg_clipfrac_lower": x.token_metric(((ratio > ratio_cap) & valid).float()),
+    }
+
+
+_DPPO_FIELDS = MappingProxyType({"clip_ratio_low": "low", "clip_ratio_high": "high", "dppo_ratio_cap": "ratio_cap"})
+
+
+@dataclass(frozen=True)
+class DPPOTV(Builtin):
+    """DPPO-Binary-TV: a trust region on the total-variation step of the sampled token's probability.
+
+    With ``p = exp(logp)``, ``q = exp(logp_old)`` and ``r = p / q``: a token is inside the region when
+    ``p - q <= high`` (``A > 0``) or ``p - q >= -low`` (``A <= 0``), and then
+    ``l = -A sg(min(r, ratio_cap)) logp`` (gradient ``-A min(r, ratio_cap) grad logp``); outside,
+    ``l = 0``. ``pg_clipfrac``: the fraction outside; ``pg_clipfrac_lower``: inside with
+    ``r > ratio_cap``. (The value of ``l`` contains ``logp``; only its gradient is meaningful.)
+
+    Reference: DPPO, arXiv:2602.04879; verl ``compute_policy_loss_dppo_tv`` (PR #5397; verl reads
+    ``clip_ratio_low/high`` as the bounds and ``clip_ratio_c``, default 20, as the cap).
+    """
+
+    flat_name: ClassVar[str] = "dppo_tv"
+    flat_fields: ClassVar[Mapping[str, str]] = _DPPO_FIELDS
+    rule = staticmethod(check_dppo)
+
+    low: float = 0.2
+    high: float = 0.2
+    ratio_cap: float = 20.0
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        diff = torch.exp(x.logprobs.detach()) - torch.exp(x.old_logprobs)
+        valid = torch.where(x.advantages > 0, diff <= self.high, diff >= -self.low)
+        return _dppo(x, valid, self.ratio_cap)
+
+
+@dataclass(frozen=True)
+class DPPOKL(Builtin):
+    """DPPO-Binary-KL: the trust region on the binary KL of the sampled token's probability.
+
+    ``D = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))`` (``p``, ``q`` as in
+    :class:`DPPOTV`); inside when ``D <= high or p <= q`` (``A > 0``) or ``D <= low or p >= q``
+    (``A <= 0``): a token is masked only when its probability moved in the direction its advantage
+    pushes, by more than the bound. The loss and metrics are those of :class:`DPPOTV`.
+
+    Reference: DPPO, arXiv:2602.04879; verl ``compute_policy_loss_dppo_kl`` (PR #5397).
+    """
+
+    flat_name: ClassVar[str] = "dppo_kl"
+    flat_fields: ClassVar[Mapping[str, str]] = _DPPO_FIELDS
+    rule = staticmethod(check_dppo)
+
+    low: float = 0.2
+    high: float = 0.2
+    ratio_cap: float = 20.0
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        lp = x.logprobs.detach()
+        p, q = torch.exp(lp), torch.exp(x.old_logprobs)
+        kl = q * (x.old_logprobs - lp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        valid = torch.where(x.advantages > 0, (kl <= self.high) | (p <= q), (kl <= self.low) | (p >= q))
+        return _dppo(x, valid, self.ratio_cap)
+
+
+@dataclass(frozen=True)
+class IPO(Builtin):
+    """IPO (prime-rl's default loss): a symmetric trust region on the probability step, the
+    importance-weighted policy gradient and a squared-log-ratio regularizer.
+
+    With ``r = exp(logp - logp_old)``: ``l = -A r [|p - q| <= threshold] + kl_coef (log r)^2``; the
+    regularizer acts on every trained token, masked or not (prime-rl's ``kl_tau``; its ``adv_tau``
+    scaling of the advantages is the estimator's business here). ``pg_clipfrac``: the masked fraction.
+    Meant for bypass mode (``LossConfig(policy=ipo(), bypass_old_logprobs=True)``): ``logp_old`` is
+    then the inference engine's log-probs, the behaviour policy, and no old-log-prob forward runs.
+
+    Reference: prime-rl ``ipo_loss_fn`` (PR #2798).
+    """
+
+    flat_name: ClassVar[str] = "ipo"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"ipo_threshold": "threshold", "ipo_kl_coef": "kl_coef"}
+    )
+    rule = staticmethod(check_ipo)
+
+    threshold: float = 0.1
+    kl_coef: float = 1e-3
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        log_ratio = x.log_ratio()
+        masked = (torch.exp(x.logprobs.detach()) - torch.exp(x.old_logprobs)).abs() > self.threshold
+        pg = torch.where(masked, torch.zeros_like(log_ratio), -x.advantages * torch.exp(log_ratio))
+        return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
+
+
+@dataclass(frozen=True)
+class DRO(Builtin):
+    """DRO: the plain policy gradient with a quadratic trust region around the behaviour policy.
+
+    ``l = -A logp + (beta / 2) (logp - logp_old)^2``; the penalty acts on every trained token
+    (``loss_mask`` excludes positions, which tinker's version cannot, tinker-cookbook #907).
+    (The value contains ``logp``; its gradient ``-(A - beta (logp - logp_old)) grad logp`` is the point.)
+
+    Reference: tinker's ``dro`` loss (tinker docs, tinker-cookbook #600/#907); verl
+    ``compute_policy_loss_dro`` (#7245).
+    """
+
+    flat_name: ClassVar[str] = "dro"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({"dro_beta": "beta"})
+    rule = staticmethod(check_dro)
+
+    beta: float = 0.05
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        d = x.logprobs - x.old_logprobs
+        return -x.advantages * x.logprobs + 0.5 * self.beta * d * d, {}
+
+
+def check_decoupled(c: Checker) -> None:
+    v = c.get("staleness")
+    c.need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "staleness", "an int >= 0")
+    c.need(callable(c.get("inner")), "inner", "a policy loss (a callable taking PolicyInputs)")
+    cap = c.get("weight_cap")
+    c.need(cap is None or (finite_number(cap) and cap > 0), "weight_cap", "a number > 0 or None")
+
+
+@dataclass(frozen=True)
+class LoglinearDecoupled(Builtin):
+    """Decoupled PPO with the proximal policy interpolated, not recomputed (AReaL's
+    ``prox_logp_method="loglinear"``): no old-log-prob forward. For bypass mode, where
+    ``x.old_logprobs`` are the behaviour (rollout engine's) log-probs.
+
+    The behaviour policy is ``staleness = K`` versions behind the current one and the proximal policy
+    one version behind, so ``alpha = (K - 1) / K`` (0 for ``K <= 1``) and
+    ``logp_prox = logp_behav + alpha (sg(logp) - logp_behav)``. The loss is
+    ``w inner(logp, logp_prox)`` with the behaviour weight ``w = sg(exp(logp_prox - logp_behav))``
+    (``min(w, weight_cap)`` when set): ``inner`` (default PPO's clip) anchors its trust region on the
+    proximal policy, ``w`` corrects the sampling. One ``K`` for the batch (AReaL reads one version per
+    token); :class:`~fnppo.core.staleness.Staleness` refuses older samples.
+
+    Reference: AReaL ``_compute_approx_prox_logp`` / ``ppo_actor_loss_fn`` (decoupled PPO,
+    arXiv:2505.24298).
+    """
+
+    rule = staticmethod(check_decoupled)
+
+    staleness: int = 1
+    inner: Any = PPOClip()
+    weight_cap: float | None = None
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        alpha = (self.staleness - 1) / self.staleness if self.staleness > 1 else 0.0
+        behav = x.old_logprobs
+        prox = behav + alpha * (x.logprobs.detach() - behav)
+        log_w = torch.clamp(prox - behav, -x.log_ratio_clamp, x.log_ratio_clamp)
+        w = torch.exp(log_w) if self.weight_cap is None else torch.clamp(torch.exp(log_w), max=self.weight_cap)
+        loss, metrics = self.inner(dataclasses.replace(x, old_logprobs=prox))
+        return w * loss, {**metrics, "behaviour_weight": x.token_metric(w)}
+
+
+dppo_tv = DPPOTV
+dppo_kl = DPPOKL
+ipo = IPO
+loglinear_decoupled = LoglinearDecoupled
+dro = DRO
+
+LOSS_NAMES = tuple(builtins_of(globals()))
+"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
+__all__ += list(LOSS_NAMES)

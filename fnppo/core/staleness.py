@@ -1,0 +1,109 @@
+"""The off-policy contract of a step as one object: :class:`Staleness` (pure Python and torch).
+
+Asynchronous RL trains on rollouts sampled by a policy ``s`` updates older than the one being
+trained (``s = current_version - version``, the staleness). :class:`Staleness` owns what that means
+for the loss, in one place:
+
+* ``max_staleness``: samples older than this are refused by :meth:`Staleness.check` (a named
+  error, before anything runs), never silently trained on;
+* ``proximal``: which log-probs anchor the trust region (``LossConfig``'s ratio and clip):
+  ``"old"``, the trainer's recomputed log-probs of the policy at the start of the update (one
+  forward per batch, ``compute_logprobs``; the rollout engine's log-probs are the behaviour policy,
+  corrected by ``LossConfig.correction``: decoupled PPO), or ``"behaviour"``, the rollout engine's
+  log-probs themselves (bypass mode: no old-log-prob forward; IPO's contract);
+* :meth:`Staleness.loss_config`: the ``LossConfig`` with that contract applied (``bypass_old_logprobs``);
+* :meth:`Staleness.metrics`: the staleness of a batch, for the step's metrics.
+
+The behaviour/proximal/current KL estimates and masked fractions of every step are the loss's own
+metrics: ``rollout_kl`` (``mean(logp_rollout - logp_old)``, behaviour vs proximal), ``ppo_kl``
+(``mean(logp_old - logp)``, proximal vs current; vs behaviour in bypass mode), ``pg_clipfrac``,
+``tis_rejected_frac``, ``m2po_masked_frac``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fnppo.core.errors import input_error
+
+__all__ = ["Staleness", "PROXIMAL"]
+
+PROXIMAL = ("old", "behaviour")
+"""What ``Staleness.proximal`` can be."""
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """The off-policy contract of a step (see the module docstring). Frozen; validated when built.
+
+    Attributes:
+        max_staleness: the largest ``current_version - version`` a sample may have, an int ``>= 0``
+            (0: synchronous, on-policy up to the engine's numerics).
+        proximal: ``"old"`` (recomputed old log-probs anchor the clip; the engine's are the behaviour
+            policy) or ``"behaviour"`` (the engine's log-probs anchor it: bypass mode, no
+            old-log-prob forward).
+
+    Raises:
+        InputError: ``fnppo.losses.Staleness: argument 'max_staleness' / 'proximal' ...``.
+    """
+
+    max_staleness: int = 0
+    proximal: str = "old"
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.losses.Staleness"
+        if not (isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)):
+            raise input_error(fn, "max_staleness", "an int >= 0", repr(self.max_staleness))
+        if self.max_staleness < 0:
+            raise input_error(fn, "max_staleness", "an int >= 0", repr(self.max_staleness))
+        if self.proximal not in PROXIMAL:
+            raise input_error(fn, "proximal", f"one of {list(PROXIMAL)}", repr(self.proximal))
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the samples need the trainer's old log-probs (one forward per batch): ``proximal == "old"``."""
+        return self.proximal == "old"
+
+    def loss_config(self, loss: Any) -> Any:
+        """``loss`` (a ``LossConfig``) with ``bypass_old_logprobs`` set by ``proximal`` (validated again)."""
+        return dataclasses.replace(loss, bypass_old_logprobs=self.proximal == "behaviour")
+
+    def check(self, versions: Sequence[int], current_version: int) -> None:
+        """Refuse a batch with a sample older than ``max_staleness`` or from the future.
+
+        Args:
+            versions: the policy version that sampled each sample (e.g. the optimizer step its
+                weights were taken at).
+            current_version: the version being trained.
+
+        Raises:
+            InputError: ``fnppo.losses.Staleness.check: argument 'versions[i]' expected a version in
+                [current - max_staleness, current] ...``, naming the first stale sample.
+        """
+        fn = "fnppo.losses.Staleness.check"
+        if isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0:
+            raise input_error(fn, "current_version", "an int >= 0", repr(current_version))
+        low = current_version - self.max_staleness
+        for i, v in enumerate(versions):
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= current_version:
+                raise input_error(
+                    fn,
+                    f"versions[{i}]",
+                    f"a version in [{low}, {current_version}] (max_staleness={self.max_staleness}: "
+                    "an older sample is refused, not trained on)",
+                    f"{v!r} (staleness {current_version - v if isinstance(v, int) else '?'})",
+                )
+
+    def metrics(self, versions: Sequence[int], current_version: int) -> dict[str, float]:
+        """``offpolicy/staleness_mean`` and ``offpolicy/staleness_max`` of a checked batch, and
+        ``offpolicy/old_logprob_forward`` (1.0 when the contract needs the old-log-prob forward)."""
+        self.check(versions, current_version)
+        ages = [current_version - v for v in versions]
+        return {
+            "offpolicy/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "offpolicy/staleness_max": float(max(ages, default=0)),
+            "offpolicy/old_logprob_forward": float(self.needs_old_logprobs),
+        }
