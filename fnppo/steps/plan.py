@@ -128,11 +128,11 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
     else:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
     multiple = config.pad_to_multiple_of or _default_multiple(model)
-    min_tokens = None
+    floor = None
     if fast_invariant(model):
         # every sequence starts at a multiple of the attention's key block, and no micro-batch has
         # fewer tokens than the library kernels need to keep a row's bits (fnppo.core.batch_invariant)
-        multiple, min_tokens = math.lcm(multiple, FLEX_BLOCK), CUDA_MIN_ROWS
+        multiple, floor = math.lcm(multiple, FLEX_BLOCK), CUDA_MIN_ROWS
         if config.layout == "padded" and uses_transformer_engine(model.core):
             raise input_error(
                 type(config).__name__,
@@ -155,7 +155,7 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         same_length=layout.vpp is not None,
         count_multiple=model.interleaved_group or 1,
         context_parallel=(layout.cp, layout.cp_rank),
-        min_tokens=min_tokens,
+        min_tokens=floor,
     )
 
 
