@@ -15,7 +15,7 @@ from fnppo.core.losses import LossConfig
 from fnppo.megatron.config import fp8_fields, transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.messages import check_message
 
 VOCAB = 64
@@ -24,19 +24,8 @@ STD = 0.02
 
 
 def _cfg(**kw) -> fnppo.ModelConfig:
-    base = dict(
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=32,
-        tie_embeddings=True,
-        init_method_std=STD,
-    )
-    base.update(kw)
-    return fnppo.ModelConfig(**base)
+    base = dict(num_layers=LAYERS, vocab_size=VOCAB, tie_embeddings=True, init_method_std=STD)
+    return tiny_model_config(**{**base, **kw})
 
 
 def _samples():
