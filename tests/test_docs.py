@@ -1,9 +1,11 @@
 """The guides under docs/ cannot go stale: their code runs, their links resolve, the site builds.
 
-* Each ```python block of a guide runs as written, in a fresh process on the CPU (``python
-  block.py``: every block is a complete program a reader can copy), and also under ``torchrun
-  --nproc-per-node 2`` when an HTML comment ``<!-- docs-test: also under torchrun ... -->`` stands
-  right before it.
+* Each ```python block of a guide runs as written, in a fresh process on the CPU (every block is a
+  complete program a reader can copy), and also on two processes with the environment ``torchrun
+  --nproc-per-node 2`` gives them when an HTML comment ``<!-- docs-test: also under torchrun ...
+  -->`` stands right before it. The processes are forks of one that has imported torch, Megatron and
+  fnppo once (the block runs as ``__main__`` in its own directory; that these imports print no
+  warning is checked once, in a new interpreter).
 * A block whose first line is ``# not run: <why>`` (it needs a GPU, several processes or the
   reader's own files) is skipped with that reason; the Hugging Face block is run instead on a tiny
   generated checkpoint, with its paths replaced.
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import multiprocessing as mp
 import os
 import re
+import runpy
 import subprocess
 import sys
+import time
 import unicodedata
 from pathlib import Path
 
@@ -70,21 +75,95 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(path)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(path),
+# what every block imports: paid once by the fork server, not once per block
+PRELOAD = ["torch", "fnppo", "fnppo.steps", "fnppo.models", "fnppo.parallel", "fnppo.checkpoint", "fnppo.losses"]
+_FORKS: list = []
+
+
+def _forked_main(path: str, env: dict, tag: str) -> None:
+    """In a process forked from the preloaded server: what ``python path`` would do, output to files."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(os.path.dirname(path))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(f"{path}.{tag}.{name}", "w") as f:
+            os.dup2(f.fileno(), fd)
+    sys.argv = [path]
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _run_forked(path: Path, nproc: int, timeout: int) -> subprocess.CompletedProcess:
+    """``python path``, or with ``nproc`` > 1 the environment ``torchrun --nproc-per-node nproc`` gives
+    each process (rank, world size, rendezvous address), in forks of the preloaded server; the output
+    of the first process (all of them on failure)."""
+    if not _FORKS:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _FORKS.append(ctx)
+    envs = [_env()]
+    if nproc > 1:
+        port, world = str(free_port()), str(nproc)
+        envs = [
+            dict(
+                _env(),
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                GROUP_RANK="0",
+                ROLE_RANK=str(r),
+                WORLD_SIZE=world,
+                LOCAL_WORLD_SIZE=world,
+                ROLE_WORLD_SIZE=world,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            for r in range(nproc)
         ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    return out
+    tag = f"np{nproc}"
+    procs = [_FORKS[0].Process(target=_forked_main, args=(str(path), env, f"{tag}r{r}")) for r, env in enumerate(envs)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    outs = [
+        subprocess.CompletedProcess(
+            [str(path), f"rank {r}"],
+            proc.exitcode,
+            *(_read(Path(f"{path}.{tag}r{r}.{name}")) for name in ("stdout", "stderr")),
+        )
+        for r, proc in enumerate(procs)
+    ]
+    failed = [o for o in outs if o.returncode != 0]
+    assert not failed, "\n".join(
+        f"{o.args} failed ({o.returncode}):\n{o.stdout[-3000:]}\n{o.stderr[-6000:]}" for o in failed
+    )
+    return outs[0]
+
+
+def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the program ``path`` as ``python path`` would, or on ``nproc`` processes as ``torchrun
+    --nproc-per-node nproc path`` would, in forks of a server that has imported :data:`PRELOAD`."""
+    return _run_forked(path, nproc, timeout)
+
+
+def test_importing_what_the_blocks_import_prints_no_warning():
+    """The blocks run in forks of a process that imported these already: the import itself, once, here."""
+    code = "import importlib\nfor m in " + repr(PRELOAD) + ":\n    importlib.import_module(m)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
 
 
 def test_every_guide_exists_and_has_code():

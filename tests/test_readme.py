@@ -1,9 +1,9 @@
 """README.md cannot go stale: every Python block runs as written, and quoted layout-check values match.
 
-* Each ```python block runs in a fresh process on the CPU (``python block.py``), and also under
-  ``torchrun --nproc-per-node 2`` when an HTML comment ``<!-- readme-test: also under torchrun ... -->``
-  stands right before it, and then a block that prints a dict of metrics (the compose block)
-  prints the same on one and two ranks.
+* Each ```python block runs in a fresh process on the CPU as ``python block.py`` would, and also
+  as under ``torchrun --nproc-per-node 2`` when an HTML comment ``<!-- readme-test: also under
+  torchrun ... -->`` stands right before it (how: ``tests/test_docs.py``), and then a block that
+  prints a dict of metrics (the compose block) prints the same on one and two ranks.
 * The first-step loss and grad norm quoted in the ``figures:layout-check`` block equal what
   ``examples/ppo_toy.py --layout-check`` prints now, on 1 process and on 2 (DP=2), to 1e-6 relative.
 * README stays short (at most 1,500 words; the details live in docs/), and its main and test commands
