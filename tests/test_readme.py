@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from fnppo.megatron.parallel import free_port
-from tests.test_docs import _env, _run_file
+from tests.test_docs import _run_file
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -124,20 +121,8 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
         "--target-reward",
         "0",
     ]
-    if args[0].endswith("torchrun"):
-        full = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-            str(ROOT / "examples/ppo_toy.py"),
-            *run_args,
-        ]
-    else:
-        full = [sys.executable, str(ROOT / "examples/ppo_toy.py"), *run_args]
-    out = subprocess.run(full, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
+    nproc = 2 if args[0].endswith("torchrun") else 1
+    out = _run_file(ROOT / "examples/ppo_toy.py", nproc, timeout=600, args=tuple(run_args), cwd=tmp_path)
     m = PRINTED.search(out.stdout)
     assert m, out.stdout
     for quoted, printed in ((loss, m.group(1)), (norm, m.group(2))):
