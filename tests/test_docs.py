@@ -23,19 +23,15 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-import multiprocessing as mp
-import os
 import re
-import runpy
 import subprocess
 import sys
-import time
 import unicodedata
 from pathlib import Path
 
 import pytest
 
-from fnppo.megatron.parallel import free_port
+from tests.scripts import PRELOAD, run_script, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -72,91 +68,20 @@ def _blocks() -> list[tuple[str, str, str]]:
 BLOCKS = _blocks()
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
-# what every block imports: paid once by the fork server, not once per block
-PRELOAD = ["torch", "fnppo", "fnppo.steps", "fnppo.models", "fnppo.parallel", "fnppo.checkpoint", "fnppo.losses"]
-_FORKS: list = []
-
-
-def _forked_main(path: str, args: list, cwd: str, env: dict, out: str) -> None:
-    """In a process forked from the preloaded server: what ``python path *args`` run in ``cwd`` would
-    do, its output to the files ``out.stdout`` and ``out.stderr``."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        with open(f"{out}.{name}", "w") as f:
-            os.dup2(f.fileno(), fd)
-    sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(path))
-    try:
-        runpy.run_path(path, run_name="__main__")
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-def _read(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
-
-
-def _torchrun_env(nproc: int) -> list[dict]:
-    """The environment ``torchrun --nproc-per-node nproc`` gives each process: rank, world size, rendezvous."""
-    port, world = str(free_port()), str(nproc)
-    ranks = [dict(RANK=r, LOCAL_RANK=r, ROLE_RANK=r, GROUP_RANK="0") for r in map(str, range(nproc))]
-    sizes = dict(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, ROLE_WORLD_SIZE=world)
-    return [dict(_env(), **rank, **sizes, MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for rank in ranks]
-
-
-def _run_file(
-    path: Path, nproc: int, timeout: int = 900, args: tuple = (), cwd: Path | None = None
-) -> subprocess.CompletedProcess:
-    """Run the program ``path`` as ``python path *args`` would (in ``cwd``, by default its folder), or
-    with ``nproc`` > 1 as ``torchrun --nproc-per-node nproc path *args`` would, in forks of a server
-    that has imported :data:`PRELOAD` (torch's, Megatron's and fnppo's imports are paid once, not once
-    a process). Returns the first process's output; asserts that every process exited with 0."""
-    if not _FORKS:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _FORKS.append(ctx)
-    cwd = cwd or path.parent
-    envs = [_env()] if nproc == 1 else _torchrun_env(nproc)
-    outs = [cwd / f".{path.name}.np{nproc}r{r}" for r in range(nproc)]
-    procs = [
-        _FORKS[0].Process(target=_forked_main, args=(str(path), list(args), str(cwd), env, str(out)))
-        for env, out in zip(envs, outs, strict=True)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-    done = [
-        subprocess.CompletedProcess(
-            [str(path), *args, f"rank {r} of {nproc}"],
-            proc.exitcode,
-            *(_read(Path(f"{out}.{name}")) for name in ("stdout", "stderr")),
-        )
-        for r, (proc, out) in enumerate(zip(procs, outs, strict=True))
-    ]
-    failed = [d for d in done if d.returncode != 0]
-    assert not failed, "\n".join(
-        f"{d.args} failed ({d.returncode}):\n{d.stdout[-3000:]}\n{d.stderr[-6000:]}" for d in failed
+def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python path`` (``torchrun --nproc-per-node nproc path``) as :func:`tests.scripts.run_script`
+    runs it; asserts that it exited with 0."""
+    out = run_script(path, nproc=nproc, timeout=timeout)
+    assert out.returncode == 0, (
+        f"{path} on {nproc} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     )
-    return done[0]
+    return out
 
 
 def test_importing_what_the_blocks_import_prints_no_warning():
     """The blocks run in forks of a process that imported these already: the import itself, once, here."""
     code = "import importlib\nfor m in " + repr(PRELOAD) + ":\n    importlib.import_module(m)\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=300)
     assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
 
 
@@ -334,7 +259,7 @@ def test_mkdocs_build_strict_documents_every_public_name(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=900,

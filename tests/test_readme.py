@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import run_script
 from tests.test_docs import _run_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +123,8 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
         "0",
     ]
     nproc = 2 if args[0].endswith("torchrun") else 1
-    out = _run_file(ROOT / "examples/ppo_toy.py", nproc, timeout=600, args=tuple(run_args), cwd=tmp_path)
+    out = run_script(ROOT / "examples/ppo_toy.py", run_args, nproc=nproc, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
     m = PRINTED.search(out.stdout)
     assert m, out.stdout
     for quoted, printed in ((loss, m.group(1)), (norm, m.group(2))):
