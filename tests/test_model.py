@@ -294,6 +294,21 @@ def test_model_config_is_frozen_and_derives_dtype_and_vocab():
         cfg.num_layers = 3  # type: ignore[misc]
 
 
+def test_tiny_model_config_is_the_documented_model_with_overrides():
+    """fnppo.testing.tiny_model_config: the tests' small GPT; overrides win, ``moe=True`` adds 4 experts."""
+    base = fnppo.ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=64,
+        max_seq_len=32,
+    )  # fmt: skip
+    assert tiny_model_config() == base
+    assert tiny_model_config(num_layers=4, tie_embeddings=False) == dataclasses.replace(
+        base, num_layers=4, tie_embeddings=False
+    )
+    moe = tiny_model_config(moe=True, moe_topk=1)
+    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_load_balancing) == (4, 1, 48, "none")
+    assert dataclasses.replace(moe, num_experts=None, moe_topk=base.moe_topk, moe_ffn_hidden_size=None) == base
+
+
 def _fake_layout(
     tp: int = 1, pp: int = 1, vpp: int | None = None, backend: str = "gloo", cp: int = 1
 ) -> ParallelLayout:
