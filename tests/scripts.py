@@ -81,7 +81,7 @@ def run_script(
     --nproc-per-node nproc`` would, each process a fork of the preloaded server. Returns the first
     process's exit code and output; with ``nproc`` > 1 the exit code is the first non-zero one, and
     the output of a failed process is appended to stderr. A process still running after ``timeout``
-    seconds is killed (exit code -9)."""
+    seconds, or 10 s after another one failed, is killed (exit code -9)."""
     assert (path is None) != (code is None), "run_script: a path or code"
     if not _SERVER:
         ctx = mp.get_context("forkserver")
@@ -98,8 +98,13 @@ def run_script(
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+    failed_at = None  # as torchrun does: one process failing ends the others (after a grace period)
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + 10.0:
+            break
+        time.sleep(0.05)
     for proc in procs:
         if proc.is_alive():
             proc.kill()
@@ -114,5 +119,5 @@ def run_script(
         for r, c in enumerate(codes)
         if c != 0 and r > 0
     )
-    code_ = next((c for c in codes if c != 0), 0)
+    code_ = next((c for c in codes if c not in (0, -9)), next((c for c in codes if c != 0), 0))  # -9: ended here
     return subprocess.CompletedProcess([name, *args], code_, texts[0][0], stderr)
