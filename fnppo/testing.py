@@ -5,8 +5,9 @@
 (the CPU mode of :mod:`fnppo.megatron.runtime`, re-exported here) with the requested TP/PP layout,
 and returns every rank's result. If any rank raises, all ranks are stopped and the first error is
 re-raised with its remote traceback. The rank processes are kept for the next call of the same
-size (imports are paid once; ``fresh=True`` for new ones). :func:`synthetic_samples` draws random
-samples for tests and demos; :class:`LiveBytes` measures the torch memory a piece of code holds.
+size (imports are paid once; ``fresh=True`` for new ones). :func:`tiny_model_config` is the small
+GPT the tests build, :func:`synthetic_samples` draws random samples for tests and demos;
+:class:`LiveBytes` measures the torch memory a piece of code holds.
 
 Not imported by the library.
 """
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from fnppo.core.sample import Sample
 from fnppo.core.typing import set_typechecking, typechecking_enabled
+from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.parallel import destroy_parallel, free_port, init_parallel
 from fnppo.megatron.runtime import cpu_mode_active as cpu_mode_active
 from fnppo.megatron.runtime import cpu_mode_entered_for_process
@@ -36,7 +38,27 @@ from fnppo.megatron.runtime import enter_cpu_mode_for_process as enter_cpu_mode_
 from fnppo.megatron.runtime import exit_cpu_mode_for_process as exit_cpu_mode_for_process
 from fnppo.megatron.runtime import megatron_on_cpu as megatron_on_cpu
 
-__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "synthetic_samples", "LiveBytes"]
+__all__ = ["megatron_on_cpu", "run_ranks", "RankError", "tiny_model_config", "synthetic_samples", "LiveBytes"]
+
+
+def tiny_model_config(*, moe: bool = False, **overrides: Any) -> ModelConfig:
+    """The small GPT of the tests: 2 layers, hidden 32, 4 heads in 2 query groups, FFN 64,
+    vocabulary 64, sequences up to 32 tokens, :class:`~fnppo.megatron.config.ModelConfig`'s defaults
+    otherwise; ``moe=True`` makes every layer 4 experts (top-2, expert FFN 48, no load-balancing
+    loss). ``overrides`` replace or add any field: ``tiny_model_config(num_layers=4, tie_embeddings=True)``.
+    """
+    fields: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        max_seq_len=32,
+    )
+    if moe:
+        fields.update(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48, moe_load_balancing="none")
+    return ModelConfig(**{**fields, **overrides})
 
 
 def _dumps(obj: Any) -> bytes:

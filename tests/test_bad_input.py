@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 import fnppo
 from fnppo import (
     InputError,
-    ModelConfig,
     Sample,
     ShapeError,
     StepConfig,
@@ -55,7 +54,7 @@ from fnppo.core.losses import (
     value_loss,
 )
 from fnppo.megatron.parallel import ParallelLayout
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.messages import check_message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,15 +451,7 @@ def _sample(prompt: list[int], response: list[int], **kw) -> Sample:
 
 def _step_errors() -> dict:
     """Each bad call's (error type, message); then: were the parameters untouched, does a good step work?"""
-    cfg = ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=MAX_LEN,
-    )
+    cfg = tiny_model_config(vocab_size=VOCAB, max_seq_len=MAX_LEN)
     chunks = fnppo.build_gpt(cfg)
     fnppo.models.layout_invariant_init(chunks, seed=3)
     ddp = fnppo.wrap_ddp(chunks)

@@ -22,7 +22,7 @@ import fnppo
 from fnppo.core.batch_invariant import batch_invariant
 from fnppo.core.kernels import invariant as inv
 from fnppo.megatron.packed_attention import packed_causal_attention
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +151,7 @@ VOCAB = 64
 
 
 def _cfg(**kw) -> fnppo.ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=64,
-        batch_invariant=True,
-    )
-    return fnppo.ModelConfig(**{**base, **kw})
+    return tiny_model_config(**{"vocab_size": VOCAB, "max_seq_len": 64, "batch_invariant": True, **kw})
 
 
 MOE = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=32, deterministic=True, moe_experts="sequential")

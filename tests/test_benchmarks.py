@@ -11,28 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from actor_baseline import InplaceVocabParallelEntropy, actor_loss  # noqa: E402
 
 from fnppo.core.losses import KLPenalty, LossConfig, ppo_clip  # noqa: E402
+from tests.scripts import run_script  # noqa: E402
 
 
 def _run_benchmark(cmd: list[str], timeout: int = 300):
-    """Run ``cmd`` (a benchmark's arguments after the interpreter) from the repository root with
-    fnppo importable; it must exit 0 (else its output's tail is the failure message)."""
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, *cmd],
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """Run ``cmd`` (a benchmark script and its arguments) from the repository root as ``python`` would
+    (:func:`tests.scripts.run_script`); it must exit 0 (else its output's tail is the failure message)."""
+    done = run_script(ROOT / cmd[0], cmd[1:], cwd=ROOT, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -82,24 +73,10 @@ def test_actor_loss_against_a_token_loop():
 
 def test_actor_baseline_checks_itself_when_run():
     """``benchmarks/actor_baseline.py`` is a module with a main: run, it checks itself and says so."""
-    import os
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
-    done = subprocess.run(
-        [sys.executable, "benchmarks/actor_baseline.py"], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("PASS"), done.stdout + done.stderr[-3000:]
-    helped = subprocess.run(
-        [sys.executable, "benchmarks/actor_baseline.py", "--help"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert helped.returncode == 0 and "usage:" in helped.stdout
+    done = _run_benchmark(["benchmarks/actor_baseline.py"])
+    assert done.stdout.strip().endswith("PASS"), done.stdout + done.stderr[-3000:]
+    helped = _run_benchmark(["benchmarks/actor_baseline.py", "--help"])
+    assert "usage:" in helped.stdout
 
 
 def test_model_flops_count_matches_the_published_parameter_count():
@@ -245,7 +222,6 @@ def test_step_stats_per_round_ratios_quartiles_and_probe_correlation(tmp_path):
     and 1.625), the summed ratio 10 / 8; a probe proportional to A's steps correlates with r = 1."""
     import json
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import step_stats
 
     run = {

@@ -26,24 +26,14 @@ import torch
 import fnppo
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import global_name
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 REL = 1e-5
 KEYS = ("loss", "grad_norm")
 
 
 def _cfg(moe: bool) -> fnppo.ModelConfig:
-    extra = dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48, moe_load_balancing="none") if moe else {}
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        **extra,
-    )
+    return tiny_model_config(moe=moe)
 
 
 def _build(

@@ -1,9 +1,11 @@
 """The guides under docs/ cannot go stale: their code runs, their links resolve, the site builds.
 
-* Each ```python block of a guide runs as written, in a fresh process on the CPU (``python
-  block.py``: every block is a complete program a reader can copy), and also under ``torchrun
-  --nproc-per-node 2`` when an HTML comment ``<!-- docs-test: also under torchrun ... -->`` stands
-  right before it.
+* Each ```python block of a guide runs as written, in a fresh process on the CPU (every block is a
+  complete program a reader can copy), and also on two processes with the environment ``torchrun
+  --nproc-per-node 2`` gives them when an HTML comment ``<!-- docs-test: also under torchrun ...
+  -->`` stands right before it. The processes are forks of one that has imported torch, Megatron and
+  fnppo once (the block runs as ``__main__`` in its own directory; that these imports print no
+  warning is checked once, in a new interpreter).
 * A block whose first line is ``# not run: <why>`` (it needs a GPU, several processes or the
   reader's own files) is skipped with that reason; the Hugging Face block is run instead on a tiny
   generated checkpoint, with its paths replaced.
@@ -18,9 +20,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from fnppo.megatron.parallel import free_port
+from tests.scripts import PRELOAD, run_script, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -66,25 +68,21 @@ def _blocks() -> list[tuple[str, str, str]]:
 BLOCKS = _blocks()
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
 def _run_file(path: Path, nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(path)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(path),
-        ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=path.parent, timeout=timeout)
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    """``python path`` (``torchrun --nproc-per-node nproc path``) as :func:`tests.scripts.run_script`
+    runs it; asserts that it exited with 0."""
+    out = run_script(path, nproc=nproc, timeout=timeout)
+    assert out.returncode == 0, (
+        f"{path} on {nproc} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    )
     return out
+
+
+def test_importing_what_the_blocks_import_prints_no_warning():
+    """The blocks run in forks of a process that imported these already: the import itself, once, here."""
+    code = "import importlib\nfor m in " + repr(PRELOAD) + ":\n    importlib.import_module(m)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=300)
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
 
 
 def test_every_guide_exists_and_has_code():
@@ -194,24 +192,20 @@ TEST_REF = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)(\[[^\]`]*\])?`")
 
 
 def test_every_test_named_in_the_docs_exists():
-    """README and the guides cite tests by name (docs/errors.md: tests/test_errors_doc.py); each must be collected."""
+    """README and the guides cite tests by name (docs/errors.md: tests/test_errors_doc.py); each must be a
+    test function of that file (pytest collects module-level ``test*`` functions)."""
     refs = set()
     for page in ROOT_FILES + PAGES:
         if page != DOCS / "errors.md":
             refs |= {(f, name) for f, name, _ in TEST_REF.findall(page.read_text())}
     assert refs
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:warnings", *sorted({f for f, _ in refs})],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    ids = {line.strip().split("[")[0] for line in out.stdout.splitlines() if "::" in line}
+    ids = set()
+    for f in {f for f, _ in refs}:
+        if (ROOT / f).is_file():
+            tree = ast.parse((ROOT / f).read_text())
+            ids |= {f"{f}::{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")}
     missing = sorted(f"{f}::{name}" for f, name in refs if f"{f}::{name}" not in ids)
-    assert not missing, f"tests named in the docs that pytest does not collect: {missing}"
+    assert not missing, f"tests named in the docs that do not exist: {missing}"
 
 
 def test_every_page_is_in_the_site_navigation():
@@ -265,7 +259,7 @@ def test_mkdocs_build_strict_documents_every_public_name(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=900,

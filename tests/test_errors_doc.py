@@ -1,17 +1,17 @@
 """docs/errors.md: every row of its tables names at least one test, and every test it names exists.
 
-Test ids are checked against pytest's own collection (``--collect-only``), so a parametrized id
+Test ids are checked against pytest's own collection (``--collect-only``, in a fork of the process that
+imported torch and fnppo once: ``tests/scripts.py``), so a parametrized id
 such as ``test_bad_input[ppo_loss-empty]`` or ``test_faults.py::...[other_shape]`` must be a real
 test case, not only a function name.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
@@ -32,14 +32,10 @@ def _rows() -> list[str]:
 
 
 def _collected(files: list[str]) -> set[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:warnings", *files],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    """pytest's ``--collect-only`` ids of ``files`` (in a fork of the preloaded server: tests/scripts.py)."""
+    code = "import sys, pytest\nsys.exit(pytest.main(sys.argv[1:]))"
+    out = run_script(
+        None, ["--collect-only", "-q", "-p", "no:warnings", "-p", "no:cacheprovider", *files], cwd=ROOT, code=code
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return {line.strip() for line in out.stdout.splitlines() if "::" in line}

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import fnppo
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.testing import RankError, run_ranks, synthetic_samples
+from fnppo.testing import RankError, run_ranks, synthetic_samples, tiny_model_config
 
 N_STEPS = 4  # uninterrupted run length
 SAVE_AT = 2  # the interrupted run saves here, a fresh process state resumes from it
@@ -52,17 +52,7 @@ FAIL_TIMEOUT_S = 6.0  # init_parallel(timeout_s=...) for the fail-fast test
 # helpers (run inside the ranks)
 # ---------------------------------------------------------------------------------------------
 def _model_cfg(hidden: int = 32, dropout: float = 0.0) -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-    )
+    return tiny_model_config(hidden_size=hidden, hidden_dropout=dropout, attention_dropout=dropout)
 
 
 def _build(init_seed: int = 3, hidden: int = 32, dropout: float = 0.0, lr: float = 1e-2) -> fnppo.TrainState:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import fnppo
 from fnppo.megatron.parallel import current_layout
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 VOCAB = 64
 N_MB = 2
@@ -19,16 +19,7 @@ REL = 1e-5
 
 
 def _cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(  # 4 layers: pp=2 x vpp=2 takes one per chunk
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=32,
-        tie_embeddings=True,
-    )
+    return tiny_model_config(num_layers=4, vocab_size=VOCAB, tie_embeddings=True)  # pp=2 x vpp=2: a layer per chunk
 
 
 def _nll(logits: torch.Tensor, mb, total_tokens: torch.Tensor) -> torch.Tensor:

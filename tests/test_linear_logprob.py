@@ -598,18 +598,9 @@ def test_tensor_parallel_equals_tp1():
 # The step: StepConfig(fused_output=True) equals the unfused path
 # ---------------------------------------------------------------------------------------------
 def _step_model_cfg(tied: bool):
-    import fnppo
+    from fnppo.testing import tiny_model_config
 
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        tie_embeddings=tied,
-    )
+    return tiny_model_config(tie_embeddings=tied)
 
 
 def step_worker(

@@ -14,7 +14,7 @@ import torch
 
 import fnppo
 from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.step_helpers import gather_dp, max_metric_error
 
 REL = 1e-5
@@ -24,16 +24,7 @@ TABLE: dict[str, float] = {}
 
 
 def _model_cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=64,
-        tie_embeddings=True,
-    )
+    return tiny_model_config(max_seq_len=64, tie_embeddings=True)
 
 
 def _samples() -> list:

@@ -862,18 +862,10 @@ def _train_step_masked_nan() -> dict:
     """train_step on one rank with a NaN advantage at a masked-out response position, for each
     policy loss and layout: the error (type, message) of each call; were the parameters untouched."""
     import fnppo
-    from fnppo.megatron.config import ModelConfig
     from fnppo.megatron.unwrap import unwrap_model
+    from fnppo.testing import tiny_model_config
 
-    cfg = ModelConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_query_groups=1,
-        ffn_hidden_size=32,
-        vocab_size=16,
-        max_seq_len=16,
-    )
+    cfg = tiny_model_config(num_layers=1, vocab_size=16, max_seq_len=16)
     ddp = fnppo.wrap_ddp(fnppo.build_gpt(cfg))
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
     before = [p.detach().clone() for p in unwrap_model(ddp[0]).parameters()]

@@ -15,7 +15,7 @@ from fnppo.core.losses import LossConfig
 from fnppo.megatron.config import fp8_fields, transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.messages import check_message
 
 VOCAB = 64
@@ -24,19 +24,8 @@ STD = 0.02
 
 
 def _cfg(**kw) -> fnppo.ModelConfig:
-    base = dict(
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=32,
-        tie_embeddings=True,
-        init_method_std=STD,
-    )
-    base.update(kw)
-    return fnppo.ModelConfig(**base)
+    base = dict(num_layers=LAYERS, vocab_size=VOCAB, tie_embeddings=True, init_method_std=STD)
+    return tiny_model_config(**{**base, **kw})
 
 
 def _samples():
@@ -303,6 +292,21 @@ def test_model_config_is_frozen_and_derives_dtype_and_vocab():
     assert _cfg(hidden_size=30, kv_channels=8).hidden_size == 30  # explicit head size: no divisibility rule
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.num_layers = 3  # type: ignore[misc]
+
+
+def test_tiny_model_config_is_the_documented_model_with_overrides():
+    """fnppo.testing.tiny_model_config: the tests' small GPT; overrides win, ``moe=True`` adds 4 experts."""
+    base = fnppo.ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64, vocab_size=64,
+        max_seq_len=32,
+    )  # fmt: skip
+    assert tiny_model_config() == base
+    assert tiny_model_config(num_layers=4, tie_embeddings=False) == dataclasses.replace(
+        base, num_layers=4, tie_embeddings=False
+    )
+    moe = tiny_model_config(moe=True, moe_topk=1)
+    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_load_balancing) == (4, 1, 48, "none")
+    assert dataclasses.replace(moe, num_experts=None, moe_topk=base.moe_topk, moe_ffn_hidden_size=None) == base
 
 
 def _fake_layout(

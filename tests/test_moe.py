@@ -17,30 +17,15 @@ import torch
 import fnppo
 import fnppo.megatron.unwrap
 from fnppo.core.losses import Aggregation, LossConfig, ppo_clip, ppo_loss
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 REL = 1e-5
 N_SAMPLES = 8
 
 
 def _cfg(**kw) -> fnppo.ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        num_experts=4,
-        moe_topk=2,
-        moe_ffn_hidden_size=48,
-        moe_load_balancing="aux_loss",
-        moe_aux_loss_coeff=0.05,
-        moe_z_loss_coeff=0.01,
-    )
-    base.update(kw)
-    return fnppo.ModelConfig(**base)
+    base = dict(moe_load_balancing="aux_loss", moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01)
+    return tiny_model_config(moe=True, **{**base, **kw})
 
 
 def _full_weights(cfg: fnppo.ModelConfig) -> dict:

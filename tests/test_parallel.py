@@ -17,23 +17,14 @@ import torch.distributed as dist
 import fnppo
 from fnppo.megatron.parallel import current_layout, init_parallel
 from fnppo.megatron.unwrap import unwrap_model
-from fnppo.testing import RankError, megatron_on_cpu, run_ranks, synthetic_samples
+from fnppo.testing import RankError, megatron_on_cpu, run_ranks, synthetic_samples, tiny_model_config
 
 VOCAB = 64
 N_MB = 2
 
 
 def _cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=VOCAB,
-        max_seq_len=32,
-        tie_embeddings=True,
-    )
+    return tiny_model_config(vocab_size=VOCAB, tie_embeddings=True)
 
 
 def _microbatches() -> list:

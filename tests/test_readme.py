@@ -1,9 +1,9 @@
 """README.md cannot go stale: every Python block runs as written, and quoted layout-check values match.
 
-* Each ```python block runs in a fresh process on the CPU (``python block.py``), and also under
-  ``torchrun --nproc-per-node 2`` when an HTML comment ``<!-- readme-test: also under torchrun ... -->``
-  stands right before it, and then a block that prints a dict of metrics (the compose block)
-  prints the same on one and two ranks.
+* Each ```python block runs in a fresh process on the CPU as ``python block.py`` would, and also
+  as under ``torchrun --nproc-per-node 2`` when an HTML comment ``<!-- readme-test: also under
+  torchrun ... -->`` stands right before it (how: ``tests/test_docs.py``), and then a block that
+  prints a dict of metrics (the compose block) prints the same on one and two ranks.
 * The first-step loss and grad norm quoted in the ``figures:layout-check`` block equal what
   ``examples/ppo_toy.py --layout-check`` prints now, on 1 process and on 2 (DP=2), to 1e-6 relative.
 * README stays short (at most 1,500 words; the details live in docs/), and its main and test commands
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from fnppo.megatron.parallel import free_port
-from tests.test_docs import _env, _run_file
+from tests.scripts import run_script
+from tests.test_docs import _run_file
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -124,19 +122,8 @@ def test_quoted_layout_check_values_match_the_code(which, tmp_path):
         "--target-reward",
         "0",
     ]
-    if args[0].endswith("torchrun"):
-        full = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-            str(ROOT / "examples/ppo_toy.py"),
-            *run_args,
-        ]
-    else:
-        full = [sys.executable, str(ROOT / "examples/ppo_toy.py"), *run_args]
-    out = subprocess.run(full, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600)
+    nproc = 2 if args[0].endswith("torchrun") else 1
+    out = run_script(ROOT / "examples/ppo_toy.py", run_args, nproc=nproc, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     m = PRINTED.search(out.stdout)
     assert m, out.stdout

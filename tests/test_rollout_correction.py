@@ -806,17 +806,9 @@ def _step_loss_cfg(name: str) -> LossConfig:
 
 def _step_chunks():
     import fnppo
+    from fnppo.testing import tiny_model_config
 
-    cfg = fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        tie_embeddings=True,
-    )
+    cfg = tiny_model_config(tie_embeddings=True)
     chunks = fnppo.build_gpt(cfg)
     fnppo.models.layout_invariant_init(chunks, seed=3)
     return chunks

@@ -15,7 +15,7 @@ import fnppo
 from fnppo.core.errors import InputError
 from fnppo.core.grouped_matmul import grouped_matmul
 from fnppo.losses import Aggregation, LossConfig, ppo_clip
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 
 def _groups(counts: list[int]) -> torch.Tensor:
@@ -58,21 +58,8 @@ def test_grouped_matmul_refuses_mixed_dtypes():
 
 
 def _cfg(**kw) -> fnppo.ModelConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        num_experts=4,
-        moe_topk=2,
-        moe_ffn_hidden_size=48,
-        moe_z_loss_coeff=0.01,  # a token mean over the step: the same however the batch is split
-    )
-    base.update(kw)
-    return fnppo.ModelConfig(**base)
+    # z-loss: a token mean over the step, the same however the batch is split
+    return tiny_model_config(moe=True, **{"moe_z_loss_coeff": 0.01, **kw})
 
 
 SP = dict(extra=dict(sequence_parallel=True))

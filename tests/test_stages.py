@@ -23,22 +23,14 @@ import torch
 
 import fnppo
 from fnppo.core.losses import KLPenalty, LossConfig, loss_normalizer, ppo_loss
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
 HOOKS = ("finalize_model_grads_func", "no_sync_func", "grad_sync_func", "param_sync_func")
 REL = 1e-6
 
 
 def _state(optimizer: str = "adam") -> fnppo.TrainState:
-    cfg = fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-    )
+    cfg = tiny_model_config()
     chunks = fnppo.build_gpt(cfg)
     fnppo.models.layout_invariant_init(chunks, seed=5)
     ddp = fnppo.wrap_ddp(chunks)

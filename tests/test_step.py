@@ -15,7 +15,7 @@ import torch
 
 import fnppo
 from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, loss_normalizer, ppo_clip, ppo_loss
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.messages import messages_of
 from tests.step_helpers import finalize_dropped, finalized_grads, max_metric_error, max_update_error
 
@@ -25,16 +25,7 @@ REL = 1e-5
 
 
 def _model_cfg(layers: int = 4) -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=layers,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        tie_embeddings=True,
-    )
+    return tiny_model_config(num_layers=layers, tie_embeddings=True)
 
 
 def _loss_cfg(mode: str) -> LossConfig:
@@ -287,16 +278,8 @@ REF_TOL = 1e-6
 
 
 def _ref_model_cfg(divisible: int, layers: int = 2) -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=layers,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=REAL_VOCAB,
-        max_seq_len=32,
-        tie_embeddings=True,
-        make_vocab_size_divisible_by=divisible,
+    return tiny_model_config(
+        num_layers=layers, vocab_size=REAL_VOCAB, tie_embeddings=True, make_vocab_size_divisible_by=divisible
     )
 
 

@@ -27,7 +27,7 @@ import fnppo
 import fnppo.megatron.layer_specs
 import fnppo.megatron.unwrap
 from fnppo.core.losses import Aggregation, ValueLossConfig, value_loss
-from fnppo.testing import run_ranks, synthetic_samples
+from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.loss_helpers import aggregate
 from tests.messages import check_message
 from tests.step_helpers import finalize_dropped, finalized_grads, gather_dp, max_update_error
@@ -42,17 +42,7 @@ SPLITS = {"1mb": {}, "4mb": {"num_microbatches": 4}, "budget": {"max_tokens_per_
 
 def _model_cfg(**kw) -> fnppo.ModelConfig:
     # tie_embeddings=True: the value model must ignore it (it has no output layer to tie)
-    fields = dict(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=32,
-        tie_embeddings=True,
-    )
-    return fnppo.ModelConfig(**{**fields, **kw})
+    return tiny_model_config(**{"num_layers": 4, "tie_embeddings": True, **kw})
 
 
 def _samples() -> list:

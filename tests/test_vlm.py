@@ -23,7 +23,7 @@ from fnppo.core.collate import collate_microbatch, unpack_per_sample
 from fnppo.core.errors import InputError
 from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
 from fnppo.core.sample import Sample
-from fnppo.testing import run_ranks
+from fnppo.testing import run_ranks, tiny_model_config
 from tests.step_helpers import gather_dp, max_metric_error
 
 IMG = 5  # the placeholder token
@@ -518,15 +518,7 @@ def test_routes_that_do_not_fit_the_expanded_sequence_are_refused(case):
 # real Megatron: one run_ranks call per layout, every case inside it
 # ---------------------------------------------------------------------------------------------
 def _lm_cfg() -> fnppo.ModelConfig:
-    return fnppo.ModelConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=64,
-        vocab_size=64,
-        max_seq_len=64,
-    )
+    return tiny_model_config(max_seq_len=64)
 
 
 def _loss_cfg() -> LossConfig:
