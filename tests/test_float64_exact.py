@@ -176,6 +176,18 @@ def ref_policy_terms(name: str, lp, old, adv, mask, cfg) -> dict:
                 out[p] = (0.0 if moved else -a * r) + cfg.ipo_kl_coef * log_ratio(p) ** 2
             elif name == "dro":  # tinker's dro
                 out[p] = -a * lp[p] + 0.5 * cfg.dro_beta * (lp[p] - old[p]) ** 2
+            elif name == "kpop":  # prime-rl kpop_loss_fn: the binary KL of (token, rest) both ways
+                pp = min(max(math.exp(float(lp[p])), 1e-6), 1 - 1e-6)
+                q = min(max(math.exp(float(old[p])), 1e-6), 1 - 1e-6)
+
+                def bkl(x, y):
+                    return x * math.log(x / y) + (1 - x) * math.log((1 - x) / (1 - y))
+
+                kept = bkl(pp, q) <= cfg.kpop_threshold and bkl(q, pp) <= cfg.kpop_threshold
+                out[p] = (-a * r if kept else 0.0) + cfg.kpop_kl_coef * log_ratio(p) ** 2
+            elif name == "icepop":  # prime-rl icepop: the ratio kept in [low, high], else dropped
+                kept = cfg.icepop_low <= math.exp(float(lp[p] - old[p])) <= cfg.icepop_high
+                out[p] = -a * r if kept else lp[p] * 0
             else:
                 raise AssertionError(f"no reference for {name!r}")
     return out
@@ -227,6 +239,8 @@ _LOSS_KW = {
     "dppo_kl": dict(clip_ratio_low=0.002, clip_ratio_high=0.003, dppo_ratio_cap=1.15),
     "ipo": dict(ipo_threshold=0.03, ipo_kl_coef=0.3),
     "dro": dict(dro_beta=0.7),
+    "kpop": dict(kpop_threshold=0.0005, kpop_kl_coef=0.3),
+    "icepop": dict(icepop_low=0.97, icepop_high=1.03),
 }
 REFERENCED = (
     "ppo",
@@ -242,6 +256,8 @@ REFERENCED = (
     "dppo_kl",
     "ipo",
     "dro",
+    "kpop",
+    "icepop",
 )
 _EXTRAS = (
     dict(),

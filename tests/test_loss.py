@@ -47,7 +47,21 @@ from tests.loss_helpers import (
 )
 from tests.messages import check_message, raises_message
 
-DETERMINISTIC = ("ppo", "gspo", "cispo", "gpg", "reinforce", "gmpo", "sapo", "dppo_tv", "dppo_kl", "ipo", "dro")
+DETERMINISTIC = (
+    "ppo",
+    "gspo",
+    "cispo",
+    "gpg",
+    "reinforce",
+    "gmpo",
+    "sapo",
+    "dppo_tv",
+    "dppo_kl",
+    "ipo",
+    "dro",
+    "kpop",
+    "icepop",
+)
 BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
 
 
@@ -125,7 +139,7 @@ def test_unknown_loss_lists_names():
     with raises_message(
         "from_flat",
         "policy_loss",
-        "one of ['cispo', 'clip_cov', 'dppo_kl', 'dppo_tv', 'dro', 'gmpo', 'gpg', 'gspo', 'ipo'",
+        "one of ['cispo', 'clip_cov', 'dppo_kl', 'dppo_tv', 'dro', 'gmpo', 'gpg', 'gspo', 'icepop', 'ipo', 'kl_cov', 'kpop'",
         "'nope'",
     ):
         from_flat(policy_loss="nope")
@@ -234,6 +248,41 @@ def test_sapo_closed_form():
     assert loss.item() == pytest.approx((-4 * sig + 2.0 * 2.0 / 1.05) / 2)
     # gradient: -A f'(r) r with f'(r) = 4 s (1 - s); at r = 1 it is the plain policy gradient -A
     torch.testing.assert_close(grad_of(loss, lp), t([-4 * sig * (1 - sig) * 1.5 / 2, 2.0 / 2]))
+
+
+def test_icepop_keeps_the_inclusive_band_and_drops_extreme_ratios_without_nan():
+    # ratios 0.1, 0.2 (the low edge), 1, 5 (the high edge), 6 and e^1000 (inf); band [0.2, 5] kept inclusive
+    ratios = [0.1, 0.2, 1.0, 5.0, 6.0]
+    lp = leaf(t([LN(r) for r in ratios] + [1000.0]))
+    adv = t([1.0, 2.0, -1.0, 0.5, 3.0, 1.0])
+    loss, m = ppo_loss(lp, torch.zeros(1, 6), adv, torch.ones(1, 6), cfg_for("icepop"))
+    kept = [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    r = ratios + [0.0]  # the dropped e^1000 never enters (no 0 * inf)
+    assert loss.item() == pytest.approx(sum(-a * ri * k for a, ri, k in zip(adv.tolist()[0], r, kept)) / 6)
+    g = grad_of(loss, lp)
+    assert torch.isfinite(g).all()
+    torch.testing.assert_close(g, t([-a * ri * k / 6 for a, ri, k in zip(adv.tolist()[0], r, kept)]))
+    assert finalize_metrics(m)["pg_clipfrac"] == pytest.approx(3 / 6)
+
+
+def test_kpop_band_is_the_binary_kl_both_ways():
+    # q = 0.5 for every token; p moves: the binary KL both ways is below 0.1 for p = 0.6, above for 0.9
+    p = [0.6, 0.9, 0.5, 0.1]
+    lp = leaf(t([LN(x) for x in p]))
+    old = t([LN(0.5)] * 4)
+    adv = t([1.0, 1.0, -2.0, 1.0])
+    cfg = LossConfig(
+        policy=from_flat(policy_loss="kpop", kpop_threshold=0.1, kpop_kl_coef=0.0).policy, agg=Aggregation("token-mean")
+    )
+    loss, m = ppo_loss(lp, old, adv, torch.ones(1, 4), cfg)
+
+    def db(a, b):
+        return a * LN(a / b) + (1 - a) * LN((1 - a) / (1 - b))
+
+    kept = [db(x, 0.5) <= 0.1 and db(0.5, x) <= 0.1 for x in p]
+    assert kept == [True, False, True, False]
+    assert loss.item() == pytest.approx(sum(-a * x / 0.5 for a, x, k in zip(adv.tolist()[0], p, kept) if k) / 4)
+    assert finalize_metrics(m)["pg_clipfrac"] == pytest.approx(0.5)
 
 
 def test_clip_cov_detaches_the_selected_token():
@@ -518,6 +567,16 @@ def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None
                 pg = (0.0 if moved else -a * r) + cfg.ipo_kl_coef * lr**2
             elif name == "dro":
                 pg = -a * lp[b, j] + 0.5 * cfg.dro_beta * lr**2
+            elif name == "kpop":  # binary KL of (this token, the rest) both ways, probabilities clamped
+                p = min(max(math.exp(float(lp[b, j].detach())), 1e-6), 1 - 1e-6)
+                q = min(max(math.exp(float(old[b, j])), 1e-6), 1 - 1e-6)
+                kl_pq = p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+                kl_qp = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+                kept = kl_pq <= cfg.kpop_threshold and kl_qp <= cfg.kpop_threshold
+                pg = (-a * r if kept else 0.0) + cfg.kpop_kl_coef * lr**2
+            elif name == "icepop":  # the ratio itself kept in an inclusive band, else dropped
+                kept = cfg.icepop_low <= math.exp(float(lr)) <= cfg.icepop_high
+                pg = -a * r if kept else lp[b, j] * 0
             if cfg.tis_cap is not None:
                 pg = pg * (seq_w if seq_w is not None else min(math.exp(float(old[b, j] - rollout[b, j])), cfg.tis_cap))
             term = pg

@@ -31,8 +31,10 @@ from fnppo.core.losses import (
     gmpo,
     gpg,
     gspo,
+    icepop,
     ipo,
     kl_cov,
+    kpop,
     ppo_clip,
     ppo_loss,
     reinforce,
@@ -120,6 +122,10 @@ PART_ERRORS = {
         "an Aggregation",
         "'token-mean'",
     ),
+    "kpop-threshold": (lambda: kpop(threshold=0.0), "kpop", "threshold", "a number > 0", "0.0"),
+    "kpop-kl": (lambda: kpop(kl_coef=float("nan")), "kpop", "kl_coef", "a finite number >= 0", "nan"),
+    "icepop-low": (lambda: icepop(low=-0.5), "icepop", "low", "a number > 0 (the lowest kept ratio)", "-0.5"),
+    "icepop-band": (lambda: icepop(low=2.0, high=1.5), "icepop", "high", "a number above low=2.0", "1.5"),
     "LossConfig-policy": (
         lambda: LossConfig(policy="ppo"),
         "LossConfig",
@@ -238,6 +244,8 @@ BY_HAND = {
     "dppo_kl": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0), dppo_kl(0.1, 0.3, 5.0)),
     "ipo": (dict(ipo_threshold=0.2, ipo_kl_coef=0.01), ipo(0.2, 0.01)),
     "dro": (dict(dro_beta=0.3), dro(0.3)),
+    "kpop": (dict(kpop_threshold=0.05, kpop_kl_coef=0.02), kpop(0.05, 0.02)),
+    "icepop": (dict(icepop_low=0.5, icepop_high=2.0), icepop(0.5, 2.0)),
 }
 
 

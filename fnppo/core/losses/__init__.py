@@ -14,7 +14,7 @@ The modules, each with one job:
   declaring its flat name, flat fields and rule, :class:`~fnppo.core.losses.policy.Builtin`) and the
   line of its lowercase name: the tables of ``from_flat`` and these ``__all__`` lists derive from it.
 * :mod:`~fnppo.core.losses.covariance` -- the covariance-based policy losses ``clip_cov``, ``kl_cov``.
-* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts ``dppo_tv``, ``dppo_kl``, ``ipo``, ``dro``.
+* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts ``dppo_tv``, ``dppo_kl``, ``ipo``, ``kpop``, ``icepop``, ``dro``.
 * :mod:`~fnppo.core.losses.kl` -- :func:`kl_penalty` estimators and the :class:`KLPenalty` part.
 * :mod:`~fnppo.core.losses.aggregate` -- :class:`Aggregation`, :func:`loss_normalizer`.
 * :mod:`~fnppo.core.losses.config` -- :class:`LossConfig` and the rules across parts.

@@ -20,6 +20,7 @@ Masked tokens (outside the trust region) get loss 0 and no gradient but stay in 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -31,7 +32,14 @@ from fnppo.core.loss_checks import Checker, finite_number
 from fnppo.core.losses.policy import Builtin, PolicyInputs, PPOClip, builtins_of
 from fnppo.core.typing import Tensor
 
-__all__ = ["check_dppo", "check_ipo", "check_dro", "check_decoupled"]  # + the losses (end)
+__all__ = [
+    "check_dppo",
+    "check_ipo",
+    "check_dro",
+    "check_decoupled",
+    "check_kpop",
+    "check_icepop",
+]  # + the losses (end)
 
 
 def check_dppo(c: Checker) -> None:
@@ -149,6 +157,88 @@ class IPO(Builtin):
         return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
 
 
+def check_kpop(c: Checker) -> None:
+    c.number("threshold", 0, strict=True, expected="a number > 0")
+    c.number("kl_coef", 0)
+
+
+_P_EPS = 1e-6  # KPop's clamp of the token probabilities: the complement terms stay finite
+
+
+def _binary_kl(p: Tensor, q: Tensor) -> Tensor:
+    """``D_B(p || q) = p log(p/q) + (1 - p) log((1 - p)/(1 - q))``: the KL of the two-event partition
+    (this token, every other token)."""
+    return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+@dataclass(frozen=True)
+class KPop(Builtin):
+    """KPop: IPO with a binary-KL trust region instead of a probability-difference band.
+
+    With ``p = exp(sg(logp))``, ``q = exp(logp_old)`` (both clamped to ``[1e-6, 1 - 1e-6]``) and
+    ``r = exp(logp - logp_old)``: a token is kept iff ``D_B(p || q) <= threshold`` and
+    ``D_B(q || p) <= threshold`` (the band is wide in ratio terms for rare tokens, tight for confident
+    ones); ``l = -A r [kept] + kl_coef (log r)^2``, the regularizer on every trained token.
+    ``pg_clipfrac``: the masked fraction. For bypass mode, like :class:`IPO`.
+
+    Reference: KPop (Guo et al., Ant Group); prime-rl ``kpop_loss_fn`` (PR #3283), AReaL #1405.
+    """
+
+    flat_name: ClassVar[str] = "kpop"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"kpop_threshold": "threshold", "kpop_kl_coef": "kl_coef"}
+    )
+    rule = staticmethod(check_kpop)
+
+    threshold: float = 0.1
+    kl_coef: float = 1e-3
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        log_ratio = x.log_ratio()
+        p = torch.exp(x.logprobs.detach()).clamp(_P_EPS, 1 - _P_EPS)
+        q = torch.exp(x.old_logprobs).clamp(_P_EPS, 1 - _P_EPS)
+        masked = (_binary_kl(p, q) > self.threshold) | (_binary_kl(q, p) > self.threshold)
+        pg = torch.where(masked, torch.zeros_like(log_ratio), -x.advantages * torch.exp(log_ratio))
+        return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
+
+
+def check_icepop(c: Checker) -> None:
+    c.number("low", 0, strict=True, expected="a number > 0 (the lowest kept ratio)")
+    c.number("high", 0, strict=True, expected="a number > 0 (the highest kept ratio)")
+    c.need(c.get("low") < c.get("high"), "high", f"a number above low={c.get('low')!r}")
+
+
+@dataclass(frozen=True)
+class IcePop(Builtin):
+    """IcePop as a loss: the importance-weighted policy gradient on the tokens whose ratio lies in an
+    inclusive band, the others dropped (not clipped), no KL term.
+
+    ``r = exp(logp - logp_old)``; ``l = -A r`` if ``low <= r <= high``, else 0 (the test is made on
+    ``log r``, and a dropped token's ratio is never exponentiated, so an extreme one gives no
+    ``0 * inf``). ``pg_clipfrac``: the dropped fraction. With bypass mode ``logp_old`` is the
+    inference engine's log-probs. (:class:`~fnppo.core.rollout_correction.RolloutCorrection`'s
+    ``reject_low`` / ``reject_high`` is the same mask as a correction of another loss.)
+
+    Reference: Ring-1T (arXiv:2510.18855) and INTELLECT-3 (arXiv:2512.16144) eq. 1; prime-rl's
+    ``icepop`` loss (PR #3526: band [0.2, 5.0]).
+    """
+
+    flat_name: ClassVar[str] = "icepop"
+    flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({"icepop_low": "low", "icepop_high": "high"})
+    rule = staticmethod(check_icepop)
+
+    low: float = 0.2
+    high: float = 5.0
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        log_ratio = x.logprobs - x.old_logprobs
+        lr = log_ratio.detach()
+        kept = (lr >= math.log(self.low)) & (lr <= math.log(self.high))
+        safe = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
+        pg = torch.where(kept, -x.advantages * torch.exp(safe), torch.zeros_like(log_ratio))
+        return pg, {"pg_clipfrac": x.token_metric((~kept).float())}
+
+
 @dataclass(frozen=True)
 class DRO(Builtin):
     """DRO: the plain policy gradient with a quadratic trust region around the behaviour policy.
@@ -219,6 +309,8 @@ dppo_kl = DPPOKL
 ipo = IPO
 loglinear_decoupled = LoglinearDecoupled
 dro = DRO
+kpop = KPop
+icepop = IcePop
 
 LOSS_NAMES = tuple(builtins_of(globals()))
 """The public names of the built-in losses here (classes and their lowercase aliases), derived."""
