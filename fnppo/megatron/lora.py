@@ -31,8 +31,10 @@ from torch import nn
 
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import Tensor
+from fnppo.megatron.lora_experts import EXPERT_LAYOUTS, add_stacked_adapters, check_stacked
 from fnppo.megatron.lora_linear import AdapterSpec, is_adapter, lora_class, tp_size
 from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.stacked_experts import is_stacked
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import full_shape, global_name, name_seed, shard_of, tp_of
 
@@ -65,7 +67,11 @@ class LoRAConfig:
         dropout: dropout on the adapter's input in training forwards (0: none).
         targets: names of the linears to adapt, from :data:`TARGETS` (fused QKV, attention output,
             MLP fc1 (gate/up), MLP fc2 (down)).
-        experts: also adapt the targets inside MoE experts (Megatron's ``SequentialMLP``).
+        experts: also adapt the targets inside MoE experts (Megatron's ``SequentialMLP``, or fnppo's
+            stacked experts, ``ModelConfig(moe_experts="stacked")``: :mod:`fnppo.megatron.lora_experts`).
+        expert_layout: ``"per_expert"`` (each expert its own adapter, PEFT's layout) or
+            ``"shared"`` (one adapter per projection for all experts of a layer; stacked experts
+            only; its gradient summed over all experts on all expert-parallel ranks).
         seed: ``A`` of each adapter is drawn from a generator seeded by ``(seed, its full name)``,
             uniform in ``±1/sqrt(in)`` (PEFT's default, Kaiming-uniform with ``a = sqrt(5)``), the
             same in every layout; ``B`` starts at zero, so the adapted model starts as the base.
@@ -81,6 +87,7 @@ class LoRAConfig:
     targets: tuple[str, ...] = TARGETS
     experts: bool = True
     seed: int = 0
+    expert_layout: str = "per_expert"
 
     def __post_init__(self) -> None:
         fn = "fnppo.lora.LoRAConfig"
@@ -93,6 +100,8 @@ class LoRAConfig:
         if not targets or any(t not in TARGETS for t in targets):
             raise input_error(fn, "targets", f"a non-empty tuple of names from {TARGETS}", repr(self.targets))
         object.__setattr__(self, "targets", targets)
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise input_error(fn, "expert_layout", f"one of {EXPERT_LAYOUTS}", repr(self.expert_layout))
 
     @property
     def scaling(self) -> float:
@@ -132,15 +141,34 @@ def _role(module: nn.Module) -> str | None:
 
 
 def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn.Module, str]]:
-    """``(name, module, role)`` of every linear of ``core`` to adapt."""
+    """``(name, module, role)`` of every linear of ``core`` to adapt (role ``"stacked"``: stacked experts)."""
     found = []
     for name, module in core.named_modules():
+        if is_stacked(module) and config.experts and {"linear_fc1", "linear_fc2"} & set(config.targets):
+            check_stacked(fn, name, module)
+            found.append((name, module, "stacked"))
+            continue
         leaf = name.rpartition(".")[2]
         if leaf not in config.targets:
             continue
         expert = ".experts." in f".{name}."
         if expert and not config.experts:
             continue
+        kind = type(core.get_submodule(name[: name.index(".experts.") + 8])).__name__ if expert else ""
+        if expert and kind != "SequentialMLP":
+            raise input_error(
+                fn,
+                "model_chunks",
+                "experts built with moe_experts='stacked' or 'sequential' for adapters in experts",
+                f"{kind} at {name}",
+            )
+        if expert and config.expert_layout == "shared":
+            raise input_error(
+                fn,
+                "config.expert_layout",
+                "'per_expert' on SequentialMLP experts (the shared layout needs moe_experts='stacked')",
+                repr(config.expert_layout),
+            )
         role = _role(module)
         if role is None:
             raise input_error(
@@ -150,7 +178,12 @@ def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn
                 f"{type(module).__name__} at {name}",
             )
         if expert and tp_size(module) > 1:
-            raise input_error(fn, "model_chunks", "expert tensor parallelism 1 for adapters in experts", name)
+            raise input_error(
+                fn,
+                "model_chunks",
+                f"expert_tensor_parallel_size (etp) 1 for adapters in experts at {name}",
+                f"etp={tp_size(module)}",
+            )
         if getattr(module, "weight", None) is None or module.weight.dim() != 2:
             raise input_error(fn, "model_chunks", f"a 2-D weight at {name}", type(module).__name__)
         found.append((name, module, role))
@@ -241,7 +274,10 @@ def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn
             p.requires_grad_(False)
             p.fnppo_lora_base = True
         for name, module, role in found:
-            _add_adapter(core, name, module, role, config)
+            if role == "stacked":
+                add_stacked_adapters(core, name, module, config)
+            else:
+                _add_adapter(core, name, module, role, config)
         core.fnppo_lora_config = config
     return chunks
 
