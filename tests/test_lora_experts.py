@@ -24,6 +24,7 @@ from fnppo.core.errors import InputError
 from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples
+from tests.test_lora import _holds_adapters_only
 
 LORA = dict(rank=4, alpha=12.0, seed=5)
 REL = 1e-5
@@ -82,6 +83,9 @@ def _run(experts: str, layout: str, adapters: dict | None) -> dict:
     state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.5, adam_eps=1.0, clip_grad=0.0))
     loss = fnppo.losses.from_flat(loss_agg_mode="token-mean", kl_coef=0.05)
     state, metrics = fnppo.train_step(state, samples, fnppo.StepConfig(loss=loss, num_microbatches=2))
+    plain = fnppo.build_gpt(_cfg(experts))  # the same base without adapters: the reference policy
+    fnppo.models.layout_invariant_init(plain, seed=3, std=0.2)
+    base, _ = fnppo.compute_logprobs(fnppo.wrap_ddp(plain), every)
     grads = {}
     for n, p in named_weights(unwrap_model(ddp[0]), adapters=True):  # stacked: per-expert views
         if "experts" in n:
@@ -96,6 +100,8 @@ def _run(experts: str, layout: str, adapters: dict | None) -> dict:
         "grad_norm": metrics["grad_norm"],
         "after": fnppo.models.gather_full_weights(state.model, adapters=True),
         "grads": grads,
+        "base": torch.cat(base),
+        "holds": _holds_adapters_only(state),
         "kinds": sorted({type(m).__name__ for m in unwrap_model(ddp[0]).modules() if "Experts" in type(m).__name__}),
     }
 
@@ -154,9 +160,15 @@ def test_stacked_expert_adapters_equal_the_sequential_path(one_process):
     for name, t in seq["init"].items():
         assert torch.equal(st["init"][name], t), name
     _same_step(seq, st, "stacked vs sequential")
-    # adapters off: the base model, and the adapters matter
-    assert float((st["off"] - seq["off"]).abs().max()) <= REL
-    assert float((st["logprobs"] - st["off"]).abs().max()) > 1e-2
+    # adapters off: the base model bit for bit (the free reference policy), and the adapters matter
+    for run in (seq, st, one_process["shared"]):
+        assert torch.equal(run["off"], run["base"])
+        assert float((run["logprobs"] - run["off"]).abs().max()) > 1e-2
+        # DDP's buffers and the optimizer hold the adapters only
+        h = run["holds"]
+        assert h["buffers_are_adapters"] and h["optimizer_params_are_adapters"], h
+        assert h["grad_numel"] == h["adapter_numel"] and h["moment_numel"] == 2 * h["adapter_numel"], h
+        assert h["trainable"] == h["adapter_names"]
 
 
 def test_stacked_expert_adapters_under_expert_parallelism(one_process, ep2):
@@ -213,3 +225,54 @@ def test_unsupported_expert_adapters_are_refused_by_name():
     )
     assert "expected expert_tensor_parallel_size (etp) 1 for adapters in stacked experts" in got["stacked etp2"]
     assert got["stacked etp2"].endswith("received etp=2")
+
+
+def _replay() -> dict:
+    import dataclasses
+
+    chunks = fnppo.build_gpt(_cfg("stacked"))
+    fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2)
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**LORA))
+    full = fnppo.models.gather_full_weights(chunks, adapters=True)
+    fnppo.models.load_full_weights(chunks, _random(full), adapters=True)
+    ddp = fnppo.wrap_ddp(chunks)
+    samples = synthetic_samples(8, seed=7)
+    off = fnppo.lora.adapters_off(ddp)
+    lp_off, _, routes_off = fnppo.compute_logprobs(ddp, samples, params=off, return_routing=True)
+    lp_on, _, routes_on = fnppo.compute_logprobs(ddp, samples, return_routing=True)
+
+    def replay(routes):
+        return [dataclasses.replace(s, routed_experts=r) for s, r in zip(samples, routes, strict=True)]
+
+    out = {
+        "lp_off": lp_off,
+        "lp_on": lp_on,
+        "routes_off": routes_off,
+        "routes_on": routes_on,
+        "off_replayed": fnppo.compute_logprobs(ddp, replay(routes_off), params=off)[0],
+        "on_replayed": fnppo.compute_logprobs(ddp, replay(routes_on))[0],
+        "on_with_off_routes": fnppo.compute_logprobs(ddp, replay(routes_off))[0],
+    }
+    state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=0.05))
+    batch = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(replay(routes_off), lp_on, strict=True)]
+    loss = fnppo.losses.from_flat(loss_agg_mode="token-mean", kl_coef=0.05)
+    before = fnppo.models.gather_full_weights(ddp, adapters=True)
+    state, out["metrics"] = fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, num_microbatches=2))
+    after = fnppo.models.gather_full_weights(state.model, adapters=True)
+    out["moved"] = max(float((after[k] - before[k]).abs().max()) for k in before if ".experts." in k)
+    out["after_replayed"] = fnppo.compute_logprobs(state.model, replay(routes_off))[0]
+    return out
+
+
+def test_expert_adapters_with_routing_replay():
+    got = run_ranks(_replay, 1)[0]
+    for key, ref in (("off_replayed", "lp_off"), ("on_replayed", "lp_on")):  # replay of recorded routes: exact
+        assert all(torch.equal(a, b) for a, b in zip(got[key], got[ref], strict=True)), key
+    # the adapters change the routing; replaying the reference policy's routes forces them on the adapted model
+    changed = [not torch.equal(a, b) for a, b in zip(got["routes_on"], got["routes_off"], strict=True)]
+    assert any(changed)
+    differs = [not torch.equal(a, b) for a, b in zip(got["on_with_off_routes"], got["lp_on"], strict=True)]
+    assert differs == changed
+    # a train step under replay moves the expert adapters and keeps the replayed experts
+    assert got["moved"] > 1e-4
+    assert all(bool(torch.isfinite(t).all()) for t in got["after_replayed"])
