@@ -14,6 +14,7 @@ the shared adapter's gradient is the sum of the per-expert gradients there.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -276,3 +277,30 @@ def test_expert_adapters_with_routing_replay():
     # a train step under replay moves the expert adapters and keeps the replayed experts
     assert got["moved"] > 1e-4
     assert all(bool(torch.isfinite(t).all()) for t in got["after_replayed"])
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("alpha", float("inf"), "a finite number > 0"),
+        ("alpha", float("nan"), "a finite number > 0"),
+        ("alpha", "16", "a finite number > 0"),
+        ("alpha", True, "a finite number > 0"),
+        ("dropout", float("nan"), "a number in [0, 1)"),
+        ("rank", 4.0, "an int >= 1"),
+        ("seed", 1.5, "an int"),
+        ("experts", "yes", "a bool"),
+    ],
+)
+def test_lora_config_refuses_non_finite_and_non_numeric_values(field, value, expected):
+    with pytest.raises(InputError, match=rf"LoRAConfig: argument '{field}' expected {re.escape(expected)}, received"):
+        fnppo.lora.LoRAConfig(**{field: value})
+
+
+def test_apply_lora_refuses_what_is_not_a_list_of_chunks():
+    with pytest.raises(InputError, match=r"argument 'model_chunks' expected a list of model chunks .*received dict"):
+        fnppo.lora.apply_lora({"model": torch.nn.Linear(2, 2)}, fnppo.lora.LoRAConfig())
+    with pytest.raises(InputError, match=r"argument 'model_chunks' expected .*received a list of \['str'\]"):
+        fnppo.lora.apply_lora(["chunk"], fnppo.lora.LoRAConfig())
+    with pytest.raises(InputError, match="argument 'config' expected a fnppo.lora.LoRAConfig, received dict"):
+        fnppo.lora.apply_lora([torch.nn.Linear(2, 2)], {"rank": 4})

@@ -188,8 +188,11 @@ def _refusal(root: str, family: str, edit: dict, tensors=None) -> str:
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "adapter_config.json").read_text())
-    cfg.update(edit)
-    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    if edit is None:  # not JSON
+        (dst / "adapter_config.json").write_text("{'r': 4,")
+    else:
+        cfg.update(edit)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
     if tensors is not None:
         save_file(tensors, str(dst / "adapter_model.safetensors"))
     fnppo.init_parallel(seed=1234, device="cpu")
@@ -211,7 +214,19 @@ def _refusals(root: str) -> dict:
     crossed = dict(want)
     key = next(k for k in want if ".experts.base_layer.lora_B" in k)
     crossed[key] = want[key] + 0.01  # gate/up cross terms
+    q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+    experts1 = "base_model.model.model.layers.1.mlp.experts"
+    without = {k: v for k, v in want.items() if not k.startswith(q0)}
+    half = {k: v for k, v in want.items() if k != f"{q0}.lora_B.weight"}
+    no_experts = {k: v for k, v in want.items() if not k.startswith(f"{experts1}.base_layer.")}
+    wider = dict(want)
+    wider[f"{q0}.lora_A.weight"] = torch.zeros(RANK, 2 * _COMMON["hidden_size"])  # another hidden size
     return {
+        "missing": _refusal(root, family, {}, without),
+        "half": _refusal(root, family, {}, half),
+        "missing experts": _refusal(root, family, {}, no_experts),
+        "hidden": _refusal(root, family, {}, wider),
+        "not json": _refusal(root, family, None),
         "rank_pattern": _refusal(root, family, {"rank_pattern": {r".*\.gate_up_proj": RANK}}),
         "other pattern": _refusal(root, family, {"rank_pattern": {"q_proj": 8}}),
         "target_parameters": _refusal(root, family, {"target_parameters": ["router.weight"]}),
@@ -232,5 +247,26 @@ def test_unsupported_peft_expert_adapters_are_refused_by_name(reference):
     assert "'adapter_config.json['target_parameters']' expected names from" in got["target_parameters"]
     assert "'adapter_config.json['modules_to_save']' expected None, received ['lm_head']" in got["modules_to_save"]
     assert "'adapter_config.json['lora_bias']' expected False, received True" in got["lora_bias"]
+    q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert (
+        "argument 'path' expected the adapter of model.layers.0.self_attn.q_proj (its target_modules name 'q_proj'), received no tensors"
+        in got["missing"]
+    )
+    assert (
+        f"argument 'path' expected both {q0}.lora_A.weight and {q0}.lora_B.weight, received only {q0}.lora_A.weight"
+        in got["half"]
+    )
+    assert (
+        "expected the tensor base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight (target_parameters names 'gate_up_proj')"
+        in got["missing experts"]
+    )
+    assert (
+        f"argument 'PEFT tensor {q0}.lora_A.weight' expected shape (4, 64) (the model's), received (4, 128)"
+        in got["hidden"]
+    )
+    assert (
+        "lora_config_from_peft: argument 'path' expected a JSON object in adapter_config.json, received JSONDecodeError"
+        in got["not json"]
+    )
     assert "expected a block-diagonal B over the 2 fused projections" in got["crossed"]
     assert "non-zero gate/up cross terms in expert 0" in got["crossed"]

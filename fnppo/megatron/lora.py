@@ -54,6 +54,11 @@ TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _FN = "fnppo.lora.apply_lora"
 
 
+def _number(v: object) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters: ``W x + (alpha / rank) B A dropout(x)`` on the ``targets`` linears.
@@ -77,8 +82,9 @@ class LoRAConfig:
             same in every layout; ``B`` starts at zero, so the adapted model starts as the base.
 
     Raises:
-        InputError: a rank that is not a positive int, ``alpha <= 0``, ``dropout`` outside
-            ``[0, 1)``, no targets or an unknown one.
+        InputError: a rank that is not a positive int, ``alpha`` not a finite number > 0 (NaN,
+            inf, a string), ``dropout`` outside ``[0, 1)``, a seed that is not an int, no targets or
+            an unknown one, an unknown ``expert_layout``.
     """
 
     rank: int = 8
@@ -92,10 +98,14 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         fn = "fnppo.lora.LoRAConfig"
         check_positive_int(fn, "rank", self.rank)
-        if not (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0):
-            raise input_error(fn, "alpha", "a number > 0", repr(self.alpha))
-        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+        if not (_number(self.alpha) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise input_error(fn, "alpha", "a finite number > 0", repr(self.alpha))
+        if not (_number(self.dropout) and 0.0 <= self.dropout < 1.0):  # NaN fails the comparison
             raise input_error(fn, "dropout", "a number in [0, 1)", repr(self.dropout))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise input_error(fn, "seed", "an int", repr(self.seed))
+        if not isinstance(self.experts, bool):
+            raise input_error(fn, "experts", "a bool", repr(self.experts))
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
         if not targets or any(t not in TARGETS for t in targets):
             raise input_error(fn, "targets", f"a non-empty tuple of names from {TARGETS}", repr(self.targets))
@@ -261,6 +271,13 @@ def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn
             Megatron column/row-parallel linear (e.g. grouped or stacked experts), adapters in
             experts under expert tensor parallelism > 1, no linear matched.
     """
+    if not isinstance(model_chunks, (list, tuple)) or not all(isinstance(c, nn.Module) for c in model_chunks):
+        received = type(model_chunks).__name__
+        if isinstance(model_chunks, (list, tuple)):
+            received = f"a {received} of {sorted({type(c).__name__ for c in model_chunks})}"
+        raise input_error(_FN, "model_chunks", "a list of model chunks (nn.Module, from fnppo.build_gpt)", received)
+    if not isinstance(config, LoRAConfig):
+        raise input_error(_FN, "config", "a fnppo.lora.LoRAConfig", type(config).__name__)
     chunks = list(model_chunks)
     if any(isinstance(c, DistributedDataParallel) for c in chunks):
         raise input_error(_FN, "model_chunks", "chunks before fnppo.wrap_ddp", "DistributedDataParallel chunks")

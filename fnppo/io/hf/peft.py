@@ -48,6 +48,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 #: Megatron target -> the Hugging Face projections PEFT names
+_LOAD = "fnppo.lora.load_peft_adapter"
 _EXPERT_LIKE = {"gate_proj", "up_proj", "down_proj"}
 _HF_TARGETS = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
@@ -242,17 +243,36 @@ def lora_config_from_peft(path: str | os.PathLike, **changes: Any) -> LoRAConfig
 
 
 def _from_peft(
-    a: Arch, kind: str, modules: tuple[str, ...], peft: dict[str, Tensor], rank: int, shapes: dict, inputs: int
+    a: Arch,
+    kind: str,
+    modules: tuple[str, ...],
+    peft: dict[str, Tensor],
+    rank: int,
+    shapes: dict,
+    inputs: int,
+    targeted: set[str],
 ) -> tuple[Tensor, Tensor, list[str]]:
     """(A, B) of one fnppo adapter from PEFT's tensors (a projection PEFT does not adapt: zeros), and
     the PEFT keys used."""
     used, As, Bs = [], [], {}
     for m in modules:
         ka, kb = f"{_PREFIX}{m}.lora_A.weight", f"{_PREFIX}{m}.lora_B.weight"
+        if (ka in peft) != (kb in peft):
+            raise input_error(_LOAD, "path", f"both {ka} and {kb}", f"only {ka if ka in peft else kb}")
         if ka in peft and kb in peft:
+            want = {ka: (rank, inputs), kb: (shapes[m + ".weight"][0], rank)}
+            for key, shape in want.items():
+                if tuple(peft[key].shape) != shape:
+                    raise input_error(
+                        _LOAD, f"PEFT tensor {key}", f"shape {shape} (the model's)", str(tuple(peft[key].shape))
+                    )
             As.append(peft[ka].float())
             Bs[m + ".weight"] = peft[kb].float()
             used += [ka, kb]
+        elif m.rpartition(".")[2] in targeted:
+            raise input_error(
+                _LOAD, "path", f"the adapter of {m} (its target_modules name {m.rpartition('.')[2]!r})", "no tensors"
+            )
         else:
             As.append(torch.zeros(rank, inputs))
             Bs[m + ".weight"] = torch.zeros(shapes[m + ".weight"][0], rank)
@@ -284,7 +304,7 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
             that is not PEFT's LoRA (see :func:`lora_config_from_peft`); PEFT tensors that no adapter
             of the model takes.
     """
-    fn = "fnppo.lora.load_peft_adapter"
+    fn = _LOAD
     src = Path(path)
     cfg = _read_config(fn, src)
     config = lora_config_of(model_chunks)
@@ -302,6 +322,10 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
     a = model_arch(fn, model_chunks)
     shapes = expected_hf_shapes(a, a.padded_vocab)
     layout = current_layout()
+    names = cfg.get("target_modules") or []
+    some_layers = cfg.get("layers_to_transform") is not None or cfg.get("exclude_modules")
+    # the projections the file must hold in every layer (a regex or a layer selection: not checked)
+    targeted = set() if isinstance(names, str) or some_layers else set(names)
     full: dict[str, Tensor] = {}
     used: set[str] = set()
     empty: list[str] = []
@@ -312,7 +336,9 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
             gname = global_name(core, name)
             if ".experts." in gname:
                 wanted[gname] = full_shape(param, tp_of(param, layout)[0])
-    experts, expert_keys = from_peft_experts(fn, cfg, peft, wanted, a.experts, config.rank, config.scaling)
+    experts, expert_keys = from_peft_experts(
+        fn, cfg, peft, wanted, a.experts, config.rank, config.scaling, strict=not some_layers
+    )
     full.update(experts)
     used.update(expert_keys)
     empty += sorted(set(wanted) - set(experts))
@@ -324,7 +350,7 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
                 continue
             kind, modules = _modules(fn, a, gname)
             inputs = full_shape(param, tp_of(param, layout)[0])[1]
-            lora_a, lora_b, keys = _from_peft(a, kind, modules, peft, config.rank, shapes, inputs)
+            lora_a, lora_b, keys = _from_peft(a, kind, modules, peft, config.rank, shapes, inputs, targeted)
             full[gname], full[gname[: -len("A")] + "B"] = lora_a, lora_b
             used.update(keys)
             if not keys:

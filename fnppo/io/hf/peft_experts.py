@@ -104,12 +104,17 @@ def from_peft_experts(
     experts: int,
     rank: int,
     scaling: float,
+    *,
+    strict: bool = True,
 ) -> tuple[dict[str, Tensor], set[str]]:
     """fnppo's full expert adapters (the names and full shapes in ``wanted``) from PEFT's tensors, and
     the PEFT keys used. A shared adapter (no expert index) takes PEFT's only if all experts' are equal.
 
+    ``strict``: a fused parameter named in ``target_parameters`` must have its tensors in every MoE
+    layer of the model.
+
     Raises:
-        InputError: a ``rank_pattern`` other than ``parts * r`` for a fused parameter, a ``gate_up_proj``
+        InputError: a targeted parameter's tensors missing from a layer (``strict``), a ``rank_pattern`` other than ``parts * r`` for a fused parameter, a ``gate_up_proj``
             ``B`` that mixes gate and up, a shared adapter from differing per-expert adapters, tensors
             of other shapes.
     """
@@ -125,6 +130,11 @@ def from_peft_experts(
         key = (layer, proj)
         if key not in cache:
             cache[key] = _read(fn, cfg, peft, targeted, layer, proj, experts, rank, scaling, wanted, used)
+            if cache[key] is None and strict and PARAMS[proj] in targeted:
+                missing = _key(layer, PARAMS[proj], targeted, ab)
+                raise input_error(
+                    fn, "path", f"the tensor {missing} (target_parameters names {PARAMS[proj]!r})", "none"
+                )
         pair = cache[key]
         if pair is None:
             continue
@@ -163,7 +173,9 @@ def _read(
     if param not in targeted:
         return None
     ka, kb = _key(layer, param, targeted, "A"), _key(layer, param, targeted, "B")
-    if ka not in peft or kb not in peft:
+    if (ka in peft) != (kb in peft):
+        raise input_error(fn, "path", f"both {ka} and {kb}", f"only {ka if ka in peft else kb}")
+    if ka not in peft:
         return None
     probe = next(s for n, s in wanted.items() if re.search(rf"\.{layer}\.mlp\.experts\..*{proj}\.lora_A$", n))
     parts = probe[0] // rank
@@ -181,6 +193,13 @@ def _read(
         raise input_error(
             fn, f"PEFT tensor {ka}", f"{experts * big} rows ({experts} experts x rank {big})", str(tuple(a.shape))
         )
+    inputs, outputs = (
+        probe[1],
+        next(s for n, s in wanted.items() if re.search(rf"\.{layer}\.mlp\.experts\..*{proj}\.lora_B$", n))[0],
+    )
+    for key, got, shape in ((ka, a, (experts * big, inputs)), (kb, b, (outputs, experts * big))):
+        if tuple(got.shape) != shape:
+            raise input_error(fn, f"PEFT tensor {key}", f"shape {shape} (the model's)", str(tuple(got.shape)))
     used.update((ka, kb))
     rows = b.shape[0] // parts
     bs = b.view(b.shape[0], big, experts)
