@@ -221,7 +221,17 @@ def _refusals(root: str) -> dict:
     no_experts = {k: v for k, v in want.items() if not k.startswith(f"{experts1}.base_layer.")}
     wider = dict(want)
     wider[f"{q0}.lora_A.weight"] = torch.zeros(RANK, 2 * _COMMON["hidden_size"])  # another hidden size
+    fnppo.init_parallel(seed=1234, device="cpu")
+    other = fnppo.hf.build_gpt_from_hf(f"{root}/{family}/base", dtype="fp32", moe_experts="stacked")
+    saved = f"{root}/qwen3_moe/stacked-saved"  # fnppo's file: it records its base
+    fnppo.lora.apply_lora(other, fnppo.lora.lora_config_from_peft(saved))
+    try:
+        fnppo.lora.load_peft_adapter(other, saved)
+        base = "accepted"
+    except InputError as err:
+        base = str(err)
     return {
+        "other base": base,
         "missing": _refusal(root, family, {}, without),
         "half": _refusal(root, family, {}, half),
         "missing experts": _refusal(root, family, {}, no_experts),
@@ -236,7 +246,7 @@ def _refusals(root: str) -> dict:
     }
 
 
-def test_unsupported_peft_expert_adapters_are_refused_by_name(reference):
+def test_unsupported_peft_expert_adapters_are_refused_by_name(reference, one_process):  # one_process: saves
     root, _ = reference
     got = run_ranks(_refusals, 1, str(root))[0]
     assert "'adapter_config.json['rank_pattern'] for gate_up_proj' expected 8" in got["rank_pattern"]
@@ -269,4 +279,9 @@ def test_unsupported_peft_expert_adapters_are_refused_by_name(reference):
         in got["not json"]
     )
     assert "expected a block-diagonal B over the 2 fused projections" in got["crossed"]
+    assert (
+        "argument 'path' expected an adapter saved for this base model, received one saved for a base with"
+        in (got["other base"])
+    )
+    assert "family='qwen3_moe' (the model's 'mixtral')" in got["other base"]
     assert "non-zero gate/up cross terms in expert 0" in got["crossed"]

@@ -19,6 +19,7 @@ model with adapters of the same rank and alpha; :func:`lora_config_from_peft` re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +50,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 #: Megatron target -> the Hugging Face projections PEFT names
 _LOAD = "fnppo.lora.load_peft_adapter"
+#: the safetensors metadata key of the base model's record (:func:`base_fingerprint`)
+BASE_KEY = "fnppo_base"
 _EXPERT_LIKE = {"gate_proj", "up_proj", "down_proj"}
 _HF_TARGETS = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
@@ -139,7 +142,7 @@ def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], o
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt", BASE_KEY: json.dumps(base_fingerprint(a))})
     cfg = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -167,6 +170,33 @@ def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], o
     with open(out / CONFIG_FILE, "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2, sort_keys=True)
         fh.write("\n")
+
+
+def base_fingerprint(a: Arch) -> dict[str, Any]:
+    """The base model an adapter was trained on, as ``save_peft_adapter`` records it in the
+    safetensors metadata (``fnppo_base``): its architecture (family, sizes, biases, tying, MoE
+    layout), what an adapter's numbers mean only on."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(a).items()}
+
+
+def _check_base(fn: str, weights: Path, a: Arch) -> None:
+    """Refuse an adapter that fnppo saved for another base model (PEFT's own files carry no record)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as fh:
+        recorded = (fh.metadata() or {}).get(BASE_KEY)
+    if recorded is None:
+        return
+    try:
+        theirs = json.loads(recorded)
+    except ValueError:
+        raise input_error(fn, "path", f"a JSON {BASE_KEY} record in {WEIGHTS_FILE}", repr(recorded[:80])) from None
+    mine = base_fingerprint(a)
+    order = ["family", *(k for k in mine if k != "family")]  # the family first
+    differ = {k: (theirs.get(k), mine[k]) for k in order if theirs.get(k) != mine[k]}
+    if differ:
+        first = ", ".join(f"{k}={t!r} (the model's {m!r})" for k, (t, m) in list(differ.items())[:4])
+        raise input_error(fn, "path", "an adapter saved for this base model", f"one saved for a base with {first}")
 
 
 def _read_config(fn: str, path: Path) -> dict[str, Any]:
@@ -301,6 +331,7 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
 
     Raises:
         InputError: a model without adapters, or whose rank or alpha differ from the file's; a file
+            that fnppo saved for another base model (its ``fnppo_base`` record: family, sizes, MoE layout); a file
             that is not PEFT's LoRA (see :func:`lora_config_from_peft`); PEFT tensors that no adapter
             of the model takes.
     """
@@ -320,6 +351,7 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
         raise input_error(fn, "path", f"a directory with {WEIGHTS_FILE}", repr(str(src)))
     peft = load_file(str(weights))
     a = model_arch(fn, model_chunks)
+    _check_base(fn, weights, a)
     shapes = expected_hf_shapes(a, a.padded_vocab)
     layout = current_layout()
     names = cfg.get("target_modules") or []
