@@ -16,6 +16,12 @@ those of the copy of the base weights.
     python benchmarks/lora.py --smoke                                                # tiny, CPU, seconds
     python benchmarks/lora.py --spec te --check-merged 2 --ranks 32                  # TE's layers (GPU)
     python benchmarks/lora.py --model qwen2.5-1.5b --ranks 32 --profile 25           # where a step's time goes
+    python benchmarks/lora.py --model moe-5b-a1b --spec te --moe-experts stacked --ranks 32   # MoE, one H200
+    python benchmarks/lora.py --smoke --model tiny-moe --moe-experts stacked         # MoE code path, CPU
+
+MoE models: the adapters go on every linear, inside the experts too (``--moe-experts stacked``:
+fnppo's stacked experts, each projection's per-expert adapters one more pair of grouped GEMMs;
+``--expert-layout shared``: one adapter per projection for all experts of a layer).
 
 ``--json FILE`` appends one JSON line per configuration.
 """
@@ -69,7 +75,23 @@ def parse_args(argv=None):
         help="first check, on a fp32 model of the same widths with LAYERS layers and random nonzero B, "
         "that the adapters' log-probs equal those of the merged weights W + s B A",
     )
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, one timed step: the code path only")
+    p.add_argument(
+        "--moe-experts",
+        choices=["auto", "stacked", "te_grouped", "sequential"],
+        default="auto",
+        help="ModelConfig.moe_experts of an MoE model (auto: the library's choice)",
+    )
+    p.add_argument(
+        "--expert-layout",
+        choices=["per_expert", "shared"],
+        default="per_expert",
+        help="LoRAConfig.expert_layout: an adapter per expert, or one shared by the experts of a layer",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model (or --model tiny-moe) on the CPU, one timed step: the code path only",
+    )
     p.add_argument("--json", default=None, help="append one JSON line per configuration to this file")
     p.add_argument(
         "--profile",
@@ -80,7 +102,8 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     if args.smoke:
-        args.model, args.device, args.vocab, args.seq, args.mb_tokens = "tiny", "cpu", 64, 32, 64
+        args.model = args.model if args.model in ("tiny", "tiny-moe") else "tiny"
+        args.device, args.vocab, args.seq, args.mb_tokens = "cpu", 64, 32, 64
         args.microbatches, args.steps, args.warmup, args.ranks = 2, 1, 1, "4,8"
     return args
 
@@ -95,12 +118,14 @@ def build(args, rank: int | None, *, dtype: str | None = None, layers: int | Non
         tie_embeddings=not args.untied,
         add_qkv_bias=True,
         rotary_base=1_000_000.0,
+        moe_experts=None if args.moe_experts == "auto" or "num_experts" not in shape else args.moe_experts,
         **shape,
     )
     chunks = fnppo.build_gpt(cfg, layer_spec=layer_spec(args, cfg))
     fnppo.models.layout_invariant_init(chunks, seed=0)
     if rank is not None:
-        fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(rank=rank, alpha=2.0 * rank))
+        lora = fnppo.lora.LoRAConfig(rank=rank, alpha=2.0 * rank, expert_layout=args.expert_layout)
+        fnppo.lora.apply_lora(chunks, lora)
     ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=True)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-5, clip_grad=1.0))
 
@@ -153,7 +178,7 @@ def merged_check(args, device) -> dict:
         core = fnppo.models.unwrap_model(chunk)
         a_set, m_set = {}, {}
         for name, module in core.named_modules():
-            if not hasattr(module, "fnppo_lora"):
+            if not hasattr(module, "lora_B"):  # the linears' adapters (stacked experts keep theirs stacked)
                 continue
             qkv = qkv or (type(module).__name__ if name.endswith("linear_qkv") else None)
             b = (torch.randn(module.lora_B.shape, generator=g) * 0.02).to(module.lora_B)

@@ -299,21 +299,26 @@ def test_fp8_benchmark_runs_its_bf16_half_on_cpu_and_reports_fp8_refused(tmp_pat
     assert "argument 'dtype' expected 'bf16' with fp8 set" in result["fp8"]["refused"]
 
 
-def test_lora_benchmark_smoke_on_cpu(tmp_path):
+@pytest.mark.parametrize(
+    "extra,fraction",
+    [([], 4), (["--model", "tiny-moe", "--moe-experts", "stacked"], 2)],  # MoE: adapters on stacked experts too
+    ids=["dense", "moe-stacked"],
+)
+def test_lora_benchmark_smoke_on_cpu(tmp_path, extra, fraction):
     """benchmarks/lora.py --smoke: full fine-tuning and two LoRA ranks step on the tiny model; LoRA trains
     a small fraction of the parameters, and the adapter-free reference equals a copy of the base weights in
     log-probs while holding (almost) none of their bytes."""
     import json
 
     out = tmp_path / "lora.jsonl"
-    _run_benchmark(["benchmarks/lora.py", "--smoke", "--json", str(out)])
+    _run_benchmark(["benchmarks/lora.py", "--smoke", "--json", str(out), *extra])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["rank"]) for r in rows] == [("full", None), ("lora", 4), ("lora", 8)]
     full, *lora = rows
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
     assert full["trainable_params"] == full["params"]
     for r in lora:
-        assert 0 < r["trainable_params"] < full["params"] / 4, r
+        assert 0 < r["trainable_params"] < full["params"] / fraction, r
         assert r["same_logprobs"] and r["reference_copy_gib"] * 2**30 >= full["params"] * 4
         assert r["reference_adapters_off_gib"] * 2**30 < 1024, r
     assert lora[0]["trainable_params"] * 2 == lora[1]["trainable_params"]

@@ -31,8 +31,10 @@ from torch import nn
 
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import Tensor
+from fnppo.megatron.lora_experts import EXPERT_LAYOUTS, add_stacked_adapters, check_stacked
 from fnppo.megatron.lora_linear import AdapterSpec, is_adapter, lora_class, tp_size
 from fnppo.megatron.parallel import current_layout
+from fnppo.megatron.stacked_experts import is_stacked
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import full_shape, global_name, name_seed, shard_of, tp_of
 
@@ -52,6 +54,11 @@ TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _FN = "fnppo.lora.apply_lora"
 
 
+def _number(v: object) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters: ``W x + (alpha / rank) B A dropout(x)`` on the ``targets`` linears.
@@ -65,14 +72,19 @@ class LoRAConfig:
         dropout: dropout on the adapter's input in training forwards (0: none).
         targets: names of the linears to adapt, from :data:`TARGETS` (fused QKV, attention output,
             MLP fc1 (gate/up), MLP fc2 (down)).
-        experts: also adapt the targets inside MoE experts (Megatron's ``SequentialMLP``).
+        experts: also adapt the targets inside MoE experts (Megatron's ``SequentialMLP``, or fnppo's
+            stacked experts, ``ModelConfig(moe_experts="stacked")``: :mod:`fnppo.megatron.lora_experts`).
+        expert_layout: ``"per_expert"`` (each expert its own adapter, PEFT's layout) or
+            ``"shared"`` (one adapter per projection for all experts of a layer; stacked experts
+            only; its gradient summed over all experts on all expert-parallel ranks).
         seed: ``A`` of each adapter is drawn from a generator seeded by ``(seed, its full name)``,
             uniform in ``±1/sqrt(in)`` (PEFT's default, Kaiming-uniform with ``a = sqrt(5)``), the
             same in every layout; ``B`` starts at zero, so the adapted model starts as the base.
 
     Raises:
-        InputError: a rank that is not a positive int, ``alpha <= 0``, ``dropout`` outside
-            ``[0, 1)``, no targets or an unknown one.
+        InputError: a rank that is not a positive int, ``alpha`` not a finite number > 0 (NaN,
+            inf, a string), ``dropout`` outside ``[0, 1)``, a seed that is not an int, no targets or
+            an unknown one, an unknown ``expert_layout``.
     """
 
     rank: int = 8
@@ -81,18 +93,25 @@ class LoRAConfig:
     targets: tuple[str, ...] = TARGETS
     experts: bool = True
     seed: int = 0
+    expert_layout: str = "per_expert"
 
     def __post_init__(self) -> None:
         fn = "fnppo.lora.LoRAConfig"
         check_positive_int(fn, "rank", self.rank)
-        if not (isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0):
-            raise input_error(fn, "alpha", "a number > 0", repr(self.alpha))
-        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+        if not (_number(self.alpha) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise input_error(fn, "alpha", "a finite number > 0", repr(self.alpha))
+        if not (_number(self.dropout) and 0.0 <= self.dropout < 1.0):  # NaN fails the comparison
             raise input_error(fn, "dropout", "a number in [0, 1)", repr(self.dropout))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise input_error(fn, "seed", "an int", repr(self.seed))
+        if not isinstance(self.experts, bool):
+            raise input_error(fn, "experts", "a bool", repr(self.experts))
         targets = tuple(self.targets) if not isinstance(self.targets, str) else (self.targets,)
         if not targets or any(t not in TARGETS for t in targets):
             raise input_error(fn, "targets", f"a non-empty tuple of names from {TARGETS}", repr(self.targets))
         object.__setattr__(self, "targets", targets)
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise input_error(fn, "expert_layout", f"one of {EXPERT_LAYOUTS}", repr(self.expert_layout))
 
     @property
     def scaling(self) -> float:
@@ -132,15 +151,34 @@ def _role(module: nn.Module) -> str | None:
 
 
 def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn.Module, str]]:
-    """``(name, module, role)`` of every linear of ``core`` to adapt."""
+    """``(name, module, role)`` of every linear of ``core`` to adapt (role ``"stacked"``: stacked experts)."""
     found = []
     for name, module in core.named_modules():
+        if is_stacked(module) and config.experts and {"linear_fc1", "linear_fc2"} & set(config.targets):
+            check_stacked(fn, name, module)
+            found.append((name, module, "stacked"))
+            continue
         leaf = name.rpartition(".")[2]
         if leaf not in config.targets:
             continue
         expert = ".experts." in f".{name}."
         if expert and not config.experts:
             continue
+        kind = type(core.get_submodule(name[: name.index(".experts.") + 8])).__name__ if expert else ""
+        if expert and kind != "SequentialMLP":
+            raise input_error(
+                fn,
+                "model_chunks",
+                "experts built with moe_experts='stacked' or 'sequential' for adapters in experts",
+                f"{kind} at {name}",
+            )
+        if expert and config.expert_layout == "shared":
+            raise input_error(
+                fn,
+                "config.expert_layout",
+                "'per_expert' on SequentialMLP experts (the shared layout needs moe_experts='stacked')",
+                repr(config.expert_layout),
+            )
         role = _role(module)
         if role is None:
             raise input_error(
@@ -150,7 +188,12 @@ def _targets(fn: str, core: nn.Module, config: LoRAConfig) -> list[tuple[str, nn
                 f"{type(module).__name__} at {name}",
             )
         if expert and tp_size(module) > 1:
-            raise input_error(fn, "model_chunks", "expert tensor parallelism 1 for adapters in experts", name)
+            raise input_error(
+                fn,
+                "model_chunks",
+                f"expert_tensor_parallel_size (etp) 1 for adapters in experts at {name}",
+                f"etp={tp_size(module)}",
+            )
         if getattr(module, "weight", None) is None or module.weight.dim() != 2:
             raise input_error(fn, "model_chunks", f"a 2-D weight at {name}", type(module).__name__)
         found.append((name, module, role))
@@ -228,6 +271,13 @@ def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn
             Megatron column/row-parallel linear (e.g. grouped or stacked experts), adapters in
             experts under expert tensor parallelism > 1, no linear matched.
     """
+    if not isinstance(model_chunks, (list, tuple)) or not all(isinstance(c, nn.Module) for c in model_chunks):
+        received = type(model_chunks).__name__
+        if isinstance(model_chunks, (list, tuple)):
+            received = f"a {received} of {sorted({type(c).__name__ for c in model_chunks})}"
+        raise input_error(_FN, "model_chunks", "a list of model chunks (nn.Module, from fnppo.build_gpt)", received)
+    if not isinstance(config, LoRAConfig):
+        raise input_error(_FN, "config", "a fnppo.lora.LoRAConfig", type(config).__name__)
     chunks = list(model_chunks)
     if any(isinstance(c, DistributedDataParallel) for c in chunks):
         raise input_error(_FN, "model_chunks", "chunks before fnppo.wrap_ddp", "DistributedDataParallel chunks")
@@ -241,7 +291,10 @@ def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn
             p.requires_grad_(False)
             p.fnppo_lora_base = True
         for name, module, role in found:
-            _add_adapter(core, name, module, role, config)
+            if role == "stacked":
+                add_stacked_adapters(core, name, module, config)
+            else:
+                _add_adapter(core, name, module, role, config)
         core.fnppo_lora_config = config
     return chunks
 

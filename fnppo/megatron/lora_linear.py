@@ -61,7 +61,8 @@ class AdapterSpec:
     ``(ffn/tp, ffn/tp)``; else ``(out/tp,)``) and ``groups`` their groups on this rank (QKV: query
     groups / TP, else 1); ``scaling`` ``alpha / rank``; ``gated`` a gated fc1 (its ``B`` is saved
     in Megatron's ``[gate; up]`` form); ``norm`` the input norm a fused norm-linear applies first
-    (Transformer Engine's ``LayerNormColumnParallelLinear``: the adapter sees the normed input).
+    (Transformer Engine's ``LayerNormColumnParallelLinear``: the adapter sees the normed input);
+    ``shared`` (stacked experts, role ``"stacked"``): one adapter for all experts of the layer.
     """
 
     role: str
@@ -72,6 +73,7 @@ class AdapterSpec:
     dropout: float
     gated: bool = False
     norm: bool = False
+    shared: bool = False
 
 
 def is_adapter(param: Tensor) -> bool:

@@ -24,6 +24,14 @@ knows these. :meth:`StackedExperts.sharded_state_dict` describes the stacks for 
 distributed checkpoints (expert axis over expert parallelism, the ffn axis over expert tensor
 parallelism), so they reshard between layouts.
 
+LoRA (:mod:`fnppo.megatron.lora_experts` puts the adapters on): the batched products carry a
+batched low-rank update, per expert ``A`` and ``B`` stacked like the weights (``fc1_lora_A``
+``[experts, parts * r, hidden]``, ``fc1_lora_B`` ``[experts, parts * ffn, r]``, ``fc2_lora_A``
+``[experts, r, ffn]``, ``fc2_lora_B`` ``[experts, hidden, r]``; a gated fc1's gate and up each
+have their own rank-``r`` adapter, as Megatron's ``SequentialMLP`` path and PEFT give them), each
+one more grouped GEMM; or one adapter shared by all experts of the layer (the same shapes without
+the expert axis, plain matrix products over all the layer's tokens).
+
 Not covered (refused at build): biases in the experts, FP8/FP4, a latent MoE projection,
 ``moe_apply_probs_on_input``.
 """
@@ -36,11 +44,20 @@ import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from fnppo.core.errors import input_error
 from fnppo.core.grouped_matmul import grouped_matmul
 
-__all__ = ["StackedExperts", "named_weights", "is_stacked"]
+__all__ = ["StackedExperts", "named_weights", "is_stacked", "ADAPTER_PARAMS"]
+
+#: the adapter parameters of an adapted :class:`StackedExperts` -> (projection, ``A`` or ``B``)
+ADAPTER_PARAMS = {
+    "fc1_lora_A": ("linear_fc1", "lora_A"),
+    "fc1_lora_B": ("linear_fc1", "lora_B"),
+    "fc2_lora_A": ("linear_fc2", "lora_A"),
+    "fc2_lora_B": ("linear_fc2", "lora_B"),
+}
 
 _FN = "fnppo.moe.StackedExperts"
 
@@ -107,13 +124,38 @@ class StackedExperts(MegatronModule):
             tokens_per_expert = torch.tensor(tokens_per_expert)
         ends = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
         h = grouped_matmul(x, self.weight1.view(e, halves * ffn, hidden), ends)
+        if hasattr(self, "fc1_lora_A"):
+            h = h + self._adapter(x, "fc1", ends).to(h.dtype)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             a = self.activation_func(gate) * up
         else:
             a = self.activation_func(h)
         a = (a * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_matmul(a, self.weight2, ends), None
+        out = grouped_matmul(a, self.weight2, ends)
+        if hasattr(self, "fc2_lora_A"):
+            out = out + self._adapter(a, "fc2", ends).to(out.dtype)
+        return out, None
+
+    def _adapter(self, x: Tensor, proj: str, ends: Tensor) -> Tensor:
+        """The adapter term ``s * dropout(x) A_e^T B_e^T`` of projection ``proj`` for each row's expert
+        ``e`` (shared layout: the one ``A``, ``B`` for every row); a gated fc1's gate and up parts each
+        multiply their own ``r`` columns of ``x A^T`` (output ``[gate rows; up rows]``)."""
+        spec = self.fnppo_lora
+        a, b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
+        if spec.dropout and self.training:
+            x = F.dropout(x, p=spec.dropout, training=True)
+        parts = a.shape[-2] // spec.rank
+        if spec.shared:
+            z = F.linear(x, a)
+            ys = [F.linear(zp, bp) for zp, bp in zip(z.chunk(parts, -1), b.chunk(parts, -2), strict=True)]
+        else:
+            z = grouped_matmul(x, a, ends)
+            ys = [
+                grouped_matmul(zp.contiguous(), bp.contiguous(), ends)
+                for zp, bp in zip(z.chunk(parts, -1), b.chunk(parts, -2), strict=True)
+            ]
+        return torch.cat(ys, dim=-1) * spec.scaling
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each stack as one sharded tensor of the global ``[experts, ...]`` shape: the expert axis
@@ -134,6 +176,23 @@ class StackedExperts(MegatronModule):
                 (n, ep_rank, ep),
                 (n + 2, tp_rank, tp),
                 replica_id=(0, 0, self.dp_group.rank()),
+                prepend_axis_num=n,
+            )
+        for name in ADAPTER_PARAMS:
+            if not hasattr(self, name):
+                continue
+            param = getattr(self, name)
+            if getattr(self.fnppo_lora, "shared", False):  # replicated like a dense weight
+                from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+                out.update(make_sharded_tensors_for_checkpoint({name: param}, prefix, {}, sharded_offsets))
+                continue
+            out[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}{name}",
+                param,
+                *sharded_offsets,
+                (n, ep_rank, ep),
+                replica_id=(0, tp_rank, self.dp_group.rank()),
                 prepend_axis_num=n,
             )
         return out
@@ -161,7 +220,11 @@ def named_weights(core: nn.Module, *, adapters: bool = False) -> Iterator[tuple[
     tensor-parallel attributes (``partition_dim`` 0 and 1) and write through to the stacks.
 
     LoRA adapter matrices (parameters tagged ``fnppo_lora_adapter``, :mod:`fnppo.megatron.lora`)
-    are left out: the weights are the base model's. ``adapters=True``: the adapter matrices only.
+    are left out: the weights are the base model's. ``adapters=True``: the adapter matrices only,
+    a stacked experts module's per-expert adapters as views named like ``SequentialMLP``'s adapters
+    by local index (``<prefix>.linear_fc1.lora_A<i>``: ``[parts * r, hidden]``, ``lora_B<i>``
+    ``[parts * ffn, r]``; ``linear_fc2.lora_A<i>`` ``[r, ffn]``, ``lora_B<i>`` ``[hidden, r]``), a
+    shared adapter once (``<prefix>.linear_fc1.lora_A``, ...).
     """
     stacked = {name for name, m in core.named_modules() if isinstance(m, StackedExperts)}
     for name, param in core.named_parameters():
@@ -170,6 +233,16 @@ def named_weights(core: nn.Module, *, adapters: bool = False) -> Iterator[tuple[
         owner, _, leaf = name.rpartition(".")
         if owner not in stacked:
             yield name, param
+            continue
+        if leaf in ADAPTER_PARAMS:
+            proj, ab = ADAPTER_PARAMS[leaf]
+            if getattr(core.get_submodule(owner).fnppo_lora, "shared", False):
+                yield f"{owner}.{proj}.{ab}", param
+            else:
+                for i in range(param.shape[0]):  # expert tensor parallelism 1 (adapters refuse more)
+                    view = _view(param, param[i], 0)
+                    view.tensor_model_parallel = False
+                    yield f"{owner}.{proj}.{ab}{i}", view
             continue
         if leaf == "weight1":
             e, halves, ffn, hidden = param.shape

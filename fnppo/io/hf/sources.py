@@ -20,8 +20,9 @@ from torch import nn
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch
 from fnppo.io.hf.keys import param_rule
+from fnppo.megatron.lora_experts import stacked_merged_delta
 from fnppo.megatron.lora_linear import merged_delta
-from fnppo.megatron.stacked_experts import named_weights
+from fnppo.megatron.stacked_experts import is_stacked, named_weights
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.megatron.weights import global_name
 
@@ -64,6 +65,13 @@ def local_weight(p: ExportParam) -> Tensor:
     tensor in the weight's dtype)."""
     weight = p.param.detach()
     owner_name, _, leaf = p.name.rpartition(".")
+    experts_name, _, proj = owner_name.rpartition(".")
+    if leaf.startswith("weight") and leaf[6:].isdigit() and experts_name:  # a stacked expert's view
+        experts = p.core.get_submodule(experts_name)
+        if is_stacked(experts) and getattr(experts, "fnppo_lora", None) is not None:
+            delta = stacked_merged_delta(experts, proj, int(leaf[6:]))
+            return (weight.float() + delta).to(weight.dtype)
+        return weight
     if leaf != "weight":
         return weight
     owner = p.core.get_submodule(owner_name)
