@@ -32,15 +32,16 @@ import random, sys
 import numpy as np
 sys.path.insert(0, {str(ROOT / "examples")!r})
 import ppo_toy
+from toy import rundir
 
-def append_row(rows, path, row, _append=ppo_toy.append_row):
+def append_row(rows, path, row, _append=rundir.append_row):
     import torch
     draws = {{"draw_torch": float(torch.rand(())), "draw_python": random.random(), "draw_numpy": float(np.random.random_sample())}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         draws["draw_cuda"] = float(torch.rand((), device="cuda"))
     _append(rows, path, {{**row, **draws}})
 
-ppo_toy.append_row = append_row
+rundir.append_row = append_row
 sys.exit(ppo_toy.main(sys.argv[1:]))
 """
 #: runs the example and says on stdout whether torch was imported (refusals must come before it)
