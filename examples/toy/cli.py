@@ -10,8 +10,9 @@ import math
 from pathlib import Path
 
 from toy.errors import ArgumentError
-from toy.rundir import check_run_paths
-from toy.settings import DEFAULT_KL_HORIZON, kl_horizon
+from toy.losses import DEFAULT_TIS_CAP, POLICY_LOSSES
+from toy.rundir import check_run_paths, choose_run_dir, read_settings
+from toy.settings import DEFAULT_KL_HORIZON, adopt_stored_settings, kl_horizon
 
 DESCRIPTION = "A complete PPO/GRPO run that a tiny Megatron GPT learns from scratch on a laptop CPU."
 EPILOG = """\
@@ -57,7 +58,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})",
     )
-    p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (off by default)")
+    p.add_argument(
+        "--tis-cap",
+        type=float,
+        default=None,
+        help=f"truncated importance sampling cap (--policy-loss ppo: off by default; ppo-tis, tis: {DEFAULT_TIS_CAP:g})",
+    )
+    p.add_argument(
+        "--policy-loss",
+        choices=list(POLICY_LOSSES),
+        default="ppo",
+        help="the policy loss (default: %(default)s): "
+        + "; ".join(f"{name}: {row.help}" for name, row in POLICY_LOSSES.items()),
+    )
+    p.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        help="asynchronous RL stand-in: sample each step's rollouts with the policy this many updates old "
+        "(its log-probs are the samples' rollout log-probs; default: %(default)s, on-policy)",
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["same", "bf16"],
+        default="same",
+        help="the sampler's numerics: the trainer's (same), or bf16 autocast to stand in for an inference engine "
+        "(default: %(default)s)",
+    )
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo", help="group advantage of --algo grpo")
     p.add_argument(
         "--algo",
@@ -175,6 +202,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="file for the --profile-step report (default: OUT_DIR/profile.txt)",
     )
     args = p.parse_args(argv)
+    # the flags given on the command line (a resume takes the others from the run's stored settings)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    args.given_flags = tuple(sorted(vars(p.parse_args(argv))))
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
     if args.critic_lr is None:
@@ -187,7 +218,15 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     infinities included), combinations, paths that must exist (``--hf-checkpoint`` /
     ``--critic-checkpoint``: a Hugging Face checkpoint directory) or must not be in the way, the run
     directory (a run in ``--out-dir`` without ``--resume`` / ``--overwrite``, ``--resume`` with nothing
-    to resume). Pure Python and read-only: runs before torch is imported and before anything is created."""
+    to resume). Pure Python and read-only: runs before torch is imported and before anything is created.
+
+    With ``--resume``, the run-defining settings not given on the command line are taken from the run's
+    ``settings.json`` (:func:`toy.settings.adopt_stored_settings`); one given with another value is refused
+    by name."""
+    if args.resume:
+        stored = read_settings(choose_run_dir(args))
+        if stored is not None:
+            adopt_stored_settings(args, stored)
     for name in (
         "steps",
         "prompts",
@@ -207,8 +246,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     check_logging_args(args)
-    if args.lora_rank < 0:
-        raise ArgumentError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    _check_meaningful(args)
     for name in ("lora_alpha", "lora_lr", "lora_output_std"):
         value = getattr(args, name)
         if value is not None and not (value > 0 and math.isfinite(value) and args.lora_rank > 0):
@@ -286,6 +324,51 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
         if path is not None:
             check_hf_directory(flag, path)
     check_run_paths(args)
+
+
+def _check_meaningful(args: argparse.Namespace) -> None:
+    """Settings that would run but mean nothing: two micro-batch splits at once (one would be dropped), a
+    LoRA rank above the layers' width, a zero or negative init std, flags of ``--algo ppo`` without it."""
+    given = set(getattr(args, "given_flags", ()))
+    if args.num_microbatches is not None and args.max_tokens_per_microbatch is not None:
+        raise ArgumentError(
+            f"--num-microbatches {args.num_microbatches} and --max-tokens-per-microbatch "
+            f"{args.max_tokens_per_microbatch} exclude each other: the split is a number of micro-batches or a token budget"
+        )
+    if args.lora_rank < 0:
+        raise ArgumentError(f"--lora-rank must be >= 0, got {args.lora_rank}")
+    if args.lora_rank > args.hidden and not args.hf_checkpoint:
+        raise ArgumentError(
+            f"--lora-rank {args.lora_rank} exceeds --hidden {args.hidden}: an adapter's rank is at most the width of "
+            "the layer it adapts (a low-rank update needs rank < hidden size)"
+        )
+    if args.init_std is not None:
+        if not (math.isfinite(args.init_std) and args.init_std > 0):
+            raise ArgumentError(f"--init-std must be a finite number > 0, got {args.init_std}")
+        if args.hf_checkpoint:
+            raise ArgumentError("--init-std applies to the random model; --hf-checkpoint loads its weights")
+    row = POLICY_LOSSES[args.policy_loss]
+    if args.tis_cap is not None and row.tis_cap == "refused":
+        raise ArgumentError(f"--tis-cap: --policy-loss {args.policy_loss} takes no cap ({row.help})")
+    if args.staleness < 0:
+        raise ArgumentError(f"--staleness must be >= 0, got {args.staleness}")
+    if args.sampler_dtype == "bf16" and args.dtype == "bf16":
+        raise ArgumentError("--sampler-dtype bf16: the trainer already runs in bf16 (--dtype bf16); nothing differs")
+    if args.batch_invariant and (args.staleness or args.sampler_dtype != "same"):
+        raise ArgumentError(
+            "--batch-invariant compares the sampler's log-probs with the trainer's: it needs --staleness 0 and "
+            "--sampler-dtype same"
+        )
+    if args.staleness and args.resume:
+        raise ArgumentError(
+            f"--resume: a run with --staleness {args.staleness} cannot resume (the older weights it samples with "
+            "are not in the checkpoints)"
+        )
+    if args.algo != "ppo":
+        unused = [f for f in ("gamma", "lam", "critic_lr", "value_clip", "whiten") if f in given]
+        if unused:
+            flags = ", ".join("--whiten/--no-whiten" if f == "whiten" else f"--{f.replace('_', '-')}" for f in unused)
+            raise ArgumentError(f"{flags}: only --algo ppo (a critic and GAE) reads it; this run is --algo {args.algo}")
 
 
 def _check_floats(args: argparse.Namespace) -> None:

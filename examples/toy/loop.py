@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 import fnppo
 from toy import rundir
 from toy.collectives import agreed_run_dir
-from toy.errors import ArgumentError
+from toy.errors import ArgumentError, Interrupted
 from toy.model import build, critic_config, kl_controller, seed_everything, set_lr, step_config
 from toy.plot import write_plot
 from toy.profiling import profiled
@@ -64,6 +65,25 @@ def run(args: argparse.Namespace, layout) -> int:
     cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start
     ccfg = critic_config(args) if args.algo == "ppo" else None
     out_dir, state, critic, ref_params, kl_state = setup_run(args, layout)
+    try:
+        return train_loop(args, layout, device, (cfg, ccfg), out_dir, (state, critic, ref_params, kl_state))
+    except KeyboardInterrupt:  # Ctrl-C: checkpoints are written atomically, so the newest complete one is whole
+        raise Interrupted(how_to_resume(out_dir)) from None
+
+
+def how_to_resume(out_dir: Path) -> str:
+    """The line a Ctrl-C prints: the command that continues from the newest complete checkpoint, or that there is none."""
+    latest = rundir.newest_checkpoint(out_dir / "checkpoints")
+    if latest is None:
+        return f"no checkpoint in {out_dir} (--save-every N writes them); nothing to resume"
+    step = json.loads((latest / "manifest.json").read_text())["step"]
+    return f"resume with: python examples/ppo_toy.py --resume --out-dir {out_dir} (from {latest.name}, optimizer step {step})"
+
+
+def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path, states) -> int:
+    """The steps from the (restored) states to ``--steps``: metrics, sinks, progress, checkpoints, the report."""
+    cfg, ccfg = configs
+    state, critic, ref_params, kl_state = states
     _, kl_update = kl_controller(args)
     rank0 = layout.rank == 0
     start_step = state.step // args.minibatches
@@ -75,6 +95,8 @@ def run(args: argparse.Namespace, layout) -> int:
     start = time.perf_counter()
     step = start_step
     durations: list[float] = []  # wall time per step of this invocation
+    # --staleness K: snapshots of the policy after each of the last K updates (the oldest samples)
+    policies = [fnppo.models.snapshot_params(state.model)] if args.staleness else []
     while step < args.steps:
         t_step = time.perf_counter()
         if args.exit_after is not None and step - start_step >= args.exit_after:
@@ -85,7 +107,10 @@ def run(args: argparse.Namespace, layout) -> int:
         profiling = args.profile_step is not None and step + 1 == args.profile_step
         with profiled(profiling, args, out_dir, device, rank0) as phase:
             with phase("rollout"):
-                samples, mean_reward = rollout(state, ref_params, args, layout, device, step, critic, phase=phase)
+                behaviour = policies[0] if args.staleness else None  # K updates old (fewer in the first K steps)
+                samples, mean_reward, offpolicy = rollout(
+                    state, ref_params, args, layout, device, step, critic, phase=phase, behaviour=behaviour
+                )
             set_lr(state.optimizer, learning_rate(args, step, policy_lr(args)))
             step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
             with phase("train_step"):
@@ -95,9 +120,11 @@ def run(args: argparse.Namespace, layout) -> int:
                 set_lr(critic.optimizer, learning_rate(args, step, args.critic_lr))
                 with phase("critic_step"):
                     critic, critic_metrics = fnppo.critic_step(critic, samples, ccfg)
+        if args.staleness:  # the weights of the last K + 1 updates: the oldest samples the next step
+            policies = [*policies, fnppo.models.snapshot_params(state.model)][-(args.staleness + 1) :]
         step += 1
         durations.append(time.perf_counter() - t_step)
-        row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}}
+        row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}, **offpolicy}
         row.update(
             {
                 k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v
@@ -140,6 +167,8 @@ def run(args: argparse.Namespace, layout) -> int:
                 )
                 progress.update(1)
         if args.save_every and step % args.save_every == 0:
+            if rank0:  # the settings a later --resume reads before torch is imported (the checkpoint has them too)
+                rundir.write_settings(out_dir, run_settings(args))
             extra = {"settings": run_settings(args), "kl_state": kl_state._asdict()}
             states = state if critic is None else {"policy": state, "critic": critic}  # one manifest: both or neither
             fnppo.checkpoint.save_checkpoint(out_dir / "checkpoints" / f"step{step:06d}", states, extra=extra)

@@ -4,6 +4,7 @@ configs and the KL controller of a command line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 import fnppo
 from fnppo.io.hf import build_gpt_from_hf, load_hf_weights
 from toy.errors import ArgumentError
+from toy.losses import POLICY_LOSSES, flat_fields
 from toy.settings import init_std, kl_horizon, lora_output_std, policy_lr
 from toy.task import PROMPT_LEN, RESPONSE_LEN, VOCAB
 
@@ -96,16 +98,27 @@ def moe_fields(args: argparse.Namespace) -> dict:
     )
 
 
-def step_config(args: argparse.Namespace):
-
+def policy_loss_config(args: argparse.Namespace):
+    """The ``LossConfig`` of ``--policy-loss`` (a row of :data:`toy.losses.POLICY_LOSSES`) with the run's
+    entropy bonus and k3 KL penalty, token-mean aggregation."""
     loss = fnppo.losses.from_flat(
-        policy_loss="ppo",
         loss_agg_mode="token-mean",
         entropy_coeff=args.entropy_coeff,
         kl_coef=args.kl_coef,
         kl_estimator="k3",
-        tis_cap=args.tis_cap,
+        **flat_fields(args.policy_loss, args.tis_cap),
     )
+    part = POLICY_LOSSES[args.policy_loss].part
+    if part is not None:
+        factory, kwargs = part
+        loss = dataclasses.replace(loss, policy=getattr(fnppo.losses, factory)(**kwargs))
+    return loss
+
+
+def step_config(args: argparse.Namespace):
+    """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget), mini-batches."""
+
+    loss = policy_loss_config(args)
     split = {}
     if args.max_tokens_per_microbatch:
         split["max_tokens_per_microbatch"] = args.max_tokens_per_microbatch

@@ -15,7 +15,12 @@ def open_logging(args: argparse.Namespace, out_dir: Path, layout) -> list:
     layout) as hyperparameters; other ranks: none."""
 
     opened = sinks.open_sinks(args.log, out_dir, rank=layout.rank, run_name=out_dir.name)
-    settings = {**vars(args), "world_size": layout.world_size, "dp": layout.dp, "ep": layout.ep}
+    settings = {
+        **{k: v for k, v in vars(args).items() if k != "given_flags"},
+        "world_size": layout.world_size,
+        "dp": layout.dp,
+        "ep": layout.ep,
+    }
     sinks.log_hparams(opened, settings)
     return opened
 

@@ -15,12 +15,16 @@ from toy.sampling import sample_responses
 from toy.task import RESPONSE_LEN, make_prompts, reward, token_rewards
 
 
-def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None):
+def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
 
     With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)
     and GAE advantages and returns; the samples carry ``values`` and ``returns`` for ``critic_step``.
     ``phase``: optional ``phase(name)`` context factory timing the parts (``--profile-step``).
+    ``behaviour``: the sampler's weights (``--staleness``: an older snapshot), None: the current ones.
+
+    Returns this rank's samples, the global mean reward and the off-policy metrics of the batch
+    (:func:`offpolicy_metrics`).
     """
 
     n_prompts = args.prompts // layout.dp
@@ -40,6 +44,8 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
             layout=layout,
             device=device,
             invariant=args.batch_invariant,
+            params=behaviour,
+            bf16=args.sampler_dtype == "bf16",
         )
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     if critic is not None:
@@ -66,12 +72,38 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     samples = [
         dataclasses.replace(s, old_logprobs=o, ref_logprobs=r) for s, o, r in zip(samples, old, ref, strict=True)
     ]
-    total = torch.tensor([float(rewards.sum()), float(rewards.numel())], dtype=torch.float64)
+    log_ratio = torch.cat([s.old_logprobs - s.rollout_logprobs for s in samples]).double()  # log pi_old / pi_behaviour
+    total = torch.stack(
+        [
+            torch.tensor(float(rewards.sum()), dtype=torch.float64),
+            torch.tensor(float(rewards.numel()), dtype=torch.float64),
+            (-log_ratio).sum(),  # k1 of KL(behaviour || current)
+            (log_ratio.exp() - 1 - log_ratio).sum(),  # k3 of the same (>= 0 per token)
+            torch.tensor(float(log_ratio.numel()), dtype=torch.float64),
+        ]
+    )
     if layout.dp > 1:
         total = total.to(device)
         dist.all_reduce(total, group=layout.dp_group)
         total = total.cpu()
-    return samples, float(total[0] / total[1])
+    return samples, float(total[0] / total[1]), offpolicy_metrics(args, step, total[2:])
+
+
+def offpolicy_metrics(args, step: int, sums) -> dict[str, float]:
+    """With ``--staleness`` or ``--sampler-dtype bf16``: the staleness (updates between the sampler's
+    weights and the current ones: ``min(step, K)`` for the 0-based ``step``) and the KL between the behaviour
+    policy (the sampler's log-probs) and the current one (the trainer's recompute before the update),
+    per token, estimated on the behaviour's samples (k1: mean of log pi_b - log pi; k3: mean of
+    r - 1 - log r with r = pi / pi_b; Schulman, "Approximating KL divergence", 2020). Empty otherwise
+    (an on-policy run's rows keep their keys)."""
+    if not args.staleness and args.sampler_dtype == "same":
+        return {}
+    k1, k3, n = (float(x) for x in sums)
+    return {
+        "offpolicy/staleness": float(min(step, args.staleness)),
+        "offpolicy/kl_behaviour_k1": k1 / n,
+        "offpolicy/kl_behaviour_k3": k3 / n,
+    }
 
 
 def ppo_samples(critic, prompts, responses, rollout_lp, args):

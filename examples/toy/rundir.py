@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -125,3 +126,29 @@ def replace_run(out_dir: Path) -> None:
             shutil.rmtree(out_dir / sub)
     if (out_dir / "metrics.jsonl").is_file():
         (out_dir / "metrics.jsonl").unlink()
+
+
+#: the run's settings (``toy.settings.run_settings``) as JSON, beside its checkpoints: read before torch is imported
+SETTINGS_FILE = "settings.json"
+
+
+def read_settings(out_dir: Path) -> dict | None:
+    """The stored run-defining settings of the run in ``out_dir`` (None: a run saved before the file existed)."""
+    path = out_dir / SETTINGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ArgumentError(f"--resume: {path} is not readable JSON ({err})") from None
+    if not isinstance(stored, dict):
+        raise ArgumentError(f"--resume: {path} holds a {type(stored).__name__}, not a JSON object")
+    return stored
+
+
+def write_settings(out_dir: Path, settings: dict) -> None:
+    """Rank 0: ``settings`` to ``out_dir/settings.json``, atomically (a temporary file renamed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{SETTINGS_FILE}.tmp"
+    tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out_dir / SETTINGS_FILE)

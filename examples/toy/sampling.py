@@ -11,14 +11,28 @@ from toy.collectives import from_last_stage, gather_vocab
 from toy.task import PROMPT_LEN, RESPONSE_LEN, VOCAB
 
 
-def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, device, invariant: bool = False):
+def sample_responses(
+    chunks,
+    prompts,
+    uniforms,
+    *,
+    temperature: float,
+    layout,
+    device,
+    invariant: bool = False,
+    params=None,
+    bf16: bool = False,
+):
     """Autoregressive sampling by inverse CDF with given uniforms ``[n, RESPONSE_LEN]``.
 
     Returns tokens ``[n, RESPONSE_LEN]`` and their log-probs (fp32). The uniforms are drawn for the
     global batch from (seed, step), so every layout samples the same tokens. Only the ``VOCAB`` real
     columns are sampled from (a padded vocabulary's extra columns are never drawn). ``invariant``
     (a batch-invariant model): the log-probs are :func:`invariant_logprobs`, bit for bit those of
-    ``compute_logprobs``.
+    ``compute_logprobs``. ``params`` (one dict per model chunk, e.g. ``fnppo.models.snapshot_params``
+    of an older policy): sample with these weights instead of the chunks' own (``--staleness``).
+    ``bf16``: the forward runs under bf16 autocast, an inference engine's other numerics
+    (``--sampler-dtype bf16``).
     """
 
     n = prompts.shape[0]
@@ -32,7 +46,8 @@ def sample_responses(chunks, prompts, uniforms, *, temperature: float, layout, d
         def last_logits(logits, mb):
             return gather_vocab(logits[:, -1, :].float(), layout)[:, :VOCAB]
 
-        out = fnppo.forward_only(chunks, [mb], last_logits)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = fnppo.forward_only(chunks, [mb], last_logits, params=params)
         pick = torch.zeros(2, n)
         if out is not None:
             logp = torch.log_softmax(out[0].cpu().double() / temperature, dim=-1)

@@ -43,6 +43,9 @@ RUN_DEFINING = (
     "lora_lr",
     "init_std",
     "lora_output_std",
+    "policy_loss",
+    "staleness",
+    "sampler_dtype",
 )
 
 
@@ -61,6 +64,9 @@ SETTING_DEFAULTS = {
     "lora_lr": None,
     "init_std": None,
     "lora_output_std": None,
+    "policy_loss": "ppo",
+    "staleness": 0,
+    "sampler_dtype": "same",
 }  # what a checkpoint without the key was written with
 
 
@@ -124,3 +130,25 @@ def check_resume_settings(stored: dict, args: argparse.Namespace) -> None:
         if "schedule_steps" in diff:
             hint = f"; to train longer on the stored schedule, pass --schedule-steps {stored.get('schedule_steps')}"
         raise ArgumentError(f"--resume: the checkpoint was written with {parts}; resume with the stored values{hint}")
+
+
+def adopt_stored_settings(args: argparse.Namespace, stored: dict) -> None:
+    """``--resume``: set every run-defining setting not given on the command line (``args.given_flags``)
+    to its stored value; refuse, by name, one given with another value than the stored one."""
+    given = set(getattr(args, "given_flags", ()))
+    keys = RUN_DEFINING + PPO_DEFINING
+    differ = []
+    for key in keys:
+        if key not in stored and key not in SETTING_DEFAULTS:
+            continue
+        value = stored.get(key, SETTING_DEFAULTS.get(key))
+        if key in given:
+            if getattr(args, key) != value:
+                differ.append(f"--{key.replace('_', '-')} {value} (given: {getattr(args, key)})")
+        elif key != "lora_output_std" or value is not None:  # (stored as the value in effect, None without LoRA)
+            setattr(args, key, value)
+    if differ:
+        raise ArgumentError(
+            f"--resume: the run was written with {', '.join(differ)}; drop these flags to resume with the stored "
+            "values (--steps may change)"
+        )
