@@ -39,6 +39,23 @@ def _validate(argv: list[str], world_size: int = 1):
         (["--no-whiten"], "--whiten/--no-whiten: only --algo ppo"),
         (["--whiten"], "--whiten/--no-whiten: only --algo ppo"),
         (["--gamma", "0.9", "--lam", "0.9"], "--gamma, --lam: only --algo ppo"),
+        (["--policy-loss", "is", "--tis-cap", "2"], "--tis-cap: --policy-loss is takes no cap"),
+        (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
+        (["--sampler-dtype", "bf16", "--dtype", "bf16"], "--sampler-dtype bf16: the trainer already runs in bf16"),
+        (["--batch-invariant", "--staleness", "2"], "--batch-invariant compares the sampler's log-probs"),
+    ],
+    ids=[
+        "split",
+        "lora-rank",
+        "init-std-0",
+        "init-std-neg",
+        "no-whiten",
+        "whiten",
+        "gamma-lam",
+        "tis-cap",
+        "staleness",
+        "sampler-dtype",
+        "batch-invariant",
     ],
 )
 def test_meaningless_or_contradictory_settings_are_refused_by_name(argv, message, tmp_path, monkeypatch):
@@ -124,8 +141,25 @@ def test_ctrl_c_prints_how_to_resume_and_resume_alone_continues(tmp_path):
     run-defining flag repeated) continues from the checkpoint."""
     out_dir = tmp_path / "run"
     small = ["--prompts", "4", "--group-size", "4", "--lr", "0.004", "--no-progress", "--no-plot"]
+    # Ctrl-C's default handler, also where this test runs as a background job (which inherits SIGINT ignored)
+    launcher = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *small, "--steps", "200", "--save-every", "1", "--out-dir", str(out_dir)],
+        [
+            sys.executable,
+            "-c",
+            launcher,
+            str(EXAMPLE),
+            *small,
+            "--steps",
+            "200",
+            "--save-every",
+            "1",
+            "--out-dir",
+            str(out_dir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -18,7 +18,8 @@ DESCRIPTION = "A complete PPO/GRPO run that a tiny Megatron GPT learns from scra
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
 --target-reward (pass --target-reward 0 to skip the check), or it stopped at --exit-after;
-1 when the final reward missed the target; 2 for invalid arguments or a refused --resume.
+1 when the final reward missed the target; 2 for invalid arguments or a refused --resume (one line,
+also for a setting the library refuses); 130 for Ctrl-C (the line printed says how to resume).
 """
 
 
@@ -427,13 +428,14 @@ LOG_SINKS = ("tensorboard", "wandb", "mlflow")  # fnppo.sinks.SINKS, known here 
 def add_logging_args(p: argparse.ArgumentParser) -> None:
     """``--log`` and ``--progress-every`` (shared with examples/vlm_toy.py)."""
     p.add_argument(
+        "--log-to",  # the spelling that works everywhere: torchrun refuses --log as ambiguous (--log-dir, --logs-specs)
         "--log",
-        "--log-to",  # the spelling torchrun passes on: it reads --log itself as an abbreviation of its --log-dir
         dest="log",
         type=str,
         default="",
         help="metrics sinks besides metrics.jsonl, any of tensorboard,wandb,mlflow (comma-separated; rank 0 "
-        "writes them under the run directory: tensorboard/, wandb/ offline, mlruns/; under torchrun: --log-to)",
+        "writes them under the run directory: tensorboard/, wandb/ offline, mlruns/; --log in one process only: torchrun "
+        "refuses it as ambiguous with its own --log-dir)",
     )
     p.add_argument(
         "--progress-every",
