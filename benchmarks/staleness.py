@@ -10,7 +10,7 @@ there, ``--report`` only reads the file):
 * the first step at which the mean reward of the last 5 steps reaches 0.9 (``-``: never),
 * the mean over steps of the KL between the behaviour policy (the sampler's log-probs) and the current
   one (the trainer's recompute before the update), per token, k3 estimator
-  (``offpolicy/kl_behaviour_k3`` of the run's ``metrics.jsonl``; 0 for an on-policy run).
+  (``offpolicy/kl_behaviour_k3`` of the run's ``metrics.jsonl``; an on-policy run does not record it).
 
 It writes a markdown table (one row per loss and K: mean and minimum final reward over the runs,
 steps to 0.9, mean KL, runs below 0.9) to ``--markdown`` and a plot (mean reward per step, one panel
@@ -58,7 +58,7 @@ def run_one(k: int, loss: str, seed: int, threads: int, steps: int, extra: list[
         raise SystemExit(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward"] for r in rows]
-    kls = [r.get("offpolicy/kl_behaviour_k3", 0.0) for r in rows]
+    kls = [r["offpolicy/kl_behaviour_k3"] for r in rows if "offpolicy/kl_behaviour_k3" in r]  # (none: on-policy)
     return {
         "staleness": k,
         "loss": loss,
@@ -68,7 +68,7 @@ def run_one(k: int, loss: str, seed: int, threads: int, steps: int, extra: list[
         "extra": extra,
         "final": sum(rewards[-FINAL_WINDOW:]) / len(rewards[-FINAL_WINDOW:]),
         "reach": first_reaching(rewards, TARGET, FINAL_WINDOW),
-        "kl": sum(kls) / len(kls),
+        "kl": sum(kls) / len(kls) if kls else None,
         "rewards": [round(x, 5) for x in rewards],
         "wall_s": round(time.perf_counter() - start, 1),
     }
@@ -93,11 +93,12 @@ def table(rows: list[dict], ks: list[int], losses: list[str]) -> str:
                 if not reached
                 else f"{sum(reached) / len(reached):.0f} ({max(reached)})" + (f", {never} never" if never else "")
             )
-            kl = sum(r["kl"] for r in group) / len(group)
+            kls = [r["kl"] for r in group if r["kl"] is not None]
+            kl = f"{sum(kls) / len(kls):.2e}" if kls else "on-policy"
             below = sum(f < TARGET for f in finals)
             lines.append(
                 f"| {loss} | {k} | {len(group)} | {sum(finals) / len(finals):.3f} ({min(finals):.3f}) | {steps} "
-                f"| {kl:.2e} | {below} |"
+                f"| {kl} | {below} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(row) + "\n")
                 print(
                     f"{row['loss']} K={row['staleness']} seed {row['seed']} omp {row['threads']}: final "
-                    f"{row['final']:.3f}, 0.9 at {row['reach']}, KL {row['kl']:.2e} ({row['wall_s']:.0f} s)",
+                    f"{row['final']:.3f}, 0.9 at {row['reach']}, KL {row['kl']} ({row['wall_s']:.0f} s)",
                     flush=True,
                 )
     rows = [r for r in done if r["staleness"] in args.staleness and r["loss"] in args.losses and r["seed"] in seeds]

@@ -30,7 +30,7 @@ checkpoint, bit-identical to an uninterrupted run (data and sampling are functio
 errors, exit status, parallel set-up), the run directory, the metrics file on resume, the
 learning-rate schedule, the sampling collectives (the logits gathered over TP, the draw sent from
 the last pipeline stage), smoothing and saving the plot are those of ``examples/ppo_toy.py``
-(imported from it).
+(imported from its parts, ``examples/toy/``).
 """
 
 from __future__ import annotations
