@@ -224,6 +224,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     With ``--resume``, the run-defining settings not given on the command line are taken from the run's
     ``settings.json`` (:func:`toy.settings.adopt_stored_settings`); one given with another value is refused
     by name."""
+    if args.overwrite and args.resume:
+        raise ArgumentError("--overwrite and --resume exclude each other")
     if args.resume:
         stored = read_settings(choose_run_dir(args))
         if stored is not None:
@@ -447,7 +449,6 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
 
 def check_logging_args(args: argparse.Namespace) -> None:
     """``--log``: known names whose package is installed; ``--progress-every`` >= 1 (before torch is imported)."""
-
     if args.progress_every < 1:
         raise ArgumentError(f"--progress-every must be >= 1, got {args.progress_every}")
     for name in (n.strip() for n in args.log.split(",") if n.strip()):

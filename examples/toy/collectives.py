@@ -15,7 +15,6 @@ from toy.rundir import choose_run_dir
 
 def gather_vocab(x, layout):
     """``x [n, vocab_shard]`` of every tensor-parallel rank, concatenated: ``[n, padded vocab]``."""
-
     if layout.tp == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(layout.tp)]
@@ -25,7 +24,6 @@ def gather_vocab(x, layout):
 
 def from_last_stage(x, layout, device):
     """The last pipeline stage's ``x`` (a CPU tensor) on every stage."""
-
     if layout.pp == 1:
         return x
     buf = x.to(device)
@@ -35,7 +33,6 @@ def from_last_stage(x, layout, device):
 
 def agree(value, layout):
     """Rank 0's value on every rank (an error on rank 0 becomes the same error everywhere)."""
-
     if layout.world_size == 1:
         return value
     box = [value]

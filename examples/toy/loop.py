@@ -27,7 +27,6 @@ from toy.task import VOCAB
 def setup_run(args, layout):
     """Run directory, state, critic (``--algo ppo``, else None), reference params and the KL
     controller's state (restored on resume)."""
-
     out_dir = agreed_run_dir(args, layout)
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
@@ -59,7 +58,6 @@ def setup_run(args, layout):
 
 
 def run(args: argparse.Namespace, layout) -> int:
-
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     seed_everything(args.seed)
     cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start

@@ -25,7 +25,6 @@ def build(args: argparse.Namespace, head: str = "lm"):
     layout-invariant initialization from ``--seed``) and a fresh value head; with
     ``--critic-checkpoint`` it is that value model, head included.
     """
-
     checkpoint = args.critic_checkpoint if head == "value" and args.critic_checkpoint else args.hf_checkpoint
     if checkpoint:
         flag = "--critic-checkpoint" if checkpoint == args.critic_checkpoint and head == "value" else "--hf-checkpoint"
@@ -70,7 +69,6 @@ def build(args: argparse.Namespace, head: str = "lm"):
 
 def lora_config(args: argparse.Namespace):
     """The policy's ``fnppo.lora.LoRAConfig`` (every linear; alpha default 2 x rank; ``A`` from ``--seed``)."""
-
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
     return fnppo.lora.LoRAConfig(rank=args.lora_rank, alpha=alpha, seed=args.seed)
 
@@ -78,7 +76,6 @@ def lora_config(args: argparse.Namespace):
 def scale_output_layer(chunks, factor: float) -> None:
     """Multiply the (untied) output layer of freshly built chunks by ``factor`` (its weights are then
     N(0, (factor x init std)^2), the same in every layout); the last pipeline stage holds it."""
-
     with torch.no_grad():
         for chunk in chunks:
             layer = getattr(fnppo.models.unwrap_model(chunk), "output_layer", None)
@@ -117,7 +114,6 @@ def policy_loss_config(args: argparse.Namespace):
 
 def step_config(args: argparse.Namespace):
     """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget), mini-batches."""
-
     loss = policy_loss_config(args)
     split = {}
     if args.max_tokens_per_microbatch:
@@ -131,7 +127,6 @@ def step_config(args: argparse.Namespace):
 
 def critic_config(args: argparse.Namespace):
     """The critic's split is the actor's (same micro-batches and mini-batches)."""
-
     cfg = step_config(args)
     split = {
         k: getattr(cfg, k) for k in ("num_microbatches", "max_tokens_per_microbatch") if getattr(cfg, k) is not None
@@ -146,7 +141,6 @@ def critic_config(args: argparse.Namespace):
 
 def kl_controller(args: argparse.Namespace):
     """The KL controller's start state and update: adaptive with ``--kl-target``, else fixed at ``--kl-coef``."""
-
     if args.kl_target is None:
         return fnppo.kl.fixed_kl_init(args.kl_coef), fnppo.kl.fixed_kl_update
     return fnppo.kl.adaptive_kl_init(args.kl_coef, args.kl_target, kl_horizon(args)), fnppo.kl.adaptive_kl_update
@@ -162,7 +156,6 @@ def seed_everything(seed: int) -> None:
     """Seed every generator a checkpoint saves and restores: torch's, Python's and NumPy's (Megatron's
     trackers are seeded by ``init_parallel``). The run itself draws only from torch's and from generators
     of (seed, step); seeding the others makes a run's whole RNG state a function of its settings."""
-
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)

@@ -20,18 +20,15 @@ class _Phases:
         self.device, self.enabled, self.times = device, enabled, []
 
     def __call__(self, name: str):
-
         if not self.enabled:
             return contextlib.nullcontext()
         return self._timed(name)
 
     def _sync(self):
-
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def _timed(self, name: str):
-
         @contextlib.contextmanager
         def block():
             self._sync()

@@ -13,7 +13,6 @@ from fnppo import sinks
 def open_logging(args: argparse.Namespace, out_dir: Path, layout) -> list:
     """Rank 0: the ``--log`` sinks under ``out_dir``, given the run's settings (every argument and the
     layout) as hyperparameters; other ranks: none."""
-
     opened = sinks.open_sinks(args.log, out_dir, rank=layout.rank, run_name=out_dir.name)
     settings = {
         **{k: v for k, v in vars(args).items() if k != "given_flags"},

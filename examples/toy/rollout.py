@@ -26,7 +26,6 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     Returns this rank's samples, the global mean reward and the off-policy metrics of the batch
     (:func:`offpolicy_metrics`).
     """
-
     n_prompts = args.prompts // layout.dp
     prompts = make_prompts(args.seed, step, args.prompts)[layout.dp_rank * n_prompts : (layout.dp_rank + 1) * n_prompts]
     prompts = prompts.repeat_interleave(args.group_size, dim=0)
@@ -108,7 +107,6 @@ def offpolicy_metrics(args, step: int, sums) -> dict[str, float]:
 
 def ppo_samples(critic, prompts, responses, rollout_lp, args):
     """Per-token rewards, the critic's values and GAE: samples with advantages, values and returns."""
-
     bare = [
         fnppo.Sample(prompt_ids=p, response_ids=r, rollout_logprobs=lp)
         for p, r, lp in zip(prompts, responses, rollout_lp, strict=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import optree
 import torch
 
@@ -34,7 +36,6 @@ def sample_responses(
     ``bf16``: the forward runs under bf16 autocast, an inference engine's other numerics
     (``--sampler-dtype bf16``).
     """
-
     n = prompts.shape[0]
     seqs = prompts.clone()
     logps = torch.zeros(n, RESPONSE_LEN)
@@ -46,7 +47,9 @@ def sample_responses(
         def last_logits(logits, mb):
             return gather_vocab(logits[:, -1, :].float(), layout)[:, :VOCAB]
 
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), warnings.catch_warnings():
+            # bf16 activations meet the fp32 norm weights: torch's unfused layer norm, as intended here
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             out = fnppo.forward_only(chunks, [mb], last_logits, params=params)
         pick = torch.zeros(2, n)
         if out is not None:
@@ -67,7 +70,6 @@ def invariant_logprobs(logits, tokens, temperature: float, layout):
     """``log softmax(logits / T)[token]`` by fnppo's log-prob kernel under batch-invariant numerics:
     with the model's batch-invariant forward, bit for bit what ``compute_logprobs`` gives the token
     (one tensor-parallel rank: ``logits`` are the full vocabulary)."""
-
     with batch_invariant(True):
         lp, _ = fnppo.logprob_and_entropy(
             logits[:, None, :].float(),
