@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from toy import cli, launch, rundir, settings
+from toy import checks, cli, launch, rundir, settings
 from toy import plot as toy_plot  # noqa: E402  (the text toy's parts; no torch before validation)
 from toy.errors import ArgumentError  # noqa: E402
 
@@ -165,7 +165,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.exit_after is not None and args.exit_after < 1:
         raise ArgumentError(f"--exit-after must be >= 1, got {args.exit_after}")
-    cli.check_logging_args(args)
+    checks.check_logging_args(args)
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):

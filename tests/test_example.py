@@ -724,6 +724,7 @@ def test_every_combination_of_run_directory_metrics_plot_and_resume(scenarios, o
             for s in (1, 2)
             for f in ("manifest.json", ".metadata", "__0_0.distcp", "common.pt", "metadata.json")
         }
+        expected.add(f"{run_dir}/settings.json")  # what a later --resume reads before torch is imported
         assert "resumed from" in r["calls"][1]["stdout"] and "(checkpoint of step 1)" in r["calls"][1]["stdout"]
     assert set(r["files"]) == expected, r["files"]
     assert f"metrics: {metrics_file}" in r["calls"][-1]["stdout"]

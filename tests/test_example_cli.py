@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppo_toy.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
-from toy import cli, rundir, settings  # noqa: E402
+from toy import checks, cli, rundir, settings  # noqa: E402
 from toy.errors import ArgumentError  # noqa: E402
 
 
 def _validate(argv: list[str], world_size: int = 1):
     args = cli.parse_args(argv)
-    cli.validate_args(args, world_size, cuda_available=False)
+    checks.validate_args(args, world_size, cuda_available=False)
     return args
 
 

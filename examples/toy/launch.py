@@ -10,7 +10,8 @@ import os
 import sys
 import time
 
-from toy.cli import parse_args, validate_args
+from toy.checks import validate_args
+from toy.cli import parse_args
 from toy.errors import ArgumentError, Interrupted
 
 #: the exit status of a run stopped by Ctrl-C (128 + SIGINT, what a shell reports)

@@ -119,13 +119,14 @@ def metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
 
 
 def replace_run(out_dir: Path) -> None:
-    """Rank 0, ``--overwrite``: remove the replaced run's metrics, checkpoints and ``--log`` files from
+    """Rank 0, ``--overwrite``: remove the replaced run's metrics, settings, checkpoints and ``--log`` files from
     ``out_dir`` (a later ``--resume`` must not continue the old run's checkpoints)."""
     for sub in ("checkpoints", "tensorboard", "wandb", "mlruns"):
         if (out_dir / sub).is_dir():
             shutil.rmtree(out_dir / sub)
-    if (out_dir / "metrics.jsonl").is_file():
-        (out_dir / "metrics.jsonl").unlink()
+    for name in ("metrics.jsonl", SETTINGS_FILE):
+        if (out_dir / name).is_file():
+            (out_dir / name).unlink()
 
 
 #: the run's settings (``toy.settings.run_settings``) as JSON, beside its checkpoints: read before torch is imported
