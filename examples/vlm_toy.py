@@ -30,7 +30,7 @@ checkpoint, bit-identical to an uninterrupted run (data and sampling are functio
 errors, exit status, parallel set-up), the run directory, the metrics file on resume, the
 learning-rate schedule, the sampling collectives (the logits gathered over TP, the draw sent from
 the last pipeline stage), smoothing and saving the plot are those of ``examples/ppo_toy.py``
-(imported from it).
+(imported from its parts, ``examples/toy/``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ppo_toy as text_toy  # noqa: E402  (command line, run directories, lr schedule, sampling collectives, plots)
-from ppo_toy import ArgumentError  # noqa: E402
+from toy import checks, cli, launch, rundir, settings
+from toy import plot as toy_plot  # noqa: E402  (the text toy's parts; no torch before validation)
+from toy.errors import ArgumentError  # noqa: E402
 
 # torch and fnppo are imported after the arguments are parsed, so --help and argument errors are fast.
 
@@ -59,7 +60,7 @@ PALETTE = [
     (0.5, 0.0, 1.0),
     (0.0, 0.5, 1.0),
 ]  # equal brightness
-FINAL_WINDOW = text_toy.FINAL_WINDOW
+FINAL_WINDOW = settings.FINAL_WINDOW
 RUNS_ROOT = Path("runs/vlm_toy")
 #: flags that define a run's trajectory: a resume must use the values stored in the checkpoint
 RUN_DEFINING = (
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    text_toy.add_logging_args(p)
+    cli.add_logging_args(p)
     args = p.parse_args(argv)
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
@@ -164,7 +165,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.exit_after is not None and args.exit_after < 1:
         raise ArgumentError(f"--exit-after must be >= 1, got {args.exit_after}")
-    text_toy.check_logging_args(args)
+    checks.check_logging_args(args)
     if args.save_every < 0:
         raise ArgumentError(f"--save-every must be >= 0, got {args.save_every}")
     if not (args.lr > 0 and 0 <= args.lr_final <= 1 and args.temperature > 0):
@@ -196,7 +197,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
             f"--minibatches {args.minibatches} and --num-microbatches {args.num_microbatches} do not fit "
             f"{args.prompts // dp * args.group_size} samples per data-parallel rank"
         )
-    text_toy.choose_run_dir(args, RUNS_ROOT)  # read-only: a run in the way, --resume with nothing to resume
+    rundir.choose_run_dir(args, RUNS_ROOT)  # read-only: a run in the way, --resume with nothing to resume
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +292,7 @@ def vision_config(args: argparse.Namespace):
 def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, layout, device):
     """One token per prompt by inverse CDF with given uniforms ``[n]`` (the placeholder is never drawn)."""
     import torch
+    from toy import collectives as toy_collectives
 
     import fnppo
 
@@ -301,7 +303,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
 
     def last_logits(logits, mb):
         ends = mb.cu_seqlens[:-1].long() + torch.tensor(mb.seq_lens, device=logits.device) - 1
-        return text_toy.gather_vocab(logits[0, ends, :].float(), layout)[:, :VOCAB]
+        return toy_collectives.gather_vocab(logits[0, ends, :].float(), layout)[:, :VOCAB]
 
     out = fnppo.forward_only(chunks, [mb], last_logits)
     pick = torch.zeros(len(prompts))
@@ -310,7 +312,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
         logits[:, IMG] = float("-inf")
         cdf = torch.softmax(logits, dim=-1).cumsum(-1)
         pick = (cdf < uniforms[:, None].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1).float()
-    return text_toy.from_last_stage(pick, layout, device).long()
+    return toy_collectives.from_last_stage(pick, layout, device).long()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +450,7 @@ def mix_summary(seen: list[tuple[int, int, int]], layout, device) -> dict[str, i
 # ---------------------------------------------------------------------------------------------
 def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> None:
     """Reward (all, image prompts, text prompts), KL, entropy and the micro-batch mix per step."""
-    plt = text_toy.pyplot()
+    plt = toy_plot.pyplot()
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     ax = axes[0, 0]
@@ -459,7 +461,7 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     ):
         raw = [r[key] for r in rows]
         ax.plot(steps, raw, ".", color=colour, alpha=0.3)
-        ax.plot(steps, text_toy.smooth(raw), "-", color=colour, label=label)
+        ax.plot(steps, toy_plot.smooth(raw), "-", color=colour, label=label)
     ax.axhline(target, color="tab:green", ls="--", label=f"target {target:g}")
     ax.axhline(1 / (VOCAB - 1), color="k", ls=":", label="chance 1/15")
     ax.set_ylim(0, 1.02)
@@ -471,7 +473,7 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     ):
         raw = [float(r.get(key, float("nan"))) for r in rows]
         ax.plot(steps, raw, ".", alpha=0.35)
-        ax.plot(steps, text_toy.smooth(raw), "-", color="tab:blue")
+        ax.plot(steps, toy_plot.smooth(raw), "-", color="tab:blue")
         ax.set_ylabel(label)
     ax = axes[1, 1]
     bottom = [0] * len(rows)
@@ -488,14 +490,14 @@ def write_plot(rows: list[dict], path: Path, *, title: str, target: float) -> No
     for ax in axes.flat:
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    text_toy.save_figure(fig, path, title)
+    toy_plot.save_figure(fig, path, title)
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    return text_toy.cli_main("vlm_toy.py", argv, parse_args, validate_args, run)
+    return launch.cli_main("vlm_toy.py", argv, parse_args, validate_args, run)
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -530,9 +532,11 @@ def setup_run(args: argparse.Namespace, layout):
     """Run directory, state and reference parameters; with ``--resume`` restored from the newest
     checkpoint (model, optimizer, RNG states), its settings checked. Nothing
     is written before the checkpoint loaded: a refused resume leaves the run as it was."""
+    from toy import collectives as toy_collectives
+
     import fnppo
 
-    out_dir = text_toy.agreed_run_dir(args, layout, RUNS_ROOT)
+    out_dir = toy_collectives.agreed_run_dir(args, layout, RUNS_ROOT)
     state = build(args)
     ref_params = fnppo.models.snapshot_params(state.model)
     if args.resume:
@@ -548,12 +552,14 @@ def setup_run(args: argparse.Namespace, layout):
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
     if args.overwrite and layout.rank == 0:
-        text_toy._replace_run(out_dir)  # the replaced run's checkpoints must not be resumed later
+        rundir.replace_run(out_dir)  # the replaced run's checkpoints must not be resumed later
     return out_dir, state, ref_params
 
 
 def run(args: argparse.Namespace, layout) -> int:
     import torch
+    from toy import model as toy_model
+    from toy import progress as toy_progress
 
     import fnppo
     from fnppo.megatron.vlm_collate import VLMCollate
@@ -563,11 +569,11 @@ def run(args: argparse.Namespace, layout) -> int:
     out_dir, state, ref_params = setup_run(args, layout)
     rank0 = layout.rank == 0
     start_step = state.step // args.minibatches
-    metrics_path, rows = text_toy._metrics_file(args, out_dir, start_step) if rank0 else (None, [])
+    metrics_path, rows = rundir.metrics_file(args, out_dir, start_step) if rank0 else (None, [])
     recorder = MixRecorder(VLMCollate.from_config(vision_config(args), max_seq_len=16))
     train_cfg, lp_cfg = step_configs(args, recorder)
-    sinks = text_toy.open_logging(args, out_dir, layout)
-    progress = text_toy.make_progress(args, start_step, "vlm") if rank0 else None
+    sinks = toy_progress.open_logging(args, out_dir, layout)
+    progress = toy_progress.make_progress(args, start_step, "vlm") if rank0 else None
     start = time.perf_counter()
     for step in range(start_step, args.steps):
         if args.exit_after is not None and step - start_step >= args.exit_after:
@@ -576,7 +582,7 @@ def run(args: argparse.Namespace, layout) -> int:
             fnppo.sinks.close_sinks(sinks)
             return 0
         samples, rewards = rollout(state, ref_params, args, layout, device, step, recorder.collate, lp_cfg)
-        text_toy.set_lr(state.optimizer, text_toy.learning_rate(args, step))
+        toy_model.set_lr(state.optimizer, settings.learning_rate(args, step))
         recorder.seen.clear()
         state, metrics = fnppo.train_step(state, samples, train_cfg)
         row = {
@@ -586,7 +592,7 @@ def run(args: argparse.Namespace, layout) -> int:
             **{k: v for k, v in metrics.items() if k != "step"},
         }
         if rank0:
-            text_toy.append_row(rows, metrics_path, row)
+            rundir.append_row(rows, metrics_path, row)
             fnppo.sinks.log_metrics(sinks, step + 1, row)
             if progress is not None:
                 progress.set_postfix(

@@ -32,15 +32,16 @@ import random, sys
 import numpy as np
 sys.path.insert(0, {str(ROOT / "examples")!r})
 import ppo_toy
+from toy import rundir
 
-def append_row(rows, path, row, _append=ppo_toy.append_row):
+def append_row(rows, path, row, _append=rundir.append_row):
     import torch
     draws = {{"draw_torch": float(torch.rand(())), "draw_python": random.random(), "draw_numpy": float(np.random.random_sample())}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         draws["draw_cuda"] = float(torch.rand((), device="cuda"))
     _append(rows, path, {{**row, **draws}})
 
-ppo_toy.append_row = append_row
+rundir.append_row = append_row
 sys.exit(ppo_toy.main(sys.argv[1:]))
 """
 #: runs the example and says on stdout whether torch was imported (refusals must come before it)
@@ -190,9 +191,9 @@ def test_ppo_with_a_critic_resumes_bit_identically(tmp_path):
     assert diff == [], f"the resumed run's final state differs from the uninterrupted run's at {diff[:10]}"
     if HAS_MATPLOTLIB:
         assert (tmp_path / "straight" / "ppo_toy.png").stat().st_size > 10_000  # six panels with the critic's
-    # a PPO checkpoint is not resumed as GRPO
-    out = _call(["--steps", "4", *SMALL, "--out-dir", str(tmp_path / "resumed"), "--resume"])
-    assert out.returncode == 2 and "--resume: the checkpoint was written with --algo ppo (now grpo)" in out.stderr, (
+    # a PPO run is not resumed as GRPO: --resume takes --algo ppo from the run's settings, a contrary flag is refused
+    out = _call(["--steps", "4", *SMALL, "--algo", "grpo", "--out-dir", str(tmp_path / "resumed"), "--resume"])
+    assert out.returncode == 2 and "--resume: the run was written with --algo ppo (given: grpo)" in out.stderr, (
         out.stderr
     )
 
@@ -569,13 +570,14 @@ def test_resume_refuses_missing_checkpoints_and_changed_settings(tmp_path):
     assert out.returncode == 2 and "no run under runs/ppo_toy; start one without --resume" in out.stderr
     _run(["--steps", "2", "--save-every", "2", *SMALL, "--out-dir", run])
     out = _call(["--steps", "2", "--resume", "--lr", "0.01", *SMALL, "--out-dir", run])
-    assert out.returncode == 2 and "--lr 0.003 (now 0.01)" in out.stderr, out.stderr
-    out = _call(["--steps", "4", "--resume", *SMALL, "--out-dir", run])
-    assert (
-        out.returncode == 2 and "--schedule-steps 2 (now 4)" in out.stderr and "pass --schedule-steps 2" in out.stderr
-    ), out.stderr
-    # with the stored schedule the run goes on past its --steps and appends to its metrics
-    out = _run(["--steps", "3", "--schedule-steps", "2", "--resume", *SMALL, "--out-dir", run])
+    assert out.returncode == 2 and "--resume: the run was written with --lr 0.003 (given: 0.01)" in out.stderr, (
+        out.stderr
+    )
+    out = _call(["--steps", "4", "--resume", "--schedule-steps", "4", *SMALL, "--out-dir", run])
+    assert out.returncode == 2 and "--schedule-steps 2 (given: 4)" in out.stderr, out.stderr
+    # --resume takes the stored schedule (not one derived from the new --steps): the run goes on past its
+    # first --steps and appends to its metrics
+    out = _run(["--steps", "3", "--resume", *SMALL, "--out-dir", run])
     assert "(checkpoint of step 2)" in out
     rows = _rows(Path(run) / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -722,6 +724,7 @@ def test_every_combination_of_run_directory_metrics_plot_and_resume(scenarios, o
             for s in (1, 2)
             for f in ("manifest.json", ".metadata", "__0_0.distcp", "common.pt", "metadata.json")
         }
+        expected.add(f"{run_dir}/settings.json")  # what a later --resume reads before torch is imported
         assert "resumed from" in r["calls"][1]["stdout"] and "(checkpoint of step 1)" in r["calls"][1]["stdout"]
     assert set(r["files"]) == expected, r["files"]
     assert f"metrics: {metrics_file}" in r["calls"][-1]["stdout"]
@@ -804,3 +807,24 @@ def test_lora_run_trains_adapters_only_and_resumes_bit_identically(tmp_path):
     moments = [k for k in final[0]["tensors"] if k.startswith("optimizer.state.exp_avg")]
     assert any(k.endswith("linear_qkv.lora_B") for k in moments) and all(".lora_" in k for k in moments), moments
     assert _bit_diff(*final) == []
+
+
+def test_stale_rollouts_sample_with_the_policy_k_updates_old(tmp_path):
+    """``--staleness K``: step t (0-based) samples with the weights after update max(0, t - K). So runs with
+    K = 1 and K = 2 agree bit for bit on steps 1 and 2 (both sample with the initial weights) and part at
+    step 3 (K = 1 samples with the weights after one update, K = 2 still with the initial ones); the first
+    step is on-policy (the KL between the sampler and the trainer's recompute is rounding only), the second
+    is not; a bf16 sampler (``--sampler-dtype bf16``) is off-policy by its numerics alone, by much less."""
+    common = [*SMALL, "--steps", "3", "--policy-loss", "tis"]
+    rows = {}
+    for k in (1, 2):
+        _run([*common, "--staleness", str(k), "--out-dir", str(tmp_path / f"k{k}")])
+        rows[k] = _rows(tmp_path / f"k{k}" / "metrics.jsonl")
+    assert rows[1][:2] == rows[2][:2]  # (the staleness metrics too: 0 and 1 update in both)
+    assert rows[1][2]["loss"] != rows[2][2]["loss"]
+    assert [r["offpolicy/staleness"] for r in rows[2]] == [0.0, 1.0, 2.0]
+    kl = [r["offpolicy/kl_behaviour_k3"] for r in rows[2]]
+    assert kl[0] < 1e-6 < 1e-4 < kl[1] < kl[2], kl
+    _run([*common, "--steps", "1", "--sampler-dtype", "bf16", "--out-dir", str(tmp_path / "bf16")])
+    (bf16,) = _rows(tmp_path / "bf16" / "metrics.jsonl")
+    assert 1e-7 < bf16["offpolicy/kl_behaviour_k3"] < min(1e-3, kl[1]), (bf16, kl)

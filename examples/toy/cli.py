@@ -1,0 +1,230 @@
+"""The command line: ``parse_args`` (its checks are :mod:`toy.checks`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from toy.losses import DEFAULT_TIS_CAP, POLICY_LOSSES
+from toy.settings import DEFAULT_KL_HORIZON
+
+DESCRIPTION = "A complete PPO/GRPO run that a tiny Megatron GPT learns from scratch on a laptop CPU."
+EPILOG = """\
+exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
+--target-reward (pass --target-reward 0 to skip the check), or it stopped at --exit-after;
+1 when the final reward missed the target; 2 for invalid arguments or a refused --resume (one line,
+also for a setting the library refuses); 130 for Ctrl-C (the line printed says how to resume).
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="ppo_toy.py",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
+    p.add_argument("--group-size", type=int, default=32, help="responses per prompt (GRPO group)")
+    p.add_argument("--num-microbatches", type=int, default=None, help="micro-batches per mini-batch (default 2)")
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=None, help="token budget per micro-batch")
+    p.add_argument("--minibatches", type=int, default=2, help="optimizer steps per training step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--lr-final", type=float, default=0.1, help="final lr as a fraction of --lr (linear decay)")
+    p.add_argument("--schedule-steps", type=int, default=None, help="steps over which the lr decays (default: --steps)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--entropy-coeff", type=float, default=0.0)
+    p.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the start value with --kl-target)")
+    p.add_argument(
+        "--kl-target",
+        type=float,
+        default=None,
+        help="adaptive KL controller (Ziegler et al.): target k3 KL to the reference per token (off by default)",
+    )
+    p.add_argument(
+        "--kl-horizon",
+        type=float,
+        default=None,
+        help=f"horizon of the adaptive KL controller in samples (default {DEFAULT_KL_HORIZON:g})",
+    )
+    p.add_argument(
+        "--tis-cap",
+        type=float,
+        default=None,
+        help=f"truncated importance sampling cap (--policy-loss ppo: off by default; ppo-tis, tis: {DEFAULT_TIS_CAP:g})",
+    )
+    p.add_argument(
+        "--policy-loss",
+        choices=list(POLICY_LOSSES),
+        default="ppo",
+        help="the policy loss (default: %(default)s): "
+        + "; ".join(f"{name}: {row.help}" for name, row in POLICY_LOSSES.items()),
+    )
+    p.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
+        help="asynchronous RL stand-in: sample each step's rollouts with the policy this many updates old "
+        "(its log-probs are the samples' rollout log-probs; default: %(default)s, on-policy)",
+    )
+    p.add_argument(
+        "--sampler-dtype",
+        choices=["same", "bf16"],
+        default="same",
+        help="the sampler's numerics: the trainer's (same), or bf16 autocast to stand in for an inference engine "
+        "(default: %(default)s)",
+    )
+    p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo", help="group advantage of --algo grpo")
+    p.add_argument(
+        "--algo",
+        choices=["grpo", "ppo"],
+        default="grpo",
+        help="grpo: group advantages; ppo: a critic (value model) and GAE (default: %(default)s)",
+    )
+    p.add_argument("--gamma", type=float, default=1.0, help="--algo ppo: GAE discount (default: %(default)s)")
+    p.add_argument("--lam", type=float, default=0.95, help="--algo ppo: GAE lambda (default: %(default)s)")
+    p.add_argument(
+        "--critic-lr", type=float, default=None, help="--algo ppo: the critic's peak learning rate (default: --lr)"
+    )
+    p.add_argument(
+        "--whiten",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--algo ppo: whiten the GAE advantages over the batch (fnppo.advantages.whiten; default: on)",
+    )
+    p.add_argument(
+        "--value-clip", type=float, default=0.2, help="--algo ppo: value clipping range (default: %(default)s)"
+    )
+    p.add_argument(
+        "--critic-checkpoint",
+        type=str,
+        default=None,
+        help="--algo ppo: start the critic from this Hugging Face value model (default: the actor's initial trunk, a fresh value head)",
+    )
+    p.add_argument(
+        "--spec",
+        choices=["default", "local", "te"],
+        default="default",
+        help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant numerics (ModelConfig(batch_invariant=True)): rollout log-probs equal compute_logprobs' "
+        "bit for bit and the first update's ratio - 1 is exactly 0 (reported per step)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA adapters of this rank on every linear of the policy; the base stays frozen and the reference "
+        "policy is the base (the adapters switched off, no second model). 0: full-weight training (default)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x --lora-rank)")
+    p.add_argument("--lora-lr", type=float, default=None, help="peak learning rate of the adapters (default: 5e-3)")
+    p.add_argument(
+        "--lora-output-std",
+        type=float,
+        default=None,
+        help="with --lora-rank and a random base: the base has its own output layer (untied), drawn with this std "
+        "(default: 0.15, see docs/lora.md)",
+    )
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=None,
+        help="std of the random model's initial matrices (default: Megatron's 0.02)",
+    )
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe)")
+    p.add_argument("--moe-experts", type=int, default=4)
+    p.add_argument("--moe-topk", type=int, default=2)
+    p.add_argument("--moe-aux-coeff", type=float, default=0.0, help="load-balancing aux loss coefficient (0: off)")
+    p.add_argument("--moe-z-coeff", type=float, default=1e-3, help="router z-loss coefficient")
+    p.add_argument(
+        "--hf-checkpoint",
+        type=str,
+        default=None,
+        help="start from a Hugging Face checkpoint directory (Llama/Qwen2/Qwen3)",
+    )
+    p.add_argument("--out-dir", type=str, default=None, help="run directory (default: a new runs/ppo_toy/runNNN)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir instead of refusing")
+    p.add_argument("--metrics-out", type=str, default=None, help="JSONL metrics file (default: OUT_DIR/metrics.jsonl)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: off)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue --out-dir (default: the newest run) from its newest checkpoint, in any --tp/--pp/--ep layout",
+    )
+    p.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="with --resume: if the newest checkpoint is damaged, report it and resume from the previous one",
+    )
+    p.add_argument(
+        "--exit-after",
+        type=int,
+        default=None,
+        help="stop after this many steps of this invocation (simulates a preempted job)",
+    )
+    p.add_argument(
+        "--target-reward", type=float, default=0.9, help="exit 1 if the final reward is below it (default: %(default)s)"
+    )
+    p.add_argument(
+        "--layout-check", action="store_true", help="print the first step's loss and grad norm with full precision"
+    )
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    add_logging_args(p)
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="profile this step (1-based): wall time per phase, torch.profiler and cProfile summaries",
+    )
+    p.add_argument(
+        "--profile-out",
+        type=str,
+        default=None,
+        help="file for the --profile-step report (default: OUT_DIR/profile.txt)",
+    )
+    args = p.parse_args(argv)
+    # the flags given on the command line (a resume takes the others from the run's stored settings)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    args.given_flags = tuple(sorted(vars(p.parse_args(argv))))
+    if args.schedule_steps is None:
+        args.schedule_steps = args.steps
+    if args.critic_lr is None:
+        args.critic_lr = args.lr
+    return args
+
+
+LOG_SINKS = ("tensorboard", "wandb", "mlflow")  # fnppo.sinks.SINKS, known here before fnppo is imported
+
+
+def add_logging_args(p: argparse.ArgumentParser) -> None:
+    """``--log`` and ``--progress-every`` (shared with examples/vlm_toy.py)."""
+    p.add_argument(
+        "--log-to",  # the spelling that works everywhere: torchrun refuses --log as ambiguous (--log-dir, --logs-specs)
+        "--log",
+        dest="log",
+        type=str,
+        default="",
+        help="metrics sinks besides metrics.jsonl, any of tensorboard,wandb,mlflow (comma-separated; rank 0 "
+        "writes them under the run directory: tensorboard/, wandb/ offline, mlruns/; --log in one process only: torchrun "
+        "refuses it as ambiguous with its own --log-dir)",
+    )
+    p.add_argument(
+        "--progress-every",
+        type=int,
+        default=10,
+        help="when stdout is not a terminal, a progress line every N steps instead of a bar (default: %(default)s)",
+    )

@@ -1,0 +1,53 @@
+"""The few collectives the toy needs outside fnppo's steps: the vocabulary gathered over tensor-parallel
+ranks, the last pipeline stage's values on every stage, rank 0's decision on every rank."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from toy.errors import ArgumentError
+from toy.rundir import choose_run_dir
+
+
+def gather_vocab(x, layout):
+    """``x [n, vocab_shard]`` of every tensor-parallel rank, concatenated: ``[n, padded vocab]``."""
+    if layout.tp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(layout.tp)]
+    dist.all_gather(parts, x.contiguous(), group=layout.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def from_last_stage(x, layout, device):
+    """The last pipeline stage's ``x`` (a CPU tensor) on every stage."""
+    if layout.pp == 1:
+        return x
+    buf = x.to(device)
+    dist.broadcast(buf, src=dist.get_global_rank(layout.pp_group, layout.pp - 1), group=layout.pp_group)
+    return buf.cpu()
+
+
+def agree(value, layout):
+    """Rank 0's value on every rank (an error on rank 0 becomes the same error everywhere)."""
+    if layout.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agreed_run_dir(args: argparse.Namespace, layout, root: Path | None = None) -> Path:
+    """:func:`choose_run_dir` on rank 0, the same directory (or the same :class:`ArgumentError`) on every rank."""
+    choice: Path | ArgumentError
+    try:
+        choice = choose_run_dir(args, root) if layout.rank == 0 else Path()
+    except ArgumentError as err:
+        choice = err
+    choice = agree(choice, layout)
+    if isinstance(choice, ArgumentError):
+        raise choice
+    return choice
