@@ -51,7 +51,11 @@ def run_one(k: int, loss: str, seed: int, threads: int, steps: int, extra: list[
         *("--no-progress", "--no-plot", "--target-reward", "0", "--overwrite", "--out-dir", str(out_dir)),
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode != 0:
@@ -110,8 +114,14 @@ def plot(rows: list[dict], ks: list[int], losses: list[str], path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(losses), figsize=(4.5 * len(losses), 3.8), squeeze=False, sharey=True)
-    for ax, loss in zip(axes[0], losses, strict=True):
+    losses = [loss for loss in losses if any(r["loss"] == loss for r in rows)]  # those with runs
+    cols = min(4, len(losses))
+    nrows = -(-len(losses) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.4 * nrows), squeeze=False, sharey=True)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(losses) :]:
+        ax.set_visible(False)
+    for ax, loss in zip(flat, losses):
         for k in ks:
             curves = [r["rewards"] for r in rows if r["loss"] == loss and r["staleness"] == k]
             if not curves:
@@ -124,8 +134,9 @@ def plot(rows: list[dict], ks: list[int], losses: list[str], path: Path) -> None
         ax.set_xlabel("training step")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("mean reward over runs")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    for row in axes:
+        row[0].set_ylabel("mean reward over runs")
+    flat[0].legend(fontsize=8, loc="lower right")
     fig.suptitle("count-on toy trained from rollouts K updates old", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ from typing import Any
 DEFAULT_TIS_CAP = 2.0
 #: a cap no importance weight of the toy reaches: the untruncated estimator
 NO_CAP = 1e6
+#: a keyword value of a row's ``part`` that stands for the run's ``--staleness`` K
+STALENESS = "--staleness"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,36 @@ POLICY_LOSSES = MappingProxyType(
         "is": LossRow(
             "REINFORCE with the untruncated importance weight pi / pi_behaviour (bypass mode, no clip, no cap)",
             {"policy_loss": "reinforce", "bypass_old_logprobs": True, "tis_cap": NO_CAP},
+        ),
+        "dppo-tv": LossRow(
+            "DPPO-TV: the policy-gradient masked where the token probability moved past the bound from the "
+            "behaviour policy's, in the advantage's direction (bypass mode)",
+            {"policy_loss": "dppo_tv", "bypass_old_logprobs": True},
+        ),
+        "m2po": LossRow(
+            "PPO clip around the trainer's recompute, with M2PO's second-moment mask of the tokens furthest "
+            "from the behaviour policy (one cutoff for the batch, tau 0.04)",
+            {"policy_loss": "ppo", "m2_threshold": 0.04},
+        ),
+        "decoupled": LossRow(
+            "decoupled PPO with AReaL's log-linear proximal policy (K-1)/K of the way from the behaviour "
+            "policy, no recompute (bypass mode)",
+            {"policy_loss": "ppo", "bypass_old_logprobs": True},
+            part=("loglinear_decoupled", {"staleness": STALENESS}),
+        ),
+        "ipo": LossRow(
+            "IPO (prime-rl's default): the importance-weighted gradient inside a probability band around the "
+            "behaviour policy, plus a squared-log-ratio penalty (bypass mode)",
+            {"policy_loss": "ipo", "bypass_old_logprobs": True},
+        ),
+        "kpop": LossRow(
+            "KPop: IPO with a binary-KL band around the behaviour policy (bypass mode)",
+            {"policy_loss": "kpop", "bypass_old_logprobs": True},
+        ),
+        "icepop": LossRow(
+            "IcePop: the importance-weighted gradient where pi / pi_behaviour lies in [0.2, 5], dropped "
+            "elsewhere (bypass mode)",
+            {"policy_loss": "icepop", "bypass_old_logprobs": True},
         ),
     }
 )

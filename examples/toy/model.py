@@ -13,7 +13,7 @@ import torch
 import fnppo
 from fnppo.io.hf import build_gpt_from_hf, load_hf_weights
 from toy.errors import ArgumentError
-from toy.losses import POLICY_LOSSES, flat_fields
+from toy.losses import POLICY_LOSSES, STALENESS, flat_fields
 from toy.settings import init_std, kl_horizon, lora_output_std, policy_lr
 from toy.task import PROMPT_LEN, RESPONSE_LEN, VOCAB
 
@@ -108,6 +108,7 @@ def policy_loss_config(args: argparse.Namespace):
     part = POLICY_LOSSES[args.policy_loss].part
     if part is not None:
         factory, kwargs = part
+        kwargs = {k: args.staleness if v == STALENESS else v for k, v in kwargs.items()}
         loss = dataclasses.replace(loss, policy=getattr(fnppo.losses, factory)(**kwargs))
     return loss
 

@@ -95,8 +95,8 @@ class PolicyLoss(Protocol):
       aggregates it with ``LossConfig.agg``; sequence-level losses broadcast their per-sequence
       value to the tokens of the sequence (``x.segments.gather``).
     * ``metrics``: ``dict[str, Tensor]`` of ``[2]`` tensors ``(weighted_sum, weight)``, e.g.
-      ``{"pg_clipfrac": x.token_metric(clipped.float())}``. ``pg_clipfrac`` and
-      ``pg_clipfrac_lower`` default to 0 when not returned.
+      ``{"pg_clipfrac": x.token_metric(clipped.float())}``. A metric the loss does not return is
+      absent from the step's metrics (a loss without a clip reports no ``pg_clipfrac``, not 0).
 
     Optional attribute ``uses_ratio: bool`` (default True when absent): whether the loss reads
     ``old_logprobs`` (an importance ratio). ``False`` for a REINFORCE-like loss: with

@@ -274,8 +274,6 @@ def ppo_loss(
     loss = total_num / denominator(normalizer, local_den)
     metrics["loss"] = pair_metric(total_num, local_den)
     metrics["ppo_kl"] = weighted_metric(old - lp, tok.mf)
-    for key in ("pg_clipfrac", "pg_clipfrac_lower"):
-        metrics.setdefault(key, pair_metric(tok.zero, tok.mf.sum()))
     for key, value in extra.items():
         metrics[key] = value.detach().float()
     return loss, metrics
