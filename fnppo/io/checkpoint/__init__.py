@@ -22,8 +22,10 @@ save), :mod:`.load`, :mod:`.manifest` (integrity, :func:`latest_checkpoint`), :m
 
 from __future__ import annotations
 
+from fnppo.io.checkpoint.latest import latest_checkpoint
 from fnppo.io.checkpoint.load import load_checkpoint
-from fnppo.io.checkpoint.manifest import CheckpointError, latest_checkpoint, verify_checkpoint
+from fnppo.io.checkpoint.lock import DirectoryLock, lock_directory, remove_stale_saves
+from fnppo.io.checkpoint.manifest import CheckpointError, verify_checkpoint
 from fnppo.io.checkpoint.reader import read_checkpoint
 from fnppo.io.checkpoint.save import save_checkpoint
 
@@ -34,4 +36,7 @@ __all__ = [
     "latest_checkpoint",
     "verify_checkpoint",
     "read_checkpoint",
+    "lock_directory",
+    "DirectoryLock",
+    "remove_stale_saves",
 ]
