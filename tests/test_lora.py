@@ -351,3 +351,36 @@ def test_frozen_output_layer_gradient_is_row_major_for_any_micro_batch_size(b):
     assert batched == [], batched
     want = (upstream.double().transpose(0, 1) @ weight.double()).float()
     torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def _eval_logprobs(dropout: float) -> dict:
+    """compute_logprobs (twice) and forward_only of a LoRA model with adapter dropout ``dropout``."""
+    chunks = fnppo.build_gpt(_cfg(False))
+    fnppo.models.layout_invariant_init(chunks, seed=3)
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**dict(LORA, dropout=dropout)))
+    full = fnppo.models.gather_full_weights(chunks, adapters=True)
+    fnppo.models.load_full_weights(chunks, _random_adapters(full), adapters=True)
+    batch = synthetic_samples(4, seed=11)
+    first, second = (fnppo.compute_logprobs(chunks, batch)[0] for _ in range(2))
+    mbs = [fnppo.collate_microbatch(batch[:2]), fnppo.collate_microbatch(batch[2:], layout="padded")]
+    rows = fnppo.forward_only(chunks, mbs, lambda logits, mb: logits.detach().clone())
+    return {"first": first, "second": second, "forward_only": rows}
+
+
+def _dropout_in_eval() -> dict:
+    return {p: _eval_logprobs(p) for p in (0.0, 0.5)}
+
+
+def test_adapter_dropout_is_off_in_compute_logprobs_and_forward_only():
+    """A LoRA model with adapter dropout 0.5 gives, in ``compute_logprobs`` (called twice) and
+    ``forward_only``, exactly the log-probs / logits of the same model with dropout 0: dropout
+    belongs to training forwards only."""
+    r = run_ranks(_dropout_in_eval, 1)[0]
+    off, on = r[0.0], r[0.5]
+    for key in ("first", "second"):
+        assert len(on[key]) == len(off[key]) == 4
+        for i, (a, b) in enumerate(zip(on[key], off[key], strict=True)):
+            assert torch.equal(a, b), f"{key} log-probs of sample {i} differ with dropout 0.5"
+    assert len(on["forward_only"]) == len(off["forward_only"]) > 0
+    for a, b in zip(on["forward_only"], off["forward_only"], strict=True):
+        assert torch.equal(a, b), "forward_only logits differ with dropout 0.5"
