@@ -376,7 +376,7 @@ CASES = [
         InputError,
         "StepConfig",
         "temperature",
-        "a finite float > 0",
+        "a finite number > 0",
         "0.0",
     ),
     Case(

@@ -131,7 +131,8 @@ def check_positive_int(fn: str, name: str, v: Any, allow_none: bool = False) -> 
 
 
 def _received(v: Any) -> str:
-    return repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else f"{v!r} ({type(v).__name__})"
+    plain = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    return repr(v) if plain else f"{v!r} ({type(v).__name__})"
 
 
 def check_number(

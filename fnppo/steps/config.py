@@ -8,13 +8,12 @@ persists between steps.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from fnppo.core.errors import check_bool_fields, check_positive_int, input_error
+from fnppo.core.errors import check_bool_fields, check_float, check_positive_int, input_error
 from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
@@ -115,8 +114,7 @@ class StepConfig(Batching):
                     "None unless fused_output=True (the graphs are the fused backward's)",
                     repr(self.fused_output_graphs),
                 )
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
+        check_float(fn, "temperature", self.temperature, low=0, low_open=True)
         replaced = self.fns.forward is not forward_logits or self.fns.logprob is not logprob_and_entropy
         if self.fused_output and replaced:
             raise input_error(
