@@ -594,6 +594,42 @@ CASES = [
         "a new path or a checkpoint directory",
         "an existing file (not replaced)",
     ),
+    *[
+        Case(
+            f"{f.__name__}-{cid}",
+            lambda f=f, st=st: f("/nonexistent/x", st),
+            fnppo.checkpoint.CheckpointError,
+            f.__name__,
+            arg,
+            exp,
+            rec,
+        )
+        for f in (fnppo.checkpoint.save_checkpoint, fnppo.checkpoint.load_checkpoint)
+        for cid, st, arg, exp, rec in [
+            ("state-none", None, "state", "a TrainState (model, optimizer, step)", "NoneType"),
+            ("state-list", [1], "state", "a TrainState (model, optimizer, step)", "list"),
+            ("state-mapping-of-ints", {"policy": 1}, "state['policy']", "a TrainState", "int"),
+            ("state-empty-mapping", {}, "state", "a non-empty mapping of non-empty names", "[]"),
+        ]
+    ],
+    Case(
+        "verify_checkpoint-none",
+        lambda: fnppo.checkpoint.verify_checkpoint(None),
+        fnppo.checkpoint.CheckpointError,
+        "verify_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "None",
+    ),
+    Case(
+        "read_checkpoint-none",
+        lambda: fnppo.checkpoint.read_checkpoint(None),
+        fnppo.checkpoint.CheckpointError,
+        "read_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "None",
+    ),
     Case(
         "latest_checkpoint-none",
         lambda: fnppo.checkpoint.latest_checkpoint(None),

@@ -182,9 +182,9 @@ def load_checkpoint(directory: str | os.PathLike, state: Any) -> tuple[Any, dict
             "load_checkpoint", "directory", "a checkpoint directory path (str or os.PathLike)", f"{directory!r}"
         )
     path = Path(directory)
+    named = named_states(state, "load_checkpoint")
     clean_before_reading(path.parent)
     rank = dist.get_rank()
-    named = named_states(state, "load_checkpoint")
     manifest, problem = None, None
     try:
         manifest = read_manifest(path)

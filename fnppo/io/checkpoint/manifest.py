@@ -174,6 +174,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, hash_files: bool = True) 
     altered (its sha256, unless ``hash_files=False``). Collective when torch.distributed is initialized
     (every rank gets the same answer; the ranks share the hashing).
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise checkpoint_error("verify_checkpoint", "directory", "a checkpoint directory path", repr(directory))
     path = Path(directory)
     try:
         manifest = read_manifest(path, "verify_checkpoint")

@@ -189,6 +189,7 @@ def save_checkpoint(directory: str | os.PathLike, state: Any, *, extra: Mapping[
     left behind) when writing fails.
     """
     directory = _check_target(directory, extra)
+    named_states(state, "save_checkpoint")  # refused before anything is written
     rank, world = _rank_world()
     box = [f".{directory.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"]
     if world > 1:
