@@ -16,8 +16,9 @@ Layout of a checkpoint directory::
     <dir>/manifest.json       written last: step, layout of the save, each file's size and sha256
 
 Modules: :mod:`.content` (what is saved, as sharded state dicts), :mod:`.save` (the atomic, non-forking
-save), :mod:`.load`, :mod:`.manifest` (integrity, :func:`latest_checkpoint`), :mod:`.reader`
-(:func:`read_checkpoint`: the contents in one process).
+save), :mod:`.load`, :mod:`.manifest` (integrity), :mod:`.latest` (:func:`latest_checkpoint`), :mod:`.lock`
+(:func:`lock_directory`: one run per output directory; :func:`remove_stale_saves`: what dead saves
+left), :mod:`.reader` (:func:`read_checkpoint`: the contents in one process).
 """
 
 from __future__ import annotations
