@@ -3,7 +3,7 @@ file-size limit, a read-only directory, two runs locking one output directory at
 
 Every fault runs in a child forked from the test process (``os.fork``: no new interpreter, no
 re-import), a world of one gloo rank of its own with a small model; ``FNPPO_TEST_KILLS`` sets the
-number of kills (4 by default).
+number of kills (4 by default), ``FNPPO_TEST_LOCK_RACES`` the lock races (10).
 After every kill the next save's / resume's clean-up must leave only complete checkpoints, each
 verified, and never lose one that was complete before the kill.
 """
@@ -24,7 +24,7 @@ import pytest
 import fnppo
 
 KILLS = int(os.environ.get("FNPPO_TEST_KILLS", 4))  # SIGKILLs at random points of a save
-LOCK_RACES = 40  # two processes locking one directory at the same moment
+LOCK_RACES = int(os.environ.get("FNPPO_TEST_LOCK_RACES", 10))  # two processes locking one directory at once
 
 
 def _state() -> fnppo.TrainState:
@@ -164,38 +164,50 @@ def test_file_size_limit_and_read_only_directory_are_named_and_leave_nothing(tmp
     assert sorted(p.name for p in ro.iterdir()) == []
 
 
-def _lock_and_hold(d: Path, go: float) -> int:
-    """A forked run: lock ``d`` at time ``go``, hold it briefly; 0 when it got the lock, 1 when refused."""
-    while time.time() < go:
-        pass
+def _lock_and_report(d: Path, go: int, result: int, end: int) -> None:
+    """A forked run: wait for ``go``, lock ``d``, report 0 (got it), 1 (refused by name) or 2 (another
+    error) on ``result``, hold the lock until ``end``, then exit."""
+    os.read(go, 1)
+    lock, code = None, 0
     try:
         lock = fnppo.checkpoint.lock_directory(d)
     except fnppo.checkpoint.CheckpointError as err:
         expected = f"lock_directory: argument 'root' expected a directory no other run is using, received '{d}'"
-        return 1 if str(err).startswith(expected) and "locked by process" in str(err) else 2
-    time.sleep(0.05)
-    lock.release()
-    return 0
+        code = 1 if str(err).startswith(expected) and "locked by process" in str(err) else 2
+    os.write(result, bytes([code]))
+    os.read(end, 1)
+    if lock is not None:
+        lock.release()
+    os._exit(0)
 
 
 def test_two_runs_started_together_in_one_directory(tmp_path):
+    """Two processes released at once (one pipe) lock the same directory and hold what they got
+    until both have answered: one gets the lock, the other is refused by name, every time."""
     outcomes = []
     for i in range(LOCK_RACES):
-        d, go = tmp_path / f"run{i % 4}", time.time() + 0.02
+        d = tmp_path / f"run{i % 4}"
+        go, result, end = os.pipe(), os.pipe(), os.pipe()
         pids = []
         for _ in range(2):
             pid = os.fork()
             if pid == 0:
-                os._exit(_lock_and_hold(d, go))
+                _lock_and_report(d, go[0], result[1], end[0])
             pids.append(pid)
-        outcomes.append(sorted(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids))
-    assert outcomes == [[0, 1]] * LOCK_RACES, outcomes  # one run gets it, the other is refused by name
+        os.write(go[1], b"gg")
+        outcomes.append(sorted(os.read(result[0], 1)[0] for _ in range(2)))
+        os.write(end[1], b"ee")
+        for pid in pids:
+            os.waitpid(pid, 0)
+        for fd in (*go, *result, *end):
+            os.close(fd)
+    assert outcomes == [[0, 1]] * LOCK_RACES, outcomes
     # released on any exit: a killed holder's lock is free again at once
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        fnppo.checkpoint.lock_directory(tmp_path / "killed")
-        os.write(w, b"held")
+        held = fnppo.checkpoint.lock_directory(tmp_path / "killed")  # kept: released only by the kill
+        os.write(w, b"held" if held.held else b"lost")
         time.sleep(60)
         os._exit(0)
     os.close(w)
