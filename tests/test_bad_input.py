@@ -54,6 +54,7 @@ from fnppo.core.losses import (
     value_loss,
 )
 from fnppo.megatron.parallel import ParallelLayout
+from fnppo.sinks import open_sinks
 from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 from tests.messages import check_message
 
@@ -374,7 +375,7 @@ CASES = [
         InputError,
         "StepConfig",
         "temperature",
-        "a finite float > 0",
+        "a finite number > 0",
         "0.0",
     ),
     Case(
@@ -407,13 +408,260 @@ CASES = [
     Case(
         "init_parallel-bad-timeout",
         lambda: fnppo.init_parallel(1, timeout_s=0),
-        ValueError,
+        InputError,
         "init_parallel",
         "timeout_s",
-        "a finite number of seconds > 0",
+        "a finite number > 0 (seconds)",
         "0",
     ),
+    # --- numbers: non-finite or non-numeric values, bools and strings where an int is expected ---
+    *[
+        Case(f"ModelConfig-{cid}", lambda kw=kw: _model_config(**kw), InputError, "ModelConfig", arg, exp, rec)
+        for cid, kw, arg, exp, rec in [
+            ("nan-dropout", {"hidden_dropout": math.nan}, "hidden_dropout", "a finite number >= 0.0", "nan"),
+            ("inf-init-std", {"init_method_std": math.inf}, "init_method_std", "a finite number > 0.0", "inf"),
+            ("zero-init-std", {"init_method_std": 0}, "init_method_std", "a finite number > 0.0", "0"),
+            ("str-epsilon", {"layernorm_epsilon": "1e-6"}, "layernorm_epsilon", "a finite number", "'1e-6' (str)"),
+            ("bool-layers", {"num_layers": True}, "num_layers", "an int >= 1", "True (bool)"),
+            ("str-vocab", {"vocab_size": "64"}, "vocab_size", "an int >= 1", "'64' (str)"),
+            ("bool-query-groups", {"num_query_groups": True}, "num_query_groups", "an int >= 1 or None", "True"),
+            ("bool-topk", {"num_experts": 4, "moe_topk": True}, "moe_topk", "an int >= 1 and <= 4", "True (bool)"),
+            (
+                "nan-aux-loss",
+                {"num_experts": 4, "moe_aux_loss_coeff": math.nan},
+                "moe_aux_loss_coeff",
+                "a finite",
+                "nan",
+            ),
+            ("str-for-bool", {"deterministic": "yes"}, "deterministic", "a bool", "'yes'"),
+            ("int-for-bool", {"swiglu": 1}, "swiglu", "a bool", "1"),
+            (
+                "batch-invariant-moe-not-deterministic",
+                {"num_experts": 4, "batch_invariant": True},
+                "deterministic",
+                "True with batch_invariant=True on an MoE model",
+                "False",
+            ),
+        ]
+    ],
+    Case(
+        "init_parallel-str-seed",
+        lambda: fnppo.init_parallel(1, seed="abc"),
+        InputError,
+        "init_parallel",
+        "seed",
+        "an int >= 0",
+        "'abc' (str)",
+    ),
+    Case(
+        "init_parallel-bool-tp",
+        lambda: fnppo.init_parallel(True),
+        InputError,
+        "init_parallel",
+        "tp",
+        "an int >= 1",
+        "True (bool)",
+    ),
+    Case(
+        "init_parallel-inf-timeout",
+        lambda: fnppo.init_parallel(1, timeout_s=math.inf),
+        InputError,
+        "init_parallel",
+        "timeout_s",
+        "a finite number > 0",
+        "inf",
+    ),
+    # --- a policy loss callable that returns the wrong thing (ppo_loss; train_step: STEP_CASES) ---
+    *[
+        Case(
+            f"ppo_loss-policy-{cid}",
+            lambda f=f: ppo_loss(X, X, X, M, LossConfig(policy=f)),
+            InputError,
+            "ppo_loss",
+            "policy loss '<lambda>'" + sub,
+            exp,
+            rec,
+        )
+        for cid, f, sub, exp, rec in [
+            ("integer-loss", lambda x: (x.advantages.long(), {}), "", "a floating per-token loss", "i64[2,3]"),
+            ("bool-loss", lambda x: (x.advantages > 0, {}), "", "a floating per-token loss", "bool[2,3]"),
+            ("nan-loss", lambda x: (x.logprobs * math.nan, {}), "", "a finite per-token loss", "6 NaN/inf"),
+            ("inf-loss", lambda x: (x.logprobs - math.inf, {}), "", "a finite per-token loss", "6 NaN/inf"),
+            ("metrics-list", lambda x: (x.logprobs, [1.0]), "", "metrics as a dict", "list [1.0]"),
+            (
+                "metrics-scalar",
+                lambda x: (x.logprobs, {"m": torch.tensor(1.0)}),
+                " metrics['m']",
+                "a floating [2] tensor",
+                "f32[]",
+            ),
+            (
+                "metrics-int",
+                lambda x: (x.logprobs, {"m": torch.ones(2, dtype=torch.long)}),
+                " metrics['m']",
+                "a floating [2]",
+                "i64[2]",
+            ),
+            ("not-a-pair", lambda x: x.logprobs, "", "to return a pair (per_token_loss, metrics)", "f32[2,3]"),
+        ]
+    ],
+    # --- metrics sinks ---
+    *[
+        Case(
+            f"open_sinks-{cid}",
+            lambda kw=kw: open_sinks(run_dir="/nonexistent", **kw),
+            InputError,
+            "open_sinks",
+            arg,
+            exp,
+            rec,
+        )
+        for cid, kw, arg, exp, rec in [
+            ("names-none", {"names": None}, "names", "a str ('tensorboard,wandb') or a list of str", "None"),
+            ("names-int-entry", {"names": ["tensorboard", 3]}, "names", "a list of str", "['tensorboard', 3]"),
+            ("names-set", {"names": {"tensorboard"}}, "names", "a list of str", "{'tensorboard'}"),
+            (
+                "unknown-name",
+                {"names": "tensorbord"},
+                "names",
+                "a subset of tensorboard, wandb, mlflow",
+                "'tensorbord'",
+            ),
+            ("str-rank", {"names": [], "rank": "0"}, "rank", "an int >= 0", "'0' (str)"),
+            (
+                "bool-resume-step",
+                {"names": [], "resume_step": True},
+                "resume_step",
+                "an int >= 0 or None",
+                "True (bool)",
+            ),
+            ("negative-resume-step", {"names": [], "resume_step": -1}, "resume_step", "an int >= 0 or None", "-1"),
+        ]
+    ],
+    # --- checkpoints: arguments refused before anything is read or written ---
+    Case(
+        "load_checkpoint-none",
+        lambda: fnppo.checkpoint.load_checkpoint(None, None),
+        fnppo.checkpoint.CheckpointError,
+        "load_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "None",
+    ),
+    Case(
+        "load_checkpoint-int",
+        lambda: fnppo.checkpoint.load_checkpoint(3, None),
+        fnppo.checkpoint.CheckpointError,
+        "load_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "3",
+    ),
+    Case(
+        "save_checkpoint-none",
+        lambda: fnppo.checkpoint.save_checkpoint(None, None),
+        InputError,
+        "save_checkpoint",
+        "directory",
+        "a path (str or os.PathLike)",
+        "None",
+    ),
+    Case(
+        "save_checkpoint-extra-list",
+        lambda: fnppo.checkpoint.save_checkpoint("/nonexistent/x", None, extra=[("step", 1)]),
+        InputError,
+        "save_checkpoint",
+        "extra",
+        "a mapping of names to values",
+        "list",
+    ),
+    Case(
+        "save_checkpoint-extra-str",
+        lambda: fnppo.checkpoint.save_checkpoint("/nonexistent/x", None, extra="step=1"),
+        InputError,
+        "save_checkpoint",
+        "extra",
+        "a mapping of names to values",
+        "str",
+    ),
+    Case(
+        "save_checkpoint-onto-a-file",
+        lambda: fnppo.checkpoint.save_checkpoint(__file__, None),
+        fnppo.checkpoint.CheckpointError,
+        "save_checkpoint",
+        "directory",
+        "a new path or a checkpoint directory",
+        "an existing file (not replaced)",
+    ),
+    *[
+        Case(
+            f"{f.__name__}-{cid}",
+            lambda f=f, st=st: f("/nonexistent/x", st),
+            fnppo.checkpoint.CheckpointError,
+            f.__name__,
+            arg,
+            exp,
+            rec,
+        )
+        for f in (fnppo.checkpoint.save_checkpoint, fnppo.checkpoint.load_checkpoint)
+        for cid, st, arg, exp, rec in [
+            ("state-none", None, "state", "a TrainState (model, optimizer, step)", "NoneType"),
+            ("state-list", [1], "state", "a TrainState (model, optimizer, step)", "list"),
+            ("state-mapping-of-ints", {"policy": 1}, "state['policy']", "a TrainState", "int"),
+            ("state-empty-mapping", {}, "state", "a non-empty mapping of non-empty names", "[]"),
+        ]
+    ],
+    Case(
+        "verify_checkpoint-none",
+        lambda: fnppo.checkpoint.verify_checkpoint(None),
+        fnppo.checkpoint.CheckpointError,
+        "verify_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "None",
+    ),
+    Case(
+        "read_checkpoint-none",
+        lambda: fnppo.checkpoint.read_checkpoint(None),
+        fnppo.checkpoint.CheckpointError,
+        "read_checkpoint",
+        "directory",
+        "a checkpoint directory path",
+        "None",
+    ),
+    Case(
+        "latest_checkpoint-none",
+        lambda: fnppo.checkpoint.latest_checkpoint(None),
+        fnppo.checkpoint.CheckpointError,
+        "latest_checkpoint",
+        "root",
+        "a path",
+        "None",
+    ),
+    Case(
+        "lock_directory-none",
+        lambda: fnppo.checkpoint.lock_directory(None),
+        fnppo.checkpoint.CheckpointError,
+        "lock_directory",
+        "root",
+        "a path",
+        "None",
+    ),
+    Case(
+        "lock_directory-a-file",
+        lambda: fnppo.checkpoint.lock_directory(__file__),
+        fnppo.checkpoint.CheckpointError,
+        "lock_directory",
+        "root",
+        "a directory that can be created",
+        "test_bad_input.py",
+    ),
 ]
+
+
+def _model_config(**kw) -> ModelConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, max_seq_len=32)
+    return ModelConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -492,7 +740,23 @@ def _step_errors() -> dict:
         "logprob-gathered-logits-with-tp-group": lambda: logprob_and_entropy(
             full_logits, torch.zeros(3, dtype=torch.long), tp_group=lay.tp_group, vocab_size=VOCAB
         ),
-        # these two raise inside Megatron's schedule (on every TP rank alike)
+        "stream_hf_weights-integer-dtype": lambda: fnppo.hf.stream_hf_weights(ddp, dtype=torch.int32),
+        "export_hf_weights-bool-dtype": lambda: fnppo.hf.export_hf_weights(ddp, "/nonexistent", dtype=torch.bool),
+        "export_hf_weights-str-dtype": lambda: fnppo.hf.export_hf_weights(ddp, "/nonexistent", dtype="bf16"),
+        "export_hf_weights-bool-shard-size": lambda: fnppo.hf.export_hf_weights(
+            ddp, "/nonexistent", max_shard_bytes=True
+        ),
+        "export_hf_weights-onto-a-file": lambda: fnppo.hf.export_hf_weights(ddp, __file__),
+        # these raise inside Megatron's schedule (on every TP rank alike), before any update
+        "train_step-policy-integer-loss": lambda: fnppo.train_step(
+            state, good, _policy_step(lambda x: (x.advantages.long(), {}))
+        ),
+        "train_step-policy-nan-loss": lambda: fnppo.train_step(
+            state, good, _policy_step(lambda x: (x.logprobs * math.nan, {}))
+        ),
+        "train_step-policy-metrics-list": lambda: fnppo.train_step(
+            state, good, _policy_step(lambda x: (-x.logprobs, [0.0]))
+        ),
         "train_step-gathered-logits": lambda: fnppo.train_step(state, good, gathered),
         "compute_logprobs-gathered-logits": lambda: fnppo.compute_logprobs(ddp, good, config=gathered),
     }
@@ -514,8 +778,68 @@ def _step_errors() -> dict:
     return out
 
 
+def _policy_step(policy) -> StepConfig:
+    return StepConfig(loss=LossConfig(policy=policy))
+
+
 # id -> (error type, function, argument, expected excerpt, received excerpt)
 STEP_CASES = {
+    "stream_hf_weights-integer-dtype": (
+        InputError,
+        "stream_hf_weights",
+        "dtype",
+        "None or a floating torch.dtype",
+        "torch.int32",
+    ),
+    "export_hf_weights-bool-dtype": (
+        InputError,
+        "export_hf_weights",
+        "dtype",
+        "None or a floating torch.dtype",
+        "torch.bool",
+    ),
+    "export_hf_weights-str-dtype": (
+        InputError,
+        "export_hf_weights",
+        "dtype",
+        "None or a floating torch.dtype",
+        "'bf16'",
+    ),
+    "export_hf_weights-bool-shard-size": (
+        InputError,
+        "export_hf_weights",
+        "max_shard_bytes",
+        "an int >= 1",
+        "True (bool)",
+    ),
+    "export_hf_weights-onto-a-file": (
+        InputError,
+        "export_hf_weights",
+        "path",
+        "a new or existing directory",
+        "an existing file (not replaced)",
+    ),
+    "train_step-policy-integer-loss": (
+        InputError,
+        "ppo_loss",
+        "policy loss '<lambda>'",
+        "a floating per-token loss",
+        "i64[",
+    ),
+    "train_step-policy-nan-loss": (
+        InputError,
+        "ppo_loss",
+        "policy loss '<lambda>'",
+        "a finite per-token loss",
+        "NaN/inf entries",
+    ),
+    "train_step-policy-metrics-list": (
+        InputError,
+        "ppo_loss",
+        "policy loss '<lambda>'",
+        "metrics as a dict",
+        "list [0.0]",
+    ),
     "train_step-empty-batch": (InputError, "train_step", "batch", "a non-empty list of samples", "an empty list"),
     "compute_logprobs-empty-batch": (
         InputError,

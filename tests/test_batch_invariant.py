@@ -128,6 +128,72 @@ def test_the_mode_is_scoped_and_restores_torch():
     assert torch.overrides._get_current_function_mode_stack() == []  # noqa: SLF001 - nothing left pushed
 
 
+def test_every_product_entry_point_takes_the_invariant_matmul(monkeypatch):
+    """``torch.addmm`` / ``Tensor.addmm`` (Megatron's and torch's linear layers call them), ``baddbmm``,
+    ``mm``, ``bmm``, ``matmul``, ``@`` and ``F.linear``: inside the mode each goes to the CPU
+    row-tiled kernel (counted by a spy), gives its bits (``c + invariant_matmul(a, b)``) and keeps
+    a row's bits in any window of rows."""
+    g = torch.Generator().manual_seed(5)
+    a, b, c = torch.randn(150, 96, generator=g), torch.randn(96, 80, generator=g), torch.randn(150, 80, generator=g)
+    a3, b3, c3 = a.reshape(3, 50, 96), torch.randn(3, 96, 80, generator=g), c.reshape(3, 50, 80)
+    real, calls = inv.invariant_matmul, []
+
+    def spy(x, y, *, tile=None):
+        calls.append(tuple(x.shape))
+        return real(x, y, tile=tile)
+
+    monkeypatch.setattr(inv, "invariant_matmul", spy)
+    entries = {
+        "torch.addmm": lambda i: torch.addmm(c[i], a[i], b),
+        "Tensor.addmm": lambda i: c[i].addmm(a[i], b),
+        "torch.addmm beta/alpha": lambda i: torch.addmm(c[i], a[i], b, beta=0.5, alpha=2.0),
+        "torch.baddbmm": lambda i: torch.baddbmm(c3[:, i], a3[:, i], b3),
+        "Tensor.baddbmm": lambda i: c3[:, i].baddbmm(a3[:, i], b3),
+        "torch.mm": lambda i: torch.mm(a[i], b),
+        "Tensor.mm": lambda i: a[i].mm(b),
+        "torch.bmm": lambda i: torch.bmm(a3[:, i], b3),
+        "torch.matmul": lambda i: torch.matmul(a[i], b),
+        "@": lambda i: a[i] @ b,
+    }
+    for name, f in entries.items():
+        with batch_invariant(True, tile=16):
+            calls.clear()
+            full = f(slice(None))
+            assert calls, f"{name} did not reach the invariant matmul"
+            for start, n in ((0, 1), (3, 2), (7, 17), (20, 30)):
+                assert torch.equal(f(slice(start, start + n)), full[..., start : start + n, :]), (name, start, n)
+    with batch_invariant(True, tile=16):
+        assert torch.equal(torch.addmm(c, a, b), c + real(a, b, tile=16))
+        assert torch.equal(c.addmm(a, b, beta=0.5, alpha=2.0), c * 0.5 + real(a, b, tile=16) * 2.0)
+
+
+def _cuda_kernels(op: str) -> list[str]:
+    """The dispatcher's CUDA entries of ``op`` (a CPU-only torch has none of its own)."""
+    return [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("CUDA")]  # noqa: SLF001
+
+
+def test_the_cuda_product_kernels_are_registered_for_mm_and_addmm():
+    """The CUDA half of the mode without CUDA: the registration table names ``aten::mm`` and
+    ``aten::addmm`` (``nn.Linear`` with a bias lowers to ``addmm``) with Megatron's kernel of each
+    name on the CUDA key, and inside ``_aten_triton_products`` the dispatcher holds a CUDA kernel
+    registered from fnppo for each, removed again on exit."""
+    import types
+
+    from fnppo.megatron import forward
+
+    kernels = types.SimpleNamespace(mm_batch_invariant=lambda a, b: a, addmm_batch_invariant=lambda c, a, b, **k: c)
+    table = forward.triton_product_registrations(kernels)
+    assert {(op, key) for op, _, key in table} >= {("aten::mm", "CUDA"), ("aten::addmm", "CUDA")}
+    for op, kernel, _ in table:
+        assert kernel is getattr(kernels, f"{op.split('::')[1]}_batch_invariant"), op
+    before = {op: _cuda_kernels(op) for op in ("aten::mm", "aten::addmm")}
+    with forward._aten_triton_products(kernels):  # noqa: SLF001
+        for op in ("aten::mm", "aten::addmm"):
+            added = [line for line in _cuda_kernels(op) if line not in before[op]]
+            assert any("fnppo/megatron/forward.py" in line for line in added), (op, _cuda_kernels(op))
+    assert {op: _cuda_kernels(op) for op in before} == before
+
+
 def test_onpolicy_gaps_are_masked_maxima_against_float64():
     from fnppo.steps.schedule import onpolicy_gaps
 

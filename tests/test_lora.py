@@ -290,3 +290,87 @@ def test_checkpoint_holds_adapters_only_and_resumes_bit_for_bit(runs):
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys
     assert not [k for k in r["keys"] if "word_embeddings" in k or k.endswith("linear_qkv.weight")], r["keys"]
     assert r["metrics_equal"] and r["adapters_equal"]
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """A frozen output layer as Megatron's ``linear_with_frozen_weight`` computes it: the input
+    gradient is ``grad_output.matmul(weight)`` on the gradient as it arrives."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad.matmul(weight), None
+
+
+class _FrozenOutput(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return _FrozenLinear.apply(x, self.weight)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_frozen_output_layer_gradient_is_row_major_for_any_micro_batch_size(b):
+    """The output layer's hook (``fnppo.megatron.build``) hands the frozen layer a row-major logit
+    gradient for one sample per micro-batch (a view) and for several (the padded layout: a copy):
+    ``GPTModel``'s ``logits.transpose(0, 1)`` makes the arriving gradient ``[s, b, V]`` with the
+    strides of ``[b, s, V]``, which ``matmul`` would turn into a batched product per token. The
+    input gradient equals the float64 product."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fnppo.megatron.build import _row_major_grad_hook
+
+    s, v, h = 64, 96, 16
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(v, h, generator=g)
+    layer = _FrozenOutput(weight)
+    layer.register_forward_hook(_row_major_grad_hook)
+    x = torch.randn(s, b, h, generator=g, requires_grad=True)
+    upstream = torch.randn(b, s, v, generator=g)
+    loss = (layer(x).transpose(0, 1) * upstream).sum()  # what GPTModel hands on: [b, s, V]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss.backward()
+    batched = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::bmm"]
+    assert batched == [], batched
+    want = (upstream.double().transpose(0, 1) @ weight.double()).float()
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def _eval_logprobs(dropout: float) -> dict:
+    """compute_logprobs (twice) and forward_only of a LoRA model with adapter dropout ``dropout``."""
+    chunks = fnppo.build_gpt(_cfg(False))
+    fnppo.models.layout_invariant_init(chunks, seed=3)
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**dict(LORA, dropout=dropout)))
+    full = fnppo.models.gather_full_weights(chunks, adapters=True)
+    fnppo.models.load_full_weights(chunks, _random_adapters(full), adapters=True)
+    batch = synthetic_samples(4, seed=11)
+    first, second = (fnppo.compute_logprobs(chunks, batch)[0] for _ in range(2))
+    mbs = [fnppo.collate_microbatch(batch[:2]), fnppo.collate_microbatch(batch[2:], layout="padded")]
+    rows = fnppo.forward_only(chunks, mbs, lambda logits, mb: logits.detach().clone())
+    return {"first": first, "second": second, "forward_only": rows}
+
+
+def _dropout_in_eval() -> dict:
+    return {p: _eval_logprobs(p) for p in (0.0, 0.5)}
+
+
+def test_adapter_dropout_is_off_in_compute_logprobs_and_forward_only():
+    """A LoRA model with adapter dropout 0.5 gives, in ``compute_logprobs`` (called twice) and
+    ``forward_only``, exactly the log-probs / logits of the same model with dropout 0: dropout
+    belongs to training forwards only."""
+    r = run_ranks(_dropout_in_eval, 1)[0]
+    off, on = r[0.0], r[0.5]
+    for key in ("first", "second"):
+        assert len(on[key]) == len(off[key]) == 4
+        for i, (a, b) in enumerate(zip(on[key], off[key], strict=True)):
+            assert torch.equal(a, b), f"{key} log-probs of sample {i} differ with dropout 0.5"
+    assert len(on["forward_only"]) == len(off["forward_only"]) > 0
+    for a, b in zip(on["forward_only"], off["forward_only"], strict=True):
+        assert torch.equal(a, b), "forward_only logits differ with dropout 0.5"

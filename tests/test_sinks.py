@@ -135,3 +135,23 @@ def test_only_rank_zero_logs_and_unknown_names_are_refused(tmp_path):
         open_sinks("tensorboard,neptune", tmp_path)
     assert not any(tmp_path.iterdir())
     assert open_sinks("", tmp_path) == []
+
+
+def test_a_resumed_tensorboard_run_has_each_step_once(tmp_path):
+    """A run logs steps 1..4 and dies; resumed from its step-2 checkpoint it logs steps 3..5 again
+    (other values): TensorBoard's own reader shows each step once, steps 3 and 4 with the resumed
+    run's values (``open_sinks(resume_step=2)`` purges the earlier run's events after step 2)."""
+    first = open_sinks(["tensorboard"], tmp_path)
+    for step in range(1, 5):
+        log_metrics(first, step, {"loss": float(step)})
+    close_sinks(first)
+    resumed = open_sinks(["tensorboard"], tmp_path, resume_step=2)
+    for step in range(3, 6):
+        log_metrics(resumed, step, {"loss": 10.0 * step})
+    close_sinks(resumed)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    scalars = {"loss": [(e.step, e.value) for e in acc.Scalars("loss")]}
+    assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)], scalars["loss"]

@@ -139,7 +139,7 @@ def _refusals() -> dict:
         "fp8 on cpu": dict(fp8="e4m3", dtype="bf16"),
         "te_grouped without TE": dict(num_experts=4, moe_experts="te_grouped"),
         "stacked with fp8": dict(num_experts=4, moe_experts="stacked", fp8="e4m3", dtype="bf16"),
-        "stacked batch-invariant": dict(num_experts=4, moe_experts="stacked", batch_invariant=True),
+        "stacked batch-invariant": dict(num_experts=4, moe_experts="stacked", batch_invariant=True, deterministic=True),
     }.items():
         try:
             transformer_config(_cfg(**{"num_experts": None, **kw}))

@@ -17,6 +17,7 @@ Plain torch; nothing here imports any other fnppo module.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -31,6 +32,10 @@ __all__ = [
     "check_range",
     "check_bool_fields",
     "check_positive_int",
+    "check_number",
+    "check_int",
+    "check_float",
+    "check_bool",
 ]
 
 
@@ -117,12 +122,87 @@ def check_bool_fields(fn: str, config: Any) -> None:
 
 
 def check_positive_int(fn: str, name: str, v: Any, allow_none: bool = False) -> None:
-    """``v`` is an int >= 1 (not a bool), or None when ``allow_none``.
+    """``v`` is an int >= 1 (not a bool), or None when ``allow_none`` (:func:`check_int` with ``low=1``).
 
     Raises:
         InputError: ``"<fn>: argument '<name>' expected an int >= 1 [or None], received <v>"``.
     """
+    check_int(fn, name, v, low=1, allow_none=allow_none)
+
+
+def _received(v: Any) -> str:
+    plain = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+    return repr(v) if plain else f"{v!r} ({type(v).__name__})"
+
+
+def check_number(
+    fn: str,
+    name: str,
+    v: Any,
+    *,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+    also: str = "",
+) -> None:
+    """The one number guard: ``v`` is a real number (an ``int`` when ``integer``) in the given range.
+
+    Refused, each by name: a bool (``True`` is no count, no rate), a string (``"3"``, ``"abc"``),
+    any non-number (``None`` unless ``allow_none``, lists, tensors), NaN and +-inf, a float where an
+    int is expected (``2.0`` included), and a value outside ``[low, high]`` (``(low`` / ``high)``
+    with ``low_open`` / ``high_open``; either bound may be None). ``also``: words appended to the
+    expected text (e.g. ``" (the vocabulary size)"``).
+
+    Raises:
+        InputError: ``"<fn>: argument '<name>' expected an int >= 1 [or None], received 'abc' (str)"``.
+    """
     if allow_none and v is None:
         return
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise input_error(fn, name, "an int >= 1" + (" or None" if allow_none else ""), repr(v))
+    words = ["an int" if integer else "a finite number"]
+    if low is not None:
+        words.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        words.append(("and " if low is not None else "") + f"{'<' if high_open else '<='} {high}")
+    expected = " ".join(words) + (" or None" if allow_none else "") + also
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise input_error(fn, name, expected, _received(v))
+    if integer and not isinstance(v, int):
+        raise input_error(fn, name, expected, _received(v))
+    if isinstance(v, float) and not math.isfinite(v):
+        raise input_error(fn, name, expected, _received(v))
+    too_low = low is not None and (v <= low if low_open else v < low)
+    too_high = high is not None and (v >= high if high_open else v > high)
+    if too_low or too_high:
+        raise input_error(fn, name, expected, _received(v))
+
+
+def check_int(
+    fn: str, name: str, v: Any, *, low: int | None = None, high: int | None = None, allow_none: bool = False
+) -> None:
+    """:func:`check_number` for an ``int`` in ``[low, high]`` (not a bool, not a float, not a str)."""
+    check_number(fn, name, v, integer=True, low=low, high=high, allow_none=allow_none)
+
+
+def check_float(
+    fn: str,
+    name: str,
+    v: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+) -> None:
+    """:func:`check_number` for a finite real number (an int is fine) in the given range."""
+    check_number(fn, name, v, low=low, high=high, low_open=low_open, high_open=high_open, allow_none=allow_none)
+
+
+def check_bool(fn: str, name: str, v: Any, *, allow_none: bool = False) -> None:
+    """``v`` is a real ``bool`` (``"yes"``, ``0``, ``1`` refused), or None when ``allow_none``."""
+    if (allow_none and v is None) or isinstance(v, bool):
+        return
+    raise input_error(fn, name, "a bool" + (" or None" if allow_none else ""), _received(v))

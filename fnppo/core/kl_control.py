@@ -23,12 +23,11 @@ Reference: Ziegler et al., Fine-Tuning Language Models from Human Preferences, a
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import torch
 
-from fnppo.core.errors import describe, input_error
+from fnppo.core.errors import check_float, check_int, check_number, describe, input_error
 from fnppo.core.losses.config import LossConfig
 
 __all__ = [
@@ -45,13 +44,7 @@ _ERROR_CLIP = 0.2
 
 
 def _number(fn: str, arg: str, value: Any, *, positive: bool) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or (value <= 0 if positive else value < 0)
-    ):
-        raise input_error(fn, arg, f"a finite number {'> 0' if positive else '>= 0'}", repr(value))
+    check_float(fn, arg, value, low=0, low_open=positive)
     return float(value)
 
 
@@ -111,14 +104,12 @@ def _observed(fn: str, observed_kl: Any) -> float:
                 fn, "observed_kl", "a finite number or a one-element floating tensor", describe(observed_kl)
             )
         observed_kl = float(observed_kl.detach().reshape(()).item())
-    if isinstance(observed_kl, bool) or not isinstance(observed_kl, (int, float)) or not math.isfinite(observed_kl):
-        raise input_error(fn, "observed_kl", "a finite number or a one-element floating tensor", repr(observed_kl))
+    check_number(fn, "observed_kl", observed_kl, also=" (or a one-element floating tensor)")
     return float(observed_kl)
 
 
 def _n_steps(fn: str, n_steps: Any) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
-        raise input_error(fn, "n_steps", "an int >= 0", repr(n_steps))
+    check_int(fn, "n_steps", n_steps, low=0)
     return n_steps
 
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import check_int, input_error
 
 __all__ = [
     "MetricsSink",
@@ -69,12 +69,16 @@ def _plain(hparams: Mapping[str, Any]) -> dict[str, int | float | str | bool]:
 
 class TensorBoardSink:
     """TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard.SummaryWriter``): each metric
-    a scalar series ``add_scalar(name, value, step)``; the settings an HParams session."""
+    a scalar series ``add_scalar(name, value, step)``; the settings an HParams session.
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    ``purge_step``: a resumed run's first step: TensorBoard drops the earlier run's events at this
+    step and after (``SummaryWriter(purge_step=...)``), so that the steps a crashed run logged after
+    its last checkpoint appear once, with the resumed run's values."""
+
+    def __init__(self, log_dir: str | os.PathLike, *, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         for k, v in _scalars(metrics).items():
@@ -169,14 +173,31 @@ SINKS = ("tensorboard", "wandb", "mlflow")
 
 
 def open_sinks(
-    names: str | Sequence[str], run_dir: str | os.PathLike, *, rank: int = 0, run_name: str | None = None
+    names: str | Sequence[str],
+    run_dir: str | os.PathLike,
+    *,
+    rank: int = 0,
+    run_name: str | None = None,
+    resume_step: int | None = None,
 ) -> list[MetricsSink]:
     """The sinks ``names`` (``"tensorboard,wandb"`` or a list; any subset of :data:`SINKS`, empty for
     none) writing under ``run_dir``; on a rank other than 0 none (only rank 0 logs).
 
+    ``resume_step``: for a run resumed from the checkpoint of this step, the step whose successors the
+    earlier run may already have logged: TensorBoard purges its events after ``resume_step``
+    (:class:`TensorBoardSink`'s ``purge_step = resume_step + 1``), so each step appears once. W&B
+    (offline) and MLflow open a new run for the resumed process: its steps are not mixed into the
+    earlier run's series.
+
     Raises:
-        InputError: an unknown name (before anything is opened).
+        InputError: names that are not a string or a list of strings, an unknown name, a ``rank`` or
+        ``resume_step`` that is not an int >= 0 (before anything is opened).
     """
+    fn = "open_sinks"
+    if not isinstance(names, str) and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+        raise input_error(fn, "names", "a str ('tensorboard,wandb') or a list of str", f"{names!r}")
+    check_int(fn, "rank", rank, low=0)
+    check_int(fn, "resume_step", resume_step, low=0, allow_none=True)
     wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     unknown = [n for n in wanted if n not in SINKS]
     if unknown:
@@ -187,7 +208,8 @@ def open_sinks(
     opened: list[MetricsSink] = []
     for n in dict.fromkeys(wanted):
         if n == "tensorboard":
-            opened.append(TensorBoardSink(root / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            opened.append(TensorBoardSink(root / "tensorboard", purge_step=purge))
         elif n == "wandb":
             opened.append(WandbSink(root, name=run_name, mode=os.environ.get("WANDB_MODE", "offline")))
         else:

@@ -8,7 +8,6 @@ only fail on later (divisibility by the layout, selective recomputation without 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from fnppo.core.batch_invariant import invariant_kernels
-from fnppo.core.errors import check_bool_fields, input_error
+from fnppo.core.errors import check_bool_fields, check_float, check_number, check_positive_int, input_error
 from fnppo.megatron.layer_specs import te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.patches import patch_fused_rope
@@ -180,9 +179,17 @@ class ModelConfig:
             "vocab_size",
             "max_seq_len",
         ):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise input_error(fn, name, "an int >= 1", repr(v))
+            check_positive_int(fn, name, getattr(self, name))
+        check_positive_int(fn, "num_query_groups", self.num_query_groups, allow_none=True)
+        check_positive_int(fn, "kv_channels", self.kv_channels, allow_none=True)
+        for name in ("attention_dropout", "hidden_dropout"):
+            check_float(fn, name, getattr(self, name), low=0.0, high=1.0, high_open=True)
+        for name in ("layernorm_epsilon", "rotary_base", "rope_scaling_factor", "init_method_std"):
+            check_float(fn, name, getattr(self, name), low=0.0, low_open=True)
+        check_float(fn, "rotary_percent", self.rotary_percent, low=0.0, high=1.0, low_open=True)
+        check_positive_int(fn, "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_size"):
+            check_positive_int(fn, name, getattr(self, name), allow_none=True)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
             raise input_error(
                 fn,
@@ -211,16 +218,22 @@ class ModelConfig:
             raise input_error(
                 fn, "fp8", "None with batch_invariant=True (FP8 scales depend on the batch)", repr(self.fp8)
             )
+        if self.batch_invariant and self.num_experts is not None and not self.deterministic:
+            raise input_error(
+                fn,
+                "deterministic",
+                "True with batch_invariant=True on an MoE model (num_experts set: the experts' token "
+                "scatter is only repeatable under deterministic algorithms)",
+                repr(self.deterministic),
+            )
         if self.batch_invariant:
             for name in ("attention_dropout", "hidden_dropout"):
                 if getattr(self, name) != 0.0:
                     raise input_error(fn, name, "0.0 with batch_invariant=True", repr(getattr(self, name)))
 
     def _check_moe(self, fn: str) -> None:
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise input_error(fn, "num_experts", "None or an int >= 1", repr(self.num_experts))
-        if not isinstance(self.moe_topk, int) or not 1 <= self.moe_topk <= self.num_experts:
-            raise input_error(fn, "moe_topk", f"an int in [1, num_experts={self.num_experts}]", repr(self.moe_topk))
+        check_positive_int(fn, "num_experts", self.num_experts, allow_none=True)
+        check_number(fn, "moe_topk", self.moe_topk, integer=True, low=1, high=self.num_experts, also=" (num_experts)")
         choices = {
             "moe_load_balancing": ("none", "aux_loss", "seq_aux_loss"),
             "moe_score_function": ("softmax", "sigmoid"),
@@ -232,13 +245,8 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise input_error(fn, name, f"one of {allowed}", repr(getattr(self, name)))
         for name in ("moe_aux_loss_coeff", "moe_bias_update_rate"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise input_error(fn, name, "a finite float >= 0", repr(v))
-        if self.moe_z_loss_coeff is not None and not (
-            math.isfinite(self.moe_z_loss_coeff) and self.moe_z_loss_coeff >= 0
-        ):
-            raise input_error(fn, "moe_z_loss_coeff", "None or a finite float >= 0", repr(self.moe_z_loss_coeff))
+            check_float(fn, name, getattr(self, name), low=0.0)
+        check_float(fn, "moe_z_loss_coeff", self.moe_z_loss_coeff, low=0.0, allow_none=True)
         if self.moe_load_balancing == "none" and self.moe_aux_loss_coeff > 0:
             raise input_error(
                 fn, "moe_aux_loss_coeff", "0 with moe_load_balancing='none'", repr(self.moe_aux_loss_coeff)

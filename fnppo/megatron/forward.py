@@ -133,11 +133,20 @@ def _aten_triton_products(kernels: Any) -> Iterator[None]:
     Engine); the registrations are removed on exit, also on an exception."""
     lib = torch.library.Library("aten", "IMPL")
     try:
-        lib.impl("aten::mm", kernels.mm_batch_invariant, "CUDA")
-        lib.impl("aten::addmm", kernels.addmm_batch_invariant, "CUDA")
+        for op, kernel, key in triton_product_registrations(kernels):
+            lib.impl(op, kernel, key)
         yield
     finally:
         lib._destroy()
+
+
+def triton_product_registrations(kernels: Any) -> tuple[tuple[str, Any, str], ...]:
+    """What :func:`_aten_triton_products` registers: ``(aten op, Megatron's kernel, dispatch key)``
+    for ``aten::mm`` and ``aten::addmm`` (``nn.Linear`` with a bias lowers to ``addmm``) on CUDA."""
+    return (
+        ("aten::mm", kernels.mm_batch_invariant, "CUDA"),
+        ("aten::addmm", kernels.addmm_batch_invariant, "CUDA"),
+    )
 
 
 def _call_target(model: nn.Module) -> tuple[nn.Module, str]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from fnppo.core.errors import InputError
+from fnppo.core.errors import InputError, check_int, check_number, check_positive_int, input_error
 from fnppo.megatron.runtime import enter_cpu_mode_for_process, exit_cpu_mode_for_process
 
 __all__ = ["ParallelLayout", "init_parallel", "current_layout", "destroy_parallel", "is_rank_zero", "agree_on_refusal"]
@@ -121,28 +121,22 @@ def init_parallel(
     ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``; ``etp`` defaults to ``tp``).
 
     Raises:
-        ValueError: ``tp``/``pp``/``vpp``/``ep``/``etp``/``timeout_s`` out of range, ``device="cuda"``
-            without a CUDA device, or a world size that ``tp * pp`` or ``etp * ep * pp`` does not divide.
+        InputError (a ``ValueError``): ``tp``/``pp``/``vpp``/``ep``/``etp``/``timeout_s``/``seed`` out of
+            range or not a number (a bool, a string), ``device="cuda"`` without a CUDA device, or a
+            world size that ``tp * pp`` or ``etp * ep * pp`` does not divide.
     """
+    fn = "init_parallel"
     etp_size = tp if etp is None else etp
     for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp_size), ("cp", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"init_parallel: argument '{name}' expected an int >= 1, received {value!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < float("inf")):
-        raise ValueError(
-            f"init_parallel: argument 'timeout_s' expected a finite number of seconds > 0, received {timeout_s!r}"
-        )
-    if vpp is not None and (vpp < 1 or pp < 2):
-        raise ValueError(
-            f"init_parallel: argument 'vpp' expected None or >= 1 with pp >= 2, received vpp={vpp}, pp={pp}"
-        )
+        check_positive_int(fn, name, value)
+    check_number(fn, "timeout_s", timeout_s, low=0, low_open=True, also=" (seconds)")
+    check_int(fn, "seed", seed, low=0)
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1 or pp < 2):
+        raise input_error(fn, "vpp", "None or >= 1 with pp >= 2", f"vpp={vpp}, pp={pp}")
     if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"init_parallel: argument 'device' expected None, 'cpu' or 'cuda', received {device!r}")
+        raise input_error(fn, "device", "None, 'cpu' or 'cuda'", repr(device))
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "init_parallel: argument 'device' expected 'cpu' or None on this machine "
-            "(torch.cuda.is_available() is False), received 'cuda'"
-        )
+        raise input_error(fn, "device", "'cpu' or None on this machine (torch.cuda.is_available() is False)", "'cuda'")
     backend = _default_backend(device)
     if backend == "gloo":
         enter_cpu_mode_for_process()
@@ -156,13 +150,13 @@ def init_parallel(
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:  # the message keeps the cp-free wording when cp == 1
-        raise ValueError(
+        raise InputError(
             f"init_parallel: world size {world} expected a multiple of tp*pp = {tp}*{pp}"
             + (f" times cp = {cp}" if cp > 1 else "")
             + f", received {world}"
         )
     if world % (etp_size * ep * pp) != 0:
-        raise ValueError(
+        raise InputError(
             f"init_parallel: world size expected a multiple of etp*ep*pp = {etp_size}*{ep}*{pp}, received {world}"
         )
     if parallel_state.model_parallel_is_initialized():

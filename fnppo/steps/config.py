@@ -8,11 +8,10 @@ persists between steps (defined in :mod:`fnppo.megatron.state`, where the checkp
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
-from fnppo.core.errors import check_bool_fields, check_positive_int, input_error
+from fnppo.core.errors import check_bool_fields, check_float, check_positive_int, input_error
 from fnppo.core.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
@@ -134,8 +133,7 @@ class StepConfig(Batching):
                     "None unless fused_output=True (the graphs are the fused backward's)",
                     repr(self.fused_output_graphs),
                 )
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise input_error(fn, "temperature", "a finite float > 0", repr(self.temperature))
+        check_float(fn, "temperature", self.temperature, low=0, low_open=True)
         self._translate_fused_flags()
 
     def _translate_fused_flags(self) -> None:

@@ -28,6 +28,7 @@ call-time type checking is on (see :mod:`fnppo.core.typing`) and is skipped toge
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -86,16 +87,47 @@ def _check_loss_inputs(
 
 
 def _policy_term(fn: str, config: LossConfig, x: PolicyInputs, tok: Tokens) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy loss per token (0 off the mask) and its metrics; checks its output shape."""
-    pg_tok, extra = config.policy(x)
+    """The policy loss per token (0 off the mask) and its metrics; checks what the callable returned.
+
+    Refused, naming the policy loss: not a ``(tensor, mapping)`` pair, a per-token loss of another
+    shape or a non-floating dtype (an integer loss would carry no gradient: it became 0), metrics
+    that are not a mapping of names to ``[2]`` floating tensors, and (with checking on) NaN/inf in
+    the per-token loss at tokens where the mask and the log-probs it was given are finite: a bug in
+    the callable, not a fault of the model (a NaN from NaN log-probs passes on to the step, which
+    skips it).
+    """
+    arg = f"policy loss {loss_name(config.policy)!r}"
+    out = config.policy(x)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise input_error(fn, arg, "to return a pair (per_token_loss, metrics)", _short(out))
+    pg_tok, extra = out
     if not isinstance(pg_tok, Tensor) or pg_tok.shape != x.logprobs.shape:
-        raise input_error(
-            fn,
-            f"policy loss {loss_name(config.policy)!r}",
-            f"a per-token loss of shape {tuple(x.logprobs.shape)}",
-            describe(pg_tok),
-        )
+        raise input_error(fn, arg, f"a per-token loss of shape {tuple(x.logprobs.shape)}", describe(pg_tok))
+    if not pg_tok.is_floating_point():
+        raise input_error(fn, arg, "a floating per-token loss (with a gradient)", describe(pg_tok))
+    if not isinstance(extra, Mapping):
+        raise input_error(fn, arg, "metrics as a dict of names to [2] tensors (weighted_sum, weight)", _short(extra))
+    for key, value in extra.items():
+        if not (
+            isinstance(key, str) and isinstance(value, Tensor) and value.is_floating_point() and value.shape == (2,)
+        ):
+            raise input_error(
+                fn, f"{arg} metrics[{key!r}]", "a floating [2] tensor (weighted_sum, weight)", _short(value)
+            )
+    if typechecking_enabled():
+        bad = tok.m & ~torch.isfinite(pg_tok.detach()) & torch.isfinite(x.logprobs.detach())
+        if bool(bad.any()):
+            raise input_error(
+                fn,
+                arg,
+                "a finite per-token loss where the log-probs it was given are finite",
+                f"{describe(pg_tok)} with {int(bad.sum())} NaN/inf entries at such tokens",
+            )
     return torch.where(tok.m, pg_tok.to(tok.zero.dtype), tok.zero), extra
+
+
+def _short(v: Any) -> str:
+    return describe(v) if isinstance(v, Tensor) else f"{type(v).__name__} {v!r}"[:120]
 
 
 def _importance(

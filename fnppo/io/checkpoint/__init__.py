@@ -16,14 +16,17 @@ Layout of a checkpoint directory::
     <dir>/manifest.json       written last: step, layout of the save, each file's size and sha256
 
 Modules: :mod:`.content` (what is saved, as sharded state dicts), :mod:`.save` (the atomic, non-forking
-save), :mod:`.load`, :mod:`.manifest` (integrity, :func:`latest_checkpoint`), :mod:`.reader`
-(:func:`read_checkpoint`: the contents in one process).
+save), :mod:`.load`, :mod:`.manifest` (integrity), :mod:`.latest` (:func:`latest_checkpoint`), :mod:`.lock`
+(:func:`lock_directory`: one run per output directory; :func:`remove_stale_saves`: what dead saves
+left), :mod:`.reader` (:func:`read_checkpoint`: the contents in one process).
 """
 
 from __future__ import annotations
 
+from fnppo.io.checkpoint.latest import latest_checkpoint
 from fnppo.io.checkpoint.load import load_checkpoint
-from fnppo.io.checkpoint.manifest import CheckpointError, latest_checkpoint, verify_checkpoint
+from fnppo.io.checkpoint.lock import DirectoryLock, lock_directory, remove_stale_saves
+from fnppo.io.checkpoint.manifest import CheckpointError, verify_checkpoint
 from fnppo.io.checkpoint.reader import read_checkpoint
 from fnppo.io.checkpoint.save import save_checkpoint
 
@@ -34,4 +37,7 @@ __all__ = [
     "latest_checkpoint",
     "verify_checkpoint",
     "read_checkpoint",
+    "lock_directory",
+    "DirectoryLock",
+    "remove_stale_saves",
 ]

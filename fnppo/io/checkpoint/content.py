@@ -55,13 +55,14 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chain
 
 def named_states(state: TrainStates, fn: str) -> dict[str, TrainState]:
     """``{name: TrainState}`` of a mapping (non-empty names), ``{"": state}`` of one train state."""
-    if not isinstance(state, Mapping):
-        return {"": state}
-    named = dict(state)
-    if not (named and all(isinstance(k, str) and k for k in named)):
-        raise checkpoint_error(
-            fn, "state", "a TrainState or a non-empty mapping of non-empty names to train states", repr(list(named))
-        )
+    expected = "a TrainState or a non-empty mapping of non-empty names to train states"
+    named = dict(state) if isinstance(state, Mapping) else {"": state}
+    if not (named and all(isinstance(k, str) and (k or not isinstance(state, Mapping)) for k in named)):
+        raise checkpoint_error(fn, "state", expected, repr(list(named)))
+    for name, one in named.items():
+        if not all(hasattr(one, a) for a in ("model", "optimizer", "step")):  # a TrainState, by what is used
+            where = "state" if not isinstance(state, Mapping) else f"state[{name!r}]"
+            raise checkpoint_error(fn, where, "a TrainState (model, optimizer, step)", f"{type(one).__name__}")
     return named
 
 

@@ -38,6 +38,7 @@ from fnppo.io.checkpoint.content import (
     set_rng_state,
     sub_optimizers,
 )
+from fnppo.io.checkpoint.latest import clean_before_reading
 from fnppo.io.checkpoint.manifest import CheckpointError, check_files, checkpoint_error, read_manifest
 from fnppo.megatron.state import TrainState, TrainStates
 from fnppo.megatron.unwrap import unwrap_model
@@ -177,9 +178,14 @@ def load_checkpoint(directory: str | os.PathLike, state: TrainStates) -> tuple[T
     another model (it names the first parameter that is absent or of another global shape, with the
     checkpoint's shape and this model's).
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise checkpoint_error(
+            "load_checkpoint", "directory", "a checkpoint directory path (str or os.PathLike)", f"{directory!r}"
+        )
     path = Path(directory)
-    rank = dist.get_rank()
     named = named_states(state, "load_checkpoint")
+    clean_before_reading(path.parent)
+    rank = dist.get_rank()
     manifest, problem = None, None
     try:
         manifest = read_manifest(path)

@@ -31,7 +31,7 @@ __all__ = [
     "read_manifest",
     "check_files",
     "verify_checkpoint",
-    "latest_checkpoint",
+    "report",
 ]
 
 MANIFEST = "manifest.json"
@@ -174,6 +174,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, hash_files: bool = True) 
     altered (its sha256, unless ``hash_files=False``). Collective when torch.distributed is initialized
     (every rank gets the same answer; the ranks share the hashing).
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise checkpoint_error("verify_checkpoint", "directory", "a checkpoint directory path", repr(directory))
     path = Path(directory)
     try:
         manifest = read_manifest(path, "verify_checkpoint")
@@ -189,57 +191,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, hash_files: bool = True) 
     return manifest
 
 
-def _report(message: str, *args: Any) -> None:
+def report(message: str, *args: Any) -> None:
     """A warning on the ``fnppo.checkpoint`` logger, from rank 0 only."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         logger.warning(message, *args)
-
-
-def _step_of(d: Path) -> int | None:
-    try:
-        return int(json.loads((d / MANIFEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def latest_checkpoint(root: str | os.PathLike, *, fallback: bool = False) -> Path | None:
-    """The newest checkpoint (highest step) under ``root``, verified; None when there is none.
-
-    Every directory under ``root`` without a readable manifest (an interrupted save, a leftover
-    temporary directory of a save that died) is reported on the ``fnppo.checkpoint`` logger (a warning)
-    and skipped. The newest complete checkpoint is verified (:func:`verify_checkpoint`: sizes and
-    sha256). A damaged one raises :class:`CheckpointError`, unless ``fallback=True``: then it is reported
-    (a warning naming the damage) and the next newest is tried. Collective when torch.distributed is
-    initialized (call it on every rank).
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps: list[tuple[int, str, Path]] = []
-    for d in sorted(root.iterdir()):
-        if not d.is_dir():
-            continue
-        step = _step_of(d)
-        if step is None:
-            kind = (
-                "the temporary directory of a save that did not finish"
-                if TMP_MARK in d.name
-                else "no readable manifest.json"
-            )
-            _report("skipping incomplete checkpoint %s: %s", d, kind)
-            continue
-        steps.append((step, d.name, d))
-    for _, _, d in sorted(steps, reverse=True):
-        try:
-            verify_checkpoint(d)
-            return d
-        except CheckpointError as err:
-            if not fallback:
-                raise checkpoint_error(
-                    "latest_checkpoint",
-                    "root",
-                    "a newest checkpoint that verifies (pass fallback=True to use the previous one)",
-                    f"the damaged checkpoint {str(d)!r}: {err}",
-                ) from None
-            _report("skipping damaged checkpoint %s (fallback=True): %s", d, err)
-    return None

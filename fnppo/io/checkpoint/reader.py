@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fnppo.io.checkpoint.content import quiet_checkpointing
-from fnppo.io.checkpoint.manifest import verify_checkpoint
+from fnppo.io.checkpoint.manifest import checkpoint_error, verify_checkpoint
 
 __all__ = ["read_checkpoint"]
 
@@ -27,6 +27,8 @@ def read_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     per-rank objects (each rank's RNG states, ``fnppo.rng/shard_<rank>_<world>``) as their serialized
     bytes, and the common state (step, ``extra``, train-state names, optimizer settings).
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise checkpoint_error("read_checkpoint", "directory", "a checkpoint directory path", repr(directory))
     path = Path(directory)
     manifest = verify_checkpoint(path)
     with tempfile.TemporaryDirectory() as tmp, quiet_checkpointing():

@@ -14,11 +14,16 @@ temporary directory and raises :class:`CheckpointError` on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import resource
 import shutil
+import signal
+import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: every rank's write errors)
 
+from fnppo.core.errors import input_error
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
     fill_empty_adam_state,
@@ -46,7 +52,8 @@ from fnppo.io.checkpoint.content import (
     rng_object,
     rng_state,
 )
-from fnppo.io.checkpoint.manifest import FORMAT, MANIFEST, TMP_MARK, checkpoint_error, file_entries
+from fnppo.io.checkpoint.lock import hold_while_writing, remove_stale_saves
+from fnppo.io.checkpoint.manifest import FORMAT, MANIFEST, TMP_MARK, checkpoint_error, file_entries, logger
 from fnppo.megatron.state import TrainStates
 
 __all__ = ["SyncTorchDistSave", "save_checkpoint", "sharded_checkpoint_state"]
@@ -71,9 +78,39 @@ def _rank_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _os_errors(error: BaseException) -> Iterator[OSError]:
+    """The OS errors behind ``error``: itself, its causes, and torch's per-rank write failures."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # torch's (exception, traceback) pairs
+            todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
+
+
+def _why(error: BaseException) -> str:
+    """What the OS error behind a failed write means, in words (the file-size limit named as such)."""
+    for e in _os_errors(error):
+        if e.errno == errno.EFBIG:
+            soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+            return f"; a file reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`): {limit}"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "; the disk (or quota) is full"
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return "; the directory is read-only or not writable by this process"
+    return ""
+
+
 def _agree(error: BaseException | None) -> str | None:
     """Every rank's failure of the phase just run (the first one's message), or None when all succeeded."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else f"{type(error).__name__}: {error}{_why(error)}"
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return next((m for m in everyone if m), None)
@@ -154,12 +191,67 @@ def save_checkpoint(
     replaced). Collective; returns the path. Raises :class:`CheckpointError` (on every rank, nothing
     left behind) when writing fails.
     """
-    directory = Path(directory)
+    directory = _check_target(directory, extra)
+    named_states(state, "save_checkpoint")  # refused before anything is written
     rank, world = _rank_world()
     box = [f".{directory.name}{TMP_MARK}{uuid.uuid4().hex[:12]}"]
     if world > 1:
         dist.broadcast_object_list(box, src=0)
     tmp = directory.parent / box[0]
+    if rank == 0:
+        for done in remove_stale_saves(directory.parent):
+            logger.warning("save_checkpoint: a save that did not finish: %s", done)
+    with contextlib.ExitStack() as held:
+        held.enter_context(_file_size_errors())
+        _write(directory, tmp, rank, state, extra, held)
+    return directory
+
+
+def _check_target(directory: Any, extra: Any) -> Path:
+    """Refuse a ``directory`` that is no path or an existing file, and an ``extra`` that is no mapping."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise input_error(
+            "save_checkpoint", "directory", "a path (str or os.PathLike)", f"{directory!r} ({type(directory).__name__})"
+        )
+    if extra is not None and not isinstance(extra, Mapping):
+        raise input_error(
+            "save_checkpoint", "extra", "a mapping of names to values (a dict) or None", f"{type(extra).__name__}"
+        )
+    directory = Path(directory)
+    try:
+        exists, is_dir = directory.exists(), directory.is_dir()
+    except OSError as err:  # a parent that this process may not enter
+        raise checkpoint_error(
+            "save_checkpoint",
+            "directory",
+            "a directory the checkpoint can be written to (room on the disk, write permission)",
+            f"{str(directory)!r} ({type(err).__name__}: {err}{_why(err)}); nothing was written",
+        ) from None
+    if exists and not is_dir:
+        raise checkpoint_error(
+            "save_checkpoint",
+            "directory",
+            "a new path or a checkpoint directory (replaced)",
+            f"{str(directory)!r}, an existing file (not replaced)",
+        )
+    return directory
+
+
+@contextlib.contextmanager
+def _file_size_errors() -> Iterator[None]:
+    """During the save, a write past the file-size limit raises ``EFBIG`` (named in the error) instead of
+    the default SIGXFSZ that kills the process (main thread only: signals cannot be set elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def _write(directory: Path, tmp: Path, rank: int, state: Any, extra: Any, held: contextlib.ExitStack) -> None:
     sd, filled = sharded_checkpoint_state(state, extra, "save_checkpoint")
     try:
         holder: dict[str, Any] = {}
@@ -167,6 +259,7 @@ def save_checkpoint(
         def prepare() -> None:
             if rank == 0:
                 tmp.mkdir(parents=True)
+                held.enter_context(hold_while_writing(tmp))  # a live save: not removed as stale by others
             holder["sharded"], holder["common"] = save_preprocess(sd, validate_access_integrity=True)
 
         _phase(prepare, tmp, rank, directory)
@@ -215,4 +308,3 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
 
     _phase(finish, tmp, rank, directory)
-    return directory

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from fnppo.core.errors import input_error
@@ -203,3 +204,15 @@ def check_hf_config(
 def config_path(root: Path) -> Path:
     """The ``config.json`` beside a checkpoint (a directory, or one of its ``.safetensors`` files)."""
     return root / "config.json" if root.is_dir() else root.parent / "config.json"
+
+
+def check_weight_dtype(fn: str, dtype: Any) -> None:
+    """``dtype`` for exported / streamed weights: None (the parameters') or a floating ``torch.dtype``.
+
+    Raises:
+        InputError: an integer or bool dtype (weights would be truncated to whole numbers), or
+            something that is not a ``torch.dtype`` (``"bf16"``, ``torch.Tensor``).
+    """
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return
+    raise input_error(fn, "dtype", "None or a floating torch.dtype (torch.bfloat16, torch.float32, ...)", repr(dtype))

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
-from fnppo.io.hf.checks import check_hf_config
+from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
 from fnppo.io.hf.config import model_config_from_hf, read_hf_config
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
@@ -112,8 +112,12 @@ def export_hf_weights(
     """
     fn = "fnppo.io.hf.export_hf_weights"
     a = model_arch(fn, model_chunks)
-    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise input_error(fn, "max_shard_bytes", "an int >= 1", repr(max_shard_bytes))
+    check_positive_int(fn, "max_shard_bytes", max_shard_bytes)
+    check_weight_dtype(fn, dtype)
+    if not isinstance(path, (str, os.PathLike)):
+        raise input_error(fn, "path", "a directory path (str or os.PathLike)", f"{path!r}")
+    if Path(path).exists() and not Path(path).is_dir():
+        raise input_error(fn, "path", "a new or existing directory", f"{str(path)!r}, an existing file (not replaced)")
     vocab, written_config = (
         (a.padded_vocab, None)
         if hf_config is None

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import check_positive_int
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
+from fnppo.io.hf.checks import check_weight_dtype
 from fnppo.io.hf.export import check_config_matches
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
@@ -91,8 +92,8 @@ def stream_hf_weights(
     """
     fn = "fnppo.io.hf.stream_hf_weights"
     a = model_arch(fn, model_chunks)
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise input_error(fn, "bucket_bytes", "an int >= 1", repr(bucket_bytes))
+    check_positive_int(fn, "bucket_bytes", bucket_bytes)
+    check_weight_dtype(fn, dtype)
     layout = current_layout()
     if isinstance(dst_rank, bool) or not isinstance(dst_rank, int) or not 0 <= dst_rank < layout.world_size:
         raise input_error(fn, "dst_rank", f"an int in [0, {layout.world_size}) (a rank of the world)", repr(dst_rank))
