@@ -659,9 +659,8 @@ CASES = [
 ]
 
 
-def _model_config(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=64, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
+def _model_config(**kw):
+    return tiny_model_config(**kw)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
