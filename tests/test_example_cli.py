@@ -200,3 +200,18 @@ def test_ctrl_c_prints_how_to_resume_and_resume_alone_continues(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "stopped after 1 steps" in resumed.stdout, resumed.stdout
+
+
+def test_a_second_run_in_the_same_directory_is_refused_while_the_first_holds_it(tmp_path):
+    """The run directory's lock (``fnppo.checkpoint.lock_directory``, taken by rank 0 for the run's life):
+    a second run there is one ArgumentError (exit 2) naming the holder; released, the directory is free."""
+    from types import SimpleNamespace
+
+    from toy.collectives import agreed_lock
+
+    layout = SimpleNamespace(rank=0, world_size=1)
+    first = agreed_lock(tmp_path, layout)
+    with pytest.raises(ArgumentError, match=r"--out-dir: .*locked by process \d+"):
+        agreed_lock(tmp_path, layout)
+    first.release()
+    agreed_lock(tmp_path, layout).release()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import fnppo
 from toy.errors import ArgumentError
 from toy.rundir import choose_run_dir
 
@@ -51,3 +52,19 @@ def agreed_run_dir(args: argparse.Namespace, layout, root: Path | None = None) -
     if isinstance(choice, ArgumentError):
         raise choice
     return choice
+
+
+def agreed_lock(out_dir: Path, layout):
+    """Rank 0 locks ``out_dir`` for the run's life (``fnppo.checkpoint.lock_directory``: one run per
+    directory); a directory another run holds is the same :class:`ArgumentError` on every rank. Returns
+    the lock on rank 0 (release it when the run ends), None elsewhere."""
+    lock: object = None
+    if layout.rank == 0:
+        try:
+            lock = fnppo.checkpoint.lock_directory(out_dir)
+        except fnppo.checkpoint.CheckpointError as err:
+            lock = ArgumentError(f"--out-dir: {err}")
+    verdict = agree(lock if isinstance(lock, ArgumentError) else None, layout)
+    if isinstance(verdict, ArgumentError):
+        raise verdict
+    return lock

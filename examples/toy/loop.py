@@ -13,7 +13,7 @@ import torch
 
 import fnppo
 from toy import rundir
-from toy.collectives import agreed_run_dir
+from toy.collectives import agreed_lock, agreed_run_dir
 from toy.errors import ArgumentError, Interrupted
 from toy.model import build, critic_config, kl_controller, seed_everything, set_lr, step_config
 from toy.plot import write_plot
@@ -28,6 +28,7 @@ def setup_run(args, layout):
     """Run directory, state, critic (``--algo ppo``, else None), reference params and the KL
     controller's state (restored on resume)."""
     out_dir = agreed_run_dir(args, layout)
+    lock = agreed_lock(out_dir, layout)  # one run per directory, held until the run ends
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
     # the reference policy is the initial one: a copy of the weights, or with LoRA the base (adapters off)
@@ -54,7 +55,7 @@ def setup_run(args, layout):
             kl_state = fnppo.kl.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
-    return out_dir, state, critic, ref_params, kl_state
+    return out_dir, lock, state, critic, ref_params, kl_state
 
 
 def run(args: argparse.Namespace, layout) -> int:
@@ -62,11 +63,14 @@ def run(args: argparse.Namespace, layout) -> int:
     seed_everything(args.seed)
     cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start
     ccfg = critic_config(args) if args.algo == "ppo" else None
-    out_dir, state, critic, ref_params, kl_state = setup_run(args, layout)
+    out_dir, lock, state, critic, ref_params, kl_state = setup_run(args, layout)
     try:
         return train_loop(args, layout, device, (cfg, ccfg), out_dir, (state, critic, ref_params, kl_state))
     except KeyboardInterrupt:  # Ctrl-C: checkpoints are written atomically, so the newest complete one is whole
         raise Interrupted(how_to_resume(out_dir)) from None
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def how_to_resume(out_dir: Path) -> str:
@@ -88,7 +92,7 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
     if rank0 and args.overwrite:
         rundir.replace_run(out_dir)
     metrics_path, rows = rundir.metrics_file(args, out_dir, start_step) if rank0 else (None, [])
-    sinks = open_logging(args, out_dir, layout)
+    sinks = open_logging(args, out_dir, layout, resume_step=start_step if args.resume else None)
     progress = make_progress(args, start_step, "ppo") if rank0 else None
     start = time.perf_counter()
     step = start_step

@@ -10,10 +10,11 @@ from pathlib import Path
 from fnppo import sinks
 
 
-def open_logging(args: argparse.Namespace, out_dir: Path, layout) -> list:
+def open_logging(args: argparse.Namespace, out_dir: Path, layout, resume_step: int | None = None) -> list:
     """Rank 0: the ``--log`` sinks under ``out_dir``, given the run's settings (every argument and the
-    layout) as hyperparameters; other ranks: none."""
-    opened = sinks.open_sinks(args.log, out_dir, rank=layout.rank, run_name=out_dir.name)
+    layout) as hyperparameters; other ranks: none. ``resume_step``: the step of the checkpoint a resumed
+    run continues from (TensorBoard drops the earlier run's events after it: each step once)."""
+    opened = sinks.open_sinks(args.log, out_dir, rank=layout.rank, run_name=out_dir.name, resume_step=resume_step)
     settings = {
         **{k: v for k, v in vars(args).items() if k != "given_flags"},
         "world_size": layout.world_size,
