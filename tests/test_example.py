@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppo_toy.py"
 SMALL = ["--prompts", "4", "--group-size", "4", "--no-progress", "--no-plot", "--target-reward", "0"]
@@ -63,24 +65,14 @@ def _env() -> dict:
 def _call(
     args: list[str], nproc: int = 1, cwd: Path | None = None, code: str | None = None
 ) -> subprocess.CompletedProcess:
-    """The example (or ``code``, a launcher given the example's arguments) as a subprocess."""
-    script = [str(EXAMPLE)] if code is None else ["-c", code]
-    if nproc == 1:
-        cmd = [sys.executable, *script, *args]
-    else:
-        from fnppo.megatron.parallel import free_port
-
-        assert code is None
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(EXAMPLE),
-            *args,
-        ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
+    """The example (or ``code``, a launcher given the example's arguments) as ``python`` / ``torchrun``
+    would run it, in forks of a server that imported torch and fnppo once (tests/scripts.py); the
+    import check (``IMPORTS``) in a new interpreter, since what is imported is its point."""
+    if code is IMPORTS:
+        cmd = [sys.executable, "-c", code, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
+    path = EXAMPLE if code is None else None
+    return run_script(path, args, nproc=nproc, cwd=cwd or Path.cwd(), code=code, timeout=600)
 
 
 def _run(args: list[str], nproc: int = 1, cwd: Path | None = None, code: str | None = None) -> str:
@@ -706,15 +698,15 @@ def scenarios(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("out,metrics,plot,resume", COMBOS, ids=[_combo_id(*c) for c in COMBOS])
 def test_every_combination_of_run_directory_metrics_plot_and_resume(scenarios, out, metrics, plot, resume):
-    """The run directory (--out-dir, else runs/ppo_toy/run000) holds the plot and the checkpoints and is
-    created when the first of them is written; the metrics go to --metrics-out or the run directory; a
-    resume continues the same run and its metrics file."""
+    """The run directory (--out-dir, else runs/ppo_toy/run000) holds the plot, the checkpoints and the
+    run's lock (``.fnppo.lock``: one run per directory); the metrics go to --metrics-out or the run
+    directory; a resume continues the same run and its metrics file."""
     r = scenarios[_combo_id(out, metrics, plot, resume)]
     for call in r["calls"]:
         assert call["code"] == 0, call["stderr"][-3000:]
     run_dir = "out" if out else "runs/ppo_toy/run000"
     metrics_file = "elsewhere/m.jsonl" if metrics else f"{run_dir}/metrics.jsonl"
-    expected = {metrics_file}
+    expected = {metrics_file, f"{run_dir}/.fnppo.lock"}
     if plot and HAS_MATPLOTLIB:
         expected.add(f"{run_dir}/ppo_toy.png")
         assert f"plot: {run_dir}/ppo_toy.png" in r["calls"][-1]["stdout"]
@@ -752,7 +744,7 @@ def test_refused_resume_exits_2_with_one_line_and_changes_nothing(scenarios):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert r["after_damaged"] == r["before"]
     assert r["overwrite"]["code"] == 0, r["overwrite"]["stderr"][-3000:]
-    assert r["files"] == ["out/metrics.jsonl"], r["files"]
+    assert r["files"] == ["out/.fnppo.lock", "out/metrics.jsonl"], r["files"]
 
 
 def test_invalid_value_creates_nothing_and_the_next_run_goes_ahead(scenarios):

@@ -249,6 +249,20 @@ BY_HAND = {
 }
 
 
+def test_every_builtin_loss_is_exported_once_from_fnppo_losses():
+    """fnppo.core.losses re-exports each built-in loss (class and factory) by name (a static list that
+    the API reference can read): every module's LOSS_NAMES is in it, and no name twice."""
+    import fnppo.losses
+    from fnppo.core.losses import covariance, offpolicy, policy
+
+    exported = fnppo.losses.__all__
+    assert len(exported) == len(set(exported))
+    for module in (policy, covariance, offpolicy):
+        own = [n for n in module.LOSS_NAMES if getattr(module, n).__module__ == module.__name__]
+        assert set(own) <= set(exported), (module.__name__, sorted(set(own) - set(exported)))
+        assert all(getattr(fnppo.losses, n) is getattr(module, n) for n in own)
+
+
 def test_every_builtin_loss_is_built_by_hand_here():
     assert set(BY_HAND) == set(POLICY_LOSSES) == set(LOSS_FIELDS)
     for name, (fields, _) in BY_HAND.items():

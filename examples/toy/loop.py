@@ -28,7 +28,6 @@ def setup_run(args, layout):
     """Run directory, state, critic (``--algo ppo``, else None), reference params and the KL
     controller's state (restored on resume)."""
     out_dir = agreed_run_dir(args, layout)
-    lock = agreed_lock(out_dir, layout)  # one run per directory, held until the run ends
     state = build(args)
     critic = build(args, head="value") if args.algo == "ppo" else None
     # the reference policy is the initial one: a copy of the weights, or with LoRA the base (adapters off)
@@ -55,6 +54,9 @@ def setup_run(args, layout):
             kl_state = fnppo.kl.KLControllerState(**extra["kl_state"])
         if layout.rank == 0:
             print(f"resumed from {latest} (checkpoint of step {state.step // args.minibatches})")
+    # one run per directory, held until the run ends: taken before anything is written there, after
+    # everything that can refuse the run (a refused run leaves the directory as it was)
+    lock = agreed_lock(out_dir, layout)
     return out_dir, lock, state, critic, ref_params, kl_state
 
 

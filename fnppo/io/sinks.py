@@ -191,7 +191,7 @@ def open_sinks(
 
     Raises:
         InputError: names that are not a string or a list of strings, an unknown name, a ``rank`` or
-        ``resume_step`` that is not an int >= 0 (before anything is opened).
+            ``resume_step`` that is not an int >= 0 (before anything is opened).
     """
     fn = "open_sinks"
     if not isinstance(names, str) and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):

@@ -181,9 +181,10 @@ def compute_logprobs(
         config: the :class:`~fnppo.steps.config.StepConfig` (temperature, layout, split, padding,
             length cap, stages; its loss settings are unused), as :func:`compute_values` takes a
             ``CriticConfig``; default ``StepConfig()``.
-        temperature, layout, split, num_microbatches, microbatch_size, max_tokens_per_microbatch,
-            pad_to_multiple_of, max_seq_len, fns: sugar: each one given (not None) replaces that
-            field of ``config`` (a split given this way replaces ``config``'s split).
+        temperature: sugar, as ``layout``, ``split``, ``num_microbatches``, ``microbatch_size``,
+            ``max_tokens_per_microbatch``, ``pad_to_multiple_of``, ``max_seq_len`` and ``fns``: each
+            one given (not None) replaces that field of ``config`` (a split given this way replaces
+            ``config``'s split).
         return_routing: also return the experts the routers chose (MoE models; routing replay,
             :mod:`fnppo.megatron.routing`). Samples that carry ``routed_experts`` are always run with
             those experts forced.

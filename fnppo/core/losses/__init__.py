@@ -26,23 +26,49 @@ The rollout correction part (:class:`RolloutCorrection`, :func:`compute_tis_weig
 :func:`tis_batch_stats`) lives in :mod:`fnppo.core.rollout_correction` and is re-exported here.
 """
 
-from fnppo.core.losses import covariance as _covariance
-from fnppo.core.losses import offpolicy as _offpolicy
-from fnppo.core.losses import policy as _policy
 from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
 from fnppo.core.losses.aggregate import Aggregation as Aggregation
 from fnppo.core.losses.aggregate import loss_normalizer as loss_normalizer
 from fnppo.core.losses.config import LossConfig as LossConfig
-from fnppo.core.losses.covariance import *  # noqa: F403 - the built-in losses (covariance.LOSS_NAMES)
+from fnppo.core.losses.covariance import ClipCov as ClipCov
+from fnppo.core.losses.covariance import KLCov as KLCov
+from fnppo.core.losses.covariance import clip_cov as clip_cov
+from fnppo.core.losses.covariance import kl_cov as kl_cov
 from fnppo.core.losses.flat import POLICY_LOSSES as POLICY_LOSSES
 from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
-from fnppo.core.losses.offpolicy import *  # noqa: F403 - the built-in losses (offpolicy.LOSS_NAMES)
-from fnppo.core.losses.policy import *  # noqa: F403 - the built-in losses (policy.LOSS_NAMES)
+from fnppo.core.losses.offpolicy import DPPOKL as DPPOKL
+from fnppo.core.losses.offpolicy import DPPOTV as DPPOTV
+from fnppo.core.losses.offpolicy import DRO as DRO
+from fnppo.core.losses.offpolicy import IPO as IPO
+from fnppo.core.losses.offpolicy import IcePop as IcePop
+from fnppo.core.losses.offpolicy import KPop as KPop
+from fnppo.core.losses.offpolicy import LoglinearDecoupled as LoglinearDecoupled
+from fnppo.core.losses.offpolicy import dppo_kl as dppo_kl
+from fnppo.core.losses.offpolicy import dppo_tv as dppo_tv
+from fnppo.core.losses.offpolicy import dro as dro
+from fnppo.core.losses.offpolicy import icepop as icepop
+from fnppo.core.losses.offpolicy import ipo as ipo
+from fnppo.core.losses.offpolicy import kpop as kpop
+from fnppo.core.losses.offpolicy import loglinear_decoupled as loglinear_decoupled
+from fnppo.core.losses.policy import CISPO as CISPO
+from fnppo.core.losses.policy import GMPO as GMPO
+from fnppo.core.losses.policy import GPG as GPG
+from fnppo.core.losses.policy import GSPO as GSPO
+from fnppo.core.losses.policy import SAPO as SAPO
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
 from fnppo.core.losses.policy import PolicyLoss as PolicyLoss
+from fnppo.core.losses.policy import PPOClip as PPOClip
+from fnppo.core.losses.policy import Reinforce as Reinforce
+from fnppo.core.losses.policy import cispo as cispo
+from fnppo.core.losses.policy import gmpo as gmpo
+from fnppo.core.losses.policy import gpg as gpg
+from fnppo.core.losses.policy import gspo as gspo
+from fnppo.core.losses.policy import ppo_clip as ppo_clip
+from fnppo.core.losses.policy import reinforce as reinforce
+from fnppo.core.losses.policy import sapo as sapo
 from fnppo.core.losses.ppo import ppo_loss as ppo_loss
 from fnppo.core.losses.value import ValueLossConfig as ValueLossConfig
 from fnppo.core.losses.value import value_loss as value_loss
@@ -74,7 +100,10 @@ __all__ = [
     "value_loss",
     "POLICY_LOSSES",
     "from_flat",
-    *_policy.LOSS_NAMES,
-    *_covariance.LOSS_NAMES,
-    *_offpolicy.LOSS_NAMES,
+    # the built-in policy losses (class and factory): a test checks this list against each module's LOSS_NAMES
+    *("PPOClip", "GSPO", "CISPO", "GMPO", "SAPO", "Reinforce", "GPG"),
+    *("ppo_clip", "gspo", "cispo", "gmpo", "sapo", "gpg", "reinforce"),
+    *("ClipCov", "KLCov", "clip_cov", "kl_cov"),
+    *("DPPOTV", "DPPOKL", "IPO", "KPop", "IcePop", "DRO", "LoglinearDecoupled"),
+    *("dppo_tv", "dppo_kl", "ipo", "kpop", "icepop", "dro", "loglinear_decoupled"),
 ]

@@ -73,8 +73,9 @@ def lock_directory(root: str | os.PathLike) -> DirectoryLock:
     directory another process holds is refused at once.
 
     Raises:
-        CheckpointError: ``lock_directory: argument 'root' expected a directory no other run is using,
-        received '<root>', locked by process <pid> ...``; or when ``root`` is not a usable directory.
+        CheckpointError: ``root`` is locked by another run (``lock_directory: argument 'root' expected a
+            directory no other run is using, received '<root>', locked by process <pid> ...``) or is
+            not a usable directory.
     """
     if not isinstance(root, (str, os.PathLike)):
         raise checkpoint_error("lock_directory", "root", "a path (str or os.PathLike)", f"{root!r}")
