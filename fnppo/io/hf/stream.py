@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.errors import check_positive_int
+from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_weight_dtype
