@@ -326,6 +326,7 @@ def test_a_lora_checkpoint_refuses_another_base_under_any_layout(runs):
             got = r[layout]["adapters"]
             assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved), layout
             messages.append(r[layout]["other_base"])
+    assert len(set(messages)) == 1, messages  # the same record under every layout: the same count, the same names
     for message in messages:
         assert message.startswith(
             "load_checkpoint: argument 'state' expected the base model the checkpoint's adapters were trained on, "
