@@ -125,6 +125,16 @@ def _lora_and_first_step(root: str) -> dict:
 
     keys = sorted(dist_checkpointing.load_tensors_metadata(str(Path(root) / "lora")))
     other = _build(init_seed=99, frozen=frozen)
+    refused = "no error"
+    try:  # another base under the adapters: refused (the manifest records the base)
+        fnppo.checkpoint.load_checkpoint(Path(root) / "lora", other)
+    except fnppo.checkpoint.CheckpointError as err:
+        refused = str(err)
+    with torch.no_grad():  # the same base, every other weight another
+        base = dict(unwrap_model(state.model[0]).named_parameters())
+        for n, p in unwrap_model(other.model[0]).named_parameters():
+            if n.endswith(frozen):
+                p.copy_(base[n])
     before = {n: p.detach().clone() for n, p in unwrap_model(other.model[0]).named_parameters()}
     other, _ = fnppo.checkpoint.load_checkpoint(Path(root) / "lora", other)
     after = dict(unwrap_model(other.model[0]).named_parameters())
@@ -149,6 +159,7 @@ def _lora_and_first_step(root: str) -> dict:
         "plain": (straight, [m2, _step(again, 3)[1]]),
         "lora_keys": keys,
         "lora_untouched": untouched,
+        "lora_other_base": refused,
         "lora_loaded": loaded,
         "n_params": len(before),
         "first_step": (fresh_run, [r1, _step(resumed, 2)[1]]),
@@ -201,6 +212,11 @@ def test_lora_base_weights_are_left_out_and_not_loaded(runs):
     assert any("linear_fc2.weight" in k for k in one["lora_keys"])
     assert one["lora_untouched"] == ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight"]
     assert len(one["lora_loaded"]) == one["n_params"] - 2
+    assert one["lora_other_base"] == (  # the base weights are not in the checkpoint: another base is refused
+        "load_checkpoint: argument 'state' expected the base model the checkpoint's adapters were trained on, "
+        "received another base model: 2 of 2 base weights differ bit for bit "
+        "(decoder.layers.0.mlp.linear_fc1.weight, decoder.layers.1.mlp.linear_fc1.weight)"
+    )
 
 
 def test_non_distributed_optimizer_resumes_bit_for_bit(runs):

@@ -1,4 +1,4 @@
-"""Tests for fnppo.io.hf: Hugging Face Llama / Qwen2 / Qwen3 (and Qwen2-MoE / Qwen3-MoE / Mixtral)
+"""Tests for fnppo.io.hf: Hugging Face Llama / Qwen2 / Qwen3 / Mistral (and Qwen2-MoE / Qwen3-MoE / Mixtral)
 checkpoints <-> Megatron GPT models.
 
 Tiny random models are built with ``transformers`` (fp32), saved as safetensors, loaded into
@@ -63,6 +63,9 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(_COMMON, tie_word_embeddings=True, rope_theta=1e6)),
     # q/k RMSNorm, head_dim != hidden / heads, tied embeddings, sharded checkpoint with an index
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, tie_word_embeddings=True)),
+    # Llama's layout under its own names and config keys: head_dim != hidden / heads, sliding_window off
+    # (MistralConfig's default is 4096), untied
+    "mistral": ("MistralConfig", dict(_COMMON, head_dim=24, sliding_window=None, tie_word_embeddings=False)),
 }
 
 
@@ -837,10 +840,10 @@ _SUPPORTED = "one of: LlamaForCausalLM (model_type 'llama'), Qwen2ForCausalLM (m
     "changes, arg, expected, received",
     [
         (
-            dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+            dict(model_type="gemma", architectures=["GemmaForCausalLM"]),
             "config.model_type",
             _SUPPORTED,
-            "model_type='mistral', architectures=['MistralForCausalLM']",
+            "model_type='gemma', architectures=['GemmaForCausalLM']",
         ),
         (
             dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
@@ -950,6 +953,22 @@ def test_model_config_mapping(tmp_path):
     ):
         model_config_from_hf(tmp_path / "missing")
     assert math.isclose(model_config_from_hf(_hf_dict("qwen2"), layernorm_epsilon=1e-3).layernorm_epsilon, 1e-3)
+    mistral = model_config_from_hf(_hf_dict("mistral"))
+    assert mistral.kv_channels == 24 and not mistral.add_qkv_bias and not mistral.qk_layernorm
+    assert not mistral.tie_embeddings and not mistral.rope_scaling
+
+
+def test_families_are_immutable_records_and_mistral_refuses_its_default_sliding_window():
+    import dataclasses
+
+    from fnppo.io.hf.families import FAMILIES as RECORDS
+
+    with pytest.raises(TypeError):
+        RECORDS["gemma"] = RECORDS["llama"]  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RECORDS["qwen2"].qkv_bias = False  # type: ignore[misc]
+    with raises_message("model_config_from_hf", "config.sliding_window", "None", "4096"):
+        model_config_from_hf(_hf_dict("mistral", sliding_window=4096))  # MistralConfig's default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1357,10 +1376,14 @@ def _moe_errors(ckpts: dict, root: str) -> dict:
     out = {}
     sigmoid = fnppo.build_gpt(fnppo.io.hf.model_config_from_hf(path, moe_score_function="sigmoid"))
     chunks = build_gpt_from_hf(path, dtype="fp32")
-    flipped = _variant(path, Path(root) / f"flipped-{fnppo.parallel.current_layout().rank}", {"norm_topk_prob": False})
+    rank = fnppo.parallel.current_layout().rank
+    flipped = _variant(path, Path(root) / f"flipped-{rank}", {"norm_topk_prob": False})
+    shared = build_gpt_from_hf(ckpts["qwen2_moe"][0], dtype="fp32")
+    wider = _variant(ckpts["qwen2_moe"][0], Path(root) / f"shared-{rank}", {"shared_expert_intermediate_size": 96})
     for case, call in (
         ("sigmoid", lambda: export_hf_weights(sigmoid, f"{root}/never")),
         ("norm_topk_prob", lambda: load_hf_weights(chunks, flipped)),
+        ("shared_expert", lambda: load_hf_weights(shared, wider)),
     ):
         try:
             call()
@@ -1518,3 +1541,37 @@ def test_moe_models_the_families_cannot_hold_are_refused(moe_runs):
         assert errors["norm_topk_prob"].startswith(
             "fnppo.io.hf.load_hf_weights: argument 'config.json['norm_topk_prob']' expected True (what the model was built for), received False"
         ), errors["norm_topk_prob"]
+        assert errors["shared_expert"].startswith(
+            "fnppo.io.hf.load_hf_weights: argument 'config.json['shared_expert_intermediate_size']' expected 80"
+        ), errors["shared_expert"]
+
+
+@pytest.mark.parametrize(
+    "qk, bias, shared, moe_layers, family",
+    [
+        (False, False, 0, (), "llama"),  # Llama before Mistral: the same layout
+        (False, True, 0, (), "qwen2"),
+        (True, False, 0, (), "qwen3"),
+        (False, False, 0, (0, 1), "mixtral"),  # the family with the fewest options first
+        (False, False, 0, (1,), "qwen2_moe"),  # a dense layer: mlp_only_layers
+        (False, False, 32, (0, 1), "qwen2_moe"),  # a shared expert
+        (False, True, 0, (0, 1), "qwen2_moe"),  # q/k/v bias switched by qkv_bias
+        (True, False, 0, (1,), "qwen3_moe"),
+        (True, True, 0, (), None),  # no family has both
+        (True, False, 32, (0, 1), None),
+    ],
+)
+def test_the_family_of_a_model_built_without_a_hf_config(qk, bias, shared, moe_layers, family):
+    """A model from ``fnppo.build_gpt`` is exported as the first family record that can hold it."""
+    from types import SimpleNamespace
+
+    from fnppo.io.hf.arch import _family_of
+
+    c = SimpleNamespace(
+        qk_layernorm=qk, add_qkv_bias=bias, moe_shared_expert_intermediate_size=shared or None, num_layers=2
+    )
+    if family is None:
+        with raises_message("model_arch", "model_chunks", "a layout one of the Hugging Face families has", "MoE"):
+            _family_of(SimpleNamespace(), c, moe_layers)
+    else:
+        assert _family_of(SimpleNamespace(), c, moe_layers) == family

@@ -119,7 +119,7 @@ def _dropout_masks(sp: bool) -> dict:
     return {"column": kept[0], "row": kept[1]}
 
 
-def _two_ranks() -> dict:
+def _two_ranks(root: str) -> dict:
     out = {}
     for name, (par, moe, overrides) in LAYOUTS.items():
         fnppo.init_parallel(**par, seed=1234, device="cpu", timeout_s=120.0)
@@ -127,6 +127,9 @@ def _two_ranks() -> dict:
     fnppo.init_parallel(tp=2, pp=1, seed=1234, device="cpu", timeout_s=120.0)
     out["dropout"] = _dropout_masks(sp=False)
     out["dropout_sp"] = _dropout_masks(sp=True)
+    out["resume_tp2"] = _other_layout_resume(root)
+    fnppo.init_parallel(tp=1, pp=2, seed=1234, device="cpu", timeout_s=120.0)
+    out["resume_pp2"] = _other_layout_resume(root)
     return out
 
 
@@ -164,9 +167,9 @@ def _reference_is_the_base(moe: bool) -> bool:
     return all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and differs > 1e-3
 
 
-def _adam_state(seed: int = 5) -> fnppo.TrainState:
+def _adam_state(seed: int = 5, base_seed: int = 3) -> fnppo.TrainState:
     chunks = fnppo.build_gpt(_cfg(False))
-    fnppo.models.layout_invariant_init(chunks, seed=3)
+    fnppo.models.layout_invariant_init(chunks, seed=base_seed)
     fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**dict(LORA, seed=seed)))
     ddp = fnppo.wrap_ddp(chunks)
     return fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-2))
@@ -180,6 +183,7 @@ def _resume(root: str) -> dict:
     state, _ = fnppo.train_step(_adam_state(), batch[0], _step_cfg())
     fnppo.checkpoint.save_checkpoint(f"{root}/lora", state)
     keys = sorted(dist_checkpointing.load_tensors_metadata(f"{root}/lora"))
+    saved = fnppo.models.gather_full_weights(state.model, adapters=True)
     state, want = fnppo.train_step(state, batch[1], _step_cfg())
     other, _ = fnppo.checkpoint.load_checkpoint(f"{root}/lora", _adam_state(seed=99))
     other, got = fnppo.train_step(other, batch[1], _step_cfg())
@@ -189,7 +193,24 @@ def _resume(root: str) -> dict:
         "keys": keys,
         "metrics_equal": all(got[k] == want[k] for k in ("loss", "grad_norm")),
         "adapters_equal": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
+        "saved": saved,
+        "other_base": _refusal(root),
     }
+
+
+def _refusal(root: str) -> str:
+    """The message of loading the LoRA checkpoint onto a base of the same architecture, other weights."""
+    try:
+        fnppo.checkpoint.load_checkpoint(f"{root}/lora", _adam_state(seed=99, base_seed=4))
+    except fnppo.checkpoint.CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def _other_layout_resume(root: str) -> dict:
+    """The 1-rank LoRA checkpoint loaded under this layout: onto its base, then onto another."""
+    other, _ = fnppo.checkpoint.load_checkpoint(f"{root}/lora", _adam_state(seed=99))
+    return {"adapters": fnppo.models.gather_full_weights(other.model, adapters=True), "other_base": _refusal(root)}
 
 
 def _token_batched_products(state: fnppo.TrainState) -> list:
@@ -221,7 +242,10 @@ def _one_rank(root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("lora"))
-    return {"one": run_ranks(_one_rank, 1, root, timeout_s=900)[0], "two": run_ranks(_two_ranks, 2, timeout_s=900)}
+    return {
+        "one": run_ranks(_one_rank, 1, root, timeout_s=900)[0],
+        "two": run_ranks(_two_ranks, 2, root, timeout_s=900),
+    }
 
 
 def _close(got: float, want: float) -> bool:
@@ -374,3 +398,52 @@ def test_adapter_dropout_is_off_in_compute_logprobs_and_forward_only():
     assert len(on["forward_only"]) == len(off["forward_only"]) > 0
     for a, b in zip(on["forward_only"], off["forward_only"], strict=True):
         assert torch.equal(a, b), "forward_only logits differ with dropout 0.5"
+
+
+def test_a_lora_checkpoint_refuses_another_base_under_any_layout(runs):
+    """Saved on base A under one rank: loads onto A under TP=2 and PP=2 (the adapters as saved), and
+    onto B (the same architecture, other weights) is refused by name, under every layout."""
+    saved = runs["one"]["resume"]["saved"]
+    messages = [runs["one"]["resume"]["other_base"]]
+    for r in runs["two"]:
+        for layout in ("resume_tp2", "resume_pp2"):
+            got = r[layout]["adapters"]
+            assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved), layout
+            messages.append(r[layout]["other_base"])
+    assert len(set(messages)) == 1, messages  # the same record under every layout: the same count, the same names
+    for message in messages:
+        assert message.startswith(
+            "load_checkpoint: argument 'state' expected the base model the checkpoint's adapters were trained on, "
+            "received another base model: "
+        ), message
+        assert "base weights differ bit for bit (decoder.layers.0." in message, message
+
+
+def test_base_records_compare_bit_for_bit_within_a_dtype_and_rounded_across_dtypes():
+    """A checkpoint's base record against this model's (pure: the records as ``base_record`` builds them)."""
+    from fnppo.io.checkpoint.base import _digest, base_problem
+
+    w = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    nudged = w + 1e-6 * w.abs().max()  # another fp32 base that rounds to the same bfloat16 values here
+    assert torch.equal(w.to(torch.bfloat16), nudged.to(torch.bfloat16)) and not torch.equal(w, nudged)
+
+    def record(t: torch.Tensor, dtype: str, arch: dict | None = None) -> dict:
+        full = t.to(torch.float32)
+        return {
+            "arch": arch,
+            "dtype": dtype,
+            "tensors": {"n.weight": [_digest(full), _digest(full.to(torch.bfloat16))]},
+        }
+
+    f32, bf16 = record(w, "float32"), record(w.to(torch.bfloat16), "bfloat16")
+    assert base_problem(f32, record(w, "float32")) is None and base_problem(None, f32) is None
+    assert base_problem(f32, bf16) is None  # the same base held in bf16
+    assert base_problem(f32, record(nudged, "float32")) == (
+        "another base model: 1 of 1 base weights differ bit for bit (n.weight)"
+    )
+    assert "differ rounded to bfloat16 (float32 saved, bfloat16 now)" in base_problem(f32, record(-w, "bfloat16"))
+    arch = {"family": "llama", "hidden": 32, "heads": 4}
+    assert base_problem(record(w, "float32", arch), record(w, "float32", dict(arch, hidden=48))) == (
+        "a base model of another architecture (the checkpoint's base has hidden=32 (this model's 48))"
+    )
+    assert base_problem(f32, None).startswith("a model without LoRA adapters")

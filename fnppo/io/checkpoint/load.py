@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
+from fnppo.io.checkpoint.base import base_problem, base_record
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
     fill_empty_adam_state,
@@ -75,6 +76,22 @@ def _check_names(manifest: Mapping[str, Any], state: TrainStates) -> str | None:
             f"other ones (checkpoint holds the train states {saved}, this run passes {passed})",
         )
     )
+
+
+def _check_bases(manifest: Mapping[str, Any], named: Mapping[str, TrainState]) -> str | None:
+    """The first train state whose LoRA base differs from the one its adapters were saved on
+    (collective: every rank computes the same records)."""
+    saved = manifest.get("lora_bases") or {}
+    for name, one in named.items():
+        problem = base_problem(saved.get(name), base_record(one.model))
+        if problem:
+            arg = f"state[{name!r}]" if name else "state"
+            return str(
+                checkpoint_error(
+                    "load_checkpoint", arg, "the base model the checkpoint's adapters were trained on", problem
+                )
+            )
+    return None
 
 
 def _saved_shapes(path: Path) -> dict[str, list[int]]:
@@ -176,7 +193,8 @@ def load_checkpoint(directory: str | os.PathLike, state: TrainStates) -> tuple[T
     or is no directory, its manifest is missing (an interrupted save) or not JSON, a file is missing,
     truncated or altered (size, sha256); and ``argument 'state' ...``: other train-state names, or
     another model (it names the first parameter that is absent or of another global shape, with the
-    checkpoint's shape and this model's).
+    checkpoint's shape and this model's); LoRA adapters saved on another base model (it names the
+    architecture entries or the base weights that differ: :mod:`fnppo.io.checkpoint.base`).
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise checkpoint_error(
@@ -196,6 +214,7 @@ def load_checkpoint(directory: str | os.PathLike, state: TrainStates) -> tuple[T
     problem = check_files(path, manifest)
     if problem:
         raise CheckpointError(problem)
+    _raise_first(_check_bases(manifest, named))
     prefixes = {name: f"{name}." if name else "" for name in named}
     model_sds = {name: model_sharded_state_dict(one, prefixes[name]) for name, one in named.items()}
     try:

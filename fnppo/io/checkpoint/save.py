@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException: every rank's write errors)
 
 from fnppo.core.errors import input_error
+from fnppo.io.checkpoint.base import base_record
 from fnppo.io.checkpoint.content import (
     drop_filled_state,
     fill_empty_adam_state,
@@ -186,7 +187,9 @@ def save_checkpoint(
     parallel layout (TP, PP, VPP, DP, EP, CP). ``state``: a :class:`~fnppo.megatron.state.TrainState`, or a
     mapping of names to train states (all in one checkpoint; its ``step`` is the first state's).
     ``extra``: run state (data position, KL controller, settings, ...), the same on every rank (rank 0's is
-    written, every rank gets it back). Parameters tagged ``fnppo_lora_base`` are left out. Atomic: the
+    written, every rank gets it back). Parameters tagged ``fnppo_lora_base`` are left out; the manifest
+    records that base instead (:func:`fnppo.io.checkpoint.base.base_record`: its architecture and
+    layout-independent digests of its weights), which :func:`load_checkpoint` checks. Atomic: the
     checkpoint appears complete under ``directory`` or not at all (a checkpoint already there is
     replaced). Collective; returns the path. Raises :class:`CheckpointError` (on every rank, nothing
     left behind) when writing fails.
@@ -253,6 +256,7 @@ def _file_size_errors() -> Iterator[None]:
 
 def _write(directory: Path, tmp: Path, rank: int, state: Any, extra: Any, held: contextlib.ExitStack) -> None:
     sd, filled = sharded_checkpoint_state(state, extra, "save_checkpoint")
+    bases = {name: base_record(one.model) for name, one in named_states(state, "save_checkpoint").items()}
     try:
         holder: dict[str, Any] = {}
 
@@ -291,6 +295,7 @@ def _write(directory: Path, tmp: Path, rank: int, state: Any, extra: Any, held: 
             "step": sd["fnppo"]["step"],
             "states": sd["fnppo"]["names"],
             "layout": layout_record(),
+            "lora_bases": bases,
             "files": entries,
         }
         with open(tmp / MANIFEST, "w") as f:

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from fnppo.core.errors import input_error
-from fnppo.io.hf.families import SUPPORTED_ARCHITECTURES, VALUE_HEAD_LAYOUTS
+from fnppo.io.hf.families import FAMILIES, VALUE_HEAD_LAYOUTS, Family
 from fnppo.megatron.routing import moe_layer_indices
 from fnppo.megatron.unwrap import model_head, unwrap_model
 
@@ -42,19 +42,35 @@ class Arch:
     pre_softmax: bool = False
 
 
+def _holds(f: Family, c: Any, moe_layers: Sequence[int]) -> bool:
+    """Whether family ``f`` can describe a model of config ``c`` with MoE layers ``moe_layers``."""
+    if (f.moe is not None) != bool(moe_layers) or f.qk_norm != bool(c.qk_layernorm):
+        return False
+    if f.qkv_bias_key is None and f.qkv_bias != bool(c.add_qkv_bias):
+        return False
+    if f.moe is None:
+        return True
+    shared_ok = f.moe.shared_expert_key is not None or not c.moe_shared_expert_intermediate_size
+    return shared_ok and (f.moe.dense_layers_key is not None or len(moe_layers) == c.num_layers)
+
+
 def _family_of(core: nn.Module, c: Any, moe_layers: Sequence[int]) -> str:
-    """The Hugging Face family of a built model: the one ``build_gpt_from_hf`` recorded, else the one
-    its architecture implies (an MoE model without q/k norm, bias, shared expert or dense layers: Mixtral)."""
+    """The Hugging Face family of a built model: the one ``build_gpt_from_hf`` recorded, else the first
+    of :data:`FAMILIES` whose layout can hold its architecture (Llama before Mistral, Mixtral before
+    Qwen2-MoE: the family with the fewest options)."""
     recorded = getattr(core, "fnppo_hf_family", None)
-    if recorded in SUPPORTED_ARCHITECTURES:
+    if recorded in FAMILIES:
         return recorded
-    if not moe_layers:
-        return "qwen3" if c.qk_layernorm else "qwen2" if c.add_qkv_bias else "llama"
-    if c.qk_layernorm:
-        return "qwen3_moe"
-    if c.add_qkv_bias or c.moe_shared_expert_intermediate_size or len(moe_layers) < c.num_layers:
-        return "qwen2_moe"
-    return "mixtral"
+    held = [t for t, f in FAMILIES.items() if _holds(f, c, moe_layers)]
+    if not held:
+        raise input_error(
+            "fnppo.io.hf.model_arch",
+            "model_chunks",
+            "a layout one of the Hugging Face families has (" + ", ".join(FAMILIES) + ")",
+            f"qk_layernorm={bool(c.qk_layernorm)}, add_qkv_bias={bool(c.add_qkv_bias)}, "
+            f"MoE layers {list(moe_layers)}, shared expert {c.moe_shared_expert_intermediate_size}",
+        )
+    return held[0]
 
 
 def model_arch(fn: str, model_chunks: Sequence[nn.Module]) -> Arch:
@@ -88,7 +104,7 @@ def model_arch(fn: str, model_chunks: Sequence[nn.Module]) -> Arch:
             ("config.moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor, None),
             ("config.moe_shared_expert_gate", bool(c.moe_shared_expert_gate), bool(shared)),
         ]
-        if family == "mixtral":
+        if FAMILIES[family].moe.renormalize_key is None:  # always renormalized
             checks.append(("config.moe_router_pre_softmax", c.moe_router_pre_softmax, False))
     for name, have, want in checks:
         if have != want:
@@ -162,9 +178,10 @@ def expected_hf_shapes(
 
 def expert_names(a: Arch) -> tuple[str, tuple[str, str, str]]:
     """(the MoE block's prefix, the (gate, up, down) projection names of an expert) of the family."""
-    if a.family == "mixtral":
-        return "block_sparse_moe.", ("w1.weight", "w3.weight", "w2.weight")
-    return "mlp.", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+    moe = FAMILIES[a.family].moe
+    if moe is None:
+        raise input_error("fnppo.io.hf.expert_names", "a.family", "an MoE family", repr(a.family))
+    return moe.block, moe.expert_projs
 
 
 def _expected_moe(a: Arch, p: str) -> dict[str, tuple[int, ...]]:

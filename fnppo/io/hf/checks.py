@@ -15,7 +15,7 @@ from torch import nn
 from fnppo.core.errors import input_error
 from fnppo.io.hf.arch import Arch
 from fnppo.io.hf.config import LLAMA3_FIXED, hf_experts_key, hf_moe_layers
-from fnppo.io.hf.families import MOE_FAMILIES, QWEN_FAMILIES, SUPPORTED_ARCHITECTURES, CheckpointHead, checkpoint_head
+from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, CheckpointHead, MoELayout, checkpoint_head
 
 _FULL_ATTENTION = ("sliding_window", "use_sliding_window", "layer_types")
 
@@ -26,7 +26,7 @@ def _model_fields(core: nn.Module, a: Arch) -> dict[str, Any]:
     Rope and vocabulary come from the :class:`ModelConfig` that :func:`fnppo.megatron.build.build_gpt`
     keeps on the model (``fnppo_config``); a model built otherwise is compared on the rest.
     """
-    family = a.family
+    family, f = a.family, FAMILIES[a.family]
     c, mc = core.config, getattr(core, "fnppo_config", None)
     out: dict[str, Any] = {
         "model_type": family,
@@ -45,24 +45,23 @@ def _model_fields(core: nn.Module, a: Arch) -> dict[str, Any]:
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * a.num_layers,
     }
-    if family not in ("qwen2", "qwen2_moe"):
-        out["attention_bias"] = False  # Qwen2's q/k/v bias is part of its family
+    if f.attention_bias_key is not None:  # not read by families whose q/k/v bias is their own (Qwen2)
+        out[f.attention_bias_key] = False
+    if f.qkv_bias_key is not None:
+        out[f.qkv_bias_key] = a.qkv_bias
     if a.value:  # a policy's trunk or a classifier's trunk and head: checkpoint_head checks which
         del out["architectures"]
-    if family == "mixtral":
-        out.update(
-            intermediate_size=a.moe_ffn, num_experts=a.experts, num_experts_per_tok=a.topk, router_jitter_noise=0.0
-        )
-    elif family in MOE_FAMILIES:
-        out.update(
-            num_experts=a.experts,
-            num_experts_per_tok=a.topk,
-            moe_intermediate_size=a.moe_ffn,
-            norm_topk_prob=not a.pre_softmax,
-            dense_layers=[i for i in range(a.num_layers) if i not in a.moe_layers],
-        )
-        if family == "qwen2_moe":
-            out.update(qkv_bias=a.qkv_bias, shared_expert_intermediate_size=a.shared)
+    moe = f.moe
+    if moe is not None:
+        out.update({"num_experts": a.experts, "num_experts_per_tok": a.topk, moe.ffn_key: a.moe_ffn})
+        if moe.jitter_key is not None:
+            out[moe.jitter_key] = 0.0
+        if moe.renormalize_key is not None:
+            out[moe.renormalize_key] = not a.pre_softmax
+        if moe.dense_layers_key is not None:
+            out["dense_layers"] = [i for i in range(a.num_layers) if i not in a.moe_layers]
+        if moe.shared_expert_key is not None:
+            out[moe.shared_expert_key] = a.shared
     if mc is not None:
         out.update(
             vocab_size=mc.vocab_size,
@@ -103,11 +102,13 @@ def _file_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]
     """The architecture entries of a ``config.json`` as ``(field, key path in the file, value)``, in
     the order they are reported (family first); absent keys take transformers' defaults."""
     family = hf.get("model_type")
+    f = FAMILIES.get(family) if isinstance(family, str) else None
     out: list[tuple[str, tuple[str, ...], Any]] = [("model_type", ("model_type",), family)]
     if hf.get("architectures") is not None:
         out.append(("architectures", ("architectures",), list(hf["architectures"])))
-    if family in QWEN_FAMILIES:
-        out.append(("use_sliding_window", ("use_sliding_window",), bool(hf.get("use_sliding_window") or False)))
+    if f is not None and f.sliding_window_switch is not None:
+        key = f.sliding_window_switch
+        out.append((key, (key,), bool(hf.get(key) or False)))
     else:
         out.append(("sliding_window", ("sliding_window",), hf.get("sliding_window")))
     if hf.get("layer_types") is not None:
@@ -132,33 +133,30 @@ def _file_fields(hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]
         ("mlp_bias", ("mlp_bias",), bool(hf.get("mlp_bias") or False)),
         ("attention_bias", ("attention_bias",), bool(hf.get("attention_bias") or False)),
     ]
-    if family in MOE_FAMILIES:
-        out += _file_moe_fields(family, hf)
+    if f is not None and f.qkv_bias_key is not None:
+        out.append((f.qkv_bias_key, (f.qkv_bias_key,), bool(hf.get(f.qkv_bias_key, f.qkv_bias))))
+    if f is not None and f.moe is not None:
+        out += _file_moe_fields(f.moe, hf)
     return out
 
 
-def _file_moe_fields(family: str, hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
+def _file_moe_fields(moe: MoELayout, hf: Mapping[str, Any]) -> list[tuple[str, tuple[str, ...], Any]]:
     """The MoE entries of a ``config.json`` (absent keys: transformers' defaults, or left out)."""
-    experts = hf_experts_key(family, hf)
-    keys = {"num_experts": experts, "num_experts_per_tok": "num_experts_per_tok"}
-    if family != "mixtral":
-        keys["moe_intermediate_size"] = "moe_intermediate_size"
+    keys = {"num_experts": hf_experts_key(moe, hf), "num_experts_per_tok": "num_experts_per_tok"}
+    if moe.ffn_key != "intermediate_size":  # else compared with the dense entries
+        keys[moe.ffn_key] = moe.ffn_key
     out = [(field, (key,), hf[key]) for field, key in keys.items() if key in hf]
-    if family == "mixtral":
-        return out + [("router_jitter_noise", ("router_jitter_noise",), float(hf.get("router_jitter_noise") or 0.0))]
-    out.append(("norm_topk_prob", ("norm_topk_prob",), bool(hf.get("norm_topk_prob") or False)))
-    if isinstance(hf.get("num_hidden_layers"), int):
-        moe = hf_moe_layers(family, hf)
-        out.append(("dense_layers", ("mlp_only_layers",), [i for i in range(hf["num_hidden_layers"]) if i not in moe]))
-    if family == "qwen2_moe":
-        out += [
-            ("qkv_bias", ("qkv_bias",), bool(hf.get("qkv_bias", True))),
-            (
-                "shared_expert_intermediate_size",
-                ("shared_expert_intermediate_size",),
-                int(hf.get("shared_expert_intermediate_size") or 0),
-            ),
-        ]
+    if moe.jitter_key is not None:
+        out.append((moe.jitter_key, (moe.jitter_key,), float(hf.get(moe.jitter_key) or 0.0)))
+    if moe.renormalize_key is not None:
+        out.append((moe.renormalize_key, (moe.renormalize_key,), bool(hf.get(moe.renormalize_key) or False)))
+    if moe.dense_layers_key is not None and isinstance(hf.get("num_hidden_layers"), int):
+        layers = hf_moe_layers(moe, hf)
+        dense = [i for i in range(hf["num_hidden_layers"]) if i not in layers]
+        out.append(("dense_layers", (moe.dense_layers_key,), dense))
+    if moe.shared_expert_key is not None:
+        key = moe.shared_expert_key
+        out.append((key, (key,), int(hf.get(key) or 0)))
     return out
 
 

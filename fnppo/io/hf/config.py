@@ -2,7 +2,9 @@
 :class:`fnppo.megatron.config.ModelConfig` (family, sizes, rope, MoE router), :func:`build_gpt_from_hf`
 builds this rank's model chunks from it.
 
-Families: Llama (arXiv:2302.13971; RoPE theta and Llama 3 ``"llama3"`` rope scaling), Qwen2
+Families (one record each: :data:`fnppo.io.hf.families.FAMILIES`): Llama (arXiv:2302.13971; RoPE
+theta and Llama 3 ``"llama3"`` rope scaling), Mistral (arXiv:2310.06825; Llama's layout, without
+sliding window), Qwen2
 (arXiv:2407.10671; bias on q/k/v) and Qwen3 (arXiv:2505.09388; RMSNorm on queries and keys per head,
 ``head_dim`` independent of ``hidden_size``). All use RMSNorm, SwiGLU, RoPE (arXiv:2104.09864) and
 grouped-query attention, tied or untied embeddings. Refused with a clear error: other
@@ -43,7 +45,7 @@ from typing import Any
 from torch import nn
 
 from fnppo.core.errors import input_error
-from fnppo.io.hf.families import MOE_FAMILIES, QWEN_FAMILIES, SUPPORTED_ARCHITECTURES, checkpoint_head
+from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, MoELayout, checkpoint_head
 from fnppo.megatron.build import build_gpt
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.parallel import current_layout
@@ -117,7 +119,7 @@ def _rope(fn: str, hf: Mapping[str, Any]) -> tuple[float, bool, float]:
 
 
 def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
-    """A :class:`ModelConfig` equivalent to a Hugging Face Llama / Qwen2 / Qwen3 ``config.json``.
+    """A :class:`ModelConfig` equivalent to a Hugging Face Llama / Mistral / Qwen2 / Qwen3 ``config.json``.
 
     ``config_or_path``: a dict, a ``transformers`` config object, a ``config.json`` path or a local
     checkpoint directory. Maps ``num_hidden_layers``, ``hidden_size``, ``intermediate_size``,
@@ -133,6 +135,7 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
     fn = "fnppo.io.hf.model_config_from_hf"
     hf = read_hf_config(fn, "config_or_path", config_or_path)
     family = _family(fn, hf)
+    f = FAMILIES[family]
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(hf.get(key), int):
             raise input_error(fn, f"config.{key}", "an int", repr(hf.get(key)))
@@ -141,12 +144,12 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         raise input_error(fn, "config.hidden_act", "'silu' (SwiGLU)", repr(act))
     if hf.get("mlp_bias", False):
         raise input_error(fn, "config.mlp_bias", "False", repr(hf.get("mlp_bias")))
-    if family not in ("qwen2", "qwen2_moe") and hf.get("attention_bias", False):
+    if f.attention_bias_key is not None and hf.get(f.attention_bias_key, False):
         raise input_error(
             fn,
-            "config.attention_bias",
+            f"config.{f.attention_bias_key}",
             f"False (o_proj bias without MLP bias has no Megatron equivalent) for {family}",
-            repr(hf.get("attention_bias")),
+            repr(hf.get(f.attention_bias_key)),
         )
     if hf.get("use_sliding_window", False):
         raise input_error(
@@ -155,7 +158,7 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
             "False (sliding-window attention is not supported)",
             repr(hf.get("use_sliding_window")),
         )
-    if family not in QWEN_FAMILIES and hf.get("sliding_window") is not None:
+    if f.sliding_window_switch is None and hf.get("sliding_window") is not None:
         raise input_error(
             fn,
             "config.sliding_window",
@@ -185,8 +188,8 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         swiglu=True,
         add_bias_linear=False,
-        add_qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=bool(hf.get(f.qkv_bias_key, f.qkv_bias)) if f.qkv_bias_key else f.qkv_bias,
+        qk_layernorm=f.qk_norm,
         position_embedding_type="rope",
         rotary_base=theta,
         rotary_percent=1.0,
@@ -198,8 +201,8 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
         attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         hidden_dropout=0.0,
     )
-    if family in MOE_FAMILIES:
-        kwargs.update(_moe_config(fn, family, hf))
+    if f.moe is not None:
+        kwargs.update(_moe_config(fn, f.moe, hf))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -208,33 +211,34 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
     return ModelConfig(**kwargs)
 
 
-def hf_experts_key(family: str, hf: Mapping[str, Any]) -> str:
-    """The key of the expert count: ``num_local_experts`` (Mixtral; Qwen3-MoE from transformers 5)
-    or ``num_experts`` (Qwen2-MoE; Qwen3-MoE from transformers 4)."""
-    return "num_local_experts" if family == "mixtral" or "num_local_experts" in hf else "num_experts"
+def hf_experts_key(moe: MoELayout, hf: Mapping[str, Any]) -> str:
+    """The key of the expert count: the family's (``num_local_experts``: Mixtral; ``num_experts``:
+    Qwen2-MoE, Qwen3-MoE from transformers 4), or ``num_local_experts`` where the config has it
+    (Qwen3-MoE from transformers 5)."""
+    return "num_local_experts" if "num_local_experts" in hf else moe.experts_key
 
 
-def hf_moe_layers(family: str, hf: Mapping[str, Any]) -> list[int]:
+def hf_moe_layers(moe: MoELayout, hf: Mapping[str, Any]) -> list[int]:
     """Global indices of a Hugging Face MoE config's MoE layers (Qwen-MoE: not in
     ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``; Mixtral: every layer)."""
     n = hf["num_hidden_layers"]
-    if family == "mixtral":
+    if moe.dense_layers_key is None:
         return list(range(n))
-    if not hf.get(hf_experts_key(family, hf)):
+    if not hf.get(hf_experts_key(moe, hf)):
         return []
-    dense = set(hf.get("mlp_only_layers") or [])
+    dense = set(hf.get(moe.dense_layers_key) or [])
     step = hf.get("decoder_sparse_step") or 1
     return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
-def _moe_config(fn: str, family: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_config(fn: str, moe: MoELayout, hf: Mapping[str, Any]) -> dict[str, Any]:
     """:class:`ModelConfig` MoE fields of a Qwen2-MoE / Qwen3-MoE / Mixtral config (module docstring)."""
-    experts_key = hf_experts_key(family, hf)
-    ffn_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    experts_key = hf_experts_key(moe, hf)
+    ffn_key = moe.ffn_key
     for key in (experts_key, "num_experts_per_tok", ffn_key):
         if not isinstance(hf.get(key), int) or hf[key] < 1:
             raise input_error(fn, f"config.{key}", "an int >= 1", repr(hf.get(key)))
-    layers = hf_moe_layers(family, hf)
+    layers = hf_moe_layers(moe, hf)
     if not layers:
         raise input_error(
             fn,
@@ -250,13 +254,13 @@ def _moe_config(fn: str, family: str, hf: Mapping[str, Any]) -> dict[str, Any]:
             repr(hf.get("router_jitter_noise")),
         )
     n = hf["num_hidden_layers"]
-    shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    shared = int(hf.get(moe.shared_expert_key) or 0) if moe.shared_expert_key else 0
     return dict(
         num_experts=hf[experts_key],
         moe_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf[ffn_key],
         moe_layer_freq=1 if len(layers) == n else tuple(int(i in layers) for i in range(n)),
-        moe_pre_softmax=family != "mixtral" and not hf.get("norm_topk_prob", False),
+        moe_pre_softmax=moe.renormalize_key is not None and not hf.get(moe.renormalize_key, False),
         moe_shared_expert_size=shared or None,
         moe_shared_expert_gate=bool(shared),
         moe_router_dtype=None,

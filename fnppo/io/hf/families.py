@@ -12,39 +12,119 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from fnppo.core.errors import input_error
 
-SUPPORTED_ARCHITECTURES: Mapping[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
+
+@dataclasses.dataclass(frozen=True)
+class MoELayout:
+    """How a Mixture-of-Experts family names and configures its experts (top-k softmax routers)."""
+
+    block: str  # the MoE block's prefix inside a layer: "mlp." (Qwen-MoE) or "block_sparse_moe." (Mixtral)
+    expert_projs: tuple[str, str, str]  # an expert's (gate, up, down) tensors
+    experts_key: str  # the expert count's key (transformers 5 also writes "num_local_experts" for Qwen3-MoE)
+    ffn_key: str  # the experts' hidden size: "moe_intermediate_size", or "intermediate_size" (Mixtral)
+    dense_layers_key: str | None  # "mlp_only_layers" (with decoder_sparse_step); None: every layer an MoE layer
+    renormalize_key: str | None  # "norm_topk_prob"; None: the top-k probabilities are always renormalized
+    shared_expert_key: str | None = None  # the shared expert's hidden size (Qwen2-MoE), None: no shared expert
+    jitter_key: str | None = None  # the router's jitter noise (must be 0), None: the family has none
+    mlp_names_are_experts: bool = False  # PEFT reads gate_proj / up_proj / down_proj as the experts' names
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One Hugging Face family: every fact that loading, export and the config checks read about it.
+
+    Adding a family is one record in :data:`FAMILIES` plus a round-trip test (tests/test_hf.py's
+    ``FAMILIES`` / ``MOE_FAMILIES``). All families use RMSNorm, SwiGLU, RoPE and the Llama tensor names
+    (``model.layers.i.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ...).
+    """
+
+    model_type: str
+    classes: str  # transformers' class prefix: <classes>ForCausalLM, ...ForTokenClassification, ...
+    qkv_bias: bool = False  # bias on q/k/v (Qwen2)
+    qkv_bias_key: str | None = None  # the config key that switches it (default: qkv_bias), None: fixed
+    attention_bias_key: str | None = "attention_bias"  # a config key that must be false (None: not read)
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
+    sliding_window_switch: str | None = None  # "use_sliding_window": sliding_window is only used when it is
+    # true (Qwen); None: a set sliding_window means sliding-window attention
+    moe: MoELayout | None = None
+
+    @property
+    def causal_lm(self) -> str:
+        return self.classes + "ForCausalLM"
+
+
+_QWEN_MOE = MoELayout(
+    block="mlp.",
+    expert_projs=("gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    experts_key="num_experts",
+    ffn_key="moe_intermediate_size",
+    dense_layers_key="mlp_only_layers",
+    renormalize_key="norm_topk_prob",
+)
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {
+        f.model_type: f
+        for f in (
+            Family("llama", "Llama"),  # arXiv:2302.13971
+            Family(
+                "qwen2", "Qwen2", qkv_bias=True, attention_bias_key=None, sliding_window_switch="use_sliding_window"
+            ),
+            Family("qwen3", "Qwen3", qk_norm=True, sliding_window_switch="use_sliding_window"),
+            Family(
+                "mixtral",
+                "Mixtral",
+                moe=MoELayout(
+                    block="block_sparse_moe.",
+                    expert_projs=("w1.weight", "w3.weight", "w2.weight"),
+                    experts_key="num_local_experts",
+                    ffn_key="intermediate_size",
+                    dense_layers_key=None,
+                    renormalize_key=None,
+                    jitter_key="router_jitter_noise",
+                    mlp_names_are_experts=True,
+                ),
+            ),
+            Family(
+                "qwen2_moe",
+                "Qwen2Moe",
+                qkv_bias=True,
+                qkv_bias_key="qkv_bias",
+                attention_bias_key=None,
+                sliding_window_switch="use_sliding_window",
+                moe=dataclasses.replace(_QWEN_MOE, shared_expert_key="shared_expert_intermediate_size"),
+            ),
+            Family(
+                "qwen3_moe",
+                "Qwen3Moe",
+                qk_norm=True,
+                sliding_window_switch="use_sliding_window",
+                moe=dataclasses.replace(_QWEN_MOE, mlp_names_are_experts=True),
+            ),
+            Family("mistral", "Mistral"),  # arXiv:2310.06825: Llama's layout; sliding_window must be null
+        )
+    }
+)
+"""``model_type`` -> the :class:`Family` record (immutable)."""
+
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({t: f.causal_lm for t, f in FAMILIES.items()})
 """``model_type`` -> ``architectures`` entry of the supported Hugging Face families (policies)."""
-_CLASSES = {
-    "llama": "Llama",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "qwen2_moe": "Qwen2Moe",
-    "qwen3_moe": "Qwen3Moe",
-    "mixtral": "Mixtral",
-}
-TOKEN_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = {t: c + "ForTokenClassification" for t, c in _CLASSES.items()}
+TOKEN_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {t: f.classes + "ForTokenClassification" for t, f in FAMILIES.items()}
+)
 """``model_type`` -> transformers' per-token classifier of the family (``score.weight`` ``[num_labels,
 hidden]`` and, unless ``token_classification_bias`` is false, ``score.bias``): with ``num_labels=1``
 a value model, what :func:`export_hf_weights` writes for one."""
-SEQUENCE_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = {
-    t: c + "ForSequenceClassification" for t, c in _CLASSES.items()
-}
+SEQUENCE_CLASSIFICATION_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {t: f.classes + "ForSequenceClassification" for t, f in FAMILIES.items()}
+)
 """``model_type`` -> transformers' sequence classifier of the family (``score.weight`` ``[num_labels,
 hidden]``, no bias, applied per token and read at the last one): with ``num_labels=1`` a reward or
 value model, loadable into a value model."""
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
-QWEN_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # sliding window switched by use_sliding_window
+MOE_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.moe is not None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ from torch import nn
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
+from fnppo.io.hf.families import FAMILIES
 from fnppo.io.hf.keys import param_rule
 from fnppo.io.hf.layouts import read_shard, to_hf
 from fnppo.io.hf.peft_experts import PARAMS, expert_targets, from_peft_experts, to_peft_experts
@@ -126,7 +127,8 @@ def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], o
         if not bool(b.ne(0).any()):
             continue  # a zero adapter adds nothing
         kind, modules = _modules(fn, a, gname)
-        if a.moe_layers and a.family in ("qwen3_moe", "mixtral") and set(modules) & _EXPERT_LIKE:
+        moe = FAMILIES[a.family].moe
+        if a.moe_layers and moe is not None and moe.mlp_names_are_experts and set(modules) & _EXPERT_LIKE:
             raise input_error(
                 fn,
                 "model_chunks",
