@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,14 @@ def wandb_records(path: Path) -> list:
 
 
 def wandb_data(root: Path, run_id: str = "*") -> tuple[dict, dict, bool]:
-    """({metric: [(step, value)]}, config, finished) of the one offline run (``run_id``) under ``root/wandb``."""
+    """({metric: [(step, value)]}, config, finished) of the one offline run (``run_id``) under ``root/wandb``.
+
+    W&B's service process writes the log: right after ``run.finish()`` returns it may still be empty
+    (seen with wandb 0.31), so this waits (up to 30 s) for the run's exit record."""
     (log,) = root.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log)):
+        time.sleep(0.05)
     history: dict = {}
     config: dict = {}
     finished = False
@@ -160,11 +167,13 @@ def test_a_resumed_tensorboard_run_has_each_step_once(tmp_path):
 def _crash_and_resume(name: str, root: Path) -> None:
     """A run logs steps 1..4 and dies after its step-2 checkpoint; resumed from it, steps 3..5 again
     with other values."""
-    first = open_sinks([name], root, run_name="r")
+    first = open_sinks(name, root, run_name="r")
     for step in range(1, 5):
         log_metrics(first, step, {"loss": float(step)})
     close_sinks(first)
-    resumed = open_sinks([name], root, run_name="r", resume_step=2)
+    if "wandb" in name:  # a resumed process starts after the earlier one's log is written
+        wandb_data(root)
+    resumed = open_sinks(name, root, run_name="r", resume_step=2)
     log_hparams(resumed, {"lr": 0.5})
     for step in range(3, 6):
         log_metrics(resumed, step, {"loss": 10.0 * step})
@@ -218,3 +227,20 @@ def test_a_resume_without_a_recorded_run_opens_a_fresh_one(tmp_path, monkeypatch
     close_sinks(resumed)
     assert mlflow_data(tmp_path / "mlruns")[0] == {"loss": [(3, 3.0)]}
     assert wandb_data(tmp_path)[0] == {"loss": [(3, 3.0)]}
+
+
+def test_a_run_resumed_twice_has_each_step_once(tmp_path, monkeypatch):
+    """Resumed at step 2 (logs 3..5, dies), then at step 4: the second resume copies from the first
+    resumed run (the recorded run id moves to each new run), so steps 1..2, 3..4, 5..6 come from
+    the three processes in turn."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    _crash_and_resume("mlflow,wandb", tmp_path)
+    wandb_data(tmp_path, json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"])
+    again = open_sinks("mlflow,wandb", tmp_path, run_name="r", resume_step=4)
+    for step in (5, 6):
+        log_metrics(again, step, {"loss": 100.0 * step})
+    close_sinks(again)
+    want = {"loss": [*RESUMED[:4], (5, 500.0), (6, 600.0)]}
+    assert mlflow_data(tmp_path / "mlruns")[0] == want
+    new_id = json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"]
+    assert wandb_data(tmp_path, new_id)[0] == want

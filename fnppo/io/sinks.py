@@ -161,7 +161,8 @@ class WandbSink:
     run (same name) that starts with the earlier run's steps up to ``resume_step``, copied from that
     run's transaction log, and continues with this process's steps: each step once, with the resumed
     run's values. The earlier run's folder stays as it was (``wandb/latest-run`` is the new one); the
-    new run's notes name it. The run id is recorded in ``wandb/fnppo-run.json``."""
+    new run's notes name it. The run id is recorded in ``wandb/fnppo-run.json``. (W&B's service
+    process writes the log: right after :meth:`close` it may still be incomplete for a moment.)"""
 
     def __init__(
         self,
