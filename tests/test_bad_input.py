@@ -696,6 +696,23 @@ def _sample(prompt: list[int], response: list[int], **kw) -> Sample:
     return Sample.from_lists(prompt, response, advantages=1.0, old_logprobs=[-1.0] * len(response), **kw)
 
 
+def _export_where_rank0_cannot_write(ddp) -> None:
+    """Export into a fresh directory holding a directory named ``model.safetensors``: rank 0 cannot
+    replace it by the weights file (IsADirectoryError), every rank gets the error."""
+    import shutil
+    import tempfile
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    (Path(box[0]) / "model.safetensors").mkdir(exist_ok=True)
+    try:
+        fnppo.hf.export_hf_weights(ddp, box[0])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(box[0])
+
+
 def _step_errors() -> dict:
     """Each bad call's (error type, message); then: were the parameters untouched, does a good step work?"""
     cfg = tiny_model_config(vocab_size=VOCAB, max_seq_len=MAX_LEN)
@@ -746,6 +763,7 @@ def _step_errors() -> dict:
             ddp, "/nonexistent", max_shard_bytes=True
         ),
         "export_hf_weights-onto-a-file": lambda: fnppo.hf.export_hf_weights(ddp, __file__),
+        "export_hf_weights-rank0-cannot-write": lambda: _export_where_rank0_cannot_write(ddp),
         # these raise inside Megatron's schedule (on every TP rank alike), before any update
         "train_step-policy-integer-loss": lambda: fnppo.train_step(
             state, good, _policy_step(lambda x: (x.advantages.long(), {}))
@@ -817,6 +835,13 @@ STEP_CASES = {
         "path",
         "a new or existing directory",
         "an existing file (not replaced)",
+    ),
+    "export_hf_weights-rank0-cannot-write": (
+        fnppo.checkpoint.CheckpointError,
+        "export_hf_weights",
+        "path",
+        "a directory rank 0 can write the weights into",
+        "IsADirectoryError",
     ),
     "train_step-policy-integer-loss": (
         InputError,

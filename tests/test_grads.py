@@ -127,7 +127,8 @@ def _unwrapped_errors() -> dict:
             fn([raw])
             out[name] = "no error"
         except Exception as err:  # noqa: BLE001 - the type and message are what is tested
-            out[name] = f"{type(err).__name__}: {err}"
+            kinds = "+".join(k.__name__ for k in (fnppo.InputError, TypeError) if isinstance(err, k))
+            out[name] = f"{kinds}: {err}"
     return out
 
 
@@ -250,14 +251,17 @@ def test_finalize_grads_reduces_over_data_parallel(dp_case, optimizer):
 
 
 def test_grad_norm_rejects_chunks_without_ddp(layouts):
+    """An InputError (the documented type) that is still a TypeError (what it was before)."""
     results = layouts["tp2"]
     msg = results[0]["errors"]["grad_norm"]
-    assert msg.startswith("TypeError: grad_norm: argument 'model_chunks' expected Megatron DistributedDataParallel")
+    assert msg.startswith(
+        "InputError+TypeError: grad_norm: argument 'model_chunks' expected Megatron DistributedDataParallel"
+    ), msg
     assert "received GPTModel" in msg
 
 
 def test_finalize_grads_rejects_chunks_without_ddp(layouts):
     results = layouts["tp2"]
     msg = results[0]["errors"]["finalize_grads"]
-    assert msg.startswith("TypeError: finalize_grads: argument 'model_chunks' expected"), msg
+    assert msg.startswith("InputError+TypeError: finalize_grads: argument 'model_chunks' expected"), msg
     assert "received GPTModel" in msg

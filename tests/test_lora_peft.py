@@ -14,6 +14,7 @@ PEFT's logits within 1e-5.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,13 @@ def _worker(root: str, ids: torch.Tensor) -> dict:
         (lp,), _ = fnppo.compute_logprobs(model, sample)
         (off,), _ = fnppo.compute_logprobs(model, sample, params=fnppo.lora.adapters_off(model))
         fnppo.lora.save_peft_adapter(model, f"{root}/{name}-adapter")
+        blocked = Path(root) / f"{name}-blocked"  # the weights file's name taken by a directory
+        (blocked / "adapter_model.safetensors").mkdir(parents=True, exist_ok=True)
+        try:
+            fnppo.lora.save_peft_adapter(model, blocked)
+            out[f"{name}-blocked"] = "no error"
+        except Exception as err:  # noqa: BLE001 - the type and message are what is tested
+            out[f"{name}-blocked"] = f"{type(err).__name__}: {err}"
         fnppo.hf.export_hf_weights(model, f"{root}/{name}-merged", hf_config=base)
         streamed = {k: v.clone() for k, v in itertools.chain.from_iterable(fnppo.hf.stream_hf_weights(model))}
         out[name] = {"logprobs": lp, "off": off, "empty": empty, "streamed": streamed}
@@ -128,3 +136,11 @@ def test_merged_export_is_the_adapted_model(reference, runs, layout):
     streamed = runs[0][layout]["streamed"]
     assert sorted(streamed) == sorted(files)
     assert all(torch.equal(streamed[k], files[k]) for k in files)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_an_adapter_rank0_cannot_write_is_a_checkpoint_error_on_every_rank(runs, layout):
+    for rank in range(2):
+        msg = runs[rank][f"{layout}-blocked"]
+        head = "CheckpointError: fnppo.lora.save_peft_adapter: argument 'path' expected a directory rank 0 can write"
+        assert msg.startswith(head) and "-blocked" in msg and "Is a directory" in msg, (rank, msg)

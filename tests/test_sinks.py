@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,15 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def wandb_data(root: Path) -> tuple[dict, dict, bool]:
-    """({metric: [(step, value)]}, config, finished) of the one offline run under ``root/wandb``."""
-    (log,) = root.glob("wandb/offline-run-*/run-*.wandb")
+def wandb_data(root: Path, run_id: str = "*") -> tuple[dict, dict, bool]:
+    """({metric: [(step, value)]}, config, finished) of the one offline run (``run_id``) under ``root/wandb``.
+
+    W&B's service process writes the log: right after ``run.finish()`` returns it may still be empty
+    (seen with wandb 0.31), so this waits (up to 30 s) for the run's exit record."""
+    (log,) = root.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log)):
+        time.sleep(0.05)
     history: dict = {}
     config: dict = {}
     finished = False
@@ -155,3 +162,85 @@ def test_a_resumed_tensorboard_run_has_each_step_once(tmp_path):
     acc.Reload()
     scalars = {"loss": [(e.step, e.value) for e in acc.Scalars("loss")]}
     assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)], scalars["loss"]
+
+
+def _crash_and_resume(name: str, root: Path) -> None:
+    """A run logs steps 1..4 and dies after its step-2 checkpoint; resumed from it, steps 3..5 again
+    with other values."""
+    first = open_sinks(name, root, run_name="r")
+    for step in range(1, 5):
+        log_metrics(first, step, {"loss": float(step)})
+    close_sinks(first)
+    if "wandb" in name:  # a resumed process starts after the earlier one's log is written
+        wandb_data(root)
+    resumed = open_sinks(name, root, run_name="r", resume_step=2)
+    log_hparams(resumed, {"lr": 0.5})
+    for step in range(3, 6):
+        log_metrics(resumed, step, {"loss": 10.0 * step})
+    close_sinks(resumed)
+
+
+RESUMED = [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+
+def test_a_resumed_mlflow_run_has_each_step_once(tmp_path):
+    """MLflow's client sees one run (the earlier one is soft-deleted, tagged with its successor) whose
+    history has each step once: steps 1..2 copied from the earlier run, 3..5 the resumed run's."""
+    _crash_and_resume("mlflow", tmp_path)
+    history, params, status = mlflow_data(tmp_path / "mlruns")
+    assert history == {"loss": RESUMED}, history
+    assert params == {"lr": "0.5"} and status == "FINISHED"
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    exp = client.get_experiment_by_name("fnppo").experiment_id
+    (old,) = client.search_runs([exp], run_view_type=ViewType.DELETED_ONLY)
+    (new,) = client.search_runs([exp])
+    assert sorted((m.step, m.value) for m in client.get_metric_history(old.info.run_id, "loss")) == [
+        (s, float(s)) for s in range(1, 5)
+    ]  # the earlier run is kept, only hidden
+    assert old.data.tags["fnppo.superseded_by"] == new.info.run_id
+    assert new.data.tags["fnppo.resumed_from"] == old.info.run_id and new.info.run_name == "r"
+
+
+def test_a_resumed_wandb_run_has_each_step_once(tmp_path, monkeypatch):
+    """The resumed process's offline W&B run (``wandb/latest-run``) has each step once: 1..2 copied from
+    the earlier run's transaction log, 3..5 its own; the earlier run's log is left as it was."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    _crash_and_resume("wandb", tmp_path)
+    new_id = json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"]
+    assert (tmp_path / "wandb" / "latest-run").resolve().name.endswith(new_id)
+    history, config, finished = wandb_data(tmp_path, new_id)
+    assert history == {"loss": RESUMED}, history
+    assert config["lr"] == 0.5 and finished
+    (old_dir,) = [d for d in (tmp_path / "wandb").glob("offline-run-*") if not d.name.endswith(new_id)]
+    old_history, _, _ = wandb_data(tmp_path, old_dir.name.rsplit("-", 1)[1])
+    assert old_history == {"loss": [(s, float(s)) for s in range(1, 5)]}
+
+
+def test_a_resume_without_a_recorded_run_opens_a_fresh_one(tmp_path, monkeypatch):
+    """Resuming where no sink recorded a run (logging newly turned on) logs the resumed steps only."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    resumed = open_sinks(["mlflow", "wandb"], tmp_path, resume_step=2)
+    log_metrics(resumed, 3, {"loss": 3.0})
+    close_sinks(resumed)
+    assert mlflow_data(tmp_path / "mlruns")[0] == {"loss": [(3, 3.0)]}
+    assert wandb_data(tmp_path)[0] == {"loss": [(3, 3.0)]}
+
+
+def test_a_run_resumed_twice_has_each_step_once(tmp_path, monkeypatch):
+    """Resumed at step 2 (logs 3..5, dies), then at step 4: the second resume copies from the first
+    resumed run (the recorded run id moves to each new run), so steps 1..2, 3..4, 5..6 come from
+    the three processes in turn."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    _crash_and_resume("mlflow,wandb", tmp_path)
+    wandb_data(tmp_path, json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"])
+    again = open_sinks("mlflow,wandb", tmp_path, run_name="r", resume_step=4)
+    for step in (5, 6):
+        log_metrics(again, step, {"loss": 100.0 * step})
+    close_sinks(again)
+    want = {"loss": [*RESUMED[:4], (5, 500.0), (6, 600.0)]}
+    assert mlflow_data(tmp_path / "mlruns")[0] == want
+    new_id = json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"]
+    assert wandb_data(tmp_path, new_id)[0] == want

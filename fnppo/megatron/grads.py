@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from torch import nn
 
+from fnppo.core.errors import InputError, input_error
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 
 __all__ = ["GradStats", "finalize_grads", "grad_norm", "FinalizeNotCalledError"]
@@ -96,10 +97,7 @@ def grad_norm(model_chunks: Sequence[nn.Module], *, layout: ParallelLayout | Non
     for chunk in model_chunks:
         ddp_cfg = getattr(chunk, "ddp_config", None)
         if ddp_cfg is None:
-            raise TypeError(
-                "grad_norm: argument 'model_chunks' expected Megatron DistributedDataParallel chunks, "
-                f"received {type(chunk).__name__}"
-            )
+            raise _not_wrapped("grad_norm", chunk)
         distributed = distributed or ddp_cfg.use_distributed_optimizer
         for buffer in chunk.buffers:
             sq = _buffer_sq_sum(buffer, ddp_cfg.use_distributed_optimizer, tp_rank)
@@ -120,6 +118,16 @@ def grad_norm(model_chunks: Sequence[nn.Module], *, layout: ParallelLayout | Non
     return sums.sum().sqrt()
 
 
+class NotWrappedError(InputError, TypeError):
+    """Model chunks not wrapped by ``fnppo.wrap_ddp``: an :class:`~fnppo.core.errors.InputError` (the
+    documented type), and a ``TypeError`` as before, so that ``except TypeError`` still catches it."""
+
+
+def _not_wrapped(fn: str, chunk: nn.Module) -> NotWrappedError:
+    expected = "Megatron DistributedDataParallel chunks (fnppo.wrap_ddp)"
+    return NotWrappedError(str(input_error(fn, "model_chunks", expected, type(chunk).__name__)))
+
+
 def finalize_grads(
     model_chunks: Sequence[nn.Module], *, num_tokens: torch.Tensor | None = None, layout: ParallelLayout | None = None
 ) -> GradStats:
@@ -137,10 +145,7 @@ def finalize_grads(
     """
     for chunk in model_chunks:
         if getattr(chunk, "ddp_config", None) is None:
-            raise TypeError(
-                "finalize_grads: argument 'model_chunks' expected Megatron DistributedDataParallel chunks "
-                f"(fnppo.wrap_ddp), received {type(chunk).__name__}"
-            )
+            raise _not_wrapped("finalize_grads", chunk)
     finalize_model_grads(list(model_chunks), num_tokens=num_tokens)
     norm = grad_norm(model_chunks, layout=layout)
     return GradStats(grad_norm=norm, finite=bool(torch.isfinite(norm).item()))

@@ -20,6 +20,7 @@ from torch import nn
 
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import Tensor
+from fnppo.io.checkpoint.manifest import checkpoint_error
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
 from fnppo.io.hf.config import model_config_from_hf, read_hf_config
@@ -109,6 +110,9 @@ def export_hf_weights(
     policy's or a value or reward model's config), a ``config.json`` naming that class with one
     label (``id2label``, ``label2id``, ``num_labels``) and ``token_classification_bias: true``:
     ``AutoModelForTokenClassification.from_pretrained(path)(ids).logits[..., 0]`` are the values.
+
+    Raises a :class:`~fnppo.io.checkpoint.manifest.CheckpointError` on every rank when rank 0 fails to
+    finish the files (naming the path and the cause, e.g. ``IsADirectoryError``).
     """
     fn = "fnppo.io.hf.export_hf_weights"
     a = model_arch(fn, model_chunks)
@@ -147,7 +151,9 @@ def export_hf_weights(
             error[0] = f"{type(err).__name__}: {err}"
     dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise RuntimeError(f"{fn}: rank 0 failed to write {str(out)!r}: {error[0]}")
+        raise checkpoint_error(
+            fn, "path", "a directory rank 0 can write the weights into", f"{str(out)!r} ({error[0]})"
+        )
 
 
 _Part = tuple[str, list[str], int]  # (a written shard's temporary file name, its tensors' names, its bytes)

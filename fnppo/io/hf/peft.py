@@ -33,6 +33,7 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
+from fnppo.io.checkpoint.manifest import checkpoint_error
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.families import FAMILIES
 from fnppo.io.hf.keys import param_rule
@@ -99,6 +100,7 @@ def save_peft_adapter(
         InputError: a model without adapters; a Qwen3-MoE or Mixtral model with non-zero adapters on
             a dense MLP (PEFT reads ``gate_proj`` / ``up_proj`` / ``down_proj`` of these families as
             the experts' names).
+        CheckpointError: rank 0 failed to write the files (the message names the path and the cause).
     """
     fn = "fnppo.lora.save_peft_adapter"
     config = lora_config_of(model_chunks)
@@ -115,7 +117,9 @@ def save_peft_adapter(
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise RuntimeError(f"{fn}: rank 0 failed to write {str(path)!r}: {error[0]}")
+        raise checkpoint_error(
+            fn, "path", "a directory rank 0 can write the adapter into", f"{str(path)!r} ({error[0]})"
+        )
 
 
 def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], out: Path, base: str | None) -> None:
