@@ -25,7 +25,9 @@ import torch
 __all__ = [
     "InputError",
     "ShapeError",
+    "CheckpointError",
     "input_error",
+    "checkpoint_error",
     "describe",
     "check_mask01",
     "check_finite",
@@ -71,6 +73,17 @@ def describe(t: Any) -> str:
 def input_error(fn: str, arg: str, expected: str, received: str) -> InputError:
     """Build the standard error: function, argument, what was expected, what was received."""
     return InputError(f"{fn}: argument '{arg}' expected {expected}, received {received}")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or a file to be written is missing, incomplete, corrupt, unwritable, or does not fit
+    the current run. Its message has the one format of every refusal: ``<function>: argument
+    '<argument>' expected <what>, received <what>``."""
+
+
+def checkpoint_error(fn: str, arg: str, expected: str, received: str) -> CheckpointError:
+    """The standard message (:func:`input_error`'s) as a :class:`CheckpointError`."""
+    return CheckpointError(str(input_error(fn, arg, expected, received)))
 
 
 def check_mask01(fn: str, arg: str, mask: torch.Tensor) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import CheckpointError as CheckpointError
+from fnppo.core.errors import checkpoint_error as checkpoint_error
 
 __all__ = [
     "CheckpointError",
@@ -38,16 +39,6 @@ MANIFEST = "manifest.json"
 FORMAT = "fnppo-checkpoint-2"  # Megatron distributed checkpoint (torch_dist) + this manifest
 TMP_MARK = ".tmp-"  # a save in progress (or one that died): ".<name>.tmp-<id>" next to the final name
 logger = logging.getLogger("fnppo.checkpoint")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not fit the current run. Its message has the
-    one format of every refusal: ``<function>: argument '<argument>' expected <what>, received <what>``."""
-
-
-def checkpoint_error(fn: str, arg: str, expected: str, received: str) -> CheckpointError:
-    """The standard message (:func:`fnppo.core.errors.input_error`'s) as a :class:`CheckpointError`."""
-    return CheckpointError(str(input_error(fn, arg, expected, received)))
 
 
 def sha256(path: Path) -> str:

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.errors import check_positive_int, input_error
+from fnppo.core.errors import check_positive_int, checkpoint_error, input_error
 from fnppo.core.typing import Tensor
-from fnppo.io.checkpoint.manifest import checkpoint_error
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
 from fnppo.io.hf.config import model_config_from_hf, read_hf_config

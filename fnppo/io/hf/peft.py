@@ -31,9 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import checkpoint_error, input_error
 from fnppo.core.typing import Tensor
-from fnppo.io.checkpoint.manifest import checkpoint_error
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.families import FAMILIES
 from fnppo.io.hf.keys import param_rule
