@@ -204,9 +204,14 @@ def save_checkpoint(
     if rank == 0:
         for done in remove_stale_saves(directory.parent):
             logger.warning("save_checkpoint: a save that did not finish: %s", done)
-    with contextlib.ExitStack() as held:
-        held.enter_context(_file_size_errors())
-        _write(directory, tmp, rank, state, extra, held)
+    try:
+        with contextlib.ExitStack() as held:
+            held.enter_context(_file_size_errors())
+            _write(directory, tmp, rank, state, extra, held)
+    except KeyboardInterrupt:  # Ctrl-C mid-save: no half-written save left behind (the last complete one stays)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return directory
 
 
