@@ -37,7 +37,6 @@ __all__ = [
     "check_ipo",
     "check_dro",
     "check_decoupled",
-    "check_kpop",
     "check_icepop",
 ]  # + the losses (end)
 
@@ -150,16 +149,15 @@ class IPO(Builtin):
     threshold: float = 0.1
     kl_coef: float = 1e-3
 
+    def masked(self, x: PolicyInputs) -> Tensor:
+        """The tokens outside the trust region: ``|p - q| > threshold``."""
+        return (torch.exp(x.logprobs.detach()) - torch.exp(x.old_logprobs)).abs() > self.threshold
+
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = x.log_ratio()
-        masked = (torch.exp(x.logprobs.detach()) - torch.exp(x.old_logprobs)).abs() > self.threshold
+        masked = self.masked(x)
         pg = torch.where(masked, torch.zeros_like(log_ratio), -x.advantages * torch.exp(log_ratio))
         return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
-
-
-def check_kpop(c: Checker) -> None:
-    c.number("threshold", 0, strict=True, expected="a number > 0")
-    c.number("kl_coef", 0)
 
 
 _P_EPS = 1e-6  # KPop's clamp of the token probabilities: the complement terms stay finite
@@ -172,7 +170,7 @@ def _binary_kl(p: Tensor, q: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class KPop(Builtin):
+class KPop(IPO):
     """KPop: IPO with a binary-KL trust region instead of a probability-difference band.
 
     With ``p = exp(sg(logp))``, ``q = exp(logp_old)`` (both clamped to ``[1e-6, 1 - 1e-6]``) and
@@ -188,18 +186,12 @@ class KPop(Builtin):
     flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
         {"kpop_threshold": "threshold", "kpop_kl_coef": "kl_coef"}
     )
-    rule = staticmethod(check_kpop)
 
-    threshold: float = 0.1
-    kl_coef: float = 1e-3
-
-    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        log_ratio = x.log_ratio()
+    def masked(self, x: PolicyInputs) -> Tensor:
+        """The tokens outside the trust region: the binary KL above ``threshold`` either way."""
         p = torch.exp(x.logprobs.detach()).clamp(_P_EPS, 1 - _P_EPS)
         q = torch.exp(x.old_logprobs).clamp(_P_EPS, 1 - _P_EPS)
-        masked = (_binary_kl(p, q) > self.threshold) | (_binary_kl(q, p) > self.threshold)
-        pg = torch.where(masked, torch.zeros_like(log_ratio), -x.advantages * torch.exp(log_ratio))
-        return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
+        return (_binary_kl(p, q) > self.threshold) | (_binary_kl(q, p) > self.threshold)
 
 
 def check_icepop(c: Checker) -> None:
