@@ -33,7 +33,7 @@ from fnppo.core.advantages.inputs import (
     masked_group_stats,
     seq_inputs,
 )
-from fnppo.core.errors import check_finite, describe, input_error
+from fnppo.core.errors import check_finite, check_float, describe, input_error
 from fnppo.core.typing import Float, Integer, Tensor, typechecked
 
 __all__ = [
@@ -81,8 +81,7 @@ def grpo_advantages(
     """
     fn = "fnppo.advantages.grpo_advantages"
     check_finite(fn, "scores", scores)
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise input_error(fn, "eps", "a finite number >= 0", repr(eps))
+    check_float(fn, "eps", eps, low=0)
     x, index, g = group_index(fn, scores.detach(), group_ids)
     count, total, sq = group_stats(x, index, g)
     centered = x - total / count

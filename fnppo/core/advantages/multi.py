@@ -7,21 +7,14 @@ group_size]`` scores or given by ``group_ids``; a group of fewer than two sample
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fnppo.core.advantages.group import grpo_advantages
 from fnppo.core.advantages.inputs import group_index, group_stats
-from fnppo.core.errors import check_finite, input_error
+from fnppo.core.errors import check_finite, check_float
 from fnppo.core.typing import Float, Integer, Tensor, typechecked
 
 __all__ = ["gdpo_advantages", "maxrl_advantages"]
-
-
-def _eps(fn: str, eps: float) -> None:
-    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0):
-        raise input_error(fn, "eps", "a finite number >= 0", repr(eps))
 
 
 @typechecked
@@ -60,7 +53,7 @@ def gdpo_advantages(
     """
     fn = "fnppo.advantages.gdpo_advantages"
     check_finite(fn, "rewards", rewards)
-    _eps(fn, eps)
+    check_float(fn, "eps", eps, low=0)
     r = rewards.detach()
     w = torch.ones(r.shape[1], dtype=r.dtype, device=r.device) if weights is None else weights.detach().to(r.dtype)
     check_finite(fn, "weights", w)
@@ -100,7 +93,7 @@ def maxrl_advantages(
     """
     fn = "fnppo.advantages.maxrl_advantages"
     check_finite(fn, "scores", scores)
-    _eps(fn, eps)
+    check_float(fn, "eps", eps, low=0)
     x, index, g = group_index(fn, scores.detach(), group_ids)
     count, total, _ = group_stats(x, index, g)
     mean = total / count

@@ -92,14 +92,17 @@ class DPPOTV(Builtin):
     high: float = 0.2
     ratio_cap: float = 20.0
 
-    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    def inside(self, x: PolicyInputs) -> Tensor:
+        """The tokens inside the trust region: the probability step within the bound the advantage's sign picks."""
         diff = torch.exp(x.logprobs.detach()) - torch.exp(x.old_logprobs)
-        valid = torch.where(x.advantages > 0, diff <= self.high, diff >= -self.low)
-        return _dppo(x, valid, self.ratio_cap)
+        return torch.where(x.advantages > 0, diff <= self.high, diff >= -self.low)
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        return _dppo(x, self.inside(x), self.ratio_cap)
 
 
 @dataclass(frozen=True)
-class DPPOKL(Builtin):
+class DPPOKL(DPPOTV):
     """DPPO-Binary-KL: the trust region on the binary KL of the sampled token's probability.
 
     ``D = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))`` (``p``, ``q`` as in
@@ -112,18 +115,13 @@ class DPPOKL(Builtin):
 
     flat_name: ClassVar[str] = "dppo_kl"
     flat_fields: ClassVar[Mapping[str, str]] = _DPPO_FIELDS
-    rule = staticmethod(check_dppo)
 
-    low: float = 0.2
-    high: float = 0.2
-    ratio_cap: float = 20.0
-
-    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    def inside(self, x: PolicyInputs) -> Tensor:
+        """The tokens inside: the binary KL within the bound, or moved against the advantage's push."""
         lp = x.logprobs.detach()
         p, q = torch.exp(lp), torch.exp(x.old_logprobs)
         kl = q * (x.old_logprobs - lp) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
-        valid = torch.where(x.advantages > 0, (kl <= self.high) | (p <= q), (kl <= self.low) | (p >= q))
-        return _dppo(x, valid, self.ratio_cap)
+        return torch.where(x.advantages > 0, (kl <= self.high) | (p <= q), (kl <= self.low) | (p >= q))
 
 
 @dataclass(frozen=True)
