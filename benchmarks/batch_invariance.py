@@ -1,7 +1,8 @@
 """Batch invariance on one device: one set of samples through many compositions, and the mode's cost.
 
 For each model (random weights, ``layout_invariant_init``) built with
-``ModelConfig(batch_invariant=True)`` (MoE models also ``deterministic=True``), the same samples of
+``ModelConfig(batch_invariant=True)`` (``--deterministic``: with ``deterministic=True`` too, in both
+modes; MoE models run under torch's deterministic algorithms in the mode either way), the same samples of
 varied lengths go through ``compute_logprobs`` (with entropies) in several compositions:
 
 * ``one``: one packed micro-batch (the reference);
@@ -61,7 +62,6 @@ MODELS = {
         num_experts=16,
         moe_topk=4,
         moe_ffn_hidden_size=512,
-        deterministic=True,
     ),
     "tiny": dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128, vocab_size=96),
     "tiny-moe": dict(
@@ -73,7 +73,6 @@ MODELS = {
         num_experts=4,
         moe_topk=2,
         moe_ffn_hidden_size=32,
-        deterministic=True,
     ),
 }
 
@@ -95,7 +94,7 @@ def parse_args(argv=None):
         default=None,
         help="the CUDA mode's kernels (FNPPO_BATCH_INVARIANT_KERNELS): the library's with small products padded "
         "(fast), fnppo's fixed-tile torch kernels (torch), Megatron-core's Triton matmul and TE patches (megatron); "
-        "default: fast for dense models, megatron for MoE",
+        "default: fast",
     )
     p.add_argument("--min-len", type=int, default=None, help="shortest sample (default: a quarter of --max-len)")
     p.add_argument(
@@ -103,6 +102,11 @@ def parse_args(argv=None):
         action="store_true",
         help="first check, product by product, at which row counts the library GEMMs of each model give a row "
         "other bits than in a 16,384-row product",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="build every model with ModelConfig(deterministic=True) (Megatron's deterministic_mode), in both modes",
     )
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument(
@@ -148,6 +152,7 @@ def build(name: str, args, invariant: bool):
         max_seq_len=args.max_len,
         dtype="fp32" if args.smoke else "bf16",
         batch_invariant=invariant,
+        deterministic=args.deterministic,
         **fields,
     )
     spec = fnppo.models.default_layer_spec(cfg) if args.spec == "te" else fnppo.models.local_layer_spec(cfg)
@@ -217,6 +222,53 @@ def probe_products(name: str) -> dict:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
         ref = torch.nn.functional.linear(x, w)
         out[key] = [m for m in rows if not torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m])]
+    return out
+
+
+def probe_moe(name: str, trials: int = 12) -> dict:
+    """An MoE model's two other products, on CUDA: the router's (fp32, as few columns as experts), as
+    row counts at which ``torch.mm`` gives a row other bits than in a 16,384-row product, ordinary and
+    in fixed tiles (:func:`fnppo.megatron.moe.invariant_router_logits`); and the experts' grouped GEMM
+    (:func:`fnppo.ops.grouped_matmul`, bf16): the bits of 64 fixed rows of one expert, placed at random
+    offsets among random group sizes of 2,048 to 40,000 rows in all, against their first placement."""
+    from fnppo.megatron.moe import invariant_router_logits
+
+    f = MODELS[name]
+    h, e, ffn = f["hidden_size"], f["num_experts"], f["moe_ffn_hidden_size"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(16384, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(e, h, device="cuda", dtype=torch.bfloat16, generator=g) / h**0.5
+    ref = torch.mm(x.float(), w.float().t())
+    tiled = invariant_router_logits(x, w, None, torch.float32)
+    rows = [1, 3, 7, 50, 128, 333, 1000, 2048, 3001, 4096, 8192, 12000]
+    out = {
+        "router_mm": [m for m in rows if not torch.equal(torch.mm(x[:m].float(), w.float().t()), ref[:m])],
+        "router_tiled": [
+            m for m in rows if not torch.equal(invariant_router_logits(x[:m], w, None, torch.float32), tiled[:m])
+        ],
+    }
+    cpu = torch.Generator().manual_seed(1)
+    expert = e // 2
+    for key, (k, n) in {"experts_fc1": (h, 2 * ffn), "experts_fc2": (ffn, h)}.items():
+        weight = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+        probe = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        first, bits = None, []
+        for trial in range(trials):
+            total = int(torch.randint(2048, 40000, (), generator=cpu))
+            sizes = torch.multinomial(torch.rand(e, generator=cpu), total, replacement=True, generator=cpu)
+            sizes = sizes.bincount(minlength=e)
+            if trial == 1:
+                sizes[expert] = 0  # the probe rows alone in their group
+            offset = int(torch.randint(0, int(sizes[expert]) + 1, (), generator=cpu))
+            start = int(sizes[:expert].sum()) + offset
+            others = torch.randn(int(sizes.sum()), k, device="cuda", dtype=torch.bfloat16, generator=g)
+            rows_x = torch.cat([others[:start], probe, others[start:]])
+            sizes[expert] += 64
+            ends = torch.cumsum(sizes, 0).to(device="cuda", dtype=torch.int32)
+            y = fnppo.ops.grouped_matmul(rows_x, weight, ends)[start : start + 64]
+            first = y if first is None else first
+            bits.append(int((y != first).sum()))
+        out[key] = bits
     return out
 
 
@@ -337,11 +389,13 @@ def main(argv=None) -> int:
     if args.probe and device == "cuda":
         for name in args.models.split(","):
             results.setdefault("probe", {})[name] = p = probe_products(name)
+            if "num_experts" in MODELS[name]:
+                p.update(probe_moe(name))
             print(f"probe {name}: row counts with other bits per product {p}", flush=True)
     fnppo.init_parallel(1, 1, device=device, seed=0)
     try:
         for name in args.models.split(","):
-            kernels = invariant_kernels(cuda=device == "cuda", moe="num_experts" in MODELS[name])
+            kernels = invariant_kernels(cuda=device == "cuda")
             results[name] = r = measure(name, args)
             r["kernels"] = kernels
             print(

@@ -435,13 +435,6 @@ CASES = [
             ),
             ("str-for-bool", {"deterministic": "yes"}, "deterministic", "a bool", "'yes'"),
             ("int-for-bool", {"swiglu": 1}, "swiglu", "a bool", "1"),
-            (
-                "batch-invariant-moe-not-deterministic",
-                {"num_experts": 4, "batch_invariant": True},
-                "deterministic",
-                "True with batch_invariant=True on an MoE model",
-                "False",
-            ),
         ]
     ],
     Case(

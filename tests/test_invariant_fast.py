@@ -41,9 +41,10 @@ def test_the_kernel_choice_is_made_once_per_model(monkeypatch):
     monkeypatch.delenv("FNPPO_BATCH_INVARIANT_KERNELS", raising=False)
     assert invariant_kernels(cuda=False) == "torch"
     assert invariant_kernels(cuda=True) == "fast"
-    assert invariant_kernels(cuda=True, moe=True) == "megatron"
     monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "torch")
-    assert invariant_kernels(cuda=True, moe=True) == "torch"
+    assert invariant_kernels(cuda=True) == "torch"
+    monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "megatron")
+    assert invariant_kernels(cuda=True) == "megatron"
     monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "tiles")
     try:
         invariant_kernels(cuda=True)

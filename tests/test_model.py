@@ -279,8 +279,6 @@ def test_model_config_switches_accept_bools_and_none_where_allowed():
     assert {"swiglu", "tie_embeddings", "deterministic", "fusions"} <= set(names)
     for name in names:
         moe = dict(num_experts=4, moe_shared_expert_size=16, moe_score_function="sigmoid")
-        if name == "batch_invariant":  # an MoE model needs deterministic=True with it
-            moe["deterministic"] = True
         assert getattr(_cfg(**moe, **{name: True}), name) is True
         assert getattr(_cfg(**{name: False}), name) is False
     assert _cfg(fusions=None).fusions is None

@@ -327,9 +327,10 @@ def _deterministic_runs(samples) -> dict:
     out = {}
     try:
         full = _full_weights(_cfg())
-        for det in (False, True):
+        for det in (False, True, "mode"):
             seen.clear()
-            state = _state(_cfg(deterministic=det), full)
+            kwargs = dict(deterministic=False, batch_invariant=True) if det == "mode" else dict(deterministic=det)
+            state = _state(_cfg(**kwargs), full)
             lp, _ = fnppo.compute_logprobs(state.model, samples, config=_step_cfg(2))
             state, metrics = fnppo.train_step(state, samples, _step_cfg(2))
             out[det] = {
@@ -416,6 +417,9 @@ def test_deterministic_model_runs_megatron_moe_under_deterministic_algorithms(se
     assert on["seen"] and all(on["seen"]), on["seen"]
     assert off["seen"] and not any(off["seen"]), off["seen"]
     assert not on["after"] and not off["after"]  # restored after each call
+    # the batch-invariant mode turns the switch on for MoE models itself, without deterministic_mode
+    mode = settings["deterministic"]["mode"]
+    assert mode["seen"] and all(mode["seen"]) and not mode["after"] and not mode["mode"], mode["seen"]
     # on CPU every kernel is deterministic already: the same numbers
     for a, b in zip(on["logprobs"], off["logprobs"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -539,3 +543,39 @@ def test_ep_checkpoint_resumes_bit_for_bit_and_loads_under_ep1(reference, tmp_pa
             assert torch.equal(r["other_layout"]["weights"][name], w), (rank, name)
     manifest = results[0]["manifest"]
     assert manifest["layout"]["ep"] == 2 and manifest["step"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The router logits of the batch-invariant mode (fixed row tiles)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_invariant_router_logits_match_float64_and_keep_a_tokens_bits_in_any_batch(dtype):
+    from fnppo.megatron.moe import invariant_router_logits
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 256, generator=g).to(torch.bfloat16)
+    w = (torch.randn(16, 256, generator=g) / 16).to(torch.bfloat16)
+    b = torch.randn(16, generator=g).to(torch.bfloat16)
+    want = x.double() @ w.double().t() + b.double()
+    full = invariant_router_logits(x, w, b, dtype, tile=64)
+    assert full.dtype == dtype
+    torch.testing.assert_close(full.double(), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-12)
+    # a token alone, with few or many others around (the CPU's GEMM takes another path for 1-3 rows)
+    for at, before, after in ((41, 0, 0), (42, 1, 1), (43, 0, 2), (44, 100, 27), (45, 5, 250)):
+        batch = torch.cat([x[:before], x[at : at + 1], x[300 - after :]])
+        got = invariant_router_logits(batch, w, b, dtype, tile=64)[before]
+        assert torch.equal(got, full[at]), f"token {at}'s logits changed with {before} + {after} tokens around it"
+    # leading dims and the gradient (the ordinary products, checked against float64 autograd)
+    xs = x[:40].reshape(8, 5, 256).float().requires_grad_()
+    ws = w.float().requires_grad_()
+    bs = b.float().requires_grad_()
+    up = torch.randn(8, 5, 16, generator=g, dtype=torch.float64)
+    (invariant_router_logits(xs, ws, bs, torch.float64, tile=16) * up).sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (xs, ws, bs))
+    ((x64 @ w64.t() + b64) * up).sum().backward()
+    for got, ref in ((xs.grad, x64.grad), (ws.grad, w64.grad), (bs.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+    with pytest.raises(fnppo.InputError, match="'tile' expected an int >= 1, received 0"):
+        invariant_router_logits(x, w, b, dtype, tile=0)

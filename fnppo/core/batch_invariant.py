@@ -205,21 +205,21 @@ from 1,000 rows on every product and reduction gave the same bits (``benchmarks/
 BatchInvariantKernels = Literal["fast", "torch", "megatron"]
 
 
-def invariant_kernels(*, cuda: bool | None = None, moe: bool = False) -> BatchInvariantKernels:
+def invariant_kernels(*, cuda: bool | None = None) -> BatchInvariantKernels:
     """Which kernels the batch-invariant mode of a model uses (chosen once, when its config is built).
 
     Without CUDA (``cuda`` None: ``torch.cuda.is_available()``): ``"torch"``, fnppo's fixed-tile
     kernels (:func:`fnppo.core.batch_invariant.batch_invariant`). With CUDA the environment variable
-    ``FNPPO_BATCH_INVARIANT_KERNELS`` if set, else ``"fast"`` for a dense model: the library's own
-    kernels, forward and backward at full speed, on micro-batches the steps shape (at least
-    :data:`CUDA_MIN_ROWS` tokens, sequences aligned to the attention block); and
-    ``"megatron"`` for an MoE model (``moe``; its expert products and token routing are not yet
-    invariant with the fast kernels): Megatron-core's persistent Triton matmul and Transformer
-    Engine patches (:func:`fnppo.megatron.forward.megatron_invariant_kernels`) with fnppo's tiles
-    for the rest. ``"torch"`` may be asked for on CUDA too."""
+    ``FNPPO_BATCH_INVARIANT_KERNELS`` if set, else ``"fast"``: the library's own kernels, forward and
+    backward at full speed, on micro-batches the steps shape (at least :data:`CUDA_MIN_ROWS` tokens,
+    sequences aligned to the attention block); an MoE model computes its experts as one grouped GEMM
+    per projection (``moe_experts="stacked"``) and its router logits in fixed row tiles
+    (:func:`fnppo.megatron.moe.invariant_router_logits`). ``"megatron"``: Megatron-core's persistent
+    Triton matmul and Transformer Engine patches (:func:`fnppo.megatron.forward.megatron_invariant_kernels`)
+    with fnppo's tiles for the rest; ``"torch"`` may be asked for on CUDA too."""
     if not (torch.cuda.is_available() if cuda is None else cuda):
         return "torch"
-    kind = os.environ.get("FNPPO_BATCH_INVARIANT_KERNELS", "").strip().lower() or ("megatron" if moe else "fast")
+    kind = os.environ.get("FNPPO_BATCH_INVARIANT_KERNELS", "").strip().lower() or "fast"
     if kind not in ("fast", "torch", "megatron"):
         raise input_error(
             "fnppo.core.batch_invariant.invariant_kernels",

@@ -33,7 +33,12 @@ from fnppo.megatron.config import ModelConfig, moe_experts_choice, transformer_c
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout, current_layout
-from fnppo.megatron.patches import patch_grad_clip_l2_norm, patch_moe_dispatch_numpy, patch_moe_router_gemm
+from fnppo.megatron.patches import (
+    patch_grad_clip_l2_norm,
+    patch_moe_dispatch_numpy,
+    patch_moe_router_gemm,
+    patch_moe_router_invariant,
+)
 from fnppo.megatron.routing import replay_slot
 from fnppo.megatron.unwrap import HEADS, unwrap_model
 from fnppo.megatron.value import GPTValueModel
@@ -87,6 +92,8 @@ def build_gpt(
     if cfg.num_experts is not None:
         patch_moe_router_gemm()
         patch_moe_dispatch_numpy()
+        if getattr(tcfg, "fnppo_invariant_kernels", None) == "fast":
+            patch_moe_router_invariant()
         spec = (
             layer_spec
             if layer_spec is not None

@@ -66,7 +66,9 @@ class ModelConfig:
       Engine needed), ``"te_grouped"`` (Megatron's ``TEGroupedMLP``: one Transformer Engine GEMM
       and one parameter per expert; needed for FP8 experts), ``"sequential"`` (Megatron's
       ``SequentialMLP``: one MLP per expert); None: ``"stacked"`` on a CUDA model without FP8,
-      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU and with ``batch_invariant``.
+      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU. With ``batch_invariant`` the fast CUDA
+      kernels take ``"stacked"`` only (a row's bits in the grouped GEMM do not depend on the group
+      sizes; per-expert library GEMMs do), the CPU's (fnppo's fixed tiles) ``"sequential"`` only.
 
     ``fp8``: FP8 training through Transformer Engine (Hopper or newer GPU, ``dtype="bf16"``):
     ``"e4m3"`` (every FP8 tensor E4M3) or ``"hybrid"`` (E4M3 forward, E5M2 gradients), with
@@ -102,8 +104,9 @@ class ModelConfig:
     (:func:`fnppo.core.kernels.invariant.sequence_attention`), so a sample's per-token log-probs and
     entropies have the same bits whatever its micro-batch companions, position in the pack, token
     budget, number of micro-batches or layout (packed or padded), in ``compute_logprobs`` and inside
-    ``train_step`` (with or without recomputation); for MoE models together with
-    ``deterministic=True``. Megatron's ``TransformerConfig.batch_invariant_mode`` is set on the
+    ``train_step`` (with or without recomputation); an MoE model's schedules then run under torch's
+    deterministic algorithms whatever ``deterministic`` says (the routing's ``index_put`` and the
+    un-permutation's ``index_add``), without Megatron's ``deterministic_mode`` unless asked. Megatron's ``TransformerConfig.batch_invariant_mode`` is set on the
     built config (Transformer Engine's attention then runs with ``num_splits=1``). Not covered:
     another tensor-parallel size (its partial sums are added in another order: ``tp`` above 2 is
     refused, as a sum of more than two partial results is not commutative bit for bit), context
@@ -218,14 +221,6 @@ class ModelConfig:
             raise input_error(
                 fn, "fp8", "None with batch_invariant=True (FP8 scales depend on the batch)", repr(self.fp8)
             )
-        if self.batch_invariant and self.num_experts is not None and not self.deterministic:
-            raise input_error(
-                fn,
-                "deterministic",
-                "True with batch_invariant=True on an MoE model (num_experts set: the experts' token "
-                "scatter is only repeatable under deterministic algorithms)",
-                repr(self.deterministic),
-            )
         if self.batch_invariant:
             for name in ("attention_dropout", "hidden_dropout"):
                 if getattr(self, name) != 0.0:
@@ -321,7 +316,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     """
     # batch-invariant mode with fnppo's torch or Megatron's kernels: the plain torch element-wise ops,
     # which its torch-function mode sees (the CUDA "fast" kernels keep the fused ones: one kernel per op)
-    fast = cfg.batch_invariant and invariant_kernels(cuda=_on_cuda(layout), moe=cfg.num_experts is not None) == "fast"
+    fast = cfg.batch_invariant and invariant_kernels(cuda=_on_cuda(layout)) == "fast"
     default = _on_cuda(layout) and (not cfg.batch_invariant or fast)
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
@@ -423,9 +418,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
     tc.batch_invariant_mode = bool(cfg.batch_invariant)
     # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
-    tc.fnppo_invariant_kernels = (
-        invariant_kernels(cuda=_on_cuda(layout), moe=cfg.num_experts is not None) if cfg.batch_invariant else None
-    )
+    tc.fnppo_invariant_kernels = invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
     return tc
 
 
@@ -520,12 +513,14 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "'stacked' or 'sequential' (Transformer Engine is not installed)",
                 "'te_grouped'",
             )
-        if cfg.batch_invariant and cfg.moe_experts == "stacked":
+        invariant = _invariant_experts(cfg, layout)
+        if invariant is not None and cfg.moe_experts != invariant:
             raise input_error(
                 "transformer_config",
                 "moe_experts",
-                "'sequential' or None with batch_invariant=True (the grouped GEMM's tiling depends on the group sizes)",
-                "'stacked'",
+                f"{invariant!r} or None with batch_invariant=True and the {_kernels(layout)!r} kernels "
+                "(the experts' products must give a token the same bits whatever the other tokens)",
+                repr(cfg.moe_experts),
             )
         if cfg.fp8 is not None and cfg.moe_experts != "te_grouped":
             raise input_error(
@@ -534,7 +529,20 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
         return cfg.moe_experts
     if cfg.fp8 is not None:
         return "te_grouped"
-    return "stacked" if _on_cuda(layout) and not cfg.batch_invariant else "sequential"
+    return _invariant_experts(cfg, layout) or ("stacked" if _on_cuda(layout) else "sequential")
+
+
+def _kernels(layout: ParallelLayout) -> str:
+    return invariant_kernels(cuda=_on_cuda(layout))
+
+
+def _invariant_experts(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
+    """The only experts module of a batch-invariant model: the grouped GEMM with the fast CUDA kernels,
+    ``SequentialMLP`` (whose products fnppo's fixed tiles or Megatron's Triton matmul take) otherwise;
+    None for a model outside the mode."""
+    if not cfg.batch_invariant:
+        return None
+    return "stacked" if _kernels(layout) == "fast" else "sequential"
 
 
 def _on_cuda(layout: ParallelLayout) -> bool:

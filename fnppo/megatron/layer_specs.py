@@ -18,6 +18,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import input_error
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.norms import SequenceParallelNorm
@@ -47,13 +48,17 @@ MoEExperts = Literal["stacked", "te_grouped", "sequential"]
 def _experts(config: Any, given: str | None) -> str:
     """The experts module: ``given``, else the config's ``moe_experts`` (a Megatron config's
     ``moe_grouped_gemm=True`` means ``"te_grouped"``), else ``"te_grouped"`` for an FP8 config,
-    ``"stacked"`` where CUDA is present, ``"sequential"`` on CPU."""
+    ``"stacked"`` where CUDA is present (in the batch-invariant mode: with its fast kernels),
+    ``"sequential"`` on CPU."""
     if given is None and getattr(config, "moe_grouped_gemm", None) is True:
         given = "te_grouped"
     if given is None:
         fp8 = getattr(config, "fp8", None)
         invariant = getattr(config, "batch_invariant", False) or getattr(config, "batch_invariant_mode", False)
-        given = "te_grouped" if fp8 else ("stacked" if torch.cuda.is_available() and not invariant else "sequential")
+        # the batch-invariant mode's fast CUDA kernels take the grouped GEMM, its other kernels SequentialMLP
+        kernels = getattr(config, "fnppo_invariant_kernels", None) or (invariant and invariant_kernels())
+        cuda = torch.cuda.is_available()
+        given = "te_grouped" if fp8 else ("stacked" if cuda and (not invariant or kernels == "fast") else "sequential")
     if given not in ("stacked", "te_grouped", "sequential"):
         raise input_error(
             "fnppo.models.default_layer_spec", "moe_experts", "'stacked', 'te_grouped' or 'sequential'", repr(given)

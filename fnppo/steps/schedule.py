@@ -110,7 +110,11 @@ def run_schedule(
     A model built with ``ModelConfig(deterministic=True)`` (Megatron's ``deterministic_mode``) runs
     under torch's deterministic algorithms (:func:`fnppo.megatron.forward.deterministic_algorithms`);
     one built with ``ModelConfig(batch_invariant=True)`` (Megatron's ``batch_invariant_mode`` set on
-    its config) with batch-invariant kernels (:func:`fnppo.megatron.forward.batch_invariant_numerics`).
+    its config) with batch-invariant kernels (:func:`fnppo.megatron.forward.batch_invariant_numerics`),
+    and, for an MoE model, under torch's deterministic algorithms too: Megatron's routing map and its
+    un-permutation's token sum take their repeatable ``index_put`` / ``index_add`` paths only then
+    (``moe_utils``, megatron-core 0.16.1), while Megatron's ``deterministic_mode`` (and with it
+    Transformer Engine's deterministic attention backward) stays the user's choice.
     """
     fb = pipeline_parallel.get_forward_backward_func()
     layout = model.layout
@@ -124,7 +128,11 @@ def run_schedule(
     try:
         invariant = bool(getattr(config, "batch_invariant_mode", False))
         kernels = getattr(config, "fnppo_invariant_kernels", None)
-        with deterministic_algorithms(config.deterministic_mode), batch_invariant_numerics(invariant, kernels=kernels):
+        # Megatron's MoE routing and un-permutation take their repeatable (index_put / index_add) paths
+        # only under torch's deterministic switch: the mode needs them for MoE models
+        moe = getattr(config, "num_moe_experts", None) is not None
+        determinism = bool(config.deterministic_mode) or (invariant and moe)
+        with deterministic_algorithms(determinism), batch_invariant_numerics(invariant, kernels=kernels):
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=data if interleaved else data[0],
