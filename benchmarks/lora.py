@@ -23,7 +23,8 @@ MoE models: the adapters go on every linear, inside the experts too (``--moe-exp
 fnppo's stacked experts, each projection's per-expert adapters one more pair of grouped GEMMs;
 ``--expert-layout shared``: one adapter per projection for all experts of a layer).
 
-``--json FILE`` appends one JSON line per configuration.
+``--json FILE`` appends one JSON line per configuration. On CUDA every configuration runs in a
+process of its own (``--same-process`` to keep one), so that each peak memory is its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,6 +94,12 @@ def parse_args(argv=None):
         "--smoke",
         action="store_true",
         help="tiny model (or --model tiny-moe) on the CPU, one timed step: the code path only",
+    )
+    p.add_argument(
+        "--same-process",
+        action="store_true",
+        help="measure every configuration in this process (on CUDA each runs in a process of its own by "
+        "default: what one configuration leaves allocated would count in the next one's peak)",
     )
     p.add_argument("--json", default=None, help="append one JSON line per configuration to this file")
     p.add_argument(
@@ -243,13 +252,30 @@ def measure(args, rank: int | None, device) -> dict:
     return row
 
 
+def isolated(argv: list[str], configs: list[int | None], args) -> int:
+    """Run every configuration in a fresh process of this script (its own CUDA context, so its peak
+    memory is its own), the merged check in the first one only; rows go to ``--json`` as usual."""
+    for i, rank in enumerate(configs):
+        only = ["--ranks", ""] if rank is None else ["--no-full", "--ranks", str(rank)]
+        extra = [] if i == 0 else ["--check-merged", "0"]
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, *only, *extra, "--same-process"]
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc != 0:
+            print(f"configuration {'full' if rank is None else f'LoRA r={rank}'} exited with {rc}", flush=True)
+            return rc
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     device = torch.device(args.device)
-    from fnppo.testing import megatron_on_cpu
-
     ranks = [int(r) for r in args.ranks.split(",") if r]
     configs = ([] if args.no_full else [None]) + ranks
+    if device.type == "cuda" and len(configs) > 1 and not args.same_process:
+        return isolated(argv, configs, args)
+    from fnppo.testing import megatron_on_cpu
+
     ctx = megatron_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
     rows = []
     with ctx:

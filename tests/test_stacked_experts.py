@@ -52,6 +52,22 @@ def test_grouped_matmul_and_its_gradients_match_a_float64_loop(dtype, tol, count
             assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e]))
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_block_diagonal_parts_is_one_product_for_every_part(parts):
+    """The gated fc1 adapter's ``B`` as one block-diagonal matrix: ``z @ B_bd^T`` equals each part's
+    own ``z_p @ B_p^T`` side by side (float64 reference per expert with ``torch.block_diag``)."""
+    from fnppo.megatron.stacked_experts import _block_diagonal_parts
+
+    g = torch.Generator().manual_seed(parts)
+    e, n, r = 3, 5, 2
+    b = torch.randn(e, parts * n, r, generator=g, dtype=torch.float64)
+    z = torch.randn(e, 4, parts * r, generator=g, dtype=torch.float64)
+    got = torch.einsum("etk,enk->etn", z, _block_diagonal_parts(b, parts))
+    ref = torch.stack([z[i] @ torch.block_diag(*b[i].chunk(parts, 0)).T for i in range(e)])
+    assert got.shape == (e, 4, parts * n)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+
+
 def test_grouped_matmul_refuses_mixed_dtypes():
     with pytest.raises(InputError, match="argument 'weight' expected a torch.float32 tensor"):
         grouped_matmul(torch.zeros(2, 4), torch.zeros(1, 4, 4, dtype=torch.float64), _groups([2]))
@@ -164,7 +180,7 @@ def test_fp8_and_expert_modules_are_refused_clearly_where_they_cannot_run():
         in (got["stacked with fp8"])
     )
     assert (
-        "argument 'moe_experts' expected 'sequential' or None with batch_invariant=True"
+        "argument 'moe_experts' expected 'sequential' or None with batch_invariant=True and the 'torch' kernels"
         in (got["stacked batch-invariant"])
     )
     for kw, arg in (

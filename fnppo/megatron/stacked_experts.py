@@ -140,22 +140,19 @@ class StackedExperts(MegatronModule):
     def _adapter(self, x: Tensor, proj: str, ends: Tensor) -> Tensor:
         """The adapter term ``s * dropout(x) A_e^T B_e^T`` of projection ``proj`` for each row's expert
         ``e`` (shared layout: the one ``A``, ``B`` for every row); a gated fc1's gate and up parts each
-        multiply their own ``r`` columns of ``x A^T`` (output ``[gate rows; up rows]``)."""
+        multiply their own ``r`` columns of ``x A^T`` (output ``[gate rows; up rows]``), here as one
+        product with the block-diagonal ``B`` (:func:`_block_diagonal_parts`). The scale ``s`` multiplies
+        the ``r``-wide ``x A^T`` rather than the output (the same product up to rounding)."""
         spec = self.fnppo_lora
         a, b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
         if spec.dropout and self.training:
             x = F.dropout(x, p=spec.dropout, training=True)
         parts = a.shape[-2] // spec.rank
+        # contiguous: the reference policy's adapters_off passes B as expanded zeros (stride 0)
+        b = _block_diagonal_parts(b, parts) if parts > 1 else b.contiguous()
         if spec.shared:
-            z = F.linear(x, a)
-            ys = [F.linear(zp, bp) for zp, bp in zip(z.chunk(parts, -1), b.chunk(parts, -2), strict=True)]
-        else:
-            z = grouped_matmul(x, a, ends)
-            ys = [
-                grouped_matmul(zp.contiguous(), bp.contiguous(), ends)
-                for zp, bp in zip(z.chunk(parts, -1), b.chunk(parts, -2), strict=True)
-            ]
-        return torch.cat(ys, dim=-1) * spec.scaling
+            return F.linear(F.linear(x, a) * spec.scaling, b)
+        return grouped_matmul(grouped_matmul(x, a, ends) * spec.scaling, b, ends)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Each stack as one sharded tensor of the global ``[experts, ...]`` shape: the expert axis
@@ -196,6 +193,16 @@ class StackedExperts(MegatronModule):
                 prepend_axis_num=n,
             )
         return out
+
+
+def _block_diagonal_parts(b: Tensor, parts: int) -> Tensor:
+    """``[..., parts * n, r]`` (the ``B`` of ``parts`` stacked projections sharing one input) as the
+    ``[..., parts * n, parts * r]`` block-diagonal matrix whose part ``p`` reads columns
+    ``p * r .. (p + 1) * r``: ``z @ _block_diagonal_parts(b).T`` equals the concatenation of
+    ``z_p @ b_p.T`` over the parts (``z_p`` the ``p``-th ``r`` columns of ``z``), in one product."""
+    rows = b.chunk(parts, dim=-2)
+    r = b.shape[-1]
+    return torch.cat([F.pad(bp, (p * r, (parts - 1 - p) * r)) for p, bp in enumerate(rows)], dim=-2)
 
 
 def is_stacked(module: nn.Module) -> bool:
