@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
 
-    fnppo.init_parallel(tp=1, pp=1)
+    fnppo.init_parallel(tp=1, pp=1, device=args.device)
     cfg = fnppo.ModelConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
@@ -84,8 +84,10 @@ def main() -> None:
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            ms = 1e3 * (time.perf_counter() - t0)
+            print(f"round {i} ({'timed' if i else 'warm-up'}) {name}: {ms:.1f} ms", flush=True)
             if i:
-                times[name].append(1e3 * (time.perf_counter() - t0))
+                times[name].append(ms)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"recompute (old-log-prob forward + step): {med['recompute']:.1f} ms")
     print(f"bypass (IPO, no old-log-prob forward):    {med['bypass']:.1f} ms")
