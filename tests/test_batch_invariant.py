@@ -378,8 +378,12 @@ def _layout(**kw):
     return ParallelLayout(**{**base, **kw, "tp_group": None, "pp_group": None, "dp_group": None, "backend": "gloo"})
 
 
-def test_batch_invariant_refuses_dropout_tp_above_2_and_context_parallelism():
+def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(monkeypatch):
+    """Dropout and tp > 2 are refused; context parallelism only with CUDA's "fast" kernels (their
+    flex attention would see one rank's shard): fnppo's torch kernels take it (the CUDA choice is
+    made here without a GPU, by the layout check the config reads)."""
     from fnppo.core.errors import InputError
+    from fnppo.megatron import config as config_module
     from fnppo.megatron.config import transformer_config
     from tests.messages import check_message
 
@@ -387,8 +391,15 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_context_parallelism():
         _cfg(hidden_dropout=0.1)
     check_message(err.value, InputError, "ModelConfig", "hidden_dropout", "0.0 with batch_invariant=True", "0.1")
     cfg = _cfg(num_attention_heads=4, num_query_groups=4)
-    for kw, got in (({"tp": 4}, "True with tp=4"), ({"cp": 2}, "True with cp=2")):
-        with pytest.raises(InputError) as err:
-            transformer_config(cfg, _layout(**kw))
-        check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "False with", got)
+    with pytest.raises(InputError) as err:
+        transformer_config(cfg, _layout(tp=4))
+    check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "False with", "tp=4")
     assert transformer_config(cfg, _layout(tp=2)).batch_invariant_mode is True
+    assert transformer_config(cfg, _layout(cp=2)).fnppo_invariant_kernels == "torch"  # CPU: CP taken
+    monkeypatch.setattr(config_module, "_on_cuda", lambda layout: True)
+    monkeypatch.delenv("FNPPO_BATCH_INVARIANT_KERNELS", raising=False)
+    with pytest.raises(InputError) as err:
+        transformer_config(cfg, _layout(cp=2))
+    check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "'fast'", "cp=2")
+    monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "torch")
+    assert transformer_config(cfg, _layout(cp=2)).fnppo_invariant_kernels == "torch"

@@ -28,6 +28,11 @@ groups_per_tp_rank * head_dim`` elements (and saves it for backward), i.e. ``cp`
 K/V; queries, scores and everything else stay local (``T / cp`` rows). A ring exchange would
 bound K/V at ``2 / cp`` of that; not implemented.
 
+Batch-invariant mode (:func:`context_parallel_sequence_attention`): the same gathered keys and
+values, and each rank's rows computed in the query blocks of
+:func:`fnppo.core.kernels.invariant.sequence_attention` that hold them, with the shapes they have on
+one process, so a token's output has the bits of ``cp = 1`` (``docs/batch-invariance.md``).
+
 Reference: Megatron-LM context parallelism (load-balanced chunks ``r`` and ``2cp-1-r``); Ring
 Attention, arXiv:2310.01889 (Liu et al.); packed sequences, arXiv:2107.02027.
 """
@@ -44,8 +49,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fnppo.core.errors import input_error
+from fnppo.core.kernels.invariant import DEFAULT_BLOCK, sequence_attention_rows
 from fnppo.core.sample import Microbatch
-from fnppo.core.typing import Tensor
+from fnppo.core.typing import Float, Tensor, typechecked
 
 __all__ = [
     "cp_token_index",
@@ -55,6 +61,7 @@ __all__ = [
     "all_gather_tokens",
     "gather_tokens",
     "context_parallel_attention",
+    "context_parallel_sequence_attention",
     "gather_per_sample",
 ]
 
@@ -256,6 +263,49 @@ def context_parallel_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+@typechecked
+def context_parallel_sequence_attention(
+    query: Float[Tensor, "local heads head_dim"],
+    key: Float[Tensor, "local groups head_dim"],
+    value: Float[Tensor, "local groups v_dim"],
+    cu_seqlens: Tensor,
+    group: Any,
+    *,
+    softmax_scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> Float[Tensor, "local heads v_dim"]:
+    """Batch-invariant attention of this CP rank's queries: the bits of the unsharded micro-batch.
+
+    The same formula as :func:`context_parallel_attention`,
+    ``out_i = sum_{j <= pos_i, seg(j) = seg(pos_i)} softmax_j(scale q_i . k_j) v_j``, computed as
+    :func:`fnppo.core.kernels.invariant.sequence_attention` computes it on one process: keys and
+    values are gathered over ``group`` (:func:`gather_tokens`), this rank's queries are put at their
+    global positions in a zero ``[T, heads, d]`` tensor, and for every segment the query blocks of
+    ``block`` tokens that hold one of this rank's tokens run as one product each, of the shape they
+    have without context parallelism (:func:`~fnppo.core.kernels.invariant.sequence_attention_rows`);
+    this rank's rows are kept, in its local order. A row's bits depend on its query, its keys and
+    values and the block's shape only (not on the other query rows of the block, zeros here), so
+    they are those of ``cp = 1``. Cost: the blocks that straddle two ranks' chunks run on both.
+    Backward: exact (the gathered keys' and values' gradients are reduce-scattered; the zeros
+    get none). References: Megatron-LM context parallelism; Thinking Machines Lab, "Defeating
+    Nondeterminism in LLM Inference" (2025).
+
+    Returns:
+        ``[T/cp, heads, d_v]``, this rank's outputs in its local order.
+    """
+    fn = "fnppo.core.context_parallel.context_parallel_sequence_attention"
+    cp = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    cu = _boundaries(cu_seqlens)
+    if query.shape[0] * cp != cu[-1]:
+        raise input_error(fn, "query", f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)", str(tuple(query.shape)))
+    pos = cp_token_index(cu, cp, rank, device=query.device)
+    k_full = gather_tokens(key, cu, group)
+    v_full = gather_tokens(value, cu, group)
+    q_full = query.new_zeros(cu[-1], *query.shape[1:]).index_copy(0, pos, query)
+    return sequence_attention_rows(q_full, k_full, v_full, cu, pos, softmax_scale=softmax_scale, block=block)
 
 
 def gather_per_sample(values: Tensor, mb: Microbatch, group: Any) -> list[Tensor]:

@@ -30,6 +30,7 @@ from torch import nn
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
 from fnppo.megatron.config import ModelConfig, moe_experts_choice, transformer_config
+from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -79,7 +80,9 @@ def build_gpt(
     model's own ``vocab_size`` is the padded one).
 
     Raises:
-        InputError: an unknown ``head``; the configuration errors of :func:`transformer_config`.
+        InputError: an unknown ``head``; the configuration errors of :func:`transformer_config`; with
+            ``batch_invariant`` and context parallelism, a ``layer_spec`` whose core attention is not
+            fnppo's ``PackedDotProductAttention`` (Transformer Engine's spec).
     """
     if head not in HEADS:
         raise input_error("fnppo.build_gpt", "head", f"one of {HEADS}", repr(head))
@@ -123,6 +126,8 @@ def build_gpt(
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
+        if tcfg.batch_invariant_mode and layout.cp > 1:
+            _check_invariant_cp_attention(model)
         model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.steps.plan), rope (fnppo.io.hf)
         _own_replay_slots(model)
         if post and head == "lm":
@@ -135,6 +140,22 @@ def build_gpt(
             model = model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _check_invariant_cp_attention(model: nn.Module) -> None:
+    """Batch-invariant mode under context parallelism: only fnppo's packed attention computes a CP
+    rank's rows with the bits of one process (Transformer Engine's CP attention merges partial
+    softmax results of the ranks)."""
+    for m in model.modules():
+        core = getattr(m, "core_attention", None)
+        if core is not None and not isinstance(core, PackedDotProductAttention):
+            raise input_error(
+                "fnppo.build_gpt",
+                "layer_spec",
+                "a spec whose core attention is fnppo's PackedDotProductAttention (fnppo.models.local_layer_spec) "
+                "with batch_invariant=True and context parallelism",
+                f"{type(core).__module__}.{type(core).__qualname__}",
+            )
 
 
 class _RowMajorGrad(torch.autograd.Function):

@@ -107,10 +107,13 @@ class ModelConfig:
     ``train_step`` (with or without recomputation); an MoE model's schedules then run under torch's
     deterministic algorithms whatever ``deterministic`` says (the routing's ``index_put`` and the
     un-permutation's ``index_add``), without Megatron's ``deterministic_mode`` unless asked. Megatron's ``TransformerConfig.batch_invariant_mode`` is set on the
-    built config (Transformer Engine's attention then runs with ``num_splits=1``). Not covered:
-    another tensor-parallel size (its partial sums are added in another order: ``tp`` above 2 is
-    refused, as a sum of more than two partial results is not commutative bit for bit), context
-    parallelism (refused), dropout (refused: the training forward would differ from the
+    built config (Transformer Engine's attention then runs with ``num_splits=1``). Context
+    parallelism gives the bits of ``cp = 1`` with the torch kernels and the local spec (a rank's
+    attention rows computed in the query blocks they have on one process,
+    :func:`fnppo.core.context_parallel.context_parallel_sequence_attention`); it is refused with
+    CUDA's ``"fast"`` kernels. Not covered: another tensor-parallel size (its partial sums are
+    added in another order: ``tp`` above 2 is refused, as a sum of more than two partial results
+    is not commutative bit for bit), dropout (refused: the training forward would differ from the
     log-prob forward anyway), another device, dtype, thread count or library version, and the
     backward pass (gradients are not claimed invariant).
 
@@ -119,7 +122,8 @@ class ModelConfig:
             are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
             unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
             ``moe_expert_bias`` without ``moe_score_function="sigmoid"``; ``batch_invariant`` with
-            dropout (:func:`transformer_config`: with ``tp`` above 2 or context parallelism).
+            dropout (:func:`transformer_config`: with ``tp`` above 2, or context parallelism on
+            CUDA's ``"fast"`` kernels).
     """
 
     num_layers: int
@@ -411,18 +415,19 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
         patch_fused_rope()  # Megatron checks for a fused RoPE when the config is built
+    # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
+    kernels = invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
     if cfg.batch_invariant:
-        _check_batch_invariant_layout(layout)
+        _check_batch_invariant_layout(layout, kernels)
     tc = TransformerConfig(**kwargs)
     # Set after construction: Megatron's own check asks for its FlashAttention backend, which fnppo's
     # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
     tc.batch_invariant_mode = bool(cfg.batch_invariant)
-    # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
-    tc.fnppo_invariant_kernels = invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
+    tc.fnppo_invariant_kernels = kernels
     return tc
 
 
-def _check_batch_invariant_layout(layout: ParallelLayout) -> None:
+def _check_batch_invariant_layout(layout: ParallelLayout, kernels: str | None) -> None:
     """Refuse the parallel layouts under which batch invariance cannot hold."""
     if layout.tp > 2:
         raise input_error(
@@ -432,11 +437,12 @@ def _check_batch_invariant_layout(layout: ParallelLayout) -> None:
             "position-dependent order)",
             f"True with tp={layout.tp}",
         )
-    if layout.cp > 1:
+    if layout.cp > 1 and kernels == "fast":
         raise input_error(
             "transformer_config",
             "ModelConfig.batch_invariant",
-            "False with context parallelism (a sequence's attention is split over ranks)",
+            "False with context parallelism on CUDA's 'fast' kernels (their flex attention sees one rank's "
+            "shard; FNPPO_BATCH_INVARIANT_KERNELS=torch runs fnppo's per-sequence attention, CP included)",
             f"True with cp={layout.cp}",
         )
 

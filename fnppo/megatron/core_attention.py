@@ -26,7 +26,9 @@ explicit ``attention_mask`` (segments come from ``cu_seqlens``), ``softmax_type`
 ``"vanilla"``, sliding-window attention, mask types other than causal, and different query and
 key/value segmentations. Context parallelism (``context_parallel_size > 1``, packed micro-batches
 sharded by :func:`fnppo.core.context_parallel.shard_microbatch`): exact attention over the CP group by
-an all-gather of K/V (:func:`fnppo.core.context_parallel.context_parallel_attention`).
+an all-gather of K/V (:func:`fnppo.core.context_parallel.context_parallel_attention`); in the
+batch-invariant mode with the bits of one process
+(:func:`fnppo.core.context_parallel.context_parallel_sequence_attention`).
 
 Reference: packed sequences without cross-contamination, arXiv:2107.02027 (Krell et al.).
 """
@@ -42,7 +44,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from fnppo.core.context_parallel import context_parallel_attention
+from fnppo.core.context_parallel import context_parallel_attention, context_parallel_sequence_attention
 from fnppo.core.errors import describe, input_error
 from fnppo.core.kernels.invariant import sequence_attention
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
@@ -136,7 +138,8 @@ class PackedDotProductAttention(DotProductAttention):
         """Batch-invariant attention (``batch_invariant_mode``): every sequence alone
         (:func:`fnppo.core.kernels.invariant.sequence_attention`), packed (THD) or padded (each row
         of ``[s, b, heads, dim]`` one causal sequence; its right padding is never attended to by its
-        real tokens)."""
+        real tokens); under context parallelism (packed only) this rank's rows with the bits of one
+        process (:func:`fnppo.core.context_parallel.context_parallel_sequence_attention`)."""
         fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or attention_mask is not None:
@@ -156,10 +159,14 @@ class PackedDotProductAttention(DotProductAttention):
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             squeeze = query.dim() == 4
             q, k, v = (t[:, 0] for t in (query, key, value)) if squeeze else (query, key, value)
-            bounds = [int(x) for x in cu.tolist()]
-            out = sequence_attention(q, k, v, bounds, softmax_scale=scale)
+            if getattr(self.config, "context_parallel_size", 1) > 1:  # this rank's rows, the bits of cp = 1
+                out = context_parallel_sequence_attention(q, k, v, cu, self.pg_collection.cp, softmax_scale=scale)
+            else:
+                out = sequence_attention(q, k, v, [int(x) for x in cu.tolist()], softmax_scale=scale)
             total = out.shape[0]
             return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
+        if getattr(self.config, "context_parallel_size", 1) > 1:
+            raise input_error(fn, "packed_seq_params", "THD parameters with context parallelism", "None")
         seq, batch = query.shape[0], query.shape[1]
         rows = [
             sequence_attention(query[:, b], key[:, b], value[:, b], [0, seq], softmax_scale=scale) for b in range(batch)

@@ -22,7 +22,8 @@ The kernels here remove those dependencies without custom device code:
 * **per-sequence block attention** (:func:`sequence_attention`): each sequence alone, query blocks
   of ``block`` rows against the keys of its own sequence from its first token, so a token's
   attention output has one shape of computation whatever the pack, the padding or the neighbours
-  (and a NaN in one sequence cannot reach another).
+  (and a NaN in one sequence cannot reach another); :func:`sequence_attention_rows` computes only
+  the blocks that hold some rows, with the same bits (context parallelism).
 
 Everything is differentiable through autograd (the backward is not claimed to be invariant: only
 the forward values are). Cost on CPU: ``benchmarks/batch_invariance.py`` prints it.
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from fnppo.core.errors import describe, input_error
-from fnppo.core.typing import Float, Tensor, typechecked
+from fnppo.core.typing import Float, Int, Tensor, typechecked
 
 __all__ = [
     "DEFAULT_TILE_ROWS",
@@ -56,6 +57,7 @@ __all__ = [
     "invariant_gelu",
     "invariant_softplus",
     "sequence_attention",
+    "sequence_attention_rows",
 ]
 
 DEFAULT_TILE_ROWS = {"cpu": 64, "cuda": 128}
@@ -233,8 +235,12 @@ def invariant_softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) ->
 # ---------------------------------------------------------------------------------------------
 # Attention, one sequence at a time
 # ---------------------------------------------------------------------------------------------
-def _one_sequence(q: Tensor, k: Tensor, v: Tensor, scale: float, block: int) -> Tensor:
-    """Causal attention of one sequence ``q [L, H, D]``, ``k/v [L, H, *]`` in query blocks."""
+def _one_sequence(q: Tensor, k: Tensor, v: Tensor, scale: float, block: int, blocks: list[int] | None = None) -> Tensor:
+    """Causal attention of one sequence ``q [L, H, D]``, ``k/v [L, H, *]`` in query blocks.
+
+    ``blocks`` None: every block, ``[L, H, Dv]``. Else only the query blocks listed (in that order),
+    each computed exactly as in the full call: ``[len(blocks) * block, H, Dv]``, padding rows included.
+    """
     length = q.shape[0]
     nb = -(-length // block)
     pad = nb * block - length
@@ -243,7 +249,7 @@ def _one_sequence(q: Tensor, k: Tensor, v: Tensor, scale: float, block: int) -> 
     qh, kh, vh = (t.permute(1, 0, 2) for t in (q, k, v))  # [H, Lp, *]
     idx = torch.arange(nb * block, device=q.device)
     outs = []
-    for i in range(nb):
+    for i in range(nb) if blocks is None else blocks:
         end = (i + 1) * block
         qi = qh[:, i * block : end] * scale
         # einsum runs its product below any torch-function mode: one fixed shape per block index i
@@ -254,8 +260,27 @@ def _one_sequence(q: Tensor, k: Tensor, v: Tensor, scale: float, block: int) -> 
         p = torch.exp(scores - m)
         denom = p.sum(dim=-1, keepdim=True)
         outs.append(torch.einsum("hqk,hkd->hqd", p, vh[:, :end]) / denom)
-    out = torch.cat(outs, dim=1).permute(1, 0, 2)  # [Lp, H, Dv]
-    return out[:length]
+    out = torch.cat(outs, dim=1).permute(1, 0, 2)  # [blocks * block, H, Dv]
+    return out[:length] if blocks is None else out
+
+
+def _prepare(
+    fn: str, query: Tensor, key: Tensor, value: Tensor, bounds: list[int], softmax_scale: float | None, block: int
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """Checked arguments of the sequence attentions: fp32 ``q``, ``k``, ``v`` (GQA groups repeated), the scale."""
+    heads, groups = query.shape[1], key.shape[1]
+    if groups == 0 or heads % groups:
+        raise input_error(fn, "key", f"a number of key/value groups dividing the {heads} query heads", describe(key))
+    total = query.shape[0]
+    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise input_error(fn, "bounds", f"non-decreasing boundaries from 0 to {total}", repr(bounds[:8]))
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise input_error(fn, "block", "an int >= 1", repr(block))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    rep = heads // groups
+    k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
+    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+    return _upcast(query), _upcast(k), _upcast(v), scale
 
 
 @typechecked
@@ -283,20 +308,58 @@ def sequence_attention(
     ``bounds``: the sequence boundaries ``[0, l0, l0 + l1, ..., T]`` (host ints).
     """
     fn = "fnppo.core.kernels.invariant.sequence_attention"
-    heads, groups = query.shape[1], key.shape[1]
-    if groups == 0 or heads % groups:
-        raise input_error(fn, "key", f"a number of key/value groups dividing the {heads} query heads", describe(key))
-    total = query.shape[0]
-    if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise input_error(fn, "bounds", f"non-decreasing boundaries from 0 to {total}", repr(bounds[:8]))
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise input_error(fn, "block", "an int >= 1", repr(block))
-    scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    rep = heads // groups
-    k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
-    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
-    qf, kf, vf = _upcast(query), _upcast(k), _upcast(v)
+    qf, kf, vf, scale = _prepare(fn, query, key, value, bounds, softmax_scale, block)
     pieces = [_one_sequence(qf[a:b], kf[a:b], vf[a:b], scale, block) for a, b in zip(bounds, bounds[1:]) if b > a]
     if not pieces:
-        return query.new_zeros(total, heads, value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
     return torch.cat(pieces).to(query.dtype)
+
+
+@typechecked
+def sequence_attention_rows(
+    query: Float[Tensor, "tokens heads head_dim"],
+    key: Float[Tensor, "tokens groups head_dim"],
+    value: Float[Tensor, "tokens groups v_dim"],
+    bounds: list[int],
+    rows: Int[Tensor, " n"],
+    *,
+    softmax_scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> Float[Tensor, "n heads v_dim"]:
+    """The rows ``rows`` of :func:`sequence_attention` (same arguments), with the same bits, computing
+    only the query blocks that hold them.
+
+    ``out[n] = sequence_attention(query, key, value, bounds)[rows[n]]``: for each sequence, the query
+    blocks ``b`` (tokens ``[b*block, (b+1)*block)`` of the sequence) that contain a requested row are
+    computed as :func:`sequence_attention` computes them (one product of the same shape against the
+    keys ``[0, (b+1)*block)``), the others are skipped. A row's bits depend only on its own query,
+    its keys and values and the block's shape, never on the other query rows of its block, which may
+    hold anything (context parallelism leaves other ranks' queries at zero there,
+    :func:`fnppo.core.context_parallel.context_parallel_sequence_attention`). Reference: per-sequence
+    (packed) attention, arXiv:2107.02027; batch invariance, Thinking Machines Lab, "Defeating
+    Nondeterminism in LLM Inference" (2025).
+
+    ``rows``: int64 token indices in ``[0, tokens)`` (any order, host-synchronized once).
+    """
+    fn = "fnppo.core.kernels.invariant.sequence_attention_rows"
+    total = query.shape[0]
+    qf, kf, vf, scale = _prepare(fn, query, key, value, bounds, softmax_scale, block)
+    want = rows.to("cpu", torch.int64)
+    if want.numel() and (int(want.min()) < 0 or int(want.max()) >= total):
+        raise input_error(fn, "rows", f"token indices in [0, {total})", f"[{int(want.min())}, {int(want.max())}]")
+    ends = torch.tensor(bounds[1:], dtype=torch.int64)
+    seq = torch.searchsorted(ends, want, right=True)  # the sequence of every requested row
+    local = want - torch.tensor(bounds, dtype=torch.int64)[seq]
+    where = torch.empty_like(want)  # each requested row's place in the concatenated computed blocks
+    pieces, offset = [], 0
+    for s in torch.unique(seq).tolist():
+        mine = seq == s
+        blocks = torch.unique(local[mine] // block)  # sorted
+        a, b = bounds[s], bounds[s + 1]
+        pieces.append(_one_sequence(qf[a:b], kf[a:b], vf[a:b], scale, block, blocks.tolist()))
+        slot = torch.searchsorted(blocks, local[mine] // block)
+        where[mine] = offset + slot * block + local[mine] % block
+        offset += blocks.numel() * block
+    if not pieces:
+        return query.new_zeros(0, query.shape[1], value.shape[-1])
+    return torch.cat(pieces).index_select(0, where.to(query.device)).to(query.dtype)
