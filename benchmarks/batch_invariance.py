@@ -114,7 +114,7 @@ def parse_args(argv=None):
         type=int,
         default=0,
         metavar="N",
-        help="also profile one train_step per mode (torch.profiler) and print its N most expensive operations",
+        help="also profile one train_step and one compute_logprobs per mode (torch.profiler) and print their N most expensive operations",
     )
     args = p.parse_args(argv)
     args.models = args.models or ("tiny,tiny-moe" if args.smoke else "qwen2.5-0.5b,qwen2.5-1.5b,moe")
@@ -358,10 +358,13 @@ def measure(name: str, args) -> dict:
         step()  # warm-up (compilations, autotuning)
         times[invariant] = (timed(step, args.steps), timed(infer, args.steps))
         if args.profile:
-            rows, split = profile(step, args.profile)
             mode = "invariant" if invariant else "normal"
-            out.setdefault("profile", {})[mode] = rows
-            out.setdefault("profile_split", {})[mode] = split
+            for what, fn in (("train_step", step), ("compute_logprobs", infer)):
+                print(f"-- {what}, {mode}", flush=True)
+                rows, split = profile(fn, args.profile)
+                key = "" if what == "train_step" else "_compute_logprobs"
+                out.setdefault(f"profile{key}", {})[mode] = rows
+                out.setdefault(f"profile_split{key}", {})[mode] = split
         del state
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

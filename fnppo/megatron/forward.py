@@ -52,7 +52,7 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+def deterministic_algorithms(enabled: bool, *, fill_uninitialized_memory: bool = True) -> Iterator[None]:
     """Run the block under ``torch.use_deterministic_algorithms(True, warn_only=True)`` when
     ``enabled`` (a model built with ``ModelConfig(deterministic=True)``), and restore torch's
     previous setting afterwards, also on an exception; with ``enabled`` False, change nothing.
@@ -63,16 +63,24 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     bf16 rounding change from call to call). ``warn_only``: an operation without a deterministic
     implementation warns instead of failing the step. Reference: PyTorch "Reproducibility" notes
     (``torch.use_deterministic_algorithms``).
+
+    ``fill_uninitialized_memory``: torch's ``torch.utils.deterministic.fill_uninitialized_memory``
+    inside the block (restored afterwards). Under the switch torch fills every new uninitialized
+    tensor (``torch.empty``) with NaN, thousands of extra kernel launches per step; the
+    batch-invariant mode, which only needs the repeatable routing paths, turns it off.
     """
     if not enabled:
         yield
         return
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill_before = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = bool(fill_uninitialized_memory)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill_before
 
 
 @functools.cache

@@ -131,8 +131,13 @@ def run_schedule(
         # Megatron's MoE routing and un-permutation take their repeatable (index_put / index_add) paths
         # only under torch's deterministic switch: the mode needs them for MoE models
         moe = getattr(config, "num_moe_experts", None) is not None
+        # (for the mode alone without torch's NaN fill of new tensors: it adds a kernel per allocation)
         determinism = bool(config.deterministic_mode) or (invariant and moe)
-        with deterministic_algorithms(determinism), batch_invariant_numerics(invariant, kernels=kernels):
+        fill = bool(config.deterministic_mode)
+        with (
+            deterministic_algorithms(determinism, fill_uninitialized_memory=fill),
+            batch_invariant_numerics(invariant, kernels=kernels),
+        ):
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=data if interleaved else data[0],
