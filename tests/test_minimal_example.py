@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.scripts import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "minimal_grpo.py"
 STEPS = 15
@@ -22,8 +24,7 @@ def test_minimal_grpo_reward_rises_with_finite_metrics():
         f"import json, sys; sys.path.insert(0, {str(EXAMPLE.parent)!r}); import minimal_grpo; "
         f"rows = minimal_grpo.train(steps={STEPS}, log=lambda line: None); print('ROWS', json.dumps(rows))"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    out = run_script(None, code=code, cwd=ROOT, timeout=300)  # as python -c, forked from the preloaded server
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("ROWS "))[5:])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

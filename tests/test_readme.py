@@ -49,7 +49,7 @@ MAIN = (
     'python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ".[test,examples,log]" && '
     ".venv/bin/python examples/ppo_toy.py"
 )
-TESTS = ".venv/bin/python -m pytest -q"
+TESTS = ".venv/bin/python -m pytest -q -n 2"
 
 
 @pytest.mark.parametrize("marker,command", [("main-command", MAIN), ("test-command", TESTS)])

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "vlm_toy.py"
 FAST = [
@@ -28,6 +30,11 @@ FAST = [
     "--target-reward",
     "0",
 ]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """``python examples/vlm_toy.py *args`` from the repository root, forked from the preloaded server."""
+    return run_script(EXAMPLE, args, cwd=ROOT, timeout=600)
 
 
 def _call(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -60,9 +67,8 @@ sys.exit(vlm_toy.main(sys.argv[1:]))
 
 
 def _drawing_run(args: list[str]) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     code = DRAWING.format(examples=str(ROOT / "examples"))
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    out = run_script(None, args, code=code, cwd=ROOT, timeout=600)
     assert out.returncode == 0, f"{args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out.stdout
 
@@ -157,18 +163,18 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path):
         "--target-reward",
         "0",
     ]
-    out = _call([*small, "--out-dir", str(run), "--save-every", "1", "--exit-after", "1"])
+    out = _run([*small, "--out-dir", str(run), "--save-every", "1", "--exit-after", "1"])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = (run / "metrics.jsonl").read_text()
-    out = _call([*small, "--out-dir", str(run), "--resume", "--lr", "0.01"])
+    out = _run([*small, "--out-dir", str(run), "--resume", "--lr", "0.01"])
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
     assert "--resume: the checkpoint was written with --lr 0.003 (now 0.01)" in out.stderr
     (run / "checkpoints" / "step000001" / "__0_0.distcp").write_bytes(b"damaged")
-    out = _call([*small, "--out-dir", str(run), "--resume"])
+    out = _run([*small, "--out-dir", str(run), "--resume"])
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
     assert out.stderr.startswith("vlm_toy.py: error: --resume: ") and "__0_0.distcp" in out.stderr, out.stderr
     (run / "checkpoints" / "step000001" / "manifest.json").unlink()  # an incomplete checkpoint: reported, skipped
-    out = _call([*small, "--out-dir", str(run), "--resume"])
+    out = _run([*small, "--out-dir", str(run), "--resume"])
     want = f"vlm_toy.py: error: --resume: {run} has no complete checkpoint (write some with --save-every N)"
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and lines[-1] == want, out.stderr[-3000:]
@@ -179,7 +185,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path):
 
 
 def test_a_few_steps_run_every_image_mix_and_write_the_run_directory(tmp_path):
-    out = _call([*FAST, "--out-dir", str(tmp_path / "run")])
+    out = _run([*FAST, "--out-dir", str(tmp_path / "run")])
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     assert "Warning" not in out.stderr, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -195,7 +201,7 @@ def test_a_few_steps_run_every_image_mix_and_write_the_run_directory(tmp_path):
     if not any("matplotlib" in line for line in out.stdout.splitlines() if line.startswith("plot: skipped")):
         assert (tmp_path / "run" / "vlm_toy.png").stat().st_size > 10_000
     # a second run into the same directory is refused (exit 2, one line), as in the text toy
-    again = _call([*FAST, "--out-dir", str(tmp_path / "run")])
+    again = _run([*FAST, "--out-dir", str(tmp_path / "run")])
     assert (
         again.returncode == 2
         and again.stderr.strip().startswith("vlm_toy.py: error:")
