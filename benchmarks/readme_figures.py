@@ -92,7 +92,7 @@ def tests_figure(log: Path | None) -> str:
         text = log.read_text()
     else:
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q"], capture_output=True, text=True, env=_env(), cwd=ROOT
+            [sys.executable, "-m", "pytest", "-q", "-n", "2"], capture_output=True, text=True, env=_env(), cwd=ROOT
         )
         text = out.stdout if out.returncode == 0 else ""
     m = re.search(r"(\d+) passed(?:, (\d+) skipped)?.* in ([0-9.]+)s", text)
