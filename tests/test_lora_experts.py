@@ -214,6 +214,17 @@ def _refusals() -> dict:
             out[label] = "accepted"
         except InputError as err:
             out[label] = str(err)
+    # Transformer Engine's grouped experts (no TE on the CPU: Megatron's SequentialMLP under TEGroupedMLP's name,
+    # which is what apply_lora reads)
+    chunks = fnppo.build_gpt(_cfg("sequential"))
+    for m in unwrap_model(chunks[0]).modules():
+        if type(m).__name__ == "SequentialMLP":
+            m.__class__ = type("TEGroupedMLP", (type(m),), {})
+    try:
+        fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**LORA))
+        out["te_grouped"] = "accepted"
+    except InputError as err:
+        out["te_grouped"] = str(err)
     return out
 
 
@@ -226,6 +237,10 @@ def test_unsupported_expert_adapters_are_refused_by_name():
     )
     assert "expected expert_tensor_parallel_size (etp) 1 for adapters in stacked experts" in got["stacked etp2"]
     assert got["stacked etp2"].endswith("received etp=2")
+    assert (
+        "argument 'model_chunks' expected experts built with moe_experts='stacked' or 'sequential' for adapters in "
+        "experts, received TEGroupedMLP at decoder.layers.0.mlp.experts" in got["te_grouped"]
+    ), got["te_grouped"]
 
 
 def _replay() -> dict:
