@@ -383,8 +383,8 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(m
     flex attention would see one rank's shard): fnppo's torch kernels take it (the CUDA choice is
     made here without a GPU, by the layout check the config reads)."""
     from fnppo.core.errors import InputError
-    from fnppo.megatron import config as config_module
-    from fnppo.megatron.config import transformer_config
+    from fnppo.megatron import megatron_config as config_module
+    from fnppo.megatron.megatron_config import transformer_config
     from tests.messages import check_message
 
     with pytest.raises(InputError) as err:

@@ -12,7 +12,7 @@ import torch
 import fnppo
 from fnppo.core.errors import InputError
 from fnppo.core.losses import LossConfig
-from fnppo.megatron.config import fp8_fields, transformer_config
+from fnppo.megatron.megatron_config import fp8_fields, transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.unwrap import unwrap_model
 from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
@@ -376,7 +376,7 @@ def test_default_spec_is_the_local_one_under_context_parallelism(monkeypatch):
 
 def test_fusions_follow_the_device_unless_forced(monkeypatch):
     """Megatron's fused kernels: on for a model built for CUDA (NCCL), off on CPU (gloo), or forced."""
-    from fnppo.megatron.config import fusion_fields
+    from fnppo.megatron.megatron_config import fusion_fields
 
     names = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
     assert fusion_fields(_cfg(), _fake_layout()) == dict.fromkeys(names, False)
@@ -579,9 +579,9 @@ def test_grad_clipping_norm_without_syncs_matches_float64():
 def test_transformer_config_refuses_recompute_modules_that_need_transformer_engine(monkeypatch):
     # Megatron 0.16's output-discarding checkpoint ("layernorm", "moe_act") imports Transformer Engine
     # at the first forward whatever the precision: refused when the config is built, not mid-step.
-    import fnppo.megatron.config
+    import fnppo.megatron.megatron_config
 
-    monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: False)
+    monkeypatch.setattr(fnppo.megatron.megatron_config, "te_available", lambda: False)
     with pytest.raises(InputError) as info:
         transformer_config(
             _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]
@@ -598,7 +598,7 @@ def test_transformer_config_refuses_recompute_modules_that_need_transformer_engi
         _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]
     )
     assert ok.recompute_modules == ["mlp", "core_attn"]
-    monkeypatch.setattr(fnppo.megatron.config, "te_available", lambda: True)  # with TE Megatron runs them
+    monkeypatch.setattr(fnppo.megatron.megatron_config, "te_available", lambda: True)  # with TE Megatron runs them
     assert transformer_config(
         _cfg(), _fake_layout(), recompute_granularity="selective", recompute_modules=["layernorm"]
     ).recompute_modules == ["layernorm"]

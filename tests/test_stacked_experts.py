@@ -148,7 +148,7 @@ def test_stacked_experts_under_expert_and_tensor_parallelism(one_process, name):
 
 
 def _refusals() -> dict:
-    from fnppo.megatron.config import transformer_config
+    from fnppo.megatron.megatron_config import transformer_config
 
     out = {}
     for label, kw in {

@@ -29,9 +29,10 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
-from fnppo.megatron.config import ModelConfig, moe_experts_choice, transformer_config
+from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.layer_specs import choose_layer_spec
+from fnppo.megatron.megatron_config import moe_experts_choice, transformer_config
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.patches import (

@@ -1,7 +1,7 @@
 """A fused RoPE for Megatron where Transformer Engine provides none: adapters of :func:`fnppo.core.rope.apply_rotary`.
 
 Megatron's ``apply_rope_fusion`` (on where models are built for CUDA,
-:func:`fnppo.megatron.config.fusion_fields`) calls two functions of ``rope_utils`` that only
+:func:`fnppo.megatron.megatron_config.fusion_fields`) calls two functions of ``rope_utils`` that only
 Transformer Engine defines; :func:`fnppo.megatron.patches.patch_fused_rope` sets the missing ones
 to the adapters here (:func:`fused_rope_bshd`, :func:`fused_rope_thd`). Cases outside
 :func:`fnppo.core.rope.apply_rotary` (interleaved RoPE, per-sample angle tables, context parallelism

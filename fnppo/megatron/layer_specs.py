@@ -190,7 +190,7 @@ def default_layer_spec(
     follows the model config's ``normalization`` (TE's norm module reads it). ``moe_experts``
     (MoE models): ``"stacked"``, ``"te_grouped"`` or ``"sequential"``, see
     :class:`fnppo.megatron.config.ModelConfig`; None reads the config's, else chooses as
-    :func:`fnppo.megatron.config.moe_experts_choice` does without a layout (CUDA present or not).
+    :func:`fnppo.megatron.megatron_config.moe_experts_choice` does without a layout (CUDA present or not).
     """
     opts = _spec_options(
         config,

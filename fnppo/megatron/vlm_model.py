@@ -86,8 +86,9 @@ from torch import nn
 from fnppo.core.errors import describe, input_error
 from fnppo.core.typing import Float, Int, Tensor, typechecked, typechecking_enabled
 from fnppo.megatron.build import build_gpt
-from fnppo.megatron.config import ModelConfig, transformer_config
+from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.layer_specs import local_layer_spec, te_available
+from fnppo.megatron.megatron_config import transformer_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.vlm_collate import VisionConfig, check_images
 
@@ -308,7 +309,7 @@ def build_vlm(
     Raises:
         InputError: ``image_token_id`` outside the vocabulary, sequence parallelism, context
             parallelism, TP > 1 with an MoE language model, and everything
-            :func:`fnppo.megatron.config.transformer_config` refuses.
+            :func:`fnppo.megatron.megatron_config.transformer_config` refuses.
     """
     fn = "fnppo.vlm.build_vlm"
     if vision.image_token_id >= cfg.vocab_size:
