@@ -479,6 +479,7 @@ MODULES = (
     "fnppo.core.losses.flat",
     "fnppo.core.losses.covariance",
     "fnppo.core.rollout_correction",
+    "fnppo.core.rollout_weights",
     "fnppo.core.loss_checks",
     "fnppo.core.kl_control",
 )

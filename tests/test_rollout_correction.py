@@ -29,7 +29,8 @@ from fnppo.core.losses import (
     ppo_loss,
 )
 from fnppo.core.metrics import finalize_metrics
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, compute_tis_weights, tis_batch_stats
+from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
+from fnppo.core.rollout_weights import compute_tis_weights, tis_batch_stats
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,

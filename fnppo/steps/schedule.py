@@ -204,7 +204,7 @@ def global_sums(
     """The loss normalizer and, with ``correction.batch_normalize``, the mean TIS weight of the mini-batch.
 
     Both are summed over micro-batches and DP ranks before the schedule, in one all-reduce (fp64):
-    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.rollout_correction.tis_batch_stats`).
+    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.rollout_weights.tis_batch_stats`).
     """
     if loss_cfg.correction is None or not loss_cfg.correction.batch_normalize:
         return global_normalizer(mbs, loss_cfg.agg, layout, device), None

@@ -40,7 +40,8 @@ from fnppo.core.losses.config import LossConfig
 from fnppo.core.losses.kl import kl_penalty
 from fnppo.core.losses.policy import PolicyInputs, loss_name
 from fnppo.core.metrics import pair_metric, weighted_metric
-from fnppo.core.rollout_correction import Rules, correction
+from fnppo.core.rollout_correction import Rules
+from fnppo.core.rollout_weights import correction
 from fnppo.core.typing import (
     Integer,
     PaddedFloat,
@@ -208,7 +209,7 @@ def ppo_loss(
 
     Per token: ``l_t = w^TIS_t * pg_t - entropy_coef * H_t + kl.coef * KL_t`` where ``pg_t`` is the
     policy loss ``config.policy``, ``w^TIS`` the truncated importance weight of ``config.correction``
-    (:func:`~fnppo.core.rollout_correction.compute_tis_weights`; rejected tokens drop out of all
+    (:func:`~fnppo.core.rollout_weights.compute_tis_weights`; rejected tokens drop out of all
     three terms but stay in ``N``; with ``batch_normalize`` divided by ``tis_mean``) and
     ``KL_t = kl_penalty(logprobs, ref_logprobs, kl.estimator)``. The scalar loss is
     ``sum_t a_t l_t / N`` with the weights ``a_t`` and the count ``N`` of the aggregation mode
@@ -246,7 +247,7 @@ def ppo_loss(
         seq_ids: packed layout: per-token sequence index within the micro-batch, -1 for no sequence.
         generator: RNG for randomized losses (``clip_cov``).
         tis_mean: with ``correction.batch_normalize``: the global mean TIS weight (the pairs of
-            :func:`~fnppo.core.rollout_correction.tis_batch_stats` summed over the step,
+            :func:`~fnppo.core.rollout_weights.tis_batch_stats` summed over the step,
             ``sum / count``); None: the mean of this call. A mean of 0 (no kept unit anywhere)
             divides by 1.
         m2_cutoff: with ``correction.m2_threshold``: the M2PO cutoff of the whole mini-batch
