@@ -252,7 +252,7 @@ def measure(args, rank: int | None, device) -> dict:
     return row
 
 
-def isolated(argv: list[str], configs: list[int | None], args) -> int:
+def isolated(argv: list[str], configs: list[int | None]) -> int:
     """Run every configuration in a fresh process of this script (its own CUDA context, so its peak
     memory is its own), the merged check in the first one only; rows go to ``--json`` as usual."""
     for i, rank in enumerate(configs):
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     ranks = [int(r) for r in args.ranks.split(",") if r]
     configs = ([] if args.no_full else [None]) + ranks
     if device.type == "cuda" and len(configs) > 1 and not args.same_process:
-        return isolated(argv, configs, args)
+        return isolated(argv, configs)
     from fnppo.testing import megatron_on_cpu
 
     ctx = megatron_on_cpu() if device.type == "cpu" else contextlib.nullcontext()

@@ -68,6 +68,25 @@ def test_block_diagonal_parts_is_one_product_for_every_part(parts):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
 
 
+def test_default_experts_module_follows_fp8_the_mode_and_the_device():
+    from fnppo.megatron.layer_specs import default_experts
+
+    got = {
+        (fp8, cuda, kernels): default_experts(fp8=fp8, cuda=cuda, kernels=kernels)
+        for fp8 in (False, True)
+        for cuda in (False, True)
+        for kernels in (None, "fast", "torch", "megatron")
+    }
+    for (fp8, cuda, kernels), experts in got.items():
+        if fp8:
+            want = "te_grouped"
+        elif kernels is None:  # outside the batch-invariant mode
+            want = "stacked" if cuda else "sequential"
+        else:  # in the mode: the grouped GEMM only with the fast kernels
+            want = "stacked" if kernels == "fast" else "sequential"
+        assert experts == want, (fp8, cuda, kernels, experts)
+
+
 def test_grouped_matmul_refuses_mixed_dtypes():
     with pytest.raises(InputError, match="argument 'weight' expected a torch.float32 tensor"):
         grouped_matmul(torch.zeros(2, 4), torch.zeros(1, 4, 4, dtype=torch.float64), _groups([2]))

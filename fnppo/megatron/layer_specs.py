@@ -25,7 +25,7 @@ from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.stacked_experts import StackedExperts
 
-__all__ = ["te_available", "local_layer_spec", "default_layer_spec", "choose_layer_spec"]
+__all__ = ["te_available", "local_layer_spec", "default_layer_spec", "choose_layer_spec", "default_experts"]
 
 
 def te_available() -> bool:
@@ -45,20 +45,29 @@ _SPEC_DEFAULTS: dict[str, Any] = {
 MoEExperts = Literal["stacked", "te_grouped", "sequential"]
 
 
+def default_experts(*, fp8: bool, cuda: bool, kernels: str | None) -> str:
+    """The experts module when none is asked for: ``"te_grouped"`` with FP8; in the batch-invariant
+    mode (``kernels``, its kernels; None outside it) ``"stacked"`` with the fast CUDA kernels (a
+    token's row of the grouped GEMM has the same bits whatever the group sizes) and ``"sequential"``
+    with the others (fnppo's fixed tiles or Megatron's Triton matmul take its products); otherwise
+    ``"stacked"`` on CUDA and ``"sequential"`` on CPU."""
+    if fp8:
+        return "te_grouped"
+    if kernels is not None:
+        return "stacked" if kernels == "fast" else "sequential"
+    return "stacked" if cuda else "sequential"
+
+
 def _experts(config: Any, given: str | None) -> str:
     """The experts module: ``given``, else the config's ``moe_experts`` (a Megatron config's
-    ``moe_grouped_gemm=True`` means ``"te_grouped"``), else ``"te_grouped"`` for an FP8 config,
-    ``"stacked"`` where CUDA is present (in the batch-invariant mode: with its fast kernels),
-    ``"sequential"`` on CPU."""
+    ``moe_grouped_gemm=True`` means ``"te_grouped"``), else :func:`default_experts` for the config
+    where CUDA is present or not."""
     if given is None and getattr(config, "moe_grouped_gemm", None) is True:
         given = "te_grouped"
     if given is None:
-        fp8 = getattr(config, "fp8", None)
         invariant = getattr(config, "batch_invariant", False) or getattr(config, "batch_invariant_mode", False)
-        # the batch-invariant mode's fast CUDA kernels take the grouped GEMM, its other kernels SequentialMLP
-        kernels = getattr(config, "fnppo_invariant_kernels", None) or (invariant and invariant_kernels())
-        cuda = torch.cuda.is_available()
-        given = "te_grouped" if fp8 else ("stacked" if cuda and (not invariant or kernels == "fast") else "sequential")
+        kernels = (getattr(config, "fnppo_invariant_kernels", None) or invariant_kernels()) if invariant else None
+        given = default_experts(fp8=bool(getattr(config, "fp8", None)), cuda=torch.cuda.is_available(), kernels=kernels)
     if given not in ("stacked", "te_grouped", "sequential"):
         raise input_error(
             "fnppo.models.default_layer_spec", "moe_experts", "'stacked', 'te_grouped' or 'sequential'", repr(given)

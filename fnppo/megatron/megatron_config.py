@@ -18,7 +18,7 @@ from megatron.core.transformer import TransformerConfig
 from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import input_error
 from fnppo.megatron.config import ModelConfig
-from fnppo.megatron.layer_specs import te_available
+from fnppo.megatron.layer_specs import default_experts, te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.patches import patch_fused_rope
 
@@ -41,7 +41,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     """
     # batch-invariant mode with fnppo's torch or Megatron's kernels: the plain torch element-wise ops,
     # which its torch-function mode sees (the CUDA "fast" kernels keep the fused ones: one kernel per op)
-    fast = cfg.batch_invariant and invariant_kernels(cuda=_on_cuda(layout)) == "fast"
+    fast = _kernels(cfg, layout) == "fast"
     default = _on_cuda(layout) and (not cfg.batch_invariant or fast)
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
@@ -137,7 +137,7 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     if kwargs.get("apply_rope_fusion"):
         patch_fused_rope()  # Megatron checks for a fused RoPE when the config is built
     # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
-    kernels = invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
+    kernels = _kernels(cfg, layout)
     if cfg.batch_invariant:
         _check_batch_invariant_layout(layout, kernels)
     tc = TransformerConfig(**kwargs)
@@ -245,7 +245,7 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
             raise input_error(
                 "transformer_config",
                 "moe_experts",
-                f"{invariant!r} or None with batch_invariant=True and the {_kernels(layout)!r} kernels "
+                f"{invariant!r} or None with batch_invariant=True and the {_kernels(cfg, layout)!r} kernels "
                 "(the experts' products must give a token the same bits whatever the other tokens)",
                 repr(cfg.moe_experts),
             )
@@ -254,22 +254,19 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "transformer_config", "moe_experts", "'te_grouped' (or None) with fp8 set", repr(cfg.moe_experts)
             )
         return cfg.moe_experts
-    if cfg.fp8 is not None:
-        return "te_grouped"
-    return _invariant_experts(cfg, layout) or ("stacked" if _on_cuda(layout) else "sequential")
+    return default_experts(fp8=cfg.fp8 is not None, cuda=_on_cuda(layout), kernels=_kernels(cfg, layout))
 
 
-def _kernels(layout: ParallelLayout) -> str:
-    return invariant_kernels(cuda=_on_cuda(layout))
+def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
+    """The batch-invariant mode's kernels for ``cfg`` on ``layout``; None outside the mode."""
+    return invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
 
 
 def _invariant_experts(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
-    """The only experts module of a batch-invariant model: the grouped GEMM with the fast CUDA kernels,
-    ``SequentialMLP`` (whose products fnppo's fixed tiles or Megatron's Triton matmul take) otherwise;
-    None for a model outside the mode."""
-    if not cfg.batch_invariant:
-        return None
-    return "stacked" if _kernels(layout) == "fast" else "sequential"
+    """The only experts module of a batch-invariant model (:func:`default_experts` in the mode); None
+    for a model outside the mode."""
+    kernels = _kernels(cfg, layout)
+    return None if kernels is None else default_experts(fp8=False, cuda=_on_cuda(layout), kernels=kernels)
 
 
 def _on_cuda(layout: ParallelLayout) -> bool:
