@@ -403,3 +403,36 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(m
     check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "'fast'", "cp=2")
     monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "torch")
     assert transformer_config(cfg, _layout(cp=2)).fnppo_invariant_kernels == "torch"
+
+
+def test_sequence_attention_rows_are_the_rows_of_sequence_attention_whatever_the_other_queries():
+    """``sequence_attention_rows`` (the blocks holding the asked rows only) gives those rows the bits of
+    the whole ``sequence_attention``, in the order asked, also with every other query replaced; a
+    float64 causal reference agrees to rounding; a row outside the tokens is refused by name."""
+    from fnppo.core.errors import InputError
+    from fnppo.core.kernels.invariant import sequence_attention, sequence_attention_rows
+
+    g = torch.Generator().manual_seed(3)
+    bounds = [0, 5, 5, 45, 140, 141]  # an empty sequence, one of one token, several blocks of 16
+    total, heads, groups, d = bounds[-1], 4, 2, 8
+    q = torch.randn(total, heads, d, generator=g)
+    k, v = (torch.randn(total, groups, d, generator=g) for _ in range(2))
+    full = sequence_attention(q, k, v, bounds, block=16)
+    rows = torch.randperm(total, generator=g)[:37]
+    got = sequence_attention_rows(q, k, v, bounds, rows, block=16)
+    assert torch.equal(got, full[rows])
+    others = torch.ones(total, dtype=torch.bool)
+    others[rows] = False
+    q2 = torch.where(others[:, None, None], torch.randn(total, heads, d, generator=g), q)
+    assert torch.equal(sequence_attention_rows(q2, k, v, bounds, rows, block=16), got)
+    ref = torch.empty(total, heads, d, dtype=torch.float64)
+    for a, b in zip(bounds, bounds[1:]):
+        if b == a:
+            continue
+        kk, vv = (t[a:b].double().repeat_interleave(heads // groups, dim=1).transpose(0, 1) for t in (k, v))
+        ref[a:b] = F.scaled_dot_product_attention(q[a:b].double().transpose(0, 1), kk, vv, is_causal=True).transpose(
+            0, 1
+        )
+    torch.testing.assert_close(got.double(), ref[rows], rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"argument 'rows' expected token indices in \[0, 141\)"):
+        sequence_attention_rows(q, k, v, bounds, torch.tensor([0, 141]), block=16)
