@@ -164,6 +164,26 @@ def test_file_size_limit_and_read_only_directory_are_named_and_leave_nothing(tmp
     assert sorted(p.name for p in ro.iterdir()) == []
 
 
+def test_ctrl_c_inside_torchs_checkpoint_writer_stays_a_keyboard_interrupt(tmp_path):
+    """torch's checkpoint writer wraps whatever a rank's write raises in its ``CheckpointException``: a
+    Ctrl-C that lands there still reaches the caller as ``KeyboardInterrupt`` (the example's exit 130
+    and resume hint), not as a failed write, and nothing is left behind."""
+
+    def interrupted(state) -> str:
+        import torch.distributed.checkpoint as dcp
+
+        def ctrl_c(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        dcp.FileSystemWriter.write_data = ctrl_c  # in the forked child only
+        fnppo.checkpoint.save_checkpoint(tmp_path / "step1", state)
+        return "no error"
+
+    code, msg = _in_child(interrupted)
+    assert code == 1 and msg.startswith("KeyboardInterrupt"), msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def _lock_and_report(d: Path, go: int, result: int, end: int) -> None:
     """A forked run: wait for ``go``, lock ``d``, report 0 (got it), 1 (refused by name) or 2 (another
     error) on ``result``, hold the lock until ``end``, then exit."""

@@ -158,11 +158,17 @@ def sharded_checkpoint_state(state: Any, extra: Mapping[str, Any] | None, fn: st
 
 
 def _phase(work: Callable[[], Any], tmp: Path, rank: int, directory: Path) -> None:
-    """Run ``work``; if it failed on any rank, remove ``tmp`` (rank 0) and raise on every rank."""
+    """Run ``work``; if it failed on any rank, remove ``tmp`` (rank 0) and raise on every rank. A Ctrl-C
+    stays a ``KeyboardInterrupt``, also when torch's checkpoint writer wrapped it in its
+    ``CheckpointException`` (``save_checkpoint`` then removes ``tmp``)."""
     error: BaseException | None = None
     try:
         work()
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank below
+        if isinstance(err, CheckpointException) and any(
+            isinstance(exc, KeyboardInterrupt) for exc, _ in err.failures.values()
+        ):
+            raise KeyboardInterrupt from err
         error = err
     problem = _agree(error)
     if problem is None:
