@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
 from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
-from fnppo.core.linear_logprob import BackwardGraphs, linear_logprob_and_entropy  # noqa: E402
-from fnppo.core.logprob import logprob_and_entropy  # noqa: E402
+from fnppo.core.ops.linear_logprob import BackwardGraphs, linear_logprob_and_entropy  # noqa: E402
+from fnppo.core.ops.logprob import logprob_and_entropy  # noqa: E402
 from fnppo.core.typing import typechecking  # noqa: E402
 
 
@@ -344,7 +344,7 @@ def fallback_checks(device):
     with the right results. Passes when all of that holds."""
     import warnings
 
-    import fnppo.core.linear_logprob as ll
+    import fnppo.core.ops.linear_logprob as ll
 
     g = torch.Generator(device=device).manual_seed(13)
     hid, vocab = 256, 5000
@@ -431,8 +431,8 @@ def backward_parts(h, W, labels, reps):
     """The fused backward's three parts timed alone with its own block sizes: the Triton kernel that
     recomputes the logits and writes the logit-gradient blocks; dh += dz @ W_block (fp32
     accumulator); dW_block = dz.T @ h_group."""
-    from fnppo.core import linear_logprob as ll
     from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.ops import linear_logprob as ll
 
     n, hid = h.shape
     v = W.shape[0]
@@ -502,8 +502,8 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     one shape: the forward over the whole vocabulary, the logit-gradient kernel over one backward
     block of the function's own size; each against the dense bf16 product of the same size.
     ``TMA``: tiles read (and written) through tensor descriptors, else pointer loads."""
-    from fnppo.core import linear_logprob as ll
     from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.ops import linear_logprob as ll
 
     device = device or torch.device("cuda")
     h, W, labels, _, _ = make_problem(tokens, hidden, vocab, device)
@@ -667,7 +667,7 @@ def launch_cost(tokens, hidden, vocab, device):
     import triton
 
     from fnppo.core.kernels import linear_logprob_triton as k
-    from fnppo.core.linear_logprob import _backward_chunks
+    from fnppo.core.ops.linear_logprob import _backward_chunks
 
     h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
     fwd_bwd(fused_unchecked, h, W, labels, g_lp, g_h)()  # autotunes both kernels

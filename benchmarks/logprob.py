@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fp64_logprob_entropy, peak_extra_bytes, time_ms  # noqa: E402
 from _common import fwd_bwd as _fwd_bwd  # noqa: E402
 
-from fnppo.core.logprob import logprob_and_entropy  # noqa: E402
+from fnppo.core.ops.logprob import logprob_and_entropy  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def sample_answers(chunks, prompts, uniforms, *, collate, temperature: float, la
     import fnppo
 
     samples = [to_sample(p, img, []) for p, img, _ in prompts]
-    mb = fnppo.core.collate.to_device(
+    mb = fnppo.core.batching.collate.to_device(
         collate(samples, layout="packed", pad_to_multiple_of=1, sample_index=range(len(samples))), device
     )
 

@@ -25,17 +25,17 @@ from fnppo.megatron.quiet import install_warning_filters as _install_warning_fil
 
 _install_warning_filters()  # before Megatron is imported: see fnppo/megatron/quiet.py
 
-from fnppo.core.collate import collate_microbatch as collate_microbatch  # noqa: E402
+from fnppo.core.batching.collate import collate_microbatch as collate_microbatch  # noqa: E402
+from fnppo.core.batching.sample import Microbatch as Microbatch  # noqa: E402
+from fnppo.core.batching.sample import Sample as Sample  # noqa: E402
+from fnppo.core.batching.split import split_batch as split_batch  # noqa: E402
 from fnppo.core.errors import InputError as InputError  # noqa: E402
 from fnppo.core.errors import ShapeError as ShapeError  # noqa: E402
-from fnppo.core.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy  # noqa: E402
-from fnppo.core.logprob import logprob_and_entropy as logprob_and_entropy  # noqa: E402
 from fnppo.core.losses import LossConfig as LossConfig  # noqa: E402
 from fnppo.core.losses import ppo_loss as ppo_loss  # noqa: E402
 from fnppo.core.losses import value_loss as value_loss  # noqa: E402
-from fnppo.core.sample import Microbatch as Microbatch  # noqa: E402
-from fnppo.core.sample import Sample as Sample  # noqa: E402
-from fnppo.core.split import split_batch as split_batch  # noqa: E402
+from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy  # noqa: E402
+from fnppo.core.ops.logprob import logprob_and_entropy as logprob_and_entropy  # noqa: E402
 
 if TYPE_CHECKING:  # what type checkers and the API reference read; at run time __getattr__ imports these
     from fnppo.models import (

@@ -1,22 +1,22 @@
 """Samples and micro-batches: the split plan, the collate stage and its inverse.
-Implementation: :mod:`fnppo.core.sample`, :mod:`fnppo.core.split`, :mod:`fnppo.core.collate`."""
+Implementation: :mod:`fnppo.core.batching.sample`, :mod:`fnppo.core.batching.split`, :mod:`fnppo.core.batching.collate`."""
 
 from __future__ import annotations
 
-from fnppo.core.collate import collate_microbatch as collate_microbatch
-from fnppo.core.collate import pad_microbatch as pad_microbatch
-from fnppo.core.collate import to_device as to_device
-from fnppo.core.collate import unpack_per_sample as unpack_per_sample
-from fnppo.core.sample import LAYOUTS as LAYOUTS
-from fnppo.core.sample import Microbatch as Microbatch
-from fnppo.core.sample import Sample as Sample
-from fnppo.core.sample import padding_multiple as padding_multiple
-from fnppo.core.split import ByCount as ByCount
-from fnppo.core.split import BySize as BySize
-from fnppo.core.split import ByTokens as ByTokens
-from fnppo.core.split import Split as Split
-from fnppo.core.split import SplitPlan as SplitPlan
-from fnppo.core.split import split_batch as split_batch
+from fnppo.core.batching.collate import collate_microbatch as collate_microbatch
+from fnppo.core.batching.collate import pad_microbatch as pad_microbatch
+from fnppo.core.batching.collate import to_device as to_device
+from fnppo.core.batching.collate import unpack_per_sample as unpack_per_sample
+from fnppo.core.batching.sample import LAYOUTS as LAYOUTS
+from fnppo.core.batching.sample import Microbatch as Microbatch
+from fnppo.core.batching.sample import Sample as Sample
+from fnppo.core.batching.sample import padding_multiple as padding_multiple
+from fnppo.core.batching.split import ByCount as ByCount
+from fnppo.core.batching.split import BySize as BySize
+from fnppo.core.batching.split import ByTokens as ByTokens
+from fnppo.core.batching.split import Split as Split
+from fnppo.core.batching.split import SplitPlan as SplitPlan
+from fnppo.core.batching.split import split_batch as split_batch
 
 __all__ = [
     "Sample",

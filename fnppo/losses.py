@@ -2,7 +2,7 @@
 
 A policy loss is any function of :class:`PolicyInputs` returning ``(per-token loss, metrics)``; the
 built-in ones are small frozen parts with their own parameters. ``from_flat`` maps flat (verl-style)
-settings to parts. Implementation: :mod:`fnppo.core.losses` and :mod:`fnppo.core.rollout_correction`."""
+settings to parts. Implementation: :mod:`fnppo.core.losses` and :mod:`fnppo.core.losses.rollout_correction`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ Implementation: :mod:`fnppo.megatron`."""
 
 from __future__ import annotations
 
-from fnppo.core.batch_invariant import batch_invariant as batch_invariant
 from fnppo.core.kernels.invariant import sequence_attention as sequence_attention
+from fnppo.core.ops.batch_invariant import batch_invariant as batch_invariant
 from fnppo.megatron.build import build_gpt as build_gpt
 from fnppo.megatron.build import build_optimizer as build_optimizer
 from fnppo.megatron.build import wrap_ddp as wrap_ddp

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fnppo.core.sample import Sample
+from fnppo.core.batching.sample import Sample
 from fnppo.core.typing import set_typechecking, typechecking_enabled
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.parallel import destroy_parallel, free_port, init_parallel
@@ -335,7 +335,7 @@ def synthetic_samples(
     masked_tokens: bool = True,
     multi_modal_every: int = 0,
 ):
-    """``n`` random :class:`~fnppo.core.sample.Sample` s with varied lengths, for tests and demos.
+    """``n`` random :class:`~fnppo.core.batching.sample.Sample` s with varied lengths, for tests and demos.
 
     Old/ref/rollout log-probs are drawn around -2 (plausible values), advantages are standard
     normal, and with ``masked_tokens`` some response tokens are masked out (tool output in a

@@ -20,8 +20,8 @@ import torch
 from fnppo.core.losses.aggregate import loss_normalizer
 from fnppo.core.losses.flat import DEFAULTS, LOSS_FIELDS
 from fnppo.core.losses.ppo import ppo_loss
+from fnppo.core.losses.rollout_correction import SEQ_REJECTION_CRITERIA
 from fnppo.core.metrics import finalize_metrics, merge_metrics
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
 
 
 @pytest.fixture(autouse=True, scope="module")

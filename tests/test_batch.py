@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fnppo.core import split as S
-from fnppo.core.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.batching import split as S
+from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, padding_multiple
+from fnppo.core.batching.split import SplitPlan, split_batch
 from fnppo.core.errors import InputError, ShapeError
-from fnppo.core.sample import LAYOUTS, Microbatch, Sample, padding_multiple
-from fnppo.core.split import SplitPlan, split_batch
 from tests.messages import raises_message
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -347,7 +347,7 @@ def test_unpack_shape_error_and_gradient():
     with pytest.raises(ShapeError) as err:
         unpack_per_sample(torch.zeros(1, 5), mb)
     assert str(err.value) == (
-        "fnppo.core.collate.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
+        "fnppo.core.batching.collate.unpack_per_sample: argument 'values' expected shape (1, 12) (that of "
         "mb.input_ids), received f32[1,5]"
     )
     with raises_message("unpack_per_sample", "values", "Shaped[Tensor, 'batch seq']", "f32[12]", ShapeError):

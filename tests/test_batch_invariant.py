@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import fnppo
-from fnppo.core.batch_invariant import batch_invariant
 from fnppo.core.kernels import invariant as inv
+from fnppo.core.ops.batch_invariant import batch_invariant
 from fnppo.megatron.packed_attention import packed_causal_attention
 from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 
@@ -322,7 +322,7 @@ IMG, N_TOK = 5, 4
 
 
 def _nan_run(invariant: bool) -> dict:
-    from fnppo.core.sample import Sample
+    from fnppo.core.batching.sample import Sample
     from fnppo.core.typing import typechecking
     from fnppo.megatron.vlm_collate import VisionConfig, VLMCollate
     from fnppo.megatron.vlm_model import build_vlm

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnppo.core.context_parallel import cp_token_index, shard_microbatch, shard_tokens, unshard_tokens
+from fnppo.core.batching.context_parallel import cp_token_index, shard_microbatch, shard_tokens, unshard_tokens
 from fnppo.core.errors import InputError
 from fnppo.testing import run_ranks, synthetic_samples
 
@@ -92,7 +92,7 @@ def _attention_cases(n_cases: int) -> float:
     from megatron.core import parallel_state as ps
 
     import fnppo
-    from fnppo.core.context_parallel import context_parallel_attention
+    from fnppo.core.batching.context_parallel import context_parallel_attention
 
     layout = fnppo.parallel.current_layout()
     group = ps.get_context_parallel_group()
@@ -140,7 +140,7 @@ def test_attention_matches_dense_reference_cp2():
 def _invariant_attention_cases() -> int:
     from megatron.core import parallel_state as ps
 
-    from fnppo.core.context_parallel import context_parallel_sequence_attention
+    from fnppo.core.batching.context_parallel import context_parallel_sequence_attention
     from fnppo.core.kernels.invariant import sequence_attention
 
     group = ps.get_context_parallel_group()

@@ -35,7 +35,7 @@ def _backward(ddp, mbs) -> None:
     """Megatron's schedule, forward + backward (no finalize: the config has no finalize function)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from fnppo.core.collate import pad_microbatch
+    from fnppo.core.batching.collate import pad_microbatch
 
     total = sum(mb.loss_mask.sum() for mb in mbs)
     n = len(mbs)

@@ -181,7 +181,7 @@ def _layout_worker(
         res[family] = _megatron_logits(chunks, ids)
         export_hf_weights(chunks, f"{export_root}/{family}", hf_config=path)
         if logprobs:
-            from fnppo.core.sample import Sample
+            from fnppo.core.batching.sample import Sample
             from fnppo.steps.infer import compute_logprobs
 
             (lp,), _ = compute_logprobs(chunks, [Sample(prompt_ids=ids[0, :4], response_ids=ids[0, 4:])])
@@ -411,7 +411,7 @@ def _move(chunks) -> None:
 def _value_worker(ckpts: dict, export_root: str) -> dict:
     """Per value checkpoint: what the loader skipped, compute_values of one sample (prompt: the first
     token), an export; then every parameter moved, exported, reloaded into a new value model."""
-    from fnppo.core.sample import Sample
+    from fnppo.core.batching.sample import Sample
     from fnppo.megatron.unwrap import unwrap_model
     from fnppo.steps.infer import compute_values
 
@@ -607,7 +607,7 @@ def foreign_critics(tmp_path_factory):
 
 def _foreign_worker(critics: dict, bad: dict) -> dict:
     """Per foreign critic: what the loader skipped and compute_values of one sample; each bad variant's refusal."""
-    from fnppo.core.sample import Sample
+    from fnppo.core.batching.sample import Sample
     from fnppo.megatron.parallel import current_layout
     from fnppo.steps.infer import compute_values
 
@@ -999,7 +999,7 @@ def qwen2_v151(tmp_path_factory):
 
 
 def _padded_vocab_worker(path: str, ids: torch.Tensor) -> dict:
-    from fnppo.core.sample import Sample
+    from fnppo.core.batching.sample import Sample
     from fnppo.steps.infer import compute_logprobs
 
     out = {}

@@ -35,9 +35,9 @@ PURE_CORE = """
 import json, sys
 import torch
 import fnppo, fnppo.losses, fnppo.advantages, fnppo.kl, fnppo.metrics, fnppo.batching, fnppo.ops, fnppo.typing
-from fnppo.core.sample import Sample
-from fnppo.core.split import SplitPlan, split_batch
-from fnppo.core.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.batching.sample import Sample
+from fnppo.core.batching.split import SplitPlan, split_batch
+from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
 from fnppo.core.losses import LossConfig, loss_normalizer, ppo_clip, ppo_loss
 
 samples = [Sample.from_lists([1, 2], [3, 4, 5], advantages=1.0, old_logprobs=[-1.0, -1.5, -2.0]),
@@ -50,7 +50,7 @@ torch.manual_seed(0)
 total, per_sample = 0.0, []
 for mb in mbs:
     logits = torch.randn(*mb.input_ids.shape, 16, requires_grad=True)
-    lp, ent = fnppo.core.logprob.logprob_and_entropy(logits, mb.labels)
+    lp, ent = fnppo.core.ops.logprob.logprob_and_entropy(logits, mb.labels)
     loss, metrics = ppo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg, entropy=ent,
                              normalizer=norm, seq_ids=mb.seq_ids)
     loss.backward()

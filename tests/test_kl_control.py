@@ -1,4 +1,4 @@
-"""Tests of fnppo.core.kl_control: closed forms, a plain-loop reference, purity, validation."""
+"""Tests of fnppo.core.losses.kl_control: closed forms, a plain-loop reference, purity, validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnppo.core.errors import InputError
-from fnppo.core.kl_control import (
+from fnppo.core.losses import KLPenalty, LossConfig, from_flat, ppo_clip
+from fnppo.core.losses.kl_control import (
     KLControllerState,
     adaptive_kl_init,
     adaptive_kl_update,
@@ -20,7 +21,6 @@ from fnppo.core.kl_control import (
     fixed_kl_update,
     with_kl_coef,
 )
-from fnppo.core.losses import KLPenalty, LossConfig, from_flat, ppo_clip
 from tests.messages import raises_message
 
 

@@ -14,9 +14,9 @@ import torch
 
 import fnppo
 from fnppo.core.errors import InputError, ShapeError
-from fnppo.core.linear_logprob import linear_logprob_and_entropy
-from fnppo.core.linear_logprob_graphs import BackwardGraphs
-from fnppo.core.logprob import logprob_and_entropy
+from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
+from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
+from fnppo.core.ops.logprob import logprob_and_entropy
 from fnppo.core.typing import typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import check_message
@@ -435,7 +435,7 @@ def test_backward_graphs_refuse_bad_arguments():
 _INTERP_SCRIPT = textwrap.dedent(
     """
     import torch
-    from fnppo.core.linear_logprob import linear_logprob_and_entropy
+    from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
     from tests.test_linear_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
@@ -461,7 +461,7 @@ _INTERP_SCRIPT = textwrap.dedent(
                 assert bool((wg.grad[vs:] == 0).all())
     # One TP shard's statistics (rows 30..59 of 100): labels outside it add nothing to zl.
     from fnppo.core.kernels import linear_logprob_triton as k
-    from fnppo.core.linear_logprob import _forward_stats_torch
+    from fnppo.core.ops.linear_logprob import _forward_stats_torch
     h = torch.randn(37, 32, generator=g).bfloat16()
     w = (torch.randn(100, 32, generator=g) * 0.7).bfloat16()
     labels = torch.randint(0, 100, (37,), generator=g)
@@ -481,7 +481,7 @@ _INTERP_SCRIPT = textwrap.dedent(
         for x, y in zip(got, want):
             assert (x is None) == (y is None) and (x is None or (x - y).abs().max() < 1e-5), (x, y)
     # The backward through BackwardGraphs' buffers (preallocated dz / accumulator / dh; no capture on CPU).
-    from fnppo.core.linear_logprob_graphs import BackwardGraphs
+    from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
     graphs = BackwardGraphs(row_multiple=16)
     w = (torch.randn(70, 24, generator=g) * 0.7).bfloat16().requires_grad_()
     for n in (20, 9, 33, 20):

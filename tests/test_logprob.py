@@ -1,4 +1,4 @@
-"""Tests of fnppo.core.logprob.logprob_and_entropy against an fp64 autograd reference."""
+"""Tests of fnppo.core.ops.logprob.logprob_and_entropy against an fp64 autograd reference."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnppo.core.errors import InputError, ShapeError
-from fnppo.core.logprob import _chunk_rows, logprob_and_entropy
+from fnppo.core.ops.logprob import _chunk_rows, logprob_and_entropy
 from fnppo.core.typing import typechecking
 from tests.logprob_reference import assert_grad_close, fp64_logprob_entropy
 from tests.messages import raises_message
@@ -437,7 +437,7 @@ def test_property_matches_reference_and_shift_invariance(lead, vocab, temperatur
 _INTERP_SCRIPT = textwrap.dedent(
     """
     import torch
-    from fnppo.core.logprob import logprob_and_entropy
+    from fnppo.core.ops.logprob import logprob_and_entropy
     from tests.test_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):

@@ -881,7 +881,7 @@ def test_nan_at_masked_positions_leaves_the_loss_unchanged(name, packed):
 
 
 def _masked_nan_samples(field: str) -> list:
-    from fnppo.core.sample import Sample
+    from fnppo.core.batching.sample import Sample
 
     good = [
         Sample.from_lists(
@@ -911,7 +911,7 @@ def _masked_nan_samples(field: str) -> list:
 def test_nan_at_a_masked_response_position_is_refused_by_collate(layout, field):
     # documented refusal (docs/errors.md): a Sample's per-token values are finite at every response
     # position, response_mask 0 included; the error names the sample and the field
-    from fnppo.core.collate import collate_microbatch
+    from fnppo.core.batching.collate import collate_microbatch
 
     with raises_message("collate_microbatch", f"samples[2].{field}", "finite values", "f32[3] with 1 NaN/inf"):
         collate_microbatch(_masked_nan_samples(field), layout=layout)

@@ -478,10 +478,10 @@ MODULES = (
     "fnppo.core.losses.value",
     "fnppo.core.losses.flat",
     "fnppo.core.losses.covariance",
-    "fnppo.core.rollout_correction",
-    "fnppo.core.rollout_weights",
-    "fnppo.core.loss_checks",
-    "fnppo.core.kl_control",
+    "fnppo.core.losses.rollout_correction",
+    "fnppo.core.losses.rollout_weights",
+    "fnppo.core.losses.checks",
+    "fnppo.core.losses.kl_control",
 )
 
 

@@ -1,5 +1,5 @@
 """Tests of the rollout-correction options of the loss: bypass mode, batch-normalized importance
-weights, rejection on sequence statistics (fnppo.core.rollout_correction, fnppo.core.losses).
+weights, rejection on sequence statistics (fnppo.core.losses.rollout_correction, fnppo.core.losses).
 
 Closed forms in float64, a plain-loop reference of the documented formulas, hypothesis split
 invariance (micro-batches summing to the full batch with the global normalizer and the global mean
@@ -28,9 +28,9 @@ from fnppo.core.losses import (
     loss_normalizer,
     ppo_loss,
 )
+from fnppo.core.losses.rollout_correction import SEQ_REJECTION_CRITERIA
+from fnppo.core.losses.rollout_weights import compute_tis_weights, tis_batch_stats
 from fnppo.core.metrics import finalize_metrics
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA
-from fnppo.core.rollout_weights import compute_tis_weights, tis_batch_stats
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
@@ -963,7 +963,7 @@ def _m2_brute_force_kept(values: list[float], tau: float) -> set[int]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_m2po_cutoff_matches_brute_force(seed):
-    from fnppo.core.m2po import m2po_cutoff
+    from fnppo.core.losses.m2po import m2po_cutoff
 
     g = torch.Generator().manual_seed(seed)
     values = (torch.rand(23, generator=g, dtype=torch.float64) * 0.2).round(decimals=2)  # ties
@@ -981,7 +981,7 @@ def _m2_batch(seed: int):
 
 
 def test_m2po_loss_matches_loop_reference_and_is_split_invariant_with_the_global_cutoff():
-    from fnppo.core.m2po import m2_values, m2po_cutoff
+    from fnppo.core.losses.m2po import m2_values, m2po_cutoff
 
     for seed in range(4):
         batch = _m2_batch(seed)

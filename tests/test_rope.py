@@ -1,4 +1,4 @@
-"""fnppo.core.rope: the one-pass RoPE against a float64 closed form, Megatron's unfused THD/BSHD paths,
+"""fnppo.core.ops.rope: the one-pass RoPE against a float64 closed form, Megatron's unfused THD/BSHD paths,
 and the Triton kernel (in Triton's interpreter) against the torch path."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fnppo.core.rope import apply_rotary, thd_positions
+from fnppo.core.ops.rope import apply_rotary, thd_positions
 from tests.messages import raises_message
 
 

@@ -13,7 +13,7 @@ import torch
 
 import fnppo
 from fnppo.core.errors import InputError
-from fnppo.core.grouped_matmul import grouped_matmul
+from fnppo.core.ops.grouped_matmul import grouped_matmul
 from fnppo.losses import Aggregation, LossConfig, ppo_clip
 from fnppo.testing import run_ranks, synthetic_samples, tiny_model_config
 

@@ -295,7 +295,7 @@ def _case_model_cfg(case: tuple) -> fnppo.ModelConfig:
 def _plain_reference(cases: list) -> dict:
     """case -> loss, full gradients, per-sample log-probs and entropies (1 process); a case is
     ``(mode, divisible)`` or ``(mode, divisible, layers)``."""
-    from fnppo.core.collate import collate_microbatch, unpack_per_sample
+    from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
 
     out = {}
     for case in cases:
@@ -431,7 +431,7 @@ INTERLEAVED_SPLITS = {
 
 def _interleaved_refusals() -> dict:
     """The message of every configuration the interleaved schedule cannot run (or "no error")."""
-    from fnppo.core.collate import collate_microbatch, pad_microbatch
+    from fnppo.core.batching.collate import collate_microbatch, pad_microbatch
 
     chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE))
     value_chunks = fnppo.build_gpt(_case_model_cfg(INTERLEAVED_CASE), head="value")

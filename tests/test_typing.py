@@ -174,7 +174,7 @@ def test_wrapper_keeps_metadata():
 
 
 def test_library_function_is_checked():
-    from fnppo.core.logprob import logprob_and_entropy
+    from fnppo.core.ops.logprob import logprob_and_entropy
 
     with pytest.raises(ShapeError) as info:
         logprob_and_entropy(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.int64))

@@ -145,7 +145,7 @@ def _plain_loss(values: list, samples: list, mode: str, clip: float | None, scal
 
 def _plain_reference(modes) -> dict:
     """One forward of the whole batch (no schedule, no DDP), the plain loss, autograd."""
-    from fnppo.core.collate import collate_microbatch, unpack_per_sample
+    from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
 
     out = {}
     samples = _samples()
@@ -640,7 +640,7 @@ def test_critic_config_is_checked_when_built():
 # pure torch: values and returns in the batch
 # ---------------------------------------------------------------------------------------------
 def test_values_and_returns_are_collated_like_the_other_per_token_fields():
-    from fnppo.core.collate import collate_microbatch, pad_microbatch, unpack_per_sample
+    from fnppo.core.batching.collate import collate_microbatch, pad_microbatch, unpack_per_sample
 
     a = fnppo.Sample.from_lists([1, 2, 3], [4, 5], values=[0.5, -0.5], returns=[1.0, 2.0])
     b = fnppo.Sample.from_lists([6], [7, 8, 9], values=[0.1, 0.2, 0.3], returns=[3.0, 4.0, 5.0])

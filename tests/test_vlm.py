@@ -19,10 +19,10 @@ import torch
 
 import fnppo
 import fnppo.megatron.unwrap
-from fnppo.core.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
+from fnppo.core.batching.sample import Sample
 from fnppo.core.errors import InputError
 from fnppo.core.losses import Aggregation, KLPenalty, LossConfig, ppo_clip
-from fnppo.core.sample import Sample
 from fnppo.testing import run_ranks, tiny_model_config
 from tests.step_helpers import gather_dp, max_metric_error
 
@@ -308,7 +308,7 @@ def test_collate_checks_the_expanded_length():
 
 
 def test_token_budget_counts_expanded_lengths():
-    from fnppo.core.split import build_microbatches
+    from fnppo.core.batching.split import build_microbatches
 
     budget = 16
     plan, mbs = build_microbatches(

@@ -8,7 +8,7 @@ import optree
 import torch
 
 import fnppo
-from fnppo.core.batch_invariant import batch_invariant
+from fnppo.core.ops.batch_invariant import batch_invariant
 from toy.collectives import from_last_stage, gather_vocab
 from toy.task import PROMPT_LEN, RESPONSE_LEN, VOCAB
 

@@ -5,7 +5,7 @@ packed ``[1, total]`` (THD) with per-token sequence ids (``-1``: the token belon
 sequence). :class:`Segments` hides the difference: ``sum`` reduces tokens to one value per
 sequence, ``gather`` spreads one value per sequence back over its tokens, both without Python
 loops over sequences and without a device-to-host sync. The losses (:mod:`fnppo.core.losses`,
-:mod:`fnppo.core.rollout_correction`) and the advantage estimators (:mod:`fnppo.core.advantages`) share it.
+:mod:`fnppo.core.losses.rollout_correction`) and the advantage estimators (:mod:`fnppo.core.advantages`) share it.
 """
 
 from __future__ import annotations

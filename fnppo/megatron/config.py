@@ -103,7 +103,7 @@ class ModelConfig:
     built config (Transformer Engine's attention then runs with ``num_splits=1``). Context
     parallelism gives the bits of ``cp = 1`` with the torch kernels and the local spec (a rank's
     attention rows computed in the query blocks they have on one process,
-    :func:`fnppo.core.context_parallel.context_parallel_sequence_attention`); it is refused with
+    :func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`); it is refused with
     CUDA's ``"fast"`` kernels. Not covered: another tensor-parallel size (its partial sums are
     added in another order: ``tp`` above 2 is refused, as a sum of more than two partial results
     is not commutative bit for bit), dropout (refused: the training forward would differ from the

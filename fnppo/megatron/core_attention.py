@@ -25,10 +25,10 @@ Not supported in the packed path (a clear error, never a silent wrong answer): a
 explicit ``attention_mask`` (segments come from ``cu_seqlens``), ``softmax_type`` other than
 ``"vanilla"``, sliding-window attention, mask types other than causal, and different query and
 key/value segmentations. Context parallelism (``context_parallel_size > 1``, packed micro-batches
-sharded by :func:`fnppo.core.context_parallel.shard_microbatch`): exact attention over the CP group by
-an all-gather of K/V (:func:`fnppo.core.context_parallel.context_parallel_attention`); in the
+sharded by :func:`fnppo.core.batching.context_parallel.shard_microbatch`): exact attention over the CP group by
+an all-gather of K/V (:func:`fnppo.core.batching.context_parallel.context_parallel_attention`); in the
 batch-invariant mode with the bits of one process
-(:func:`fnppo.core.context_parallel.context_parallel_sequence_attention`).
+(:func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`).
 
 Reference: packed sequences without cross-contamination, arXiv:2107.02027 (Krell et al.).
 """
@@ -44,7 +44,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from fnppo.core.context_parallel import context_parallel_attention, context_parallel_sequence_attention
+from fnppo.core.batching.context_parallel import context_parallel_attention, context_parallel_sequence_attention
 from fnppo.core.errors import describe, input_error
 from fnppo.core.kernels.invariant import sequence_attention
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
@@ -94,7 +94,7 @@ class PackedDotProductAttention(DotProductAttention):
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # Megatron's local attention refuses context parallelism; the packed path does it itself
-        # (fnppo.core.context_parallel), so the parent is built with a CP-free copy of the config.
+        # (fnppo.core.batching.context_parallel), so the parent is built with a CP-free copy of the config.
         cp = getattr(config, "context_parallel_size", 1)
         if cp > 1:
             config_without_cp = copy.copy(config)
@@ -139,7 +139,7 @@ class PackedDotProductAttention(DotProductAttention):
         (:func:`fnppo.core.kernels.invariant.sequence_attention`), packed (THD) or padded (each row
         of ``[s, b, heads, dim]`` one causal sequence; its right padding is never attended to by its
         real tokens); under context parallelism (packed only) this rank's rows with the bits of one
-        process (:func:`fnppo.core.context_parallel.context_parallel_sequence_attention`)."""
+        process (:func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`)."""
         fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or attention_mask is not None:

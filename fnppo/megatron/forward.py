@@ -1,7 +1,7 @@
 """Running one model chunk on one micro-batch: ``forward_logits``, ``forward_hidden``, ``forward_values``.
 
-The stage between collation (:mod:`fnppo.core.collate`) and the log-prob / loss stages: a
-:class:`~fnppo.core.sample.Microbatch` goes through one chunk (Megatron's ``PackedSeqParams`` for
+The stage between collation (:mod:`fnppo.core.batching.collate`) and the log-prob / loss stages: a
+:class:`~fnppo.core.batching.sample.Microbatch` goes through one chunk (Megatron's ``PackedSeqParams`` for
 packed micro-batches, :func:`packed_seq_params`), optionally with another parameter set
 (``params``, ``torch.func.functional_call``; :func:`snapshot_params` makes one).
 :func:`deterministic_algorithms` is the numerics switch the steps run a schedule under.
@@ -26,14 +26,14 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import Float16Module
 from torch import nn
 
-from fnppo.core.batch_invariant import (
+from fnppo.core.batching.sample import Microbatch
+from fnppo.core.errors import input_error
+from fnppo.core.ops.batch_invariant import (
     CUDA_MIN_ROWS,
     BatchInvariantKernels,
     batch_invariant,
     invariant_kernels,
 )
-from fnppo.core.errors import input_error
-from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.unwrap import check_head, unwrap_model
 
@@ -106,7 +106,7 @@ def batch_invariant_numerics(enabled: bool, *, kernels: BatchInvariantKernels | 
     (each packed sequence aligned to the attention block, at least :data:`CUDA_MIN_ROWS` tokens,
     :mod:`fnppo.steps.plan`) is what makes a token's forward values independent of its
     micro-batch, and forward and backward run the ordinary kernels. ``"torch"``: fnppo's fixed-tile torch kernels
-    (:func:`fnppo.core.batch_invariant.batch_invariant`: products, norms, softmaxes and row
+    (:func:`fnppo.core.ops.batch_invariant.batch_invariant`: products, norms, softmaxes and row
     reductions in fixed row tiles, invariant element-wise compositions). ``"megatron"``:
     Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer
     Engine GEMM / RMSNorm patches, forward and backward) with fnppo's torch kernels for the rest.
@@ -192,7 +192,7 @@ def forward_values(
     ``values[b, t] = V(input_ids[b, :t+1])``, the head of :class:`fnppo.megatron.value.GPTValueModel` on the
     decoder's (normed) output at position ``t``, ``[batch, seq]`` in the model's dtype (no fp32
     upcast), over the whole sequence also under sequence parallelism. With the alignment of
-    :mod:`fnppo.core.collate`, the value at the position of response token ``j``'s label is the value of
+    :mod:`fnppo.core.batching.collate`, the value at the position of response token ``j``'s label is the value of
     the state before that token (the last prompt token for ``j = 0``). Other stages return
     Megatron's hidden state ``[seq, batch, hidden]`` (the schedule sends it on). Packed micro-batches
     get ``PackedSeqParams``; ``params`` as in :func:`forward_logits`.

@@ -1,10 +1,10 @@
-"""A fused RoPE for Megatron where Transformer Engine provides none: adapters of :func:`fnppo.core.rope.apply_rotary`.
+"""A fused RoPE for Megatron where Transformer Engine provides none: adapters of :func:`fnppo.core.ops.rope.apply_rotary`.
 
 Megatron's ``apply_rope_fusion`` (on where models are built for CUDA,
 :func:`fnppo.megatron.megatron_config.fusion_fields`) calls two functions of ``rope_utils`` that only
 Transformer Engine defines; :func:`fnppo.megatron.patches.patch_fused_rope` sets the missing ones
 to the adapters here (:func:`fused_rope_bshd`, :func:`fused_rope_thd`). Cases outside
-:func:`fnppo.core.rope.apply_rotary` (interleaved RoPE, per-sample angle tables, context parallelism
+:func:`fnppo.core.ops.rope.apply_rotary` (interleaved RoPE, per-sample angle tables, context parallelism
 in THD) use Megatron's unfused functions.
 """
 
@@ -16,7 +16,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fnppo.core.rope import apply_rotary, thd_positions
+from fnppo.core.ops.rope import apply_rotary, thd_positions
 from fnppo.core.typing import Tensor
 
 __all__ = ["fused_rope_bshd", "fused_rope_thd"]

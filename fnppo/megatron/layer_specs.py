@@ -18,8 +18,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import input_error
+from fnppo.core.ops.batch_invariant import invariant_kernels
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout
@@ -227,7 +227,7 @@ def choose_layer_spec(cfg: Any, layout: ParallelLayout, **options: Any):
     :func:`fnppo.megatron.layer_specs.default_layer_spec` (Transformer Engine's spec where TE is installed,
     else the local spec), except under context parallelism (``layout.cp > 1``): there the local
     spec, whose packed attention computes exact document-causal attention across the CP group
-    (:func:`fnppo.core.context_parallel.context_parallel_attention`, tested against one process).
+    (:func:`fnppo.core.batching.context_parallel.context_parallel_attention`, tested against one process).
     Megatron's own CP inside Transformer Engine's attention stays selectable with
     ``layer_spec=fnppo.models.default_layer_spec(cfg)``; its agreement with fnppo's CP has not been
     measured (it needs two GPUs).

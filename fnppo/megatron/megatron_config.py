@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from fnppo.core.batch_invariant import invariant_kernels
 from fnppo.core.errors import input_error
+from fnppo.core.ops.batch_invariant import invariant_kernels
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.layer_specs import default_experts, te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -32,7 +32,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     backend is NCCL): ``bias_activation_fusion`` (SwiGLU, or GeLU with a bias, as one compiled
     kernel that saves only its input for backward), ``bias_dropout_fusion`` (bias + dropout +
     residual add in one kernel) and ``apply_rope_fusion`` (RoPE in one kernel: Transformer
-    Engine's when installed, else :func:`fnppo.core.rope.apply_rotary`, installed by
+    Engine's when installed, else :func:`fnppo.core.ops.rope.apply_rotary`, installed by
     :func:`fnppo.megatron.patches.patch_fused_rope`). Megatron compiles the first two with ``torch.compile``.
     Always off: ``masked_softmax_fusion`` and ``persist_layer_norm`` (Apex or Megatron's own CUDA
     extensions; fnppo's packed attention has no masked softmax) and ``gradient_accumulation_fusion``

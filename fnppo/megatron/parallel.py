@@ -110,7 +110,7 @@ def init_parallel(
     a single process group of size 1 is created on a free local port. ``timeout_s`` bounds every
     collective: a rank that fails makes the others fail after at most that long instead of hanging.
     ``cp`` is the context-parallel size (Megatron's ``context_parallel_size``; see
-    :mod:`fnppo.core.context_parallel`): the world is ``tp * cp * pp * dp``.
+    :mod:`fnppo.core.batching.context_parallel`): the world is ``tp * cp * pp * dp``.
 
     On the gloo backend (``device="cpu"``, or no CUDA device) it enters
     :func:`fnppo.megatron.runtime.megatron_on_cpu` for the process (until :func:`destroy_parallel`), which

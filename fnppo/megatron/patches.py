@@ -69,7 +69,7 @@ class Patch:
 def patch_fused_rope() -> None:
     """Give Megatron a fused RoPE where Transformer Engine does not: the missing
     ``rope_utils.fused_apply_rotary_pos_emb`` (``[s, b, h, d]``) and ``fused_apply_rotary_pos_emb_thd``
-    (packed ``[t, h, d]``) become adapters of :func:`fnppo.core.rope.apply_rotary`; Transformer
+    (packed ``[t, h, d]``) become adapters of :func:`fnppo.core.ops.rope.apply_rotary`; Transformer
     Engine's own functions are left in place."""
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = fused_rope_bshd

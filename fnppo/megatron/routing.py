@@ -16,9 +16,9 @@ token ``t`` of ``prompt ++ response`` in the ``j``-th MoE layer, MoE layers in g
 pipeline (and virtual pipeline) stages, dense layers skipped (:func:`moe_layer_indices`). The
 collate stage places row ``t`` at the position that holds token ``t`` (``Microbatch.routed_experts``,
 ``[batch, seq, layers, topk]``), so the routes follow the tokens through packing, padding, the
-split into micro-batches and the context-parallel shard (:func:`fnppo.core.context_parallel.shard_microbatch`).
+split into micro-batches and the context-parallel shard (:func:`fnppo.core.batching.context_parallel.shard_microbatch`).
 Positions without a route (padding, the missing last token of an engine's ``len - 1`` rows, a
-sample's rows of ``-1``) hold ``-1`` (:func:`fnppo.core.collate.routing_fill`) and are routed by the
+sample's rows of ``-1``) hold ``-1`` (:func:`fnppo.core.batching.collate.routing_fill`) and are routed by the
 router itself (its own top-k of its current scores). No other token's output depends on the route
 of padding or of the last token (tokens pass the experts independently, without token dropping,
 and attention is causal per sample), but the experts' matrix products see their rows: letting the
@@ -47,12 +47,12 @@ forward: the recomputed forward pops the same micro-batch's target from the slot
 (micro-batches are recomputed in forward order per chunk); otherwise no target is kept past its
 forward. :func:`clear_routing` empties every slot when the schedule ends.
 
-**Checks** (where the routes enter, :func:`fnppo.core.checks.check_routed_experts`): every sample or
+**Checks** (where the routes enter, :func:`fnppo.core.batching.checks.check_routed_experts`): every sample or
 none carries routes, of the model's MoE layers and top-k, in a dtype that holds ``num_experts - 1``
 (uint8 holds only 256 experts), indices in ``[0, num_experts)`` and distinct within a row (a
 repeated index would route the token to fewer than top-k experts and break the dispatcher's
 token counts), or ``-1`` in every entry of a row; one row per collated token (or one fewer),
-checked by :func:`fnppo.core.collate.collate_microbatch` after any expansion. Recorded routes are int16
+checked by :func:`fnppo.core.batching.collate.collate_microbatch` after any expansion. Recorded routes are int16
 (int32 above 32,768 experts): :func:`record_dtype`.
 """
 
@@ -69,9 +69,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
-from fnppo.core.context_parallel import gather_tokens
+from fnppo.core.batching.context_parallel import gather_tokens
+from fnppo.core.batching.sample import Microbatch
 from fnppo.core.errors import input_error
-from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Tensor
 from fnppo.megatron.unwrap import unwrap_model
 

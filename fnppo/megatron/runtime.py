@@ -26,7 +26,7 @@ Sequence parallelism works with fnppo's local spec (:mod:`fnppo.megatron.norms`)
 tensor-parallel layers and mappings see a ``torch`` whose tensor factories map CUDA devices to the
 CPU (their backward functions run outside the function mode). Limits: no Transformer Engine
 layers, no fused CUDA kernels (bias-gelu, rope and softmax fusions must be off). Context
-parallelism runs through fnppo's own packed attention (:mod:`fnppo.core.context_parallel`).
+parallelism runs through fnppo's own packed attention (:mod:`fnppo.core.batching.context_parallel`).
 Everything else fnppo uses (local layer spec, TP, PP, virtual pipeline, DP, DDP, distributed
 optimizer) is the real Megatron code path. The N-rank test launcher is :mod:`fnppo.testing`.
 """

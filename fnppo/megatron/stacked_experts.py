@@ -11,7 +11,7 @@ accumulation, optimizer and norm kernels. Here each layer holds two parameters,
   the same way),
 * ``weight2``: ``[local experts, hidden, ffn / etp]``, the fc2,
 
-and each projection is one call of :func:`fnppo.core.grouped_matmul.grouped_matmul` over the
+and each projection is one call of :func:`fnppo.core.ops.grouped_matmul.grouped_matmul` over the
 permuted tokens (``torch._grouped_mm``: one CUTLASS grouped GEMM on a Hopper GPU), with no host
 synchronization. The computation is that of ``SequentialMLP``: ``fc2(act(gate) * up * prob)`` per
 token and expert, the router's probability applied after the activation in fp32 and cast back.
@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fnppo.core.errors import input_error
-from fnppo.core.grouped_matmul import grouped_matmul
+from fnppo.core.ops.grouped_matmul import grouped_matmul
 
 __all__ = ["StackedExperts", "named_weights", "is_stacked", "ADAPTER_PARAMS"]
 

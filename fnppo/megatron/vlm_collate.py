@@ -3,7 +3,7 @@
 **Where a placeholder becomes N positions: in the collate stage.** A prompt holds one placeholder
 token (``image_token_id``) per image; :class:`VLMCollate` (a :class:`fnppo.steps.protocols.CollateFn`) replaces
 each by ``tokens_per_image`` copies of it and then calls the unchanged
-:func:`fnppo.core.collate.collate_microbatch`. Every per-token field (labels, loss mask, positions, old /
+:func:`fnppo.core.batching.collate.collate_microbatch`. Every per-token field (labels, loss mask, positions, old /
 reference log-probs, ``cu_seqlens``, ``seq_ids``) is therefore built on the expanded sequence and
 no other stage knows about images; responses are untouched, so results per response token
 (:func:`fnppo.compute_logprobs`) are unchanged. The split counts expanded lengths
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from fnppo.core.collate import collate_microbatch
+from fnppo.core.batching.collate import collate_microbatch
+from fnppo.core.batching.sample import Microbatch, Sample
 from fnppo.core.errors import check_bool_fields, describe, input_error
-from fnppo.core.sample import Microbatch, Sample
 from fnppo.core.typing import Bool, Integer, Tensor, typechecked, typechecking_enabled
 
 __all__ = [
@@ -288,7 +288,7 @@ class VLMCollate:
     """The collate stage of a vision-language model (a :class:`fnppo.steps.protocols.CollateFn`).
 
     Each sample's placeholders are expanded (:func:`expand_image_placeholders`; its routed experts
-    with them, :func:`expand_image_routes`), then :func:`fnppo.core.collate.collate_microbatch` builds the
+    with them, :func:`expand_image_routes`), then :func:`fnppo.core.batching.collate.collate_microbatch` builds the
     micro-batch on the expanded sequences, with ``max_seq_len`` checked on the expanded length. Use
     ``StepConfig(fns=StepFns(collate=...))``.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fnppo.core.checks import (
+from fnppo.core.batching.checks import (
     check_devices,
     check_lengths,
     check_routed_experts,
@@ -25,11 +25,11 @@ from fnppo.core.checks import (
     check_sample_values,
     check_token_ids,
 )
-from fnppo.core.collate import collate_microbatch
+from fnppo.core.batching.collate import collate_microbatch
+from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
+from fnppo.core.batching.split import check_split
 from fnppo.core.errors import describe, input_error
 from fnppo.core.losses import SEQ_REJECTION_CRITERIA, LossConfig, ValueLossConfig
-from fnppo.core.sample import Microbatch, Sample, padding_multiple
-from fnppo.core.split import check_split
 from fnppo.core.typing import typechecking_enabled
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder
@@ -129,7 +129,7 @@ def check_interleaved(fn: str, config: Batching, plan: Plan) -> None:
     number of rows), and an explicit micro-batch count that is a multiple of the schedule's group
     (the default, one micro-batch, is not). The split modes that decide the count at run time
     (``microbatch_size``, ``max_tokens_per_microbatch``) round it up instead
-    (:func:`~fnppo.core.split.build_microbatches`).
+    (:func:`~fnppo.core.batching.split.build_microbatches`).
 
     Raises:
         InputError: naming ``config.layout`` or ``config.num_microbatches``.
@@ -165,18 +165,18 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
 
     Every check runs on the caller's whole batch, for every mini-batch and epoch the step will run,
     and names ``batch[i]`` with ``i`` the sample's position in it: a non-empty list of
-    :class:`~fnppo.core.sample.Sample`, of a length divisible by ``num_minibatches``; no sample longer
+    :class:`~fnppo.core.batching.sample.Sample`, of a length divisible by ``num_minibatches``; no sample longer
     than ``plan.max_seq_len``; a split each mini-batch can take (an explicit ``num_microbatches`` of
     at most the mini-batch size, every sample within ``max_tokens_per_microbatch``:
-    :func:`~fnppo.core.split.check_split`); every tensor on one device; reference and rollout
+    :func:`~fnppo.core.batching.split.check_split`); every tensor on one device; reference and rollout
     log-probs (values, returns) for every sample or for none (micro-batches that separate them
     would each look fine on their own); 0/1 response masks and finite per-token values
-    (:func:`~fnppo.core.checks.check_sample_values`); token ids in ``[0, vocab_size)`` of the model
+    (:func:`~fnppo.core.batching.checks.check_sample_values`); token ids in ``[0, vocab_size)`` of the model
     (while call-time checking is on; otherwise ``>= 0``, as the collate stage checks; one host
     sync); routed experts only for an MoE model, of its MoE layers and top-k, in a dtype that holds
     its expert indices, and (while call-time checking is on) valid and distinct indices
-    (:func:`~fnppo.core.checks.check_routed_experts`), and, with the default collate stage, one row per
-    token (:func:`~fnppo.core.checks.check_routing_rows`). The collate stage checks its micro-batch
+    (:func:`~fnppo.core.batching.checks.check_routed_experts`), and, with the default collate stage, one row per
+    token (:func:`~fnppo.core.batching.checks.check_routing_rows`). The collate stage checks its micro-batch
     again; the step never relies on that to refuse.
 
     Raises:

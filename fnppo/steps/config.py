@@ -11,12 +11,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+from fnppo.core.batching.sample import LAYOUTS
+from fnppo.core.batching.split import ByCount, BySize, ByTokens, Split, split_mode
 from fnppo.core.errors import check_bool_fields, check_float, check_positive_int, input_error
-from fnppo.core.linear_logprob_graphs import BackwardGraphs
-from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ValueLossConfig
-from fnppo.core.sample import LAYOUTS
-from fnppo.core.split import ByCount, BySize, ByTokens, Split, split_mode
+from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
+from fnppo.core.ops.logprob import logprob_and_entropy
 from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.state import TrainState
 from fnppo.steps.protocols import CriticFns, FusedHead, StepFns
@@ -28,14 +28,14 @@ __all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
 class Batching:
     """How a batch becomes micro-batches and updates (the fields every step config shares).
 
-    ``split`` chooses the split, one :data:`~fnppo.core.split.Split` value (``ByCount(4)``,
+    ``split`` chooses the split, one :data:`~fnppo.core.batching.split.Split` value (``ByCount(4)``,
     ``BySize(8)``, ``ByTokens(4096)``); the flat fields ``num_microbatches``, ``microbatch_size`` and
     ``max_tokens_per_microbatch`` are sugar for it (at most one of the four; default: one
     micro-batch). :attr:`splitting` is the split in effect, the one value the step passes down.
     ``num_minibatches`` optimizer steps are taken per epoch (mini-batch ``k`` holds samples
     ``k, k + num_minibatches, ...`` of this rank's batch, which makes the mini-batches the same in
     every data-parallel layout), ``ppo_epochs`` passes over the batch per call. ``pad_to_multiple_of`` defaults to the TP size (``2*cp*tp`` under context
-    parallelism, :func:`~fnppo.core.sample.padding_multiple`). ``max_seq_len`` caps the length
+    parallelism, :func:`~fnppo.core.batching.sample.padding_multiple`). ``max_seq_len`` caps the length
     (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is the cap.
     A longer sample is refused (:class:`~fnppo.core.errors.InputError`), never truncated.
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fnppo.core.batching.sample import Microbatch, Sample
+from fnppo.core.batching.split import SPLIT_MODES, Split
 from fnppo.core.errors import input_error
-from fnppo.core.sample import Microbatch, Sample
-from fnppo.core.split import SPLIT_MODES, Split
 from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.routing import RoutingRecorder
@@ -191,9 +191,9 @@ def compute_logprobs(
 
     Returns:
         On every rank, one fp32 CPU tensor of length ``len(response_ids)`` per sample, in the
-        order of ``batch`` (restored by :meth:`~fnppo.core.split.SplitPlan.restore`), and the entropies
+        order of ``batch`` (restored by :meth:`~fnppo.core.batching.split.SplitPlan.restore`), and the entropies
         likewise (or ``None``). Under context parallelism each CP rank computes its shard and the
-        shards are gathered (:func:`~fnppo.core.context_parallel.gather_per_sample`). With
+        shards are gathered (:func:`~fnppo.core.batching.context_parallel.gather_per_sample`). With
         ``return_routing``, a third list: per sample ``[tokens, MoE layers, topk]`` expert
         indices, one row per token of the sample as collated (``len(sample)``; under
         :class:`fnppo.megatron.vlm_collate.VLMCollate` its expanded length, every image ``tokens_per_image`` rows)

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnppo.core.batch_invariant import CUDA_MIN_ROWS
-from fnppo.core.collate import pad_microbatch, unpack_per_sample
-from fnppo.core.context_parallel import gather_per_sample
+from fnppo.core.batching.collate import pad_microbatch, unpack_per_sample
+from fnppo.core.batching.context_parallel import gather_per_sample
+from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
+from fnppo.core.batching.split import Split, SplitPlan, build_microbatches, plan_microbatches
 from fnppo.core.errors import input_error
-from fnppo.core.sample import Microbatch, Sample, padding_multiple
-from fnppo.core.split import Split, SplitPlan, build_microbatches, plan_microbatches
+from fnppo.core.ops.batch_invariant import CUDA_MIN_ROWS
 from fnppo.megatron.packed_attention import FLEX_BLOCK
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
@@ -111,7 +111,7 @@ class Plan:
 
 
 def _default_multiple(model: ModelFacts) -> int:
-    """Megatron's padding multiple for the layout (:func:`fnppo.core.sample.padding_multiple`); with
+    """Megatron's padding multiple for the layout (:func:`fnppo.core.batching.sample.padding_multiple`); with
     FP8 GEMMs (Transformer Engine needs token counts divisible by 16) its least common multiple with 16."""
     layout = model.layout
     multiple = padding_multiple(layout.tp, layout.cp)
@@ -131,7 +131,7 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
     floor = None
     if fast_invariant(model):
         # every sequence starts at a multiple of the attention's key block, and no micro-batch has
-        # fewer tokens than the library kernels need to keep a row's bits (fnppo.core.batch_invariant)
+        # fewer tokens than the library kernels need to keep a row's bits (fnppo.core.ops.batch_invariant)
         multiple, floor = math.lcm(multiple, FLEX_BLOCK), CUDA_MIN_ROWS
         if config.layout == "padded" and uses_transformer_engine(model.core):
             raise input_error(
@@ -161,8 +161,8 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
 
 def fast_invariant(model: ModelFacts) -> bool:
     """Whether ``model`` runs the CUDA batch-invariant mode with the library's kernels
-    (``"fast"`` kernels, :func:`fnppo.core.batch_invariant.invariant_kernels`, recorded on its config), whose micro-batches the
-    steps shape (aligned sequences, :data:`~fnppo.core.batch_invariant.CUDA_MIN_ROWS` tokens at least)."""
+    (``"fast"`` kernels, :func:`fnppo.core.ops.batch_invariant.invariant_kernels`, recorded on its config), whose micro-batches the
+    steps shape (aligned sequences, :data:`~fnppo.core.ops.batch_invariant.CUDA_MIN_ROWS` tokens at least)."""
     return (
         bool(getattr(model.config, "batch_invariant_mode", False))
         and model.device.type == "cuda"
@@ -176,7 +176,7 @@ def uses_transformer_engine(core: nn.Module) -> bool:
 
 
 def min_tokens(mb: Microbatch, tokens: int, multiple: int) -> Microbatch:
-    """``mb`` padded (:func:`~fnppo.core.collate.pad_microbatch`) to at least ``tokens`` tokens, its
+    """``mb`` padded (:func:`~fnppo.core.batching.collate.pad_microbatch`) to at least ``tokens`` tokens, its
     length a multiple of ``multiple`` (``mb`` itself when it has that many already)."""
     rows, length = (int(n) for n in mb.input_ids.shape)
     if rows * length >= tokens:
@@ -202,7 +202,7 @@ def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:
 
 
 def split_plan(samples: Sequence[Sample], plan: Plan, collate: CollateFn) -> SplitPlan:
-    """The split of ``samples`` as ``plan`` says (:func:`~fnppo.core.split.plan_microbatches`; agreed over DP)."""
+    """The split of ``samples`` as ``plan`` says (:func:`~fnppo.core.batching.split.plan_microbatches`; agreed over DP)."""
     return plan_microbatches(
         samples,
         plan.split,
@@ -218,7 +218,7 @@ def microbatches(
     samples: Sequence[Sample], plan: Plan, collate: CollateFn, split: SplitPlan | None = None
 ) -> tuple[Any, list[Microbatch]]:
     """``(split, micro-batches)`` of ``samples`` split (by ``split`` when given, else by :func:`split_plan`)
-    and collated as ``plan`` says, on the model's device (:func:`~fnppo.core.split.build_microbatches`)."""
+    and collated as ``plan`` says, on the model's device (:func:`~fnppo.core.batching.split.build_microbatches`)."""
     split, mbs = build_microbatches(
         samples,
         plan.split,
@@ -239,7 +239,7 @@ def microbatches(
 
 def unpacker(layout: ParallelLayout) -> Callable[[torch.Tensor, Microbatch], list[torch.Tensor]]:
     """Per-sample views of a micro-batch's ``[batch, seq]`` output; under context parallelism the CP
-    ranks' shards gathered (:func:`~fnppo.core.context_parallel.gather_per_sample`)."""
+    ranks' shards gathered (:func:`~fnppo.core.batching.context_parallel.gather_per_sample`)."""
     if layout.cp == 1:
         return unpack_per_sample
     return lambda v, mb: gather_per_sample(v, mb, layout.cp_group)

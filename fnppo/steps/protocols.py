@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fnppo.core.collate import collate_microbatch
+from fnppo.core.batching.collate import collate_microbatch
+from fnppo.core.batching.sample import Microbatch, Sample
 from fnppo.core.errors import check_positive_int, input_error
-from fnppo.core.linear_logprob import linear_logprob_and_entropy
-from fnppo.core.linear_logprob_graphs import BackwardGraphs
-from fnppo.core.logprob import logprob_and_entropy
 from fnppo.core.losses import LossConfig, ppo_loss, value_loss
-from fnppo.core.sample import Microbatch, Sample
+from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
+from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
+from fnppo.core.ops.logprob import logprob_and_entropy
 from fnppo.megatron.forward import forward_hidden, forward_logits, forward_values
 
 __all__ = [
@@ -40,9 +40,9 @@ __all__ = [
 
 
 class CollateFn(Protocol):
-    """The collate stage: samples of one micro-batch -> :class:`~fnppo.core.sample.Microbatch`.
+    """The collate stage: samples of one micro-batch -> :class:`~fnppo.core.batching.sample.Microbatch`.
 
-    Default :func:`~fnppo.core.collate.collate_microbatch`. ``sample_index`` holds the samples' indices
+    Default :func:`~fnppo.core.batching.collate.collate_microbatch`. ``sample_index`` holds the samples' indices
     in the (mini-)batch being split.
     """
 
@@ -67,7 +67,7 @@ class ForwardFn(Protocol):
 class LogprobFn(Protocol):
     """The log-prob stage: logits and labels -> ``(logprobs, entropy or None)``, both ``[batch, seq]``.
 
-    Default :func:`~fnppo.core.logprob.logprob_and_entropy`. ``vocab_size`` is the model's real
+    Default :func:`~fnppo.core.ops.logprob.logprob_and_entropy`. ``vocab_size`` is the model's real
     vocabulary: logits columns at or beyond it (a padded vocabulary's) must be left out.
     """
 
@@ -108,12 +108,12 @@ class HeadFn(Protocol):
 
 @dataclass(frozen=True)
 class FusedHead:
-    """:func:`~fnppo.core.linear_logprob.linear_logprob_and_entropy` as a :class:`HeadFn`, with its settings.
+    """:func:`~fnppo.core.ops.linear_logprob.linear_logprob_and_entropy` as a :class:`HeadFn`, with its settings.
 
     ``chunk_vocab``: the fused backward's block of vocabulary rows (None: the function's default,
     about 3-5 % of the logits per block); larger blocks mean fewer kernel launches per micro-batch
     (host time, which bounds steps of small models) for ``tokens x chunk_vocab`` more elements of
-    memory. ``graphs``: a :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs` cache that the
+    memory. ``graphs``: a :class:`~fnppo.core.ops.linear_logprob_graphs.BackwardGraphs` cache that the
     caller creates and owns (one per model; it keeps static buffers and, on CUDA, replays the fused
     backward as a CUDA graph); None: no cache. The head holds a reference to it and never replaces it.
 
@@ -208,11 +208,11 @@ class StepFns:
     """The swappable stages of a policy step; each must keep the signature of its protocol.
 
     Attributes:
-        collate: :class:`CollateFn` (default :func:`~fnppo.core.collate.collate_microbatch`).
+        collate: :class:`CollateFn` (default :func:`~fnppo.core.batching.collate.collate_microbatch`).
         forward: :class:`ForwardFn` (default :func:`~fnppo.megatron.forward.forward_logits`); with
             ``head`` set, a forward returning ``(hidden, weight)`` on the last pipeline stage
             (:func:`~fnppo.megatron.forward.forward_hidden`).
-        logprob: :class:`LogprobFn` (default :func:`~fnppo.core.logprob.logprob_and_entropy`); unused
+        logprob: :class:`LogprobFn` (default :func:`~fnppo.core.ops.logprob.logprob_and_entropy`); unused
             (and must stay the default) when ``head`` is set.
         loss: :class:`LossFn` (default :func:`~fnppo.core.losses.ppo.ppo_loss`).
         head: :class:`HeadFn` or None (default): the fused output path's head stage, which replaces
@@ -251,7 +251,7 @@ class StepFns:
         and entropy from the hidden states and the output weight, never materializing the logits.
 
         ``chunk_vocab`` and ``graphs`` are :class:`FusedHead`'s (``graphs``: a
-        :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs` the caller creates and keeps);
+        :class:`~fnppo.core.ops.linear_logprob_graphs.BackwardGraphs` the caller creates and keeps);
         ``stages``: other fields of :class:`StepFns` (``collate``, ``loss``, or ``head`` for a head
         of one's own). ``StepFns.fused()`` replaces ``StepConfig(fused_output=True)``.
         """
@@ -268,7 +268,7 @@ class CriticFns:
     """The swappable stages of :func:`~fnppo.steps.train.critic_step`; each must keep the signature of its protocol.
 
     Attributes:
-        collate: :class:`CollateFn` (default :func:`~fnppo.core.collate.collate_microbatch`).
+        collate: :class:`CollateFn` (default :func:`~fnppo.core.batching.collate.collate_microbatch`).
         forward: :class:`ForwardFn` returning ``[batch, seq]`` values on the last stage (default
             :func:`~fnppo.megatron.forward.forward_values`).
         loss: :class:`ValueLossFn` (default :func:`~fnppo.core.losses.value.value_loss`).

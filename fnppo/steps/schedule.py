@@ -20,9 +20,9 @@ import torch.distributed as dist
 from megatron.core import pipeline_parallel
 from torch import nn
 
+from fnppo.core.batching.sample import Microbatch
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
-from fnppo.core.m2po import m2_values, m2po_cutoff
-from fnppo.core.sample import Microbatch
+from fnppo.core.losses.m2po import m2_values, m2po_cutoff
 from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
@@ -178,9 +178,9 @@ def global_normalizer(
 def global_m2_cutoff(
     mbs: Sequence[Microbatch], loss_cfg: LossConfig, layout: ParallelLayout, device: torch.device
 ) -> torch.Tensor | None:
-    """M2PO's cutoff of the whole mini-batch (:mod:`fnppo.core.m2po`): the squared log-ratios of every
+    """M2PO's cutoff of the whole mini-batch (:mod:`fnppo.core.losses.m2po`): the squared log-ratios of every
     valid token of every micro-batch, gathered over the DP ranks (padded to the longest with NaN),
-    then :func:`~fnppo.core.m2po.m2po_cutoff`; None without ``correction.m2_threshold``."""
+    then :func:`~fnppo.core.losses.m2po.m2po_cutoff`; None without ``correction.m2_threshold``."""
     corr = loss_cfg.correction
     if corr is None or corr.m2_threshold is None:
         return None
@@ -204,7 +204,7 @@ def global_sums(
     """The loss normalizer and, with ``correction.batch_normalize``, the mean TIS weight of the mini-batch.
 
     Both are summed over micro-batches and DP ranks before the schedule, in one all-reduce (fp64):
-    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.rollout_weights.tis_batch_stats`).
+    ``tis_mean = sum(w) / count`` over the kept units (:func:`~fnppo.core.losses.rollout_weights.tis_batch_stats`).
     """
     if loss_cfg.correction is None or not loss_cfg.correction.batch_normalize:
         return global_normalizer(mbs, loss_cfg.agg, layout, device), None

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from fnppo.core.batching.sample import Microbatch, Sample
+from fnppo.core.batching.split import SplitPlan
 from fnppo.core.metrics import finalize_metrics, merge_metrics, reduce_metrics
-from fnppo.core.sample import Microbatch, Sample
-from fnppo.core.split import SplitPlan
 from fnppo.megatron.grads import FinalizeNotCalledError
 from fnppo.megatron.moe import router_derived_metrics
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
@@ -165,7 +165,7 @@ def _train(
 def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -> tuple[TrainState, dict[str, float]]:
     """One PPO/GRPO update (or ``ppo_epochs`` x ``num_minibatches`` updates) on this rank's samples.
 
-    ``batch`` is this data-parallel rank's list of :class:`~fnppo.core.sample.Sample` (identical on the TP
+    ``batch`` is this data-parallel rank's list of :class:`~fnppo.core.batching.sample.Sample` (identical on the TP
     and PP ranks of one DP rank; see :func:`~fnppo.steps.infer.shard_for_data_parallel`). For each mini-batch:
 
     1. split into micro-batches (same count on every DP rank) and collate them;
@@ -174,7 +174,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
        full-batch loss whatever the split (with ``config.loss.correction.batch_normalize``, the mean
        TIS weight of the mini-batch too, in the same all-reduce). Under context parallelism (``cp > 1``, packed layout,
        ``token-mean`` loss) every micro-batch is cut to this CP rank's tokens
-       (:mod:`fnppo.core.context_parallel`), and the normalizer and the metric pairs are summed over
+       (:mod:`fnppo.core.batching.context_parallel`), and the normalizer and the metric pairs are summed over
        Megatron's data-parallel-with-CP group, so each token counts once over CP x DP;
     3. Megatron's ``get_forward_backward_func`` runs ``forward -> logprob -> loss`` per micro-batch;
        each micro-batch loss is multiplied by ``num_microbatches * dp`` to cancel the schedule's mean
@@ -221,7 +221,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             the model's vocabulary (while call-time checking is on; negative ones always),
             ``ref_logprobs`` / ``rollout_logprobs`` given for some samples only, no
             ``rollout_logprobs`` in bypass mode or with rollout correction, routed experts that do
-            not fit the model (:func:`~fnppo.core.checks.check_routed_experts`); under a virtual pipeline
+            not fit the model (:func:`~fnppo.core.batching.checks.check_routed_experts`); under a virtual pipeline
             (``vpp``), a ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the
             padded layout (:func:`~fnppo.steps.checks.check_interleaved`). Before the first update, on every rank: too
             few samples for the micro-batch count agreed over data parallelism. Inside the

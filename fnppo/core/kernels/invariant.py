@@ -335,7 +335,7 @@ def sequence_attention_rows(
     keys ``[0, (b+1)*block)``), the others are skipped. A row's bits depend only on its own query,
     its keys and values and the block's shape, never on the other query rows of its block, which may
     hold anything (context parallelism leaves other ranks' queries at zero there,
-    :func:`fnppo.core.context_parallel.context_parallel_sequence_attention`). Reference: per-sequence
+    :func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`). Reference: per-sequence
     (packed) attention, arXiv:2107.02027; batch invariance, Thinking Machines Lab, "Defeating
     Nondeterminism in LLM Inference" (2025).
 

@@ -299,7 +299,7 @@ def _merge_kernel(
         M = max_k m_k,  S = sum_k s_k 2^(m_k - M),  W = ln2 sum_k 2^(m_k - M) (w_k + s_k (m_k - M))
 
     and ``M ln 2``; splits with ``m_k = -inf`` add nothing (the merge of
-    :func:`fnppo.core.linear_logprob._merge_stats`, in one launch instead of a dozen small ones).
+    :func:`fnppo.core.ops.linear_logprob._merge_stats`, in one launch instead of a dozen small ones).
     """
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ks = tl.arange(0, BS)
@@ -639,7 +639,7 @@ def backward_grads(
     ``dh_out``, ``dz_space``, ``acc_space``: optional preallocated ``dh``, logit-gradient block
     and fp32 accumulator (at least ``[group, block]`` and ``[group, hidden]``; their leading views
     are used), so that nothing is allocated here (the backward's CUDA graphs,
-    :class:`fnppo.core.linear_logprob.BackwardGraphs`).
+    :class:`fnppo.core.ops.linear_logprob.BackwardGraphs`).
     """
     n, hid = h2.shape
     n_valid = w_valid.shape[0]

@@ -22,9 +22,9 @@ The modules, each with one job:
 * :mod:`~fnppo.core.losses.value` -- :func:`value_loss` and :class:`ValueLossConfig` (the critic).
 * :mod:`~fnppo.core.losses.flat` -- :func:`from_flat`: flat (verl-style) settings -> parts.
 
-The rollout correction part (:class:`RolloutCorrection`) lives in :mod:`fnppo.core.rollout_correction`,
+The rollout correction part (:class:`RolloutCorrection`) lives in :mod:`fnppo.core.losses.rollout_correction`,
 its computation (:func:`compute_tis_weights`, :func:`tis_batch_stats`) in
-:mod:`fnppo.core.rollout_weights`; both are re-exported here.
+:mod:`fnppo.core.losses.rollout_weights`; both are re-exported here.
 """
 
 from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
@@ -71,14 +71,14 @@ from fnppo.core.losses.policy import ppo_clip as ppo_clip
 from fnppo.core.losses.policy import reinforce as reinforce
 from fnppo.core.losses.policy import sapo as sapo
 from fnppo.core.losses.ppo import ppo_loss as ppo_loss
+from fnppo.core.losses.rollout_correction import SEQ_REJECTION_CRITERIA as SEQ_REJECTION_CRITERIA
+from fnppo.core.losses.rollout_correction import RolloutCorrection as RolloutCorrection
+from fnppo.core.losses.rollout_weights import TISWeights as TISWeights
+from fnppo.core.losses.rollout_weights import compute_tis_weights as compute_tis_weights
+from fnppo.core.losses.rollout_weights import tis_batch_stats as tis_batch_stats
+from fnppo.core.losses.staleness import Staleness as Staleness
 from fnppo.core.losses.value import ValueLossConfig as ValueLossConfig
 from fnppo.core.losses.value import value_loss as value_loss
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA as SEQ_REJECTION_CRITERIA
-from fnppo.core.rollout_correction import RolloutCorrection as RolloutCorrection
-from fnppo.core.rollout_weights import TISWeights as TISWeights
-from fnppo.core.rollout_weights import compute_tis_weights as compute_tis_weights
-from fnppo.core.rollout_weights import tis_batch_stats as tis_batch_stats
-from fnppo.core.staleness import Staleness as Staleness
 
 __all__ = [
     "LossConfig",

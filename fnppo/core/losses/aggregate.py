@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.checks import Checker, finite_number
 from fnppo.core.segments import Segments, segments
 from fnppo.core.typing import Integer, PaddedMask, Scalar, Tensor, typechecked
 

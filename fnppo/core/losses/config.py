@@ -7,7 +7,7 @@ A loss is built from parts, each a small frozen dataclass validated when built::
 
 The parts live beside it: the policy losses in :mod:`fnppo.core.losses.policy` (any callable
 ``PolicyInputs -> (per_token_loss, metrics)`` will do), :class:`~fnppo.core.losses.aggregate.Aggregation`,
-:class:`~fnppo.core.losses.kl.KLPenalty` and :class:`~fnppo.core.rollout_correction.RolloutCorrection`.
+:class:`~fnppo.core.losses.kl.KLPenalty` and :class:`~fnppo.core.losses.rollout_correction.RolloutCorrection`.
 The rules across parts (bypass mode with a ratio-based loss, batch normalization in bypass mode) live
 in :func:`check_cross`, shared with :func:`fnppo.core.losses.flat.from_flat`, which applies them under
 the flat names.
@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fnppo.core.errors import check_bool_fields, input_error
-from fnppo.core.loss_checks import Checker
 from fnppo.core.losses.aggregate import Aggregation
+from fnppo.core.losses.checks import Checker
 from fnppo.core.losses.kl import KLPenalty
 from fnppo.core.losses.policy import PolicyLoss, loss_name, ppo_clip, uses_ratio
-from fnppo.core.rollout_correction import RolloutCorrection
+from fnppo.core.losses.rollout_correction import RolloutCorrection
 
 __all__ = ["LossConfig", "check_cross"]
 
@@ -74,7 +74,7 @@ class LossConfig:
             when its ``coef != 0``); ``None``: no penalty. Either way, when ``ref_logprobs`` are given
             the ``kl_loss`` metric is reported (with the estimator of ``kl``, ``"k3"`` when ``kl`` is
             None).
-        correction: the :class:`~fnppo.core.rollout_correction.RolloutCorrection` against the rollout
+        correction: the :class:`~fnppo.core.losses.rollout_correction.RolloutCorrection` against the rollout
             engine's log-probs (truncated importance weights, rejection, batch normalization);
             ``None``: none.
         bypass_old_logprobs: bypass mode: the rollout engine's log-probs serve as the old

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from fnppo.core.loss_checks import Checker
+from fnppo.core.losses.checks import Checker
 from fnppo.core.losses.policy import _DUAL, Builtin, PolicyInputs, builtins_of, check_ppo_clip, clipped_surrogate
 from fnppo.core.typing import Tensor
 

@@ -28,13 +28,18 @@ from types import MappingProxyType
 from typing import Any
 
 from fnppo.core.errors import input_error
-from fnppo.core.loss_checks import Checker
 from fnppo.core.losses import covariance, offpolicy, policy
 from fnppo.core.losses.aggregate import Aggregation, check_agg
+from fnppo.core.losses.checks import Checker
 from fnppo.core.losses.config import LossConfig, check_cross
 from fnppo.core.losses.kl import KLPenalty, check_kl
 from fnppo.core.losses.policy import PolicyLoss, PPOClip, builtins_of
-from fnppo.core.rollout_correction import SEQ_REJECTION_CRITERIA, RolloutCorrection, check_clamp, check_correction
+from fnppo.core.losses.rollout_correction import (
+    SEQ_REJECTION_CRITERIA,
+    RolloutCorrection,
+    check_clamp,
+    check_correction,
+)
 
 __all__ = ["POLICY_LOSSES", "LOSS_FIELDS", "DEFAULTS", "from_flat"]
 

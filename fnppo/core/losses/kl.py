@@ -2,7 +2,7 @@
 
 * :func:`kl_penalty` -- per-token KL estimators k1, k2, k3, abs (and straight-through ``"+"``).
 * :class:`KLPenalty` -- the coefficient and estimator of ``LossConfig.kl`` (validated when built);
-  a KL controller (:mod:`fnppo.core.kl_control`) replaces its ``coef``.
+  a KL controller (:mod:`fnppo.core.losses.kl_control`) replaces its ``coef``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import MappingProxyType
 import torch
 
 from fnppo.core.errors import input_error
-from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.checks import Checker, finite_number
 from fnppo.core.typing import TokenFloat, typechecked
 
 __all__ = ["KL_ESTIMATORS", "KLPenalty", "kl_penalty", "check_kl"]

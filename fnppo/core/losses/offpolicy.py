@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.checks import Checker, finite_number
 from fnppo.core.losses.policy import Builtin, PolicyInputs, PPOClip, builtins_of
 from fnppo.core.typing import Tensor
 
@@ -206,7 +206,7 @@ class IcePop(Builtin):
     ``r = exp(logp - logp_old)``; ``l = -A r`` if ``low <= r <= high``, else 0 (the test is made on
     ``log r``, and a dropped token's ratio is never exponentiated, so an extreme one gives no
     ``0 * inf``). ``pg_clipfrac``: the dropped fraction. With bypass mode ``logp_old`` is the
-    inference engine's log-probs. (:class:`~fnppo.core.rollout_correction.RolloutCorrection`'s
+    inference engine's log-probs. (:class:`~fnppo.core.losses.rollout_correction.RolloutCorrection`'s
     ``reject_low`` / ``reject_high`` is the same mask as a correction of another loss.)
 
     Reference: Ring-1T (arXiv:2510.18855) and INTELLECT-3 (arXiv:2512.16144) eq. 1; prime-rl's
@@ -272,7 +272,7 @@ class LoglinearDecoupled(Builtin):
     ``w inner(logp, logp_prox)`` with the behaviour weight ``w = sg(exp(logp_prox - logp_behav))``
     (``min(w, weight_cap)`` when set): ``inner`` (default PPO's clip) anchors its trust region on the
     proximal policy, ``w`` corrects the sampling. One ``K`` for the batch (AReaL reads one version per
-    token); :class:`~fnppo.core.staleness.Staleness` refuses older samples.
+    token); :class:`~fnppo.core.losses.staleness.Staleness` refuses older samples.
 
     Reference: AReaL ``_compute_approx_prox_logp`` / ``ppo_actor_loss_fn`` (decoupled PPO,
     arXiv:2505.24298).

@@ -14,7 +14,7 @@ adds the entropy bonus and the KL penalty.
 * :func:`uses_ratio` -- whether a policy loss reads ``old_logprobs`` (attribute ``uses_ratio``,
   default True; False for REINFORCE-like losses, which may then take TIS weights in bypass mode).
 
-Each part's rule is a module-level ``check_*`` function over a :class:`~fnppo.core.loss_checks.Checker`,
+Each part's rule is a module-level ``check_*`` function over a :class:`~fnppo.core.losses.checks.Checker`,
 so that :func:`fnppo.core.losses.flat.from_flat` applies the same rule under the flat names.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from fnppo.core.loss_checks import Checker
+from fnppo.core.losses.checks import Checker
 from fnppo.core.metrics import weighted_metric
 from fnppo.core.segments import Segments
 from fnppo.core.typing import Tensor
@@ -167,7 +167,7 @@ class Builtin:
       without one is not reachable by a flat name);
     * ``flat_fields``: ``{flat field: attribute}``, the flat fields it reads; the flat defaults are
       its dataclass field defaults (:data:`fnppo.core.losses.flat.DEFAULTS`);
-    * ``rule``: the rule of its parameters over a :class:`~fnppo.core.loss_checks.Checker`, run when
+    * ``rule``: the rule of its parameters over a :class:`~fnppo.core.losses.checks.Checker`, run when
       built (also by ``dataclasses.replace``) and by ``from_flat`` under the flat names.
 
     The class is its own factory (``ppo_clip = PPOClip``): a new built-in loss is its class and the

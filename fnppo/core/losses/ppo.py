@@ -7,7 +7,7 @@ and ``loss_mask[b, t]`` is 1 where that token is a trained response token.
 
 :func:`ppo_loss` combines the parts of a :class:`~fnppo.core.losses.config.LossConfig`: the policy
 loss (any callable, :mod:`fnppo.core.losses.policy`), weighted by the rollout correction
-(:mod:`fnppo.core.rollout_correction`), plus the entropy bonus and the KL penalty
+(:mod:`fnppo.core.losses.rollout_correction`), plus the entropy bonus and the KL penalty
 (:mod:`fnppo.core.losses.kl`), aggregated split-invariantly (:mod:`fnppo.core.losses.aggregate`).
 The exceptions to split invariance are ``clip_cov`` and ``kl_cov``, whose token selection uses
 statistics of the micro-batch they see (as in their paper).
@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 from fnppo.core.errors import describe, input_error
-from fnppo.core.loss_checks import check_non_empty, describe_value, validate_inputs
 from fnppo.core.losses.aggregate import Tokens, agg_weights, denominator
+from fnppo.core.losses.checks import check_non_empty, describe_value, validate_inputs
 from fnppo.core.losses.config import LossConfig
 from fnppo.core.losses.kl import kl_penalty
 from fnppo.core.losses.policy import PolicyInputs, loss_name
+from fnppo.core.losses.rollout_correction import Rules
+from fnppo.core.losses.rollout_weights import correction
 from fnppo.core.metrics import pair_metric, weighted_metric
-from fnppo.core.rollout_correction import Rules
-from fnppo.core.rollout_weights import correction
 from fnppo.core.typing import (
     Integer,
     PaddedFloat,
@@ -209,7 +209,7 @@ def ppo_loss(
 
     Per token: ``l_t = w^TIS_t * pg_t - entropy_coef * H_t + kl.coef * KL_t`` where ``pg_t`` is the
     policy loss ``config.policy``, ``w^TIS`` the truncated importance weight of ``config.correction``
-    (:func:`~fnppo.core.rollout_weights.compute_tis_weights`; rejected tokens drop out of all
+    (:func:`~fnppo.core.losses.rollout_weights.compute_tis_weights`; rejected tokens drop out of all
     three terms but stay in ``N``; with ``batch_normalize`` divided by ``tis_mean``) and
     ``KL_t = kl_penalty(logprobs, ref_logprobs, kl.estimator)``. The scalar loss is
     ``sum_t a_t l_t / N`` with the weights ``a_t`` and the count ``N`` of the aggregation mode
@@ -229,7 +229,7 @@ def ppo_loss(
     rollout correction compares ``sg(logprobs)`` with ``rollout_logprobs``.
 
     Reference: PPO, arXiv:1707.06347 (the policy losses cite their own papers, see
-    :mod:`fnppo.core.losses.policy`; rollout correction: :mod:`fnppo.core.rollout_correction`).
+    :mod:`fnppo.core.losses.policy`; rollout correction: :mod:`fnppo.core.losses.rollout_correction`).
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the current policy (carries the gradient).
@@ -247,11 +247,11 @@ def ppo_loss(
         seq_ids: packed layout: per-token sequence index within the micro-batch, -1 for no sequence.
         generator: RNG for randomized losses (``clip_cov``).
         tis_mean: with ``correction.batch_normalize``: the global mean TIS weight (the pairs of
-            :func:`~fnppo.core.rollout_weights.tis_batch_stats` summed over the step,
+            :func:`~fnppo.core.losses.rollout_weights.tis_batch_stats` summed over the step,
             ``sum / count``); None: the mean of this call. A mean of 0 (no kept unit anywhere)
             divides by 1.
         m2_cutoff: with ``correction.m2_threshold``: the M2PO cutoff of the whole mini-batch
-            (:func:`~fnppo.core.m2po.m2po_cutoff` of every valid token's squared log-ratio, as
+            (:func:`~fnppo.core.losses.m2po.m2po_cutoff` of every valid token's squared log-ratio, as
             :func:`fnppo.train_step` computes it before the schedule); None: this call's own.
 
     Returns:

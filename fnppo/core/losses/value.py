@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from fnppo.core.errors import input_error
-from fnppo.core.loss_checks import Checker, check_non_empty, finite_number, validate_inputs
 from fnppo.core.losses.aggregate import Aggregation, Tokens, agg_weights, denominator, mode_and_scale
+from fnppo.core.losses.checks import Checker, check_non_empty, finite_number, validate_inputs
 from fnppo.core.metrics import pair_metric, weighted_metric
 from fnppo.core.typing import (
     Integer,

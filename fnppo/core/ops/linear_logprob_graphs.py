@@ -1,9 +1,9 @@
 """The cache of static buffers and CUDA graphs for the backward of the fused output layer.
 
-:class:`BackwardGraphs` runs the backward of :func:`fnppo.core.linear_logprob.linear_logprob_and_entropy`
+:class:`BackwardGraphs` runs the backward of :func:`fnppo.core.ops.linear_logprob.linear_logprob_and_entropy`
 from static buffers and, on CUDA, replays it as a CUDA graph: one launch instead of three per
 vocabulary block, for steps whose host time binds. The blocks themselves (the backward's body and
-its block sizes) are :mod:`fnppo.core.linear_logprob`'s, passed in by its autograd function; this
+its block sizes) are :mod:`fnppo.core.ops.linear_logprob`'s, passed in by its autograd function; this
 module only manages buffers, graphs and streams.
 """
 
@@ -121,7 +121,7 @@ class BackwardGraphs:
         """``(dh, dw)`` through the static buffers, or None (no tokens: the caller's eager path).
 
         ``cfg`` holds the call's non-tensor arguments, ``grads`` and ``chunks`` are the backward's
-        body and its block sizes (``_grads`` and ``_backward_chunks`` of :mod:`fnppo.core.linear_logprob`),
+        body and its block sizes (``_grads`` and ``_backward_chunks`` of :mod:`fnppo.core.ops.linear_logprob`),
         run here on the buffers as on a call of ``rows`` tokens.
         """
         n, hid = h2.shape

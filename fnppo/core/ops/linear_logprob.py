@@ -13,7 +13,7 @@ For a Qwen-size vocabulary (151,936) and 8,192 tokens this frees the 2.3 GiB bf1
 Plain torch, no Megatron import: pass the tensor-parallel ``torch.distributed`` process group. On
 CUDA the blocks run in Triton kernels (:mod:`fnppo.core.kernels.linear_logprob_triton`, imported on
 first use); elsewhere a chunked PyTorch path gives the same results. The cache of static buffers and
-CUDA graphs for the backward, :class:`~fnppo.core.linear_logprob_graphs.BackwardGraphs`, is its own
+CUDA graphs for the backward, :class:`~fnppo.core.ops.linear_logprob_graphs.BackwardGraphs`, is its own
 module; the blocks it runs are this module's.
 """
 
@@ -26,8 +26,8 @@ import torch
 
 from fnppo.core.errors import describe, input_error
 from fnppo.core.kernels import linear_logprob_kernels
-from fnppo.core.linear_logprob_graphs import BackwardGraphs
-from fnppo.core.logprob import (
+from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
+from fnppo.core.ops.logprob import (
     _FLOAT_DTYPES,
     LOGPROB_IMPLS,
     _check_labels,
@@ -45,7 +45,7 @@ __all__ = ["linear_logprob_and_entropy", "LINEAR_LOGPROB_IMPLS"]
 _FN = "fnppo.linear_logprob_and_entropy"
 LINEAR_LOGPROB_IMPLS = LOGPROB_IMPLS
 """Values of ``impl`` (and of the environment variable ``FNPPO_LOGPROB_IMPL``): those of
-:data:`fnppo.core.logprob.LOGPROB_IMPLS`."""
+:data:`fnppo.core.ops.logprob.LOGPROB_IMPLS`."""
 
 # Memory budget of the backward, as fractions of one [tokens, vocab_shard] logits tensor in the
 # inputs' dtype: the fp32 accumulator of the hidden-state gradient, and the block of logit gradients.
@@ -201,7 +201,7 @@ class _Cfg:
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation (the label, option and TP checks: fnppo.core.logprob)
+# Validation (the label, option and TP checks: fnppo.core.ops.logprob)
 # ---------------------------------------------------------------------------------------------
 def _check_args(
     hidden: Tensor,
@@ -368,7 +368,7 @@ def _rows(hidden: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics (combined over the TP group by fnppo.core.logprob._combine)
+# Statistics (combined over the TP group by fnppo.core.ops.logprob._combine)
 # ---------------------------------------------------------------------------------------------
 def _merge_stats(m: Tensor, s: Tensor, w: Tensor | None, dim: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """Merge partial ``(m, s, w)`` along ``dim`` (the partial sums are relative to their own max).

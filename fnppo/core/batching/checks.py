@@ -1,11 +1,11 @@
 """The sample checks: one function per check, called where samples enter a computation.
 
-:func:`fnppo.core.collate.collate_microbatch` runs them on the samples it is given, the split
-(:mod:`fnppo.core.split`) and the training step on the caller's whole batch:
+:func:`fnppo.core.batching.collate.collate_microbatch` runs them on the samples it is given, the split
+(:mod:`fnppo.core.batching.split`) and the training step on the caller's whole batch:
 :func:`check_lengths`, :func:`check_same_fields`, :func:`check_token_ids`,
 :func:`check_sample_values`, :func:`check_devices`, :func:`check_routed_experts`,
 :func:`check_routing_rows`. Each names ``<arg>[i]``, ``i`` the position in the list it is given:
-``samples[i]`` of :func:`~fnppo.core.collate.collate_microbatch`'s argument, ``batch[i]`` of the
+``samples[i]`` of :func:`~fnppo.core.batching.collate.collate_microbatch`'s argument, ``batch[i]`` of the
 caller's batch in the training step. Every error is an :class:`~fnppo.core.errors.InputError` in
 the standard format (:mod:`fnppo.core.errors`, also the home of ``check_positive_int``).
 
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fnppo.core.batching.sample import ALL_OR_NONE, PER_TOKEN_FLOAT, Sample
 from fnppo.core.errors import check_finite, check_mask01, check_range, describe, input_error
-from fnppo.core.sample import ALL_OR_NONE, PER_TOKEN_FLOAT, Sample
 from fnppo.core.typing import Tensor
 
 __all__ = [
@@ -206,7 +206,7 @@ def check_sample_values(fn: str, samples: Sequence[Sample], *, arg: str = "sampl
     """Response masks are 0/1 and the per-token values (advantages, old / ref / rollout log-probs,
     values, returns) finite, in every sample.
 
-    The one home of these value checks: :func:`~fnppo.core.collate.collate_microbatch` runs it on the samples it is
+    The one home of these value checks: :func:`~fnppo.core.batching.collate.collate_microbatch` runs it on the samples it is
     given, :func:`fnppo.train_step` (and the other step entry points) on the caller's whole batch
     before anything runs, with ``arg="batch"``. One check over all samples per field (one host sync
     for device tensors); only when it fails are the samples checked one by one, to name the first

@@ -209,7 +209,7 @@ def invariant_kernels(*, cuda: bool | None = None) -> BatchInvariantKernels:
     """Which kernels the batch-invariant mode of a model uses (chosen once, when its config is built).
 
     Without CUDA (``cuda`` None: ``torch.cuda.is_available()``): ``"torch"``, fnppo's fixed-tile
-    kernels (:func:`fnppo.core.batch_invariant.batch_invariant`). With CUDA the environment variable
+    kernels (:func:`fnppo.core.ops.batch_invariant.batch_invariant`). With CUDA the environment variable
     ``FNPPO_BATCH_INVARIANT_KERNELS`` if set, else ``"fast"``: the library's own kernels, forward and
     backward at full speed, on micro-batches the steps shape (at least :data:`CUDA_MIN_ROWS` tokens,
     sequences aligned to the attention block); an MoE model computes its experts as one grouped GEMM
@@ -222,7 +222,7 @@ def invariant_kernels(*, cuda: bool | None = None) -> BatchInvariantKernels:
     kind = os.environ.get("FNPPO_BATCH_INVARIANT_KERNELS", "").strip().lower() or "fast"
     if kind not in ("fast", "torch", "megatron"):
         raise input_error(
-            "fnppo.core.batch_invariant.invariant_kernels",
+            "fnppo.core.ops.batch_invariant.invariant_kernels",
             "FNPPO_BATCH_INVARIANT_KERNELS",
             "'fast', 'torch' or 'megatron'",
             repr(kind),

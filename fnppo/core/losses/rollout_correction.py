@@ -27,7 +27,7 @@ compose in this order:
 4. **Batch normalization** (``batch_normalize``): ``w~ = w / mean(w)``, the mean over the kept
    units (tokens, or sequences with at least one kept token) of the whole mini-batch: the pair
    ``(sum w, count)`` of every micro-batch is summed over micro-batches and data-parallel ranks
-   before the schedule (:func:`fnppo.core.rollout_weights.tis_batch_stats`, ``ppo_loss(..., tis_mean=)``).
+   before the schedule (:func:`fnppo.core.losses.rollout_weights.tis_batch_stats`, ``ppo_loss(..., tis_mean=)``).
 
 Rejected tokens get weight 0 and leave the numerators of the policy, entropy and KL terms; they
 stay in the loss denominator (a rejection never changes the scale of the other tokens' gradients).
@@ -53,9 +53,9 @@ J. Schulman, "Approximating KL divergence" (2020) (k2, k3).
 
 Here: :class:`RolloutCorrection` (the part ``LossConfig.correction`` holds, applied by
 :func:`fnppo.core.losses.ppo.ppo_loss`), its checks, and :class:`Rules` (the settings of one call).
-The computation is :mod:`fnppo.core.rollout_weights`: :func:`~fnppo.core.rollout_weights.compute_tis_weights`
-(one micro-batch, validated), :func:`~fnppo.core.rollout_weights.tis_batch_stats` (the local
-``(sum, count)`` for batch normalization) and :func:`~fnppo.core.rollout_weights.correction` (the
+The computation is :mod:`fnppo.core.losses.rollout_weights`: :func:`~fnppo.core.losses.rollout_weights.compute_tis_weights`
+(one micro-batch, validated), :func:`~fnppo.core.losses.rollout_weights.tis_batch_stats` (the local
+``(sum, count)`` for batch normalization) and :func:`~fnppo.core.losses.rollout_weights.correction` (the
 computation itself, trusting its inputs).
 """
 
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fnppo.core.errors import check_bool_fields
-from fnppo.core.loss_checks import Checker, finite_number
+from fnppo.core.losses.checks import Checker, finite_number
 
 __all__ = ["RolloutCorrection", "Rules", "TIS_LEVELS", "SEQ_REJECTION_CRITERIA"]
 
@@ -178,7 +178,7 @@ class RolloutCorrection:
             outside ``[low, high]``): a statistic exactly at the threshold keeps its sequence.
             Rejected sequences leave every numerator and stay in the denominator (as
             ``reject_low/high``); metrics ``rollout_rejected_frac`` and ``<field>_frac``.
-        m2_threshold: M2PO (:mod:`fnppo.core.m2po`): reject the tokens with the largest ``d^2``
+        m2_threshold: M2PO (:mod:`fnppo.core.losses.m2po`): reject the tokens with the largest ``d^2``
             until the mean ``d^2`` of the kept tokens of the *whole mini-batch* is below it (a
             cutoff the step computes over every micro-batch and data-parallel rank before the
             schedule, ``ppo_loss(m2_cutoff=...)``); rejected tokens leave the numerators and stay in

@@ -9,7 +9,7 @@ Plain torch (``torch.distributed`` for the agreement); nothing here imports Mega
   results back in the original order (:meth:`SplitPlan.restore`, the one way fnppo restores sample
   order);
 * :func:`build_microbatches` is the one call the training step makes: plan, collate
-  (:func:`fnppo.core.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
+  (:func:`fnppo.core.batching.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
 * :data:`Split` is the split as one value, passed down as it is: :class:`ByCount` (a fixed number
   of micro-batches), :class:`BySize` (a fixed number of samples each) or :class:`ByTokens` (a hard
@@ -28,12 +28,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fnppo.core.checks import check_lengths
-from fnppo.core.collate import pad_microbatch, to_device
-from fnppo.core.context_parallel import shard_microbatch
-from fnppo.core.errors import check_positive_int, input_error
-from fnppo.core.sample import LAYOUTS, Microbatch, Sample, round_up
-from fnppo.core.splits import (
+from fnppo.core.batching.checks import check_lengths
+from fnppo.core.batching.collate import pad_microbatch, to_device
+from fnppo.core.batching.context_parallel import shard_microbatch
+from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, round_up
+from fnppo.core.batching.splits import (
     SPLIT_MODES,
     ByCount,
     BySize,
@@ -43,6 +42,7 @@ from fnppo.core.splits import (
     as_split,
     split_mode,
 )
+from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import typechecked
 
 __all__ = [
@@ -241,7 +241,7 @@ def split_batch(
             of the four).
         dp_group: the data-parallel group to agree with, or None.
         max_seq_len: refuse samples longer than this (None: no limit).
-        pad_to_multiple_of, layout: as in :func:`fnppo.core.collate.collate_microbatch` (token counts).
+        pad_to_multiple_of, layout: as in :func:`fnppo.core.batching.collate.collate_microbatch` (token counts).
 
     Returns:
         The :class:`SplitPlan`.
@@ -408,10 +408,10 @@ def build_microbatches(
             the split uses (default ``len(sample)``).
         device: where the micro-batches go.
         dp_group: the data-parallel group the micro-batch count is agreed over (None: no agreement).
-        same_length: pad every micro-batch to the longest one (:func:`fnppo.core.collate.pad_microbatch`;
+        same_length: pad every micro-batch to the longest one (:func:`fnppo.core.batching.collate.pad_microbatch`;
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
         context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
-            rank's tokens (:func:`fnppo.core.context_parallel.shard_microbatch`) after collation and padding.
+            rank's tokens (:func:`fnppo.core.batching.context_parallel.shard_microbatch`) after collation and padding.
         count_multiple: round the number of micro-batches that ``microbatch_size`` or
             ``max_tokens_per_microbatch`` decides up to a multiple of this (after the DP agreement;
             the interleaved pipeline schedule runs micro-batches in groups of ``pp``); the groups

@@ -1,16 +1,16 @@
-"""Collation: samples -> one :class:`~fnppo.core.sample.Microbatch`, and back to per-sample values.
+"""Collation: samples -> one :class:`~fnppo.core.batching.sample.Microbatch`, and back to per-sample values.
 
 Plain torch + optree; nothing here imports Megatron.
 
 * :func:`collate_microbatch` turns the samples of one micro-batch into a :class:`Microbatch`, padded
   ``[batch, seq]`` or packed (THD) ``[1, total]`` with ``cu_seqlens`` (the alignment of labels and
-  per-token values: :mod:`fnppo.core.sample`);
+  per-token values: :mod:`fnppo.core.batching.sample`);
 * :func:`unpack_per_sample` maps a per-position tensor (log-probs, entropies, ...) back to one
   per-response-token tensor per sample;
 * :func:`pad_microbatch` pads a micro-batch to a given length, :func:`to_device` moves it,
   :func:`routing_fill` is the route of a position without one.
 
-Which samples go into which micro-batch is :func:`fnppo.core.split.split_batch`'s decision.
+Which samples go into which micro-batch is :func:`fnppo.core.batching.split.split_batch`'s decision.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import optree
 import torch
 
-from fnppo.core.checks import (
+from fnppo.core.batching.checks import (
     check_devices,
     check_lengths,
     check_routed_experts,
@@ -31,8 +31,8 @@ from fnppo.core.checks import (
     check_sample_values,
     check_token_ids,
 )
+from fnppo.core.batching.sample import LAYOUTS, PER_TOKEN_FLOAT, Microbatch, Sample, round_up
 from fnppo.core.errors import ShapeError, check_positive_int, describe, input_error
-from fnppo.core.sample import LAYOUTS, PER_TOKEN_FLOAT, Microbatch, Sample, round_up
 from fnppo.core.typing import Shaped, Tensor, typechecked
 
 __all__ = ["collate_microbatch", "unpack_per_sample", "pad_microbatch", "to_device", "routing_fill"]
@@ -67,8 +67,8 @@ def collate_microbatch(
     Multi-modal keys are the union over the samples; per key, the items of the samples that have it
     are concatenated on dim 0 in sample order and ``multi_modal_counts[key][i]`` is sample ``i``'s
     item count (0 where it has none). ``sample_index`` (default ``0..n-1``) records where the samples
-    came from (:attr:`~fnppo.core.split.SplitPlan.microbatches` entries). Use
-    :func:`~fnppo.core.sample.padding_multiple` for ``m``.
+    came from (:attr:`~fnppo.core.batching.split.SplitPlan.microbatches` entries). Use
+    :func:`~fnppo.core.batching.sample.padding_multiple` for ``m``.
 
     Raises:
         InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,

@@ -1,8 +1,8 @@
 """Rollout correction, the computation: importance weights, rejection and their batch statistics.
 
 The formulas, the order the corrections compose in and where fnppo differs from common practice
-are those of :mod:`fnppo.core.rollout_correction` (which holds the settings,
-:class:`~fnppo.core.rollout_correction.RolloutCorrection`, and their checks). Here:
+are those of :mod:`fnppo.core.losses.rollout_correction` (which holds the settings,
+:class:`~fnppo.core.losses.rollout_correction.RolloutCorrection`, and their checks). Here:
 :func:`compute_tis_weights` (one micro-batch, validated), :func:`tis_batch_stats` (the local
 ``(sum, count)`` for batch normalization) and :func:`correction` (the computation itself, trusting
 its inputs), used by :func:`fnppo.core.losses.ppo.ppo_loss`.
@@ -20,16 +20,16 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from fnppo.core.errors import input_error
-from fnppo.core.loss_checks import Checker, describe_value, validate_inputs
-from fnppo.core.m2po import m2_values, m2po_cutoff
-from fnppo.core.metrics import pair_metric, weighted_metric
-from fnppo.core.rollout_correction import (
+from fnppo.core.losses.checks import Checker, describe_value, validate_inputs
+from fnppo.core.losses.m2po import m2_values, m2po_cutoff
+from fnppo.core.losses.rollout_correction import (
     RolloutCorrection,
     Rules,
     check_clamp,
     check_seq_rejection,
     check_weight_rules,
 )
+from fnppo.core.metrics import pair_metric, weighted_metric
 from fnppo.core.segments import Segments, segments
 from fnppo.core.typing import Integer, PaddedFloat, PaddedMask, Shaped, Tensor, typechecked, typechecking_enabled
 
@@ -132,7 +132,7 @@ def correction(
         r: the :class:`Rules`.
         tis_mean: the global mean weight to divide by when ``r.normalize`` (None: this call's own
             mean; a mean <= 0, possible only without any kept unit, divides by 1).
-        m2_cutoff: with ``r.m2_threshold``: the mini-batch's M2PO cutoff (:func:`~fnppo.core.m2po.m2po_cutoff`
+        m2_cutoff: with ``r.m2_threshold``: the mini-batch's M2PO cutoff (:func:`~fnppo.core.losses.m2po.m2po_cutoff`
             of every valid token's ``d^2``); None: this call's own.
 
     Returns:

@@ -11,7 +11,7 @@ so every rank holds ``T / cp`` tokens and the same amount of causal attention wo
 late chunk). ``cu_seqlens`` stays global (the rank's own segment ``k`` has ``L_k / cp`` tokens):
 Megatron's RoPE for THD (``_apply_rotary_pos_emb_thd`` with the CP group) reads exactly this layout
 and rotates every token with its true position. Every per-token field of a
-:class:`~fnppo.core.sample.Microbatch` is sharded the same way (:func:`shard_microbatch`), so per-token
+:class:`~fnppo.core.batching.sample.Microbatch` is sharded the same way (:func:`shard_microbatch`), so per-token
 functions (log-probs, entropy, loss terms) run unchanged on the shard.
 
 Attention (:func:`context_parallel_attention`): each rank all-gathers the keys and values of the
@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fnppo.core.batching.sample import Microbatch
 from fnppo.core.errors import input_error
 from fnppo.core.kernels.invariant import DEFAULT_BLOCK, sequence_attention_rows
-from fnppo.core.sample import Microbatch
 from fnppo.core.typing import Float, Tensor, typechecked
 
 __all__ = [
@@ -95,7 +95,7 @@ def cp_token_index(cu_seqlens: Tensor | Sequence[int], cp: int, rank: int, *, de
         InputError: ``cp`` or ``rank`` out of range, a segment length not divisible by ``2*cp``,
             ``cu_seqlens`` not non-decreasing from 0.
     """
-    fn = "fnppo.core.context_parallel.cp_token_index"
+    fn = "fnppo.core.batching.context_parallel.cp_token_index"
     if not isinstance(cp, int) or cp < 1:
         raise input_error(fn, "cp", "an int >= 1", repr(cp))
     if not isinstance(rank, int) or not 0 <= rank < cp:
@@ -121,7 +121,7 @@ def shard_tokens(x: Tensor, cu_seqlens: Tensor | Sequence[int], cp: int, rank: i
     idx = cp_token_index(cu_seqlens, cp, rank, device=x.device)
     if x.shape[dim] != (_boundaries(cu_seqlens)[-1]):
         raise input_error(
-            "fnppo.core.context_parallel.shard_tokens",
+            "fnppo.core.batching.context_parallel.shard_tokens",
             "x",
             f"size {_boundaries(cu_seqlens)[-1]} along dim {dim} (cu_seqlens[-1])",
             str(tuple(x.shape)),
@@ -154,13 +154,13 @@ def shard_microbatch(mb: Microbatch, cp: int, rank: int) -> Microbatch:
 
     Raises:
         InputError: a padded-layout micro-batch (CP needs the packed layout), or a segment length
-            not divisible by ``2*cp`` (pad with :func:`fnppo.core.sample.padding_multiple`).
+            not divisible by ``2*cp`` (pad with :func:`fnppo.core.batching.sample.padding_multiple`).
     """
     if cp == 1:
         return mb
     if not mb.is_packed or mb.cu_seqlens is None:
         raise input_error(
-            "fnppo.core.context_parallel.shard_microbatch",
+            "fnppo.core.batching.context_parallel.shard_microbatch",
             "mb",
             "a packed micro-batch (context parallelism needs layout='packed')",
             f"layout={mb.layout!r}",
@@ -249,7 +249,7 @@ def context_parallel_attention(
     cu = _boundaries(cu_seqlens)
     if query.shape[0] * cp != cu[-1]:
         raise input_error(
-            "fnppo.core.context_parallel.context_parallel_attention",
+            "fnppo.core.batching.context_parallel.context_parallel_attention",
             "query",
             f"{cu[-1] // cp} tokens (cu_seqlens[-1] / cp)",
             str(tuple(query.shape)),
@@ -295,7 +295,7 @@ def context_parallel_sequence_attention(
     Returns:
         ``[T/cp, heads, d_v]``, this rank's outputs in its local order.
     """
-    fn = "fnppo.core.context_parallel.context_parallel_sequence_attention"
+    fn = "fnppo.core.batching.context_parallel.context_parallel_sequence_attention"
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     cu = _boundaries(cu_seqlens)
@@ -313,7 +313,7 @@ def gather_per_sample(values: Tensor, mb: Microbatch, group: Any) -> list[Tensor
 
     Gathers the shards over ``group`` into global order and returns, for sample ``i`` (prompt
     ``P_i``, response ``R_i``, segment offset ``o_i``), ``full[0, o_i + P_i - 1 : o_i + P_i - 1 + R_i]``
-    (as :func:`fnppo.core.collate.unpack_per_sample` on the unsharded micro-batch); the same on every CP rank.
+    (as :func:`fnppo.core.batching.collate.unpack_per_sample` on the unsharded micro-batch); the same on every CP rank.
     """
     full = gather_tokens(values, mb.cu_seqlens, group, dim=1)
     out, offset = [], 0

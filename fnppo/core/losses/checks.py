@@ -3,7 +3,7 @@
 * :class:`Checker` -- one rule for a group of settings, written once and read under several
   namings: the fields of a part (``fnppo.losses.ppo_clip``'s ``clip_low``), the flat names of
   :func:`fnppo.core.losses.flat.from_flat` (``clip_ratio_low``) or the arguments of
-  :func:`fnppo.core.rollout_weights.compute_tis_weights` (``cap``). Every refusal uses the one
+  :func:`fnppo.core.losses.rollout_weights.compute_tis_weights` (``cap``). Every refusal uses the one
   error contract ``input_error(fn, arg, expected, received)``.
 * :func:`finite_number` -- the number test of every setting (finite, not a bool).
 * :func:`check_non_empty` -- an empty ``[batch, seq]`` tensor has no loss.

@@ -4,7 +4,7 @@
 or :class:`ByTokens` (a hard token budget each). Each says how many micro-batches it makes
 (``groups``) and what only the data can refuse (``check``), so nothing below dispatches on names.
 The flat keywords ``num_microbatches`` / ``microbatch_size`` / ``max_tokens_per_microbatch`` are
-sugar that builds one (:func:`split_mode`). The planning that uses them is :mod:`fnppo.core.split`.
+sugar that builds one (:func:`split_mode`). The planning that uses them is :mod:`fnppo.core.batching.split`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from fnppo.core.batching.sample import Sample
 from fnppo.core.errors import check_positive_int, input_error
-from fnppo.core.sample import Sample
 
 __all__ = ["Split", "ByCount", "BySize", "ByTokens", "as_split", "split_mode", "SPLIT_MODES"]
 

@@ -2,7 +2,7 @@
 
 Plain torch + optree; nothing here imports Megatron. A policy-gradient step sees a batch of
 :class:`Sample` (prompt ids, response ids and per-response-token values) and runs it as a number
-of :class:`Microbatch` (built by :func:`fnppo.core.collate.collate_microbatch`, padded
+of :class:`Microbatch` (built by :func:`fnppo.core.batching.collate.collate_microbatch`, padded
 ``[batch, seq]`` or packed (THD) ``[1, total]`` with ``cu_seqlens``). Both are frozen dataclasses
 registered with optree, so ``optree.tree_map`` walks into them. :func:`padding_multiple` is the
 ``pad_to_multiple_of`` the model's parallelism needs.
@@ -111,11 +111,11 @@ class Sample:
       items may carry the rows of the sequence the model runs, where an item takes several
       positions (an image placeholder expanded by :class:`fnppo.megatron.vlm_collate.VLMCollate`, which checks the
       exact count): construction then asks for at least ``len(sample) - 1`` rows, and
-      :func:`~fnppo.core.collate.collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
+      :func:`~fnppo.core.batching.collate.collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
-    happen where samples enter a computation: :func:`~fnppo.core.collate.collate_microbatch`, and the training step's
-    entry check of the whole batch (:func:`~fnppo.core.checks.check_sample_values`). :meth:`from_lists` builds one
+    happen where samples enter a computation: :func:`~fnppo.core.batching.collate.collate_microbatch`, and the training step's
+    entry check of the whole batch (:func:`~fnppo.core.batching.checks.check_sample_values`). :meth:`from_lists` builds one
     from Python lists.
     """
 
@@ -287,7 +287,7 @@ class Microbatch:
     ``attention_mask`` (bool, padded layout only, True on real tokens), ``cu_seqlens`` (int32
     ``[n + 1]`` over the padded segment lengths, packed layout only), ``sample_index`` (int64 ``[n]``,
     indices of the samples into the original batch: a record for custom stages; results are put back
-    in sample order by :meth:`~fnppo.core.split.SplitPlan.restore`), ``multi_modal`` (dict: per key, the items of all
+    in sample order by :meth:`~fnppo.core.batching.split.SplitPlan.restore`), ``multi_modal`` (dict: per key, the items of all
     samples concatenated on dim 0 in sample order) and ``multi_modal_counts`` (dict: per key, int64
     ``[n]`` items per sample), ``routed_experts`` (int32 ``[batch, seq, layers, topk]`` or None: the
     experts routing replay forces for the token at each position, see :class:`Sample`; ``-1`` on

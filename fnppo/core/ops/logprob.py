@@ -147,7 +147,7 @@ def logprob_and_entropy(
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation (the label, option and TP checks are shared with fnppo.core.linear_logprob)
+# Validation (the label, option and TP checks are shared with fnppo.core.ops.linear_logprob)
 # ---------------------------------------------------------------------------------------------
 def _check_args(
     logits: Tensor, labels: Tensor, tp_group: Any, temperature: Any, vocab_size: int | None, chunk_tokens: int | None
@@ -337,7 +337,7 @@ class _LogprobEntropy(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-shard statistics and their combination over the TP group (shared with fnppo.core.linear_logprob)
+# Per-shard statistics and their combination over the TP group (shared with fnppo.core.ops.linear_logprob)
 # ---------------------------------------------------------------------------------------------
 def _combine(
     m: Tensor, s: Tensor, w: Tensor | None, zl: Tensor, labels: Tensor, group: Any, tp_size: int, vocab_total: int
