@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 import fnppo
-from fnppo.megatron.forward import invariant_kernels, megatron_invariant_kernels
+from fnppo.core.ops.invariant_kernels import kernels_named, resolve_kernels
+from fnppo.megatron.forward import megatron_invariant_kernels
 
 MODELS = {
     "qwen2.5-0.5b": dict(
@@ -92,7 +93,8 @@ def parse_args(argv=None):
         "--kernels",
         choices=["fast", "torch", "megatron"],
         default=None,
-        help="the CUDA mode's kernels (FNPPO_BATCH_INVARIANT_KERNELS): the library's with small products padded "
+        help="the CUDA mode's kernels, an InvariantKernels record by name (default: FNPPO_BATCH_INVARIANT_KERNELS if "
+        "set, else the platform's): the library's with small products padded "
         "(fast), fnppo's fixed-tile torch kernels (torch), Megatron-core's Triton matmul and TE patches (megatron); "
         "default: fast",
     )
@@ -151,7 +153,7 @@ def build(name: str, args, invariant: bool):
         num_layers=args.layers,
         max_seq_len=args.max_len,
         dtype="fp32" if args.smoke else "bf16",
-        batch_invariant=invariant,
+        batch_invariant=chosen_kernels(args, "cpu" if args.smoke else "cuda") if invariant else False,
         deterministic=args.deterministic,
         **fields,
     )
@@ -380,10 +382,15 @@ def measure(name: str, args) -> dict:
     return out
 
 
+def chosen_kernels(args: argparse.Namespace, device: str):
+    """The InvariantKernels record ``--kernels`` names, else the platform's (``batch_invariant=True``)."""
+    return kernels_named(args.kernels) if args.kernels else resolve_kernels(True, cuda=device == "cuda")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.kernels:
-        os.environ["FNPPO_BATCH_INVARIANT_KERNELS"] = args.kernels
+    # this script's default for the record, from the environment: the library reads no variable
+    args.kernels = args.kernels or os.environ.get("FNPPO_BATCH_INVARIANT_KERNELS") or None
     device = "cpu" if args.smoke else "cuda"
     if args.kernels == "megatron" and device == "cuda" and megatron_invariant_kernels() is None:
         print("--kernels megatron: Megatron-core's Triton kernels do not import here", file=sys.stderr)
@@ -398,7 +405,7 @@ def main(argv=None) -> int:
     fnppo.init_parallel(1, 1, device=device, seed=0)
     try:
         for name in args.models.split(","):
-            kernels = invariant_kernels(cuda=device == "cuda")
+            kernels = chosen_kernels(args, device).name
             results[name] = r = measure(name, args)
             r["kernels"] = kernels
             print(

@@ -6,7 +6,7 @@ has a new total length. Each micro-batch runs ``fnppo.megatron.packed_attention.
 and backward (bf16, Qwen2.5-1.5B attention shape: 12 heads, 2 key/value groups of 128). Printed:
 compilations of the flex kernel (``fnppo.megatron.packed_attention.flex_compile_count``) and all graphs that
 ``torch.compile`` produced, without fnppo's bucket padding (the default) and with it
-(``FNPPO_FLEX_BUCKETS=1``), each in its own process (compiled kernels are cached per process).
+(``buckets=True``; this script's children take it from ``FNPPO_FLEX_BUCKETS=1``), each in its own process (compiled kernels are cached per process).
 
     python benchmarks/flex_compiles.py            # needs CUDA (flex attention is compiled there only)
 """
@@ -41,7 +41,7 @@ def one_run(args) -> dict:
         q = torch.randn(total, 12, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(total, 2, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(total, 2, 128, device=device, dtype=torch.bfloat16, requires_grad=True)
-        out = packed_causal_attention(q, k, v, cu)
+        out = packed_causal_attention(q, k, v, cu, buckets=os.environ.get("FNPPO_FLEX_BUCKETS", "0") == "1")
         out.float().square().sum().backward()
         totals.append(total)
         print(json.dumps(_row(totals, t0)), flush=True)  # progress: the parent keeps the last line

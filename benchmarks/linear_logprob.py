@@ -431,7 +431,7 @@ def backward_parts(h, W, labels, reps):
     """The fused backward's three parts timed alone with its own block sizes: the Triton kernel that
     recomputes the logits and writes the logit-gradient blocks; dh += dz @ W_block (fp32
     accumulator); dW_block = dz.T @ h_group."""
-    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.kernels import linear_logprob_launch as k
     from fnppo.core.ops import linear_logprob as ll
 
     n, hid = h.shape
@@ -502,7 +502,7 @@ def kernel_variants(tokens, hidden, vocab, reps, device=None):
     one shape: the forward over the whole vocabulary, the logit-gradient kernel over one backward
     block of the function's own size; each against the dense bf16 product of the same size.
     ``TMA``: tiles read (and written) through tensor descriptors, else pointer loads."""
-    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.kernels import linear_logprob_launch as k
     from fnppo.core.ops import linear_logprob as ll
 
     device = device or torch.device("cuda")
@@ -666,7 +666,7 @@ def launch_cost(tokens, hidden, vocab, device):
     backward calls); the two cuBLAS products of a block; one whole ``backward_grads``."""
     import triton
 
-    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.kernels import linear_logprob_launch as k
     from fnppo.core.ops.linear_logprob import _backward_chunks
 
     h, W, labels, g_lp, g_h = make_problem(tokens, hidden, vocab, device)
@@ -810,7 +810,14 @@ def main():
     p.add_argument(
         "--host-time", action="store_true", help="host time of one fused fwd+bwd per shape (and cProfile), then stop"
     )
+    p.add_argument(
+        "--no-tma", action="store_true", help="the 16-bit kernels read their tiles by pointer loads, not TMA"
+    )
     args = p.parse_args()
+    if args.no_tma:  # a comparison: the device would choose TMA descriptors on Hopper
+        from fnppo.core.kernels import linear_logprob_launch
+
+        linear_logprob_launch._tma_wanted = lambda device: False
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     tokens_list = [int(x) for x in (args.tokens or ("8192,16384" if on_gpu else "256,512")).split(",")]
@@ -818,7 +825,7 @@ def main():
     vocab = args.vocab or (151936 if on_gpu else 8192)
     reps = args.reps or (10 if on_gpu else 3)
     if on_gpu:
-        from fnppo.core.kernels import linear_logprob_triton as k
+        from fnppo.core.kernels import linear_logprob_launch as k
 
         print(
             torch.cuda.get_device_name(),
@@ -928,7 +935,7 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
             f"{float(rows[0][3]) - f_ms:.2f} ms",
             flush=True,
         )
-        from fnppo.core.kernels import linear_logprob_triton as k
+        from fnppo.core.kernels import linear_logprob_launch as k
 
         print(f"  autotuned: forward {k._fwd_tuned.best_config}, backward dz {k._dz_tuned.best_config}", flush=True)
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fnppo.core.kernels.invariant import sequence_attention as sequence_attention
 from fnppo.core.ops.batch_invariant import batch_invariant as batch_invariant
+from fnppo.core.ops.invariant_kernels import InvariantKernels as InvariantKernels
 from fnppo.megatron.build import build_gpt as build_gpt
 from fnppo.megatron.build import build_optimizer as build_optimizer
 from fnppo.megatron.build import wrap_ddp as wrap_ddp
@@ -31,6 +32,7 @@ from fnppo.megatron.weights import load_full_weights as load_full_weights
 
 __all__ = [
     "ModelConfig",
+    "InvariantKernels",
     "build_gpt",
     "wrap_ddp",
     "build_optimizer",

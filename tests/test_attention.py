@@ -101,13 +101,12 @@ def test_flex_bucket_lengths():
     assert len(set(lengths[4096:8192])) == 8  # packs of 4,097..8,192 tokens share 8 kernels
 
 
-def test_flex_padding_to_the_bucket_changes_nothing(monkeypatch):
+def test_flex_padding_to_the_bucket_changes_nothing():
     lens = [100, 0, 37, 163]  # 300 tokens -> padded to 384 for flex
     q, k, v = _qkv(sum(lens), 4, 2, 16, seed=11)
     ref = _reference(q, k, v, lens)
     exact = packed_causal_attention(q, k, v, _cu(lens), backend="flex")  # the default: no padding
-    monkeypatch.setenv("FNPPO_FLEX_BUCKETS", "1")
-    padded = packed_causal_attention(q, k, v, _cu(lens), backend="flex")
+    padded = packed_causal_attention(q, k, v, _cu(lens), backend="flex", buckets=True)
     torch.testing.assert_close(padded, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(padded, exact, atol=1e-5, rtol=0)
 

@@ -288,6 +288,37 @@ def _model_run() -> dict:
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     out["step_recompute_padded"] = _step_gaps(_cfg(extra=recompute), samples, {"layout": "padded"})
     out["step_moe"] = _step_gaps(_cfg(**MOE), samples, {"max_tokens_per_microbatch": 24})
+    out["shaped"] = _shaped_run(samples)
+    return out
+
+
+def _shaped_run(samples) -> dict:
+    """The behaviours FAST takes on CUDA, asked of CPU kernels by a record: micro-batches padded to the
+    record's ``min_rows`` (seen by a recording forward stage), MoE routers through the fixed-tile router
+    logits (calls counted); the bits stay those of one micro-batch."""
+    from fnppo.core.ops.invariant_kernels import InvariantKernels
+    from fnppo.megatron import patches
+    from fnppo.megatron.forward import forward_logits
+
+    shaped = InvariantKernels(name="cpu-shaped", tiles=True, min_rows=96, router_tiles=True)
+    seen: list[int] = []
+
+    def recording(model, mb, **kw):
+        seen.append(int(mb.input_ids.numel()))
+        return forward_logits(model, mb, **kw)
+
+    calls = []
+    tiled = patches.invariant_router_logits
+    patches.invariant_router_logits = lambda *a: (calls.append(1), tiled(*a))[1]
+    out = {}
+    for name, extra in (("dense", {}), ("moe", MOE)):
+        chunks = fnppo.build_gpt(_cfg(batch_invariant=shaped, **extra))
+        fnppo.models.layout_invariant_init(chunks, seed=3)
+        cfg = fnppo.StepConfig(fns=fnppo.StepFns(forward=recording))
+        one, _ = fnppo.compute_logprobs(chunks, samples, config=cfg)
+        alone, _ = fnppo.compute_logprobs(chunks, samples, config=dataclasses.replace(cfg, num_microbatches=N))
+        out[name] = {"bits": _bit_diffs(one, alone), "fewest_tokens": min(seen), "router_calls": len(calls)}
+        seen.clear()
     return out
 
 
@@ -313,6 +344,16 @@ def test_train_step_reports_exact_on_policy_gaps():
     for key in ("step_dense", "step_recompute_padded", "step_moe"):
         assert res[key]["first"] == [0.0, 0.0], f"{key}: {res[key]['first']}"
         assert min(res[key]["after_update"]) > 0.0, f"{key}: the policy moved, the gap must show it"
+
+
+def test_a_record_shapes_micro_batches_and_tiles_routers_on_the_cpu_too():
+    """The CUDA kernels' micro-batch floor and router tiles are fields of the record, so a CPU test asks
+    for them: every micro-batch reaches ``min_rows`` tokens, an MoE model's routers take the tiled
+    logits, a dense model none, and a sample alone has the bits of one micro-batch."""
+    res = _model_results()["shaped"]
+    assert res["dense"]["fewest_tokens"] >= 96 and res["moe"]["fewest_tokens"] >= 96, res
+    assert res["dense"]["router_calls"] == 0 and res["moe"]["router_calls"] > 0, res
+    assert res["dense"]["bits"] == 0 and res["moe"]["bits"] == 0, res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,10 +420,12 @@ def _layout(**kw):
 
 
 def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(monkeypatch):
-    """Dropout and tp > 2 are refused; context parallelism only with CUDA's "fast" kernels (their
-    flex attention would see one rank's shard): fnppo's torch kernels take it (the CUDA choice is
-    made here without a GPU, by the layout check the config reads)."""
+    """Dropout and tp > 2 are refused; context parallelism only with kernels whose ``context_parallel``
+    is False (FAST: its flex attention would see one rank's shard): fnppo's torch kernels take it (the
+    CUDA choice is made here without a GPU, by the layout check the config reads); Megatron's products
+    are refused on a CPU model; the record is stored as given and read back by ``kernels_of``."""
     from fnppo.core.errors import InputError
+    from fnppo.core.ops.invariant_kernels import InvariantKernels, kernels_of
     from fnppo.megatron import megatron_config as config_module
     from fnppo.megatron.megatron_config import transformer_config
     from tests.messages import check_message
@@ -395,14 +438,19 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(m
         transformer_config(cfg, _layout(tp=4))
     check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "False with", "tp=4")
     assert transformer_config(cfg, _layout(tp=2)).batch_invariant_mode is True
-    assert transformer_config(cfg, _layout(cp=2)).fnppo_invariant_kernels == "torch"  # CPU: CP taken
+    assert kernels_of(transformer_config(cfg, _layout(cp=2))) is InvariantKernels.TORCH  # CPU: CP taken
+    with pytest.raises(InputError) as err:
+        transformer_config(dataclasses.replace(cfg, batch_invariant=InvariantKernels.MEGATRON), _layout())
+    check_message(
+        err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "megatron_products", "megatron"
+    )
     monkeypatch.setattr(config_module, "_on_cuda", lambda layout: True)
-    monkeypatch.delenv("FNPPO_BATCH_INVARIANT_KERNELS", raising=False)
     with pytest.raises(InputError) as err:
         transformer_config(cfg, _layout(cp=2))
     check_message(err.value, InputError, "transformer_config", "ModelConfig.batch_invariant", "'fast'", "cp=2")
-    monkeypatch.setenv("FNPPO_BATCH_INVARIANT_KERNELS", "torch")
-    assert transformer_config(cfg, _layout(cp=2)).fnppo_invariant_kernels == "torch"
+    torch_on_cuda = dataclasses.replace(cfg, batch_invariant=InvariantKernels.TORCH)
+    assert kernels_of(transformer_config(torch_on_cuda, _layout(cp=2))) is InvariantKernels.TORCH
+    assert kernels_of(transformer_config(cfg, _layout())) is InvariantKernels.FAST  # True: CUDA's default
 
 
 def test_sequence_attention_rows_are_the_rows_of_sequence_attention_whatever_the_other_queries():

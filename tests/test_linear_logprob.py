@@ -434,8 +434,12 @@ def test_backward_graphs_refuse_bad_arguments():
 # ---------------------------------------------------------------------------------------------
 _INTERP_SCRIPT = textwrap.dedent(
     """
+    import os
     import torch
+    from fnppo.core.kernels import linear_logprob_launch
     from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
+    # the interpreter runs on the CPU: take the TMA descriptors there when the test asks for them
+    linear_logprob_launch._tma_wanted = lambda device: os.environ["TEST_TMA"] == "1"
     from tests.test_linear_logprob import reference
     g = torch.Generator().manual_seed(11)
     for dtype in (torch.float32, torch.bfloat16):
@@ -460,7 +464,7 @@ _INTERP_SCRIPT = textwrap.dedent(
             if vs is not None:
                 assert bool((wg.grad[vs:] == 0).all())
     # One TP shard's statistics (rows 30..59 of 100): labels outside it add nothing to zl.
-    from fnppo.core.kernels import linear_logprob_triton as k
+    from fnppo.core.kernels import linear_logprob_launch as k
     from fnppo.core.ops.linear_logprob import _forward_stats_torch
     h = torch.randn(37, 32, generator=g).bfloat16()
     w = (torch.randn(100, 32, generator=g) * 0.7).bfloat16()
@@ -511,7 +515,7 @@ def test_triton_kernels_in_interpreter(tma):
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
-        FNPPO_TRITON_TMA=tma,
+        TEST_TMA=tma,
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
     proc = subprocess.run(

@@ -18,6 +18,7 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core.transformer.moe.router import TopKRouter
 
+from fnppo.core.ops.invariant_kernels import InvariantKernels
 from fnppo.megatron import patches
 from fnppo.megatron.fused_rope import fused_rope_bshd, fused_rope_thd
 
@@ -114,16 +115,18 @@ def test_moe_router_invariant(monkeypatch):
     x = torch.randn(3, 5, 16, generator=g, dtype=torch.bfloat16)
     w = torch.randn(4, 16, generator=g, dtype=torch.bfloat16)
     fast = SimpleNamespace(
-        config=SimpleNamespace(fnppo_invariant_kernels="fast", moe_router_dtype="fp32"), weight=w, bias=None
+        config=SimpleNamespace(fnppo_invariant_kernels=InvariantKernels.FAST, moe_router_dtype="fp32"),
+        weight=w,
+        bias=None,
     )
     got = TopKRouter.gating(fast, x)
     assert got.dtype == torch.float32 and torch.equal(got, invariant_router_logits(x, w, None, torch.float32))
     assert not calls
-    for kernels in (None, "torch", "megatron"):  # every other router: Megatron's gating
+    for kernels in (None, InvariantKernels.TORCH, InvariantKernels.MEGATRON, "fast"):  # others: Megatron's gating
         other = SimpleNamespace(config=SimpleNamespace(fnppo_invariant_kernels=kernels, moe_router_dtype="fp32"))
         TopKRouter.gating(other, x)
         assert calls[-1] is other
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_grad_clip_l2_norm(monkeypatch):

@@ -69,13 +69,15 @@ def test_block_diagonal_parts_is_one_product_for_every_part(parts):
 
 
 def test_default_experts_module_follows_fp8_the_mode_and_the_device():
+    from fnppo.core.ops.invariant_kernels import InvariantKernels
     from fnppo.megatron.layer_specs import default_experts
 
+    records = (None, InvariantKernels.FAST, InvariantKernels.TORCH, InvariantKernels.MEGATRON)
     got = {
         (fp8, cuda, kernels): default_experts(fp8=fp8, cuda=cuda, kernels=kernels)
         for fp8 in (False, True)
         for cuda in (False, True)
-        for kernels in (None, "fast", "torch", "megatron")
+        for kernels in records
     }
     for (fp8, cuda, kernels), experts in got.items():
         if fp8:
@@ -83,7 +85,7 @@ def test_default_experts_module_follows_fp8_the_mode_and_the_device():
         elif kernels is None:  # outside the batch-invariant mode
             want = "stacked" if cuda else "sequential"
         else:  # in the mode: the grouped GEMM only with the fast kernels
-            want = "stacked" if kernels == "fast" else "sequential"
+            want = "stacked" if kernels is InvariantKernels.FAST else "sequential"
         assert experts == want, (fp8, cuda, kernels, experts)
 
 
@@ -199,7 +201,7 @@ def test_fp8_and_expert_modules_are_refused_clearly_where_they_cannot_run():
         in (got["stacked with fp8"])
     )
     assert (
-        "argument 'moe_experts' expected 'sequential' or None with batch_invariant=True and the 'torch' kernels"
+        "argument 'moe_experts' expected 'sequential' or None with batch_invariant and the 'torch' kernels"
         in (got["stacked batch-invariant"])
     )
     for kw, arg in (

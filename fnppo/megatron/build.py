@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from torch import nn
 
 from fnppo.core.errors import input_error
+from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import Tensor
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.core_attention import PackedDotProductAttention
@@ -96,7 +97,8 @@ def build_gpt(
     if cfg.num_experts is not None:
         patch_moe_router_gemm()
         patch_moe_dispatch_numpy()
-        if getattr(tcfg, "fnppo_invariant_kernels", None) == "fast":
+        kernels = kernels_of(tcfg)
+        if kernels is not None and kernels.router_tiles:
             patch_moe_router_invariant()
         spec = (
             layer_spec
@@ -127,7 +129,7 @@ def build_gpt(
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
-        if tcfg.batch_invariant_mode and layout.cp > 1:
+        if kernels_of(tcfg) is not None and layout.cp > 1:
             _check_invariant_cp_attention(model)
         model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.steps.plan), rope (fnppo.io.hf)
         _own_replay_slots(model)

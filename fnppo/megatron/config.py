@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fnppo.core.errors import check_bool_fields, check_float, check_number, check_positive_int, input_error
+from fnppo.core.ops.invariant_kernels import InvariantKernels, resolve_kernels
 
 __all__ = ["ModelConfig", "MOE_EXPERTS", "FP8_FORMATS", "FP8_RECIPES"]
 
@@ -59,9 +60,10 @@ class ModelConfig:
       Engine needed), ``"te_grouped"`` (Megatron's ``TEGroupedMLP``: one Transformer Engine GEMM
       and one parameter per expert; needed for FP8 experts), ``"sequential"`` (Megatron's
       ``SequentialMLP``: one MLP per expert); None: ``"stacked"`` on a CUDA model without FP8,
-      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU. With ``batch_invariant`` the fast CUDA
-      kernels take ``"stacked"`` only (a row's bits in the grouped GEMM do not depend on the group
-      sizes; per-expert library GEMMs do), the CPU's (fnppo's fixed tiles) ``"sequential"`` only.
+      ``"te_grouped"`` with FP8, ``"sequential"`` on CPU. With ``batch_invariant`` the record's
+      ``stacked_experts`` decides: ``"stacked"`` only (the fast CUDA kernels: a row's bits in the grouped
+      GEMM do not depend on the group sizes; per-expert library GEMMs do) or ``"sequential"`` only (the
+      tiles take its products).
 
     ``fp8``: FP8 training through Transformer Engine (Hopper or newer GPU, ``dtype="bf16"``):
     ``"e4m3"`` (every FP8 tensor E4M3) or ``"hybrid"`` (E4M3 forward, E5M2 gradients), with
@@ -72,7 +74,7 @@ class ModelConfig:
 
     ``fusions``: Megatron's fused element-wise kernels (see :func:`transformer_config`): None turns
     them on where the model is built for CUDA (NCCL) and off on CPU (and with ``batch_invariant``
-    unless its kernels are the CUDA ``"fast"`` ones);
+    unless its record keeps them, ``fusions``);
     True or False forces them.
 
     ``deterministic``: repeatable results on a GPU (measured: repeated MoE forwards agree bit for
@@ -90,33 +92,34 @@ class ModelConfig:
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA starts (torch warns
     otherwise).
 
-    ``batch_invariant``: exactly on-policy numerics (``docs/batch-invariance.md``). fnppo's steps
-    run the model under :func:`fnppo.megatron.forward.batch_invariant_numerics` (batch-invariant
-    products, norms, softmaxes, reductions and element-wise kernels; Megatron-core's Triton kernels
-    on CUDA where they import) and its packed and padded attention one sequence at a time
-    (:func:`fnppo.core.kernels.invariant.sequence_attention`), so a sample's per-token log-probs and
-    entropies have the same bits whatever its micro-batch companions, position in the pack, token
-    budget, number of micro-batches or layout (packed or padded), in ``compute_logprobs`` and inside
-    ``train_step`` (with or without recomputation); an MoE model's schedules then run under torch's
+    ``batch_invariant``: exactly on-policy numerics (``docs/batch-invariance.md``): ``True`` (the
+    platform's kernels: :data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.FAST` on a model built for
+    CUDA, :data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.TORCH` elsewhere) or an
+    :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels` record, chosen once when Megatron's config is
+    built and stored on it (:func:`~fnppo.core.ops.invariant_kernels.kernels_of` reads it back). A sample's
+    per-token log-probs and entropies then have the same bits whatever its micro-batch companions,
+    position in the pack, token budget, number of micro-batches or layout (packed or padded), in
+    ``compute_logprobs`` and inside ``train_step`` (with or without recomputation). The record says how:
+    fnppo's fixed-tile kernels around the schedule (:func:`fnppo.megatron.forward.batch_invariant_numerics`)
+    and the attention one sequence at a time (:func:`fnppo.core.kernels.invariant.sequence_attention`), or
+    the library's own kernels on micro-batches the steps shape; an MoE model's schedules run under torch's
     deterministic algorithms whatever ``deterministic`` says (the routing's ``index_put`` and the
-    un-permutation's ``index_add``), without Megatron's ``deterministic_mode`` unless asked. Megatron's ``TransformerConfig.batch_invariant_mode`` is set on the
-    built config (Transformer Engine's attention then runs with ``num_splits=1``). Context
-    parallelism gives the bits of ``cp = 1`` with the torch kernels and the local spec (a rank's
-    attention rows computed in the query blocks they have on one process,
-    :func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`); it is refused with
-    CUDA's ``"fast"`` kernels. Not covered: another tensor-parallel size (its partial sums are
-    added in another order: ``tp`` above 2 is refused, as a sum of more than two partial results
-    is not commutative bit for bit), dropout (refused: the training forward would differ from the
-    log-prob forward anyway), another device, dtype, thread count or library version, and the
+    un-permutation's ``index_add``), without Megatron's ``deterministic_mode`` unless asked. Megatron's
+    ``TransformerConfig.batch_invariant_mode`` is set on the built config (Transformer Engine's attention
+    then runs with ``num_splits=1``). Context parallelism gives the bits of ``cp = 1`` with records that
+    allow it (``context_parallel``: the torch kernels with the local spec); it is refused with the others.
+    Not covered: another tensor-parallel size (``tp`` above 2 is refused, as a sum of more than two
+    partial results is not commutative bit for bit), dropout (refused: the training forward would differ
+    from the log-prob forward anyway), another device, dtype, thread count or library version, and the
     backward pass (gradients are not claimed invariant).
 
     Raises:
         InputError: a switch (a field annotated ``bool``, or ``bool | None`` such as ``fusions``) holding anything but a bool (or None there): ``"yes"``, ``0`` or ``1``
             are refused, never read as truthy later; sizes that are not ints >= 1 or do not divide;
             unknown ``dtype``, ``normalization`` or MoE choices; out-of-range MoE coefficients;
-            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``; ``batch_invariant`` with
-            dropout (:func:`transformer_config`: with ``tp`` above 2, or context parallelism on
-            CUDA's ``"fast"`` kernels).
+            ``moe_expert_bias`` without ``moe_score_function="sigmoid"``; ``batch_invariant`` that is
+            neither a bool nor an ``InvariantKernels``, or with dropout or FP8 (:func:`transformer_config`:
+            with ``tp`` above 2, or context parallelism on kernels without ``context_parallel``).
     """
 
     num_layers: int
@@ -165,7 +168,7 @@ class ModelConfig:
     fp8_recipe: str = "tensorwise"
     fusions: bool | None = None
     deterministic: bool = False
-    batch_invariant: bool = False
+    batch_invariant: bool | InvariantKernels = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -214,6 +217,7 @@ class ModelConfig:
             raise input_error(fn, "dtype", "'bf16' with fp8 set (FP8 GEMMs keep bf16 parameters)", repr(self.dtype))
         if self.num_experts is not None:
             self._check_moe(fn)
+        resolve_kernels(self.batch_invariant, cuda=False)  # a bool or a record, else refused by name
         if self.batch_invariant and self.fp8 is not None:
             raise input_error(
                 fn, "fp8", "None with batch_invariant=True (FP8 scales depend on the batch)", repr(self.fp8)

@@ -47,6 +47,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from fnppo.core.batching.context_parallel import context_parallel_attention, context_parallel_sequence_attention
 from fnppo.core.errors import describe, input_error
 from fnppo.core.kernels.invariant import sequence_attention
+from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
 from fnppo.megatron.packed_attention import FLEX_BLOCK, check_cu_seqlens, packed_causal_attention
 
@@ -112,8 +113,11 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
-        if getattr(self.config, "batch_invariant_mode", False):
-            return self._forward_invariant(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
+        kernels = kernels_of(self.config)
+        if kernels is not None:
+            return self._forward_invariant(
+                query, key, value, attention_mask, attn_mask_type, packed_seq_params, kernels.flex_attention
+            )
         if packed_seq_params is None:
             return super().forward(
                 query,
@@ -134,8 +138,11 @@ class PackedDotProductAttention(DotProductAttention):
         attention_mask: Tensor | None,
         attn_mask_type: AttnMaskType | None,
         params: PackedSeqParams | None,
+        flex: bool,
     ) -> Tensor:
-        """Batch-invariant attention (``batch_invariant_mode``): every sequence alone
+        """Batch-invariant attention (the model's :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels`):
+        with ``flex`` (the record's ``flex_attention``) and CUDA tensors one flex-attention launch over
+        block-aligned sequences; otherwise every sequence alone
         (:func:`fnppo.core.kernels.invariant.sequence_attention`), packed (THD) or padded (each row
         of ``[s, b, heads, dim]`` one causal sequence; its right padding is never attended to by its
         real tokens); under context parallelism (packed only) this rank's rows with the bits of one
@@ -153,7 +160,7 @@ class PackedDotProductAttention(DotProductAttention):
             raise input_error(fn, "config", "vanilla softmax without a window in batch-invariant mode", "other")
         coeff = self.scale_mask_softmax.scale
         scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
-        if query.is_cuda and getattr(self.config, "fnppo_invariant_kernels", None) == "fast":
+        if query.is_cuda and flex:
             return _aligned_flex_attention(query, key, value, params, scale)
         if params is not None:
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
@@ -251,7 +258,7 @@ class PackedDotProductAttention(DotProductAttention):
 def _aligned_flex_attention(
     query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams | None, scale: float
 ) -> Tensor:
-    """Batch-invariant attention in one flex-attention launch (CUDA, ``"fast"`` kernels).
+    """Batch-invariant attention in one flex-attention launch (CUDA, kernels with ``flex_attention``).
 
     Flex attention walks a query block's keys in blocks of :data:`FLEX_BLOCK` tokens from the start
     of the pack; when every sequence starts at a multiple of that block (the steps align packed

@@ -28,12 +28,8 @@ from torch import nn
 
 from fnppo.core.batching.sample import Microbatch
 from fnppo.core.errors import input_error
-from fnppo.core.ops.batch_invariant import (
-    CUDA_MIN_ROWS,
-    BatchInvariantKernels,
-    batch_invariant,
-    invariant_kernels,
-)
+from fnppo.core.ops.batch_invariant import batch_invariant
+from fnppo.core.ops.invariant_kernels import InvariantKernels
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.unwrap import check_head, unwrap_model
 
@@ -46,8 +42,6 @@ __all__ = [
     "deterministic_algorithms",
     "batch_invariant_numerics",
     "megatron_invariant_kernels",
-    "invariant_kernels",
-    "CUDA_MIN_ROWS",
 ]
 
 
@@ -98,32 +92,32 @@ def megatron_invariant_kernels() -> Any:
 
 
 @contextlib.contextmanager
-def batch_invariant_numerics(enabled: bool, *, kernels: BatchInvariantKernels | None = None) -> Iterator[None]:
-    """Run the block batch-invariantly when ``enabled`` (a model built with ``ModelConfig(batch_invariant=True)``).
+def batch_invariant_numerics(kernels: InvariantKernels | None) -> Iterator[None]:
+    """Run the block with the numerics of the batch-invariant ``kernels`` (the record of a model built with
+    ``ModelConfig(batch_invariant=...)``, :func:`~fnppo.core.ops.invariant_kernels.kernels_of` its config;
+    None: nothing changes).
 
-    ``kernels`` (default :func:`invariant_kernels` of a dense model; the steps pass the one recorded on
-    the model's config): ``"fast"`` (CUDA): nothing is swapped; the steps' micro-batch shaping
-    (each packed sequence aligned to the attention block, at least :data:`CUDA_MIN_ROWS` tokens,
-    :mod:`fnppo.steps.plan`) is what makes a token's forward values independent of its
-    micro-batch, and forward and backward run the ordinary kernels. ``"torch"``: fnppo's fixed-tile torch kernels
-    (:func:`fnppo.core.ops.batch_invariant.batch_invariant`: products, norms, softmaxes and row
-    reductions in fixed row tiles, invariant element-wise compositions). ``"megatron"``:
-    Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer
-    Engine GEMM / RMSNorm patches, forward and backward) with fnppo's torch kernels for the rest.
-    Everything is restored on exit, also on an exception; with ``enabled`` False nothing changes.
+    A record without ``tiles`` (:data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.FAST`) swaps
+    nothing: the steps' micro-batch shaping (its ``min_rows``, sequences aligned to the attention block,
+    :mod:`fnppo.steps.plan`) is what makes a token's forward values independent of its micro-batch, and
+    forward and backward run the ordinary kernels. With ``tiles``: fnppo's fixed-tile torch kernels
+    (:func:`fnppo.core.ops.batch_invariant.batch_invariant`: products, norms, softmaxes and row reductions
+    in fixed row tiles, invariant element-wise compositions); with ``megatron_products`` too,
+    Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer Engine GEMM
+    / RMSNorm patches, forward and backward) takes the products. Everything is restored on exit, also on
+    an exception.
+
+    Raises:
+        InputError: ``kernels`` neither None nor an :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels`.
     """
-    if not enabled:
-        yield
-        return
-    kind = kernels or invariant_kernels()
-    if kind not in ("fast", "torch", "megatron"):
+    if kernels is not None and not isinstance(kernels, InvariantKernels):
         raise input_error(
-            "fnppo.megatron.forward.batch_invariant_numerics", "kernels", "'fast', 'torch' or 'megatron'", repr(kind)
+            "fnppo.megatron.forward.batch_invariant_numerics", "kernels", "an InvariantKernels or None", repr(kernels)
         )
-    if kind == "fast":  # the steps shaped the micro-batches; the model runs its own kernels
+    if kernels is None or not kernels.tiles:
         yield
         return
-    megatron = megatron_invariant_kernels() if kind == "megatron" else None
+    megatron = megatron_invariant_kernels() if kernels.megatron_products else None
     with contextlib.ExitStack() as stack:
         if megatron is not None:
             if importlib.util.find_spec("transformer_engine") is not None:

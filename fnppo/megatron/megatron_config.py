@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from fnppo.core.errors import input_error
-from fnppo.core.ops.batch_invariant import invariant_kernels
+from fnppo.core.ops.invariant_kernels import KERNELS_ATTRIBUTE, InvariantKernels, resolve_kernels
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.layer_specs import default_experts, te_available
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -39,10 +39,10 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
     for it).
     """
-    # batch-invariant mode with fnppo's torch or Megatron's kernels: the plain torch element-wise ops,
-    # which its torch-function mode sees (the CUDA "fast" kernels keep the fused ones: one kernel per op)
-    fast = _kernels(cfg, layout) == "fast"
-    default = _on_cuda(layout) and (not cfg.batch_invariant or fast)
+    # batch-invariant mode with the tiles: the plain torch element-wise ops, which its torch-function
+    # mode sees (a record with ``fusions`` keeps the fused ones: one kernel per op)
+    kernels = _kernels(cfg, layout)
+    default = _on_cuda(layout) and (kernels is None or kernels.fusions)
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
         bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
@@ -61,32 +61,8 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     built for CUDA unless ``cfg.fusions`` is False; off on CPU).
     """
     layout = layout or current_layout()
+    _check_divisible(cfg, layout)
     groups = cfg.num_query_groups or cfg.num_attention_heads
-    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", groups)):
-        if n % layout.tp:
-            raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
-    if cfg.padded_vocab_size % layout.tp:
-        raise input_error(
-            "transformer_config",
-            "vocab_size",
-            f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)",
-            repr(cfg.vocab_size),
-        )
-    if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
-        raise input_error(
-            "transformer_config",
-            "make_vocab_size_divisible_by",
-            f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
-            f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
-            repr(cfg.make_vocab_size_divisible_by),
-        )
-    if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
-        raise input_error(
-            "transformer_config",
-            "num_layers",
-            f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}",
-            repr(cfg.num_layers),
-        )
     dtype = cfg.torch_dtype
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
@@ -136,20 +112,50 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
         patch_fused_rope()  # Megatron checks for a fused RoPE when the config is built
-    # the mode's kernels, chosen once here and read by the steps and the attention (fnppo attribute)
+    # the mode's kernels, chosen once here and read back by kernels_of (the steps, attention, experts, router)
     kernels = _kernels(cfg, layout)
-    if cfg.batch_invariant:
+    if kernels is not None:
         _check_batch_invariant_layout(layout, kernels)
     tc = TransformerConfig(**kwargs)
     # Set after construction: Megatron's own check asks for its FlashAttention backend, which fnppo's
     # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
-    tc.batch_invariant_mode = bool(cfg.batch_invariant)
-    tc.fnppo_invariant_kernels = kernels
+    tc.batch_invariant_mode = kernels is not None
+    setattr(tc, KERNELS_ATTRIBUTE, kernels)
     return tc
 
 
-def _check_batch_invariant_layout(layout: ParallelLayout, kernels: str | None) -> None:
-    """Refuse the parallel layouts under which batch invariance cannot hold."""
+def _check_divisible(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    """Refuse sizes that the layout does not divide (Megatron would only fail on them later)."""
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    for name, n in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", groups)):
+        if n % layout.tp:
+            raise input_error("transformer_config", name, f"a multiple of tp={layout.tp}", repr(n))
+    if cfg.padded_vocab_size % layout.tp:
+        raise input_error(
+            "transformer_config",
+            "vocab_size",
+            f"a multiple of tp={layout.tp} (set make_vocab_size_divisible_by)",
+            repr(cfg.vocab_size),
+        )
+    if layout.tp > 1 and cfg.padded_vocab_size // layout.tp >= cfg.vocab_size:
+        raise input_error(
+            "transformer_config",
+            "make_vocab_size_divisible_by",
+            f"a padding that leaves real tokens on more than one of tp={layout.tp} ranks (padded vocabulary "
+            f"{cfg.padded_vocab_size} / tp >= vocab_size {cfg.vocab_size}; lower it)",
+            repr(cfg.make_vocab_size_divisible_by),
+        )
+    if cfg.num_layers % (layout.pp * (layout.vpp or 1)):
+        raise input_error(
+            "transformer_config",
+            "num_layers",
+            f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}",
+            repr(cfg.num_layers),
+        )
+
+
+def _check_batch_invariant_layout(layout: ParallelLayout, kernels: InvariantKernels) -> None:
+    """Refuse the parallel layouts and devices under which batch invariance cannot hold with ``kernels``."""
     if layout.tp > 2:
         raise input_error(
             "transformer_config",
@@ -158,13 +164,20 @@ def _check_batch_invariant_layout(layout: ParallelLayout, kernels: str | None) -
             "position-dependent order)",
             f"True with tp={layout.tp}",
         )
-    if layout.cp > 1 and kernels == "fast":
+    if layout.cp > 1 and not kernels.context_parallel:
         raise input_error(
             "transformer_config",
             "ModelConfig.batch_invariant",
-            "False with context parallelism on CUDA's 'fast' kernels (their flex attention sees one rank's "
-            "shard; FNPPO_BATCH_INVARIANT_KERNELS=torch runs fnppo's per-sequence attention, CP included)",
-            f"True with cp={layout.cp}",
+            f"kernels with context_parallel=True under context parallelism (the {kernels.name!r} kernels' flex "
+            "attention sees one rank's shard; InvariantKernels.TORCH runs fnppo's per-sequence attention, CP included)",
+            f"{kernels.name!r} kernels with cp={layout.cp}",
+        )
+    if kernels.megatron_products and not _on_cuda(layout):
+        raise input_error(
+            "transformer_config",
+            "ModelConfig.batch_invariant",
+            "kernels without megatron_products on a model built for the CPU (Megatron's Triton matmul is CUDA only)",
+            f"{kernels.name!r} kernels",
         )
 
 
@@ -245,7 +258,7 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
             raise input_error(
                 "transformer_config",
                 "moe_experts",
-                f"{invariant!r} or None with batch_invariant=True and the {_kernels(cfg, layout)!r} kernels "
+                f"{invariant!r} or None with batch_invariant and the {_kernels(cfg, layout).name!r} kernels "
                 "(the experts' products must give a token the same bits whatever the other tokens)",
                 repr(cfg.moe_experts),
             )
@@ -257,9 +270,9 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
     return default_experts(fp8=cfg.fp8 is not None, cuda=_on_cuda(layout), kernels=_kernels(cfg, layout))
 
 
-def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
+def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> InvariantKernels | None:
     """The batch-invariant mode's kernels for ``cfg`` on ``layout``; None outside the mode."""
-    return invariant_kernels(cuda=_on_cuda(layout)) if cfg.batch_invariant else None
+    return resolve_kernels(cfg.batch_invariant, cuda=_on_cuda(layout))
 
 
 def _invariant_experts(cfg: ModelConfig, layout: ParallelLayout) -> str | None:

@@ -18,7 +18,7 @@ Kernels (:func:`packed_causal_attention`):
   ``sum_i len_i^2``, not ``T^2``. Compiled once for the first pack length and once more, with a
   dynamic length, for the second; :func:`flex_compile_count` counts the compilations (on one H200
   with torch 2.11, 50 packs of 49 different lengths compiled the kernel twice,
-  ``benchmarks/flex_compiles.py``). ``FNPPO_FLEX_BUCKETS=1`` pads every pack to one of a few bucket
+  ``benchmarks/flex_compiles.py``). ``buckets=True`` pads every pack to one of a few bucket
   lengths (:func:`flex_bucket_length`: multiples of 128 up to 1,024 tokens, then 8 lengths per
   octave, at most 12.5 % padding), bounding the kernel shapes for torch versions that specialize
   on the length; the padding tokens form a segment of their own, so real tokens never see them, and
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any, Literal
 
 import torch
@@ -203,10 +202,6 @@ def flex_bucket_length(total: int) -> int:
     return -(-total // step) * step
 
 
-def _buckets_on() -> bool:
-    return os.environ.get("FNPPO_FLEX_BUCKETS", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel entry point
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +216,7 @@ def packed_causal_attention(
     dropout_p: float = 0.0,
     backend: Backend = "auto",
     dynamic: bool = False,
+    buckets: bool = False,
 ) -> Float[Tensor, "tokens heads v_dim"]:
     """Causal attention restricted to each sequence of a packed (THD) batch.
 
@@ -239,6 +235,10 @@ def packed_causal_attention(
 
     ``dynamic``: the CUDA flex kernel is compiled for any length from the first call (one kernel for
     every pack length, as the batch-invariant mode needs; see :func:`_flex_fn`).
+
+    ``buckets``: the flex kernel runs at :func:`flex_bucket_length` of the pack (padding tokens in a
+    segment of their own, their outputs dropped), bounding the kernel shapes for torch versions that
+    specialize on the length (off by default: no fewer compilations with torch 2.11).
 
     ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync;
     skipped with call-time checking off) and the mask is memoized for that tensor.
@@ -263,7 +263,7 @@ def packed_causal_attention(
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     gqa = groups != heads
     if use_flex:
-        padded = flex_bucket_length(total) if _buckets_on() else total
+        padded = flex_bucket_length(total) if buckets else total
         block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex", padded)
         if padded > total:  # the padding tokens attend among themselves only; their outputs are dropped
             q, k, v = (F.pad(t, (0, 0, 0, padded - total)) for t in (q, k, v))

@@ -16,7 +16,7 @@ registry of its own. The patches:
   sizes asked for ``as_numpy`` become numpy arrays too (``all_to_all_single`` refuses CPU tensors
   there); applied by MoE builds.
 * ``moe_router_invariant``: ``TopKRouter.gating`` wrapped so that a router whose config is in the
-  batch-invariant mode with the fast CUDA kernels (``config.fnppo_invariant_kernels == "fast"``)
+  batch-invariant mode whose kernels tile the router (``InvariantKernels.router_tiles``)
   computes its logits with :func:`fnppo.megatron.moe.invariant_router_logits`; every other router
   runs Megatron's gating unchanged. Applied by builds of such MoE models.
 * ``grad_clip_l2_norm``: ``clip_grads.l2_norm_impl`` pointed at :func:`l2_norm_without_syncs` where
@@ -39,6 +39,7 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core.transformer.moe.router import TopKRouter
 
+from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import Tensor
 from fnppo.megatron.fused_rope import fused_rope_bshd, fused_rope_thd
 from fnppo.megatron.moe import invariant_router_logits
@@ -119,8 +120,8 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def patch_moe_router_invariant() -> None:
-    """Wrap ``TopKRouter.gating``: a router of a model in the batch-invariant mode with the fast CUDA
-    kernels (``config.fnppo_invariant_kernels == "fast"``) computes its logits with
+    """Wrap ``TopKRouter.gating``: a router of a model in the batch-invariant mode whose kernels tile
+    the router (:func:`~fnppo.core.ops.invariant_kernels.kernels_of` its config, ``router_tiles``) computes its logits with
     :func:`fnppo.megatron.moe.invariant_router_logits` (in the router dtype, as Megatron's gating);
     the others call Megatron's gating. The wrapper is marked, so it is never wrapped twice."""
     original = TopKRouter.gating
@@ -128,7 +129,8 @@ def patch_moe_router_invariant() -> None:
         return
 
     def gating(self: Any, input: Tensor) -> Tensor:  # noqa: A002 - Megatron's argument name
-        if getattr(self.config, "fnppo_invariant_kernels", None) != "fast":
+        kernels = kernels_of(self.config)
+        if kernels is None or not kernels.router_tiles:
             return original(self, input)
         dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
         return invariant_router_logits(input, self.weight, self.bias, dtype)

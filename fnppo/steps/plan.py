@@ -22,7 +22,7 @@ from fnppo.core.batching.context_parallel import gather_per_sample
 from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import Split, SplitPlan, build_microbatches, plan_microbatches
 from fnppo.core.errors import input_error
-from fnppo.core.ops.batch_invariant import CUDA_MIN_ROWS
+from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.megatron.packed_attention import FLEX_BLOCK
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
@@ -107,7 +107,7 @@ class Plan:
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
     count_multiple: int  # the interleaved schedule's micro-batch group (1 otherwise): counts are multiples of it
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
-    min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (CUDA batch-invariant mode)
+    min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (InvariantKernels.min_rows)
 
 
 def _default_multiple(model: ModelFacts) -> int:
@@ -128,19 +128,18 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
     else:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
     multiple = config.pad_to_multiple_of or _default_multiple(model)
-    floor = None
-    if fast_invariant(model):
-        # every sequence starts at a multiple of the attention's key block, and no micro-batch has
-        # fewer tokens than the library kernels need to keep a row's bits (fnppo.core.ops.batch_invariant)
-        multiple, floor = math.lcm(multiple, FLEX_BLOCK), CUDA_MIN_ROWS
-        if config.layout == "padded" and uses_transformer_engine(model.core):
-            raise input_error(
-                type(config).__name__,
-                "layout",
-                "'packed' for a batch-invariant model of Transformer Engine's spec (its padded attention "
-                "is another kernel: other bits than the packed layout)",
-                repr(config.layout),
-            )
+    kernels = kernels_of(model.config)
+    if kernels is not None and kernels.flex_attention:
+        # every sequence starts at a multiple of the flex attention's key block
+        multiple = math.lcm(multiple, FLEX_BLOCK)
+    if kernels is not None and config.layout == "padded" and uses_transformer_engine(model.core):
+        raise input_error(
+            type(config).__name__,
+            "layout",
+            "'packed' for a batch-invariant model of Transformer Engine's spec (its padded attention "
+            "is another kernel: other bits than the packed layout)",
+            repr(config.layout),
+        )
     return Plan(
         model=model,
         split=config.splitting,
@@ -155,18 +154,8 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         same_length=layout.vpp is not None,
         count_multiple=model.interleaved_group or 1,
         context_parallel=(layout.cp, layout.cp_rank),
-        min_tokens=floor,
-    )
-
-
-def fast_invariant(model: ModelFacts) -> bool:
-    """Whether ``model`` runs the CUDA batch-invariant mode with the library's kernels
-    (``"fast"`` kernels, :func:`fnppo.core.ops.batch_invariant.invariant_kernels`, recorded on its config), whose micro-batches the
-    steps shape (aligned sequences, :data:`~fnppo.core.ops.batch_invariant.CUDA_MIN_ROWS` tokens at least)."""
-    return (
-        bool(getattr(model.config, "batch_invariant_mode", False))
-        and model.device.type == "cuda"
-        and getattr(model.config, "fnppo_invariant_kernels", None) == "fast"
+        # no micro-batch has fewer tokens than the record's kernels need to keep a row's bits
+        min_tokens=None if kernels is None else kernels.min_rows,
     )
 
 
@@ -186,11 +175,12 @@ def min_tokens(mb: Microbatch, tokens: int, multiple: int) -> Microbatch:
 
 
 def shape_for_invariance(model: ModelFacts, mbs: Sequence[Microbatch]) -> list[Microbatch]:
-    """Micro-batches made by the caller (``forward_only``) padded as the steps pad theirs in the CUDA
-    batch-invariant mode (:func:`fast_invariant`; at least ``CUDA_MIN_ROWS`` tokens), else as given."""
-    if not fast_invariant(model):
+    """Micro-batches made by the caller (``forward_only``) padded as the steps pad theirs in the
+    batch-invariant mode (the record's ``min_rows`` tokens at least), else as given."""
+    kernels = kernels_of(model.config)
+    if kernels is None or kernels.min_rows is None:
         return list(mbs)
-    return [min_tokens(mb, CUDA_MIN_ROWS, FLEX_BLOCK) for mb in mbs]
+    return [min_tokens(mb, kernels.min_rows, FLEX_BLOCK if kernels.flex_attention else 1) for mb in mbs]
 
 
 def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:

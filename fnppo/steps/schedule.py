@@ -23,6 +23,7 @@ from torch import nn
 from fnppo.core.batching.sample import Microbatch
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.core.losses.m2po import m2_values, m2po_cutoff
+from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
@@ -126,17 +127,16 @@ def run_schedule(
     saved = config.variable_seq_lengths
     config.variable_seq_lengths = saved and not interleaved
     try:
-        invariant = bool(getattr(config, "batch_invariant_mode", False))
-        kernels = getattr(config, "fnppo_invariant_kernels", None)
+        kernels = kernels_of(config)
         # Megatron's MoE routing and un-permutation take their repeatable (index_put / index_add) paths
         # only under torch's deterministic switch: the mode needs them for MoE models
         moe = getattr(config, "num_moe_experts", None) is not None
         # (for the mode alone without torch's NaN fill of new tensors: it adds a kernel per allocation)
-        determinism = bool(config.deterministic_mode) or (invariant and moe)
+        determinism = bool(config.deterministic_mode) or (kernels is not None and moe)
         fill = bool(config.deterministic_mode)
         with (
             deterministic_algorithms(determinism, fill_uninitialized_memory=fill),
-            batch_invariant_numerics(invariant, kernels=kernels),
+            batch_invariant_numerics(kernels),
         ):
             return fb(
                 forward_step_func=forward_step,

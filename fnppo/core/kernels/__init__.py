@@ -42,7 +42,7 @@ def logprob_kernels() -> ModuleType:
 
 def linear_logprob_kernels() -> ModuleType:
     """The Triton kernels of the fused output layer (imports Triton; raise ImportError where it is absent)."""
-    return importlib.import_module("fnppo.core.kernels.linear_logprob_triton")
+    return importlib.import_module("fnppo.core.kernels.linear_logprob_launch")
 
 
 def rope_kernels() -> ModuleType:

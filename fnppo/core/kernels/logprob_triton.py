@@ -26,8 +26,6 @@ offsets are 64-bit (a 16k x 152k tensor has more than 2^31 elements).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +54,7 @@ def _fwd_configs() -> list[triton.Config]:
 
 
 _INTERP_BLOCK = 64  # the interpreter runs on CPU: small blocks exercise the multi-block logic
+_INTERP_LANE_ACC = False  # the interpreter's variant of the forward accumulation (a check sets it to test the other)
 
 
 @triton.jit
@@ -209,8 +208,7 @@ def forward_stats(
         return m, s, (w if with_entropy else None), zl
     args = (x2, x2.stride(0), labels, m, s, w, zl, v, vocab_start, inv_t)
     if _fwd_tuned is None:
-        lane = os.environ.get("FNPPO_INTERP_LANE_ACC", "0") == "1"  # to check both variants
-        _fwd_kernel[(n,)](*args, WITH_ENT=with_entropy, BLOCK=_INTERP_BLOCK, LANE_ACC=lane)
+        _fwd_kernel[(n,)](*args, WITH_ENT=with_entropy, BLOCK=_INTERP_BLOCK, LANE_ACC=_INTERP_LANE_ACC)
     else:
         _fwd_tuned[(n,)](*args, WITH_ENT=with_entropy)
     return m, s, (w if with_entropy else None), zl

@@ -23,10 +23,11 @@ Everything else passes through unchanged (indexing, element-wise arithmetic, ``e
 matrix products to another batch-invariant implementation (on CUDA, Megatron-core's persistent
 Triton matmul: :func:`fnppo.megatron.forward.batch_invariant_numerics`).
 
-On CUDA the tiles are not needed (:func:`invariant_kernels` ``"fast"``): cuBLAS's GEMMs give a
-row the same bits whatever the number of rows once that number is large enough for the library
-not to split the reduction (split-K), and row-wise reductions and norms run one program per row
-at such sizes; so fnppo's steps give every micro-batch at least :data:`CUDA_MIN_ROWS` tokens and
+On CUDA the tiles are not needed (:data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.FAST`):
+cuBLAS's GEMMs give a row the same bits whatever the number of rows once that number is large enough
+for the library not to split the reduction (split-K), and row-wise reductions and norms run one program
+per row at such sizes; so fnppo's steps give every micro-batch at least
+:data:`~fnppo.core.ops.invariant_kernels.CUDA_MIN_ROWS` tokens and
 start every packed sequence at a multiple of the attention's key block (:mod:`fnppo.steps.plan`),
 and the model runs its ordinary kernels, forward and backward.
 
@@ -39,24 +40,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fnppo.core.errors import input_error
 from fnppo.core.kernels import invariant as inv
 
-__all__ = [
-    "BatchInvariantOps",
-    "batch_invariant",
-    "CUDA_MIN_ROWS",
-    "BatchInvariantKernels",
-    "invariant_kernels",
-]
+__all__ = ["BatchInvariantOps", "batch_invariant"]
 
 _REDUCTIONS = {
     torch.sum: "sum",
@@ -193,38 +186,3 @@ def batch_invariant(enabled: bool, *, tile: int | None = None, products: bool = 
         return
     with BatchInvariantOps(tile=tile, products=products):
         yield
-
-
-CUDA_MIN_ROWS = 2048
-"""The fewest tokens a micro-batch has in the CUDA batch-invariant mode (fnppo's steps pad it). On one H200 (bf16, the Qwen2.5-1.5B widths and
-vocabulary), cuBLAS gave a row other bits than in a 16,384-row product only at 333 rows or fewer
-(the ``fc2`` product, K = 8,960: split-K), and torch's row reductions over the vocabulary likewise;
-from 1,000 rows on every product and reduction gave the same bits (``benchmarks/batch_invariance.py
---probe``)."""
-
-BatchInvariantKernels = Literal["fast", "torch", "megatron"]
-
-
-def invariant_kernels(*, cuda: bool | None = None) -> BatchInvariantKernels:
-    """Which kernels the batch-invariant mode of a model uses (chosen once, when its config is built).
-
-    Without CUDA (``cuda`` None: ``torch.cuda.is_available()``): ``"torch"``, fnppo's fixed-tile
-    kernels (:func:`fnppo.core.ops.batch_invariant.batch_invariant`). With CUDA the environment variable
-    ``FNPPO_BATCH_INVARIANT_KERNELS`` if set, else ``"fast"``: the library's own kernels, forward and
-    backward at full speed, on micro-batches the steps shape (at least :data:`CUDA_MIN_ROWS` tokens,
-    sequences aligned to the attention block); an MoE model computes its experts as one grouped GEMM
-    per projection (``moe_experts="stacked"``) and its router logits in fixed row tiles
-    (:func:`fnppo.megatron.moe.invariant_router_logits`). ``"megatron"``: Megatron-core's persistent
-    Triton matmul and Transformer Engine patches (:func:`fnppo.megatron.forward.megatron_invariant_kernels`)
-    with fnppo's tiles for the rest; ``"torch"`` may be asked for on CUDA too."""
-    if not (torch.cuda.is_available() if cuda is None else cuda):
-        return "torch"
-    kind = os.environ.get("FNPPO_BATCH_INVARIANT_KERNELS", "").strip().lower() or "fast"
-    if kind not in ("fast", "torch", "megatron"):
-        raise input_error(
-            "fnppo.core.ops.batch_invariant.invariant_kernels",
-            "FNPPO_BATCH_INVARIANT_KERNELS",
-            "'fast', 'torch' or 'megatron'",
-            repr(kind),
-        )
-    return kind  # type: ignore[return-value]

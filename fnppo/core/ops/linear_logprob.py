@@ -44,7 +44,7 @@ __all__ = ["linear_logprob_and_entropy", "LINEAR_LOGPROB_IMPLS"]
 
 _FN = "fnppo.linear_logprob_and_entropy"
 LINEAR_LOGPROB_IMPLS = LOGPROB_IMPLS
-"""Values of ``impl`` (and of the environment variable ``FNPPO_LOGPROB_IMPL``): those of
+"""Values of ``impl``: those of
 :data:`fnppo.core.ops.logprob.LOGPROB_IMPLS`."""
 
 # Memory budget of the backward, as fractions of one [tokens, vocab_shard] logits tensor in the
@@ -133,8 +133,7 @@ def linear_logprob_and_entropy(
         get a zero weight gradient. Default: ``vocab_shard * tp_size`` (nothing left out).
       chunk_tokens: tokens per group of the backward (and of the PyTorch path's blocks).
       chunk_vocab: vocabulary rows per block.
-      impl: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"triton"`` or ``"torch"``.
-        Defaults to the environment variable ``FNPPO_LOGPROB_IMPL``, else ``"auto"``.
+      impl: ``"auto"`` (the default: Triton on CUDA when available, else PyTorch), ``"triton"`` or ``"torch"``.
       graphs: a :class:`BackwardGraphs` cache: the backward runs from static buffers and, on CUDA,
         is replayed as a CUDA graph (one launch instead of three per vocabulary block), for steps
         whose host time binds. Same values; costs the cache's buffers (see there).

@@ -19,7 +19,6 @@ Plain torch, no Megatron import: pass the tensor-parallel ``torch.distributed`` 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ __all__ = ["logprob_and_entropy", "LOGPROB_IMPLS"]
 
 _FN = "fnppo.logprob_and_entropy"
 LOGPROB_IMPLS = ("auto", "triton", "torch")
-"""Values of ``impl`` (and of the environment variable ``FNPPO_LOGPROB_IMPL``)."""
+"""Values of ``impl``."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _MIN_CHUNK_ROWS = 16
@@ -111,8 +110,9 @@ def logprob_and_entropy(
         and, under TP, ``vocab_size > vocab_shard``: logits already gathered over TP would break
         the latter, and would otherwise give a loss off by ``log(tp_size)`` without any error.
       chunk_tokens: rows per chunk of the PyTorch path (default: from the memory budget above).
-      impl: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"triton"`` or ``"torch"``.
-        Defaults to the environment variable ``FNPPO_LOGPROB_IMPL``, else ``"auto"``.
+      impl: ``"auto"`` (the default: Triton on CUDA when available, else PyTorch), ``"triton"`` or
+        ``"torch"`` (a step takes another through its stage, e.g.
+        ``StepFns(logprob=functools.partial(logprob_and_entropy, impl="torch"))``).
 
     Returns:
       ``(logprobs, entropy)``: fp32 ``[*tok]`` tensors (``entropy`` is None without entropy).
@@ -257,8 +257,8 @@ def _group_size_rank(group: Any) -> tuple[int, int]:
 
 
 def _resolve_impl(fn: str, impl: str | None, x: Tensor, fp64_inputs: str) -> str:
-    """The implementation to run on ``x``: ``impl``, else ``FNPPO_LOGPROB_IMPL``, else ``"auto"``."""
-    chosen = impl if impl is not None else os.environ.get("FNPPO_LOGPROB_IMPL", "auto").strip().lower() or "auto"
+    """The implementation to run on ``x``: ``impl``, else ``"auto"``."""
+    chosen = "auto" if impl is None else impl
     if chosen not in LOGPROB_IMPLS:
         raise input_error(fn, "impl", f"one of {LOGPROB_IMPLS}", repr(chosen))
     if chosen == "auto":
