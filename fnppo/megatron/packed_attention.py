@@ -236,9 +236,11 @@ def packed_causal_attention(
     ``dynamic``: the CUDA flex kernel is compiled for any length from the first call (one kernel for
     every pack length, as the batch-invariant mode needs; see :func:`_flex_fn`).
 
-    ``buckets``: the flex kernel runs at :func:`flex_bucket_length` of the pack (padding tokens in a
-    segment of their own, their outputs dropped), bounding the kernel shapes for torch versions that
-    specialize on the length (off by default: no fewer compilations with torch 2.11).
+    ``buckets``: the flex kernel runs at :func:`flex_bucket_length` of the pack, bounding the kernel
+    shapes for torch versions that specialize on the length (off by default: no fewer compilations with
+    torch 2.11); otherwise at the pack length rounded up to a multiple of :data:`FLEX_BLOCK` (Inductor's
+    flex templates found no valid configuration for some short packs). The padding tokens form a segment
+    of their own and their outputs are dropped.
 
     ``cu_seqlens`` (int32 ``[0, l0, l0+l1, ..., T]``) is validated once per tensor (a host sync;
     skipped with call-time checking off) and the mask is memoized for that tensor.
@@ -263,7 +265,9 @@ def packed_causal_attention(
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     gqa = groups != heads
     if use_flex:
-        padded = flex_bucket_length(total) if buckets else total
+        # Inductor's flex templates have no valid configuration for some short or odd lengths (a pack of one
+        # 50-token sample failed to lower, NoValidChoicesError): the kernel runs at a multiple of its block
+        padded = flex_bucket_length(total) if buckets else -(-total // FLEX_BLOCK) * FLEX_BLOCK
         block_mask = _cached_mask(fn, "cu_seqlens", cu_seqlens, total, "flex", padded)
         if padded > total:  # the padding tokens attend among themselves only; their outputs are dropped
             q, k, v = (F.pad(t, (0, 0, 0, padded - total)) for t in (q, k, v))
