@@ -22,7 +22,32 @@ import fnppo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-LENGTHS = [50, 3000, 77, 1999, 5, 130, 2048, 64, 513, 1, 1024, 300, 2700, 17, 999, 128, 60, 2500, 255, 3, 1500, 90, 700, 33]
+LENGTHS = [
+    50,
+    3000,
+    77,
+    1999,
+    5,
+    130,
+    2048,
+    64,
+    513,
+    1,
+    1024,
+    300,
+    2700,
+    17,
+    999,
+    128,
+    60,
+    2500,
+    255,
+    3,
+    1500,
+    90,
+    700,
+    33,
+]
 
 
 def _samples(vocab: int) -> list[fnppo.Sample]:
@@ -43,8 +68,14 @@ def _samples(vocab: int) -> list[fnppo.Sample]:
 
 def _model(moe: bool) -> list:
     fields = dict(
-        num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
-        vocab_size=4096, max_seq_len=4096, dtype="bf16",
+        num_layers=2,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=1024,
+        vocab_size=4096,
+        max_seq_len=4096,
+        dtype="bf16",
     )
     if moe:
         fields.update(num_experts=8, moe_topk=2, moe_ffn_hidden_size=512, moe_load_balancing="none")
