@@ -15,6 +15,7 @@ path gives the same results.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from types import ModuleType
@@ -81,44 +82,47 @@ def linear_logprob_entropy_and_divergence(
         reverse_kl[t] = sum_j p_s (log p_s - log p_t)  = E_ps[z_s - z_t] - lse_s + lse_t
         forward_kl[t] = sum_j p_t (log p_t - log p_s)  = E_pt[z_t - z_s] - lse_t + lse_s
 
-    One pass over vocabulary blocks keeps, per token, each model's running maximum and rescaled sum
-    of exponentials (online log-sum-exp: Milakov & Gimelshein 2018) and the cross sum
-    ``sum_j e^{z_s - m_s} (z_s - z_t)`` (reverse; rescaled with the student's maximum) or
-    ``sum_j e^{z_t - m_t} (z_t - z_s)`` (forward). The backward recomputes each block of both models'
-    logits and contracts the student's logit gradient at once into ``d hidden`` and ``d weight``::
+    One pass over vocabulary blocks keeps, per token, each model's running maximum ``m`` and rescaled
+    sum of exponentials (online log-sum-exp, Milakov & Gimelshein 2018) and the cross sum
+    ``sum_j e^{z_s - m_s} ((z_s - m_s) - (z_t - m_t))`` (reverse; the models swapped for forward),
+    whose terms are relative to each model's maximum, so that a large common offset of either
+    model's logits costs no precision. The backward recomputes each block of both models' logits and
+    contracts the student's logit gradient at once into ``d hidden`` and ``d weight``::
 
         dz_s = ( g_lp (1[j = label] - p_s) - g_H p_s (log p_s + H) + g_D D ) / T
         D    = p_s (log p_s - log p_t - KL)     (reverse)      D = p_s - p_t     (forward)
 
-    (Hinton et al. 2015 for the temperature; Agarwal et al. 2024, "On-Policy Distillation of Language
-    Models", and Gu et al. 2024, "MiniLLM", for the reverse KL on the student's own samples.)
+    (Hinton et al. 2015 for the temperatures; Agarwal et al. 2024, "On-Policy Distillation of
+    Language Models", and Gu et al. 2024, "MiniLLM", for the reverse KL on the student's samples.)
 
     The teacher is frozen: no gradient reaches ``teacher_hidden`` or ``teacher_weight``, and either
     requiring grad (with grad mode on) is refused: pass ``.detach()``, which says so in the code.
 
-    The teacher's log-probs are computed from its logits (``z_t - lse_t``), so a teacher probability
-    that underflows (``p_t`` of ``e^-200`` where the student has mass) still gives the exact, finite
-    divergence and gradient. ``f = teacher_logit_floor`` (default ``-1e4``) bounds the *scaled*
-    teacher logits from below, and a non-finite teacher logit (``-inf``, ``+inf`` or NaN, from
-    non-finite teacher inputs) is replaced by ``f``: such a column is one the teacher gives log-prob
-    ``f - lse_t`` (about ``-1e4``), so the reverse KL stays finite where the teacher "never produces" a
-    token the student puts mass on, and a token whose teacher logits are all non-finite has a uniform
-    teacher (over the real vocabulary). Nothing is ever NaN for finite student inputs. The divergence
-    may be a rounding error below 0 (fp32) where the two distributions agree.
+    Edges. The teacher's log-probs are computed from its logits (``(z_t - m_t) - log s_t``), never
+    as the log of an underflowed probability: a teacher log-prob of -200 where the student has mass
+    gives the exact, finite divergence and gradient. ``f = teacher_logit_floor`` (default ``-1e4``)
+    bounds the *scaled* teacher logits from below, and a non-finite teacher logit (-inf, +inf or NaN,
+    from non-finite teacher inputs) becomes ``f``: such a column is a token the teacher gives
+    log-prob ``f - lse_t`` (about -1e4), so the reverse KL stays finite where the teacher "never
+    produces" a token the student puts mass on, and a token whose teacher logits are all non-finite
+    has a uniform teacher over the real vocabulary (``reverse_kl = log V - H``). Nothing is NaN for
+    finite student inputs; a token with zero incoming gradients (masked out of the loss) gets
+    exactly zero gradient rows. Where the models agree the divergence may be a rounding error below 0.
 
     Tensor parallelism: as :func:`linear_logprob_and_entropy` (``weight`` and ``teacher_weight`` are
     this rank's rows of the same vocabulary partition; both hidden states full on every rank; each
     rank's ``d hidden`` is its share, summed by the caller). The forward runs two collectives of
-    O(tokens): an all-reduce MAX of ``[tokens, 2]`` maxima (student, teacher), then one all-reduce SUM of
-    ``[tokens, 4]`` (``[tokens, 5]`` with entropy) statistics. The backward runs none.
+    O(tokens): an all-reduce MAX of ``[tokens, 2]`` maxima, then one all-reduce SUM of ``[tokens, 5]``
+    (``[tokens, 4]`` without entropy). The backward runs none.
 
-    Precision and memory: logits are accumulated in fp32 from the inputs' dtypes, all statistics are
-    fp32; values agree with an fp64 reference to ~1e-6 (relative to the logits' scale). Saved for the
-    backward: the inputs as given and four fp32 values per token. The backward's extra memory is the
-    student head's (one block of logit gradients and an fp32 ``d hidden`` accumulator): the teacher's
-    block lives in registers (Triton) or in one fp32 block (PyTorch path). Time: the teacher's logits
-    are computed twice (forward, and the backward's recompute), ``2 x tokens x vocab x teacher_hidden``
-    multiply-adds on top of the student head's four products.
+    Precision, memory, time: logits accumulate in fp32 from the inputs' dtypes and all statistics
+    are fp32 (values within ~1e-6 of an fp64 reference, relative to the logits' scale). Saved for
+    the backward: the inputs as given and five fp32 values per token. The backward's extra memory is
+    the student head's (one block of logit gradients, an fp32 ``d hidden`` accumulator): the
+    teacher's tile lives in registers (Triton) or one fp32 block (PyTorch path). The teacher's
+    logits are computed twice (forward and recompute): ``2 tokens vocab teacher_hidden``
+    multiply-adds on top of the head's ``4 tokens vocab hidden``. Without a divergence gradient
+    the backward is the head's and does no teacher work.
 
     Never writes to any input.
 
@@ -162,49 +166,34 @@ def linear_logprob_entropy_and_divergence(
     if typechecking_enabled():
         _check_labels(_FN, labels, vocab_total)
     vocab_start = tp_rank * shard
+    n_valid = max(0, min(shard, vocab_total - vocab_start))  # this shard's real (unpadded) rows
     cfg = _Cfg(
-        1.0 / t,
-        1.0 / t_t,
-        float(teacher_logit_floor),
-        kind == "reverse_kl",
-        bool(with_entropy),
-        tp_group,
-        tp_size,
-        vocab_start,
-        max(0, min(shard, vocab_total - vocab_start)),
-        vocab_total,
-        impl,
-        chunk_tokens,
-        chunk_vocab,
-    )
+        1.0 / t, 1.0 / t_t, float(teacher_logit_floor), kind == "reverse_kl", with_entropy, tp_group, tp_size,
+        vocab_start, n_valid, vocab_total, impl, chunk_tokens, chunk_vocab,
+    )  # fmt: skip
     out = _LinearDistill.apply(hidden, weight, labels, teacher_hidden, teacher_weight, cfg)
     if with_entropy:
         return out[0], out[1], out[2]
     return out[0], None, out[1]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Cfg:
     """Non-tensor arguments of the autograd function (``n_valid``: this shard's real rows)."""
 
-    __slots__ = (
-        "inv_t",
-        "inv_tt",
-        "floor",
-        "reverse",
-        "with_entropy",
-        "group",
-        "tp_size",
-        "vocab_start",
-        "n_valid",
-        "vocab_total",
-        "impl",
-        "chunk_tokens",
-        "chunk_vocab",
-    )
-
-    def __init__(self, *values: Any) -> None:
-        for name, value in zip(self.__slots__, values, strict=True):
-            setattr(self, name, value)
+    inv_t: float
+    inv_tt: float
+    floor: float
+    reverse: bool
+    with_entropy: bool
+    group: Any = None
+    tp_size: int = 1
+    vocab_start: int = 0
+    n_valid: int = 0
+    vocab_total: int = 0
+    impl: str = "torch"
+    chunk_tokens: int | None = None
+    chunk_vocab: int | None = None
 
 
 def _kernels() -> ModuleType:
@@ -325,7 +314,7 @@ class _LinearDistill(torch.autograd.Function):
             dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
             dw[cfg.n_valid :].zero_()  # padding rows beyond the real vocabulary
         dw_valid = None if dw is None else dw[: cfg.n_valid]
-        coef = _coefficients(g_lp, g_h, g_d, entropy, div, lse_s, teacher_norm, cfg, h2.shape[0], h2.device)
+        coef = _coefficients((g_lp, g_h, g_d), (entropy, div, lse_s, teacher_norm), cfg, h2.shape[0])
         w_valid = weight[: cfg.n_valid]
         if g_d is None:  # no divergence gradient: the student head's backward, no teacher work
             head = (coef[0], coef[1], coef[2], lse_s)
@@ -346,18 +335,7 @@ class _LinearDistill(torch.autograd.Function):
         return (None if dh is None else dh.view(hidden.shape)), dw, *nones
 
 
-def _coefficients(
-    g_lp: Tensor | None,
-    g_h: Tensor | None,
-    g_d: Tensor | None,
-    entropy: Tensor | None,
-    div: Tensor,
-    lse_s: Tensor,
-    teacher_norm: Tensor,
-    cfg: _Cfg,
-    n: int,
-    device: torch.device,
-) -> tuple[Tensor, ...]:
+def _coefficients(grads: tuple[Tensor | None, ...], saved: tuple[Tensor, ...], cfg: _Cfg, n: int) -> tuple[Tensor, ...]:
     """Per-token ``(a, B, C, G, lse_s, m_t, log s_t)`` of the block of logit gradients (natural units, before ``1/T``)::
 
         reverse:  dz = p_s (C - B log p_s - G log p_t) + a 1[j = label],   log p_t = (z_t - m_t) - log s_t
@@ -367,7 +345,8 @@ def _coefficients(
     ``B = b - g``; forward ``C = c + g``, ``B = b``; ``G = g``. Without a divergence gradient
     ``(a, b, c)`` are the student head's (``G = 0``).
     """
-    zeros = torch.zeros(n, dtype=torch.float32, device=device)
+    (g_lp, g_h, g_d), (entropy, div, lse_s, teacher_norm) = grads, saved
+    zeros = torch.zeros(n, dtype=torch.float32, device=lse_s.device)
     a = zeros if g_lp is None else g_lp.reshape(-1).to(torch.float32)
     b = zeros if g_h is None else g_h.reshape(-1).to(torch.float32)
     c = -a if g_h is None else -a - b * entropy
