@@ -133,7 +133,7 @@ def _run(h, W, labels, h_t, W_t, grads, **kw):
 def _errors(out, ref):
     """Worst value error relative to max(1, scale) and worst gradient error relative to the gradient's scale."""
     (vals, grads), (rvals, rgrads) = out, ref
-    v = max(float((a.double() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(vals, rvals))
+    v = max(float((a.detach().double() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(vals, rvals))
     g = max(float((a.double() - b).abs().max()) / max(1e-12, float(b.abs().max())) for a, b in zip(grads, rgrads))
     return v, g
 
