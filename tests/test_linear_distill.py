@@ -110,6 +110,16 @@ def test_half_precision_inputs_give_the_exact_gradient_rounded(kind, dtype):
     check_all(out, reference(h, w, labels, ht, wt, kind, 0.8, grads=grads), dtype)
 
 
+def test_teacher_of_another_dtype():
+    """A bf16 or fp64 teacher beside an fp32 student (each pair of hidden states and weight one dtype)."""
+    h, w, labels, ht, wt, grads = problem(seed=18)
+    for dtype in (torch.bfloat16, torch.float64):
+        ht2, wt2 = ht.to(dtype), wt.to(dtype)
+        for kind in KINDS:
+            out = run_ours(h, w, labels, ht2, wt2, grads, kind=kind, chunk_vocab=11)
+            check_all(out, reference(h, w, labels, ht2, wt2, kind, grads=grads))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradcheck_float64(kind):
     """torch.autograd.gradcheck on fp64 inputs. The outputs are fp32 statistics by contract (~1e-7

@@ -115,10 +115,11 @@ def _fold2(acc, acc_t, m, s, w, mt, s_t, x, col_ok, scale2, scale2_t, floor2, WI
 
 @triton.jit
 def _fwd_kernel(h_ptr, w_ptr, ht_ptr, wt_ptr, out_ptr, n_tok, n_voc, hid, hid_t, stride_h, stride_w, stride_ht,
-                stride_wt, scale2, scale2_t, floor2, cols_per_split, n_splits, WITH_ENT: tl.constexpr,
+                stride_wt, scale2, scale2_t, floor2, cols_per_split, plane, WITH_ENT: tl.constexpr,
                 REVERSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                 IEEE_T: tl.constexpr, EVEN_K: tl.constexpr, EVEN_KT: tl.constexpr):  # fmt: skip
-    """Statistics of rows ``[BM pid_m, ...)`` over split ``pid_s``, into ``out[6, splits, tokens]``."""
+    """Statistics of rows ``[BM pid_m, ...)`` over split ``pid_s``, into ``out[6, splits, tokens]``
+    (``plane = splits * tokens``, from the host: an int argument equal to 1 would be a constant)."""
     pid_s = tl.program_id(0)
     pid_m = tl.program_id(1)
     row0 = pid_m * BM
@@ -160,7 +161,6 @@ def _fwd_kernel(h_ptr, w_ptr, ht_ptr, wt_ptr, out_ptr, n_tok, n_voc, hid, hid_t,
         m, s, w, mt, s_t, x = _fold2(
             acc, acc_t, m, s, w, mt, s_t, x, cols < v_end, scale2, scale2_t, floor2, WITH_ENT, REVERSE, True
         )
-    plane = n_splits.to(tl.int64) * n_tok
     out = out_ptr + pid_s.to(tl.int64) * n_tok + rows
     tl.store(out, m, mask=row_ok)
     tl.store(out + plane, s, mask=row_ok)
@@ -264,7 +264,7 @@ def forward_stats(h2, w_valid, labels, ht2, wt_valid, cfg):  # noqa: ANN001, ANN
     splits = -(-n_voc // per)
     out = torch.empty((6, splits, n), **f32)
     args = (h2, w_valid, ht2, wt_valid, out, n, n_voc, hid, hid_t, h2.stride(0), w_valid.stride(0), ht2.stride(0))
-    args += (wt_valid.stride(0), cfg.inv_t * LOG2E, cfg.inv_tt * LOG2E, cfg.floor * LOG2E, per, splits)
+    args += (wt_valid.stride(0), cfg.inv_t * LOG2E, cfg.inv_tt * LOG2E, cfg.floor * LOG2E, per, splits * n)
     flags = dict(
         WITH_ENT=cfg.with_entropy,
         REVERSE=cfg.reverse,
