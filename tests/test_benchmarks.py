@@ -322,3 +322,19 @@ def test_lora_benchmark_smoke_on_cpu(tmp_path, extra, fraction):
         assert r["same_logprobs"] and r["reference_copy_gib"] * 2**30 >= full["params"] * 4
         assert r["reference_adapters_off_gib"] * 2**30 < 1024, r
     assert lora[0]["trainable_params"] * 2 == lora[1]["trainable_params"]
+
+
+def test_linear_distill_benchmark_tiny_on_cpu(tmp_path):
+    """benchmarks/linear_distill.py --tiny: the fused distillation op (PyTorch path) passes its fp64
+    checks, and the head alone, the op (both kinds) and the materialized peers' way all run and are reported."""
+    import json
+
+    out = tmp_path / "distill.json"
+    done = _run_benchmark(["benchmarks/linear_distill.py", "--tiny", "--reps", "1", "--json", str(out)])
+    assert "device checks against fp64 (torch): 12/12 passed" in done.stdout, done.stdout[-3000:]
+    rows = json.loads(out.read_text())
+    assert rows["checks_passed"] is True
+    names = [r["method"] for r in rows["rows"]]
+    assert len(names) == 4 and "peers' way" in names[-1] and all(r["ms"] > 0 for r in rows["rows"])
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 4 and table[1].startswith("|---")  # header, separator, one row per method
