@@ -5,6 +5,7 @@ Triton on CUDA). Implementation: :mod:`fnppo.core.ops.logprob`, :mod:`fnppo.core
 from __future__ import annotations
 
 from fnppo.core.ops.grouped_matmul import grouped_matmul as grouped_matmul
+from fnppo.core.ops.linear_distill import linear_logprob_entropy_and_divergence as linear_logprob_entropy_and_divergence
 from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
 from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs as BackwardGraphs
 from fnppo.core.ops.logprob import logprob_and_entropy as logprob_and_entropy
@@ -14,6 +15,7 @@ from fnppo.core.ops.rope import thd_positions as thd_positions
 __all__ = [
     "logprob_and_entropy",
     "linear_logprob_and_entropy",
+    "linear_logprob_entropy_and_divergence",
     "BackwardGraphs",
     "apply_rotary",
     "thd_positions",
