@@ -40,6 +40,7 @@ from fnppo.core.losses import (
     ppo_clip,
     reinforce,
     sapo,
+    topr,
 )
 from fnppo.core.losses.policy import bypass_only, uses_ratio
 from tests.loss_helpers import aggregate
@@ -260,6 +261,18 @@ def ref_loglinear_decoupled(loss: Any, x: Rows) -> dict:
     return out
 
 
+def ref_topr(loss: Any, x: Rows) -> dict:
+    """TOPR (arXiv:2503.14286): ``-sg(w) A log pi``, ``w = 1`` for ``A >= 0`` and the trajectory ratio
+    truncated to ``[0, 1]``, ``[prod_t pi_t / mu_t]_0^1``, for ``A < 0`` (the token's sequence)."""
+    out = {}
+    for row in x.rows:
+        ratio = _exp(min(max(sum(float(x.lp[p].detach() - x.old[p]) for p in row), -x.clamp), x.clamp))
+        for p in row:
+            w = 1.0 if x.a(p) >= 0 else min(max(ratio, 0.0), 1.0)
+            out[p] = -w * x.a(p) * x.lp[p]
+    return out
+
+
 class Reference(NamedTuple):
     """A loss's loop and the parameters that exercise its branches on the tests' batches."""
 
@@ -287,6 +300,7 @@ REFERENCES: dict[type, Reference] = {
     loglinear_decoupled: Reference(
         ref_loglinear_decoupled, dict(staleness=3, inner=ppo_clip(clip_low=0.1, clip_high=0.15), weight_cap=1.2)
     ),
+    topr: Reference(ref_topr, {}),
 }
 
 

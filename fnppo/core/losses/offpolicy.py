@@ -32,7 +32,7 @@ from fnppo.core.losses.checks import Checker, finite_number
 from fnppo.core.losses.policy import Builtin, PolicyInputs, exp_where, ppo_clip, reads_probabilities
 from fnppo.core.typing import Tensor
 
-__all__ = ["dppo_tv", "dppo_kl", "ipo", "kpop", "icepop", "dro", "loglinear_decoupled"]
+__all__ = ["dppo_tv", "dppo_kl", "ipo", "kpop", "icepop", "dro", "loglinear_decoupled", "topr"]
 """The built-in losses of this module (a new one: its class here and its name in this list; the rest is derived)."""
 
 
@@ -307,3 +307,34 @@ class loglinear_decoupled(Builtin):
         w = torch.exp(log_w) if self.weight_cap is None else torch.clamp(torch.exp(log_w), max=self.weight_cap)
         loss, metrics = self.inner(dataclasses.replace(x, old_logprobs=prox))
         return w * loss, {**metrics, "behaviour_weight": x.token_metric(w)}
+
+
+@dataclass(frozen=True)
+class topr(Builtin):
+    """TOPR, Tapered Off-Policy REINFORCE: plain REINFORCE where the advantage is >= 0, REINFORCE
+    weighted by the truncated importance ratio of the whole sequence where it is negative.
+
+    With ``s_i = sum_t (logp_t - logp_old_t)`` over the valid tokens of sequence i (the log of the
+    trajectory ratio ``pi(tau) / mu(tau)``, a product over its tokens; clamped to
+    ``±log_ratio_clamp``), per token of sequence i ``l_t = -sg(w_t) A_t logp_t`` with ``w_t = 1``
+    where ``A_t >= 0`` and ``w_t = [exp(s_i)]_0^1 = min(exp(s_i), 1)`` where ``A_t < 0``: the
+    paper's ``grad J = sum_{R >= 0} mu R grad log pi + sum_{R < 0} mu [pi / mu]_0^1 R grad log pi``,
+    with sequence-level advantages (GRPO, RLOO: one per sequence) as its ``R``. The ratio is never
+    above 1, so nothing overflows. (The value contains ``logp``; only its gradient is meaningful.)
+    ``mu`` is ``x.old_logprobs``: in bypass mode the rollout engine's, the paper's behaviour policy.
+    ``pg_clipfrac``: the fraction of tokens whose weight was truncated (``A < 0`` and a ratio above 1).
+
+    Reference: Le Roux, Bellemare et al., Tapered Off-Policy REINFORCE, arXiv:2503.14286 (the TOPR
+    gradient, section 3).
+    """
+
+    flat_name: ClassVar[str] = "topr"
+    per_sequence: ClassVar[bool] = True
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        seg = x.segments
+        log_ratio = x.logprobs.detach() - x.old_logprobs  # 0 where the mask is 0
+        seq = seg.gather(seg.sum(log_ratio), log_ratio)
+        negative = x.advantages < 0
+        weight = torch.where(negative, torch.exp(torch.clamp(seq, -x.log_ratio_clamp, 0.0)), torch.ones_like(seq))
+        return -weight * x.advantages * x.logprobs, {"pg_clipfrac": x.token_metric((negative & (seq > 0)).float())}
