@@ -11,8 +11,9 @@ Each step, read top to bottom below:
    forward-only schedule (``fnppo.forward_only``);
 2. rewards, and GRPO advantages (each reward normalized within its group of responses to one prompt);
 3. the old and reference log-probs of the responses (``fnppo.compute_logprobs``);
-4. ``fnppo.train_step``: the clipped PPO loss with a k3 KL penalty to the reference
-   (``fnppo.losses.from_flat``, the flat settings verl users know), inside Megatron's schedule.
+4. ``fnppo.train_step``: the clipped PPO loss with a k3 KL penalty to the reference, inside
+   Megatron's schedule; the loss is a ``fnppo.losses.LossConfig`` built from its parts (a per-token
+   policy loss, the aggregation, the KL penalty), each a small checked value you can swap.
 
     python examples/minimal_grpo.py                 # 40 steps, one process, CPU
     python examples/minimal_grpo.py --steps 80
@@ -102,8 +103,13 @@ def train(
         state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=lr, clip_grad=1.0))
         reference = models.snapshot_params(state.model)  # the initial policy, frozen: the KL anchor
 
+        loss = losses.LossConfig(
+            policy=losses.ppo_clip(clip_low=0.2, clip_high=0.2),  # per token; any function of PolicyInputs will do
+            agg=losses.Aggregation("token-mean"),  # per-token losses -> one number: the mean over trained tokens
+            kl=losses.KLPenalty(coef=0.001, estimator="k3"),  # the pull toward the reference policy
+        )
         config = fnppo.StepConfig(
-            loss=losses.from_flat(policy_loss="ppo", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.001),
+            loss=loss,
             layout="packed",  # sequences packed end to end, no padding
             temperature=temperature,
             num_microbatches=2,  # gradient accumulation; the loss does not depend on the split

@@ -9,4 +9,4 @@ from __future__ import annotations
 from fnppo.core import losses as _core
 from fnppo.core.losses import *  # noqa: F403 - the public names are fnppo.core.losses.__all__
 
-__all__ = list(_core.__all__)
+__all__ = [*_core.__all__]

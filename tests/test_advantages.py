@@ -873,8 +873,9 @@ def _loop_groups(ids: list[int]) -> dict[int, list[int]]:
     return groups
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.25])
 @pytest.mark.parametrize("seed", range(5))
-def test_gdpo_matches_float64_loop(seed):
+def test_gdpo_matches_float64_loop(seed, eps):
     from fnppo.core.advantages import gdpo_advantages
 
     g = torch.Generator().manual_seed(seed)
@@ -885,7 +886,7 @@ def test_gdpo_matches_float64_loop(seed):
     ids = torch.randint(0, 4, (n,), generator=g)
     ids[0] = 99  # a group of one
     weights = torch.rand(k, generator=g, dtype=torch.float64) + 0.5
-    got = gdpo_advantages(rewards, ids, weights=weights, eps=1e-6)
+    got = gdpo_advantages(rewards, ids, weights=weights, eps=eps)
     groups = _loop_groups(ids.tolist())
     total = [0.0] * n
     for col in range(k):
@@ -896,10 +897,10 @@ def test_gdpo_matches_float64_loop(seed):
             mean = sum(r[i] for i in members) / len(members)
             std = math.sqrt(sum((r[i] - mean) ** 2 for i in members) / (len(members) - 1))
             for i in members:
-                total[i] += float(weights[col]) * (r[i] - mean) / (std + 1e-6)
+                total[i] += float(weights[col]) * (r[i] - mean) / (std + eps)
     mean = sum(total) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in total) / (n - 1))
-    want = torch.tensor([(x - mean) / (std + 1e-6) for x in total], dtype=torch.float64)
+    want = torch.tensor([(x - mean) / (std + eps) for x in total], dtype=torch.float64)
     assert (got - want).abs().max().item() <= 1e-12
     # summing first (GRPO on the summed reward) is a different estimator
     assert not torch.allclose(got, grpo_advantages(rewards @ weights, ids))
@@ -916,22 +917,23 @@ def test_gdpo_keeps_reward_combinations_apart():
     assert a[1].item() == pytest.approx(1 / math.sqrt(2), rel=1e-5)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.25])
 @pytest.mark.parametrize("seed", range(5))
-def test_maxrl_matches_float64_loop(seed):
+def test_maxrl_matches_float64_loop(seed, eps):
     from fnppo.core.advantages import maxrl_advantages
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, 2, (15,), generator=g).double()
     ids = torch.randint(0, 5, (15,), generator=g)
     ids[3] = 77  # a group of one: 0
-    got = maxrl_advantages(scores, ids, eps=1e-6)
+    got = maxrl_advantages(scores, ids, eps=eps)
     want = [0.0] * 15
     for members in _loop_groups(ids.tolist()).values():
         if len(members) < 2:
             continue
         mean = sum(float(scores[i]) for i in members) / len(members)
         for i in members:
-            want[i] = (float(scores[i]) - mean) / (mean + 1e-6)
+            want[i] = (float(scores[i]) - mean) / (mean + eps) if mean + eps else 0.0
     assert (got - torch.tensor(want, dtype=torch.float64)).abs().max().item() <= 1e-12
     rows = maxrl_advantages(scores[:12].reshape(3, 4))  # the [groups, size] form: the same rule
     assert torch.equal(rows.reshape(-1), maxrl_advantages(scores[:12], torch.arange(3).repeat_interleave(4)))
@@ -939,3 +941,27 @@ def test_maxrl_matches_float64_loop(seed):
     assert maxrl_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), eps=0.0)[0, 0].item() == 3.0
     with raises_message("maxrl_advantages", "eps", "a finite number >= 0", "-1.0"):
         maxrl_advantages(scores, ids, eps=-1.0)
+
+
+def test_maxrl_refuses_negative_scores():
+    """Negative scores gave +-1e6 and flipped a success's sign ((s - mean) / mean with mean <= 0)."""
+    from fnppo.core.advantages import maxrl_advantages
+
+    for eps in (1e-6, 0.5):
+        with raises_message("maxrl_advantages", "scores", "scores >= 0", "with min -1.0"):
+            maxrl_advantages(torch.tensor([[1.0, -1.0, 0.5, 0.0]]), eps=eps)
+    # scores in [0, 1] that are not 0/1 (probabilities of success) are fine; all zero: 0
+    got = maxrl_advantages(torch.tensor([[0.5, 0.25, 0.0, 0.0]], dtype=torch.float64), eps=0.0)
+    assert got.tolist() == [[(0.5 - 0.1875) / 0.1875, (0.25 - 0.1875) / 0.1875, -1.0, -1.0]]
+    assert maxrl_advantages(torch.zeros(2, 3), eps=0.0).tolist() == [[0.0] * 3] * 2
+
+
+def test_gdpo_refuses_rewards_without_a_column_and_gives_zeros_for_equal_rewards():
+    """No reward column raised torch's "stack expects a non-empty TensorList"; all-equal (e.g. all-zero)
+    rewards have no signal: every advantage exactly 0, whatever eps."""
+    from fnppo.core.advantages import gdpo_advantages
+
+    with raises_message("gdpo_advantages", "rewards", "k >= 1 reward columns", "[4,0]"):
+        gdpo_advantages(torch.zeros(4, 0), torch.tensor([0, 0, 1, 1]))
+    for eps in (0.0, 1e-6, 0.5):
+        assert gdpo_advantages(torch.zeros(4, 2), torch.tensor([0, 0, 1, 1]), eps=eps).tolist() == [0.0] * 4

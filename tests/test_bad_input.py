@@ -735,7 +735,9 @@ def _step_errors() -> dict:
         ),
         "compute_logprobs-token-out-of-vocab": lambda: fnppo.compute_logprobs(ddp, [_sample([VOCAB + 6, 1], [3])]),
         "train_step-nan-advantage": lambda: fnppo.train_step(
-            state, [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan])], step
+            state,
+            [*good[:3], Sample.from_lists([1], [2, 3], advantages=[0.0, math.nan], old_logprobs=[-1.0, -1.0])],
+            step,
         ),
         "train_step-ref-for-some-samples": lambda: fnppo.train_step(
             state,

@@ -37,6 +37,7 @@ def sample_lists(draw, min_size: int = 1, max_size: int = 6, max_prompt: int = 7
     """Valid sample lists: empty responses, all-masked responses, mixed/absent multi-modal items."""
     n = draw(st.integers(min_size, max_size))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    with_old = draw(st.booleans())
     with_ref = draw(st.booleans())
     with_rollout = draw(st.booleans())
     out = []
@@ -58,7 +59,7 @@ def sample_lists(draw, min_size: int = 1, max_size: int = 6, max_prompt: int = 7
                 prompt_ids=torch.randint(0, 100, (p,), generator=gen),
                 response_ids=torch.randint(0, 100, (r,), generator=gen),
                 advantages=torch.randn(r, generator=gen) if draw(st.booleans()) else None,
-                old_logprobs=-torch.rand(r, generator=gen) if draw(st.booleans()) else None,
+                old_logprobs=-torch.rand(r, generator=gen) if with_old else None,
                 ref_logprobs=-torch.rand(r, generator=gen) if with_ref else None,
                 rollout_logprobs=-torch.rand(r, generator=gen, dtype=torch.float64) if with_rollout else None,
                 response_mask=mask,
@@ -222,7 +223,7 @@ def _hand_samples():
         old_logprobs=[-0.1, -0.2, -0.3],
         multi_modal={"img": torch.ones(2, 3)},
     )
-    b = Sample.from_lists([3], [])
+    b = Sample.from_lists([3], [], old_logprobs=[])
     return [a, b]
 
 
@@ -266,11 +267,11 @@ def test_collate_matches_reference(layout, samples, m, pad_id):
     for name in ("input_ids", "labels", "position_ids", "seq_ids"):
         t = getattr(mb, name)
         assert t.dtype == torch.int64 and t.tolist() == ref[name], name
-    for name in ("loss_mask", "old_logprobs", "advantages"):
+    for name in ("loss_mask", "advantages"):
         t = getattr(mb, name)
         assert t.dtype == torch.float32
         assert torch.equal(t, torch.tensor(ref[name], dtype=torch.float32)), name
-    for name in ("ref_logprobs", "rollout_logprobs"):
+    for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):  # all samples or none: None, never zeros
         t = getattr(mb, name)
         if getattr(samples[0], name) is None:
             assert t is None
@@ -305,6 +306,8 @@ def test_masks_align_with_labels(layout, samples, m):
     assert int(on.sum()) == sum(int(sum(_values(s, "response_mask"))) for s in samples)
     # values vanish outside the response-label positions (prompt and padding)
     for name in ("old_logprobs", "advantages"):
+        if getattr(mb, name) is None:  # no sample has old_logprobs
+            continue
         pos = torch.zeros_like(on)
         # positions that hold a response label, built from the seq_ids / prompt lengths
         for b in range(pos.shape[0]):

@@ -4,6 +4,7 @@ split invariance, validation."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import zlib
 
@@ -18,9 +19,12 @@ from fnppo.core.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     Aggregation,
+    KLPenalty,
     LossConfig,
     PolicyInputs,
+    RolloutCorrection,
     ValueLossConfig,
+    clip_cov,
     compute_tis_weights,
     from_flat,
     kl_penalty,
@@ -28,11 +32,11 @@ from fnppo.core.losses import (
     ppo_loss,
     value_loss,
 )
+from fnppo.core.losses.builtins import BUILTIN_LOSSES
 from fnppo.core.metrics import finalize_metrics, merge_metrics, weighted_metric
 from tests.loss_helpers import (
     aggregate,
     check_split_invariance,
-    flat_view,
     float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
     grad_of,
     leaf,
@@ -45,24 +49,30 @@ from tests.loss_helpers import (
     t,
     unchanged_check,
 )
+from tests.loss_reference import config_of, example, ref_ppo_loss
 from tests.messages import check_message, raises_message
 
-DETERMINISTIC = (
-    "ppo",
-    "gspo",
-    "cispo",
-    "gpg",
-    "reinforce",
-    "gmpo",
-    "sapo",
-    "dppo_tv",
-    "dppo_kl",
-    "ipo",
-    "dro",
-    "kpop",
-    "icepop",
-)
-BUILTIN = DETERMINISTIC + ("clip_cov", "kl_cov")
+BUILTIN = BUILTIN_LOSSES  # the one list of the built-in losses (fnppo.core.losses.builtins)
+SPLIT_INVARIANT = tuple(cls for cls in BUILTIN if cls.split_invariant)
+IDS = {"ids": lambda cls: cls.__name__}
+
+
+def parts_for(
+    cls: type,
+    mode: str = "token-mean",
+    *,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    tis_cap: float | None = None,
+    tis_level: str = "token",
+    tis_reject_low: float | None = None,
+) -> LossConfig:
+    """The config of a case over every built-in loss, built from parts: the loss with its reference's
+    parameters (tests/loss_reference.py) and the given terms (bypass mode for a bypass-only loss)."""
+    active = tis_cap is not None or tis_reject_low is not None
+    correction = RolloutCorrection(tis_cap=tis_cap, level=tis_level, reject_low=tis_reject_low) if active else None
+    kl = KLPenalty(kl_coef) if kl_coef else None
+    return config_of(example(cls), mode, entropy_coef=entropy_coef, kl=kl, correction=correction)
 
 
 def flat_for(name: str = "ppo", mode: str = "token-mean", **kw) -> dict:
@@ -90,7 +100,7 @@ def test_config_defaults_and_frozen():
         cfg.policy.clip_low = 0.3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.entropy_coef = 0.3  # type: ignore[misc]
-    assert set(BUILTIN) == set(POLICY_LOSSES)
+    assert {cls.flat_name for cls in BUILTIN} - {None} == set(POLICY_LOSSES)
 
 
 @pytest.mark.parametrize(
@@ -505,93 +515,8 @@ def test_tis_in_ppo_loss():
 
 
 # =============================================================================================
-# Loop-based reference: loss value and gradients for every deterministic loss and mode
+# Loop-based reference (tests/loss_reference.py): loss value and gradients for every loss and mode
 # =============================================================================================
-def reference_loss(lp, old, adv, mask, cfg, entropy=None, ref=None, rollout=None):
-    """A straightforward per-sequence, per-token implementation of the documented formulas (``cfg``: the
-    :func:`~tests.loss_helpers.flat_view` of the flat settings)."""
-    lo, hi, c = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high, cfg.clip_ratio_c
-    name = cfg.policy_loss
-    seqs = []
-    for b in range(lp.shape[0]):
-        idx = [j for j in range(lp.shape[1]) if mask[b, j] != 0]
-        if not idx:
-            continue
-        n = len(idx)
-        seq_w = None
-        if cfg.tis_cap is not None and cfg.tis_level == "sequence":
-            seq_w = min(math.exp(sum(float(old[b, j] - rollout[b, j]) for j in idx)), cfg.tis_cap)
-        if name == "gspo":
-            seq_lr = sum(float(lp[b, j].detach() - old[b, j]) for j in idx) / n
-        if name == "gmpo":
-            us = []
-            for j in idx:
-                lr, a = lp[b, j] - old[b, j], float(adv[b, j])
-                clipped = torch.clamp(lr, -cfg.clip_ratio_low, cfg.clip_ratio_high)
-                us.append(torch.minimum(lr, clipped) if a > 0 else (torch.maximum(lr, clipped) if a < 0 else lr * 0))
-            a_seq = sum(float(adv[b, j]) for j in idx) / n
-            gmpo_loss = -a_seq * torch.exp(sum(us) / n)
-        terms = []
-        for j in idx:
-            a = float(adv[b, j])
-            lr = lp[b, j] - old[b, j]
-            r = torch.exp(lr)
-            if name == "ppo":
-                pg = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
-                if c is not None and a < 0:
-                    pg = torch.minimum(pg, torch.tensor(-a * c))
-            elif name == "gspo":
-                s = math.exp(seq_lr) * torch.exp(lp[b, j] - lp[b, j].detach())
-                pg = torch.maximum(-a * s, -a * torch.clamp(s, lo, hi))
-            elif name == "cispo":
-                w = min(max(float(r.detach()), 1 - cfg.cispo_clip_low), 1 + cfg.cispo_clip_high)
-                pg = -w * a * lp[b, j]
-            elif name in ("gpg", "reinforce"):
-                pg = -a * lp[b, j]
-            elif name == "gmpo":
-                pg = gmpo_loss
-            elif name == "sapo":
-                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
-                pg = -a * (4 / tau) * torch.sigmoid(tau * (r - 1))
-            elif name in ("dppo_tv", "dppo_kl"):
-                p, q = math.exp(float(lp[b, j])), math.exp(float(old[b, j]))
-                if name == "dppo_tv":
-                    inside = p - q <= cfg.clip_ratio_high if a > 0 else p - q >= -cfg.clip_ratio_low
-                else:
-                    tail = (1 - q + 1e-8) / (1 - p + 1e-8)
-                    d = q * math.log(q / p) + (1 - q) * math.log(tail) if tail > 0 else math.nan
-                    inside = (d <= cfg.clip_ratio_high or p <= q) if a > 0 else (d <= cfg.clip_ratio_low or p >= q)
-                pg = -a * min(float(r.detach()), cfg.dppo_ratio_cap) * lp[b, j] if inside else lp[b, j] * 0
-            elif name == "ipo":
-                moved = abs(math.exp(float(lp[b, j])) - math.exp(float(old[b, j]))) > cfg.ipo_threshold
-                pg = (0.0 if moved else -a * r) + cfg.ipo_kl_coef * lr**2
-            elif name == "dro":
-                pg = -a * lp[b, j] + 0.5 * cfg.dro_beta * lr**2
-            elif name == "kpop":  # binary KL of (this token, the rest) both ways, probabilities clamped
-                p = min(max(math.exp(float(lp[b, j].detach())), 1e-6), 1 - 1e-6)
-                q = min(max(math.exp(float(old[b, j])), 1e-6), 1 - 1e-6)
-                kl_pq = p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
-                kl_qp = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
-                kept = kl_pq <= cfg.kpop_threshold and kl_qp <= cfg.kpop_threshold
-                pg = (-a * r if kept else 0.0) + cfg.kpop_kl_coef * lr**2
-            elif name == "icepop":  # the ratio itself kept in an inclusive band, else dropped
-                kept = cfg.icepop_low <= math.exp(float(lr)) <= cfg.icepop_high
-                pg = -a * r if kept else lp[b, j] * 0
-            if cfg.tis_cap is not None:
-                pg = pg * (seq_w if seq_w is not None else min(math.exp(float(old[b, j] - rollout[b, j])), cfg.tis_cap))
-            term = pg
-            if entropy is not None and cfg.entropy_coeff:
-                term = term - cfg.entropy_coeff * entropy[b, j]
-            if ref is not None and cfg.kl_coef:
-                d = lp[b, j] - ref[b, j]
-                term = term + cfg.kl_coef * (torch.exp(-d) - 1 + d)  # k3
-            terms.append(term)
-        seqs.append(terms)
-    if not seqs:
-        return lp.sum() * 0
-    return aggregate(seqs, cfg.loss_agg_mode, cfg.loss_scale_factor)
-
-
 # Input dtypes of the loss tests, each against the float64 loop reference evaluated on the very values
 # the dtype holds (inputs rounded to the dtype, then promoted to fp64). ppo_loss computes in
 # promote_types(dtype, fp32), so fp32 and bf16 losses carry fp32 rounding only; gradients come back in
@@ -608,32 +533,30 @@ DTYPES = pytest.mark.parametrize("dtype", list(DTYPE_TOL), ids=DTYPE_IDS.get)
 
 @CHECKING
 @DTYPES
-@pytest.mark.parametrize("name", DETERMINISTIC)
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_matches_loop_reference(name, mode, dtype, checking):
+def test_matches_loop_reference(cls, mode, dtype, checking):
     from fnppo.core.typing import typechecking
 
     # a seed fixed by the case (hash() of a str changes with PYTHONHASHSEED, i.e. from run to run)
-    batch = random_batch(zlib.crc32(f"{name}/{mode}".encode()) % 1000, 4, 6)
+    batch = random_batch(zlib.crc32(f"{cls.__name__}/{mode}".encode()) % 1000, 4, 6)
     lp0, old, adv, mask, ent, ref, rollout = (x.to(dtype) for x in batch)
     loss_tol, grad_tol = DTYPE_TOL[dtype]
     for extra in (
         dict(),
-        dict(entropy_coeff=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
-        dict(clip_ratio_low=0.1, clip_ratio_high=0.3, tis_cap=1.2),
+        dict(entropy_coef=0.03, kl_coef=0.2, tis_cap=1.5, tis_level="sequence"),
+        dict(tis_cap=1.2),
     ):
-        extra = read_by(name, extra)  # the clip bounds only where the loss reads them
-        cfg = cfg_for(name, mode, **extra)
+        cfg = parts_for(cls, mode, **extra)
         lp = leaf(lp0)
         ent_l = leaf(ent)
-        kw = dict(entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout)
+        kw = dict(entropy=ent_l, ref_logprobs=ref, rollout_logprobs=rollout, generator=torch.Generator().manual_seed(0))
         with typechecking(checking):
             loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
         assert loss.dtype == torch.promote_types(dtype, torch.float32)
         lp64, ent64 = leaf(lp0.double()), leaf(ent.double())
-        flat = flat_view(**flat_for(name, mode, **extra))
-        expected = reference_loss(
-            lp64, old.double(), adv.double(), mask.double(), flat, ent64, ref.double(), rollout.double()
+        expected = ref_ppo_loss(
+            lp64, old.double(), adv.double(), mask.double(), cfg, ent64, ref.double(), rollout.double()
         )
         torch.testing.assert_close(loss.double(), expected, **loss_tol)
         g = torch.autograd.grad(loss, [lp, ent_l], allow_unused=True)
@@ -653,27 +576,26 @@ def test_matches_loop_reference(name, mode, dtype, checking):
     seed=st.integers(0, 10_000),
     b=st.integers(1, 6),
     s=st.integers(1, 5),
-    name=st.sampled_from(DETERMINISTIC),
+    cls=st.sampled_from(SPLIT_INVARIANT),
     mode=st.sampled_from(LOSS_AGG_MODES),
     cuts=st.lists(st.integers(1, 5), max_size=4),
     p=st.sampled_from([0.0, 0.3, 0.9]),
     extras=st.booleans(),
 )
-def test_split_invariance(seed, b, s, name, mode, cuts, p, extras):
-    kw = dict(entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", tis_reject_low=0.2) if extras else {}
-    check_split_invariance(random_batch(seed, b, s, p), cfg_for(name, mode, **kw), cuts)
+def test_split_invariance(seed, b, s, cls, mode, cuts, p, extras):
+    kw = dict(entropy_coef=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", tis_reject_low=0.2) if extras else {}
+    check_split_invariance(random_batch(seed, b, s, p), parts_for(cls, mode, **kw), cuts)
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_packed_layout_matches_padded(name, mode):
+def test_packed_layout_matches_padded(cls, mode):
     b, s = 3, 5
     lp0, old, adv, mask, ent, ref, rollout = random_batch(7, b, s)
     mask[1] = 0.0  # an empty sequence
-    # clip_cov draws its tokens in an order that depends on the layout; with clip_cov_ratio = 1 every
-    # eligible token is taken (no draw), so values and gradients must agree (the default ratio: below)
-    kw = dict(clip_cov_ratio=1.0, clip_cov_lb=0.0) if name == "clip_cov" else {}
-    cfg = cfg_for(name, mode, entropy_coeff=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence", **kw)
+    # clip_cov draws its tokens in an order that depends on the layout; with its reference's ratio = 1
+    # every eligible token is taken (no draw), so values and gradients must agree (the default ratio: below)
+    cfg = parts_for(cls, mode, entropy_coef=0.01, kl_coef=0.1, tis_cap=1.3, tis_level="sequence")
     others = dict(entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
     lp = leaf(lp0)
     padded, pm = ppo_loss(lp, old, adv, mask, cfg, generator=torch.Generator().manual_seed(3), **others)
@@ -696,7 +618,7 @@ def test_packed_layout_matches_padded(name, mode):
         generator=torch.Generator().manual_seed(3),
         **{k: pack(v) for k, v in others.items()},
     )
-    if name == "clip_cov":
+    if cls is clip_cov:
         assert finalize_metrics(pm)["clip_cov_frac"] > 0  # some tokens were detached
         # the default ratio: the drawn tokens may differ, but detaching keeps every value
         default = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, ratio=2e-4))
@@ -957,11 +879,11 @@ def test_train_step_refuses_nan_at_a_masked_position_for_every_loss_and_layout()
 # =============================================================================================
 # Empty masks, garbage at masked-out positions, no in-place changes
 # =============================================================================================
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_empty_mask_gives_exact_zero(name, mode):
+def test_empty_mask_gives_exact_zero(cls, mode):
     lp0, old, adv, _, ent, ref, rollout = random_batch(1, 2, 3)
-    cfg = cfg_for(name, mode, entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0)
+    cfg = parts_for(cls, mode, entropy_coef=0.1, kl_coef=0.1, tis_cap=2.0)
     for normalizer in (None, 0.0, 5.0):
         lp, ent_l = leaf(lp0), leaf(ent)
         loss, m = ppo_loss(
@@ -982,11 +904,11 @@ def test_empty_mask_gives_exact_zero(name, mode):
         assert all(v == 0.0 for v in finalize_metrics(m).values())
 
 
-@pytest.mark.parametrize("name", BUILTIN)
-def test_garbage_at_masked_positions_is_ignored(name):
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
+def test_garbage_at_masked_positions_is_ignored(cls):
     lp0, old, adv, mask, ent, ref, rollout = random_batch(2, 3, 4)
     mask[0, 0] = 0.0
-    cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0, tis_level="sequence")
+    cfg = parts_for(cls, "seq-mean-token-mean", entropy_coef=0.1, kl_coef=0.1, tis_cap=2.0, tis_level="sequence")
     kw = dict(generator=torch.Generator().manual_seed(0))
     lp = leaf(lp0)
     clean, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout, **kw)
@@ -1013,28 +935,86 @@ def test_garbage_at_masked_positions_is_ignored(name):
     assert all(math.isfinite(v) for v in finalize_metrics(m).values())
 
 
-def test_extreme_log_ratios_stay_finite():
-    lp = leaf(t([80.0, -80.0, 0.0]))
-    for name in BUILTIN:
-        for adv in (t([1.0, -1.0, 1.0]), t([-1.0, 1.0, -1.0])):
-            loss, _ = ppo_loss(
-                lp,
-                torch.zeros(1, 3),
-                adv,
-                torch.ones(1, 3),
-                cfg_for(name, kl_coef=0.1, tis_cap=2.0),
-                ref_logprobs=t([-80.0, 80.0, 0.0]),
-                rollout_logprobs=t([100.0, -100.0, 0.0]),
-            )
-            assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, lp)).all(), name
+EXTREME = (80.0, -80.0, 100.0, -100.0, 1e4, -1e4)  # log-ratios; exp overflows fp32 beyond 88.7, fp64 beyond 709.8
+
+
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
+def test_extreme_log_ratios_give_no_nan_gradient(cls):
+    """One token of log-ratio +-80, +-100, +-1e4 (``log_ratio_clamp`` raised to 2e4, as prime-rl's inputs
+    need), advantage 1, -1 or 0, beside an ordinary sequence, in fp32 and fp64. A masked or clipped
+    branch never leaks an overflow into the gradient (``torch.where`` keeps the gradient of an unselected
+    inf branch as ``0 * inf = NaN``): a finite loss has a finite gradient; the loss is finite wherever the
+    float64 reference is (in fp32: and fits fp32), and equals it, with its gradient, where both are finite.
+    A loss whose objective itself overflows (e.g. GSPO's ``-A s`` with ``A < 0``) may be inf there, or be
+    refused by name while checking is on; never NaN with a finite loss."""
+    from fnppo.core.typing import typechecking
+
+    loss_fn = example(cls)
+    cfg = config_of(loss_fn, clamp=2e4)
+    for dtype, d, a in itertools.product((torch.float32, torch.float64), EXTREME, (1.0, -1.0, 0.0)):
+        old64 = torch.tensor([[-0.1 - max(d, 0.0)], [-0.7], [-1.9]], dtype=torch.float64)
+        lp64 = old64 + torch.tensor([[d], [0.05], [-0.02]], dtype=torch.float64)
+        adv64, mask = torch.tensor([[a], [0.5], [-0.8]], dtype=torch.float64), torch.ones(3, 1, dtype=dtype)
+        lp, old, adv = leaf(lp64.to(dtype)), old64.to(dtype), adv64.to(dtype)
+        kw = dict(rollout_logprobs=old, generator=torch.Generator().manual_seed(0))
+        lp_r = leaf(lp64)
+        ref = ref_ppo_loss(lp_r, old64, adv64, mask.double(), cfg, rollout=old64)
+        ref_grad = grad_of(ref, lp_r) if torch.isfinite(ref) and ref.requires_grad else None
+        case = f"{cls.__name__} {dtype} log-ratio {d:g} A {a:g}: reference {ref.item():.6g}"
+        fits = bool(torch.isfinite(ref)) and abs(ref.item()) < torch.finfo(dtype).max / 1e3
+        try:
+            loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
+        except InputError as e:  # the per-token loss check: only an objective that overflows in fact
+            assert "policy loss" in str(e) and not fits, f"{case}: {e}"
+            with typechecking(False):
+                loss, _ = ppo_loss(lp, old, adv, mask, cfg, **kw)
+        grad = grad_of(loss, lp)
+        if torch.isfinite(loss):
+            assert torch.isfinite(grad).all(), f"{case}: finite loss {loss.item()} with gradient {grad.tolist()}"
+        if fits:
+            assert torch.isfinite(loss), f"{case}: loss {loss.item()}"
+            tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(loss.double(), ref, **tol, msg=case)
+            if ref_grad is not None and torch.isfinite(ref_grad).all():
+                torch.testing.assert_close(grad.double(), ref_grad, **tol, msg=f"{case}: gradient")
+
+
+@pytest.mark.parametrize("cls", BUILTIN, **IDS)
+def test_a_loss_reading_probabilities_refuses_log_probs_above_zero(cls):
+    """IPO in bypass mode accepted rollout log-probs above 0 (a probability above 1): every loss that
+    reads exp(old) as a probability (DPPO, IPO, KPop; reads_probabilities) refuses them where the mask
+    is 1, naming the argument that holds them (rollout_logprobs in bypass mode, else old_logprobs);
+    a masked position is never read; the other losses take them."""
+    from fnppo.core.losses.policy import bypass_only, reads_probabilities
+
+    lp0, old, adv, mask, *_, rollout = random_batch(5, 2, 4)
+    mask[:, 3] = 1.0
+    loss = example(cls)
+    for bypass in (True, False) if not bypass_only(loss) else (True,):
+        cfg = LossConfig(policy=loss, bypass_old_logprobs=bypass)
+        name = "rollout_logprobs" if bypass else "old_logprobs"
+        above = {"old": old, "rollout": rollout}
+        above[name.split("_")[0]] = torch.where(torch.arange(4) == 3, torch.full_like(old, 0.25), old.clamp(max=0.0))
+
+        def run(m=mask, above=above):
+            return ppo_loss(lp0, above["old"], adv, m, cfg, rollout_logprobs=above["rollout"])
+
+        if reads_probabilities(loss):
+            with raises_message("ppo_loss", name, "log-probs <= 0 where loss_mask is 1", "2 entries above 0"):
+                run()
+        else:
+            run()
+        masked = mask.clone()
+        masked[:, 3] = 0.0
+        run(masked)  # never read where the mask is 0
 
 
 def test_inputs_not_modified():
     lp0, old, adv, mask, ent, ref, rollout = random_batch(3, 3, 4)
     lp, ent = leaf(lp0), leaf(ent)
     unchanged = unchanged_check(dict(lp=lp, old=old, adv=adv, mask=mask, ent=ent, ref=ref, rollout=rollout))
-    for name in BUILTIN:
-        cfg = cfg_for(name, "seq-mean-token-mean", entropy_coeff=0.1, kl_coef=0.1, tis_cap=2.0, tis_reject_low=0.1)
+    for cls in BUILTIN:
+        cfg = parts_for(cls, "seq-mean-token-mean", entropy_coef=0.1, kl_coef=0.1, tis_cap=2.0, tis_reject_low=0.1)
         loss, _ = ppo_loss(lp, old, adv, mask, cfg, entropy=ent, ref_logprobs=ref, rollout_logprobs=rollout)
         loss.backward()
     value_loss(lp, old, adv, mask, 0.2)[0].backward()

@@ -9,6 +9,7 @@ import importlib
 import math
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,6 @@ from fnppo.core.losses import (
     ValueLossConfig,
     cispo,
     clip_cov,
-    dppo_kl,
     dppo_tv,
     dro,
     from_flat,
@@ -40,7 +40,9 @@ from fnppo.core.losses import (
     reinforce,
     sapo,
 )
+from fnppo.core.losses.builtins import BUILTIN_LOSSES
 from fnppo.core.losses.flat import DEFAULTS, LOSS_FIELDS
+from fnppo.core.losses.policy import Builtin
 from fnppo.core.metrics import finalize_metrics
 from tests.loss_helpers import (
     float64_default,  # noqa: F401  (autouse: float64 default dtype in this module)
@@ -48,6 +50,7 @@ from tests.loss_helpers import (
     leaf,
     random_batch,
 )
+from tests.loss_reference import REFERENCES, example
 from tests.messages import raises_message
 
 # =============================================================================================
@@ -133,6 +136,13 @@ PART_ERRORS = {
         "a policy loss: a callable",
         "'ppo'",
     ),
+    "LossConfig-policy-class": (  # a class is callable: it was accepted, and "called" at the first loss
+        lambda: LossConfig(policy=ppo_clip),
+        "LossConfig",
+        "policy",
+        "a policy loss instance: the loss built, e.g. ppo_clip()",
+        "the class fnppo.core.losses.policy.ppo_clip",
+    ),
     "LossConfig-agg": (lambda: LossConfig(agg="token-mean"), "LossConfig", "agg", "an Aggregation", "'token-mean'"),
     "LossConfig-kl": (lambda: LossConfig(kl=0.1), "LossConfig", "kl", "a KLPenalty or None", "0.1"),
     "LossConfig-correction": (
@@ -160,7 +170,7 @@ PART_ERRORS = {
         lambda: LossConfig(bypass_old_logprobs=True, correction=RolloutCorrection(tis_cap=2.0)),
         "LossConfig",
         "correction.tis_cap",
-        "None with bypass_old_logprobs=True and the ratio-based policy loss 'PPOClip(clip_low=0.2",
+        "None with bypass_old_logprobs=True and the ratio-based policy loss 'ppo_clip(clip_low=0.2",
         "2.0",
     ),
 }
@@ -220,53 +230,109 @@ GENERAL_PARTS = dict(
     ),
     log_ratio_clamp=15.0,
 )
+FLAT_CASES = {
+    cls.flat_name: (
+        {
+            field: REFERENCES[cls].params[attr]
+            for field, attr in cls.flat_fields.items()
+            if attr in REFERENCES[cls].params
+        },
+        example(cls),
+    )
+    for cls in BUILTIN_LOSSES
+    if cls.flat_name is not None
+}
+"""Per built-in loss with a flat name: its flat settings with the parameters of its reference
+(tests/loss_reference.py), every field it reads at a non-default value, and the same loss built from parts."""
+
+
+def test_every_flat_field_of_every_loss_is_set_here():
+    assert set(FLAT_CASES) == set(POLICY_LOSSES) == set(LOSS_FIELDS)
+    for name, (fields, _) in FLAT_CASES.items():
+        assert set(fields) == set(LOSS_FIELDS[name]), f"{name}: set every flat field in its reference's params"
+        for field, value in fields.items():
+            assert value != DEFAULTS[field], f"{name}: {field} at its default, so from_flat's mapping of it is untested"
+
+
+# flat fields written by hand against the attribute they mean (a mapping swapped in a class's
+# flat_fields would be invisible to FLAT_CASES, which reads the same mapping)
 BY_HAND = {
-    "ppo": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=2.5), ppo_clip(0.1, 0.3, 2.5)),
-    "gspo": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3), gspo(0.1, 0.3)),
-    "cispo": (dict(cispo_clip_low=0.4, cispo_clip_high=0.1), cispo(0.4, 0.1)),
-    "gpg": ({}, gpg()),
-    "reinforce": ({}, reinforce()),
-    "gmpo": (dict(clip_ratio_low=0.15, clip_ratio_high=0.25), gmpo(0.15, 0.25)),
-    "sapo": (dict(sapo_tau_pos=1.1, sapo_tau_neg=0.9), sapo(1.1, 0.9)),
-    "clip_cov": (
-        dict(
-            clip_cov_ratio=0.5,
-            clip_cov_lb=-1.0,
-            clip_cov_ub=3.0,
-            clip_ratio_low=0.1,
-            clip_ratio_high=0.3,
-            clip_ratio_c=None,
-        ),
-        clip_cov(0.5, -1.0, 3.0, 0.1, 0.3, None),
+    "ppo": (
+        dict(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=2.5),
+        ppo_clip(clip_low=0.1, clip_high=0.3, dual_clip=2.5),
     ),
-    "kl_cov": (dict(kl_cov_ratio=0.3, kl_cov_coef=0.7), kl_cov(0.3, 0.7)),
-    "dppo_tv": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0), dppo_tv(0.1, 0.3, 5.0)),
-    "dppo_kl": (dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0), dppo_kl(0.1, 0.3, 5.0)),
-    "ipo": (dict(ipo_threshold=0.2, ipo_kl_coef=0.01), ipo(0.2, 0.01)),
-    "dro": (dict(dro_beta=0.3), dro(0.3)),
-    "kpop": (dict(kpop_threshold=0.05, kpop_kl_coef=0.02), kpop(0.05, 0.02)),
-    "icepop": (dict(icepop_low=0.5, icepop_high=2.0), icepop(0.5, 2.0)),
+    "cispo": (dict(cispo_clip_low=0.4, cispo_clip_high=0.1), cispo(clip_low=0.4, clip_high=0.1)),
+    "sapo": (dict(sapo_tau_pos=1.1, sapo_tau_neg=0.9), sapo(tau_pos=1.1, tau_neg=0.9)),
+    "clip_cov": (
+        dict(clip_cov_ratio=0.5, clip_cov_lb=-1.0, clip_cov_ub=3.0, clip_ratio_low=0.1, clip_ratio_high=0.3),
+        clip_cov(ratio=0.5, lb=-1.0, ub=3.0, clip_low=0.1, clip_high=0.3),
+    ),
+    "kl_cov": (dict(kl_cov_ratio=0.3, kl_cov_coef=0.7), kl_cov(ratio=0.3, coef=0.7)),
+    "dppo_tv": (
+        dict(clip_ratio_low=0.1, clip_ratio_high=0.3, dppo_ratio_cap=5.0),
+        dppo_tv(low=0.1, high=0.3, ratio_cap=5.0),
+    ),
+    "ipo": (dict(ipo_threshold=0.2, ipo_kl_coef=0.01), ipo(threshold=0.2, kl_coef=0.01)),
+    "kpop": (dict(kpop_threshold=0.05, kpop_kl_coef=0.02), kpop(threshold=0.05, kl_coef=0.02)),
+    "icepop": (dict(icepop_low=0.5, icepop_high=2.0), icepop(low=0.5, high=2.0)),
+    "dro": (dict(dro_beta=0.3), dro(beta=0.3)),
 }
 
 
-def test_every_builtin_loss_is_exported_once_from_fnppo_losses():
-    """fnppo.core.losses re-exports each built-in loss (class and factory) by name (a static list that
-    the API reference can read): every module's LOSS_NAMES is in it, and no name twice."""
+@pytest.mark.parametrize("name", list(BY_HAND))
+def test_flat_fields_mean_the_attributes_they_name(name):
+    fields, policy = BY_HAND[name]
+    assert from_flat(policy_loss=name, **fields).policy == policy
+
+
+def test_every_builtin_loss_has_a_reference():
+    missing = [cls.__name__ for cls in BUILTIN_LOSSES if cls not in REFERENCES]
+    assert not missing, f"built-in losses without a float64 loop reference in tests/loss_reference.py: {missing}"
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_the_docs_list_every_builtin_loss():
+    """docs/compose.md's table of parts is the one hand-written list of the built-in losses (the other
+    pages point to it): its `policy` row names each of them, and no loss that is gone."""
+    row = next(line for line in (DOCS / "compose.md").read_text().splitlines() if line.startswith("| `policy` |"))
+    listed = set(re.findall(r"`(\w+)`", row)) - {"policy", "PolicyInputs"}
+    names = {cls.__name__ for cls in BUILTIN_LOSSES}
+    assert not names - listed, (
+        f"docs/compose.md's `policy` row does not name the built-in losses {sorted(names - listed)}"
+    )
+    assert not listed - names, (
+        f"docs/compose.md's `policy` row names losses that do not exist: {sorted(listed - names)}"
+    )
+
+
+def test_every_builtin_loss_has_one_public_name():
+    """The one list (BUILTIN_LOSSES: each family module's __all__) holds every built-in loss class of the
+    package; each is exported from fnppo.losses once, under its own lowercase name, and by no other
+    name; its repr is the expression that builds it."""
+    import fnppo.core.losses as package
     import fnppo.losses
-    from fnppo.core.losses import covariance, offpolicy, policy
 
+    def subclasses(cls: type) -> list[type]:
+        return [c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))]
+
+    ours = {c for c in subclasses(Builtin) if c.__module__.startswith("fnppo.core.losses.")}
+    missing = sorted(c.__name__ for c in ours - set(BUILTIN_LOSSES))
+    assert not missing, f"built-in losses not in their module's __all__ (so in no list, no export, no test): {missing}"
+    assert len(BUILTIN_LOSSES) == len(set(BUILTIN_LOSSES))
     exported = fnppo.losses.__all__
-    assert len(exported) == len(set(exported))
-    for module in (policy, covariance, offpolicy):
-        own = [n for n in module.LOSS_NAMES if getattr(module, n).__module__ == module.__name__]
-        assert set(own) <= set(exported), (module.__name__, sorted(set(own) - set(exported)))
-        assert all(getattr(fnppo.losses, n) is getattr(module, n) for n in own)
-
-
-def test_every_builtin_loss_is_built_by_hand_here():
-    assert set(BY_HAND) == set(POLICY_LOSSES) == set(LOSS_FIELDS)
-    for name, (fields, _) in BY_HAND.items():
-        assert set(fields) == set(LOSS_FIELDS[name]), name  # every field the loss reads, set
+    assert len(exported) == len(set(exported)) and exported == package.__all__
+    names_of_losses = [
+        n
+        for n in exported
+        if isinstance(getattr(fnppo.losses, n), type) and issubclass(getattr(fnppo.losses, n), Builtin)
+    ]
+    assert names_of_losses == [c.__name__ for c in BUILTIN_LOSSES]  # one name each, no alias
+    for cls in BUILTIN_LOSSES:
+        assert cls.__name__.islower() and getattr(fnppo.losses, cls.__name__) is cls
+        loss = example(cls)
+        assert eval(repr(loss), vars(fnppo.losses)) == loss, repr(loss)  # noqa: S307 - a test of repr
 
 
 def _run(cfg: LossConfig, seed: int = 4) -> tuple:
@@ -290,9 +356,9 @@ def _run(cfg: LossConfig, seed: int = 4) -> tuple:
     return loss.detach(), g_lp, g_ent, finalize_metrics(m)
 
 
-@pytest.mark.parametrize("name", list(BY_HAND))
+@pytest.mark.parametrize("name", list(FLAT_CASES))
 def test_from_flat_equals_the_parts_bit_for_bit(name):
-    fields, policy = BY_HAND[name]
+    fields, policy = FLAT_CASES[name]
     flat_cfg = from_flat(policy_loss=name, **fields, **GENERAL)
     hand = LossConfig(policy=policy, **GENERAL_PARTS)
     assert flat_cfg == hand and hash(flat_cfg) == hash(hand)
@@ -478,6 +544,10 @@ MODULES = (
     "fnppo.core.losses.value",
     "fnppo.core.losses.flat",
     "fnppo.core.losses.covariance",
+    "fnppo.core.losses.offpolicy",
+    "fnppo.core.losses.builtins",
+    "fnppo.core.losses.staleness",
+    "fnppo.core.losses.m2po",
     "fnppo.core.losses.rollout_correction",
     "fnppo.core.losses.rollout_weights",
     "fnppo.core.losses.checks",
@@ -500,7 +570,7 @@ def test_no_mutable_module_state():
     # importing again, building configs (every loss, from flat settings and from parts) and computing losses
     for name in MODULES:
         importlib.import_module(name)
-    for name, (fields, policy) in BY_HAND.items():
+    for name, (fields, policy) in FLAT_CASES.items():
         _run(from_flat(policy_loss=name, **fields, **GENERAL))
         _run(LossConfig(policy=policy, **GENERAL_PARTS))
     with pytest.raises(InputError):

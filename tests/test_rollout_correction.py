@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 
 from fnppo.core.errors import InputError
 from fnppo.core.losses import (
+    KLPenalty,
     LossConfig,
     RolloutCorrection,
+    Staleness,
     from_flat,
     gpg,
     kl_penalty,
@@ -45,6 +47,7 @@ from tests.loss_helpers import (
     t,
     unchanged_check,
 )
+from tests.loss_reference import Rows, policy_terms, ref_ppo_loss
 from tests.messages import raises_message
 
 LN = math.log
@@ -440,27 +443,20 @@ def reference_weights(train, rollout, mask, cfg, tis_mean=None):
     }
 
 
-def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, tis_mean=None):
-    """ppo / gpg loss with bypass, weights and rejection, token-mean or seq-mean-token-mean, as loops."""
+def reference_loss(lp, old, adv, mask, rollout, cfg, ent, ref, policy, tis_mean=None):
+    """The loss with bypass, weights and rejection, token-mean or seq-mean-token-mean, as loops; the policy
+    term is the policy loss's one reference (tests/loss_reference.py)."""
     base = rollout if cfg.bypass_old_logprobs else old
     train = lp.detach() if cfg.bypass_old_logprobs else old
     w, keep = reference_weights(train, rollout, mask, cfg, tis_mean) if cfg.tis_active else ({}, {})
-    lo, hi, cc = 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high, cfg.clip_ratio_c
+    pg = policy_terms(policy, Rows(lp, base, adv, mask, cfg.log_ratio_clamp))
     seqs = []
     for b in range(lp.shape[0]):
         terms = []
         for j in [j for j in range(lp.shape[1]) if mask[b, j] != 0]:
-            a = float(adv[b, j])
-            if cfg.policy_loss == "gpg":
-                pg = -a * lp[b, j]
-            else:
-                r = torch.exp(lp[b, j] - base[b, j])
-                pg = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
-                if cc is not None and a < 0:
-                    pg = torch.minimum(pg, torch.tensor(-a * cc))
             k = keep.get((b, j), True)
             dk = lp[b, j] - ref[b, j]
-            term = pg * w.get((b, j), 1.0) + (
+            term = pg[b, j] * w.get((b, j), 1.0) + (
                 k * (-cfg.entropy_coeff * ent[b, j] + cfg.kl_coef * (torch.exp(-dk) - 1 + dk))
             )
             terms.append(term)
@@ -517,7 +513,7 @@ def test_matches_loop_reference(name, mode):
             tis_mean=tis_mean,
         )
         lp64, ent64 = leaf(lp0), leaf(ent)
-        expected = reference_loss(lp64, old, adv, mask, rollout, flat_view(**flat), ent64, ref, tis_mean)
+        expected = reference_loss(lp64, old, adv, mask, rollout, flat_view(**flat), ent64, ref, cfg.policy, tis_mean)
         torch.testing.assert_close(loss, expected, **EXACT)
         for a, e in zip(torch.autograd.grad(loss, [lp, ent_l]), torch.autograd.grad(expected, [lp64, ent64])):
             torch.testing.assert_close(a, e, **EXACT)
@@ -993,14 +989,10 @@ def test_m2po_loss_matches_loop_reference_and_is_split_invariant_with_the_global
         kept = {sq[i][0] for i in _m2_brute_force_kept([v for _, v in sq], tau)}
         lp = leaf(lp0)
         loss, m = ppo_loss(lp, old, adv, mask, cfg, rollout_logprobs=rollout)
-        # float64 loop: the PPO surrogate (dual clip 3) on the kept tokens over all valid tokens
+        # float64 loop: the policy loss's reference (PPO clip) on the kept tokens over all valid tokens
         lp64 = leaf(lp0)
-        terms = []
-        for p, _ in sq:
-            a, r = float(adv[p]), torch.exp(lp64[p] - old[p])
-            pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
-            pg = torch.minimum(pg, torch.tensor(-a * 3.0, dtype=torch.float64)) if a < 0 else pg
-            terms.append(pg if p in kept else pg * 0)
+        pg = policy_terms(cfg.policy, Rows(lp64, old, adv, mask, cfg.log_ratio_clamp))
+        terms = [pg[p] if p in kept else pg[p] * 0 for p, _ in sq]
         expected = sum(terms) / len(terms)
         torch.testing.assert_close(loss, expected, **EXACT)
         torch.testing.assert_close(grad_of(loss, lp), grad_of(expected, lp64), **EXACT)
@@ -1039,6 +1031,36 @@ def test_m2po_refusals():
         ppo_loss(lp0, old, adv, mask, LossConfig(), m2_cutoff=0.5)
 
 
+def test_m2po_cutoff_that_is_nan_or_not_positive_is_refused():
+    """A NaN cutoff masked nothing (``m >= NaN`` is False) and a negative one everything: refused by
+    name, as a number or a tensor; inf (keep all, what m2po_cutoff returns when nothing goes) is fine.
+    The cutoff's own inputs: a NaN value sorted first and became the cutoff; a threshold that is NaN or
+    not > 0 kept only the smallest value's tokens."""
+    from fnppo.core.losses.m2po import m2po_cutoff
+
+    lp0, old, adv, mask, *_, rollout = _m2_batch(0)
+    cfg = LossConfig(correction=RolloutCorrection(m2_threshold=0.1))
+    for bad, shown in (
+        (math.nan, "nan"),
+        (-1.0, "-1.0"),
+        (0.0, "0.0"),
+        (torch.tensor(math.nan, dtype=torch.float64), "= nan"),
+        (torch.tensor(-0.5, dtype=torch.float64), "= -0.5"),
+    ):
+        with raises_message("ppo_loss", "m2_cutoff", "a number > 0 or inf", shown):
+            ppo_loss(lp0, old, adv, mask, cfg, rollout_logprobs=rollout, m2_cutoff=bad)
+    keep_all, m = ppo_loss(lp0, old, adv, mask, cfg, rollout_logprobs=rollout, m2_cutoff=math.inf)
+    assert finalize_metrics(m)["m2po_masked_frac"] == 0.0
+    plain, _ = ppo_loss(lp0, old, adv, mask, LossConfig(), rollout_logprobs=rollout)
+    torch.testing.assert_close(keep_all, plain, **EXACT)
+    values = torch.tensor([0.3, 0.01, 0.02], dtype=torch.float64)
+    with raises_message("m2po_cutoff", "values", "finite values", "1 NaN/inf"):
+        m2po_cutoff(torch.tensor([math.nan, 0.01, 0.02], dtype=torch.float64), 0.1)
+    for tau in (math.nan, -0.1, 0.0, math.inf):
+        with raises_message("m2po_cutoff", "threshold", "a finite number > 0", repr(tau)):
+            m2po_cutoff(values, tau)
+
+
 def test_staleness_owns_the_off_policy_contract():
     from fnppo.core.losses import Staleness
 
@@ -1068,25 +1090,16 @@ def test_staleness_owns_the_off_policy_contract():
 @pytest.mark.parametrize("staleness", [1, 2, 4])
 def test_loglinear_decoupled_matches_float64_loop(staleness):
     """AReaL's decoupled PPO with the log-linear proximal policy, in bypass mode (no old-log-prob
-    forward): a float64 loop from the formula, value and gradient at 1e-12."""
+    forward), at several staleness values: its float64 loop reference, value and gradient at 1e-12; at
+    K = 1 it is PPO in bypass mode, bit for bit."""
     from fnppo.core.losses import loglinear_decoupled
 
     lp0, _, adv, mask, _, _, rollout = random_batch(40 + staleness, 4, 6)
     cfg = LossConfig(policy=loglinear_decoupled(staleness=staleness, weight_cap=1.05), bypass_old_logprobs=True)
     lp = leaf(lp0)
     loss, m = ppo_loss(lp, None, adv, mask, cfg, rollout_logprobs=rollout)
-    alpha = (staleness - 1) / staleness
     lp64 = leaf(lp0)
-    terms = []
-    for p in [(b, j) for b in range(4) for j in range(6) if mask[b, j] != 0]:
-        a, behav = float(adv[p]), float(rollout[p])
-        prox = behav + alpha * (float(lp64[p]) - behav)
-        w = min(math.exp(prox - behav), 1.05)
-        r = torch.exp(lp64[p] - prox)
-        pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
-        pg = torch.minimum(pg, torch.tensor(-a * 3.0, dtype=torch.float64)) if a < 0 else pg
-        terms.append(w * pg)
-    expected = sum(terms) / len(terms)
+    expected = ref_ppo_loss(lp64, None, adv, mask, cfg, rollout=rollout)  # its one reference (tests/loss_reference.py)
     torch.testing.assert_close(loss, expected, **EXACT)
     torch.testing.assert_close(grad_of(loss, lp), grad_of(expected, lp64), **EXACT)
     if staleness == 1:  # the proximal policy is the behaviour one: PPO in bypass mode
@@ -1096,3 +1109,64 @@ def test_loglinear_decoupled_matches_float64_loop(staleness):
         assert 0.0 < finalize_metrics(m)["behaviour_weight"] != 1.0
     with raises_message("loglinear_decoupled", "staleness", "an int >= 0", "-1"):
         loglinear_decoupled(staleness=-1)
+
+
+def test_loglinear_decoupled_is_refused_outside_bypass_mode():
+    """Outside bypass mode its old_logprobs would be the trainer's recompute, taken for the behaviour
+    policy: the proximal policy would then be interpolated between two copies of itself (loss 0 in a step)."""
+    from fnppo.core.losses import loglinear_decoupled
+
+    expected = "True with the policy loss 'loglinear_decoupled(staleness=2"
+    with raises_message("LossConfig", "bypass_old_logprobs", expected, "False"):
+        LossConfig(policy=loglinear_decoupled(staleness=2))
+    cfg = LossConfig(policy=loglinear_decoupled(staleness=2), bypass_old_logprobs=True)
+    with raises_message("LossConfig", "bypass_old_logprobs", expected, "False"):
+        dataclasses.replace(cfg, bypass_old_logprobs=False)
+
+
+def test_staleness_loss_config_sets_the_bypass_flag_from_proximal():
+    """proximal='behaviour' turns bypass mode on whatever the caller's flag; proximal='old' keeps it off
+    and refuses a loss that asked for it; everything else of the loss is kept."""
+    from fnppo.core.losses import ipo
+
+    loss = LossConfig(policy=ipo(threshold=0.2), entropy_coef=0.01, kl=KLPenalty(0.1))
+    for caller in (False, True):
+        given = dataclasses.replace(loss, bypass_old_logprobs=caller)
+        assert Staleness(2, "behaviour").loss_config(given) == dataclasses.replace(loss, bypass_old_logprobs=True)
+    assert Staleness(2, "old").loss_config(loss) == loss
+    with raises_message("Staleness.loss_config", "loss.bypass_old_logprobs", "False with proximal='old'", "True"):
+        Staleness(2, "old").loss_config(dataclasses.replace(loss, bypass_old_logprobs=True))
+    with raises_message("Staleness.loss_config", "loss", "a fnppo.losses.LossConfig", "dict"):
+        Staleness(2, "old").loss_config({"bypass_old_logprobs": False})
+
+
+def test_staleness_refuses_a_loss_that_contradicts_it():
+    from fnppo.core.losses import loglinear_decoupled
+
+    stale4 = LossConfig(policy=loglinear_decoupled(staleness=4), bypass_old_logprobs=True)
+    with raises_message("Staleness.loss_config", "loss.policy.staleness", "at most max_staleness=2", "4"):
+        Staleness(2, "behaviour").loss_config(stale4)
+    assert Staleness(4, "behaviour").loss_config(stale4) == stale4
+    with raises_message(
+        "Staleness.loss_config", "proximal", "'behaviour' for the policy loss 'loglinear_decoupled(", "'old'"
+    ):
+        Staleness(4, "old").loss_config(stale4)
+
+
+@pytest.mark.parametrize(
+    "versions, arg, expected",
+    [
+        (None, "versions", "a sequence (list or tuple) of ints"),
+        ("543", "versions", "a sequence (list or tuple) of ints"),
+        (torch.tensor([5, 4]), "versions", "a sequence (list or tuple) of ints"),
+        ([5, "4"], "versions[1]", "a version in [3, 5]"),
+        ([5, 4.0], "versions[1]", "a version in [3, 5]"),
+        ([True], "versions[0]", "a version in [3, 5]"),
+    ],
+    ids=["none", "str", "tensor", "str-version", "float-version", "bool-version"],
+)
+def test_staleness_check_refuses_what_is_not_a_list_of_versions(versions, arg, expected):
+    contract = Staleness(2, "old")
+    for call in (contract.check, contract.metrics):
+        with raises_message("Staleness.check", arg, expected, ""):
+            call(versions, 5)

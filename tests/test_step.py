@@ -266,6 +266,89 @@ def test_custom_registered_loss_runs_in_train_step():
 
 
 # --------------------------------------------------------------------------------------------
+# old_logprobs: the step never computes them; a loss that reads them refuses samples without them
+# --------------------------------------------------------------------------------------------
+def _params(state) -> dict:
+    return {k: v.detach().clone() for k, v in fnppo.megatron.unwrap.unwrap_model(state.model[0]).named_parameters()}
+
+
+def _old_logprobs_cases() -> dict:
+    from fnppo.core.losses import RolloutCorrection, ValueLossConfig, ipo, reinforce
+
+    state = _build_state()
+    good = synthetic_samples(4, seed=5, with_rollout=True)
+    no_old = [dataclasses.replace(s, old_logprobs=None) for s in good]
+    partial = [*good[:2], *no_old[2:]]
+    before = _params(state)
+    refused = messages_of(
+        {
+            "ppo": lambda: fnppo.train_step(state, no_old, fnppo.StepConfig()),
+            "partial": lambda: fnppo.train_step(state, partial, fnppo.StepConfig()),
+            "reinforce-with-correction": lambda: fnppo.train_step(
+                state,
+                no_old,
+                fnppo.StepConfig(loss=LossConfig(policy=reinforce(), correction=RolloutCorrection(tis_cap=2.0))),
+            ),
+            "config-value-loss": lambda: fnppo.train_step(state, good, ValueLossConfig()),
+            "config-critic": lambda: fnppo.train_step(state, good, fnppo.CriticConfig()),
+            "logprobs-critic-config": lambda: fnppo.compute_logprobs(state.model, good, config=fnppo.CriticConfig()),
+            "logprobs-dict-config": lambda: fnppo.compute_logprobs(state.model, good, config={}),
+            "ipo-rollout-above-0": lambda: fnppo.train_step(
+                state,
+                [*good[:3], dataclasses.replace(good[3], rollout_logprobs=good[3].rollout_logprobs.abs() + 0.1)],
+                fnppo.StepConfig(loss=LossConfig(policy=ipo(), bypass_old_logprobs=True)),
+            ),
+        }
+    )
+    unchanged = all(torch.equal(v, before[k]) for k, v in _params(state).items()) and state.step == 0
+    # a loss that reads none trains without them; so does bypass mode, on the rollout log-probs
+    state, plain = fnppo.train_step(state, no_old, fnppo.StepConfig(loss=LossConfig(policy=reinforce())))
+    state, bypass = fnppo.train_step(state, no_old, fnppo.StepConfig(loss=LossConfig(bypass_old_logprobs=True)))
+    mb = fnppo.collate_microbatch(no_old)
+    return {
+        "refused": refused,
+        "unchanged": unchanged,
+        "plain": plain,
+        "bypass": bypass,
+        "collated": mb.old_logprobs is None,
+        "collate_partial": messages_of({"c": lambda: fnppo.collate_microbatch(partial)})["c"],
+    }
+
+
+def test_train_step_refuses_samples_without_old_logprobs_for_a_loss_that_reads_them():
+    """Samples without old_logprobs were trained against zeros (pg_clipfrac 0.5 on a toy, no error):
+    now refused by name before anything changes, with how to get them; a loss that reads none
+    (REINFORCE without correction) and bypass mode train without them; collate gives None, not zeros.
+    A config of the wrong kind (the critic's, a loss config, a dict) is refused by name too, and so are
+    rollout log-probs above 0 for IPO in bypass mode (a probability above 1)."""
+    r = run_ranks(_old_logprobs_cases, 1)[0]
+    how = "compute them before the step with fnppo.compute_logprobs"
+    for case, where in (("ppo", "batch[0]"), ("partial", "batch[2]"), ("reinforce-with-correction", "batch[0]")):
+        msg = r["refused"][case]
+        assert msg.startswith(f"train_step: argument '{where}.old_logprobs' expected a tensor"), (case, msg)
+        assert how in msg and "bypass_old_logprobs=True" in msg and msg.endswith("received None"), msg
+    assert "rollout correction" in r["refused"]["reinforce-with-correction"]
+    for case in ("config-value-loss", "config-critic"):
+        msg = r["refused"][case]
+        assert msg.startswith("train_step: argument 'config' expected a fnppo.StepConfig"), msg
+    for case, received in (("logprobs-critic-config", "CriticConfig"), ("logprobs-dict-config", "dict {}")):
+        msg = r["refused"][case]
+        assert msg.startswith("compute_logprobs: argument 'config' expected a fnppo.StepConfig or None"), msg
+        assert f"received {received}" in msg, msg
+    msg = r["refused"]["ipo-rollout-above-0"]
+    assert msg.startswith("train_step: argument 'batch[3].rollout_logprobs' expected log-probs <= 0"), msg
+    assert r["unchanged"], "a refused step changed the parameters or the step counter"
+    assert r["plain"]["skipped"] == 0.0 and r["plain"]["offpolicy/old_logprobs_read"] == 0.0
+    assert "ppo_kl" not in r["plain"]  # no old log-probs, no ppo_kl
+    assert r["bypass"]["skipped"] == 0.0 and "ppo_kl" in r["bypass"]
+    assert r["collated"]
+    assert (
+        "samples[2].old_logprobs' expected a tensor (samples[0] has old_logprobs; all samples or none)"
+        in r["collate_partial"]
+    ), r["collate_partial"]
+
+
+# --------------------------------------------------------------------------------------------
 # An independent reference: one plain forward of the whole batch (no schedule, no micro-batches,
 # no DDP), fp64 log-softmax over the real vocabulary, ppo_loss with the global normalizer, autograd.
 # train_step's reduced gradient (captured right after finalize_grads, before the optimizer) and

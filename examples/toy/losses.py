@@ -86,7 +86,7 @@ POLICY_LOSSES = MappingProxyType(
             part=("loglinear_decoupled", {"staleness": STALENESS}),
         ),
         "ipo": LossRow(
-            "IPO (prime-rl's default): the importance-weighted gradient inside a probability band around the "
+            "IPO (prime-rl's ipo loss): the importance-weighted gradient inside a probability band around the "
             "behaviour policy, plus a squared-log-ratio penalty (bypass mode)",
             {"policy_loss": "ipo", "bypass_old_logprobs": True},
         ),

@@ -30,6 +30,7 @@ from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import check_split
 from fnppo.core.errors import describe, input_error
 from fnppo.core.losses import SEQ_REJECTION_CRITERIA, LossConfig, ValueLossConfig
+from fnppo.core.losses.policy import loss_name, reads_probabilities
 from fnppo.core.typing import typechecking_enabled
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder
@@ -48,6 +49,9 @@ __all__ = [
     "check_values",
     "check_critic_targets",
     "check_rollout_logprobs",
+    "check_old_logprobs",
+    "check_probabilities",
+    "check_config",
     "per_chunk",
     "routing_recorder",
     "interleaved_where",
@@ -71,7 +75,8 @@ def checked_plan(
 def check_context_parallel(fn: str, config: Batching, plan: Plan, loss: Any) -> None:
     """What context parallelism needs of the config: packed layout, segments divisible by ``2*cp*tp``,
     and a token-level loss (the shard of a sequence does not know the sequence's token count); for
-    the policy loss, token-level rollout correction. ``loss``: the loss the call computes, or None.
+    the policy loss, a policy loss whose tokens read no statistic of their whole sequence (``gspo``,
+    ``gmpo``: ``per_sequence``) and token-level rollout correction. ``loss``: the loss the call computes, or None.
 
     Raises:
         InputError: naming the config field.
@@ -96,6 +101,15 @@ def check_context_parallel(fn: str, config: Batching, plan: Plan, loss: Any) -> 
     if loss.agg.mode != "token-mean":
         raise input_error(
             fn, "config.loss.agg.mode", f"'token-mean' with context parallelism (cp={layout.cp})", repr(loss.agg.mode)
+        )
+    policy = getattr(loss, "policy", None)  # the policy loss (the critic has none)
+    if getattr(policy, "per_sequence", False):
+        raise input_error(
+            fn,
+            "config.loss.policy",
+            f"a policy loss of tokens, not of whole sequences, with context parallelism (cp={layout.cp}: a rank "
+            "holds part of every sequence, so a sequence ratio or mean would be of that part)",
+            loss_name(policy),
         )
     correction = getattr(loss, "correction", None)  # the policy loss's rollout correction (the critic has none)
     if correction is None:
@@ -309,6 +323,52 @@ def check_rollout_logprobs(fn: str, samples: Sequence[Sample], loss_cfg: LossCon
     if loss_cfg.needs_rollout_logprobs and samples[0].rollout_logprobs is None:
         why = "bypass_old_logprobs=True" if loss_cfg.bypass_old_logprobs else "a rollout correction is configured"
         raise input_error(fn, "batch[0].rollout_logprobs", f"a tensor since {why} in LossConfig", "None")
+
+
+def check_config(fn: str, config: Any, cls: type, expected: str) -> None:
+    """A step's ``config`` is its own config class (another config, a loss config or a dict is refused)."""
+    if not isinstance(config, cls):
+        shown = f"the class {config.__name__}" if isinstance(config, type) else f"{type(config).__name__} {config!r}"
+        raise input_error(fn, "config", expected, shown[:160])
+
+
+def check_old_logprobs(fn: str, samples: Sequence[Any], loss_cfg: LossConfig) -> None:
+    """A loss that reads the old (proximal) log-probs (:attr:`~fnppo.core.losses.config.LossConfig.needs_old_logprobs`:
+    a ratio-based policy loss or a rollout correction, outside bypass mode) needs them on every sample:
+    the step never computes them, and a missing one would be trained against as zeros."""
+    if not loss_cfg.needs_old_logprobs:
+        return
+    for i, s in enumerate(samples):
+        if isinstance(s, Sample) and s.old_logprobs is None:
+            raise input_error(
+                fn,
+                f"batch[{i}].old_logprobs",
+                f"a tensor: the loss reads the old (proximal) policy's log-probs (policy loss "
+                f"{loss_name(loss_cfg.policy)!r}{', rollout correction' if loss_cfg.correction is not None else ''}); "
+                "compute them before the step with fnppo.compute_logprobs(state.model, batch, config=config), "
+                "or set LossConfig(bypass_old_logprobs=True) to use the samples' rollout_logprobs instead",
+                "None",
+            )
+
+
+def check_probabilities(fn: str, samples: Sequence[Any], loss_cfg: LossConfig) -> None:
+    """A policy loss that reads ``exp(old)`` as a probability (DPPO, IPO, KPop:
+    :func:`~fnppo.core.losses.policy.reads_probabilities`) refuses old log-probs above 0 (in bypass mode:
+    the rollout log-probs) at any response position, before anything runs (the loss would refuse them
+    inside the schedule)."""
+    if not reads_probabilities(loss_cfg.policy):
+        return
+    name = "rollout_logprobs" if loss_cfg.bypass_old_logprobs else "old_logprobs"
+    for i, s in enumerate(samples):
+        t = getattr(s, name, None) if isinstance(s, Sample) else None
+        if t is not None and t.numel() and bool((t > 0).any()):
+            raise input_error(
+                fn,
+                f"batch[{i}].{name}",
+                f"log-probs <= 0 (the policy loss {loss_name(loss_cfg.policy)!r} reads exp({name}) as the "
+                "probability of the token)",
+                f"{describe(t)} with max {t.max().item()!r}",
+            )
 
 
 def per_chunk(params: Any, n: int) -> list[Mapping[str, torch.Tensor] | None]:

@@ -21,7 +21,7 @@ from fnppo.megatron.forward import forward_logits
 from fnppo.megatron.state import TrainState
 from fnppo.steps.protocols import CriticFns, FusedHead, StepFns
 
-__all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState"]
+__all__ = ["Batching", "StepConfig", "CriticConfig", "TrainState", "check_part"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,8 @@ class StepConfig(Batching):
     ``DeprecationWarning`` (``fns.collate`` and ``fns.loss`` are kept).
 
     Raises:
-        InputError: ``fused_output`` that is not a bool (``"yes"``, ``0``), an unknown layout, two
+        InputError: a ``loss`` that is not a ``LossConfig`` (a ``ValueLossConfig``), ``fns`` that is
+            not a ``StepFns`` (``"fused"``), ``fused_output`` that is not a bool (``"yes"``, ``0``), an unknown layout, two
             split modes, a size that is not an int >= 1, a temperature that is not a finite float > 0;
             the deprecated fused flags with replaced ``fns.forward``/``fns.logprob`` or another head.
     """
@@ -120,6 +121,14 @@ class StepConfig(Batching):
     def __post_init__(self) -> None:
         super().__post_init__()
         fn = "StepConfig"
+        check_part(
+            fn,
+            "loss",
+            self.loss,
+            LossConfig,
+            "a fnppo.losses.LossConfig (a ValueLossConfig is the critic's: CriticConfig)",
+        )
+        check_part(fn, "fns", self.fns, StepFns, "a fnppo.StepFns (e.g. StepFns() or StepFns.fused(chunk_vocab=...))")
         check_positive_int(fn, "fused_output_chunk_vocab", self.fused_output_chunk_vocab, allow_none=True)
         if self.fused_output_graphs is not None:
             if not isinstance(self.fused_output_graphs, BackwardGraphs):
@@ -179,8 +188,27 @@ class CriticConfig(Batching):
 
     Raises:
         InputError: as :class:`StepConfig` for the batching fields; a bool field holding anything
-            but a bool.
+            but a bool; a ``loss`` that is not a ``ValueLossConfig``, ``fns`` that are not ``CriticFns``.
     """
 
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     fns: CriticFns = field(default_factory=CriticFns)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        fn = "CriticConfig"
+        check_part(
+            fn,
+            "loss",
+            self.loss,
+            ValueLossConfig,
+            "a fnppo.losses.ValueLossConfig (a LossConfig is the policy's: StepConfig)",
+        )
+        check_part(fn, "fns", self.fns, CriticFns, "a fnppo.CriticFns")
+
+
+def check_part(fn: str, arg: str, value: object, cls: type, expected: str) -> None:
+    """A config's part is an instance of its class (a string or another config is refused by name)."""
+    if not isinstance(value, cls):
+        shown = f"the class {value.__name__}" if isinstance(value, type) else f"{type(value).__name__} {value!r}"
+        raise input_error(fn, arg, expected, shown[:160])

@@ -111,7 +111,14 @@ def _logprob_config(config: StepConfig | None, **given: Any) -> StepConfig:
     A split given as a keyword (``split`` or a flat one) replaces the one of ``config``. Validated by
     :class:`~fnppo.steps.config.StepConfig`.
     """
-    base = config or StepConfig()
+    if config is not None and not isinstance(config, StepConfig):
+        raise input_error(
+            "compute_logprobs",
+            "config",
+            "a fnppo.StepConfig or None (a CriticConfig is compute_values')",
+            f"{type(config).__name__} {config!r}"[:160],
+        )
+    base = StepConfig() if config is None else config
     given = {k: v for k, v in given.items() if v is not None}
     if any(k in given for k in (*SPLIT_MODES, "split")):
         base = dataclasses.replace(
@@ -300,12 +307,19 @@ def compute_values(
             :func:`~fnppo.steps.train.train_step`; ``params`` not one dict per chunk; values from ``config.fns.forward``
             that are not ``[batch, seq]``.
     """
-    cfg = config or CriticConfig()
+    cfg = CriticConfig() if config is None else config
     chunks = list(model_chunks)
     par = current_layout()
     samples = without_routes(batch)
 
     def entry() -> Plan:
+        if not isinstance(cfg, CriticConfig):
+            raise input_error(
+                "compute_values",
+                "config",
+                "a fnppo.CriticConfig or None (a StepConfig is compute_logprobs')",
+                f"{type(cfg).__name__} {cfg!r}"[:160],
+            )
         check_head("compute_values", "model_chunks", chunks[0], "value")
         per_chunk(params, len(chunks))
         return checked_plan("compute_values", cfg, model_facts(chunks, par), samples)

@@ -31,7 +31,14 @@ from fnppo.megatron.grads import FinalizeNotCalledError
 from fnppo.megatron.moe import router_derived_metrics
 from fnppo.megatron.parallel import ParallelLayout, agree_on_refusal, current_layout
 from fnppo.megatron.unwrap import check_head
-from fnppo.steps.checks import check_critic_targets, check_rollout_logprobs, checked_plan
+from fnppo.steps.checks import (
+    check_config,
+    check_critic_targets,
+    check_old_logprobs,
+    check_probabilities,
+    check_rollout_logprobs,
+    checked_plan,
+)
 from fnppo.steps.config import Batching, CriticConfig, StepConfig, TrainState
 from fnppo.steps.plan import Plan, microbatches, model_facts, split_plan, with_cp_in_dp, without_routes
 from fnppo.steps.protocols import CollateFn
@@ -154,8 +161,9 @@ def _train(
         out["onpolicy/max_abs_ratio_minus_1"] = float(first_gaps[1])
     if isinstance(config, StepConfig):
         # train_step never runs an old-log-prob forward itself: 1.0 when the loss read the samples'
-        # old_logprobs (computed by compute_logprobs before the step), 0.0 in bypass mode (none needed)
-        out["offpolicy/old_logprobs_read"] = 0.0 if config.loss.bypass_old_logprobs else 1.0
+        # old_logprobs (computed by compute_logprobs before the step), 0.0 in bypass mode or without them
+        read = not config.loss.bypass_old_logprobs and samples[0].old_logprobs is not None
+        out["offpolicy/old_logprobs_read"] = float(read)
     lr = [g["lr"] for g in state.optimizer.param_groups] if hasattr(state.optimizer, "param_groups") else []
     if lr:
         out["lr"] = float(lr[0])
@@ -219,8 +227,11 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             longer than ``max_tokens_per_microbatch``, tensors on different devices, a response mask
             that is not 0/1, NaN/inf in advantages, log-probs, values or returns, token ids outside
             the model's vocabulary (while call-time checking is on; negative ones always),
-            ``ref_logprobs`` / ``rollout_logprobs`` given for some samples only, no
-            ``rollout_logprobs`` in bypass mode or with rollout correction, routed experts that do
+            ``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs`` given for some samples only, no
+            ``old_logprobs`` for a loss that reads them (a ratio-based policy loss or a rollout
+            correction outside bypass mode: compute them with :func:`~fnppo.steps.infer.compute_logprobs`,
+            or set ``bypass_old_logprobs=True``), no ``rollout_logprobs`` in bypass mode or with
+            rollout correction, a ``config`` that is not a ``StepConfig``, routed experts that do
             not fit the model (:func:`~fnppo.core.batching.checks.check_routed_experts`); under a virtual pipeline
             (``vpp``), a ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the
             padded layout (:func:`~fnppo.steps.checks.check_interleaved`). Before the first update, on every rank: too
@@ -233,7 +244,15 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     samples = list(batch)
 
     def entry() -> Plan:
+        check_config(
+            "train_step",
+            config,
+            StepConfig,
+            "a fnppo.StepConfig (a CriticConfig or ValueLossConfig is the critic's: critic_step)",
+        )
         check_head("train_step", "state.model", state.model[0], "lm")
+        check_old_logprobs("train_step", samples, config.loss)
+        check_probabilities("train_step", samples, config.loss)
         plan = checked_plan(
             "train_step",
             config,
@@ -305,6 +324,12 @@ def critic_step(
     samples = without_routes(batch)
 
     def entry() -> Plan:
+        check_config(
+            "critic_step",
+            config,
+            CriticConfig,
+            "a fnppo.CriticConfig (a StepConfig or LossConfig is the policy's: train_step)",
+        )
         check_head("critic_step", "state.model", state.model[0], "value")
         plan = checked_plan(
             "critic_step",

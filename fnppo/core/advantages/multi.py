@@ -11,7 +11,7 @@ import torch
 
 from fnppo.core.advantages.group import grpo_advantages
 from fnppo.core.advantages.inputs import group_index, group_stats
-from fnppo.core.errors import check_finite, check_float
+from fnppo.core.errors import check_finite, check_float, describe, input_error
 from fnppo.core.typing import Float, Integer, Tensor, typechecked
 
 __all__ = ["gdpo_advantages", "maxrl_advantages"]
@@ -49,9 +49,12 @@ def gdpo_advantages(
         ``[n]`` advantages, detached.
 
     Raises:
-        InputError: NaN/inf rewards or weights, a bad ``eps``.
+        InputError: NaN/inf rewards or weights, a bad ``eps``, ``rewards`` without a reward column
+            (``k = 0``: there is nothing to normalize, and the sum over no rewards would be a silent 0).
     """
     fn = "fnppo.advantages.gdpo_advantages"
+    if rewards.shape[1] == 0:
+        raise input_error(fn, "rewards", "[n, k] rewards with k >= 1 reward columns", describe(rewards))
     check_finite(fn, "rewards", rewards)
     check_float(fn, "eps", eps, low=0)
     r = rewards.detach()
@@ -77,9 +80,14 @@ def maxrl_advantages(
     With 0/1 rewards ``mean_g`` is the group's pass rate ``p``: the advantage of a success is
     ``(1 - p) / p``, which weights hard prompts (small ``p``) up, the gradient of ``log p`` instead of
     ``p`` (maximum likelihood of success). A group of one gets 0 (SkyRL gives it ``s_i``, no
-    baseline); a group with ``mean_g + eps == 0`` gets 0.
+    baseline); a group with ``mean_g + eps == 0`` (all scores 0) gets 0.
 
-    Reference: SkyRL ``compute_maxrl_advantage`` (#1126).
+    MaxRL's scores are success indicators (or probabilities of success), ``>= 0``: a negative score
+    can bring ``mean_g`` to 0 or below, where ``1 / (mean_g + eps)`` explodes (``1e6``) or flips the
+    sign of a success's advantage. Negative scores are refused (shift or rescale them into
+    ``[0, 1]`` first).
+
+    Reference: SkyRL ``compute_maxrl_advantage`` (#1126), for 0/1 rewards.
 
     Args:
         scores, group_ids: as in :func:`~fnppo.core.advantages.group.grpo_advantages`.
@@ -89,10 +97,18 @@ def maxrl_advantages(
         Advantages of the shape of ``scores``, detached.
 
     Raises:
-        InputError: NaN/inf scores, a bad ``eps``, groups given both ways or neither.
+        InputError: NaN/inf or negative scores, a bad ``eps``, groups given both ways or neither.
     """
     fn = "fnppo.advantages.maxrl_advantages"
     check_finite(fn, "scores", scores)
+    if bool((scores < 0).any()):
+        raise input_error(
+            fn,
+            "scores",
+            "scores >= 0 (MaxRL's rewards are successes, 0/1, or probabilities of success: a negative one can "
+            "make a group's mean <= 0 and flip or explode the advantages)",
+            f"{describe(scores)} with min {scores.min().item()!r}",
+        )
     check_float(fn, "eps", eps, low=0)
     x, index, g = group_index(fn, scores.detach(), group_ids)
     count, total, _ = group_stats(x, index, g)

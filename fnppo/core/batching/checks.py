@@ -54,8 +54,8 @@ def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str,
 
 
 def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
-    """``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` / ``routed_experts`` are given
-    for all samples or for none.
+    """``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` /
+    ``routed_experts`` are given for all samples or for none.
 
     Returns:
         ``{name: all samples have it}`` for each of these names.

@@ -73,7 +73,7 @@ def collate_microbatch(
     Raises:
         InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,
             token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob,
-            advantage, value or return, ref/rollout log-probs, values or returns given for some
+            advantage, value or return, old/ref/rollout log-probs, values or returns given for some
             samples only, mismatched multi-modal items, samples on different devices, routed
             experts that are not one row per token (or one fewer) or hold invalid indices.
     """

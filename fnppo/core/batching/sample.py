@@ -78,7 +78,7 @@ def _register(cls: type[_C], leaves: tuple[str, ...], static: tuple[str, ...]) -
 # ---------------------------------------------------------------------------------------------
 PER_TOKEN_FLOAT = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns")
 """The optional floating per-response-token fields of a :class:`Sample`."""
-ALL_OR_NONE = ("ref_logprobs", "rollout_logprobs", "values", "returns")
+ALL_OR_NONE = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns")
 """Optional per-token fields that one micro-batch holds for every sample or for none."""
 
 
@@ -89,8 +89,14 @@ class Sample:
     Fields (``p`` = prompt length >= 1, ``r`` = response length >= 0):
 
     * ``prompt_ids: Int[Tensor, "p"]``, ``response_ids: Int[Tensor, "r"]`` (any integer dtype);
-    * ``advantages``, ``old_logprobs``: ``Float[Tensor, "r"]`` or None (None -> zeros; the training
-      step computes old log-probs itself when they are not given);
+    * ``advantages``: ``Float[Tensor, "r"]`` or None (None -> zeros);
+    * ``old_logprobs``: ``Float[Tensor, "r"]`` or None: the log-probs of the proximal policy, the
+      trainer's recompute of the policy that sampled (:func:`fnppo.compute_logprobs`, before the
+      step; :func:`fnppo.train_step` never computes them). A loss that reads them (a ratio-based
+      policy loss or a rollout correction, outside bypass mode) refuses a sample without them,
+      naming it; in bypass mode (``LossConfig(bypass_old_logprobs=True)``) the ``rollout_logprobs``
+      take their place. Every sample of a batch has them or none (none: the micro-batch's
+      ``old_logprobs`` is None, never zeros);
     * ``ref_logprobs``, ``rollout_logprobs``: ``Float[Tensor, "r"]`` or None (in one micro-batch
       either every sample has them or none);
     * ``response_mask``: a 0/1 tensor ``[r]`` (bool, int or float) or None (all ones); 0 removes a
@@ -283,7 +289,7 @@ class Microbatch:
     Leaves (moved by ``optree.tree_map(lambda x: x.to(device), mb)``; None stays None):
     ``input_ids``, ``position_ids``, ``labels``, ``seq_ids`` (int64), ``loss_mask``,
     ``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs``, ``values``, ``returns``
-    (float32; the last four None when the samples have none),
+    (float32; all but ``advantages`` None when the samples have none),
     ``attention_mask`` (bool, padded layout only, True on real tokens), ``cu_seqlens`` (int32
     ``[n + 1]`` over the padded segment lengths, packed layout only), ``sample_index`` (int64 ``[n]``,
     indices of the samples into the original batch: a record for custom stages; results are put back
@@ -301,7 +307,7 @@ class Microbatch:
     position_ids: Int[Tensor, "batch seq"]
     labels: Int[Tensor, "batch seq"]
     loss_mask: Float[Tensor, "batch seq"]
-    old_logprobs: Float[Tensor, "batch seq"]
+    old_logprobs: Float[Tensor, "batch seq"] | None
     advantages: Float[Tensor, "batch seq"]
     ref_logprobs: Float[Tensor, "batch seq"] | None
     rollout_logprobs: Float[Tensor, "batch seq"] | None

@@ -8,13 +8,15 @@ A :class:`LossConfig` composes small frozen parts; :func:`ppo_loss` computes the
 
 The modules, each with one job:
 
-* :mod:`~fnppo.core.losses.policy` -- :class:`PolicyInputs` and the per-token policy losses
-  (``ppo_clip``, ``gspo``, ``cispo``, ``gmpo``, ``sapo``, ``gpg``, ``reinforce``); any callable
-  with the :class:`PolicyLoss` signature is one too. A built-in loss is one class (its own factory,
-  declaring its flat name, flat fields and rule, :class:`~fnppo.core.losses.policy.Builtin`) and the
-  line of its lowercase name: the tables of ``from_flat`` and these ``__all__`` lists derive from it.
-* :mod:`~fnppo.core.losses.covariance` -- the covariance-based policy losses ``clip_cov``, ``kl_cov``.
-* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts ``dppo_tv``, ``dppo_kl``, ``ipo``, ``kpop``, ``icepop``, ``dro``.
+* :mod:`~fnppo.core.losses.policy` -- :class:`PolicyInputs` and the classic per-token policy
+  losses; any callable with the :class:`PolicyLoss` signature is one too. A built-in loss is one
+  lowercase frozen dataclass, called like a function (``ppo_clip(clip_high=0.28)``), declaring its
+  flat name, flat fields and rule (:class:`~fnppo.core.losses.policy.Builtin`), and its name in its
+  module's ``__all__``: the exports below, the tables of ``from_flat`` and the tests derive from it.
+* :mod:`~fnppo.core.losses.covariance` -- the covariance-based policy losses.
+* :mod:`~fnppo.core.losses.offpolicy` -- the losses for stale rollouts.
+* :mod:`~fnppo.core.losses.builtins` -- :data:`~fnppo.core.losses.builtins.BUILTIN_LOSSES`, the one
+  list of the built-in losses (each family module's ``__all__``).
 * :mod:`~fnppo.core.losses.kl` -- :func:`kl_penalty` estimators and the :class:`KLPenalty` part.
 * :mod:`~fnppo.core.losses.aggregate` -- :class:`Aggregation`, :func:`loss_normalizer`.
 * :mod:`~fnppo.core.losses.config` -- :class:`LossConfig` and the rules across parts.
@@ -27,49 +29,21 @@ its computation (:func:`compute_tis_weights`, :func:`tis_batch_stats`) in
 :mod:`fnppo.core.losses.rollout_weights`; both are re-exported here.
 """
 
+from fnppo.core.losses import covariance, offpolicy, policy
 from fnppo.core.losses.aggregate import LOSS_AGG_MODES as LOSS_AGG_MODES
 from fnppo.core.losses.aggregate import Aggregation as Aggregation
 from fnppo.core.losses.aggregate import loss_normalizer as loss_normalizer
 from fnppo.core.losses.config import LossConfig as LossConfig
-from fnppo.core.losses.covariance import ClipCov as ClipCov
-from fnppo.core.losses.covariance import KLCov as KLCov
-from fnppo.core.losses.covariance import clip_cov as clip_cov
-from fnppo.core.losses.covariance import kl_cov as kl_cov
+from fnppo.core.losses.covariance import *  # noqa: F403 - its losses: covariance.__all__
 from fnppo.core.losses.flat import POLICY_LOSSES as POLICY_LOSSES
 from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
-from fnppo.core.losses.offpolicy import DPPOKL as DPPOKL
-from fnppo.core.losses.offpolicy import DPPOTV as DPPOTV
-from fnppo.core.losses.offpolicy import DRO as DRO
-from fnppo.core.losses.offpolicy import IPO as IPO
-from fnppo.core.losses.offpolicy import IcePop as IcePop
-from fnppo.core.losses.offpolicy import KPop as KPop
-from fnppo.core.losses.offpolicy import LoglinearDecoupled as LoglinearDecoupled
-from fnppo.core.losses.offpolicy import dppo_kl as dppo_kl
-from fnppo.core.losses.offpolicy import dppo_tv as dppo_tv
-from fnppo.core.losses.offpolicy import dro as dro
-from fnppo.core.losses.offpolicy import icepop as icepop
-from fnppo.core.losses.offpolicy import ipo as ipo
-from fnppo.core.losses.offpolicy import kpop as kpop
-from fnppo.core.losses.offpolicy import loglinear_decoupled as loglinear_decoupled
-from fnppo.core.losses.policy import CISPO as CISPO
-from fnppo.core.losses.policy import GMPO as GMPO
-from fnppo.core.losses.policy import GPG as GPG
-from fnppo.core.losses.policy import GSPO as GSPO
-from fnppo.core.losses.policy import SAPO as SAPO
+from fnppo.core.losses.offpolicy import *  # noqa: F403 - its losses: offpolicy.__all__
+from fnppo.core.losses.policy import *  # noqa: F403 - its losses: policy.__all__
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
 from fnppo.core.losses.policy import PolicyLoss as PolicyLoss
-from fnppo.core.losses.policy import PPOClip as PPOClip
-from fnppo.core.losses.policy import Reinforce as Reinforce
-from fnppo.core.losses.policy import cispo as cispo
-from fnppo.core.losses.policy import gmpo as gmpo
-from fnppo.core.losses.policy import gpg as gpg
-from fnppo.core.losses.policy import gspo as gspo
-from fnppo.core.losses.policy import ppo_clip as ppo_clip
-from fnppo.core.losses.policy import reinforce as reinforce
-from fnppo.core.losses.policy import sapo as sapo
 from fnppo.core.losses.ppo import ppo_loss as ppo_loss
 from fnppo.core.losses.rollout_correction import SEQ_REJECTION_CRITERIA as SEQ_REJECTION_CRITERIA
 from fnppo.core.losses.rollout_correction import RolloutCorrection as RolloutCorrection
@@ -101,10 +75,8 @@ __all__ = [
     "value_loss",
     "POLICY_LOSSES",
     "from_flat",
-    # the built-in policy losses (class and factory): a test checks this list against each module's LOSS_NAMES
-    *("PPOClip", "GSPO", "CISPO", "GMPO", "SAPO", "Reinforce", "GPG"),
-    *("ppo_clip", "gspo", "cispo", "gmpo", "sapo", "gpg", "reinforce"),
-    *("ClipCov", "KLCov", "clip_cov", "kl_cov"),
-    *("DPPOTV", "DPPOKL", "IPO", "KPop", "IcePop", "DRO", "LoglinearDecoupled"),
-    *("dppo_tv", "dppo_kl", "ipo", "kpop", "icepop", "dro", "loglinear_decoupled"),
+    # the built-in policy losses, one name each: every family module's __all__ (fnppo.core.losses.builtins)
+    *policy.__all__,
+    *covariance.__all__,
+    *offpolicy.__all__,
 ]

@@ -21,7 +21,7 @@ from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.core.losses.aggregate import Aggregation
 from fnppo.core.losses.checks import Checker
 from fnppo.core.losses.kl import KLPenalty
-from fnppo.core.losses.policy import PolicyLoss, loss_name, ppo_clip, uses_ratio
+from fnppo.core.losses.policy import PolicyLoss, bypass_only, loss_name, ppo_clip, uses_ratio
 from fnppo.core.losses.rollout_correction import RolloutCorrection
 
 __all__ = ["LossConfig", "check_cross"]
@@ -34,9 +34,19 @@ def check_cross(c: Checker, policy: PolicyLoss) -> None:
     * in bypass mode a ratio-based policy loss takes no ``tis_cap`` (its ratio
       ``pi_theta / pi_rollout`` already is the importance weight);
     * batch normalization is refused in bypass mode (the weights would depend on the current
-      parameters, known only in the forward pass).
+      parameters, known only in the forward pass);
+    * a policy loss that is ``bypass_only`` (:func:`~fnppo.core.losses.policy.bypass_only`:
+      ``loglinear_decoupled``) needs bypass mode: its ``old_logprobs`` must be the behaviour
+      policy's, the rollout engine's log-probs, not the trainer's recomputed ones.
     """
     if not c.get("bypass_old_logprobs"):
+        c.need(
+            not bypass_only(policy),
+            "bypass_old_logprobs",
+            f"True with the policy loss {loss_name(policy)!r}: it reads old_logprobs as the behaviour policy's "
+            "(the rollout engine's) log-probs, which bypass mode passes; outside it they are the trainer's "
+            "recomputed ones and the loss would take the proximal policy for the behaviour policy",
+        )
         return
     if uses_ratio(policy):
         c.need(
@@ -105,6 +115,14 @@ class LossConfig:
         fn = "fnppo.losses.LossConfig"
         check_bool_fields(fn, self)
         c = Checker.of(self, fn)
+        if isinstance(self.policy, type):
+            raise input_error(
+                fn,
+                "policy",
+                f"a policy loss instance: the loss built, e.g. {self.policy.__name__}() "
+                "(a class is callable, but calling it builds a loss, it computes none)",
+                f"the class {self.policy.__module__}.{self.policy.__qualname__}",
+            )
         if not callable(self.policy):
             raise input_error(
                 fn,
@@ -139,6 +157,14 @@ class LossConfig:
             ),
             self.policy,
         )
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the loss reads the trainer's old log-probs: outside bypass mode, a policy loss that
+        uses the ratio (:func:`~fnppo.core.losses.policy.uses_ratio`) or a rollout correction (its
+        weights compare them with the rollout log-probs). ``gpg`` / ``reinforce`` without a
+        correction read none (their ``ppo_kl`` metric is then not reported)."""
+        return not self.bypass_old_logprobs and (uses_ratio(self.policy) or self.correction is not None)
 
     @property
     def needs_rollout_logprobs(self) -> bool:

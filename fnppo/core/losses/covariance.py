@@ -19,10 +19,11 @@ from typing import ClassVar
 import torch
 
 from fnppo.core.losses.checks import Checker
-from fnppo.core.losses.policy import _DUAL, Builtin, PolicyInputs, builtins_of, check_ppo_clip, clipped_surrogate
+from fnppo.core.losses.policy import _DUAL, Builtin, PolicyInputs, check_ppo_clip, clipped_surrogate, exp_where
 from fnppo.core.typing import Tensor
 
-__all__ = ["check_clip_cov", "check_kl_cov"]  # + the losses (end)
+__all__ = ["clip_cov", "kl_cov"]
+"""The built-in losses of this module (a new one: its class here and its name in this list; the rest is derived)."""
 
 
 def check_cov_ratio(c: Checker) -> None:
@@ -64,14 +65,14 @@ def _covariance(x: PolicyInputs) -> tuple[Tensor, Tensor]:
 
 
 @dataclass(frozen=True)
-class ClipCov(Builtin):
+class clip_cov(Builtin):
     """Clip-Cov: PPO loss with the gradient of a few high-covariance tokens stopped.
 
     ``cov_t = (A_t - mean A)(logp_t - mean logp)`` over the valid tokens of the micro-batch. Among
     valid tokens not already clipped by PPO with ``lb < cov_t < ub``,
     ``k = max(floor(ratio * n_valid), 1)`` are drawn uniformly at random (the ``generator`` of
     :func:`fnppo.core.losses.ppo.ppo_loss`) and their loss is detached (value kept, gradient 0). The
-    rest is the loss of :class:`~fnppo.core.losses.policy.PPOClip` (``clip_low``, ``clip_high``, ``dual_clip``). Not
+    rest is the loss of :class:`~fnppo.core.losses.policy.ppo_clip` (``clip_low``, ``clip_high``, ``dual_clip``). Not
     split-invariant: statistics are per micro-batch.
 
     Reference: The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617.
@@ -82,6 +83,7 @@ class ClipCov(Builtin):
         {"clip_cov_ratio": "ratio", "clip_cov_lb": "lb", "clip_cov_ub": "ub", **_DUAL}
     )
     rule = staticmethod(check_clip_cov)
+    split_invariant: ClassVar[bool] = False
 
     ratio: float = 2e-4
     lb: float = 1.0
@@ -91,7 +93,9 @@ class ClipCov(Builtin):
     dual_clip: float | None = 3.0
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
+        loss, clipped, lower = clipped_surrogate(
+            x.log_ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip
+        )
         cov, n = _covariance(x)
         valid = x.mask > 0
         eligible = valid & ~clipped & (cov > self.lb) & (cov < self.ub)
@@ -107,7 +111,7 @@ class ClipCov(Builtin):
 
 
 @dataclass(frozen=True)
-class KLCov(Builtin):
+class kl_cov(Builtin):
     """KL-Cov: unclipped surrogate plus a KL penalty on the highest-covariance tokens.
 
     ``l_t = -A_t r_t + coef * |log r_t| * [t in top-k of cov]`` with
@@ -120,6 +124,7 @@ class KLCov(Builtin):
     flat_name: ClassVar[str] = "kl_cov"
     flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({"kl_cov_ratio": "ratio", "kl_cov_coef": "coef"})
     rule = staticmethod(check_kl_cov)
+    split_invariant: ClassVar[bool] = False
 
     ratio: float = 2e-4
     coef: float = 1.0
@@ -129,13 +134,6 @@ class KLCov(Builtin):
         cov, n = _covariance(x)
         k = torch.clamp(torch.floor(self.ratio * n), min=1.0)
         chosen = _select_first_k(cov, x.mask > 0, k)
-        loss = -x.advantages * torch.exp(log_ratio) + torch.where(chosen, self.coef * log_ratio.abs(), 0.0)
+        surrogate = -x.advantages * exp_where(log_ratio, x.advantages != 0)  # A = 0: 0, whatever the ratio
+        loss = surrogate + torch.where(chosen, self.coef * log_ratio.abs(), 0.0)
         return loss, {"kl_cov_frac": x.token_metric(chosen.float())}
-
-
-clip_cov = ClipCov
-kl_cov = KLCov
-
-LOSS_NAMES = tuple(builtins_of(globals()))
-"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
-__all__ += list(LOSS_NAMES)

@@ -3,8 +3,8 @@
 ``from_flat(policy_loss="cispo", cispo_clip_high=0.3, kl_coef=0.05)`` builds the
 :class:`~fnppo.core.losses.config.LossConfig` of parts that behaves exactly as the flat settings
 always did. The names and defaults are the former ``PolicyLossConfig`` fields (:data:`DEFAULTS`);
-:data:`POLICY_LOSSES` is a read-only table from ``policy_loss`` names to the factories of
-:mod:`fnppo.core.losses.policy` and :mod:`fnppo.core.losses.covariance` (not a registry: a policy loss of your own is passed to
+:data:`POLICY_LOSSES` is a read-only table from ``policy_loss`` names to the built-in losses that
+have one (:data:`~fnppo.core.losses.builtins.BUILTIN_LOSSES`; not a registry: a policy loss of your own is passed to
 ``LossConfig(policy=...)`` directly), and :data:`LOSS_FIELDS` says which flat fields each of them reads.
 
 Every value is checked by the rule of the part it goes to, named by its flat name (one rule, two
@@ -28,12 +28,12 @@ from types import MappingProxyType
 from typing import Any
 
 from fnppo.core.errors import input_error
-from fnppo.core.losses import covariance, offpolicy, policy
 from fnppo.core.losses.aggregate import Aggregation, check_agg
+from fnppo.core.losses.builtins import BUILTIN_LOSSES
 from fnppo.core.losses.checks import Checker
 from fnppo.core.losses.config import LossConfig, check_cross
 from fnppo.core.losses.kl import KLPenalty, check_kl
-from fnppo.core.losses.policy import PolicyLoss, PPOClip, builtins_of
+from fnppo.core.losses.policy import PolicyLoss, ppo_clip
 from fnppo.core.losses.rollout_correction import (
     SEQ_REJECTION_CRITERIA,
     RolloutCorrection,
@@ -51,15 +51,10 @@ def _default(cls: type, attr: str) -> Any:
     return next(f.default for f in dataclasses.fields(cls) if f.name == attr)
 
 
-_MODULES = (policy, covariance, offpolicy)
-"""The modules of the built-in policy losses (a new module is one entry here; a new loss in one of
-them, nothing: :func:`~fnppo.core.losses.policy.builtins_of` finds it)."""
-_BUILTINS = tuple(dict.fromkeys(cls for module in _MODULES for cls in builtins_of(vars(module)).values()))
-_FLAT = tuple(cls for cls in _BUILTINS if cls.flat_name is not None)
+_FLAT = tuple(cls for cls in BUILTIN_LOSSES if cls.flat_name is not None)
 
 POLICY_LOSSES: Mapping[str, Callable[..., PolicyLoss]] = MappingProxyType({cls.flat_name: cls for cls in _FLAT})
-"""``policy_loss`` name -> the class of the built-in loss (its own factory; read-only), derived from
-the classes' ``flat_name``."""
+"""``policy_loss`` name -> the built-in loss (read-only), derived from the classes' ``flat_name``."""
 
 LOSS_FIELDS: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {cls.flat_name: MappingProxyType(dict(cls.flat_fields)) for cls in _FLAT}
@@ -94,7 +89,7 @@ _CORRECTION_ATTR = MappingProxyType({"cap": "tis_cap"})  # rule name -> RolloutC
 
 DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {
-        "policy_loss": PPOClip.flat_name,
+        "policy_loss": ppo_clip.flat_name,
         **{f: v for f, v in _policy_defaults().items() if f.startswith("clip_ratio")},
         "loss_agg_mode": _default(Aggregation, "mode"),
         "loss_scale_factor": _default(Aggregation, "scale"),
@@ -159,7 +154,7 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
             f"one of {sorted(POLICY_LOSSES)} (a loss of your own: LossConfig(policy=my_loss))",
             repr(name),
         )
-    PPOClip.rule(_checker(v, {b: a for a, b in PPOClip.flat_fields.items()}))
+    ppo_clip.rule(_checker(v, {b: a for a, b in ppo_clip.flat_fields.items()}))
     check_agg(_checker(v, {"mode": "loss_agg_mode", "scale": "loss_scale_factor"}))
     _checker(v, {}).number("entropy_coeff", 0)
     check_kl(_checker(v, {"coef": "kl_coef", "estimator": "kl_estimator"}))
@@ -167,7 +162,7 @@ def _check(v: Mapping[str, Any]) -> tuple[float, float] | None:
     bounds = check_correction(c)
     check_clamp(c)
     for cls in _FLAT:
-        if cls is not PPOClip:
+        if cls is not ppo_clip:
             cls.rule(_checker(v, {b: a for a, b in cls.flat_fields.items()}))
     policy_fields = {f for fields in LOSS_FIELDS.values() for f in fields}
     for field in sorted(policy_fields - set(LOSS_FIELDS[name])):

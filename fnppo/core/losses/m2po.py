@@ -25,9 +25,43 @@ import math
 
 import torch
 
+from fnppo.core.errors import check_finite, describe, input_error
+from fnppo.core.losses.checks import finite_number
 from fnppo.core.typing import Float, Scalar, Tensor, typechecked
 
-__all__ = ["m2po_cutoff", "m2_values"]
+__all__ = ["m2po_cutoff", "m2_values", "check_m2_cutoff"]
+
+
+def check_m2_cutoff(fn: str, cutoff: float | Tensor, arg: str = "m2_cutoff") -> None:
+    """A cutoff is a number ``> 0`` or ``+inf`` (keep every token), never NaN: a NaN cutoff would mask
+    nothing (``m >= NaN`` is False) and one ``<= 0`` everything (``m >= 0`` always).
+
+    Raises:
+        InputError: naming ``arg``.
+    """
+    if isinstance(cutoff, Tensor):
+        ok = cutoff.numel() == 1 and cutoff.is_floating_point() and bool(cutoff > 0)  # False for NaN
+        if not ok:
+            value = describe(cutoff) + (f" = {cutoff.item()!r}" if cutoff.numel() == 1 else "")
+            raise input_error(
+                fn,
+                arg,
+                "a number > 0 or inf (m2po_cutoff's result; NaN or <= 0 would mask nothing or everything)",
+                value,
+            )
+        return
+    ok = (
+        not isinstance(cutoff, bool)
+        and isinstance(cutoff, (int, float))
+        and (finite_number(cutoff) or cutoff == math.inf)
+    )
+    if not (ok and cutoff > 0):
+        raise input_error(
+            fn,
+            arg,
+            "a number > 0 or inf (m2po_cutoff's result; NaN or <= 0 would mask nothing or everything)",
+            repr(cutoff),
+        )
 
 
 @typechecked
@@ -37,7 +71,16 @@ def m2po_cutoff(values: Float[Tensor, " n"], threshold: float) -> Scalar:
 
     Returns:
         A 0-dim float64 tensor (``inf``: keep all; an empty ``values`` keeps all).
+
+    Raises:
+        InputError: a ``threshold`` that is not a finite number > 0 (NaN would keep only the smallest
+            value's tokens, a negative one too); NaN/inf in ``values`` (a NaN sorts first and could
+            become the cutoff, which masks nothing).
     """
+    fn = "fnppo.core.losses.m2po.m2po_cutoff"
+    if not (finite_number(threshold) and threshold > 0):
+        raise input_error(fn, "threshold", "a finite number > 0", repr(threshold))
+    check_finite(fn, "values", values)
     s = torch.sort(values.detach().to(torch.float64), descending=True).values
     n = s.numel()
     inf = torch.full((), math.inf, dtype=torch.float64, device=values.device)

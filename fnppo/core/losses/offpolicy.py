@@ -29,16 +29,11 @@ from typing import Any, ClassVar
 import torch
 
 from fnppo.core.losses.checks import Checker, finite_number
-from fnppo.core.losses.policy import Builtin, PolicyInputs, PPOClip, builtins_of
+from fnppo.core.losses.policy import Builtin, PolicyInputs, exp_where, ppo_clip, reads_probabilities
 from fnppo.core.typing import Tensor
 
-__all__ = [
-    "check_dppo",
-    "check_ipo",
-    "check_dro",
-    "check_decoupled",
-    "check_icepop",
-]  # + the losses (end)
+__all__ = ["dppo_tv", "dppo_kl", "ipo", "kpop", "icepop", "dro", "loglinear_decoupled", "topr"]
+"""The built-in losses of this module (a new one: its class here and its name in this list; the rest is derived)."""
 
 
 def check_dppo(c: Checker) -> None:
@@ -71,7 +66,7 @@ _DPPO_FIELDS = MappingProxyType({"clip_ratio_low": "low", "clip_ratio_high": "hi
 
 
 @dataclass(frozen=True)
-class DPPOTV(Builtin):
+class dppo_tv(Builtin):
     """DPPO-Binary-TV: a trust region on the total-variation step of the sampled token's probability.
 
     With ``p = exp(logp)``, ``q = exp(logp_old)`` and ``r = p / q``: a token is inside the region when
@@ -81,12 +76,14 @@ class DPPOTV(Builtin):
     ``r > ratio_cap``. (The value of ``l`` contains ``logp``; only its gradient is meaningful.)
 
     Reference: DPPO, arXiv:2602.04879; verl ``compute_policy_loss_dppo_tv`` (PR #5397; verl reads
-    ``clip_ratio_low/high`` as the bounds and ``clip_ratio_c``, default 20, as the cap).
+    ``clip_ratio_low/high`` as the bounds and ``clip_ratio_c`` as the cap, 3.0 by default in its
+    ``ActorConfig``; fnppo's ``ratio_cap`` defaults to 20: pass ``ratio_cap=3.0`` for verl's).
     """
 
     flat_name: ClassVar[str] = "dppo_tv"
     flat_fields: ClassVar[Mapping[str, str]] = _DPPO_FIELDS
     rule = staticmethod(check_dppo)
+    reads_probabilities: ClassVar[bool] = True
 
     low: float = 0.2
     high: float = 0.2
@@ -102,13 +99,13 @@ class DPPOTV(Builtin):
 
 
 @dataclass(frozen=True)
-class DPPOKL(DPPOTV):
+class dppo_kl(dppo_tv):
     """DPPO-Binary-KL: the trust region on the binary KL of the sampled token's probability.
 
     ``D = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))`` (``p``, ``q`` as in
-    :class:`DPPOTV`); inside when ``D <= high or p <= q`` (``A > 0``) or ``D <= low or p >= q``
+    :class:`dppo_tv`); inside when ``D <= high or p <= q`` (``A > 0``) or ``D <= low or p >= q``
     (``A <= 0``): a token is masked only when its probability moved in the direction its advantage
-    pushes, by more than the bound. The loss and metrics are those of :class:`DPPOTV`.
+    pushes, by more than the bound. The loss and metrics are those of :class:`dppo_tv`.
 
     Reference: DPPO, arXiv:2602.04879; verl ``compute_policy_loss_dppo_kl`` (PR #5397).
     """
@@ -125,9 +122,10 @@ class DPPOKL(DPPOTV):
 
 
 @dataclass(frozen=True)
-class IPO(Builtin):
-    """IPO (prime-rl's default loss): a symmetric trust region on the probability step, the
-    importance-weighted policy gradient and a squared-log-ratio regularizer.
+class ipo(Builtin):
+    """IPO (prime-rl's ``ipo_loss_fn``): a symmetric trust region on the probability step, the
+    importance-weighted policy gradient and a squared-log-ratio regularizer. (prime-rl's default loss
+    at the revision cited is DPPO-TV plus a KL term, not IPO.)
 
     With ``r = exp(logp - logp_old)``: ``l = -A r [|p - q| <= threshold] + kl_coef (log r)^2``; the
     regularizer acts on every trained token, masked or not (prime-rl's ``kl_tau``; its ``adv_tau``
@@ -143,6 +141,7 @@ class IPO(Builtin):
         {"ipo_threshold": "threshold", "ipo_kl_coef": "kl_coef"}
     )
     rule = staticmethod(check_ipo)
+    reads_probabilities: ClassVar[bool] = True
 
     threshold: float = 0.1
     kl_coef: float = 1e-3
@@ -154,7 +153,8 @@ class IPO(Builtin):
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = x.log_ratio()
         masked = self.masked(x)
-        pg = torch.where(masked, torch.zeros_like(log_ratio), -x.advantages * torch.exp(log_ratio))
+        kept = ~masked & (x.advantages != 0)  # a masked token's ratio is never exponentiated (no 0 * inf)
+        pg = torch.where(kept, -x.advantages * exp_where(log_ratio, kept), torch.zeros_like(log_ratio))
         return pg + self.kl_coef * log_ratio * log_ratio, {"pg_clipfrac": x.token_metric(masked.float())}
 
 
@@ -168,14 +168,14 @@ def _binary_kl(p: Tensor, q: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class KPop(IPO):
+class kpop(ipo):
     """KPop: IPO with a binary-KL trust region instead of a probability-difference band.
 
     With ``p = exp(sg(logp))``, ``q = exp(logp_old)`` (both clamped to ``[1e-6, 1 - 1e-6]``) and
     ``r = exp(logp - logp_old)``: a token is kept iff ``D_B(p || q) <= threshold`` and
     ``D_B(q || p) <= threshold`` (the band is wide in ratio terms for rare tokens, tight for confident
     ones); ``l = -A r [kept] + kl_coef (log r)^2``, the regularizer on every trained token.
-    ``pg_clipfrac``: the masked fraction. For bypass mode, like :class:`IPO`.
+    ``pg_clipfrac``: the masked fraction. For bypass mode, like :class:`ipo`.
 
     Reference: KPop (Guo et al., Ant Group); prime-rl ``kpop_loss_fn`` (PR #3283), AReaL #1405.
     """
@@ -199,7 +199,7 @@ def check_icepop(c: Checker) -> None:
 
 
 @dataclass(frozen=True)
-class IcePop(Builtin):
+class icepop(Builtin):
     """IcePop as a loss: the importance-weighted policy gradient on the tokens whose ratio lies in an
     inclusive band, the others dropped (not clipped), no KL term.
 
@@ -224,13 +224,12 @@ class IcePop(Builtin):
         log_ratio = x.logprobs - x.old_logprobs
         lr = log_ratio.detach()
         kept = (lr >= math.log(self.low)) & (lr <= math.log(self.high))
-        safe = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
-        pg = torch.where(kept, -x.advantages * torch.exp(safe), torch.zeros_like(log_ratio))
+        pg = torch.where(kept, -x.advantages * exp_where(log_ratio, kept), torch.zeros_like(log_ratio))
         return pg, {"pg_clipfrac": x.token_metric((~kept).float())}
 
 
 @dataclass(frozen=True)
-class DRO(Builtin):
+class dro(Builtin):
     """DRO: the plain policy gradient with a quadratic trust region around the behaviour policy.
 
     ``l = -A logp + (beta / 2) (logp - logp_old)^2``; the penalty acts on every trained token
@@ -255,13 +254,18 @@ class DRO(Builtin):
 def check_decoupled(c: Checker) -> None:
     v = c.get("staleness")
     c.need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "staleness", "an int >= 0")
-    c.need(callable(c.get("inner")), "inner", "a policy loss (a callable taking PolicyInputs)")
+    inner = c.get("inner")
+    c.need(
+        callable(inner) and not isinstance(inner, type),
+        "inner",
+        "a policy loss (a callable taking PolicyInputs; a built loss such as ppo_clip(), not its class)",
+    )
     cap = c.get("weight_cap")
     c.need(cap is None or (finite_number(cap) and cap > 0), "weight_cap", "a number > 0 or None")
 
 
 @dataclass(frozen=True)
-class LoglinearDecoupled(Builtin):
+class loglinear_decoupled(Builtin):
     """Decoupled PPO with the proximal policy interpolated, not recomputed (AReaL's
     ``prox_logp_method="loglinear"``): no old-log-prob forward. For bypass mode, where
     ``x.old_logprobs`` are the behaviour (rollout engine's) log-probs.
@@ -279,10 +283,21 @@ class LoglinearDecoupled(Builtin):
     """
 
     rule = staticmethod(check_decoupled)
+    bypass_only: ClassVar[bool] = True
 
     staleness: int = 1
-    inner: Any = PPOClip()
+    inner: Any = ppo_clip()
     weight_cap: float | None = None
+
+    @property
+    def reads_probabilities(self) -> bool:  # type: ignore[override]
+        """As its inner loss: the behaviour log-probs pass into it through the proximal ones."""
+        return reads_probabilities(self.inner)
+
+    @property
+    def per_sequence(self) -> bool:  # type: ignore[override]
+        """As its inner loss (the weight ``w`` is per token)."""
+        return bool(getattr(self.inner, "per_sequence", False))
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         alpha = (self.staleness - 1) / self.staleness if self.staleness > 1 else 0.0
@@ -294,14 +309,32 @@ class LoglinearDecoupled(Builtin):
         return w * loss, {**metrics, "behaviour_weight": x.token_metric(w)}
 
 
-dppo_tv = DPPOTV
-dppo_kl = DPPOKL
-ipo = IPO
-loglinear_decoupled = LoglinearDecoupled
-dro = DRO
-kpop = KPop
-icepop = IcePop
+@dataclass(frozen=True)
+class topr(Builtin):
+    """TOPR, Tapered Off-Policy REINFORCE: plain REINFORCE where the advantage is >= 0, REINFORCE
+    weighted by the truncated importance ratio of the whole sequence where it is negative.
 
-LOSS_NAMES = tuple(builtins_of(globals()))
-"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
-__all__ += list(LOSS_NAMES)
+    With ``s_i = sum_t (logp_t - logp_old_t)`` over the valid tokens of sequence i (the log of the
+    trajectory ratio ``pi(tau) / mu(tau)``, a product over its tokens; clamped to
+    ``±log_ratio_clamp``), per token of sequence i ``l_t = -sg(w_t) A_t logp_t`` with ``w_t = 1``
+    where ``A_t >= 0`` and ``w_t = [exp(s_i)]_0^1 = min(exp(s_i), 1)`` where ``A_t < 0``: the
+    paper's ``grad J = sum_{R >= 0} mu R grad log pi + sum_{R < 0} mu [pi / mu]_0^1 R grad log pi``,
+    with sequence-level advantages (GRPO, RLOO: one per sequence) as its ``R``. The ratio is never
+    above 1, so nothing overflows. (The value contains ``logp``; only its gradient is meaningful.)
+    ``mu`` is ``x.old_logprobs``: in bypass mode the rollout engine's, the paper's behaviour policy.
+    ``pg_clipfrac``: the fraction of tokens whose weight was truncated (``A < 0`` and a ratio above 1).
+
+    Reference: Le Roux, Bellemare et al., Tapered Off-Policy REINFORCE, arXiv:2503.14286 (the TOPR
+    gradient, section 3).
+    """
+
+    flat_name: ClassVar[str] = "topr"
+    per_sequence: ClassVar[bool] = True
+
+    def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        seg = x.segments
+        log_ratio = x.logprobs.detach() - x.old_logprobs  # 0 where the mask is 0
+        seq = seg.gather(seg.sum(log_ratio), log_ratio)
+        negative = x.advantages < 0
+        weight = torch.where(negative, torch.exp(torch.clamp(seq, -x.log_ratio_clamp, 0.0)), torch.ones_like(seq))
+        return -weight * x.advantages * x.logprobs, {"pg_clipfrac": x.token_metric((negative & (seq > 0)).float())}

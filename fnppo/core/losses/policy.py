@@ -13,6 +13,10 @@ adds the entropy bonus and the KL penalty.
   ``kl_cov`` are in :mod:`fnppo.core.losses.covariance`.
 * :func:`uses_ratio` -- whether a policy loss reads ``old_logprobs`` (attribute ``uses_ratio``,
   default True; False for REINFORCE-like losses, which may then take TIS weights in bypass mode).
+* :func:`bypass_only` -- whether it needs them to be the behaviour policy's (attribute
+  ``bypass_only``, default False; True for ``loglinear_decoupled``: refused outside bypass mode);
+  :func:`reads_probabilities` -- whether it reads ``exp(old_logprobs)`` as a probability (then
+  old log-probs above 0 are refused).
 
 Each part's rule is a module-level ``check_*`` function over a :class:`~fnppo.core.losses.checks.Checker`,
 so that :func:`fnppo.core.losses.flat.from_flat` applies the same rule under the flat names.
@@ -21,7 +25,6 @@ so that :func:`fnppo.core.losses.flat.from_flat` applies the same rule under the
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,7 +37,8 @@ from fnppo.core.metrics import weighted_metric
 from fnppo.core.segments import Segments
 from fnppo.core.typing import Tensor
 
-__all__ = ["PolicyInputs", "PolicyLoss", "uses_ratio", "loss_name", "Builtin", "builtins_of"]  # + the losses (end)
+__all__ = ["ppo_clip", "gspo", "cispo", "gmpo", "sapo", "gpg", "reinforce"]
+"""The built-in losses of this module (a new one: its class here and its name in this list; the rest is derived)."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,10 @@ class PolicyInputs:
 
     Attributes:
         logprobs: current policy log-probs; carries the gradient.
-        old_logprobs: behaviour-policy log-probs (detached); the rollout engine's log-probs when
-            ``LossConfig.bypass_old_logprobs`` is set.
+        old_logprobs: the proximal policy's log-probs (detached), the anchor of the trust region: the
+            trainer's recompute of the policy at the start of the update (``fnppo.compute_logprobs``);
+            with ``LossConfig.bypass_old_logprobs`` the rollout engine's log-probs, the behaviour
+            policy, which then is the proximal one (``docs/conventions.md``, "which log-probs are which").
         advantages: per-token advantages (detached).
         mask: the float 0/1 loss mask.
         segments: token -> sequence grouping (``segments.sum``, ``segments.gather``).
@@ -117,6 +123,22 @@ def uses_ratio(loss: Any) -> bool:
     return getattr(loss, "uses_ratio", True)
 
 
+def bypass_only(loss: Any) -> bool:
+    """The ``bypass_only`` attribute of a policy loss, False when it has none: True for a loss whose
+    ``old_logprobs`` must be the behaviour policy's, the rollout engine's log-probs
+    (``LossConfig(bypass_old_logprobs=True)``); outside bypass mode they would be the trainer's
+    recomputed ones, and the loss would take the proximal policy for the behaviour policy."""
+    return getattr(loss, "bypass_only", False)
+
+
+def reads_probabilities(loss: Any) -> bool:
+    """The ``reads_probabilities`` attribute of a policy loss, False when it has none: True for a loss
+    that turns ``old_logprobs`` into probabilities (``exp``: DPPO's and IPO's trust regions), for
+    which :func:`~fnppo.core.losses.ppo.ppo_loss` and the step refuse old (in bypass mode: rollout)
+    log-probs above 0, a probability above 1."""
+    return getattr(loss, "reads_probabilities", False)
+
+
 def loss_name(loss: Any) -> str:
     """How messages name a policy loss: a function by its name, a built-in part by its ``repr``."""
     name = getattr(loss, "__name__", None)
@@ -163,62 +185,82 @@ def check_sapo(c: Checker) -> None:
 class Builtin:
     """What a built-in policy loss declares once, in its class (everything else is derived from it).
 
+    A built-in loss is one frozen dataclass with a lowercase name, written and called like a
+    function: ``ppo_clip(clip_high=0.28)`` builds it (validated), its ``repr`` is that expression,
+    and ``fnppo.losses.ppo_clip`` is its one public name. Its class attributes:
+
     * ``flat_name``: its ``policy_loss`` name in :func:`fnppo.core.losses.flat.from_flat` (a class
       without one is not reachable by a flat name);
     * ``flat_fields``: ``{flat field: attribute}``, the flat fields it reads; the flat defaults are
       its dataclass field defaults (:data:`fnppo.core.losses.flat.DEFAULTS`);
     * ``rule``: the rule of its parameters over a :class:`~fnppo.core.losses.checks.Checker`, run when
-      built (also by ``dataclasses.replace``) and by ``from_flat`` under the flat names.
+      built (also by ``dataclasses.replace``) and by ``from_flat`` under the flat names;
+    * ``uses_ratio`` (:func:`uses_ratio`), ``bypass_only`` (:func:`bypass_only`) and
+      ``reads_probabilities`` (:func:`reads_probabilities`): what it reads and how;
+    * ``split_invariant``: False for a loss whose per-token value depends on statistics of the
+      micro-batch it sees (``clip_cov``, ``kl_cov``), so that the step's loss depends on the split;
+    * ``per_sequence``: True for a loss whose token reads a statistic of its whole sequence (a
+      sequence ratio or mean: ``gspo``, ``gmpo``), which context parallelism (a rank holds part of
+      every sequence) refuses.
 
-    The class is its own factory (``ppo_clip = PPOClip``): a new built-in loss is its class and the
-    line of its public name.
+    A new built-in loss is its class and its name in its module's ``__all__``: the package's exports,
+    the flat tables and the tests' list (:data:`fnppo.core.losses.builtins.BUILTIN_LOSSES`) derive from it.
     """
 
     flat_name: ClassVar[str | None] = None
     flat_fields: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    bypass_only: ClassVar[bool] = False
+    reads_probabilities: ClassVar[bool] = False
+    split_invariant: ClassVar[bool] = True
+    per_sequence: ClassVar[bool] = False
 
     @staticmethod
     def rule(c: Checker) -> None:
         """No parameters to check."""
 
     def __post_init__(self) -> None:
-        self.rule(Checker.of(self, f"fnppo.losses.{public_name(type(self))}"))
-
-
-def public_name(cls: type) -> str:
-    """The lowercase name a built-in loss is known by (``ppo_clip`` for :class:`PPOClip`), else its class name."""
-    names = vars(sys.modules[cls.__module__])
-    return next((n for n, v in names.items() if v is cls and n.islower()), cls.__name__)
+        self.rule(Checker.of(self, f"fnppo.losses.{type(self).__name__}"))
 
 
 _CLIP = MappingProxyType({"clip_ratio_low": "clip_low", "clip_ratio_high": "clip_high"})
 _DUAL = MappingProxyType({**_CLIP, "clip_ratio_c": "dual_clip"})
 
 
+def exp_where(log_ratio: Tensor, used: Tensor) -> Tensor:
+    """``exp(log_ratio)`` where ``used``, 1 elsewhere: the entries a ``torch.where`` will not select are
+    computed on a safe input (0), so that an overflow there (``exp`` -> inf) cannot reach the gradient
+    as ``0 * inf = NaN``. The rule of every masked branch of the built-in losses."""
+    return torch.exp(torch.where(used, log_ratio, torch.zeros_like(log_ratio)))
+
+
 def clipped_surrogate(
-    ratio: Tensor, adv: Tensor, low: float, high: float, dual_clip: float | None
+    log_ratio: Tensor, adv: Tensor, low: float, high: float, dual_clip: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO pessimistic surrogate; returns (loss, clipped, dual_clipped) per token.
+    """PPO pessimistic surrogate of ``r = exp(log_ratio)``; returns (loss, clipped, dual_clipped) per token.
 
     A token is clipped only where the clipped term is strictly larger (resp. the dual bound
     strictly smaller); on a bound (equal terms) it is not clipped and keeps the unclipped gradient
-    (``torch.where``, not ``torch.minimum``, whose gradient a tie would split in half).
+    (``torch.where``, not ``torch.minimum``, whose gradient a tie would split in half). The clipped
+    terms are constants where they are selected (the clamp is active there), and the unclipped term
+    is evaluated only where it is selected (:func:`exp_where`), so a ratio that overflows on a
+    clipped token, or on a token with ``A = 0`` (loss 0), gives no NaN gradient.
     """
+    ratio = torch.exp(log_ratio.detach())  # the comparisons (inf on an overflow is fine there)
     l1 = -adv * ratio
     l2 = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipped = l2 > l1
-    loss = torch.where(clipped, l2, l1)
     if dual_clip is not None:
         l3 = -adv * dual_clip
-        lower = (adv < 0) & (loss > l3)
-        loss = torch.where(lower, l3, loss)
+        lower = (adv < 0) & ~clipped & (l1 > l3)
     else:
-        lower = torch.zeros_like(clipped)
-    return loss, clipped, lower
+        l3, lower = l2, torch.zeros_like(clipped)
+    kept = ~clipped & ~lower & (adv != 0)
+    unclipped = -adv * exp_where(log_ratio, kept)
+    return torch.where(clipped, l2, torch.where(lower, l3, unclipped)), clipped, lower
 
 
 @dataclass(frozen=True)
-class PPOClip(Builtin):
+class ppo_clip(Builtin):
     """PPO clipped surrogate with asymmetric and dual clipping (:func:`ppo_clip`).
 
     ``r = exp(logp - logp_old)``, ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and,
@@ -240,7 +282,9 @@ class PPOClip(Builtin):
     dual_clip: float | None = 3.0
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, clipped, lower = clipped_surrogate(x.ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip)
+        loss, clipped, lower = clipped_surrogate(
+            x.log_ratio(), x.advantages, self.clip_low, self.clip_high, self.dual_clip
+        )
         return loss, {
             "pg_clipfrac": x.token_metric(clipped.float()),
             "pg_clipfrac_lower": x.token_metric(lower.float()),
@@ -248,7 +292,7 @@ class PPOClip(Builtin):
 
 
 @dataclass(frozen=True)
-class GSPO(Builtin):
+class gspo(Builtin):
     """GSPO: clipped surrogate on the length-normalized sequence ratio (token-level form GSPO-token).
 
     ``log s_i = mean_t (logp_t - logp_old_t)`` over the valid tokens of sequence i and, per token,
@@ -264,6 +308,7 @@ class GSPO(Builtin):
     flat_name: ClassVar[str] = "gspo"
     flat_fields: ClassVar[Mapping[str, str]] = _CLIP
     rule = staticmethod(check_clip_bounds)
+    per_sequence: ClassVar[bool] = True
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -272,12 +317,12 @@ class GSPO(Builtin):
         c = x.log_ratio_clamp
         seq_log_ratio = x.seq_mean(x.logprobs.detach() - x.old_logprobs)
         log_s = torch.clamp(seq_log_ratio, -c, c) + x.logprobs - x.logprobs.detach()
-        loss, clipped, _ = clipped_surrogate(torch.exp(log_s), x.advantages, self.clip_low, self.clip_high, None)
+        loss, clipped, _ = clipped_surrogate(log_s, x.advantages, self.clip_low, self.clip_high, None)
         return loss, {"pg_clipfrac": x.token_metric(clipped.float())}
 
 
 @dataclass(frozen=True)
-class CISPO(Builtin):
+class cispo(Builtin):
     """CISPO: REINFORCE weighted by the clipped, stopped importance ratio.
 
     ``l = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``; every token keeps a gradient
@@ -304,7 +349,7 @@ class CISPO(Builtin):
 
 
 @dataclass(frozen=True)
-class GMPO(Builtin):
+class gmpo(Builtin):
     """GMPO: the geometric mean of token ratios, with token-level clipping in log space.
 
     Per token ``u_t = sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t, -clip_low, clip_high))``;
@@ -318,6 +363,7 @@ class GMPO(Builtin):
     flat_name: ClassVar[str] = "gmpo"
     flat_fields: ClassVar[Mapping[str, str]] = _CLIP
     rule = staticmethod(check_clip_bounds)
+    per_sequence: ClassVar[bool] = True
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -334,7 +380,7 @@ class GMPO(Builtin):
 
 
 @dataclass(frozen=True)
-class SAPO(Builtin):
+class sapo(Builtin):
     """SAPO: a smooth sigmoid gate instead of the hard clip.
 
     ``l = -f(r) A`` with ``f(r) = (4 / tau) sigmoid(tau (r - 1))`` and ``tau = tau_pos`` for
@@ -355,7 +401,11 @@ class SAPO(Builtin):
         adv = x.advantages
         # the temperatures take the inputs' dtype (two Python floats in torch.where would make fp32)
         tau = torch.where(adv > 0, adv.new_tensor(self.tau_pos), adv.new_tensor(self.tau_neg))
-        gate = (4.0 / tau) * torch.sigmoid(tau * (x.ratio() - 1.0))
+        # beyond r = 1 + 40 / tau the gate is 1 exactly (sigmoid(40) rounds to 1 in fp32 and fp64) and its
+        # gradient 0: the log-ratio is capped there, so an overflowing ratio gives no 0 * inf = NaN gradient
+        log_ratio, cap = x.log_ratio(), torch.log1p(40.0 / tau)
+        ratio = torch.exp(torch.where(log_ratio > cap, cap, log_ratio))
+        gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
         return -gate * adv, {}
 
 
@@ -364,7 +414,7 @@ def _plain_policy_gradient(x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 @dataclass(frozen=True)
-class Reinforce(Builtin):
+class reinforce(Builtin):
     """Plain policy gradient ``l = -A * logp`` (on-policy; ``old_logprobs`` is not used).
 
     With ``bypass_old_logprobs`` and ``tis_cap`` it is the REINFORCE estimator of rollout
@@ -382,8 +432,8 @@ class Reinforce(Builtin):
 
 
 @dataclass(frozen=True)
-class GPG(Builtin):
-    """Group Policy Gradient: the plain policy gradient ``l = -A * logp`` of :class:`Reinforce`
+class gpg(Builtin):
+    """Group Policy Gradient: the plain policy gradient ``l = -A * logp`` of :class:`reinforce`
     (GPG's advantage correction is left to the advantage estimator, ``gpg_advantages``).
 
     Reference: GPG, arXiv:2504.02546.
@@ -394,30 +444,3 @@ class GPG(Builtin):
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
         return _plain_policy_gradient(x)
-
-
-# =============================================================================================
-# The public names: each class is its own factory (same arguments, validated when built)
-# =============================================================================================
-ppo_clip = PPOClip
-gspo = GSPO
-cispo = CISPO
-gmpo = GMPO
-sapo = SAPO
-gpg = GPG
-reinforce = Reinforce
-
-
-def builtins_of(namespace: Mapping[str, Any]) -> dict[str, type]:
-    """The built-in policy losses defined in a module's namespace, by every public name bound to one
-    (class and factory alias), in definition order: how the tables and ``__all__`` lists are derived."""
-    return {
-        name: v
-        for name, v in namespace.items()
-        if isinstance(v, type) and issubclass(v, Builtin) and v is not Builtin and not name.startswith("_")
-    }
-
-
-LOSS_NAMES = tuple(builtins_of(globals()))
-"""The public names of the built-in losses here (classes and their lowercase aliases), derived."""
-__all__ += list(LOSS_NAMES)

@@ -38,7 +38,8 @@ from fnppo.core.losses.aggregate import Tokens, agg_weights, denominator
 from fnppo.core.losses.checks import check_non_empty, describe_value, validate_inputs
 from fnppo.core.losses.config import LossConfig
 from fnppo.core.losses.kl import kl_penalty
-from fnppo.core.losses.policy import PolicyInputs, loss_name
+from fnppo.core.losses.m2po import check_m2_cutoff
+from fnppo.core.losses.policy import PolicyInputs, loss_name, reads_probabilities
 from fnppo.core.losses.rollout_correction import Rules
 from fnppo.core.losses.rollout_weights import correction
 from fnppo.core.metrics import pair_metric, weighted_metric
@@ -67,8 +68,16 @@ def _check_loss_inputs(
     m2_cutoff: Any = None,
 ) -> None:
     """The optional inputs that ``config`` needs are given (and ``tis_mean``, ``m2_cutoff`` only when used)."""
-    if old_logprobs is None and not config.bypass_old_logprobs:
-        raise input_error(fn, "old_logprobs", "a tensor (or LossConfig.bypass_old_logprobs=True)", "None")
+    if old_logprobs is None and config.needs_old_logprobs:
+        raise input_error(
+            fn,
+            "old_logprobs",
+            f"a tensor: the policy loss {loss_name(config.policy)!r} reads them"
+            + (" (its ratio)" if config.correction is None else " (so does the rollout correction)")
+            + " (compute them with fnppo.compute_logprobs, or set LossConfig.bypass_old_logprobs=True "
+            "to use the rollout log-probs)",
+            "None",
+        )
     if config.entropy_coef != 0 and entropy is None:
         raise input_error(fn, "entropy", f"a tensor since entropy_coef={config.entropy_coef!r}", "None")
     if config.kl is not None and config.kl.coef != 0 and ref_logprobs is None:
@@ -85,6 +94,25 @@ def _check_loss_inputs(
         raise input_error(fn, "tis_mean", "None unless correction.batch_normalize=True", describe_value(tis_mean))
     if m2_cutoff is not None and (config.correction is None or config.correction.m2_threshold is None):
         raise input_error(fn, "m2_cutoff", "None unless correction.m2_threshold is set", describe_value(m2_cutoff))
+    if m2_cutoff is not None and (not isinstance(m2_cutoff, Tensor) or typechecking_enabled()):
+        check_m2_cutoff(fn, m2_cutoff)  # a tensor costs a sync: checked while checking is on
+
+
+def _check_probabilities(fn: str, config: LossConfig, old: Tensor | None, mask: Tensor) -> None:
+    """A policy loss that reads ``exp(old)`` as a probability (:func:`~fnppo.core.losses.policy.reads_probabilities`:
+    DPPO, IPO, KPop) refuses old log-probs above 0 where the mask is 1 (one sync, with checking on)."""
+    if old is None or not reads_probabilities(config.policy):
+        return
+    above = (old > 0) & (mask != 0)
+    if bool(above.any()):
+        arg = "rollout_logprobs" if config.bypass_old_logprobs else "old_logprobs"
+        raise input_error(
+            fn,
+            arg,
+            f"log-probs <= 0 where loss_mask is 1 (the policy loss {loss_name(config.policy)!r} reads exp({arg}) "
+            "as the probability of the token)",
+            f"{describe(old)} with {int(above.sum())} entries above 0 (max {float(old[mask != 0].max())!r})",
+        )
 
 
 def _policy_term(fn: str, config: LossConfig, x: PolicyInputs, tok: Tokens) -> tuple[Tensor, dict[str, Tensor]]:
@@ -233,8 +261,10 @@ def ppo_loss(
 
     Args:
         logprobs: ``[batch, seq]`` log-probs of the current policy (carries the gradient).
-        old_logprobs: log-probs of the policy that generated the data (recomputed by the trainer);
-            None (ignored) in bypass mode.
+        old_logprobs: log-probs of the proximal policy, the trainer's recompute of the policy that
+            generated the data (``fnppo.compute_logprobs``); None (ignored) in bypass mode, and
+            allowed for a policy loss that uses no ratio (``gpg``, ``reinforce``) without a
+            correction (``ppo_kl`` is then not reported).
         advantages: per-token advantages.
         loss_mask: 0/1 mask of the trained tokens (bool, int or float).
         config: :class:`~fnppo.core.losses.config.LossConfig`.
@@ -264,8 +294,11 @@ def ppo_loss(
     Raises:
         ShapeError: shapes or dtypes that disagree (call-time check).
         InputError: an empty batch; an input the config needs left out (``old_logprobs`` outside
-            bypass mode, ``rollout_logprobs`` in it or with a correction); ``tis_mean`` without
-            ``correction.batch_normalize``; with checking on, a mask that is not 0/1, NaN/inf in
+            bypass mode for a ratio-based policy loss or a rollout correction, ``rollout_logprobs``
+            in bypass mode or with a correction); ``tis_mean`` without ``correction.batch_normalize``;
+            ``m2_cutoff`` without ``correction.m2_threshold``, NaN or not > 0; with checking on,
+            old (in bypass mode: rollout) log-probs above 0 for a policy loss that reads them as
+            probabilities (DPPO, IPO, KPop); with checking on, a mask that is not 0/1, NaN/inf in
             ``advantages``, ``old_logprobs``, ``ref_logprobs`` or ``rollout_logprobs`` at positions
             where ``loss_mask`` is 1 (only there), ``seq_ids`` out of range, a negative or
             non-finite ``normalizer`` or ``tis_mean``; a policy loss whose output is not per-token.
@@ -288,9 +321,11 @@ def ppo_loss(
             seq_ids,
             tis_mean=tis_mean,
         )
+        _check_probabilities(fn, config, rollout_logprobs if bypass else old_logprobs, loss_mask)
     tok = Tokens.of(logprobs, loss_mask, seq_ids)
     lp = tok.clean(logprobs, detach=False)
-    old = tok.clean(rollout_logprobs if bypass else old_logprobs, detach=True)
+    given = rollout_logprobs if bypass else old_logprobs  # None only for a loss that reads none
+    old = lp.detach() if given is None else tok.clean(given, detach=True)
     inputs = PolicyInputs(
         lp, old, tok.clean(advantages, detach=True), tok.mf, tok.seg, config.log_ratio_clamp, generator
     )
@@ -306,7 +341,8 @@ def ppo_loss(
     total_num = _add_regularizers(pg_num, config, lp, entropy, ref_logprobs, tok, agg_w * keep, local_den, metrics)
     loss = total_num / denominator(normalizer, local_den)
     metrics["loss"] = pair_metric(total_num, local_den)
-    metrics["ppo_kl"] = weighted_metric(old - lp, tok.mf)
+    if given is not None:
+        metrics["ppo_kl"] = weighted_metric(old - lp, tok.mf)
     for key, value in extra.items():
         metrics[key] = value.detach().float()
     return loss, metrics

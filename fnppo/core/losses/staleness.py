@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fnppo.core.errors import input_error
+from fnppo.core.losses.config import LossConfig
+from fnppo.core.losses.policy import bypass_only, loss_name
 
 __all__ = ["Staleness", "PROXIMAL"]
 
@@ -59,7 +60,7 @@ class Staleness:
             raise input_error(fn, "max_staleness", "an int >= 0", repr(self.max_staleness))
         if self.max_staleness < 0:
             raise input_error(fn, "max_staleness", "an int >= 0", repr(self.max_staleness))
-        if self.proximal not in PROXIMAL:
+        if not isinstance(self.proximal, str) or self.proximal not in PROXIMAL:
             raise input_error(fn, "proximal", f"one of {list(PROXIMAL)}", repr(self.proximal))
 
     @property
@@ -67,8 +68,47 @@ class Staleness:
         """Whether the samples need the trainer's old log-probs (one forward per batch): ``proximal == "old"``."""
         return self.proximal == "old"
 
-    def loss_config(self, loss: Any) -> Any:
-        """``loss`` (a ``LossConfig``) with ``bypass_old_logprobs`` set by ``proximal`` (validated again)."""
+    def loss_config(self, loss: LossConfig) -> LossConfig:
+        """``loss`` with ``bypass_old_logprobs`` set by ``proximal`` (validated again).
+
+        ``proximal="behaviour"`` turns bypass mode on; ``proximal="old"`` keeps it off, and refuses a
+        ``loss`` that asked for it (the caller's flag and the contract would say opposite things).
+
+        Raises:
+            InputError: ``fnppo.losses.Staleness.loss_config``: ``loss`` not a ``LossConfig``; with
+                ``proximal="old"``, a loss in bypass mode (``loss.bypass_old_logprobs``) or one that
+                needs it (``loglinear_decoupled``, named ``proximal``); a policy loss assuming a
+                staleness above ``max_staleness`` (``loss.policy.staleness``: no sample that old is
+                accepted).
+        """
+        fn = "fnppo.losses.Staleness.loss_config"
+        if not isinstance(loss, LossConfig):
+            raise input_error(fn, "loss", "a fnppo.losses.LossConfig", f"{type(loss).__name__} {loss!r}"[:120])
+        if self.proximal == "old" and bypass_only(loss.policy):
+            raise input_error(
+                fn,
+                "proximal",
+                f"'behaviour' for the policy loss {loss_name(loss.policy)!r} (it reads the behaviour policy's "
+                "log-probs, which only bypass mode passes)",
+                repr(self.proximal),
+            )
+        if self.proximal == "old" and loss.bypass_old_logprobs:
+            raise input_error(
+                fn,
+                "loss.bypass_old_logprobs",
+                "False with proximal='old' (the recomputed old log-probs anchor the clip; bypass mode is "
+                "Staleness(proximal='behaviour'))",
+                "True",
+            )
+        assumed = getattr(loss.policy, "staleness", None)
+        if isinstance(assumed, int) and assumed > self.max_staleness:
+            raise input_error(
+                fn,
+                "loss.policy.staleness",
+                f"at most max_staleness={self.max_staleness} (the policy loss assumes samples {assumed} versions "
+                "old, which this contract refuses)",
+                repr(assumed),
+            )
         return dataclasses.replace(loss, bypass_old_logprobs=self.proximal == "behaviour")
 
     def check(self, versions: Sequence[int], current_version: int) -> None:
@@ -81,9 +121,18 @@ class Staleness:
 
         Raises:
             InputError: ``fnppo.losses.Staleness.check: argument 'versions[i]' expected a version in
-                [current - max_staleness, current] ...``, naming the first stale sample.
+                [current - max_staleness, current] ...``, naming the first stale sample (or one that is
+                not an int); ``versions`` not a list or tuple (None, a string, a tensor);
+                ``current_version`` not an int >= 0.
         """
         fn = "fnppo.losses.Staleness.check"
+        if isinstance(versions, (str, bytes)) or not isinstance(versions, Sequence):
+            raise input_error(
+                fn,
+                "versions",
+                "a sequence (list or tuple) of ints, one per sample",
+                f"{type(versions).__name__} {versions!r}"[:120],
+            )
         if isinstance(current_version, bool) or not isinstance(current_version, int) or current_version < 0:
             raise input_error(fn, "current_version", "an int >= 0", repr(current_version))
         low = current_version - self.max_staleness
