@@ -49,12 +49,13 @@ class MoELayout:
 class Family:
     """One Hugging Face family: every fact that loading, export and the config checks read about it.
 
-    Adding a family is one record in :data:`FAMILIES` plus a round-trip test (tests/test_hf.py's
-    ``FAMILIES`` / ``MOE_FAMILIES``) and its config class in tests/test_hf_config_keys.py. All
-    families use RMSNorm, SwiGLU, RoPE rotating halves of the whole head (not interleaved, not
-    partial) and the Llama tensor names (``model.layers.i.self_attn.{q,k,v,o}_proj``,
-    ``mlp.{gate,up,down}_proj``, ...). A family reads its ``config.json`` through
-    :attr:`allow_list` (``keys`` over the keys of every family, ``defaults`` for absent keys).
+    Adding a family is one record in :data:`FAMILIES` plus a row of tests/test_hf.py's ``FAMILIES`` /
+    ``MOE_FAMILIES`` (its round trips; tests/test_hf_config_keys.py checks its allow-list against the
+    transformers config class named there). All families use RMSNorm, SwiGLU, RoPE rotating halves
+    of the whole head (not interleaved, not partial) and the Llama tensor names
+    (``model.layers.i.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ...). A family reads
+    its ``config.json`` through :attr:`allow_list` (``keys`` over the keys of every family,
+    ``defaults`` for absent keys).
     """
 
     model_type: str
