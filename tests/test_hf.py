@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fnppo.core.errors import InputError
+from fnppo.core.errors import CheckpointError, InputError
 from fnppo.io.hf import build_gpt_from_hf, export_hf_weights, load_hf_weights, model_config_from_hf
 from fnppo.testing import run_ranks
 from tests.messages import check_message, raises_message
@@ -234,6 +234,11 @@ def _error_checks(ckpts: dict, bad: dict) -> dict:
     res["export config mismatch"] = _refused_call(
         lambda: export_hf_weights(chunks, bad["missing"] + "-export", hf_config=ckpts["qwen2"][0])
     )
+    nope = dict(json.loads((Path(path) / "config.json").read_text()), no_rope_layers=[1, 0])  # SmolLM3's NoPE
+    res["export config refused key"] = _refused_call(
+        lambda: export_hf_weights(chunks, bad["missing"] + "-export-nope", hf_config=nope)
+    )
+    res["export config refused key wrote"] = Path(bad["missing"] + "-export-nope").exists()
     return res
 
 
@@ -732,6 +737,15 @@ def test_bad_checkpoints_are_refused_and_load_nothing(tp1_run):
             "['LlamaForCausalLM'])"
         ), errors["export config mismatch"][0]
         assert "tie_word_embeddings: True (model: False)" in errors["export config mismatch"][0]
+        check_message(  # read through the family's allow-list, before anything is written
+            InputError(errors["export config refused key"][0]),
+            InputError,
+            "export_hf_weights",
+            "hf_config['no_rope_layers']",
+            "None or [1] * 2 (layers without positional encoding (SmolLM3's NoPE)",
+            "[1, 0]",
+        )
+        assert errors["export config refused key wrote"] is False
         assert res["bf16"] is True
 
 
@@ -1064,9 +1078,10 @@ def _load_cases(model_path: str, cases: dict, ids: torch.Tensor, build_from: dic
         before = {k: v.detach().clone() for k, v in unwrap_model(chunks[0]).named_parameters()}
         try:
             load_hf_weights(chunks, path)
-        except InputError as err:
+        except (InputError, CheckpointError) as err:
             now = dict(unwrap_model(chunks[0]).named_parameters())
-            out[case] = (str(err), all(torch.equal(before[k], now[k]) for k in before))
+            kind = "CheckpointError: " if isinstance(err, CheckpointError) else ""
+            out[case] = (kind + str(err), all(torch.equal(before[k], now[k]) for k in before))
             continue
         out[case] = _megatron_logits(chunks, ids)
     return out
@@ -1173,16 +1188,32 @@ _CONFIG_CASES = {
     ),
     "rms-norm-eps": (dict(rms_norm_eps=1e-6), "['rms_norm_eps']", "1e-05", "1e-06"),
     "tie": (dict(tie_word_embeddings=True), "['tie_word_embeddings']", "False", "True"),
-    "attention-bias": (dict(attention_bias=True), "['attention_bias']", "False", "True"),
-    "mlp-bias": (dict(mlp_bias=True), "['mlp_bias']", "False", "True"),
     "head-dim": (dict(head_dim=32), "['head_dim']", "16", "32"),
-    "hidden-act": (dict(hidden_act="gelu"), "['hidden_act']", "'silu'", "'gelu'"),
     "vocab": (dict(vocab_size=100), "['vocab_size']", "128", "100"),
-    "partial-rotary": (dict(partial_rotary_factor=0.5), "['partial_rotary_factor']", "1.0", "0.5"),
+}
+
+
+# case -> (config.json changes, the key the allow-list names, expected, received): keys the model's
+# family does not read as written (tests/test_hf_config_keys.py has them all, through model_config_from_hf)
+_ALLOW_LIST_CASES = {
+    "no-rope-layers": (dict(no_rope_layers=[1, 0]), "no_rope_layers", "None or [1] * 2", "[1, 0]"),
+    "tie-string": (dict(tie_word_embeddings="false"), "tie_word_embeddings", "a bool (JSON true or false)", "'false'"),
+    "max-positions-zero": (dict(max_position_embeddings=0), "max_position_embeddings", "an int >= 1", "0"),
+    "rope-interleave": (dict(rope_interleave=True), "rope_interleave", "False (interleaved RoPE", "True"),
+    "unknown-key": (dict(attention_chunk_size=8192), "attention_chunk_size", "no such key: model_type 'llama'", "8192"),
+    "attention-bias": (dict(attention_bias=True), "attention_bias", "False (o_proj bias", "True"),
+    "mlp-bias": (dict(mlp_bias=True), "mlp_bias", "False (a bias on the MLP", "True"),
+    "hidden-act": (dict(hidden_act="gelu"), "hidden_act", "'silu' (SwiGLU) for model_type 'llama'", "'gelu'"),
+    "partial-rotary": (
+        dict(partial_rotary_factor=0.5),
+        "partial_rotary_factor",
+        "1.0 (RoPE on part of each head",
+        "0.5",
+    ),
     "layer-types": (
         dict(layer_types=["sliding_attention", "full_attention"]),
-        "['layer_types']",
-        "['full_attention', 'full_attention']",
+        "layer_types",
+        "None or ['full_attention'] * 2",
         "['sliding_attention', 'full_attention']",
     ),
 }
@@ -1202,8 +1233,27 @@ def test_checkpoint_config_must_match_the_model(checkpoints, tmp_path):
             changes = {"rope_parameters": rope}
         cases[case] = _variant(path, tmp_path / case, changes)
     cases["unchanged"] = _variant(path, tmp_path / "unchanged")
+    for case, (changes, *_rest) in _ALLOW_LIST_CASES.items():
+        cases[case] = _variant(path, tmp_path / case, changes)
+    cases["corrupt"] = _variant(path, tmp_path / "corrupt")
+    text = (Path(cases["corrupt"]) / "config.json").read_text()
+    (Path(cases["corrupt"]) / "config.json").write_text(text[: len(text) // 2])  # a write cut short
     res = run_ranks(_load_cases, 1, path, cases, ids)[0]
     assert (res.pop("unchanged") - ref).abs().max().item() <= TOL
+    for case, (_, key, want, have) in _ALLOW_LIST_CASES.items():  # the file read through the allow-list
+        msg, untouched = res[case]
+        check_message(InputError(msg), InputError, "load_hf_weights", f"config.json[{key!r}]", want, have)
+        assert untouched, case
+    msg, untouched = res["corrupt"]
+    assert msg.startswith("CheckpointError: ") and untouched, msg
+    check_message(
+        InputError(msg[17:]),
+        InputError,
+        "load_hf_weights",
+        "path",
+        "a readable config.json holding a JSON object",
+        f"{cases['corrupt']}/config.json' (JSONDecodeError: ",
+    )
     for case, (_, key, want, have) in _CONFIG_CASES.items():
         msg, untouched = res[case]
         head = f"fnppo.io.hf.load_hf_weights: argument 'config.json{key}' expected {want} (what the model was built for"
@@ -1219,9 +1269,9 @@ def test_qwen2_sliding_window_checkpoint_is_refused_by_the_loader(checkpoints, t
     path, ids, _ = checkpoints["qwen2"]
     bad = _variant(path, tmp_path / "sw", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0))
     msg, untouched = run_ranks(_load_cases, 1, path, {"sw": bad}, ids)[0]["sw"]
-    assert msg.startswith(
+    assert msg.startswith(  # read through the family's allow-list before it is compared with the model
         "fnppo.io.hf.load_hf_weights: argument 'config.json['use_sliding_window']' expected False "
-        "(what the model was built for: full attention), received True"
+        "(sliding-window attention is not supported) for model_type 'qwen2', received True"
     ), msg
     assert untouched
 
@@ -1237,7 +1287,7 @@ def test_rope_errors_name_the_key_the_file_uses(key):
         model_config_from_hf(d)
     assert str(err.value).startswith(
         f"fnppo.io.hf.model_config_from_hf: argument 'config.{key}['low_freq_factor']' "
-        "expected 1 (the llama3 scaling Megatron implements), received 2.0"
+        "expected 1 (the llama3 scaling Megatron implements) for model_type 'llama', received 2.0"
     ), str(err.value)
 
 

@@ -20,6 +20,7 @@ siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
 
 The modules, one job each (each imports only the ones above it)::
 
+    config_keys the allow-list a family reads its config.json through (understood / irrelevant / refused)
     families    the supported families, the heads their checkpoints end in, the value-head layouts
     config      config.json -> ModelConfig (families, rope, MoE router); build_gpt_from_hf
     arch        a built model's architecture and the Hugging Face tensor names and shapes it has

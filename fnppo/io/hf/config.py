@@ -12,6 +12,12 @@ architectures, other activations, rope types other than ``"default"``/``"llama3"
 parameters other than the ones Megatron implements), sliding-window attention, biases other than
 Qwen2's q/k/v bias.
 
+Every key of a config is read through the family's allow-list (:mod:`fnppo.io.hf.config_keys`,
+:attr:`fnppo.io.hf.families.Family.allow_list`): understood (mapped here, type- and
+range-checked), irrelevant (tokenizer ids, ``use_cache``, ...) or refused by name (layers without
+RoPE, interleaved or partial RoPE, quantized weights, any key fnppo does not know); an absent key
+takes transformers' default for the family.
+
 Mixture of Experts (top-k softmax routers, no token dropping; arXiv:2401.04088, arXiv:2407.10671,
 arXiv:2505.09388), each router option mapped to Megatron's exactly:
 
@@ -44,8 +50,9 @@ from typing import Any
 
 from torch import nn
 
-from fnppo.core.errors import input_error
-from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, MoELayout, checkpoint_head
+from fnppo.core.errors import InputError, checkpoint_error, input_error
+from fnppo.io.hf.config_keys import DTYPES, key_name, read_keys, shown
+from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, MoELayout, checkpoint_head
 from fnppo.megatron.build import build_gpt
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.parallel import current_layout
@@ -53,11 +60,18 @@ from fnppo.megatron.unwrap import unwrap_model
 
 # Megatron 0.16's llama3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling).
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+_ROPE_KEYS = {"default": ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
+_ROPE_KEYS["llama3"] = (*_ROPE_KEYS["default"], "factor", *LLAMA3_FIXED)
 
 
 def read_hf_config(fn: str, arg: str, config_or_path: Any) -> dict[str, Any]:
-    """A Hugging Face config as a plain dict: a mapping, a ``PretrainedConfig``, or a local path."""
+    """A Hugging Face config as a plain dict: a mapping, a ``PretrainedConfig``, or a local path.
+
+    Raises:
+        InputError: no such file, or another type.
+        CheckpointError: a ``config.json`` that cannot be read or is not a JSON object (truncated,
+            corrupt, a list), naming the path and the cause.
+    """
     if isinstance(config_or_path, Mapping):
         return dict(config_or_path)
     if isinstance(config_or_path, (str, os.PathLike)):
@@ -66,56 +80,169 @@ def read_hf_config(fn: str, arg: str, config_or_path: Any) -> dict[str, Any]:
             p = p / "config.json"
         if not p.is_file():
             raise input_error(fn, arg, "a config.json file or a local directory holding one", repr(str(p)))
-        with open(p, encoding="utf-8") as fh:
-            return json.load(fh)
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise checkpoint_error(
+                fn, arg, "a readable config.json holding a JSON object", f"{str(p)!r} ({type(err).__name__}: {err})"
+            ) from None
+        if not isinstance(data, dict):
+            kind = {list: "an array", str: "a string", bool: "a bool", type(None): "null"}.get(type(data), "a number")
+            raise checkpoint_error(fn, arg, "a config.json holding a JSON object", f"{str(p)!r} holding {kind}")
+        return data
     if hasattr(config_or_path, "to_dict"):
         return dict(config_or_path.to_dict())
     raise input_error(fn, arg, "a dict, a transformers PretrainedConfig or a path", type(config_or_path).__name__)
 
 
-def _family(fn: str, hf: Mapping[str, Any]) -> str:
+def _family(fn: str, hf: Mapping[str, Any], label: str) -> Family:
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     supported = ", ".join(f"{a} (model_type {t!r})" for t, a in SUPPORTED_ARCHITECTURES.items())
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_ARCHITECTURES:
         raise input_error(
-            fn, "config.model_type", f"one of: {supported}", f"model_type={model_type!r}, architectures={list(archs)!r}"
+            fn,
+            key_name(label, "model_type"),
+            f"one of: {supported}",
+            f"model_type={model_type!r}, architectures={shown(archs)}",
         )
-    checkpoint_head(fn, model_type, hf, "config")
-    return model_type
+    return FAMILIES[model_type]
 
 
-def _rope(fn: str, hf: Mapping[str, Any]) -> tuple[float, bool, float]:
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0.0 < float(value) < float("inf")
+
+
+def _same_number(a: Any, b: float) -> bool:
+    return not isinstance(a, bool) and isinstance(a, (int, float)) and float(a) == b
+
+
+def _rope(fn: str, hf: Mapping[str, Any], label: str, family: str) -> tuple[float, bool, float]:
     """``(theta, llama3_scaling, factor)`` from ``rope_parameters`` (transformers 5) or
-    ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, Mapping) and params:
-        scaling: Mapping[str, Any] = params
-        theta = params.get("rope_theta", hf.get("rope_theta") or 10000.0)
-        key = "config.rope_parameters"
-    else:
-        scaling = hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta") or 10000.0
-        key = "config.rope_scaling"
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    partial = hf.get("partial_rotary_factor") or (scaling.get("partial_rotary_factor", 1.0) if scaling else 1.0)
-    if float(partial) != 1.0:
-        raise input_error(fn, "config.partial_rotary_factor", "1.0", repr(partial))
-    if rope_type in (None, "default"):
+    ``rope_theta``/``rope_scaling`` (``hf`` read through the allow-list: ``rope_theta`` is there).
+
+    Raises:
+        InputError: a rope type other than ``"default"``/``"llama3"``, an entry the type does not
+            have, llama3 parameters other than Megatron's, theta or factor not a finite number > 0,
+            both ``rope_parameters`` and a different ``rope_scaling`` (transformers 5 would read
+            ``rope_scaling``).
+    """
+
+    def refuse(arg: str, expected: str, received: Any) -> InputError:
+        return input_error(fn, arg, f"{expected} for model_type {family!r}", shown(received))
+
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if params and legacy and dict(params) != dict(legacy):
+        why = "transformers 5 would read rope_scaling over rope_parameters"
+        raise refuse(key_name(label, "rope_scaling"), f"None or rope_parameters' entries ({why})", legacy)
+    scaling: Mapping[str, Any] = params or legacy or {}
+    key = key_name(label, "rope_parameters" if params else "rope_scaling")
+    given = [scaling[k] for k in ("rope_type", "type") if k in scaling]
+    if len(given) == 2 and given[0] != given[1]:
+        raise refuse(f"{key}['type']", f"absent or {given[0]!r}, the rope_type", given[1])
+    rope_type = given[0] if given and given[0] is not None else "default"
+    if not isinstance(rope_type, str) or rope_type not in _ROPE_KEYS:
+        raise refuse(key, "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", rope_type)
+    for name in scaling:
+        if name not in _ROPE_KEYS[rope_type]:
+            raise refuse(
+                f"{key}[{name!r}]",
+                f"no such entry (rope_type {rope_type!r} has {_ROPE_KEYS[rope_type]})",
+                scaling[name],
+            )
+    if "partial_rotary_factor" in scaling and not _same_number(scaling["partial_rotary_factor"], 1.0):
+        got = scaling["partial_rotary_factor"]
+        raise refuse(f"{key}['partial_rotary_factor']", "1.0 (these families rotate the whole head)", got)
+    theta_key = f"{key}['rope_theta']" if "rope_theta" in scaling else key_name(label, "rope_theta")
+    theta = scaling.get("rope_theta", hf.get("rope_theta"))
+    if not _positive(theta):
+        raise refuse(theta_key, "a finite number > 0", theta)
+    if rope_type == "default":
         return float(theta), False, 8.0
-    if rope_type == "llama3":
-        for name, value in LLAMA3_FIXED.items():
-            got = scaling.get(name, value)
-            if float(got) != value:
-                raise input_error(
-                    fn, f"{key}[{name!r}]", f"{value:g} (the llama3 scaling Megatron implements)", repr(got)
-                )
-        if "factor" not in scaling:
-            raise input_error(fn, f"{key}['factor']", "a number", "no such key")
-        return float(theta), True, float(scaling["factor"])
-    raise input_error(
-        fn, key, "rope_type 'default' or 'llama3' (the RoPE variants Megatron implements)", repr(rope_type)
+    for name, value in LLAMA3_FIXED.items():
+        if not _same_number(scaling.get(name, value), value):
+            raise refuse(f"{key}[{name!r}]", f"{value:g} (the llama3 scaling Megatron implements)", scaling[name])
+    if not _positive(scaling.get("factor")):
+        raise refuse(f"{key}['factor']", "a finite number > 0", scaling.get("factor", "no such key"))
+    return float(theta), True, float(scaling["factor"])
+
+
+def _attention(
+    fn: str, family: str, c: Mapping[str, Any], written: Mapping[str, Any], label: str
+) -> tuple[int, int, int]:
+    """``(heads, query groups, head dim)`` of ``c`` (read through the allow-list; ``written``: the
+    keys as given): ``num_key_value_heads`` None is one group per head, ``head_dim`` None is
+    ``hidden_size // num_attention_heads`` (transformers' rule)."""
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    groups = c.get("num_key_value_heads") or heads
+    if heads % groups:
+        raise input_error(
+            fn,
+            key_name(label, "num_key_value_heads"),
+            f"a divisor of num_attention_heads {heads} (grouped-query attention) for model_type {family!r}",
+            repr(groups) + ("" if "num_key_value_heads" in written else " (absent: transformers' default)"),
+        )
+    head_dim = c.get("head_dim") or hidden // heads
+    if head_dim < 1:
+        raise input_error(
+            fn,
+            key_name(label, "head_dim"),
+            f"an int >= 1 (hidden_size {hidden} // num_attention_heads {heads}) for model_type {family!r}",
+            repr(head_dim),
+        )
+    return heads, groups, head_dim
+
+
+def checked_hf_config(
+    fn: str, hf: Mapping[str, Any], label: str = "config", head: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(config, fields)``: a Hugging Face config read through its family's allow-list
+    (:func:`fnppo.io.hf.config_keys.read_keys`: every key understood, irrelevant or refused; absent
+    keys given transformers' defaults) and the :class:`ModelConfig` fields it maps to.
+    ``label``: how errors name the config (``"config"``, ``"config.json"``, ``"hf_config"``);
+    ``head``: check the head it describes (:func:`checkpoint_head`; the loader compares it with the
+    model's first).
+
+    Raises:
+        InputError: an unknown family, a key refused or not known, a value of the wrong type or
+            range, anything Megatron would compute differently (module docstring); naming the key.
+    """
+    f = _family(fn, hf, label)
+    if head:
+        checkpoint_head(fn, f.model_type, hf, label)
+    c = read_keys(fn, f.model_type, f.allow_list, hf, label)
+    heads, groups, head_dim = _attention(fn, f.model_type, c, hf, label)
+    theta, scaling, factor = _rope(fn, c, label, f.model_type)
+    raw_dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32").replace("torch.", "")
+    fields: dict[str, Any] = dict(
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        ffn_hidden_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_seq_len=c["max_position_embeddings"],
+        normalization="RMSNorm",
+        layernorm_epsilon=float(c["rms_norm_eps"]),
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=c[f.qkv_bias_key] if f.qkv_bias_key else f.qkv_bias,
+        qk_layernorm=f.qk_norm,
+        position_embedding_type="rope",
+        rotary_base=theta,
+        rotary_percent=1.0,
+        rope_scaling=scaling,
+        rope_scaling_factor=factor,
+        tie_embeddings=c["tie_word_embeddings"],
+        init_method_std=float(c["initializer_range"]),
+        dtype=DTYPES[raw_dtype],
+        attention_dropout=float(c["attention_dropout"]),
+        hidden_dropout=0.0,
     )
+    if f.moe is not None:
+        fields.update(_moe_config(fn, f.model_type, f.moe, c, label))
+    return c, fields
 
 
 def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
@@ -129,80 +256,16 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
     and Qwen3's q/k RMSNorm; RMSNorm + SwiGLU always. ``dtype`` is the checkpoint's ``dtype`` /
     ``torch_dtype`` (fp32 if absent). ``overrides`` replace any :class:`ModelConfig` field.
 
+    Every key is read through the family's allow-list (:mod:`fnppo.io.hf.config_keys`): understood
+    (and type- and range-checked), irrelevant (tokenizer ids, ``use_cache``, ...) or refused; an
+    absent key takes transformers' default for the family.
+
     Raises ``InputError`` naming the offending key for anything Megatron would compute differently
-    (see the module docstring).
+    (see the module docstring), and ``CheckpointError`` for a ``config.json`` that is not a JSON object.
     """
     fn = "fnppo.io.hf.model_config_from_hf"
     hf = read_hf_config(fn, "config_or_path", config_or_path)
-    family = _family(fn, hf)
-    f = FAMILIES[family]
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(key), int):
-            raise input_error(fn, f"config.{key}", "an int", repr(hf.get(key)))
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise input_error(fn, "config.hidden_act", "'silu' (SwiGLU)", repr(act))
-    if hf.get("mlp_bias", False):
-        raise input_error(fn, "config.mlp_bias", "False", repr(hf.get("mlp_bias")))
-    if f.attention_bias_key is not None and hf.get(f.attention_bias_key, False):
-        raise input_error(
-            fn,
-            f"config.{f.attention_bias_key}",
-            f"False (o_proj bias without MLP bias has no Megatron equivalent) for {family}",
-            repr(hf.get(f.attention_bias_key)),
-        )
-    if hf.get("use_sliding_window", False):
-        raise input_error(
-            fn,
-            "config.use_sliding_window",
-            "False (sliding-window attention is not supported)",
-            repr(hf.get("use_sliding_window")),
-        )
-    if f.sliding_window_switch is None and hf.get("sliding_window") is not None:
-        raise input_error(
-            fn,
-            "config.sliding_window",
-            "None (sliding-window attention is not supported)",
-            repr(hf.get("sliding_window")),
-        )
-    layer_types = hf.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise input_error(fn, "config.layer_types", "only 'full_attention'", repr(sorted(set(layer_types))))
-    theta, scaling, factor = _rope(fn, hf)
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    raw_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    raw_dtype = str(raw_dtype).replace("torch.", "")
-    if raw_dtype not in _DTYPES:
-        raise input_error(fn, "config.dtype", f"one of {sorted(_DTYPES)}", repr(raw_dtype))
-    kwargs: dict[str, Any] = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=int(head_dim),
-        ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        max_seq_len=int(hf.get("max_position_embeddings") or 4096),
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        swiglu=True,
-        add_bias_linear=False,
-        add_qkv_bias=bool(hf.get(f.qkv_bias_key, f.qkv_bias)) if f.qkv_bias_key else f.qkv_bias,
-        qk_layernorm=f.qk_norm,
-        position_embedding_type="rope",
-        rotary_base=theta,
-        rotary_percent=1.0,
-        rope_scaling=scaling,
-        rope_scaling_factor=factor,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_method_std=float(hf.get("initializer_range", 0.02)),
-        dtype=_DTYPES[raw_dtype],
-        attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
-        hidden_dropout=0.0,
-    )
-    if f.moe is not None:
-        kwargs.update(_moe_config(fn, f.moe, hf))
+    _, kwargs = checked_hf_config(fn, hf)
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -212,10 +275,11 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
 
 
 def hf_experts_key(moe: MoELayout, hf: Mapping[str, Any]) -> str:
-    """The key of the expert count: the family's (``num_local_experts``: Mixtral; ``num_experts``:
-    Qwen2-MoE, Qwen3-MoE from transformers 4), or ``num_local_experts`` where the config has it
-    (Qwen3-MoE from transformers 5)."""
-    return "num_local_experts" if "num_local_experts" in hf else moe.experts_key
+    """The key of the expert count as the config spells it: the family's (``num_experts``: Qwen2-MoE,
+    Qwen3-MoE; ``num_local_experts``: Mixtral), or its other spelling where only that is written
+    (transformers 5 writes ``num_local_experts`` for Qwen3-MoE)."""
+    alias = moe.experts_alias
+    return alias if alias is not None and alias in hf and moe.experts_key not in hf else moe.experts_key
 
 
 def hf_moe_layers(moe: MoELayout, hf: Mapping[str, Any]) -> list[int]:
@@ -231,36 +295,45 @@ def hf_moe_layers(moe: MoELayout, hf: Mapping[str, Any]) -> list[int]:
     return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
 
 
-def _moe_config(fn: str, moe: MoELayout, hf: Mapping[str, Any]) -> dict[str, Any]:
-    """:class:`ModelConfig` MoE fields of a Qwen2-MoE / Qwen3-MoE / Mixtral config (module docstring)."""
+def _moe_config(fn: str, family: str, moe: MoELayout, hf: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """:class:`ModelConfig` MoE fields of a Qwen2-MoE / Qwen3-MoE / Mixtral config (module docstring),
+    ``hf`` read through the allow-list (types and ranges checked there)."""
+    fam = f" for model_type {family!r}"
     experts_key = hf_experts_key(moe, hf)
-    ffn_key = moe.ffn_key
-    for key in (experts_key, "num_experts_per_tok", ffn_key):
-        if not isinstance(hf.get(key), int) or hf[key] < 1:
-            raise input_error(fn, f"config.{key}", "an int >= 1", repr(hf.get(key)))
+    alias = moe.experts_alias
+    if alias is not None and alias in hf and experts_key != alias and hf[alias] != hf[experts_key]:
+        raise input_error(
+            fn,
+            key_name(label, alias),
+            f"absent or {hf[experts_key]!r}, the {experts_key} (transformers reads the two as one){fam}",
+            shown(hf[alias]),
+        )
+    for key in (experts_key, "num_experts_per_tok", moe.ffn_key):
+        if hf.get(key) is None:
+            raise input_error(fn, key_name(label, key), "an int >= 1" + fam, repr(hf.get(key)))
+    if hf["num_experts_per_tok"] > hf[experts_key]:
+        raise input_error(
+            fn,
+            key_name(label, "num_experts_per_tok"),
+            f"at most {experts_key} ({hf[experts_key]}){fam}",
+            repr(hf["num_experts_per_tok"]),
+        )
     layers = hf_moe_layers(moe, hf)
     if not layers:
         raise input_error(
             fn,
-            "config.mlp_only_layers",
-            "at least one MoE layer (mlp_only_layers / decoder_sparse_step)",
-            repr(hf.get("mlp_only_layers")),
-        )
-    if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
-        raise input_error(
-            fn,
-            "config.router_jitter_noise",
-            "0 (Megatron's input jitter scales the router's input only)",
-            repr(hf.get("router_jitter_noise")),
+            key_name(label, "mlp_only_layers"),
+            "at least one MoE layer (mlp_only_layers / decoder_sparse_step)" + fam,
+            shown(hf.get("mlp_only_layers")),
         )
     n = hf["num_hidden_layers"]
-    shared = int(hf.get(moe.shared_expert_key) or 0) if moe.shared_expert_key else 0
+    shared = hf[moe.shared_expert_key] if moe.shared_expert_key else 0
     return dict(
         num_experts=hf[experts_key],
         moe_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf[ffn_key],
+        moe_ffn_hidden_size=hf[moe.ffn_key],
         moe_layer_freq=1 if len(layers) == n else tuple(int(i in layers) for i in range(n)),
-        moe_pre_softmax=moe.renormalize_key is not None and not hf.get(moe.renormalize_key, False),
+        moe_pre_softmax=moe.renormalize_key is not None and not hf[moe.renormalize_key],
         moe_shared_expert_size=shared or None,
         moe_shared_expert_gate=bool(shared),
         moe_router_dtype=None,

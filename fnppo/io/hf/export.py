@@ -22,7 +22,7 @@ from fnppo.core.errors import check_positive_int, checkpoint_error, input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
-from fnppo.io.hf.config import model_config_from_hf, read_hf_config
+from fnppo.io.hf.config import checked_hf_config, read_hf_config
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
 from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
@@ -73,11 +73,13 @@ def check_config_matches(fn: str, core: nn.Module, a: Arch, hf_config: Any) -> t
     """Check that ``hf_config`` describes the model; returns its vocabulary size and the config to
     write (for a value model: :func:`token_classification_config` of it)."""
     hf = read_hf_config(fn, "hf_config", hf_config)
-    described = check_hf_config(fn, core, a, hf, "hf_config", "in hf_config")
-    cfg = model_config_from_hf(hf)
-    if cfg.vocab_size > a.padded_vocab:
-        raise input_error(fn, "hf_config.vocab_size", f"at most {a.padded_vocab} (the model's)", repr(cfg.vocab_size))
-    return cfg.vocab_size, token_classification_config(a, hf, described) if a.value else hf_config
+    # read through its family's allow-list; another family than the model's is named by check_hf_config
+    checked = checked_hf_config(fn, hf, "hf_config", head=False)[0] if hf.get("model_type") == a.family else hf
+    described = check_hf_config(fn, core, a, checked, "hf_config", "in hf_config")
+    vocab = checked["vocab_size"]
+    if vocab > a.padded_vocab:
+        raise input_error(fn, "hf_config.vocab_size", f"at most {a.padded_vocab} (the model's)", repr(vocab))
+    return vocab, token_classification_config(a, hf, described) if a.value else hf_config
 
 
 def export_hf_weights(

@@ -16,6 +16,17 @@ from types import MappingProxyType
 from typing import Any
 
 from fnppo.core.errors import input_error
+from fnppo.io.hf.config_keys import (
+    Key,
+    allow_list,
+    boolean,
+    int_at_least,
+    irrelevant,
+    key_name,
+    layer_indices,
+    only,
+    understood,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,10 +35,11 @@ class MoELayout:
 
     block: str  # the MoE block's prefix inside a layer: "mlp." (Qwen-MoE) or "block_sparse_moe." (Mixtral)
     expert_projs: tuple[str, str, str]  # an expert's (gate, up, down) tensors
-    experts_key: str  # the expert count's key (transformers 5 also writes "num_local_experts" for Qwen3-MoE)
+    experts_key: str  # the expert count's key
     ffn_key: str  # the experts' hidden size: "moe_intermediate_size", or "intermediate_size" (Mixtral)
     dense_layers_key: str | None  # "mlp_only_layers" (with decoder_sparse_step); None: every layer an MoE layer
     renormalize_key: str | None  # "norm_topk_prob"; None: the top-k probabilities are always renormalized
+    experts_alias: str | None = None  # the expert count's other spelling (transformers' attribute_map)
     shared_expert_key: str | None = None  # the shared expert's hidden size (Qwen2-MoE), None: no shared expert
     jitter_key: str | None = None  # the router's jitter noise (must be 0), None: the family has none
     mlp_names_are_experts: bool = False  # PEFT reads gate_proj / up_proj / down_proj as the experts' names
@@ -37,9 +49,13 @@ class MoELayout:
 class Family:
     """One Hugging Face family: every fact that loading, export and the config checks read about it.
 
-    Adding a family is one record in :data:`FAMILIES` plus a round-trip test (tests/test_hf.py's
-    ``FAMILIES`` / ``MOE_FAMILIES``). All families use RMSNorm, SwiGLU, RoPE and the Llama tensor names
-    (``model.layers.i.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ...).
+    Adding a family is one record in :data:`FAMILIES` plus a row of tests/test_hf.py's ``FAMILIES`` /
+    ``MOE_FAMILIES`` (its round trips; tests/test_hf_config_keys.py checks its allow-list against the
+    transformers config class named there). All families use RMSNorm, SwiGLU, RoPE rotating halves
+    of the whole head (not interleaved, not partial) and the Llama tensor names
+    (``model.layers.i.self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ...). A family reads
+    its ``config.json`` through :attr:`allow_list` (``keys`` over the keys of every family,
+    ``defaults`` for absent keys).
     """
 
     model_type: str
@@ -51,10 +67,60 @@ class Family:
     sliding_window_switch: str | None = None  # "use_sliding_window": sliding_window is only used when it is
     # true (Qwen); None: a set sliding_window means sliding-window attention
     moe: MoELayout | None = None
+    keys: Mapping[str, Key] = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # the family's
+    # own config.json keys, over fnppo.io.hf.config_keys.COMMON_KEYS
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))  # transformers'
+    # defaults of the family's config class, read where a key is absent (tests compare them with transformers)
 
     @property
     def causal_lm(self) -> str:
         return self.classes + "ForCausalLM"
+
+    @property
+    def allow_list(self) -> Mapping[str, Key]:
+        """Every config key the family reads, each understood, irrelevant or refused
+        (:mod:`fnppo.io.hf.config_keys`); a key not in it is refused."""
+        return allow_list(self.keys, self.defaults)
+
+
+def _keys(**keys: Key) -> Mapping[str, Key]:
+    return MappingProxyType(keys)
+
+
+def _defaults(kv_heads: int | None, max_positions: int, **more: Any) -> Mapping[str, Any]:
+    """transformers' defaults of a family's config class (its dataclass fields; Mixtral's theta is its
+    ``default_theta``); ``head_dim`` None: ``hidden_size // num_attention_heads``."""
+    base = dict(num_key_value_heads=kv_heads, head_dim=None, max_position_embeddings=max_positions)
+    return MappingProxyType({**base, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **more})
+
+
+_O_BIAS_OFF = understood("o_proj bias without MLP bias has no Megatron equivalent", only(False), False)
+_MLP_BIAS_OFF = understood("a bias on the MLP has no Megatron equivalent here", only(False), False)
+_WINDOW_OFF = understood("sliding-window attention is not supported", only(None))
+_QWEN_WINDOW = dict(  # Qwen's sliding window applies only where use_sliding_window is true
+    use_sliding_window=understood("sliding-window attention is not supported", only(False), False),
+    sliding_window=understood("the window, read only when use_sliding_window is true", int_at_least(0, none=True)),
+    max_window_layers=understood(
+        "layers before the window, read only when use_sliding_window is true", int_at_least(0)
+    ),
+)
+_ROUTER_LOSS = irrelevant(
+    "transformers' load-balancing loss coefficient: fnppo's router losses are ModelConfig overrides"
+)
+_MOE_KEYS = dict(
+    num_experts_per_tok=understood("mapped to moe_topk", int_at_least(1)),
+    router_aux_loss_coef=_ROUTER_LOSS,
+)
+_QWEN_MOE_KEYS = dict(
+    _QWEN_WINDOW,
+    **_MOE_KEYS,
+    num_experts=understood("mapped to num_experts", int_at_least(1)),
+    moe_intermediate_size=understood("mapped to moe_ffn_hidden_size", int_at_least(1)),
+    norm_topk_prob=understood("the top-k probabilities renormalized (moe_pre_softmax=False)", boolean),
+    decoder_sparse_step=understood("moe_layer_freq: every decoder_sparse_step-th layer an MoE layer", int_at_least(1)),
+    mlp_only_layers=understood("moe_layer_freq: dense layers", layer_indices),
+)
+_QWEN_MOE_DEFAULTS = dict(norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=None)
 
 
 _QWEN_MOE = MoELayout(
@@ -69,11 +135,29 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
         f.model_type: f
         for f in (
-            Family("llama", "Llama"),  # arXiv:2302.13971
-            Family(
-                "qwen2", "Qwen2", qkv_bias=True, attention_bias_key=None, sliding_window_switch="use_sliding_window"
+            Family(  # arXiv:2302.13971
+                "llama",
+                "Llama",
+                keys=_keys(attention_bias=_O_BIAS_OFF, mlp_bias=_MLP_BIAS_OFF),
+                defaults=_defaults(None, 2048),
             ),
-            Family("qwen3", "Qwen3", qk_norm=True, sliding_window_switch="use_sliding_window"),
+            Family(
+                "qwen2",
+                "Qwen2",
+                qkv_bias=True,
+                attention_bias_key=None,
+                sliding_window_switch="use_sliding_window",
+                keys=_keys(**_QWEN_WINDOW),
+                defaults=_defaults(32, 32768),
+            ),
+            Family(
+                "qwen3",
+                "Qwen3",
+                qk_norm=True,
+                sliding_window_switch="use_sliding_window",
+                keys=_keys(attention_bias=_O_BIAS_OFF, **_QWEN_WINDOW),
+                defaults=_defaults(32, 32768, head_dim=128),
+            ),
             Family(
                 "mixtral",
                 "Mixtral",
@@ -81,11 +165,22 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
                     block="block_sparse_moe.",
                     expert_projs=("w1.weight", "w3.weight", "w2.weight"),
                     experts_key="num_local_experts",
+                    experts_alias="num_experts",
                     ffn_key="intermediate_size",
                     dense_layers_key=None,
                     renormalize_key=None,
                     jitter_key="router_jitter_noise",
                     mlp_names_are_experts=True,
+                ),
+                keys=_keys(
+                    sliding_window=_WINDOW_OFF,
+                    num_local_experts=understood("mapped to num_experts", int_at_least(1)),
+                    num_experts=understood("mapped to num_experts; another name of num_local_experts", int_at_least(1)),
+                    router_jitter_noise=understood("Megatron's input jitter scales the router's input only", only(0)),
+                    **_MOE_KEYS,
+                ),
+                defaults=_defaults(
+                    8, 131072, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None, router_jitter_noise=0.0
                 ),
             ),
             Family(
@@ -96,15 +191,36 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
                 attention_bias_key=None,
                 sliding_window_switch="use_sliding_window",
                 moe=dataclasses.replace(_QWEN_MOE, shared_expert_key="shared_expert_intermediate_size"),
+                keys=_keys(
+                    qkv_bias=understood("mapped to add_qkv_bias", boolean),
+                    shared_expert_intermediate_size=understood(
+                        "mapped to moe_shared_expert_size; 0: none", int_at_least(0)
+                    ),
+                    **_QWEN_MOE_KEYS,
+                ),
+                defaults=_defaults(
+                    16, 32768, qkv_bias=True, shared_expert_intermediate_size=5632, **_QWEN_MOE_DEFAULTS
+                ),
             ),
             Family(
                 "qwen3_moe",
                 "Qwen3Moe",
                 qk_norm=True,
                 sliding_window_switch="use_sliding_window",
-                moe=dataclasses.replace(_QWEN_MOE, mlp_names_are_experts=True),
+                moe=dataclasses.replace(_QWEN_MOE, experts_alias="num_local_experts", mlp_names_are_experts=True),
+                keys=_keys(
+                    attention_bias=_O_BIAS_OFF,
+                    num_local_experts=understood("mapped to num_experts; another name of num_experts", int_at_least(1)),
+                    **_QWEN_MOE_KEYS,
+                ),
+                defaults=_defaults(4, 32768, **_QWEN_MOE_DEFAULTS),
             ),
-            Family("mistral", "Mistral"),  # arXiv:2310.06825: Llama's layout; sliding_window must be null
+            Family(  # arXiv:2310.06825: Llama's layout; sliding_window must be null (transformers' default: 4096)
+                "mistral",
+                "Mistral",
+                keys=_keys(sliding_window=_WINDOW_OFF),
+                defaults=_defaults(8, 131072, sliding_window=4096),
+            ),
         )
     }
 )
@@ -161,11 +277,6 @@ its bias ``[1]`` or ``None``: a head without bias). The trunk is the family's (`
 names) in every one of them; :func:`value_head_of` picks the layout of a checkpoint."""
 
 
-def _key(label: str, name: str) -> str:
-    """How an entry of a config is named in errors: ``config.num_labels`` or ``config.json['num_labels']``."""
-    return f"{label}.{name}" if label == "config" else f"{label}[{name!r}]"
-
-
 def checkpoint_head(fn: str, family: str, hf: Mapping[str, Any], label: str) -> CheckpointHead | None:
     """The head a Hugging Face config of ``family`` describes (``None``: no ``architectures``).
 
@@ -191,7 +302,7 @@ def checkpoint_head(fn: str, family: str, hf: Mapping[str, Any], label: str) -> 
         names = [repr([a]) for a in kinds]
         raise input_error(
             fn,
-            _key(label, "architectures"),
+            key_name(label, "architectures"),
             f"{names[0]} (a policy) or {names[1]} / {names[2]} (a value or reward model, num_labels=1)"
             f" for model_type {family!r}"
             f" or {names[3]} / {names[4]} (OpenRLHF's critic / reward model)",
@@ -209,6 +320,6 @@ def checkpoint_head(fn: str, family: str, hf: Mapping[str, Any], label: str) -> 
     if n != 1:
         want = "one entry" if key == "id2label" else "1"
         raise input_error(
-            fn, _key(label, key), f"{want} (num_labels=1: one value per token, the value head; {archs[0]})", have
+            fn, key_name(label, key), f"{want} (num_labels=1: one value per token, the value head; {archs[0]})", have
         )
     return CheckpointHead(kind, kind == "token" and bool(hf.get("token_classification_bias", True)))

@@ -10,7 +10,6 @@ host memory never holds more than one parameter beyond the model itself.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -23,7 +22,7 @@ from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, config_path
-from fnppo.io.hf.config import read_hf_config
+from fnppo.io.hf.config import checked_hf_config, read_hf_config
 from fnppo.io.hf.keys import VALUE_HEAD_RULES, param_rule
 from fnppo.io.hf.layouts import read_shard
 from fnppo.io.hf.shards import Reader, open_shards, shard_files
@@ -70,7 +69,11 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     ``layer_types``), ``tie_word_embeddings``, ``attention_bias``, ``mlp_bias``, ``hidden_act``,
     and for a value model the head (``architectures``; a classifier's ``id2label`` / ``num_labels``
     must give one label); a difference raises ``InputError`` naming the key as the file spells it,
-    the model's value and the file's (and every other differing key). Then every tensor name, shape and dtype of the
+    the model's value and the file's (and every other differing key). The file is read through its
+    family's allow-list (:mod:`fnppo.io.hf.config_keys`): a key fnppo does not know or refuses
+    (``no_rope_layers``, ``rope_interleave``, ...), or a value of the wrong type or range, raises
+    ``InputError`` naming it; a file that is not a JSON object raises ``CheckpointError`` naming the
+    path and the cause. Then every tensor name, shape and dtype of the
     checkpoint is checked against the whole model (all layers, all ranks) from the safetensors
     headers alone: a missing tensor, an unexpected one (``*.rotary_emb.inv_freq`` buffers are
     tolerated and ignored), a wrong shape, a non-floating dtype raise ``InputError`` naming the
@@ -92,10 +95,12 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     described, hf = None, None
     if cfg_file.is_file():
         hf = read_hf_config(fn, "path", cfg_file)
+        if hf.get("model_type") == a.family:  # else check_hf_config names the other family
+            hf = checked_hf_config(fn, hf, "config.json", head=False)[0]
         described = check_hf_config(fn, unwrap_model(model_chunks[0]), a, hf, "config.json", f"in {cfg_file}")
     with ExitStack() as stack:
         shapes, read = open_shards(fn, files, stack)
-        vocab = _checkpoint_vocab(fn, a, model_chunks, root, shapes)
+        vocab = _checkpoint_vocab(fn, a, model_chunks, hf, shapes)
         value_head = value_head_of(fn, a, described, hf, shapes, vocab)
         expected = expected_hf_shapes(a, vocab, "lm" if value_head is None else value_head.names)
         _check_tensors(fn, a, root, shapes, expected, value_head, vocab)
@@ -108,7 +113,7 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
 
 
 def _checkpoint_vocab(
-    fn: str, a: Arch, model_chunks: Sequence[nn.Module], root: Path, shapes: Mapping[str, Sequence[int]]
+    fn: str, a: Arch, model_chunks: Sequence[nn.Module], hf: Mapping | None, shapes: Mapping[str, Sequence[int]]
 ) -> int:
     """The checkpoint's vocabulary: its ``config.json``'s ``vocab_size``, else the embedding's rows.
 
@@ -116,11 +121,7 @@ def _checkpoint_vocab(
         InputError: more rows than the model's padded vocabulary, or another vocabulary than the one
             the model was built for (rows beyond it would be taken for real tokens).
     """
-    cfg = config_path(root)
-    v = None
-    if cfg.is_file():
-        with open(cfg, encoding="utf-8") as fh:
-            v = json.load(fh).get("vocab_size")
+    v = None if hf is None else hf.get("vocab_size")
     if isinstance(v, int):
         vocab = v
     else:
