@@ -29,14 +29,8 @@ import triton
 import triton.language as tl
 
 from fnppo.core.kernels import triton_interpreting
-from fnppo.core.kernels.linear_logprob_triton import (
-    LN2,
-    LOG2E,
-    _accumulate,
-    _label_kernel,
-    _num_splits,
-    _tile_logits,
-)
+from fnppo.core.kernels.linear_logprob_launch import _accumulate, _num_splits
+from fnppo.core.kernels.linear_logprob_triton import LN2, LOG2E, _label_kernel, _tile_logits
 
 __all__ = ["forward_stats", "backward_grads"]
 
