@@ -20,6 +20,7 @@ from fnppo.io.hf import model_config_from_hf as model_config_from_hf
 from fnppo.io.hf import quantize_fp8_blockwise as quantize_fp8_blockwise
 from fnppo.io.hf import stream_hf_deltas as stream_hf_deltas
 from fnppo.io.hf import stream_hf_weights as stream_hf_weights
+from fnppo.io.hf import stream_peft_adapter as stream_peft_adapter
 from fnppo.io.hf import tensor_digest as tensor_digest
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "FP8Blocks",
     "quantize_fp8_blockwise",
     "dequantize_fp8_blockwise",
+    "stream_peft_adapter",
 ]

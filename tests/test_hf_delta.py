@@ -170,7 +170,9 @@ def test_digests_are_sha256_of_the_bytes_and_the_same_in_every_layout(delta_run)
             assert got["digests"][name] == hashlib.sha256(head + blocks).hexdigest(), (key, name)
     for family in ("llama", "qwen2_moe"):  # the snapshot does not depend on the parallel layout
         for fp8 in (False, True):
-            seen = {k[0]: delta_run[0][k]["blocks"]["first_digests"] for k in _cases(delta_run) if k[1:] == (family, fp8)}
+            seen = {
+                k[0]: delta_run[0][k]["blocks"]["first_digests"] for k in _cases(delta_run) if k[1:] == (family, fp8)
+            }
             assert len(seen) >= 3 and all(d == next(iter(seen.values())) for d in seen.values()), (family, fp8)
 
 
@@ -224,17 +226,25 @@ def refusals(stream_checkpoints):  # noqa: F811 - the imported fixture
 def test_snapshots_of_another_model_format_or_step_are_refused_by_the_sender(refusals):
     fn = "fnppo.hf.stream_hf_deltas"
     r = refusals
-    check_message(InputError(r["another-model"]), InputError, fn, "since", "a snapshot of this model", "a snapshot of model")
-    check_message(InputError(r["another-format"]), InputError, fn, "since", "in this stream's format 'plain", "'fp8-e4m3-16x16")
+    check_message(
+        InputError(r["another-model"]), InputError, fn, "since", "a snapshot of this model", "a snapshot of model"
+    )
+    check_message(
+        InputError(r["another-format"]), InputError, fn, "since", "in this stream's format 'plain", "'fp8-e4m3-16x16"
+    )
     check_message(InputError(r["another-dtype"]), InputError, fn, "since", "dtype=torch.float32", "dtype=None")
     check_message(InputError(r["same-step"]), InputError, fn, "since", "a step before step=3", "step 3")
-    check_message(InputError(r["no-bits"]), InputError, fn, "since", "holding the previous bits on dst_rank=0", "bits not kept")
+    check_message(
+        InputError(r["no-bits"]), InputError, fn, "since", "holding the previous bits on dst_rank=0", "bits not kept"
+    )
     check_message(InputError(r["not-a-snapshot"]), InputError, fn, "since", "None or a WeightSnapshot", "dict")
     check_message(InputError(r["granularity"]), InputError, fn, "granularity", "one of ('tensors'", "'rows'")
     check_message(InputError(r["step"]), InputError, fn, "step", "an int >= 0", "-1")
     check_message(InputError(r["step-str"]), InputError, fn, "step", "an int >= 0", "'1'")
     check_message(InputError(r["block-bytes"]), InputError, fn, "block_bytes", "an int >= 1", "0")
-    check_message(InputError(r["unfinished"]), InputError, "DeltaStream.snapshot", "self", "iterated to its end", "not exhausted")
+    check_message(
+        InputError(r["unfinished"]), InputError, "DeltaStream.snapshot", "self", "iterated to its end", "not exhausted"
+    )
 
 
 def _refused(weights, stream, held) -> InputError:
@@ -257,7 +267,9 @@ def test_receiver_refuses_truncated_foreign_or_mismatching_streams_and_changes_n
     assert held.id == r["h1_id"]
     items = [x for b in b1 for x in b]
     check_message(_refused(w0, [items[:-1]], h0), InputError, fn, "stream", "ending with its DeltaEnd", "(truncated)")
-    check_message(_refused(w0, [items[1:]], h0), InputError, fn, "stream", "starting with its DeltaHeader", "TensorDelta")
+    check_message(
+        _refused(w0, [items[1:]], h0), InputError, fn, "stream", "starting with its DeltaHeader", "TensorDelta"
+    )
     check_message(_refused(w0, [items[:2] + items[3:]], h0), InputError, fn, "stream", "tensor records", "(truncated)")
     check_message(_refused(w0, b2, h0), InputError, fn, "stream", "against the held snapshot (step 3", "step 4")
     check_message(_refused(w0, b1, None), InputError, fn, "held", "the snapshot the delta applies to", "None")
@@ -269,7 +281,9 @@ def test_receiver_refuses_truncated_foreign_or_mismatching_streams_and_changes_n
     flat = corrupt[name].clone().reshape(-1)
     flat[-1] = flat[-1] + 1
     corrupt[name] = flat.reshape(corrupt[name].shape)
-    check_message(_refused(corrupt, b1, h0), InputError, fn, f"stream[{name!r}]", "a rebuilt tensor of digest", "digest")
+    check_message(
+        _refused(corrupt, b1, h0), InputError, fn, f"stream[{name!r}]", "a rebuilt tensor of digest", "digest"
+    )
     # a record whose values were altered on the way
     k = next(i for i, x in enumerate(items) if getattr(x, "encoding", None) == "blocks")
     bad = dataclasses.replace(items[k], values=items[k].values + 1)

@@ -15,9 +15,7 @@ from toy.sampling import sample_responses
 from toy.task import RESPONSE_LEN, make_prompts, reward, token_rewards
 
 
-def rollout(
-    state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None, sampler=None
-):
+def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None, sampler=None):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
 
     With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)

@@ -42,6 +42,7 @@ The modules, one job each (each imports only the ones above it)::
     delta       stream_hf_deltas (the sending side)
     apply       apply_hf_deltas (the receiving side)
     peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter, lora_config_from_peft
+    peft_stream stream_peft_adapter: a LoRA run's adapters to an engine, per step, in PEFT's layout
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """
@@ -61,6 +62,7 @@ from fnppo.io.hf.families import (
 )
 from fnppo.io.hf.fp8 import FP8Blocks, dequantize_fp8_blockwise, quantize_fp8_blockwise
 from fnppo.io.hf.load import load_hf_weights
+from fnppo.io.hf.peft_stream import stream_peft_adapter
 from fnppo.io.hf.snapshot import DeltaEnd, DeltaHeader, TensorDelta, WeightSnapshot, tensor_digest
 from fnppo.io.hf.stream import stream_hf_weights
 
@@ -88,4 +90,5 @@ __all__ = [
     "FP8Blocks",
     "quantize_fp8_blockwise",
     "dequantize_fp8_blockwise",
+    "stream_peft_adapter",
 ]
