@@ -18,8 +18,8 @@ tensors / blocks / elements that changed, the stream's wall time (assembling, co
 hashing, encoding) and the receiver's (rebuild and SHA-256 check), as a markdown table; with
 ``$OUT`` set, also ``$OUT/stream_delta.json``.
 
-    python benchmarks/stream_delta.py --device cuda                  # 1.5B widths, one GPU, bf16, lr 1e-6
-    python benchmarks/stream_delta.py --tiny                         # CPU, tiny, seconds (the CI check)
+    .venv/bin/python benchmarks/stream_delta.py --device cuda                  # 1.5B widths, one GPU, bf16, lr 1e-6
+    .venv/bin/python benchmarks/stream_delta.py --tiny                         # CPU, tiny, seconds (the CI check)
 """
 
 from __future__ import annotations

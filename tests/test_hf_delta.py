@@ -183,25 +183,28 @@ def _refusals(path: str, moe_path: str) -> dict:
     chunks = build_gpt_from_hf(path, dtype="bf16")
     load_hf_weights(chunks, path)
     moe = build_gpt_from_hf(moe_path, dtype="bf16")
-    s0 = stream_hf_deltas(chunks, None, step=3, granularity="blocks")
+    s0 = stream_hf_deltas(chunks, None, step=3, granularity="blocks", block_bytes=BLOCK_BYTES)
     b0 = list(s0)
     w0, h0 = apply_hf_deltas({}, b0, None)
     m0 = stream_hf_deltas(moe, None, step=3)
     list(m0)
     f0 = stream_hf_deltas(chunks, None, step=3, fp8=fnppo.hf.FP8Blocks(FP8))
     list(f0)
-    _perturb(chunks, 11, lora=False)
-    s1 = stream_hf_deltas(chunks, s0.snapshot, step=4)
+    with torch.no_grad():  # one element of each parameter: one block of each larger weight changes
+        for p in chunks[0].parameters():
+            p.view(-1)[0] += 0.5
+    s1 = stream_hf_deltas(chunks, s0.snapshot, step=4, block_bytes=BLOCK_BYTES)
     b1 = list(s1)
-    s2 = stream_hf_deltas(chunks, s1.snapshot, step=5)
+    s2 = stream_hf_deltas(chunks, s1.snapshot, step=5, block_bytes=BLOCK_BYTES)
     b2 = list(s2)
     out: dict = {"b1": b1, "b2": b2, "w0": w0, "h0": h0, "h1_id": s1.snapshot.id}
     bad = {
         "another-model": lambda: stream_hf_deltas(chunks, m0.snapshot, step=4),
         "another-format": lambda: stream_hf_deltas(chunks, f0.snapshot, step=4),
         "another-dtype": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4, dtype=torch.float32),
-        "same-step": lambda: stream_hf_deltas(chunks, s0.snapshot, step=3),
-        "no-bits": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4, granularity="elements"),
+        "another-block": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4),
+        "same-step": lambda: stream_hf_deltas(chunks, s0.snapshot, step=3, block_bytes=BLOCK_BYTES),
+        "no-bits": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4, granularity="elements", block_bytes=BLOCK_BYTES),
         "not-a-snapshot": lambda: stream_hf_deltas(chunks, {"step": 3}, step=4),
         "granularity": lambda: stream_hf_deltas(chunks, None, step=0, granularity="rows"),
         "step": lambda: stream_hf_deltas(chunks, None, step=-1),
@@ -233,6 +236,7 @@ def test_snapshots_of_another_model_format_or_step_are_refused_by_the_sender(ref
         InputError(r["another-format"]), InputError, fn, "since", "in this stream's format 'plain", "'fp8-e4m3-16x16"
     )
     check_message(InputError(r["another-dtype"]), InputError, fn, "since", "dtype=torch.float32", "dtype=None")
+    check_message(InputError(r["another-block"]), InputError, fn, "since", "block_bytes=65536", "block_bytes=1024")
     check_message(InputError(r["same-step"]), InputError, fn, "since", "a step before step=3", "step 3")
     check_message(
         InputError(r["no-bits"]), InputError, fn, "since", "holding the previous bits on dst_rank=0", "bits not kept"
@@ -266,6 +270,9 @@ def test_receiver_refuses_truncated_foreign_or_mismatching_streams_and_changes_n
     new, held = apply_hf_deltas(w0, b1, h0)  # the good stream applies
     assert held.id == r["h1_id"]
     items = [x for b in b1 for x in b]
+    assert {x.encoding for x in items[1:-1]} == {"full", "blocks"}  # small tensors whole, larger ones by block
+    changed = [n for n in new if not torch.equal(_bits(new[n]), _bits(w0[n]))]
+    assert sorted(changed) == sorted(x.name for x in items[1:-1])
     check_message(_refused(w0, [items[:-1]], h0), InputError, fn, "stream", "ending with its DeltaEnd", "(truncated)")
     check_message(
         _refused(w0, [items[1:]], h0), InputError, fn, "stream", "starting with its DeltaHeader", "TensorDelta"

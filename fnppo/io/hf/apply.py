@@ -156,11 +156,11 @@ def _patched(r: TensorDelta, old: Tensor) -> Tensor:
     flat = bits_view(old.contiguous())
     values = bits_view(r.values.to(old.device).contiguous())
     index = r.index
-    if index is None or index.dtype != torch.int64 or index.dim() != 1:
+    if index is None or index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
         raise input_error(
-            _FN, f"stream[{r.name!r}].index", "a 1-D int64 tensor", "None" if index is None else _desc(index)
+            _FN, f"stream[{r.name!r}].index", "a 1-D int32 or int64 tensor", "None" if index is None else _desc(index)
         )
-    index = index.to(old.device)
+    index = index.to(device=old.device, dtype=torch.int64)
     if r.encoding == "elements":
         if index.numel() != values.numel() or (index.numel() and (index.min() < 0 or index.max() >= flat.numel())):
             raise input_error(

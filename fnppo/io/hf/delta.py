@@ -12,7 +12,8 @@ smallest of its encodings the snapshot allows:
 * ``granularity="tensors"``: the whole tensor;
 * ``"blocks"`` (default): the blocks of whole rows whose digests changed (the snapshot keeps 32 bytes
   per block, not the weights);
-* ``"elements"``: the changed elements, as int64 flat indices and values; this needs the previous
+* ``"elements"``: the changed elements, as flat indices (int32 below 2^31 elements, else int64) and
+  values; this needs the previous
   bits, so the snapshot keeps a host copy of every tensor on the sending rank (the model's size in
   host memory; nothing is kept on the GPU).
 """
@@ -249,7 +250,8 @@ def _delta(
     old = (since.bits or {}).get(name)
     if granularity == "elements" and old is not None and old.shape == new.shape and old.dtype == new.dtype:
         index = torch.nonzero(bits_view(new) != bits_view(old)).reshape(-1)
-        candidate = record("elements", index, new.reshape(-1)[index])
+        small = new.numel() < 2**31  # int32 indices where they reach every element: 4 bytes each, not 8
+        candidate = record("elements", index.to(torch.int32) if small else index, new.reshape(-1)[index])
         best = min(best, candidate, key=lambda r: r.nbytes)
     return digest, blocks, best
 

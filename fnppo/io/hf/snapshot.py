@@ -157,8 +157,8 @@ class DeltaHeader:
 class TensorDelta:
     """One changed tensor: ``encoding`` ``"full"`` (``values`` is the tensor), ``"blocks"`` (``index``:
     int64 ids of the changed blocks of :func:`rows_per_block` rows; ``values``: their elements in
-    order, flat) or ``"elements"`` (``index``: int64 flat indices of the changed elements; ``values``:
-    their new values). ``digest``: :func:`tensor_digest` of the new tensor (with ``block_bytes``);
+    order, flat) or ``"elements"`` (``index``: flat indices of the changed elements, int32 for tensors
+    of fewer than 2^31 elements, else int64; ``values``: their new values). ``digest``: :func:`tensor_digest` of the new tensor (with ``block_bytes``);
     ``base``: the digest of the tensor it applies to (None for ``"full"``)."""
 
     name: str
