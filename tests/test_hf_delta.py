@@ -204,12 +204,18 @@ def _refusals(path: str, moe_path: str) -> dict:
         "another-dtype": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4, dtype=torch.float32),
         "another-block": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4),
         "same-step": lambda: stream_hf_deltas(chunks, s0.snapshot, step=3, block_bytes=BLOCK_BYTES),
-        "no-bits": lambda: stream_hf_deltas(chunks, s0.snapshot, step=4, granularity="elements", block_bytes=BLOCK_BYTES),
+        "no-bits": lambda: stream_hf_deltas(
+            chunks, s0.snapshot, step=4, granularity="elements", block_bytes=BLOCK_BYTES
+        ),
         "not-a-snapshot": lambda: stream_hf_deltas(chunks, {"step": 3}, step=4),
         "granularity": lambda: stream_hf_deltas(chunks, None, step=0, granularity="rows"),
         "step": lambda: stream_hf_deltas(chunks, None, step=-1),
         "step-str": lambda: stream_hf_deltas(chunks, None, step="1"),
         "block-bytes": lambda: stream_hf_deltas(chunks, None, step=0, block_bytes=0),
+        "bucket-bytes": lambda: stream_hf_deltas(chunks, None, step=0, bucket_bytes=0),
+        "dst-rank": lambda: stream_hf_deltas(chunks, None, step=0, dst_rank=1),
+        "int-dtype": lambda: stream_hf_deltas(chunks, None, step=0, dtype=torch.int32),
+        "another-config": lambda: stream_hf_deltas(chunks, None, step=0, hf_config=moe_path),
         "unfinished": lambda: stream_hf_deltas(chunks, None, step=0).snapshot,
     }
     for key, call in bad.items():
@@ -299,4 +305,7 @@ def test_receiver_refuses_truncated_foreign_or_mismatching_streams_and_changes_n
     missing = {n: t for n, t in w0.items() if n != name}
     check_message(_refused(missing, b1, h0), InputError, fn, "weights", f"a tensor {name!r}", "none")
     check_message(_refused(w0, b1, "held"), InputError, fn, "held", "None or a WeightSnapshot", "str")
+    with pytest.raises(InputError) as err:
+        apply_hf_deltas(list(w0.items()), b1, h0)
+    check_message(err.value, InputError, fn, "weights", "a mapping of Hugging Face names to tensors", "list")
     assert _same(new, new)
