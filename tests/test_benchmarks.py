@@ -338,3 +338,24 @@ def test_linear_distill_benchmark_tiny_on_cpu(tmp_path):
     assert len(names) == 4 and "peers' way" in names[-1] and all(r["ms"] > 0 for r in rows["rows"])
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4 and table[1].startswith("|---")  # header, separator, one row per method
+
+
+def test_stream_delta_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
+    """benchmarks/stream_delta.py --tiny: every mode after each of two Adam steps; the script itself checks
+    each delta's result bit for bit against the full stream (exit 1 otherwise); here the table's figures
+    hold together: a delta never sends more than the full stream, FP8 about half of bf16."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    done = _run_benchmark(["benchmarks/stream_delta.py", "--tiny"])
+    assert "| step | mode | MB sent |" in done.stdout
+    rows = json.loads((tmp_path / "stream_delta.json").read_text())["rows"]
+    modes = ["full", "delta-blocks", "delta-elements", "fp8", "fp8-delta"]
+    assert [(r["step"], r["mode"]) for r in rows] == [(s, m) for s in (1, 2) for m in modes]
+    for step in (1, 2):
+        by = {r["mode"]: r for r in rows if r["step"] == step}
+        full = by["full"]["bytes"]
+        assert 0 < by["delta-blocks"]["bytes"] <= full and 0 < by["delta-elements"]["bytes"] <= full
+        assert 0.5 * full < by["fp8"]["bytes"] < 0.7 * full  # codes 1 byte, embeddings and norms bf16
+        assert 0 < by["fp8-delta"]["bytes"] <= by["fp8"]["bytes"]
+        assert 0 < by["delta-elements"]["elements_changed"] <= 1

@@ -43,6 +43,11 @@ def _validate(argv: list[str], world_size: int = 1):
         (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
         (["--sampler-dtype", "bf16", "--dtype", "bf16"], "--sampler-dtype bf16: the trainer already runs in bf16"),
         (["--batch-invariant", "--staleness", "2"], "--batch-invariant compares the sampler's log-probs"),
+        (["--sync", "delta", "--staleness", "2"], "--sync delta: the sampler runs the last weights streamed to it"),
+        (
+            ["--sync", "fp8", "--batch-invariant"],
+            "--batch-invariant compares the sampler's log-probs with the trainer's: --sync fp8",
+        ),
     ],
     ids=[
         "split",
@@ -56,6 +61,8 @@ def _validate(argv: list[str], world_size: int = 1):
         "staleness",
         "sampler-dtype",
         "batch-invariant",
+        "sync-staleness",
+        "sync-fp8-batch-invariant",
     ],
 )
 def test_meaningless_or_contradictory_settings_are_refused_by_name(argv, message, tmp_path, monkeypatch):

@@ -165,6 +165,15 @@ def _check_meaningful(args: argparse.Namespace) -> None:
             "--batch-invariant compares the sampler's log-probs with the trainer's: it needs --staleness 0 and "
             "--sampler-dtype same"
         )
+    if args.sync != "off" and args.staleness:
+        raise ArgumentError(
+            f"--sync {args.sync}: the sampler runs the last weights streamed to it; --staleness samples with older ones"
+        )
+    if args.batch_invariant and args.sync.startswith("fp8"):
+        raise ArgumentError(
+            f"--batch-invariant compares the sampler's log-probs with the trainer's: --sync {args.sync} samples with "
+            "FP8 weights (use --sync delta or full)"
+        )
     if args.staleness and args.resume:
         raise ArgumentError(
             f"--resume: a run with --staleness {args.staleness} cannot resume (the older weights it samples with "

@@ -79,6 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the sampler's numerics: the trainer's (same), or bf16 autocast to stand in for an inference engine "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--sync",
+        choices=["off", "full", "delta", "fp8", "fp8-delta"],
+        default="off",
+        help="the sampler as an inference engine of its own, running only the weights streamed to it after each "
+        "update: full (stream_hf_weights), delta (stream_hf_deltas + apply_hf_deltas), fp8 / fp8-delta (E4M3 "
+        "projection weights with per-block scales, dequantized by the sampler); off: the sampler is the trainer's "
+        "model (default: %(default)s)",
+    )
     p.add_argument("--advantage", choices=["grpo", "rloo"], default="grpo", help="group advantage of --algo grpo")
     p.add_argument(
         "--algo",

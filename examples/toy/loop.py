@@ -21,6 +21,7 @@ from toy.profiling import profiled
 from toy.progress import make_progress, open_logging
 from toy.rollout import rollout
 from toy.settings import FINAL_WINDOW, check_resume_settings, learning_rate, policy_lr, run_settings
+from toy.sync import make_engine, sync
 from toy.task import VOCAB
 
 
@@ -101,6 +102,11 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
     durations: list[float] = []  # wall time per step of this invocation
     # --staleness K: snapshots of the policy after each of the last K updates (the oldest samples)
     policies = [fnppo.models.snapshot_params(state.model)] if args.staleness else []
+    # --sync: the sampler is an engine of its own, holding only the weights streamed to it
+    engine = make_engine(state.model) if args.sync != "off" else None
+    if engine is not None:
+        engine, _ = sync(engine, state.model, args.sync, start_step, out_dir, layout)
+    sync_total = {"sync/bytes": 0.0, "sync/seconds": 0.0}
     while step < args.steps:
         t_step = time.perf_counter()
         if args.exit_after is not None and step - start_step >= args.exit_after:
@@ -113,7 +119,16 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
             with phase("rollout"):
                 behaviour = policies[0] if args.staleness else None  # K updates old (fewer in the first K steps)
                 samples, mean_reward, offpolicy = rollout(
-                    state, ref_params, args, layout, device, step, critic, phase=phase, behaviour=behaviour
+                    state,
+                    ref_params,
+                    args,
+                    layout,
+                    device,
+                    step,
+                    critic,
+                    phase=phase,
+                    behaviour=behaviour,
+                    sampler=None if engine is None else engine.model,
                 )
             set_lr(state.optimizer, learning_rate(args, step, policy_lr(args)))
             step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
@@ -126,9 +141,14 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
                     critic, critic_metrics = fnppo.critic_step(critic, samples, ccfg)
         if args.staleness:  # the weights of the last K + 1 updates: the oldest samples the next step
             policies = [*policies, fnppo.models.snapshot_params(state.model)][-(args.staleness + 1) :]
+        synced = {}
+        if engine is not None:  # the updated weights to the sampler
+            engine, synced = sync(engine, state.model, args.sync, step + 1, out_dir, layout)
+            sync_total = {k: sync_total[k] + synced[k] for k in sync_total}
         step += 1
         durations.append(time.perf_counter() - t_step)
         row = {"step": step, "reward": mean_reward, **{k: v for k, v in metrics.items() if k != "step"}, **offpolicy}
+        row.update(synced)
         row.update(
             {
                 k if k.startswith(("vf_", "vpred")) else f"critic_{k}": v
@@ -181,6 +201,12 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
     fnppo.sinks.close_sinks(sinks)
     if not rank0:
         return 0
+    if engine is not None:
+        n = max(1, step - start_step)
+        print(
+            f"sync {args.sync}: {sync_total['sync/bytes'] / n:,.0f} bytes and {sync_total['sync/seconds'] / n:.4f} s "
+            f"per update (mean of {n})"
+        )
     return report(args, layout, rows, out_dir, metrics_path, time.perf_counter() - start, step - start_step, durations)
 
 

@@ -15,13 +15,14 @@ from toy.sampling import sample_responses
 from toy.task import RESPONSE_LEN, make_prompts, reward, token_rewards
 
 
-def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None):
+def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None, sampler=None):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
 
     With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)
     and GAE advantages and returns; the samples carry ``values`` and ``returns`` for ``critic_step``.
     ``phase``: optional ``phase(name)`` context factory timing the parts (``--profile-step``).
     ``behaviour``: the sampler's weights (``--staleness``: an older snapshot), None: the current ones.
+    ``sampler``: the model that samples (``--sync``: the engine's, with the weights streamed to it).
 
     Returns this rank's samples, the global mean reward and the off-policy metrics of the batch
     (:func:`offpolicy_metrics`).
@@ -36,7 +37,7 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     phase = phase or (lambda name: contextlib.nullcontext())
     with phase("sampling"):
         responses, rollout_lp = sample_responses(
-            state.model,
+            state.model if sampler is None else sampler,
             prompts,
             uniforms,
             temperature=args.temperature,
@@ -89,13 +90,13 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
 
 
 def offpolicy_metrics(args, step: int, sums) -> dict[str, float]:
-    """With ``--staleness`` or ``--sampler-dtype bf16``: the staleness (updates between the sampler's
+    """With ``--staleness``, ``--sampler-dtype bf16`` or ``--sync fp8*``: the staleness (updates between the sampler's
     weights and the current ones: ``min(step, K)`` for the 0-based ``step``) and the KL between the behaviour
     policy (the sampler's log-probs) and the current one (the trainer's recompute before the update),
     per token, estimated on the behaviour's samples (k1: mean of log pi_b - log pi; k3: mean of
     r - 1 - log r with r = pi / pi_b; Schulman, "Approximating KL divergence", 2020). Empty otherwise
     (an on-policy run's rows keep their keys)."""
-    if not args.staleness and args.sampler_dtype == "same":
+    if not args.staleness and args.sampler_dtype == "same" and not args.sync.startswith("fp8"):
         return {}
     k1, k3, n = (float(x) for x in sums)
     return {

@@ -16,7 +16,12 @@ siblings (Qwen2-MoE, Qwen3-MoE, Mixtral) <-> Megatron ``GPTModel``.
   ``*ForTokenClassification`` checkpoint with ``num_labels=1`` (transformers'
   ``AutoModelForTokenClassification``: ``logits[..., 0]`` are the values);
 * :func:`stream_hf_weights` hands the same tensors to an inference engine without files: buckets of
-  ``(name, tensor)`` pairs on one rank (vLLM's ``model.load_weights``), never the whole model at once.
+  ``(name, tensor)`` pairs on one rank (vLLM's ``model.load_weights``), never the whole model at once;
+* :func:`stream_hf_deltas` streams only what changed since a :class:`WeightSnapshot` (tensors, blocks
+  or elements, each with its SHA-256 digest), :func:`apply_hf_deltas` rebuilds and checks the new
+  weights on the receiving side;
+* ``fp8=FP8Blocks()`` (export and both streams): projection weights as E4M3 codes with a
+  ``weight_scale_inv`` per 128 x 128 block, transformers' fine-grained FP8 layout.
 
 The modules, one job each (each imports only the ones above it)::
 
@@ -31,15 +36,22 @@ The modules, one job each (each imports only the ones above it)::
     value_head  which value head a checkpoint holds; a value model's exported config.json
     load        load_hf_weights
     sources     the parameters an export reads, each through one function; TP shard placement
+    fp8         FP8 E4M3 blockwise weights: quantize, dequantize, which tensors, quantization_config
     export      export_hf_weights
     stream      stream_hf_weights
+    snapshot    tensor digests (SHA-256), WeightSnapshot and the records of a delta stream
+    delta       stream_hf_deltas (the sending side)
+    apply       apply_hf_deltas (the receiving side)
     peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter, lora_config_from_peft
+    peft_stream stream_peft_adapter: a LoRA run's adapters to an engine, per step, in PEFT's layout
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """
 
+from fnppo.io.hf.apply import apply_hf_deltas
 from fnppo.io.hf.arch import hf_tensor_shapes
 from fnppo.io.hf.config import build_gpt_from_hf, model_config_from_hf
+from fnppo.io.hf.delta import DeltaStream, stream_hf_deltas
 from fnppo.io.hf.export import export_hf_weights
 from fnppo.io.hf.families import (
     MOE_FAMILIES,
@@ -49,7 +61,10 @@ from fnppo.io.hf.families import (
     TOKEN_CLASSIFICATION_ARCHITECTURES,
     VALUE_HEAD_LAYOUTS,
 )
+from fnppo.io.hf.fp8 import FP8Blocks, dequantize_fp8_blockwise, quantize_fp8_blockwise
 from fnppo.io.hf.load import load_hf_weights
+from fnppo.io.hf.peft_stream import stream_peft_adapter
+from fnppo.io.hf.snapshot import DeltaEnd, DeltaHeader, TensorDelta, WeightSnapshot, tensor_digest
 from fnppo.io.hf.stream import stream_hf_weights
 
 __all__ = [
@@ -65,4 +80,16 @@ __all__ = [
     "export_hf_weights",
     "stream_hf_weights",
     "hf_tensor_shapes",
+    "stream_hf_deltas",
+    "apply_hf_deltas",
+    "DeltaStream",
+    "WeightSnapshot",
+    "DeltaHeader",
+    "TensorDelta",
+    "DeltaEnd",
+    "tensor_digest",
+    "FP8Blocks",
+    "quantize_fp8_blockwise",
+    "dequantize_fp8_blockwise",
+    "stream_peft_adapter",
 ]

@@ -22,7 +22,12 @@ from fnppo.core.errors import check_positive_int, checkpoint_error, input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
+<<<<<<< HEAD
 from fnppo.io.hf.config import checked_hf_config, read_hf_config
+=======
+from fnppo.io.hf.config import model_config_from_hf, read_hf_config
+from fnppo.io.hf.fp8 import FP8Blocks, check_fp8_shapes, fp8_tensor_shapes, quantization_config, to_fp8
+>>>>>>> engine-io
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
 from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
@@ -58,12 +63,15 @@ def gather_tp(p: ExportParam, layout: ParallelLayout) -> Tensor:
     return full
 
 
-def _write_hf_config(path: Path, hf_config: Any) -> None:
-    """``config.json`` in ``path``: a transformers config saves itself, anything else as JSON."""
-    if hasattr(hf_config, "save_pretrained"):
+def _write_hf_config(path: Path, hf_config: Any, quantization: dict | None = None) -> None:
+    """``config.json`` in ``path``: a transformers config saves itself, anything else as JSON (with
+    ``quantization`` as its ``quantization_config``)."""
+    if hasattr(hf_config, "save_pretrained") and quantization is None:
         hf_config.save_pretrained(str(path))
         return
     cfg = read_hf_config("fnppo.io.hf.export_hf_weights", "hf_config", hf_config)
+    if quantization is not None:
+        cfg = {**cfg, "quantization_config": quantization}
     with open(path / "config.json", "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2, sort_keys=True)
         fh.write("\n")
@@ -89,6 +97,7 @@ def export_hf_weights(
     hf_config: Any = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    fp8: FP8Blocks | None = None,
 ) -> None:
     """Write the model as a Hugging Face safetensors checkpoint (the inverse of :func:`load_hf_weights`).
 
@@ -105,6 +114,13 @@ def export_hf_weights(
     the stored dtype (default: the parameters').
     Tied embeddings store only ``model.embed_tokens.weight``.
 
+    ``fp8`` (an :class:`~fnppo.io.hf.fp8.FP8Blocks`): every projection weight is stored as E4M3 codes
+    with its fp32 ``weight_scale_inv`` per block (:mod:`fnppo.io.hf.fp8`; quantized from the
+    parameters' values), the embedding, ``lm_head``, norms, biases and router gates in ``dtype``, and
+    ``config.json`` gets the ``quantization_config`` transformers' fine-grained FP8 loader, vLLM and
+    SGLang read (:func:`~fnppo.io.hf.fp8.quantization_config`). A block that does not divide a
+    projection weight is refused by name before anything is written.
+
     A value model (``head="value"``) is written as transformers' ``<Family>ForTokenClassification``
     with ``num_labels=1``: the trunk as above, ``score.weight`` ``[1, hidden]`` and ``score.bias``
     ``[1]`` from the value head (written by the last pipeline stage), and, from ``hf_config`` (the
@@ -119,6 +135,8 @@ def export_hf_weights(
     a = model_arch(fn, model_chunks)
     check_positive_int(fn, "max_shard_bytes", max_shard_bytes)
     check_weight_dtype(fn, dtype)
+    if fp8 is not None:
+        check_fp8_shapes(fn, expected_hf_shapes(a, a.padded_vocab), fp8)
     if not isinstance(path, (str, os.PathLike)):
         raise input_error(fn, "path", "a directory path (str or os.PathLike)", f"{path!r}")
     if Path(path).exists() and not Path(path).is_dir():
@@ -140,14 +158,16 @@ def export_hf_weights(
         out.mkdir(parents=True, exist_ok=True)
     shards = _ShardWriter(out, layout.rank, max_shard_bytes)
     if writer or role[False][0] or role[True][0]:
-        _write_tensors(fn, a, model_chunks, layout, role, shards, dtype, vocab)
+        _write_tensors(fn, a, model_chunks, layout, role, shards, dtype, vocab, fp8)
         if writer:
             shards.flush()
-    parts = _all_parts(fn, a, layout, shards.written if writer else None, vocab)
+    parts = _all_parts(fn, a, layout, shards.written if writer else None, vocab, fp8)
     error: list[str | None] = [None]
     if layout.rank == 0:
         try:
-            _finalize_export(out, parts, written_config)
+            names = [n for _, ns, _ in parts for n in ns]
+            quant = None if fp8 is None else quantization_config(names, fp8)
+            _finalize_export(out, parts, written_config, quant)
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             error[0] = f"{type(err).__name__}: {err}"
     dist.broadcast_object_list(error, src=0)
@@ -197,6 +217,7 @@ def _write_tensors(
     shards: _ShardWriter,
     dtype: torch.dtype | None,
     vocab: int,
+    fp8: FP8Blocks | None = None,
 ) -> None:
     """Gather every parameter this rank's role gathers (``role[is_expert] = (gathers, writes)``) and
     add the Hugging Face tensors of those it writes to ``shards`` (a tied output layer: none)."""
@@ -208,11 +229,14 @@ def _write_tensors(
         if not writes:
             continue
         for hf_name, t in to_hf(a, p.kind, p.names, full, vocab).items():
-            shards.add(hf_name, t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous().clone())
+            for name, stored in to_fp8(hf_name, t.detach(), fp8, dtype):
+                shards.add(name, stored.to(device="cpu").contiguous().clone())
         del full
 
 
-def _all_parts(fn: str, a: Arch, layout: ParallelLayout, written: list[_Part] | None, vocab: int) -> list[_Part]:
+def _all_parts(
+    fn: str, a: Arch, layout: ParallelLayout, written: list[_Part] | None, vocab: int, fp8: FP8Blocks | None = None
+) -> list[_Part]:
     """Every writing rank's shards (collective; ``written``: this rank's, ``None`` on the others), in
     (pipeline stage, rank) order, checked to hold every tensor of the checkpoint exactly once."""
     everyone: list[Any] = [None] * layout.world_size
@@ -220,13 +244,15 @@ def _all_parts(fn: str, a: Arch, layout: ParallelLayout, written: list[_Part] | 
     parts = [f for item in sorted((x for x in everyone if x is not None), key=lambda x: x[:2]) for f in item[2]]
     names = [n for _, ns, _ in parts for n in ns]
     expected = expected_hf_shapes(a, vocab)
+    if fp8 is not None:
+        expected = fp8_tensor_shapes(expected, fp8)
     if sorted(names) != sorted(expected):  # every tensor exactly once (checked alike on every rank)
         dup = sorted(n for n, c in Counter(names).items() if c > 1)
         raise AssertionError(f"{fn}: exported {len(names)} tensors, expected {len(expected)} (duplicates: {dup[:4]})")
     return parts
 
 
-def _finalize_export(out: Path, parts: list[_Part], hf_config: Any) -> None:
+def _finalize_export(out: Path, parts: list[_Part], hf_config: Any, quantization: dict | None = None) -> None:
     """Rank 0: final shard names, the index, stale shards removed, config.json."""
     final = (
         [SINGLE_FILE]
@@ -253,4 +279,4 @@ def _finalize_export(out: Path, parts: list[_Part], hf_config: Any) -> None:
             json.dump(index, fh, indent=2)
             fh.write("\n")
     if hf_config is not None:
-        _write_hf_config(out, hf_config)
+        _write_hf_config(out, hf_config, quantization)

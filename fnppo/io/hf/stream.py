@@ -20,6 +20,7 @@ from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_weight_dtype
 from fnppo.io.hf.export import check_config_matches
+from fnppo.io.hf.fp8 import FP8Blocks, check_fp8_shapes, to_fp8
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
 from fnppo.megatron.parallel import ParallelLayout, current_layout
@@ -30,7 +31,7 @@ Bucket = list[tuple[str, Tensor]]
 """One bucket of :func:`stream_hf_weights`: ``(Hugging Face name, full tensor)`` pairs."""
 
 
-class _Entry(NamedTuple):
+class StreamEntry(NamedTuple):
     """One Megatron parameter of the whole model, as every rank plans to move it."""
 
     gname: str
@@ -56,6 +57,7 @@ def stream_hf_weights(
     dst_rank: int = 0,
     hf_config: Any = None,
     dtype: torch.dtype | None = None,
+    fp8: FP8Blocks | None = None,
 ) -> Iterator[Bucket]:
     """The model's weights in Hugging Face names and layouts, in buckets, on rank ``dst_rank``.
 
@@ -84,11 +86,14 @@ def stream_hf_weights(
     buckets it was given; the other ranks allocate nothing (they send their parameters' storage).
     ``hf_config`` (a dict, a transformers config or a ``config.json`` path, as for
     :func:`export_hf_weights`): checked against the model, and its ``vocab_size`` drops the
-    vocabulary padding (default: the model's padded vocabulary).
+    vocabulary padding (default: the model's padded vocabulary). ``fp8`` (an
+    :class:`~fnppo.io.hf.fp8.FP8Blocks`): every projection weight comes as its E4M3 codes and its
+    ``weight_scale_inv`` (:mod:`fnppo.io.hf.fp8`), the other tensors in ``dtype``.
 
     Raises:
         InputError: ``bucket_bytes`` not an int >= 1, ``dst_rank`` not a rank of the world, a model
-            these families cannot hold, or an ``hf_config`` that does not describe it.
+            these families cannot hold, an ``hf_config`` that does not describe it, or ``fp8`` with a
+            block that does not divide a projection weight (naming it).
     """
     fn = "fnppo.io.hf.stream_hf_weights"
     a = model_arch(fn, model_chunks)
@@ -102,12 +107,16 @@ def stream_hf_weights(
         if hf_config is None
         else check_config_matches(fn, unwrap_model(model_chunks[0]), a, hf_config)[0]
     )
+    if fp8 is not None:
+        check_fp8_shapes(fn, expected_hf_shapes(a, vocab), fp8)
     mine = {p.gname: p for p in export_params(fn, a, model_chunks)}
-    plan = _plan(fn, a, mine, layout, dst_rank, vocab)
-    return _stream(a, plan, mine, layout.rank, dst_rank, bucket_bytes, dtype, vocab)
+    plan = stream_plan(fn, a, mine, layout, dst_rank, vocab)
+    return _stream(a, plan, mine, layout.rank, dst_rank, bucket_bytes, dtype, vocab, fp8)
 
 
-def _plan(fn: str, a: Arch, mine: dict[str, ExportParam], layout: ParallelLayout, dst: int, vocab: int) -> list[_Entry]:
+def stream_plan(
+    fn: str, a: Arch, mine: dict[str, ExportParam], layout: ParallelLayout, dst: int, vocab: int
+) -> list[StreamEntry]:
     """Every rank's parameters (one ``all_gather_object``), each with the ranks that send its shards,
     in layer order; the same list on every rank, checked to hold every Hugging Face tensor once."""
     local = []
@@ -136,7 +145,7 @@ def _plan(fn: str, a: Arch, mine: dict[str, ExportParam], layout: ParallelLayout
         if sorted(by_r) != list(range(n)):
             raise AssertionError(f"{fn}: {gname!r} has TP shards {sorted(by_r)} of {n}")
         sources = tuple(dst if dst in by_r[r] else min(by_r[r]) for r in range(n))
-        plan.append(_Entry(gname, kind, names, sources, dim, gated, shape, dt))
+        plan.append(StreamEntry(gname, kind, names, sources, dim, gated, shape, dt))
     streamed = sorted(n for e in plan for n in e.names)
     expected = sorted(expected_hf_shapes(a, vocab))
     if streamed != expected:  # every tensor exactly once (checked alike on every rank)
@@ -146,13 +155,14 @@ def _plan(fn: str, a: Arch, mine: dict[str, ExportParam], layout: ParallelLayout
 
 def _stream(
     a: Arch,
-    plan: list[_Entry],
+    plan: list[StreamEntry],
     mine: dict[str, ExportParam],
     rank: int,
     dst: int,
     bucket_bytes: int,
     dtype: torch.dtype | None,
     vocab: int,
+    fp8: FP8Blocks | None = None,
 ) -> Iterator[Bucket]:
     """Move the planned tensors to ``dst`` (see :func:`stream_hf_weights`); yields only on ``dst``."""
     device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
@@ -161,24 +171,30 @@ def _stream(
     with torch.no_grad():
         for e in plan:
             if rank != dst:
-                for src in e.sources:
-                    if src == rank:  # a rank may hold several shards of one tensor only as replicas: once each
-                        dist.send(local_weight(mine[e.gname]).contiguous(), dst)
+                send_shards(e, mine, rank, dst)
                 continue
             out = dtype or e.dtype
             size = torch.Size(e.full_shape).numel() * torch.empty((), dtype=out).element_size()
             if bucket and held + size > bucket_bytes:
                 yield bucket
                 bucket, held = [], 0
-            full = full_tensor(e, mine, rank, out, device)
-            bucket.extend(to_hf(a, e.kind, e.names, full, vocab).items())
+            full = full_tensor(e, mine, rank, out if fp8 is None else e.dtype, device)  # FP8 from the parameters
+            for name, t in to_hf(a, e.kind, e.names, full, vocab).items():
+                bucket.extend(to_fp8(name, t, fp8, out))
             held += size
             del full
         if bucket:
             yield bucket
 
 
-def full_tensor(e: _Entry, mine: dict[str, ExportParam], rank: int, dtype: torch.dtype, device: Any) -> Tensor:
+def send_shards(e: StreamEntry, mine: dict[str, ExportParam], rank: int, dst: int) -> None:
+    """On a rank other than ``dst``: send the TP shards of ``e`` this rank is the source of."""
+    for src in e.sources:
+        if src == rank:  # a rank may hold several shards of one tensor only as replicas: once each
+            dist.send(local_weight(mine[e.gname]).contiguous(), dst)
+
+
+def full_tensor(e: StreamEntry, mine: dict[str, ExportParam], rank: int, dtype: torch.dtype, device: Any) -> Tensor:
     """On the receiving rank: the full (1-rank) Megatron tensor of ``e``, a fresh buffer filled with
     each TP shard in turn (this rank's own through :func:`local_weight`, the others received into one
     shard-sized buffer) by :func:`place_shard`."""
