@@ -22,12 +22,8 @@ from fnppo.core.errors import check_positive_int, checkpoint_error, input_error
 from fnppo.core.typing import Tensor
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, check_weight_dtype
-<<<<<<< HEAD
 from fnppo.io.hf.config import checked_hf_config, read_hf_config
-=======
-from fnppo.io.hf.config import model_config_from_hf, read_hf_config
 from fnppo.io.hf.fp8 import FP8Blocks, check_fp8_shapes, fp8_tensor_shapes, quantization_config, to_fp8
->>>>>>> engine-io
 from fnppo.io.hf.layouts import split_dim, to_hf
 from fnppo.io.hf.shards import INDEX_FILE, SINGLE_FILE
 from fnppo.io.hf.sources import ExportParam, export_params, local_weight, place_shard
