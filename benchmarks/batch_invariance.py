@@ -355,8 +355,8 @@ def measure(name: str, args) -> dict:
         else:
             lp, _ = fnppo.compute_logprobs(state.model, samples, **budget)
             batch = [dataclasses.replace(s, old_logprobs=o) for s, o in zip(samples, lp)]
-        step = lambda: fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **budget))  # noqa: E731
-        infer = lambda: fnppo.compute_logprobs(state.model, samples, **budget)  # noqa: E731
+        step = lambda: fnppo.train_step(state, batch, fnppo.StepConfig(loss=loss, **budget))  # noqa: E731, F821
+        infer = lambda: fnppo.compute_logprobs(state.model, samples, **budget)  # noqa: E731, F821
         step()  # warm-up (compilations, autotuning)
         times[invariant] = (timed(step, args.steps), timed(infer, args.steps))
         if args.profile:

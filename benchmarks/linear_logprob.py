@@ -120,9 +120,9 @@ def dense_matmuls_ms(h, W, device, reps, b2b=1):
     grad = torch.randn((t, v), device=device, dtype=torch.float32).to(h.dtype) * 1e-3
     out_h = torch.empty((t, hid), dtype=h.dtype, device=device)
     out_w = torch.empty((v, hid), dtype=h.dtype, device=device)
-    fwd = time_ms(lambda: torch.mm(hd, wd.t(), out=out_logits), device, reps, 3, b2b)
-    dh = time_ms(lambda: torch.mm(grad, wd, out=out_h), device, reps, 3, b2b)
-    dw = time_ms(lambda: torch.mm(grad.t(), hd, out=out_w), device, reps, 3, b2b)
+    fwd = time_ms(lambda: torch.mm(hd, wd.t(), out=out_logits), device, reps, 3, b2b)  # noqa: F821
+    dh = time_ms(lambda: torch.mm(grad, wd, out=out_h), device, reps, 3, b2b)  # noqa: F821
+    dw = time_ms(lambda: torch.mm(grad.t(), hd, out=out_w), device, reps, 3, b2b)  # noqa: F821
     del out_logits, grad, out_h, out_w
     return {"logits (fwd)": fwd, "logits (recompute)": fwd, "dh = G @ W": dh, "dW = G.T @ h": dw}
 
@@ -927,7 +927,7 @@ def bench_one(tokens, hidden, vocab, device, reps, args):
 
         def fwd_only():
             with torch.no_grad():
-                linear_logprob_and_entropy(h, W, labels)
+                linear_logprob_and_entropy(h, W, labels)  # noqa: F821
 
         f_ms = time_ms(fwd_only, device, reps, 2)
         print(

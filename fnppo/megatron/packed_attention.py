@@ -94,7 +94,7 @@ def check_cu_seqlens(fn: str, arg: str, cu_seqlens: Tensor, total: int) -> None:
 
 
 @typechecked
-def segment_ids(cu_seqlens: CuSeqlens, total: int) -> Int32[Tensor, "{total}"]:
+def segment_ids(cu_seqlens: CuSeqlens, total: int) -> Int32[Tensor, "{total}"]:  # noqa: F821
     """Index of the sequence that holds each packed token: ``seg(i) = k`` iff ``cu[k] <= i < cu[k+1]``.
 
     Computed as ``#{k >= 1 : cu[k] <= i}`` (a sorted search), so empty sequences are skipped.

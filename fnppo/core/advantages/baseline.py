@@ -71,7 +71,7 @@ def remax_advantages(
 def optimal_token_baseline_advantages(
     rewards: PaddedFloat,
     mask: PaddedMask,
-    group_ids: Integer[Tensor, "batch"],
+    group_ids: Integer[Tensor, "batch"],  # noqa: F821
     logprobs: PaddedFloat,
     sum_pi_squared: PaddedFloat,
     *,

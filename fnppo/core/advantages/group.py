@@ -48,12 +48,12 @@ __all__ = [
 
 @typechecked
 def grpo_advantages(
-    scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"],
-    group_ids: Integer[Tensor, "n"] | None = None,
+    scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"],  # noqa: F821
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
     *,
     normalize_std: bool = True,
     eps: float = 1e-6,
-) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:
+) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:  # noqa: F821
     """Group-relative outcome advantages.
 
     ``A_i = (s_i - mean_g) / (std_g + eps)`` over the group g of i (std with Bessel's correction,
@@ -94,8 +94,9 @@ def grpo_advantages(
 
 @typechecked
 def rloo_advantages(
-    scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"], group_ids: Integer[Tensor, "n"] | None = None
-) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:
+    scores: Float[Tensor, "n"] | Float[Tensor, "groups group_size"],  # noqa: F821
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
+) -> Float[Tensor, "n"] | Float[Tensor, "groups group_size"]:  # noqa: F821
     """REINFORCE leave-one-out advantages: ``A_i = s_i - (sum_{j in g, j != i} s_j) / (|g| - 1)``.
 
     Equivalently ``|g| / (|g| - 1) * (s_i - mean_g)``. A group of size 1 gets advantage 0.
@@ -160,7 +161,7 @@ def _sorted_groups(x: Tensor, index: Tensor, g: int, keep: Tensor) -> tuple[Tens
 @typechecked
 def pass_at_k_advantages(
     scores: SeqScores,
-    group_ids: Integer[Tensor, "n"] | None = None,
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
     *,
     k: int,
     valid: SeqMask | None = None,
@@ -259,7 +260,11 @@ def pass_at_k_advantages(
 
 @typechecked
 def opo_advantages(
-    scores: SeqScores, lengths: SeqMask, group_ids: Integer[Tensor, "n"] | None = None, *, valid: SeqMask | None = None
+    scores: SeqScores,
+    lengths: SeqMask,
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    valid: SeqMask | None = None,  # noqa: F821
 ) -> SeqScores:
     """OPO: outcome minus the length-weighted group mean (the optimal baseline of OPO).
 
@@ -316,7 +321,10 @@ def _gpg_rows(
 
 @typechecked
 def gpg_batch_counts(
-    scores: SeqScores, group_ids: Integer[Tensor, "n"] | None = None, *, valid: SeqMask | None = None
+    scores: SeqScores,
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
+    *,
+    valid: SeqMask | None = None,  # noqa: F821
 ) -> Float[Tensor, "2"]:
     """``(B, B_valid)`` of :func:`gpg_advantages` as a summable float64 ``[2]`` tensor.
 
@@ -331,7 +339,7 @@ def gpg_batch_counts(
 @typechecked
 def gpg_advantages(
     scores: SeqScores,
-    group_ids: Integer[Tensor, "n"] | None = None,
+    group_ids: Integer[Tensor, "n"] | None = None,  # noqa: F821
     *,
     valid: SeqMask | None = None,
     normalize_std: bool = False,

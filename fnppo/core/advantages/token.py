@@ -181,7 +181,10 @@ def reinforce_pp_advantages(
 
 @typechecked
 def broadcast_to_tokens(
-    values: Float[Tensor, "nseq"], mask: PaddedMask, *, seq_ids: Integer[Tensor, "batch seq"] | None = None
+    values: Float[Tensor, "nseq"],  # noqa: F821
+    mask: PaddedMask,
+    *,
+    seq_ids: Integer[Tensor, "batch seq"] | None = None,  # noqa: F821
 ) -> PaddedFloat:
     """Spread one value per sequence over its tokens: ``out[b, t] = values[seq(b, t)] * mask[b, t]``.
 
@@ -302,9 +305,9 @@ def _whiten(x: Tensor, m: Tensor, moments: Tensor, eps: float) -> Tensor:
 
 @typechecked
 def reinforce_pp_baseline_advantages(
-    scores: Float[Tensor, "batch"],
+    scores: Float[Tensor, "batch"],  # noqa: F821
     mask: PaddedMask,
-    group_ids: Integer[Tensor, "batch"],
+    group_ids: Integer[Tensor, "batch"],  # noqa: F821
     *,
     kl: PaddedFloat | None = None,
     kl_coef: float = 0.0,

@@ -14,6 +14,7 @@ import functools
 import math
 
 import torch
+import triton
 
 from fnppo.core.kernels.linear_logprob_triton import (
     _FWD_BM,
@@ -21,8 +22,10 @@ from fnppo.core.kernels.linear_logprob_triton import (
     LN2,
     LOG2E,
     TensorDescriptor,
+    _dz_blocks,
     _dz_kernel,
     _dz_tuned,
+    _fwd_blocks,
     _fwd_kernel,
     _fwd_tuned,
     _label_kernel,

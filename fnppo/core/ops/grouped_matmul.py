@@ -42,7 +42,7 @@ def _loop(x: Tensor, weight: Tensor, group_ends: Tensor) -> Tensor:
 def grouped_matmul(
     x: Float[Tensor, "rows k"],
     weight: Float[Tensor, "groups n k"],
-    group_ends: Int[Tensor, "groups"],
+    group_ends: Int[Tensor, "groups"],  # noqa: F821
 ) -> Float[Tensor, "rows n"]:
     """``y[r] = x[r] @ weight[g(r)].T`` where row ``r`` belongs to group ``g(r)``.
 

@@ -98,7 +98,7 @@ class _Rotary(torch.autograd.Function):
 def apply_rotary(
     x: Float[Tensor, "tokens heads dim"],
     freqs: Float[Tensor, "table rot"],
-    positions: Int[Tensor, "tokens"],
+    positions: Int[Tensor, "tokens"],  # noqa: F821
     *,
     impl: str = "auto",
 ) -> Float[Tensor, "tokens heads dim"]:
@@ -123,7 +123,7 @@ def apply_rotary(
 
 
 @typechecked
-def thd_positions(cu_seqlens: CuSeqlens, total: int) -> Int[Tensor, "{total}"]:
+def thd_positions(cu_seqlens: CuSeqlens, total: int) -> Int[Tensor, "{total}"]:  # noqa: F821
     """Position of each packed token within its own sequence: ``pos_t = t - cu[seg(t)]``.
 
     ``seg(t)`` is the sequence holding token ``t`` (``cu[seg] <= t < cu[seg + 1]``; empty
