@@ -36,7 +36,6 @@ arXiv:2505.09388), each router option mapped to Megatron's exactly:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 from torch import nn
 
 from fnppo.core.errors import input_error
+from fnppo.io.files import read_json_object
 from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, MoELayout, checkpoint_head
 from fnppo.megatron.build import build_gpt
 from fnppo.megatron.config import ModelConfig
@@ -66,8 +66,7 @@ def read_hf_config(fn: str, arg: str, config_or_path: Any) -> dict[str, Any]:
             p = p / "config.json"
         if not p.is_file():
             raise input_error(fn, arg, "a config.json file or a local directory holding one", repr(str(p)))
-        with open(p, encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_json_object(fn, arg, p)  # CheckpointError: a damaged file (truncated, corrupt, not an object)
     if hasattr(config_or_path, "to_dict"):
         return dict(config_or_path.to_dict())
     raise input_error(fn, arg, "a dict, a transformers PretrainedConfig or a path", type(config_or_path).__name__)
@@ -130,7 +129,8 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
     ``torch_dtype`` (fp32 if absent). ``overrides`` replace any :class:`ModelConfig` field.
 
     Raises ``InputError`` naming the offending key for anything Megatron would compute differently
-    (see the module docstring).
+    (see the module docstring); ``CheckpointError`` for a ``config.json`` path that cannot be read or
+    holds no JSON object (truncated, corrupt), naming the file and the cause.
     """
     fn = "fnppo.io.hf.model_config_from_hf"
     hf = read_hf_config(fn, "config_or_path", config_or_path)

@@ -10,7 +10,6 @@ host memory never holds more than one parameter beyond the model itself.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -21,6 +20,7 @@ from torch import nn
 
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
+from fnppo.io.files import read_json_object
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.checks import check_hf_config, config_path
 from fnppo.io.hf.config import read_hf_config
@@ -56,7 +56,9 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     ``(v - mean) / std`` into the head), verl's Megatron critic (a ``*ForCausalLM`` config with a
     one-row ``lm_head.weight``). Returns the
     names of the checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied
-    model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
+    model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers. A damaged file (a
+    ``config.json``, the index or a shard that is truncated, corrupt or unreadable) raises
+    ``CheckpointError`` naming the file and the cause (:mod:`fnppo.io.files`), before anything is loaded.
 
     ``path``: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
     its shards (or one ``.safetensors`` file). Names and layouts are converted as in :mod:`fnppo.io.hf.keys`
@@ -119,8 +121,7 @@ def _checkpoint_vocab(
     cfg = config_path(root)
     v = None
     if cfg.is_file():
-        with open(cfg, encoding="utf-8") as fh:
-            v = json.load(fh).get("vocab_size")
+        v = read_json_object(fn, "path", cfg).get("vocab_size")
     if isinstance(v, int):
         vocab = v
     else:
