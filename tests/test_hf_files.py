@@ -214,3 +214,63 @@ def test_a_damaged_adapter_file_is_a_checkpoint_error_and_loads_nothing(loads, c
     assert msg.startswith("CheckpointError: fnppo.lora.load_peft_adapter: argument 'path' expected "), msg
     assert ADAPTERS[case] in msg and "adapter_model.safetensors" in msg, msg
     assert untouched, case
+
+
+# ---------------------------------------------------------------------------------------------
+# the record of a LoRA base: one base built in fp32 and in bf16 is the same base
+# ---------------------------------------------------------------------------------------------
+def _lora(chunks) -> None:
+    fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(rank=RANK, alpha=8.0))
+    with torch.no_grad():
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn_like(p))
+
+
+def _bases(root: str, cfg: dict) -> dict:
+    from fnppo.hf import build_gpt_from_hf
+    from fnppo.io.checkpoint.base import base_problem, base_record
+    from fnppo.io.hf.arch import model_arch
+    from fnppo.io.hf.peft import base_fingerprint
+    from fnppo.megatron.unwrap import unwrap_model
+
+    f32 = build_gpt_from_hf(cfg, dtype="fp32")
+    fnppo.models.layout_invariant_init(f32, seed=5)
+    bf16 = build_gpt_from_hf(cfg, dtype="bf16")  # the same base, its weights rounded to bfloat16
+    weights = dict(unwrap_model(f32[0]).named_parameters())
+    with torch.no_grad():
+        for name, p in unwrap_model(bf16[0]).named_parameters():
+            p.copy_(weights[name])
+    other = build_gpt_from_hf(cfg, dtype="bf16")
+    fnppo.models.layout_invariant_init(other, seed=6)
+    for chunks in (f32, bf16, other):
+        _lora(chunks)
+    rec = {"f32": base_record(f32), "bf16": base_record(bf16), "other": base_record(other)}
+    arch = {k: base_fingerprint(model_arch("test", m)) for k, m in (("f32", f32), ("bf16", bf16))}
+    adapter = Path(root) / "fp32-adapter"
+    fnppo.lora.save_peft_adapter(f32, adapter)
+    return {
+        "dtypes": (rec["f32"]["dtype"], rec["bf16"]["dtype"]),
+        "tensors": len(rec["f32"]["tensors"]),
+        "same": base_problem(rec["f32"], rec["bf16"]),
+        "same_reversed": base_problem(rec["bf16"], rec["f32"]),
+        "other": base_problem(rec["f32"], rec["other"]),
+        "arch_equal": arch["f32"] == arch["bf16"] == rec["f32"]["arch"] == rec["bf16"]["arch"],
+        "peft_into_bf16": _outcome(lambda: fnppo.lora.load_peft_adapter(bf16, adapter), bf16)[0],
+    }
+
+
+def test_one_base_built_in_fp32_and_in_bf16_has_one_record(tmp_path):
+    """A LoRA checkpoint's base record (``base_record``: digests of each base weight, exact and rounded to
+    bfloat16) and the architecture fingerprint of fnppo's PEFT files (``base_fingerprint``) of one base
+    built in fp32 and in bf16 (its fp32 weights rounded): the same base both ways (the records compare
+    the rounded digests across dtypes), a PEFT adapter saved on the fp32 base loads on the bf16 one; a
+    base of other weights in bf16 is another base."""
+    r = run_ranks(_bases, 1, str(tmp_path), _config())[0]
+    assert r["dtypes"] == ("float32", "bfloat16") and r["tensors"] > 0
+    assert r["same"] is None and r["same_reversed"] is None, r
+    assert r["other"].startswith("another base model: ") and (
+        f"of {r['tensors']} base weights differ rounded to bfloat16 (float32 saved, bfloat16 now)" in r["other"]
+    ), r["other"]  # (the norms, ones in both, agree)
+    assert r["arch_equal"] and r["peft_into_bf16"] == "no error", r
