@@ -59,7 +59,6 @@ def check_run_paths(args: argparse.Namespace, root: Path | None = None) -> None:
                 "--overwrite to replace it, or another --metrics-out"
             )
     if args.resume:
-        read_metrics(metrics_path(args, out_dir))  # a corrupt row is refused before anything changes
         latest = newest_checkpoint(out_dir / "checkpoints")
         if latest is None:
             raise ArgumentError(f"--resume: {out_dir} has no complete checkpoint (write some with --save-every N)")
@@ -69,6 +68,7 @@ def check_run_paths(args: argparse.Namespace, root: Path | None = None) -> None:
                 f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} "
                 f"(now {args.algo}); resume with the stored values"
             )
+        read_metrics(metrics_path(args, out_dir))  # a corrupt row is refused before anything changes
 
 
 def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
