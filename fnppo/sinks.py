@@ -8,6 +8,7 @@ from fnppo.io.sinks import MetricsSink as MetricsSink
 from fnppo.io.sinks import MlflowSink as MlflowSink
 from fnppo.io.sinks import TensorBoardSink as TensorBoardSink
 from fnppo.io.sinks import WandbSink as WandbSink
+from fnppo.io.sinks import check_sinks as check_sinks
 from fnppo.io.sinks import close_sinks as close_sinks
 from fnppo.io.sinks import log_hparams as log_hparams
 from fnppo.io.sinks import log_metrics as log_metrics
@@ -19,6 +20,7 @@ __all__ = [
     "WandbSink",
     "MlflowSink",
     "SINKS",
+    "check_sinks",
     "open_sinks",
     "log_metrics",
     "log_hparams",

@@ -10,6 +10,8 @@ verified, and never lose one that was complete before the kill.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import resource
@@ -242,3 +244,155 @@ def test_two_runs_started_together_in_one_directory(tmp_path):
     assert not lock.held
     with pytest.raises(fnppo.checkpoint.CheckpointError, match="argument 'root' expected a path"):
         fnppo.checkpoint.lock_directory(None)
+
+
+@pytest.mark.parametrize("limit", [512, 4096], ids=["torch.save-writer", "dcp-writer"])
+def test_a_file_size_limit_is_named_as_such_whichever_writer_meets_it(tmp_path, limit):
+    """``ulimit -f`` (RLIMIT_FSIZE) in a child. At 512 bytes ``common.pt`` meets it: torch's own writer
+    (``torch.save``) loses the ``EFBIG`` and says only ``basic_ios::clear: iostream error`` (torch 2.13)
+    or ``unexpected pos ...`` (torch 2.11); at 4096 bytes the rank's shard file meets it (an ``OSError``
+    with ``EFBIG``). Either way the error names the file-size limit and "File too large", and nothing
+    is left behind. (Python ignores SIGXFSZ from its start, so the write fails instead of the process.)"""
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+
+    def small_file_limit(state) -> str:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        fnppo.checkpoint.save_checkpoint(tmp_path / "fsize", state)
+        return "no error"
+
+    code, msg = _in_child(small_file_limit)
+    assert code == 1 and msg.startswith("CheckpointError: save_checkpoint: argument 'directory' expected "), msg
+    assert f"reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`): {limit} bytes" in msg, msg
+    assert "File too large" in msg, msg
+    if limit == 512:
+        assert "common.pt reached the file-size limit" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "debris after the file-size limit"
+
+
+def _fake_checkpoint(d: Path, marker: str, complete: bool = True) -> Path:
+    """A directory shaped like a checkpoint: a marker file, and (``complete``) a manifest listing it."""
+    d.mkdir(parents=True)
+    (d / "marker").write_text(marker)
+    if complete:
+        entry = {"size": len(marker), "sha256": hashlib.sha256(marker.encode()).hexdigest()}
+        (d / "manifest.json").write_text(json.dumps({"step": 4, "files": {"marker": entry}}))
+    return d
+
+
+@pytest.mark.parametrize("new_id", ["0123456789ab", "zyx987654321"])
+@pytest.mark.parametrize("new_complete", [True, False], ids=["new-complete", "new-incomplete"])
+def test_a_save_killed_between_its_renames_restores_the_right_checkpoint(tmp_path, new_id, new_complete):
+    """A replacing save moves the previous ``step4`` aside (``.step4.tmp-old-<id>``) and then renames its
+    own ``.step4.tmp-<id>`` into place; killed in between, both are left and ``step4`` is missing. The
+    clean-up (at the next save or resume: ``latest_checkpoint``) keeps the new one when it is complete
+    (it has its manifest) and puts the previous one back otherwise; the other is removed. The new one's
+    id sorts before ``old-`` (save ids are hex) or after it: the order of the listing must not matter."""
+    _fake_checkpoint(tmp_path / ".step4.tmp-old-5a5a5a5a5a5a", "previous")
+    _fake_checkpoint(tmp_path / f".step4.tmp-{new_id}", "new", complete=new_complete)
+    _fake_checkpoint(tmp_path / "step2", "older")
+    latest = fnppo.checkpoint.latest_checkpoint(tmp_path)
+    assert latest == tmp_path / "step4"
+    assert (latest / "marker").read_text() == ("new" if new_complete else "previous")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step2", "step4"]
+    assert (tmp_path / "step2" / "marker").read_text() == "older"  # a complete checkpoint is never touched
+
+
+def test_a_live_save_s_temporary_directory_is_left_alone(tmp_path):
+    """A temporary directory that a live save holds (its flock) is not removed or restored by the clean-up
+    of another process; once released it is."""
+    from fnppo.io.checkpoint.lock import hold_while_writing
+
+    live = _fake_checkpoint(tmp_path / ".step6.tmp-abcdefabcdef", "writing", complete=False)
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the live save: holds its directory until told to stop
+        with hold_while_writing(live):
+            os.write(w, b"h")
+            os.read(go_r, 1)
+        os._exit(0)
+    assert os.read(r, 1) == b"h"
+    assert fnppo.checkpoint.remove_stale_saves(tmp_path) == [] and live.is_dir()
+    os.write(go_w, b"g")
+    os.waitpid(pid, 0)
+    assert fnppo.checkpoint.remove_stale_saves(tmp_path) == [f"removed {live.name}"] and not live.exists()
+    for fd in (r, w, go_r, go_w):
+        os.close(fd)
+
+
+def _good_manifest() -> dict:
+    return {
+        "format": "fnppo-checkpoint-2",
+        "step": 4,
+        "states": None,
+        "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "vpp": 0, "ep": 1, "etp": 1, "cp": 1},
+        "lora_bases": {"": None},
+        "files": {"marker": {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}},
+    }
+
+
+def _edit(**changes) -> bytes:
+    return json.dumps({**_good_manifest(), **changes}).encode()
+
+
+#: damaged manifests: case -> (the manifest.json bytes, what the refusal names)
+DAMAGED_MANIFESTS = {
+    "truncated": (json.dumps(_good_manifest()).encode()[:40], "which is not valid JSON (truncated or corrupt: "),
+    "empty": (b"", "which is not valid JSON (an empty file)"),
+    "not-utf8": (b'{"step": 4, "files": {"\xff": 1}}', "which is not valid JSON (not UTF-8 text"),
+    "array": (b"[1, 2]", "holding a JSON array (an object is expected)"),
+    "step-missing": (json.dumps({"files": {}}).encode(), "holding 'step' = None (an int >= 0 is expected)"),
+    "step-str": (_edit(step="4"), "holding 'step' = '4' (an int >= 0 is expected)"),
+    "step-bool": (_edit(step=True), "holding 'step' = True"),
+    "step-negative": (_edit(step=-1), "holding 'step' = -1"),
+    "files-array": (_edit(files=["marker"]), "holding 'files' holding a JSON array"),
+    "file-entry-array": (_edit(files={"marker": [3]}), "files['marker'] holding a JSON array"),
+    "file-size-str": (
+        _edit(files={"marker": {"size": "3", "sha256": "0" * 64}}),
+        "files['marker']['size'] = '3' (an int >= 0 is expected)",
+    ),
+    "file-sha-short": (
+        _edit(files={"marker": {"size": 3, "sha256": "abc"}}),
+        "files['marker']['sha256'] = 'abc' (64 hex digits are expected)",
+    ),
+    "file-outside": (
+        _edit(files={"../marker": {"size": 3, "sha256": "0" * 64}}),
+        "a file name '../marker' (a relative path inside the checkpoint is expected)",
+    ),
+    "states-str": (_edit(states="policy"), "'states' = 'policy' (null or a list of train-state names is expected)"),
+    "layout-array": (_edit(layout=[1, 1]), "'layout' = [1, 1] (an object of parallel sizes is expected)"),
+    "layout-str-size": (_edit(layout={"tp": "2"}), "'layout' = {'tp': '2'}"),
+    "lora-bases-array": (_edit(lora_bases=[]), "'lora_bases' holding a JSON array"),
+    "lora-base-str": (_edit(lora_bases={"": "llama"}), "lora_bases[''] holding a JSON string"),
+    "lora-base-tensors": (
+        _edit(lora_bases={"": {"arch": None, "dtype": "float32", "tensors": {"w": "abc"}}}),
+        "lora_bases['']['tensors'] not an object of digest pairs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_MANIFESTS))
+def test_a_damaged_manifest_is_refused_by_name(tmp_path, case):
+    """A manifest that is truncated, empty, not UTF-8, not JSON or not shaped as ``save_checkpoint``
+    writes it: ``verify_checkpoint`` (and so ``load_checkpoint``, ``read_checkpoint``) and
+    ``latest_checkpoint`` raise ``CheckpointError`` naming the file and the first wrong key, never a
+    raw ``JSONDecodeError`` / ``AttributeError`` / ``TypeError``; the well-formed manifest verifies."""
+    data, needle = DAMAGED_MANIFESTS[case]
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "marker").write_bytes(b"abc")
+    (good / "manifest.json").write_bytes(json.dumps(_good_manifest()).encode())
+    assert fnppo.checkpoint.verify_checkpoint(good)["step"] == 4
+    d = tmp_path / "runs" / "step4"
+    shutil.copytree(good, d)
+    (d / "manifest.json").write_bytes(data)
+    with pytest.raises(fnppo.checkpoint.CheckpointError) as err:
+        fnppo.checkpoint.verify_checkpoint(d)
+    msg = str(err.value)
+    assert msg.startswith("verify_checkpoint: argument 'directory' expected a manifest.json "), msg
+    assert f"received '{d / 'manifest.json'}'" in msg and needle in msg, msg
+    if case not in ("truncated", "empty", "not-utf8", "array", "step-missing", "step-str", "step-bool"):
+        # a readable step: the newest checkpoint, refused by latest_checkpoint too (unless fallback)
+        (tmp_path / "runs" / "step4" / "manifest.json").write_bytes(data)
+        with pytest.raises(fnppo.checkpoint.CheckpointError, match=r"^latest_checkpoint: argument 'root' "):
+            fnppo.checkpoint.latest_checkpoint(tmp_path / "runs")

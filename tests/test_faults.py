@@ -240,6 +240,8 @@ def _refusal(ckpt: Path, state: fnppo.TrainState) -> str:
     except fnppo.checkpoint.CheckpointError as err:
         changed = _bit_diff(before, _snapshot(state)) + _bit_diff(rng_before, torch.get_rng_state(), "rng")
         return f"{err}" + (f" [BUT STATE CHANGED: {changed}]" if changed else "")
+    except Exception as err:  # noqa: BLE001 - a raw error fails only its own case
+        return f"{type(err).__name__} instead of a CheckpointError: {err}"
     return "loaded without error"
 
 
@@ -347,6 +349,19 @@ def _one_rank_run(root: str) -> dict:
     out["altered"] = variant("altered", flip)
     out["missing_file"] = variant("missing_file", lambda d: (d / rank_file).unlink())
     out["not_json"] = variant("not_json", lambda d: (d / "manifest.json").write_text("{half a manif"))
+
+    def manifest_edit(change):
+        def damage(d: Path) -> None:
+            manifest = json.loads((d / "manifest.json").read_text())
+            change(manifest)
+            (d / "manifest.json").write_text(json.dumps(manifest))
+
+        return damage
+
+    out["layout_array"] = variant("layout_array", manifest_edit(lambda m: m.update(layout=[1, 1])))
+    out["file_entry_array"] = variant(
+        "file_entry_array", manifest_edit(lambda m: m["files"].update({rank_file: [m["files"][rank_file]["size"]]}))
+    )
     wider = _trained(_build(hidden=48))
     out["other_shape"] = _refusal(good, wider)
     # the first tensor (in the model's order) whose global shape differs, read off Megatron's sharded
@@ -536,9 +551,22 @@ _STANDARD = re.compile(r"^load_checkpoint: argument '(directory|state)' expected
         ("altered", "directory", "sha256 differs from the manifest"),
         ("missing_file", "directory", "__0_0.distcp is missing"),
         ("not_json", "directory", "is not valid JSON"),
+        ("layout_array", "directory", "holding 'layout' = [1, 1] (an object of parallel sizes is expected)"),
+        ("file_entry_array", "directory", "holding files['__0_0.distcp'] holding a JSON array"),
         ("other_shape", "state", "a model that differs from the checkpoint's: parameter"),
     ],
-    ids=["missing_dir", "not_a_dir", "no_manifest", "truncated", "altered", "missing_file", "not_json", "other_shape"],
+    ids=[
+        "missing_dir",
+        "not_a_dir",
+        "no_manifest",
+        "truncated",
+        "altered",
+        "missing_file",
+        "not_json",
+        "layout_array",
+        "file_entry_array",
+        "other_shape",
+    ],
 )
 def test_bad_checkpoint_is_refused_and_loads_nothing(one_rank, case, arg, needle):
     msg = one_rank[case]

@@ -1251,8 +1251,8 @@ def test_checkpoint_config_must_match_the_model(checkpoints, tmp_path):
         InputError,
         "load_hf_weights",
         "path",
-        "a readable config.json holding a JSON object",
-        f"{cases['corrupt']}/config.json' (JSONDecodeError: ",
+        "a JSON object in config.json",
+        f"{cases['corrupt']}/config.json', which is not valid JSON (truncated or corrupt: ",
     )
     for case, (_, key, want, have) in _CONFIG_CASES.items():
         msg, untouched = res[case]

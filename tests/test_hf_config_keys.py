@@ -489,9 +489,9 @@ def test_no_op_values_are_accepted_and_change_nothing(family, tmp_path):
 @pytest.mark.parametrize(
     "text, cause",
     [
-        ('{"model_type": "llama", "hidden_size": 6', "JSONDecodeError"),  # truncated
-        ("", "JSONDecodeError"),  # empty
-        (b"\xff\xfe{", "UnicodeDecodeError"),  # not UTF-8
+        ('{"model_type": "llama", "hidden_size": 6', "truncated or corrupt"),
+        ("", "an empty file"),
+        (b"\xff\xfe{", "not UTF-8 text"),
     ],
 )
 def test_a_corrupt_config_json_is_a_checkpoint_error_naming_the_path_and_the_cause(text, cause, tmp_path):
@@ -500,8 +500,8 @@ def test_a_corrupt_config_json_is_a_checkpoint_error_naming_the_path_and_the_cau
     with raises_message(
         "model_config_from_hf",
         "config_or_path",
-        "a readable config.json holding a JSON object",
-        f"({cause}: ",
+        "a JSON object in config.json",
+        f"which is not valid JSON ({cause}",
         CheckpointError,
     ):
         model_config_from_hf(tmp_path)
@@ -510,15 +510,15 @@ def test_a_corrupt_config_json_is_a_checkpoint_error_naming_the_path_and_the_cau
 
 
 @pytest.mark.parametrize(
-    "text, kind", [("[1, 2]", "an array"), ('"llama"', "a string"), ("null", "null"), ("7", "a number")]
+    "text, kind", [("[1, 2]", "array"), ('"llama"', "string"), ("null", "null"), ("7", "number")]
 )
 def test_a_config_json_that_is_not_an_object_is_a_checkpoint_error(text, kind, tmp_path):
     (tmp_path / "config.json").write_text(text)
     with raises_message(
         "model_config_from_hf",
         "config_or_path",
-        "a config.json holding a JSON object",
-        f"{str(tmp_path / 'config.json')!r} holding {kind}",
+        "a JSON object in config.json",
+        f"{str(tmp_path / 'config.json')!r}, which holds a JSON {kind}",
         CheckpointError,
     ):
         model_config_from_hf(tmp_path)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from fnppo.sinks import close_sinks, log_hparams, log_metrics, open_sinks
+from fnppo.sinks import check_sinks, close_sinks, log_hparams, log_metrics, open_sinks
 from tests.messages import raises_message
 
 pytest.importorskip("tensorboard")
@@ -244,3 +245,59 @@ def test_a_run_resumed_twice_has_each_step_once(tmp_path, monkeypatch):
     assert mlflow_data(tmp_path / "mlruns")[0] == want
     new_id = json.loads((tmp_path / "wandb" / "fnppo-run.json").read_text())["run_id"]
     assert wandb_data(tmp_path, new_id)[0] == want
+
+
+def test_a_resume_from_step_0_purges_every_earlier_tensorboard_event(tmp_path):
+    """``resume_step=0`` (a checkpoint saved before the first step) is a resume like any other: the
+    earlier run's events from step 1 on are purged (TensorBoard's ``purge_step`` 1), not kept beside
+    the resumed run's (``resume_step=None`` is a fresh run and purges nothing)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = open_sinks(["tensorboard"], tmp_path)
+    for step in range(1, 4):
+        log_metrics(first, step, {"loss": float(step)})
+    close_sinks(first)
+    resumed = open_sinks(["tensorboard"], tmp_path, resume_step=0)
+    for step in range(1, 3):
+        log_metrics(resumed, step, {"loss": 10.0 * step})
+    close_sinks(resumed)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 10.0), (2, 20.0)]
+
+
+class _Broken:
+    """A module that fails while it is imported (as a package whose dependency is broken does)."""
+
+    def __init__(self, monkeypatch, tmp_path, name: str, error: str) -> None:
+        pkg = tmp_path / "broken" / name
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f"raise {error}\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "broken"))
+        for mod in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            monkeypatch.delitem(sys.modules, mod)
+
+
+@pytest.mark.parametrize(
+    "name, error, received",
+    [
+        ("wandb", "ImportError('simulated: protobuf is missing')", "ImportError: simulated: protobuf is missing"),
+        ("mlflow", "RuntimeError('simulated: an incompatible pydantic')", "RuntimeError: simulated: an incompatible"),
+    ],
+)
+def test_a_sink_whose_package_fails_to_import_is_refused_before_anything_is_created(
+    tmp_path, monkeypatch, name, error, received
+):
+    """A sink package that is installed but fails to import: ``check_sinks`` and ``open_sinks`` refuse it
+    by name (the sink, the module, the import's error) before any sink is opened, so the TensorBoard
+    sink listed before it leaves no directory behind."""
+    _Broken(monkeypatch, tmp_path, name, error)
+    run = tmp_path / "run"
+    expected = "sinks whose packages import (pip install 'fnppo[log]')"
+    with raises_message("check_sinks", "names", expected, f"'{name}', whose module {name} fails to import ({received}"):
+        check_sinks(f"tensorboard,{name}")
+    with raises_message("open_sinks", "names", expected, f"'{name}', whose module {name} fails to import"):
+        open_sinks(["tensorboard", name], run)
+    assert not run.exists()
+    assert open_sinks(["tensorboard", name], run, rank=1) == []  # other ranks import nothing
+    assert check_sinks("tensorboard, tensorboard") == ["tensorboard"]

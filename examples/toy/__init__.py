@@ -1,6 +1,7 @@
 """The main job's parts (``examples/ppo_toy.py`` runs them; ``examples/vlm_toy.py`` shares them).
 
-- :mod:`toy.cli`, :mod:`toy.checks`: the command line and its validation (pure Python, before torch is imported)
+- :mod:`toy.cli`, :mod:`toy.checks`: the command line and its validation (pure Python, before torch is imported),
+  and the command that continues a run (printed after Ctrl-C)
 - :mod:`toy.losses`: the ``--policy-loss`` table
 - :mod:`toy.settings`: run-defining settings and the values derived from the arguments
 - :mod:`toy.rundir`: the run directory, the metrics file, the newest checkpoint

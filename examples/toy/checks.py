@@ -155,7 +155,8 @@ def _check_meaningful(args: argparse.Namespace) -> None:
             raise ArgumentError("--init-std applies to the random model; --hf-checkpoint loads its weights")
     row = POLICY_LOSSES[args.policy_loss]
     if args.tis_cap is not None and row.tis_cap == "refused":
-        raise ArgumentError(f"--tis-cap: --policy-loss {args.policy_loss} takes no cap ({row.help})")
+        why = "" if "policy_loss" in given else f"; it is the default with --staleness {args.staleness}"
+        raise ArgumentError(f"--tis-cap: --policy-loss {args.policy_loss} takes no cap ({row.help}{why})")
     if args.staleness < 0:
         raise ArgumentError(f"--staleness must be >= 0, got {args.staleness}")
     if args.sampler_dtype == "bf16" and args.dtype == "bf16":

@@ -1,22 +1,28 @@
-"""The command line: ``parse_args`` (its checks are :mod:`toy.checks`)."""
+"""The command line: ``parse_args`` (its checks are :mod:`toy.checks`), and ``resume_command``: the command
+that continues a run."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+from pathlib import Path
 
-from toy.losses import DEFAULT_TIS_CAP, POLICY_LOSSES
-from toy.settings import DEFAULT_KL_HORIZON
+from toy.losses import DEFAULT_POLICY_LOSS, DEFAULT_TIS_CAP, POLICY_LOSSES, STALE_POLICY_LOSS
+from toy.settings import DEFAULT_KL_HORIZON, PPO_DEFINING, RUN_DEFINING
 
 DESCRIPTION = "A complete PPO/GRPO run that a tiny Megatron GPT learns from scratch on a laptop CPU."
 EPILOG = """\
 exit status: 0 when the run finished and its final reward (mean of the last 5 steps) reached
 --target-reward (pass --target-reward 0 to skip the check), or it stopped at --exit-after;
 1 when the final reward missed the target; 2 for invalid arguments or a refused --resume (one line,
-also for a setting the library refuses); 130 for Ctrl-C (the line printed says how to resume).
+also for a setting the library refuses, a sink whose package fails to import, or a checkpoint that
+cannot be written); 130 for Ctrl-C (the line printed is the command that continues the run).
 """
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (every flag, its default and its help)."""
     p = argparse.ArgumentParser(
         prog="ppo_toy.py",
         description=DESCRIPTION,
@@ -61,16 +67,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy-loss",
         choices=list(POLICY_LOSSES),
-        default="ppo",
-        help="the policy loss (default: %(default)s): "
-        + "; ".join(f"{name}: {row.help}" for name, row in POLICY_LOSSES.items()),
+        default=None,
+        help=f"the policy loss (default: {DEFAULT_POLICY_LOSS}, and with --staleness K > 0 "
+        f"{STALE_POLICY_LOSS}: the loss docs/async.md recommends for stale rollouts; plain ppo falls behind from "
+        "K = 2): " + "; ".join(f"{name}: {row.help}" for name, row in POLICY_LOSSES.items()),
     )
     p.add_argument(
         "--staleness",
         type=int,
         default=0,
         help="asynchronous RL stand-in: sample each step's rollouts with the policy this many updates old "
-        "(its log-probs are the samples' rollout log-probs; default: %(default)s, on-policy)",
+        "(its log-probs are the samples' rollout log-probs; default: %(default)s, on-policy); with K > 0 "
+        f"--policy-loss defaults to {STALE_POLICY_LOSS}",
     )
     p.add_argument(
         "--sampler-dtype",
@@ -204,11 +212,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="file for the --profile-step report (default: OUT_DIR/profile.txt)",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     # the flags given on the command line (a resume takes the others from the run's stored settings)
     for action in p._actions:
         action.default = argparse.SUPPRESS
     args.given_flags = tuple(sorted(vars(p.parse_args(argv))))
+    if args.policy_loss is None:  # the loss for the rollouts' staleness (docs/async.md)
+        args.policy_loss = STALE_POLICY_LOSS if args.staleness > 0 else DEFAULT_POLICY_LOSS
     if args.schedule_steps is None:
         args.schedule_steps = args.steps
     if args.critic_lr is None:
@@ -237,3 +252,35 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
         default=10,
         help="when stdout is not a terminal, a progress line every N steps instead of a bar (default: %(default)s)",
     )
+
+
+#: flags of one invocation that a resume command must not repeat (or that it sets itself)
+NOT_REPEATED = ("resume", "resume_fallback", "overwrite", "exit_after", "out_dir")
+SCRIPT = Path(__file__).resolve().parents[1] / "ppo_toy.py"
+
+
+def _flag(action: argparse.Action, value) -> list[str]:
+    """``action``'s flag with ``value`` as a command line spells it."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [action.option_strings[0] if value else action.option_strings[1]]
+    if action.nargs == 0:  # store_true
+        return [action.option_strings[0]] if value else []
+    return [action.option_strings[0], str(value)]
+
+
+def resume_command(args: argparse.Namespace, out_dir: Path, world_size: int | None = None) -> str:
+    """The command that continues this run: ``--resume --out-dir OUT_DIR`` and every flag of this
+    invocation that the run's settings do not store (``--steps``, ``--save-every``, ``--log-to``,
+    ``--metrics-out``, the layout, ...; the stored ones a resume reads from the run), under ``torchrun``
+    for a run of several processes. ``python`` runs this file as given."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    stored = set(RUN_DEFINING) | set(PPO_DEFINING) | set(NOT_REPEATED)
+    given = set(getattr(args, "given_flags", ()))
+    flags: list[str] = []
+    for action in build_parser()._actions:
+        if action.dest in given and action.dest not in stored and action.option_strings:
+            flags += _flag(action, getattr(args, action.dest))
+    script = os.path.relpath(SCRIPT)
+    script = str(SCRIPT) if script.startswith("..") else script
+    launcher = ["python"] if world_size == 1 else ["torchrun", f"--nproc-per-node={world_size}"]
+    return shlex.join([*launcher, script, "--resume", "--out-dir", str(out_dir), *flags])

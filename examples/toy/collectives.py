@@ -68,3 +68,18 @@ def agreed_lock(out_dir: Path, layout):
     if isinstance(verdict, ArgumentError):
         raise verdict
     return lock
+
+
+def agreed_sinks(args: argparse.Namespace, layout) -> None:
+    """Rank 0 (the one that logs) imports the packages of the ``--log`` sinks
+    (``fnppo.sinks.check_sinks``); one that is missing or fails to import is the same
+    :class:`ArgumentError` on every rank, before anything is locked or created."""
+    refusal = None
+    if layout.rank == 0:
+        try:
+            fnppo.sinks.check_sinks(args.log)
+        except fnppo.InputError as err:
+            refusal = ArgumentError(f"--log-to {args.log}: {err}")
+    refusal = agree(refusal, layout)
+    if refusal is not None:
+        raise refusal

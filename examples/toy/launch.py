@@ -1,6 +1,6 @@
 """The entry point: parse and validate (before torch is imported), set up the parallel layout, run,
-tear down. A refusal (an :class:`~toy.errors.ArgumentError`, or a library ``fnppo.InputError`` about
-a setting of the command line) is one line from rank 0 and exit 2 on every rank; Ctrl-C is one line
+tear down. A refusal (an :class:`~toy.errors.ArgumentError`, a library ``fnppo.InputError`` about
+a setting of the command line, a checkpoint that cannot be written) is one line from rank 0 and exit 2 on every rank; Ctrl-C is one line
 saying how to resume and exit 130."""
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
     before torch is imported (``cuda_available`` is asked only for ``--device cuda``, else False; an
     :class:`ArgumentError` is printed as ``{prog}: error: ...`` on rank 0 and every rank exits with
     status 2), then import fnppo, set up the parallel layout, ``run_fn(args, layout)`` (its
-    ArgumentError, or an ``fnppo.InputError`` the library raises for a setting of the command line,
+    ArgumentError, an ``fnppo.InputError`` the library raises for a setting of the command line, or a
+    ``CheckpointError`` of a checkpoint that cannot be written (a full disk, the file-size limit),
     likewise: one line from rank 0, exit 2), tear the layout down. Ctrl-C: the line
     :class:`~toy.errors.Interrupted` carries (how to resume), exit 130, no traceback."""
     args = parse(argv)
@@ -63,7 +64,7 @@ def cli_main(prog: str, argv: list[str] | None, parse, validate, run_fn) -> int:
         return _interrupted(prog, None)
     try:
         return run_fn(args, layout)
-    except (ArgumentError, fnppo.InputError) as err:
+    except (ArgumentError, fnppo.InputError, fnppo.checkpoint.CheckpointError) as err:
         return _refuse(prog, str(err), layout.rank == 0)
     except KeyboardInterrupt as err:
         return _interrupted(prog, err if isinstance(err, Interrupted) else None, layout.rank == 0)

@@ -13,7 +13,8 @@ import torch
 
 import fnppo
 from toy import rundir
-from toy.collectives import agreed_lock, agreed_run_dir
+from toy.cli import resume_command
+from toy.collectives import agreed_lock, agreed_run_dir, agreed_sinks
 from toy.errors import ArgumentError, Interrupted
 from toy.model import build, critic_config, kl_controller, seed_everything, set_lr, step_config
 from toy.plot import write_plot
@@ -66,23 +67,25 @@ def run(args: argparse.Namespace, layout) -> int:
     seed_everything(args.seed)
     cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start
     ccfg = critic_config(args) if args.algo == "ppo" else None
+    agreed_sinks(args, layout)  # the --log sinks' packages import, before the lock and any file
     out_dir, lock, state, critic, ref_params, kl_state = setup_run(args, layout)
     try:
         return train_loop(args, layout, device, (cfg, ccfg), out_dir, (state, critic, ref_params, kl_state))
     except KeyboardInterrupt:  # Ctrl-C: checkpoints are written atomically, so the newest complete one is whole
-        raise Interrupted(how_to_resume(out_dir)) from None
+        raise Interrupted(how_to_resume(args, out_dir, layout.world_size)) from None
     finally:
         if lock is not None:
             lock.release()
 
 
-def how_to_resume(out_dir: Path) -> str:
-    """The line a Ctrl-C prints: the command that continues from the newest complete checkpoint, or that there is none."""
+def how_to_resume(args: argparse.Namespace, out_dir: Path, world_size: int = 1) -> str:
+    """The line a Ctrl-C prints: the command that continues the run from the newest complete checkpoint
+    (:func:`toy.cli.resume_command`: with the flags the run's settings do not store), or that there is none."""
     latest = rundir.newest_checkpoint(out_dir / "checkpoints")
     if latest is None:
         return f"no checkpoint in {out_dir} (--save-every N writes them); nothing to resume"
     step = json.loads((latest / "manifest.json").read_text())["step"]
-    return f"resume with: python examples/ppo_toy.py --resume --out-dir {out_dir} (from {latest.name}, optimizer step {step})"
+    return f"resume with: {resume_command(args, out_dir, world_size)} (from {latest.name}, optimizer step {step})"
 
 
 def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path, states) -> int:

@@ -33,7 +33,7 @@ def build(args: argparse.Namespace, head: str = "lm"):
             load_hf_weights(
                 chunks, checkpoint
             )  # a value model: the trunk (and a value checkpoint's head); lm_head is skipped
-        except fnppo.InputError as err:
+        except (fnppo.InputError, fnppo.checkpoint.CheckpointError) as err:  # (a damaged file: CheckpointError)
             raise ArgumentError(f"{flag} {checkpoint}: {err}") from None
     else:
         cfg = fnppo.ModelConfig(

@@ -68,6 +68,7 @@ def check_run_paths(args: argparse.Namespace, root: Path | None = None) -> None:
                 f"--resume: the checkpoint was written with --algo {'ppo' if stored else 'grpo'} "
                 f"(now {args.algo}); resume with the stored values"
             )
+        read_metrics(metrics_path(args, out_dir))  # a corrupt row is refused before anything changes
 
 
 def choose_run_dir(args: argparse.Namespace, root: Path | None = None) -> Path:
@@ -103,14 +104,73 @@ def append_row(rows: list[dict], path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def metrics_path(args: argparse.Namespace, out_dir: Path) -> Path:
+    """The run's metrics file: ``--metrics-out``, else ``OUT_DIR/metrics.jsonl``."""
+    return Path(args.metrics_out) if args.metrics_out else out_dir / "metrics.jsonl"
+
+
+def _row(line: bytes) -> dict | None:
+    """A metrics row (a JSON object with an int ``step``) of one line, None if the line is not one."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+    return row if ok else None
+
+
+def read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """The rows of the metrics file ``path`` (none if it does not exist), and its last line when that is
+    half-written (no newline, not a whole row: what a run killed during an append leaves), else None.
+
+    Raises:
+        ArgumentError: a line before the last that is not a metrics row (a JSON object with its ``step``),
+            naming the file and the line number (the file is not changed).
+    """
+    if not path.is_file():
+        return [], None
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ArgumentError(f"--resume: the metrics file {path} cannot be read ({err})") from None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with its newline
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        row = _row(line)
+        if row is None:
+            raise ArgumentError(
+                f"--resume: {path} line {number} is not a metrics row (a JSON object with its 'step'): "
+                f"{line[:60].decode('utf-8', 'replace')!r}; repair or delete that line, or start over with --overwrite"
+            )
+        rows.append(row)
+    partial = None
+    if tail.strip():
+        row = _row(tail)
+        if row is None:
+            partial = tail.decode("utf-8", "replace")
+        else:
+            rows.append(row)
+    return rows, partial
+
+
 def metrics_file(args, out_dir: Path, done: int) -> tuple[Path, list[dict]]:
     """Rank 0: the metrics file and its rows: on ``--resume`` exactly the rows of steps ``<= done``
-    (rewritten so; the run appends after them), else none (a replaced file is removed; the first row
-    creates the file, so a run that fails before its first step leaves no metrics behind)."""
-    path = Path(args.metrics_out) if args.metrics_out else out_dir / "metrics.jsonl"
+    (rewritten so; the run appends after them; a half-written last line is dropped with a notice), else
+    none (a replaced file is removed; the first row creates the file, so a run that fails before its
+    first step leaves no metrics behind)."""
+    path = metrics_path(args, out_dir)
     rows = []
     if args.resume and path.exists():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows, partial = read_metrics(path)
+        if partial is not None:
+            print(
+                f"{path}: dropped its half-written last line ({len(partial)} characters, "
+                f"{partial[:40]!r}...: a run stopped while appending it)",
+                flush=True,
+            )
         rows = [r for r in rows if r["step"] <= done]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     elif path.exists():

@@ -18,6 +18,7 @@ finite numbers are logged (a metric that is ``None``, a string or NaN is left ou
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import numbers
@@ -37,6 +38,7 @@ __all__ = [
     "WandbSink",
     "MlflowSink",
     "SINKS",
+    "check_sinks",
     "open_sinks",
     "log_metrics",
     "log_hparams",
@@ -291,6 +293,49 @@ class MlflowSink:
 SINKS = ("tensorboard", "wandb", "mlflow")
 """The names :func:`open_sinks` knows."""
 
+#: the modules each sink imports when it opens (its package, and the parts of it the sink uses)
+_MODULES = {
+    "tensorboard": ("tensorboard", "torch.utils.tensorboard", "torch.utils.tensorboard.summary"),
+    "wandb": ("wandb", "wandb.proto.wandb_internal_pb2"),
+    "mlflow": ("mlflow", "mlflow.entities", "mlflow.tracking"),
+}
+
+
+def _wanted(fn: str, names: Any) -> list[str]:
+    """The sink names of ``names`` (a str ``"tensorboard,wandb"`` or a list of str), deduplicated, in order."""
+    if not isinstance(names, str) and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
+        raise input_error(fn, "names", "a str ('tensorboard,wandb') or a list of str", f"{names!r}")
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in wanted if n not in SINKS]
+    if unknown:
+        raise input_error(fn, "names", f"a subset of {', '.join(SINKS)}", repr(unknown[0]))
+    return list(dict.fromkeys(wanted))
+
+
+def check_sinks(names: str | Sequence[str], *, fn: str = "check_sinks") -> list[str]:
+    """The sinks ``names`` asks for (as :func:`open_sinks` takes them; deduplicated, in order), each
+    one's package imported: what :func:`open_sinks` checks before it opens or creates anything. Call it
+    before a run creates its files, so that a sink that cannot open refuses the run while nothing exists.
+
+    Raises:
+        InputError: names that are not a string or a list of strings, an unknown name, a sink whose
+            package is not installed or fails to import (naming the sink, the module and the import's
+            error).
+    """
+    wanted = _wanted(fn, names)
+    for name in wanted:
+        for module in _MODULES[name]:
+            try:
+                importlib.import_module(module)
+            except Exception as err:  # noqa: BLE001 - an import can fail in any way (a broken dependency)
+                raise input_error(
+                    fn,
+                    "names",
+                    "sinks whose packages import (pip install 'fnppo[log]')",
+                    f"{name!r}, whose module {module} fails to import ({type(err).__name__}: {err})",
+                ) from None
+    return wanted
+
 
 def open_sinks(
     names: str | Sequence[str],
@@ -306,28 +351,26 @@ def open_sinks(
     ``resume_step``: for a run resumed from the checkpoint of this step, the step whose successors the
     earlier run may already have logged; each step then appears once, with the resumed run's values:
     TensorBoard purges its events after ``resume_step`` (:class:`TensorBoardSink`'s ``purge_step =
-    resume_step + 1``); W&B and MLflow open a new run holding the earlier run's steps up to
-    ``resume_step`` and then the resumed process's (:class:`WandbSink`, :class:`MlflowSink`: MLflow
-    soft-deletes the earlier run, W&B leaves its folder, ``wandb/latest-run`` being the new one).
+    resume_step + 1``; at ``resume_step=0`` every earlier event); W&B and MLflow open a new run holding
+    the earlier run's steps up to ``resume_step`` and then the resumed process's (:class:`WandbSink`,
+    :class:`MlflowSink`: MLflow soft-deletes the earlier run, W&B leaves its folder, ``wandb/latest-run``
+    being the new one).
 
     Raises:
         InputError: names that are not a string or a list of strings, an unknown name, a ``rank`` or
-            ``resume_step`` that is not an int >= 0 (before anything is opened).
+            ``resume_step`` that is not an int >= 0; on rank 0, a sink whose package is missing or fails
+            to import (:func:`check_sinks`). All before anything is opened or created.
     """
     fn = "open_sinks"
-    if not isinstance(names, str) and not (isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)):
-        raise input_error(fn, "names", "a str ('tensorboard,wandb') or a list of str", f"{names!r}")
+    _wanted(fn, names)
     check_int(fn, "rank", rank, low=0)
     check_int(fn, "resume_step", resume_step, low=0, allow_none=True)
-    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
-    unknown = [n for n in wanted if n not in SINKS]
-    if unknown:
-        raise input_error("open_sinks", "names", f"a subset of {', '.join(SINKS)}", repr(unknown[0]))
     if rank != 0:
         return []
+    wanted = check_sinks(names, fn=fn)
     root = Path(run_dir)
     opened: list[MetricsSink] = []
-    for n in dict.fromkeys(wanted):
+    for n in wanted:
         if n == "tensorboard":
             purge = None if resume_step is None else resume_step + 1
             opened.append(TensorBoardSink(root / "tensorboard", purge_step=purge))

@@ -9,7 +9,6 @@ any layout loads it). A directory without one is not a checkpoint fnppo will loa
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from fnppo.core.errors import CheckpointError as CheckpointError
 from fnppo.core.errors import checkpoint_error as checkpoint_error
+from fnppo.io.files import json_kind, read_json
 
 __all__ = [
     "CheckpointError",
@@ -30,6 +30,7 @@ __all__ = [
     "sha256",
     "file_entries",
     "read_manifest",
+    "manifest_problem",
     "check_files",
     "verify_checkpoint",
     "report",
@@ -90,8 +91,80 @@ def file_entries(directory: Path) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _file_entry_problem(name: Any, info: Any) -> str | None:
+    """Why one ``files`` entry of a manifest is not ``{relative path: {"size": int, "sha256": hex}}``."""
+    if not isinstance(name, str) or not name or name.startswith("/") or ".." in name.split("/") or name == MANIFEST:
+        return f"a file name {name!r} (a relative path inside the checkpoint is expected)"
+    if not isinstance(info, dict):
+        return f"files[{name!r}] holding a JSON {json_kind(info)} (an object with the size and sha256 is expected)"
+    if not _is_count(info.get("size")):
+        return f"files[{name!r}]['size'] = {info.get('size')!r} (an int >= 0 is expected)"
+    digest = info.get("sha256")
+    if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+        return f"files[{name!r}]['sha256'] = {digest!r} (64 hex digits are expected)"
+    return None
+
+
+def _base_entry_problem(name: str, entry: Any) -> str | None:
+    """Why one ``lora_bases`` entry is not None or ``{"arch": obj|None, "dtype": str|None, "tensors": {...}}``."""
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        return f"lora_bases[{name!r}] holding a JSON {json_kind(entry)} (an object or null is expected)"
+    if entry.get("arch") is not None and not isinstance(entry["arch"], dict):
+        return f"lora_bases[{name!r}]['arch'] holding a JSON {json_kind(entry['arch'])} (an object or null is expected)"
+    if entry.get("dtype") is not None and not isinstance(entry["dtype"], str):
+        return f"lora_bases[{name!r}]['dtype'] = {entry['dtype']!r} (a dtype name is expected)"
+    tensors = entry.get("tensors")
+    if tensors is None:
+        return None
+    ok = isinstance(tensors, dict) and all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(d, str) for d in v) for v in tensors.values()
+    )
+    return None if ok else f"lora_bases[{name!r}]['tensors'] not an object of digest pairs"
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What in a parsed ``manifest.json`` is not as :func:`save_checkpoint` writes it (the first
+    problem, naming the key), or None. Only the keys a load reads are checked: ``step``, ``files``,
+    ``states``, ``layout``, ``lora_bases``."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {json_kind(manifest)} (an object is expected)"
+    if not _is_count(manifest.get("step")):
+        return f"'step' = {manifest.get('step')!r} (an int >= 0 is expected)"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return f"'files' holding a JSON {json_kind(files)} (an object of the checkpoint's files is expected)"
+    for name, info in files.items():
+        problem = _file_entry_problem(name, info)
+        if problem:
+            return problem
+    states = manifest.get("states")
+    if states is not None and not (
+        isinstance(states, list) and states and all(isinstance(n, str) and n for n in states)
+    ):
+        return f"'states' = {states!r} (null or a list of train-state names is expected)"
+    layout = manifest.get("layout")
+    if layout is not None and not (isinstance(layout, dict) and all(_is_count(v) for v in layout.values())):
+        return f"'layout' = {layout!r} (an object of parallel sizes is expected)"
+    bases = manifest.get("lora_bases")
+    if bases is not None and not isinstance(bases, dict):
+        return f"'lora_bases' holding a JSON {json_kind(bases)} (an object is expected)"
+    for name, entry in (bases or {}).items():
+        problem = _base_entry_problem(name, entry)
+        if problem:
+            return problem
+    return None
+
+
 def read_manifest(path: Path, fn: str = "load_checkpoint") -> dict[str, Any]:
-    """The manifest of the checkpoint directory ``path``; :class:`CheckpointError` if there is none."""
+    """The manifest of the checkpoint directory ``path``; :class:`CheckpointError` if there is none, or
+    it is not JSON (truncated, corrupt) or not a manifest as :func:`save_checkpoint` writes it
+    (:func:`manifest_problem`: the first wrong key named)."""
     if not path.exists():
         raise checkpoint_error(
             fn, "directory", "an existing checkpoint directory", f"{str(path)!r}, which does not exist"
@@ -106,18 +179,14 @@ def read_manifest(path: Path, fn: str = "load_checkpoint") -> dict[str, Any]:
             "a complete checkpoint (a directory with manifest.json)",
             f"{str(path)!r}, which has no manifest.json (an interrupted save, or not a checkpoint)",
         )
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise checkpoint_error(
-            fn, "directory", "a manifest.json holding JSON", f"{str(mpath)!r}, which is not valid JSON ({err})"
-        ) from None
-    if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) and "step" in manifest):
+    manifest = read_json(fn, "directory", mpath, "a manifest.json holding JSON")
+    problem = manifest_problem(manifest)
+    if problem:
         raise checkpoint_error(
             fn,
             "directory",
-            f"a manifest.json of fnppo (format {FORMAT!r}: an object with the 'step' and the 'files')",
-            f"{str(mpath)!r} holding {type(manifest).__name__} without them (format {manifest.get('format') if isinstance(manifest, dict) else None!r})",
+            f"a manifest.json of fnppo (format {FORMAT!r}: the step, the files with their sizes and sha256)",
+            f"{str(mpath)!r} holding {problem}",
         )
     return manifest
 

@@ -95,23 +95,50 @@ def _os_errors(error: BaseException) -> Iterator[OSError]:
             todo += [f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException)]
 
 
-def _why(error: BaseException) -> str:
-    """What the OS error behind a failed write means, in words (the file-size limit named as such)."""
+def _size_limit() -> int | None:
+    """The file-size limit of this process (RLIMIT_FSIZE's soft limit, ``ulimit -f``), None when unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _at_size_limit(written: Path | None) -> Path | None:
+    """A file under ``written`` that reached the file-size limit (None: no limit, or no such file).
+
+    torch's own file writer (``torch.save``: ``common.pt``) loses the ``EFBIG`` of a write past the
+    limit (it reports ``basic_ios::clear: iostream error`` or ``unexpected pos ...``); a write that
+    crosses the limit stops exactly at it, so the file's size tells."""
+    limit = _size_limit()
+    if limit is None or written is None or not written.is_dir():
+        return None
+    for f in sorted(written.rglob("*")):
+        with contextlib.suppress(OSError):
+            if f.is_file() and f.stat().st_size >= limit:
+                return f
+    return None
+
+
+def _why(error: BaseException, written: Path | None = None) -> str:
+    """What the OS error behind a failed write means, in words (the file-size limit named as such, also
+    where torch's writer lost the ``EFBIG``: a file under ``written`` at the limit)."""
+    limit = _size_limit()
+    at_limit = "unlimited" if limit is None else f"{limit} bytes"
     for e in _os_errors(error):
         if e.errno == errno.EFBIG:
-            soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-            return f"; a file reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`): {limit}"
+            where = f" ({e.filename})" if e.filename else ""
+            return f"; a file{where} reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`): {at_limit}"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return "; the disk (or quota) is full"
         if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return "; the directory is read-only or not writable by this process"
+    full = _at_size_limit(written)
+    if full is not None:
+        return f"; File too large: {full.name} reached the file-size limit (RLIMIT_FSIZE, `ulimit -f`): {at_limit}"
     return ""
 
 
-def _agree(error: BaseException | None) -> str | None:
+def _agree(error: BaseException | None, written: Path | None = None) -> str | None:
     """Every rank's failure of the phase just run (the first one's message), or None when all succeeded."""
-    mine = None if error is None else f"{type(error).__name__}: {error}{_why(error)}"
+    mine = None if error is None else f"{type(error).__name__}: {error}{_why(error, written)}"
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return next((m for m in everyone if m), None)
@@ -170,7 +197,7 @@ def _phase(work: Callable[[], Any], tmp: Path, rank: int, directory: Path) -> No
         ):
             raise KeyboardInterrupt from err
         error = err
-    problem = _agree(error)
+    problem = _agree(error, tmp)
     if problem is None:
         return
     if rank == 0:

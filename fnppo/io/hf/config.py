@@ -42,7 +42,6 @@ arXiv:2505.09388), each router option mapped to Megatron's exactly:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,7 +49,8 @@ from typing import Any
 
 from torch import nn
 
-from fnppo.core.errors import InputError, checkpoint_error, input_error
+from fnppo.core.errors import InputError, input_error
+from fnppo.io.files import read_json_object
 from fnppo.io.hf.config_keys import DTYPES, key_name, read_keys, shown
 from fnppo.io.hf.families import FAMILIES, SUPPORTED_ARCHITECTURES, Family, MoELayout, checkpoint_head
 from fnppo.megatron.build import build_gpt
@@ -80,16 +80,7 @@ def read_hf_config(fn: str, arg: str, config_or_path: Any) -> dict[str, Any]:
             p = p / "config.json"
         if not p.is_file():
             raise input_error(fn, arg, "a config.json file or a local directory holding one", repr(str(p)))
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise checkpoint_error(
-                fn, arg, "a readable config.json holding a JSON object", f"{str(p)!r} ({type(err).__name__}: {err})"
-            ) from None
-        if not isinstance(data, dict):
-            kind = {list: "an array", str: "a string", bool: "a bool", type(None): "null"}.get(type(data), "a number")
-            raise checkpoint_error(fn, arg, "a config.json holding a JSON object", f"{str(p)!r} holding {kind}")
-        return data
+        return read_json_object(fn, arg, p)  # CheckpointError: a damaged file (truncated, corrupt, not an object)
     if hasattr(config_or_path, "to_dict"):
         return dict(config_or_path.to_dict())
     raise input_error(fn, arg, "a dict, a transformers PretrainedConfig or a path", type(config_or_path).__name__)
@@ -261,7 +252,8 @@ def model_config_from_hf(config_or_path: Any, **overrides: Any) -> ModelConfig:
     absent key takes transformers' default for the family.
 
     Raises ``InputError`` naming the offending key for anything Megatron would compute differently
-    (see the module docstring), and ``CheckpointError`` for a ``config.json`` that is not a JSON object.
+    (see the module docstring); ``CheckpointError`` for a ``config.json`` path that cannot be read or
+    holds no JSON object (truncated, corrupt), naming the file and the cause.
     """
     fn = "fnppo.io.hf.model_config_from_hf"
     hf = read_hf_config(fn, "config_or_path", config_or_path)

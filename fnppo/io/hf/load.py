@@ -55,7 +55,9 @@ def load_hf_weights(model_chunks: Sequence[nn.Module], path: str | os.PathLike) 
     ``(v - mean) / std`` into the head), verl's Megatron critic (a ``*ForCausalLM`` config with a
     one-row ``lm_head.weight``). Returns the
     names of the checkpoint's tensors that were not loaded (sorted): that ``lm_head.weight``, a tied
-    model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers.
+    model's stored copy of the embedding, ``*.rotary_emb.inv_freq`` buffers. A damaged file (a
+    ``config.json``, the index or a shard that is truncated, corrupt or unreadable) raises
+    ``CheckpointError`` naming the file and the cause (:mod:`fnppo.io.files`), before anything is loaded.
 
     ``path``: a local directory with ``model.safetensors`` or ``model.safetensors.index.json`` and
     its shards (or one ``.safetensors`` file). Names and layouts are converted as in :mod:`fnppo.io.hf.keys`

@@ -33,6 +33,7 @@ from torch import nn
 
 from fnppo.core.errors import checkpoint_error, input_error
 from fnppo.core.typing import Tensor
+from fnppo.io.files import load_safetensors, open_safetensors, read_json_object
 from fnppo.io.hf.arch import Arch, expected_hf_shapes, model_arch
 from fnppo.io.hf.families import FAMILIES
 from fnppo.io.hf.keys import param_rule
@@ -186,16 +187,18 @@ def base_fingerprint(a: Arch) -> dict[str, Any]:
 
 def _check_base(fn: str, weights: Path, a: Arch) -> None:
     """Refuse an adapter that fnppo saved for another base model (PEFT's own files carry no record)."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="pt") as fh:
+    with open_safetensors(fn, "path", weights) as fh:
         recorded = (fh.metadata() or {}).get(BASE_KEY)
     if recorded is None:
         return
     try:
         theirs = json.loads(recorded)
     except ValueError:
-        raise input_error(fn, "path", f"a JSON {BASE_KEY} record in {WEIGHTS_FILE}", repr(recorded[:80])) from None
+        theirs = None
+    if not isinstance(theirs, dict):  # a damaged file: the record fnppo wrote is a JSON object
+        raise checkpoint_error(
+            fn, "path", f"a JSON object as the {BASE_KEY} record of {WEIGHTS_FILE}", f"{recorded[:80]!r} in {weights}"
+        )
     mine = base_fingerprint(a)
     order = ["family", *(k for k in mine if k != "family")]  # the family first
     differ = {k: (theirs.get(k), mine[k]) for k in order if theirs.get(k) != mine[k]}
@@ -208,12 +211,7 @@ def _read_config(fn: str, path: Path) -> dict[str, Any]:
     file = path / CONFIG_FILE
     if not file.is_file():
         raise input_error(fn, "path", f"a directory with {CONFIG_FILE}", repr(str(path)))
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise input_error(fn, "path", f"a JSON object in {CONFIG_FILE}", f"{type(err).__name__}: {err}") from None
-    if not isinstance(cfg, dict):
-        raise input_error(fn, "path", f"a JSON object in {CONFIG_FILE}", type(cfg).__name__)
+    cfg = read_json_object(fn, "path", file, f"a JSON object in {CONFIG_FILE}")  # CheckpointError: a damaged file
     checks = (
         ("peft_type", "LORA", cfg.get("peft_type")),
         ("use_dora", False, bool(cfg.get("use_dora", False))),
@@ -255,6 +253,8 @@ def lora_config_from_peft(path: str | os.PathLike, **changes: Any) -> LoRAConfig
         InputError: not a LoRA adapter PEFT's way (DoRA, rsLoRA, per-module ranks other than the
             fused experts', biases, ``modules_to_save``, ...: each named), target modules or parameters
             no Megatron target holds.
+        CheckpointError: an ``adapter_config.json`` that cannot be read or is no JSON object (truncated,
+            corrupt), naming the file and the cause (:mod:`fnppo.io.files`).
     """
     fn = "fnppo.lora.lora_config_from_peft"
     cfg = _read_config(fn, Path(path))
@@ -339,6 +339,8 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
             that fnppo saved for another base model (its ``fnppo_base`` record: family, sizes, MoE layout); a file
             that is not PEFT's LoRA (see :func:`lora_config_from_peft`); PEFT tensors that no adapter
             of the model takes.
+        CheckpointError: a damaged file (``adapter_config.json``, ``adapter_model.safetensors`` or its
+            ``fnppo_base`` record: truncated, corrupt), naming the file and the cause; nothing loaded.
     """
     fn = _LOAD
     src = Path(path)
@@ -349,12 +351,10 @@ def load_peft_adapter(model_chunks: Sequence[nn.Module], path: str | os.PathLike
     for key, mine in (("r", config.rank), ("lora_alpha", config.alpha)):
         if float(cfg.get(key, -1)) != float(mine):
             raise input_error(fn, f"{CONFIG_FILE}[{key!r}]", f"{mine} (the model's adapters)", repr(cfg.get(key)))
-    from safetensors.torch import load_file
-
     weights = src / WEIGHTS_FILE
     if not weights.is_file():
         raise input_error(fn, "path", f"a directory with {WEIGHTS_FILE}", repr(str(src)))
-    peft = load_file(str(weights))
+    peft = load_safetensors(fn, "path", weights)
     a = model_arch(fn, model_chunks)
     _check_base(fn, weights, a)
     shapes = expected_hf_shapes(a, a.padded_vocab)

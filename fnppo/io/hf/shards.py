@@ -12,8 +12,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from fnppo.core.errors import input_error
+from fnppo.core.errors import checkpoint_error, input_error
 from fnppo.core.typing import Tensor
+from fnppo.io.files import open_safetensors, read_json_object
 
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,8 +33,14 @@ def shard_files(fn: str, path: Path) -> list[Path]:
         raise input_error(fn, "path", "a local checkpoint directory or a .safetensors file", repr(str(path)))
     index = path / INDEX_FILE
     if index.is_file():
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map", {})
+        weight_map = read_json_object(fn, "path", index).get("weight_map", {})
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) and f for f in weight_map.values())):
+            raise checkpoint_error(
+                fn,
+                "path",
+                f"a 'weight_map' of tensor names to shard files in {INDEX_FILE}",
+                f"{str(index)!r}, whose 'weight_map' is {json.dumps(weight_map)[:60]}",
+            )
         files = sorted(set(weight_map.values()))
         for f in files:
             if not (path / f).is_file():
@@ -50,13 +57,12 @@ def open_shards(fn: str, files: Sequence[Path], stack: ExitStack) -> tuple[dict[
 
     Raises:
         InputError: a tensor stored in two shards, or a tensor of a non-floating dtype (naming it).
+        CheckpointError: a shard that cannot be read or is no whole safetensors file (truncated, corrupt).
     """
-    from safetensors import safe_open
-
     where: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        handle = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+        handle = stack.enter_context(open_safetensors(fn, "path", f))  # CheckpointError: a damaged file
         for name in handle.keys():
             if name in where:
                 raise input_error(fn, "path", "each tensor stored once", f"{name!r} in two shards")
