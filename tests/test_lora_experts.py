@@ -264,6 +264,19 @@ def _refusals() -> dict:
         out["te_grouped"] = "accepted"
     except InputError as err:
         out["te_grouped"] = str(err)
+    for label, name in {  # 2 layers, both MoE (no dense MLP)
+        "override layer": "decoder.layers.5.self_attention.linear_qkv",
+        "override linear": "decoder.layers.0.mlp.linear_fc1",
+    }.items():
+        chunks = fnppo.build_gpt(_cfg("sequential"))
+        before = [(n, p.requires_grad) for n, p in chunks[0].named_parameters()]
+        config = fnppo.lora.LoRAConfig(**LORA, experts=False, overrides={name: (2, 4.0)})
+        try:
+            fnppo.lora.apply_lora(chunks, config)
+            out[label] = "accepted"
+        except InputError as err:
+            out[label] = str(err)
+        out[f"{label} unchanged"] = before == [(n, p.requires_grad) for n, p in chunks[0].named_parameters()]
     return out
 
 
@@ -280,6 +293,12 @@ def test_unsupported_expert_adapters_are_refused_by_name():
         "argument 'model_chunks' expected experts built with moe_experts='stacked' or 'sequential' for adapters in "
         "experts, received TEGroupedMLP at decoder.layers.0.mlp.experts" in got["te_grouped"]
     ), got["te_grouped"]
+    for label, name in (("override layer", "5.self_attention.linear_qkv"), ("override linear", "0.mlp.linear_fc1")):
+        assert (
+            "apply_lora: argument 'config.overrides' expected names of linears the config adapts in this model, "
+            f"received 'decoder.layers.{name}' (no such linear)"
+        ) in got[label], got[label]
+        assert got[f"{label} unchanged"]
 
 
 def _replay() -> dict:

@@ -11,14 +11,16 @@ fused ``mlp.experts.gate_up_proj`` / ``down_proj``, in two forms:
   ``target_parameters`` spelled as PEFT's docs spell it (``mlp.experts.gate_up_proj``) and as one
   layer's full name (``model.layers.1.mlp.experts.down_proj``), a ``rank_pattern`` and an
   ``alpha_pattern`` that name one layer's expert projection (full name and a dot-separated tail) and
-  an ``alpha_pattern`` for ``o_proj`` in every layer.
+  an ``alpha_pattern`` for ``o_proj`` in every layer; Qwen2-MoE's with rsLoRA (``alpha / sqrt(r)``).
 
-fnppo builds the model from the base checkpoint (Megatron's ``SequentialMLP`` in one process; fnppo's
-stacked experts in one process and under EP=2), reads the config (``lora_config_from_peft``), loads
-the file, and must give PEFT's log-probs within 1e-5 (fp32). The adapter it saves back holds PEFT's
+fnppo builds the model from the base checkpoint (Megatron's ``SequentialMLP`` in one process, fnppo's
+stacked experts under EP=2; the two agree in one process too, ``tests/test_lora_experts.py``), reads
+the config (``lora_config_from_peft``), loads the file, and must give PEFT's log-probs within 1e-5
+(fp32). The adapter it saves back holds PEFT's
 tensors bit for bit and gives, loaded by ``peft``, the ranks, scalings and logits of PEFT's model,
-with no warning from ``peft``. After one ``train_step`` (``SequentialMLP`` in one process, stacked
-experts under EP=2) the saved adapter loaded by ``peft`` gives fnppo's log-probs. Refusals of bad files: ``tests/test_lora_peft_refusals.py``.
+with no warning from ``peft``; the merged export (``W + s B A``) is PEFT's model. After one
+``train_step`` the saved adapter loaded by ``peft`` gives fnppo's log-probs. Refusals of bad files:
+``tests/test_lora_peft_refusals.py``.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def _peft_config(family: str, form: str):
         target_parameters=["mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"],
         rank_pattern={"model.layers.1.mlp.experts.gate_up_proj": RANK + 2},
         alpha_pattern={"layers.1.mlp.experts.gate_up_proj": 30.0, "o_proj": 20.0},
+        use_rslora=family == "qwen2_moe",  # alpha / sqrt(r)
         init_lora_weights=False,
     )
 
@@ -117,8 +120,13 @@ def _adapted(model) -> dict[str, tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    return build_references(tmp_path_factory.mktemp("lora-peft-experts"))
+
+
+def build_references(root):
+    """Per family: the base checkpoint and PEFT's adapter of each form under ``root``; the token ids,
+    the base model's log-probs, and per form PEFT's logits, log-probs and adapted ranks and scalings."""
     peft = pytest.importorskip("peft")
-    root = tmp_path_factory.mktemp("lora-peft-experts")
     out = {}
     for i, family in enumerate(MOE_FAMILIES):
         model = _base_model(family, seed=60 + i)
@@ -168,11 +176,11 @@ def _worker(root: str, ids: dict, runs: list[str], forms: tuple[str, ...] = ("sp
                 tag = f"{root}/{family}/{run}-{form}"
                 fnppo.lora.save_peft_adapter(model, f"{tag}-saved")
                 reread = fnppo.lora.lora_config_from_peft(f"{tag}-saved")  # the form from fnppo's record
-                after = None
-                if run != "stacked":  # trained: SequentialMLP in one process, stacked experts under EP=2
-                    _train(model, config)
-                    (after,), _ = fnppo.compute_logprobs(model, sample)
-                    fnppo.lora.save_peft_adapter(model, f"{tag}-trained")
+                if run == "stacked-ep2":  # the merged weights W + s B A (stacked_merged_delta)
+                    fnppo.hf.export_hf_weights(model, f"{tag}-merged", hf_config=base)
+                _train(model, config)
+                (after,), _ = fnppo.compute_logprobs(model, sample)
+                fnppo.lora.save_peft_adapter(model, f"{tag}-trained")
                 key = (run, family) if form == "split" else (run, family, form)
                 out[key] = {
                     "logprobs": lp,
@@ -211,7 +219,7 @@ def _experts_only(root: str, ids: torch.Tensor) -> dict:
 
 
 def _one_process_worker(root: str, ids: dict) -> dict:
-    out = _worker(root, ids, ["sequential", "stacked"], tuple(FORMS))
+    out = _worker(root, ids, ["sequential"], tuple(FORMS))
     out["experts-only"] = _experts_only(root, ids["mixtral"])
     return out
 
@@ -251,9 +259,8 @@ def _key(run: str, family: str, form: str) -> tuple:
 
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
-@pytest.mark.parametrize("run", ["sequential", "stacked"])
-def test_peft_expert_adapter_gives_peft_logprobs(reference, one_process, family, run, form):
-    _check(reference, one_process[_key(run, family, form)], family, form)
+def test_peft_expert_adapter_gives_peft_logprobs(reference, one_process, family, form):
+    _check(reference, one_process[_key("sequential", family, form)], family, form)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -275,18 +282,18 @@ def test_fused_form_reads_per_layer_patterns_by_peft_rules(one_process):
 
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
-def test_expert_adapter_saved_back_loads_into_peft_without_warnings(reference, one_process, family, form):
+def test_expert_adapter_saved_back_loads_into_peft_without_warnings(reference, one_process, ep2, family, form):
     root, ref = reference
     want = load_file(str(root / family / FORMS[form] / "adapter_model.safetensors"))
     seed = 60 + list(MOE_FAMILIES).index(family)
-    for run in ("sequential", "stacked"):
+    for run in ("sequential", "stacked-ep2"):
         saved = root / family / f"{run}-{form}-saved"
         got = load_file(str(saved / "adapter_model.safetensors"))
+        assert sorted(got) == sorted(want), run
         for k in want:  # PEFT's tensors bit for bit
             assert torch.equal(got[k], want[k]), (run, k)
-        assert all(not bool(got[k].ne(0).any()) for k in set(got) - set(want)), sorted(set(got) - set(want))
-        if run == "sequential":
-            continue  # the same file (above); peft loads the stacked experts' one
+        if run == "stacked-ep2":
+            continue  # the same file (above); peft loads SequentialMLP's
         loaded, caught = peft_load(_base_model(family, seed), str(saved))
         assert caught == [], caught
         adapted = _adapted(loaded)
@@ -295,6 +302,18 @@ def test_expert_adapter_saved_back_loads_into_peft_without_warnings(reference, o
             logits = loaded(input_ids=ref[family]["ids"]).logits.float()
         want_logits = ref[family][form]["logits"]
         assert float((logits - want_logits).abs().max()) <= TOL * max(1.0, float(logits.abs().max()))
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_merged_export_of_expert_adapters_is_peft_model(reference, ep2, family, form):
+    transformers = pytest.importorskip("transformers")
+    root, ref = reference
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(root / family / f"stacked-ep2-{form}-merged"))
+    with torch.no_grad():
+        logits = merged.float().eval()(input_ids=ref[family]["ids"]).logits.float()
+    want = ref[family][form]["logits"]
+    assert float((logits - want).abs().max()) <= TOL * max(1.0, float(want.abs().max()))
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -3,7 +3,10 @@
 The stacked experts compute each projection of all local experts as one grouped GEMM; their
 adapters are stacked the same way (per expert ``A`` ``[parts * r, in]`` and ``B`` ``[out, r]``,
 one tensor per projection with the expert axis first), so the adapted forward is two more grouped
-GEMMs per projection (:meth:`StackedExperts._adapter`). Per expert, the adapter is the one
+GEMMs per projection (:meth:`StackedExperts._adapter`). Each projection of each layer has its own
+rank and scaling (``LoRAConfig.rank_alpha`` of ``<experts>.linear_fc1`` / ``linear_fc2``); a gated
+fc1 is ``parts`` 2 (gate and up, ``LoRAConfig(expert_gate_up="split")``) or 1 (one adapter over
+both, ``"fused"``, PEFT's ``target_parameters`` form). Per expert, the adapter is the one
 Megatron's ``SequentialMLP`` path puts on that expert's linear (:mod:`fnppo.megatron.lora_linear`:
 a gated fc1's gate and up each get their own rank-``r`` adapter), named the same way in full
 weights (``experts.local_experts.<global j>.linear_fc1.lora_A``), so full adapters move between

@@ -32,7 +32,10 @@ The modules, one job each (each imports only the ones above it)::
     sources     the parameters an export reads, each through one function; TP shard placement
     export      export_hf_weights
     stream      stream_hf_weights
-    peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter, lora_config_from_peft
+    peft_rules  PEFT's rules for which module or parameter a config names, and with what rank and alpha
+    peft_experts  MoE expert adapters in PEFT's target_parameters form (fused and split)
+    peft_config adapter_config.json and the safetensors header read and checked; lora_config_from_peft
+    peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.
 """
