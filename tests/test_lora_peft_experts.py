@@ -11,7 +11,8 @@ fused ``mlp.experts.gate_up_proj`` / ``down_proj``, in two forms:
   ``target_parameters`` spelled as PEFT's docs spell it (``mlp.experts.gate_up_proj``) and as one
   layer's full name (``model.layers.1.mlp.experts.down_proj``), a ``rank_pattern`` and an
   ``alpha_pattern`` that name one layer's expert projection (full name and a dot-separated tail) and
-  an ``alpha_pattern`` for ``o_proj`` in every layer; Qwen2-MoE's with rsLoRA (``alpha / sqrt(r)``).
+  an ``alpha_pattern`` for ``o_proj`` in every layer, ``target_modules`` with a dotted tail
+  (``self_attn.q_proj``); Qwen2-MoE's with rsLoRA (``alpha / sqrt(r)``).
 
 fnppo builds the model from the base checkpoint (Megatron's ``SequentialMLP`` in one process, fnppo's
 stacked experts under EP=2; the two agree in one process too, ``tests/test_lora_experts.py``), reads
@@ -90,7 +91,7 @@ def _peft_config(family: str, form: str):
     return peft.LoraConfig(  # layer 1 is an MoE layer in every family (Qwen3-MoE's layer 0 is dense)
         r=RANK,
         lora_alpha=ALPHA,
-        target_modules=modules,
+        target_modules=["self_attn.q_proj", *modules[1:]],  # a dotted tail too
         target_parameters=["mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"],
         rank_pattern={"model.layers.1.mlp.experts.gate_up_proj": RANK + 2},
         alpha_pattern={"layers.1.mlp.experts.gate_up_proj": 30.0, "o_proj": 20.0},
@@ -201,6 +202,7 @@ def _experts_only(root: str, ids: torch.Tensor) -> dict:
     chunks = fnppo.hf.build_gpt_from_hf(base, dtype="fp32")
     fnppo.hf.load_hf_weights(chunks, base)
     fnppo.lora.apply_lora(chunks, config)
+    fnppo.lora.save_peft_adapter(chunks, f"{root}/mixtral/experts-fresh")  # every B zero: all written
     full = fnppo.models.gather_full_weights(chunks, adapters=True)
     g = torch.Generator().manual_seed(4)
     fnppo.models.load_full_weights(
@@ -336,7 +338,8 @@ def test_trained_expert_adapter_saved_gives_fnppo_logprobs_in_peft(reference, on
 def test_experts_only_split_adapter_loads_into_peft_without_warnings(reference, one_process):
     """Split-form adapters on the experts only: ranks 2r (gate_up) and r (down), no module for a
     pattern key to match, so down_proj is written zero-padded to 2r; peft loads it without a
-    warning, and fnppo reads back the same config and log-probs."""
+    warning, and fnppo reads back the same config and log-probs. Fresh adapters (every B zero) are
+    all written, and give the base model in peft."""
     root, ref = reference
     got = one_process["experts-only"]
     assert dataclasses.replace(got["read"], seed=got["config"].seed) == got["config"]
@@ -347,3 +350,9 @@ def test_experts_only_split_adapter_loads_into_peft_without_warnings(reference, 
         lp = _logprobs(loaded(input_ids=ref["mixtral"]["ids"]).logits, ref["mixtral"]["ids"])
     assert float((lp - got["logprobs"].double()).abs().max()) <= TOL
     assert float((lp - ref["mixtral"]["base"]).abs().max()) > 0.05
+    fresh, caught = peft_load(_base_model("mixtral", 62), str(root / "mixtral" / "experts-fresh"))
+    assert caught == [], caught
+    assert len(load_file(str(root / "mixtral" / "experts-fresh" / "adapter_model.safetensors"))) == 8  # 2 layers
+    with torch.no_grad():
+        lp = _logprobs(fresh(input_ids=ref["mixtral"]["ids"]).logits, ref["mixtral"]["ids"])
+    assert float((lp - ref["mixtral"]["base"]).abs().max()) <= TOL

@@ -257,7 +257,7 @@ def test_bad_adapter_files_are_refused_by_name_before_anything_loads(adapter):
     assert all(got[k] for k in got if k.endswith("-unchanged")), got
     assert not any(v == "accepted" for v in got.values()), got
     assert (
-        "argument 'path' expected the adapter of model.layers.0.self_attn.q_proj (its target_modules name 'q_proj'), "
+        "argument 'path' expected the adapter of model.layers.0.self_attn.q_proj (its target_modules name 'self_attn.q_proj'), "
         "received no tensors"
     ) in got["module-missing"]
     assert (

@@ -110,7 +110,7 @@ def save_peft_adapter(
     adapters take no dropout: with expert adapters ``lora_dropout`` is written 0 (the model's
     dropout is kept in the record). An adapter whose ``B`` is all zeros (it adds nothing, e.g. one
     PEFT did not adapt) is left out of the file (``target_parameters`` then names the layers'
-    parameters one by one).
+    parameters one by one), unless all are (fresh adapters: all are written).
 
     Raises:
         InputError: a model without adapters; a Qwen3-MoE or Mixtral model with non-zero adapters on
@@ -142,14 +142,15 @@ def save_peft_adapter(
         )
 
 
-def _dense(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor]) -> tuple[dict, dict, set[str]]:
-    """PEFT's tensors of the dense adapters, their modules' ``(rank, alpha)``, and the leaf names."""
+def _dense(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], zeros: bool) -> tuple[dict, dict, set[str]]:
+    """PEFT's tensors of the dense adapters (``zeros``: those whose ``B`` is all zeros too), their
+    modules' ``(rank, alpha)``, and the leaf names."""
     tensors: dict[str, Tensor] = {}
     values: dict[str, tuple[int, float]] = {}
     leaves: set[str] = set()
     for gname in sorted(n for n in full if n.endswith(".lora_A") and ".experts." not in n):
         b = full[gname[: -len("A")] + "B"]
-        if not bool(b.ne(0).any()):
+        if not zeros and not bool(b.ne(0).any()):
             continue  # a zero adapter adds nothing
         kind, modules = _modules(fn, a, gname)
         moe = FAMILIES[a.family].moe
@@ -180,13 +181,16 @@ def _per_expert(full: dict[str, Tensor], experts: int) -> dict[tuple[int, str, s
     return out
 
 
-def _experts(config: LoRAConfig, full: dict[str, Tensor], experts: int, modules: dict) -> tuple[dict, dict, dict]:
-    """PEFT's tensors of the expert adapters, their parameters' ``(rank, alpha)`` as written, and the
-    record of those written zero-padded (name -> true ``[rank, alpha]``)."""
+def _experts(
+    config: LoRAConfig, full: dict[str, Tensor], experts: int, modules: dict, zeros: bool
+) -> tuple[dict, dict, dict]:
+    """PEFT's tensors of the expert adapters (``zeros``: those whose ``B`` is all zeros too), their
+    parameters' ``(rank, alpha)`` as written, and the record of those written zero-padded (name ->
+    true ``[rank, alpha]``)."""
     stacks = _per_expert(full, experts)
     values, ranks = {}, {}
     for layer, proj, ab in stacks:
-        if ab == "A" and any(bool(b.ne(0).any()) for b in stacks[(layer, proj, "B")]):  # else it adds nothing
+        if ab == "A" and (zeros or any(bool(b.ne(0).any()) for b in stacks[(layer, proj, "B")])):
             r, alpha = config.rank_alpha(f"decoder.layers.{layer}.mlp.experts.{proj}")
             parts = stacks[(layer, proj, "A")][0].shape[0] // r
             ranks[(layer, proj)] = r
@@ -222,8 +226,9 @@ def _target_parameters(params: dict[str, Any], moe_layers: Sequence[int]) -> lis
 
 def _write_peft(fn: str, a: Arch, config: LoRAConfig, full: dict[str, Tensor], out: Path, base: str | None) -> None:
     """Rank 0: PEFT's two files from the full adapters."""
-    tensors, values, leaves = _dense(fn, a, config, full)
-    expert_tensors, params, padded = _experts(config, full, a.experts, values)
+    zeros = not any(bool(t.ne(0).any()) for n, t in full.items() if n.rpartition(".")[2].startswith("lora_B"))
+    tensors, values, leaves = _dense(fn, a, config, full, zeros)  # all zero (fresh): written all the same
+    expert_tensors, params, padded = _experts(config, full, a.experts, values, zeros)
     tensors.update(expert_tensors)
     r, alpha, rank_pattern, alpha_pattern = write_patterns({**values, **params}, set(values))
     record = {"expert_gate_up": config.expert_gate_up, "dropout": config.dropout, "padded": padded}
@@ -302,7 +307,7 @@ def _from_peft(
     rank: int,
     shapes: dict,
     inputs: int,
-    targeted: set[str],
+    targeted: list[str],
 ) -> tuple[Tensor, Tensor, list[str]]:
     """(A, B) of one fnppo adapter from PEFT's tensors (a projection PEFT does not adapt: zeros), and
     the PEFT keys used."""
@@ -321,10 +326,9 @@ def _from_peft(
             As.append(peft[ka].float())
             Bs[m + ".weight"] = peft[kb].float()
             used += [ka, kb]
-        elif m.rpartition(".")[2] in targeted:
-            raise input_error(
-                _LOAD, "path", f"the adapter of {m} (its target_modules name {m.rpartition('.')[2]!r})", "no tensors"
-            )
+        elif names_parameter(targeted, m):  # PEFT's rule for a list of target_modules: the name or a dotted tail
+            name = next(t for t in targeted if m == t or m.endswith(f".{t}"))
+            raise input_error(_LOAD, "path", f"the adapter of {m} (its target_modules name {name!r})", "no tensors")
         else:
             As.append(torch.zeros(rank, inputs))
             Bs[m + ".weight"] = torch.zeros(shapes[m + ".weight"][0], rank)
@@ -413,7 +417,7 @@ def _read_peft(
     names = cfg.get("target_modules") or []
     # the projections the file must hold in every layer (a regex or a layer selection: not checked)
     some_layers = cfg.get("layers_to_transform") is not None or cfg.get("exclude_modules")
-    targeted = set() if isinstance(names, str) or some_layers else set(names)
+    targeted = [] if isinstance(names, str) or some_layers else list(names)
     wanted, dense = {}, []
     for chunk in model_chunks:
         core = unwrap_model(chunk)

@@ -281,8 +281,10 @@ def lora_config_from_peft(path: str | os.PathLike, **changes: Any) -> LoRAConfig
     names = [names] if isinstance(names, str) else list(names)
     known = set(_LEAF_TARGETS)
     params = list(cfg.get("target_parameters") or [])
-    if [n for n in names if n not in known] or not (names or params):
-        raise input_error(_FN, f"{CONFIG_FILE}['target_modules']", f"names from {sorted(known)}", repr(names))
+    if [n for n in names if not isinstance(n, str) or n.rpartition(".")[2] not in known] or not (names or params):
+        raise input_error(
+            _FN, f"{CONFIG_FILE}['target_modules']", f"names (or dotted tails) ending in {sorted(known)}", repr(names)
+        )
     modules, adapted = adapted_names(cfg, keys, _file_layers(keys))
     form = changes.get("expert_gate_up", record.get("expert_gate_up", "fused"))
     rslora = bool(changes.get("rslora", cfg.get("use_rslora", False)))
@@ -291,7 +293,7 @@ def lora_config_from_peft(path: str | os.PathLike, **changes: Any) -> LoRAConfig
     default = (int(cfg["r"]), float(cfg["lora_alpha"]))  # else the most common (the file's r first on a tie)
     if counts:
         default = max(counts, key=lambda v: (counts[v], v == default, -v[0], -v[1]))
-    wanted = {linear.rpartition(".")[2] for linear in linears} | {_LEAF_TARGETS[n] for n in names}
+    wanted = {linear.rpartition(".")[2] for linear in linears} | {_LEAF_TARGETS[n.rpartition(".")[2]] for n in names}
     wanted |= {k for k, v in PARAMS.items() if any(p.rpartition(".")[2] == v for p in params)}
     dropout = record.get("dropout", cfg.get("lora_dropout", 0.0))
     fields = dict(
