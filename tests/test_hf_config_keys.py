@@ -509,9 +509,7 @@ def test_a_corrupt_config_json_is_a_checkpoint_error_naming_the_path_and_the_cau
         model_config_from_hf(path)
 
 
-@pytest.mark.parametrize(
-    "text, kind", [("[1, 2]", "array"), ('"llama"', "string"), ("null", "null"), ("7", "number")]
-)
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "array"), ('"llama"', "string"), ("null", "null"), ("7", "number")])
 def test_a_config_json_that_is_not_an_object_is_a_checkpoint_error(text, kind, tmp_path):
     (tmp_path / "config.json").write_text(text)
     with raises_message(

@@ -107,9 +107,37 @@ def _run(experts: str, layout: str, adapters: dict | None) -> dict:
     }
 
 
+def _dropout_at_eval(full: dict) -> dict:
+    """Stacked experts with adapter dropout 0 and 0.5 and the same adapters: the log-probs
+    (``compute_logprobs`` runs in eval mode) and one experts module's output in eval and in training
+    mode (fixed tokens, routing and seed)."""
+    out = {}
+    g = torch.Generator().manual_seed(11)
+    x, probs = torch.randn(6, 32, generator=g), torch.rand(6, generator=g)
+    tokens = torch.tensor([2, 1, 3, 0])
+    for p in (0.0, 0.5):
+        chunks = fnppo.build_gpt(_cfg("stacked"))
+        fnppo.models.layout_invariant_init(chunks, seed=3, std=0.2)
+        fnppo.lora.apply_lora(chunks, fnppo.lora.LoRAConfig(**LORA, dropout=p))
+        fnppo.models.load_full_weights(chunks, full, adapters=True)
+        ddp = fnppo.wrap_ddp(chunks)
+        lps, _ = fnppo.compute_logprobs(ddp, synthetic_samples(8, seed=7))
+        experts = next(m for m in unwrap_model(ddp[0]).modules() if type(m).__name__ == "StackedExperts")
+        with torch.no_grad():
+            experts.train()
+            torch.manual_seed(0)
+            train = experts(x, tokens, probs)[0]
+            experts.eval()
+            torch.manual_seed(0)
+            evaluated = experts(x, tokens, probs)[0]
+        out[p] = {"logprobs": torch.cat(lps), "train": train, "eval": evaluated}
+    return out
+
+
 def _one_process() -> dict:
     seq = _run("sequential", "per_expert", None)
     out = {"sequential": seq, "stacked": _run("stacked", "per_expert", seq["full"])}
+    out["dropout"] = _dropout_at_eval(seq["full"])
     shared = _run("stacked", "shared", None)
     out["shared"] = shared
     out["shared_as_sequential"] = _run("sequential", "per_expert", _shared_as_per_expert(shared["full"], 4))
@@ -172,6 +200,17 @@ def test_stacked_expert_adapters_equal_the_sequential_path(one_process):
         assert h["trainable"] == h["adapter_names"]
 
 
+def test_stacked_expert_adapter_dropout_only_in_training(one_process):
+    """Adapter dropout on stacked experts acts in training forwards only: with dropout 0.5 the
+    log-probs (eval mode) and an eval forward of the experts equal dropout 0's bit for bit, while a
+    training forward differs from the eval one (and does not without dropout)."""
+    off, on = one_process["dropout"][0.0], one_process["dropout"][0.5]
+    assert torch.equal(on["logprobs"], off["logprobs"])
+    assert torch.equal(on["eval"], off["eval"])
+    assert torch.equal(off["train"], off["eval"])
+    assert float((on["train"] - on["eval"]).abs().max()) > 1e-3
+
+
 def test_stacked_expert_adapters_under_expert_parallelism(one_process, ep2):
     for rank in range(2):
         _same_step(one_process["sequential"], ep2[rank]["stacked"], f"ep2 rank {rank}")
@@ -225,6 +264,19 @@ def _refusals() -> dict:
         out["te_grouped"] = "accepted"
     except InputError as err:
         out["te_grouped"] = str(err)
+    for label, name in {  # 2 layers, both MoE (no dense MLP)
+        "override layer": "decoder.layers.5.self_attention.linear_qkv",
+        "override linear": "decoder.layers.0.mlp.linear_fc1",
+    }.items():
+        chunks = fnppo.build_gpt(_cfg("sequential"))
+        before = [(n, p.requires_grad) for n, p in chunks[0].named_parameters()]
+        config = fnppo.lora.LoRAConfig(**LORA, experts=False, overrides={name: (2, 4.0)})
+        try:
+            fnppo.lora.apply_lora(chunks, config)
+            out[label] = "accepted"
+        except InputError as err:
+            out[label] = str(err)
+        out[f"{label} unchanged"] = before == [(n, p.requires_grad) for n, p in chunks[0].named_parameters()]
     return out
 
 
@@ -241,6 +293,12 @@ def test_unsupported_expert_adapters_are_refused_by_name():
         "argument 'model_chunks' expected experts built with moe_experts='stacked' or 'sequential' for adapters in "
         "experts, received TEGroupedMLP at decoder.layers.0.mlp.experts" in got["te_grouped"]
     ), got["te_grouped"]
+    for label, name in (("override layer", "5.self_attention.linear_qkv"), ("override linear", "0.mlp.linear_fc1")):
+        assert (
+            "apply_lora: argument 'config.overrides' expected names of linears the config adapts in this model, "
+            f"received 'decoder.layers.{name}' (no such linear)"
+        ) in got[label], got[label]
+        assert got[f"{label} unchanged"]
 
 
 def _replay() -> dict:
@@ -305,11 +363,40 @@ def test_expert_adapters_with_routing_replay():
         ("rank", 4.0, "an int >= 1"),
         ("seed", 1.5, "an int"),
         ("experts", "yes", "a bool"),
+        ("rslora", "yes", "a bool"),
+        ("expert_gate_up", "both", "one of ('split', 'fused')"),
+        ("overrides", "decoder.layers.0.mlp.linear_fc1", "a dict name -> (rank, alpha) or (name, rank, alpha) triples"),
+        ("overrides", {"decoder.layers.0.mlp.router": (4, 8.0)}, "names of linears 'decoder.layers.<i>.….<target>'"),
+        ("overrides", {"mlp.linear_fc1": (4, 8.0)}, "names of linears 'decoder.layers.<i>.….<target>'"),
+        (
+            "overrides['decoder.layers.0.mlp.linear_fc1'][0] (rank)",
+            {"decoder.layers.0.mlp.linear_fc1": (0, 8.0)},
+            "an int >= 1",
+        ),
+        (
+            "overrides['decoder.layers.0.mlp.linear_fc1'][0] (rank)",
+            {"decoder.layers.0.mlp.linear_fc1": ("4", 8.0)},
+            "an int >= 1",
+        ),
+        (
+            "overrides['decoder.layers.0.mlp.linear_fc1'][1] (alpha)",
+            {"decoder.layers.0.mlp.linear_fc1": (4, float("nan"))},
+            "a finite number > 0",
+        ),
+        (
+            "overrides['decoder.layers.0.mlp.linear_fc1'][1] (alpha)",
+            {"decoder.layers.0.mlp.linear_fc1": (4, -1.0)},
+            "a finite number > 0",
+        ),
+        ("overrides", [("decoder.layers.0.mlp.linear_fc1", 4, 8.0)] * 2, "each linear named once"),
     ],
 )
 def test_lora_config_refuses_non_finite_and_non_numeric_values(field, value, expected):
-    with pytest.raises(InputError, match=rf"LoRAConfig: argument '{field}' expected {re.escape(expected)}, received"):
-        fnppo.lora.LoRAConfig(**{field: value})
+    name = field.partition("[")[0]
+    with pytest.raises(
+        InputError, match=rf"LoRAConfig: argument '{re.escape(field)}' expected {re.escape(expected)}.*, received"
+    ):
+        fnppo.lora.LoRAConfig(**{name: value})
 
 
 def test_apply_lora_refuses_what_is_not_a_list_of_chunks():

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
@@ -51,7 +53,12 @@ __all__ = [
 
 #: the linears that can carry adapters, by their Megatron name
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: ``LoRAConfig.expert_gate_up`` values
+GATE_UP_FORMS = ("split", "fused")
 _FN = "fnppo.lora.apply_lora"
+_OVERRIDE_NAME = re.compile(r"^(?:.+\.)?decoder\.layers\.\d+\.(?:[a-z_]+\.)+linear_(?:qkv|proj|fc1|fc2)$")
+_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)(?=\.|$)")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.\d+(?=\.)")
 
 
 def _number(v: object) -> bool:
@@ -80,11 +87,25 @@ class LoRAConfig:
         seed: ``A`` of each adapter is drawn from a generator seeded by ``(seed, its full name)``,
             uniform in ``±1/sqrt(in)`` (PEFT's default, Kaiming-uniform with ``a = sqrt(5)``), the
             same in every layout; ``B`` starts at zero, so the adapted model starts as the base.
+        rslora: rank-stabilized scaling ``alpha / sqrt(rank)`` instead of ``alpha / rank``
+            (Kalajdzievski, arXiv:2312.03732; PEFT's ``use_rslora``).
+        expert_gate_up: the adapter of a gated expert fc1 (``[gate; up]`` rows): ``"split"``, a
+            rank-``r`` adapter for gate and for up each (as for the dense MLP; PEFT's rank-``2r``
+            ``gate_up_proj`` adapter with a block-diagonal ``B``), or ``"fused"``, one rank-``r``
+            adapter over the fused rows (one ``A`` ``[r, hidden]`` shared by gate and up, one ``B``
+            ``[2 ffn, r]``: what PEFT trains with ``target_parameters=["gate_up_proj"]``).
+        overrides: ``(rank, alpha)`` of single linears, by their name in a 1-rank model with the
+            experts' ``local_experts.<j>`` left out (``{"decoder.layers.0.mlp.experts.linear_fc2":
+            (8, 32.0)}``: layer 0's expert fc2, every expert); a dict or ``(name, rank, alpha)``
+            triples (PEFT's ``rank_pattern`` / ``alpha_pattern`` resolved per layer,
+            :func:`fnppo.lora.lora_config_from_peft`). Stored as sorted triples.
 
     Raises:
         InputError: a rank that is not a positive int, ``alpha`` not a finite number > 0 (NaN,
             inf, a string), ``dropout`` outside ``[0, 1)``, a seed that is not an int, no targets or
-            an unknown one, an unknown ``expert_layout``.
+            an unknown one, an unknown ``expert_layout`` or ``expert_gate_up``, ``rslora`` not a
+            bool, an override that is not ``name -> (positive int, finite number > 0)``, names a
+            linear outside ``targets``, or names one twice.
     """
 
     rank: int = 8
@@ -94,6 +115,9 @@ class LoRAConfig:
     experts: bool = True
     seed: int = 0
     expert_layout: str = "per_expert"
+    rslora: bool = False
+    expert_gate_up: str = "split"
+    overrides: tuple[tuple[str, int, float], ...] | Mapping[str, tuple[int, float]] = ()
 
     def __post_init__(self) -> None:
         fn = "fnppo.lora.LoRAConfig"
@@ -112,15 +136,72 @@ class LoRAConfig:
         object.__setattr__(self, "targets", targets)
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise input_error(fn, "expert_layout", f"one of {EXPERT_LAYOUTS}", repr(self.expert_layout))
+        if not isinstance(self.rslora, bool):
+            raise input_error(fn, "rslora", "a bool", repr(self.rslora))
+        if self.expert_gate_up not in GATE_UP_FORMS:
+            raise input_error(fn, "expert_gate_up", f"one of {GATE_UP_FORMS}", repr(self.expert_gate_up))
+        object.__setattr__(self, "overrides", _overrides(fn, self.overrides, targets))
+
+    def rank_alpha(self, name: str) -> tuple[int, float]:
+        """``(rank, alpha)`` of the linear ``name`` (1-rank name, experts without ``local_experts.<j>``)."""
+        for n, r, a in self.overrides:
+            if n == name:
+                return r, a
+        return self.rank, float(self.alpha)
+
+    def scaling_for(self, rank: int, alpha: float) -> float:
+        """``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``)."""
+        return float(alpha) / (math.sqrt(rank) if self.rslora else rank)
 
     @property
     def scaling(self) -> float:
-        """``alpha / rank``."""
-        return float(self.alpha) / self.rank
+        """The scaling of a linear without an override: ``alpha / rank`` (``alpha / sqrt(rank)`` with ``rslora``)."""
+        return self.scaling_for(self.rank, self.alpha)
 
 
-def _parts(fn: str, name: str, module: nn.Module, leaf: str, role: str) -> tuple[tuple[int, ...], int, bool]:
-    """(rows per group of each part in this rank's shard, local groups, gated fc1) of a target."""
+def _overrides(fn: str, value: Any, targets: tuple[str, ...]) -> tuple[tuple[str, int, float], ...]:
+    """``LoRAConfig.overrides`` as sorted ``(name, rank, alpha)`` triples, each checked."""
+    expected = "a dict name -> (rank, alpha) or (name, rank, alpha) triples"
+    if isinstance(value, Mapping):
+        items = [(k, *v) if isinstance(v, (tuple, list)) and len(v) == 2 else (k, v) for k, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        items = [tuple(t) if isinstance(t, (tuple, list)) else (t,) for t in value]
+    else:
+        raise input_error(fn, "overrides", expected, type(value).__name__)
+    out = {}
+    for item in items:
+        if len(item) != 3:
+            raise input_error(fn, "overrides", expected, repr(item))
+        name, rank, alpha = item
+        arg = f"overrides[{name!r}]"
+        leaf = name.rpartition(".")[2] if isinstance(name, str) else None
+        if leaf not in targets or not _OVERRIDE_NAME.match(name):
+            raise input_error(
+                fn,
+                "overrides",
+                f"names of linears 'decoder.layers.<i>.….<target>' with a target from {targets}",
+                repr(name),
+            )
+        check_positive_int(fn, f"{arg}[0] (rank)", rank)
+        if not (_number(alpha) and math.isfinite(alpha) and alpha > 0):
+            raise input_error(fn, f"{arg}[1] (alpha)", "a finite number > 0", repr(alpha))
+        if name in out:
+            raise input_error(fn, "overrides", "each linear named once", f"{name!r} twice")
+        out[name] = (name, rank, float(alpha))
+    return tuple(out[n] for n in sorted(out))
+
+
+def linear_name(core: nn.Module, name: str) -> str:
+    """The name :attr:`LoRAConfig.overrides` knows the linear ``name`` of ``core`` by: its 1-rank name
+    (:func:`fnppo.megatron.weights.global_name`) without an expert's ``local_experts.<j>``."""
+    return _LOCAL_EXPERT.sub("", global_name(core, name))
+
+
+def _parts(
+    fn: str, name: str, module: nn.Module, leaf: str, role: str, fused: bool = False
+) -> tuple[tuple[int, ...], int, bool]:
+    """(rows per group of each part in this rank's shard, local groups, gated fc1) of a target
+    (``fused``: a gated fc1's gate and up rows as one part)."""
     cfg = module.config
     tp = tp_size(module)
     out_local = module.weight.shape[0]
@@ -129,6 +210,8 @@ def _parts(fn: str, name: str, module: nn.Module, leaf: str, role: str) -> tuple
         if groups % tp:
             raise input_error(fn, "model_chunks", f"query groups divisible by TP {tp} at {name}", str(groups))
         parts, local = (heads // groups * d, d, d), groups // tp
+    elif leaf == "linear_fc1" and cfg.gated_linear_unit and fused:
+        parts, local = (out_local,), 1
     elif leaf == "linear_fc1" and cfg.gated_linear_unit:
         parts, local = (out_local // 2, out_local // 2), 1
     else:
@@ -212,10 +295,11 @@ def _init_a(core: nn.Module, name: str, param: Tensor, seed: int) -> Tensor:
 
 
 def _add_adapter(core: nn.Module, name: str, module: nn.Module, role: str, config: LoRAConfig) -> None:
-    parts, groups, gated = _parts(_FN, name, module, name.rpartition(".")[2], role)
+    fused = config.expert_gate_up == "fused" and ".experts." in f".{name}."
+    parts, groups, gated = _parts(_FN, name, module, name.rpartition(".")[2], role, fused)
     base = module.weight
     out, inp = base.shape
-    r = config.rank
+    r, alpha = config.rank_alpha(linear_name(core, name))
     kw = dict(dtype=base.dtype, device=base.device)
     a = nn.Parameter(torch.zeros((len(parts) * r, inp), **kw))
     b = nn.Parameter(torch.zeros((out, r), **kw))
@@ -241,7 +325,7 @@ def _add_adapter(core: nn.Module, name: str, module: nn.Module, role: str, confi
         rank=r,
         parts=parts,
         groups=groups,
-        scaling=config.scaling,
+        scaling=config.scaling_for(r, alpha),
         dropout=float(config.dropout),
         gated=gated,
         norm=hasattr(module, "layer_norm_weight"),
@@ -249,6 +333,35 @@ def _add_adapter(core: nn.Module, name: str, module: nn.Module, role: str, confi
     module.__class__ = lora_class(type(module))
     with torch.no_grad():
         a.copy_(_init_a(core, f"{name}.lora_A", a, config.seed).to(a.dtype))
+
+
+def _check_overrides(config: LoRAConfig, plans: list[tuple[nn.Module, list[tuple[str, nn.Module, str]]]]) -> None:
+    """Refuse an override that names no adapted linear (checked where its layer lives: each pipeline
+    stage checks its own layers; a layer index past the model's on every rank)."""
+    if not config.overrides:
+        return
+    adapted, local, layers = set(), set(), 0
+    for core, found in plans:
+        layers = core.config.num_layers
+        for name, _ in core.named_modules():
+            if _LAYER.search(name) and name.rpartition(".")[2].isdigit():
+                local.add(int(_LAYER.search(global_name(core, name + ".x")).group(1)))
+        for name, _, role in found:
+            if role != "stacked":
+                adapted.add(linear_name(core, name))
+                continue
+            for proj in ("linear_fc1", "linear_fc2"):
+                if proj in config.targets:
+                    adapted.add(f"{linear_name(core, name)}.{proj}")
+    for name, _, _ in config.overrides:
+        layer = int(_LAYER.search(name).group(1))
+        if name not in adapted and (layer in local or layer >= layers):
+            raise input_error(
+                _FN,
+                "config.overrides",
+                "names of linears the config adapts in this model",
+                f"{name!r} (no such linear)",
+            )
 
 
 def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn.Module]:
@@ -286,6 +399,7 @@ def apply_lora(model_chunks: Sequence[nn.Module], config: LoRAConfig) -> list[nn
     plans = [(unwrap_model(c), _targets(_FN, unwrap_model(c), config)) for c in chunks]
     if not any(found for _, found in plans):
         raise input_error(_FN, "config.targets", "names of linears of the model", repr(config.targets))
+    _check_overrides(config, plans)
     for core, found in plans:
         for p in core.parameters():
             p.requires_grad_(False)

@@ -3,7 +3,10 @@
 The stacked experts compute each projection of all local experts as one grouped GEMM; their
 adapters are stacked the same way (per expert ``A`` ``[parts * r, in]`` and ``B`` ``[out, r]``,
 one tensor per projection with the expert axis first), so the adapted forward is two more grouped
-GEMMs per projection (:meth:`StackedExperts._adapter`). Per expert, the adapter is the one
+GEMMs per projection (:meth:`StackedExperts._adapter`). Each projection of each layer has its own
+rank and scaling (``LoRAConfig.rank_alpha`` of ``<experts>.linear_fc1`` / ``linear_fc2``); a gated
+fc1 is ``parts`` 2 (gate and up, ``LoRAConfig(expert_gate_up="split")``) or 1 (one adapter over
+both, ``"fused"``, PEFT's ``target_parameters`` form). Per expert, the adapter is the one
 Megatron's ``SequentialMLP`` path puts on that expert's linear (:mod:`fnppo.megatron.lora_linear`:
 a gated fc1's gate and up each get their own rank-``r`` adapter), named the same way in full
 weights (``experts.local_experts.<global j>.linear_fc1.lora_A``), so full adapters move between
@@ -22,6 +25,7 @@ do for expert parameters).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -31,7 +35,9 @@ from fnppo.megatron.lora_linear import AdapterSpec
 from fnppo.megatron.stacked_experts import named_weights
 from fnppo.megatron.weights import global_name, name_seed
 
-__all__ = ["add_stacked_adapters", "stacked_merged_delta", "EXPERT_LAYOUTS", "check_stacked"]
+__all__ = ["add_stacked_adapters", "stacked_merged_delta", "stacked_shared", "EXPERT_LAYOUTS", "check_stacked"]
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.\d+(?=\.)")
 
 #: ``LoRAConfig.expert_layout`` values
 EXPERT_LAYOUTS = ("per_expert", "shared")
@@ -49,25 +55,47 @@ def check_stacked(fn: str, name: str, module: nn.Module) -> None:
         )
 
 
-def _shapes(module: nn.Module, rank: int, targets: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
-    """The adapter parameters of ``module`` (without the expert axis) for the targeted projections."""
+def _shapes(module: nn.Module, ranks: dict[str, int], fused: bool) -> dict[str, tuple[int, ...]]:
+    """The adapter parameters of ``module`` (without the expert axis) for the projections in ``ranks``
+    (``"fc1"`` / ``"fc2"`` -> rank; ``fused``: one fc1 adapter over the gate and up rows)."""
     _, halves, ffn, hidden = module.weight1.shape
     out = {}
-    if "linear_fc1" in targets:
-        out.update(fc1_lora_A=(halves * rank, hidden), fc1_lora_B=(halves * ffn, rank))
-    if "linear_fc2" in targets:
-        out.update(fc2_lora_A=(rank, ffn), fc2_lora_B=(hidden, rank))
+    if "fc1" in ranks:
+        r = ranks["fc1"]
+        out.update(fc1_lora_A=((1 if fused else halves) * r, hidden), fc1_lora_B=(halves * ffn, r))
+    if "fc2" in ranks:
+        out.update(fc2_lora_A=(ranks["fc2"], ffn), fc2_lora_B=(hidden, ranks["fc2"]))
     return out
 
 
 def add_stacked_adapters(core: nn.Module, name: str, module: nn.Module, config) -> None:  # noqa: ANN001 - LoRAConfig
     """Give the stacked experts ``module`` (at ``name`` in ``core``) adapters on the targeted
-    projections: ``A`` uniform in ``±1/sqrt(in)`` from the generator of ``(seed, full name of each
-    expert's A)`` (the same draw as the ``SequentialMLP`` path's), ``B`` zero."""
+    projections, each of the rank and alpha ``config.rank_alpha`` gives its linear
+    (``<name>.linear_fc1``, 1-rank name): ``A`` uniform in ``±1/sqrt(in)`` from the generator of
+    ``(seed, full name of each expert's A)`` (the same draw as the ``SequentialMLP`` path's), ``B``
+    zero. ``module.fnppo_lora`` is then ``{"fc1": AdapterSpec, "fc2": AdapterSpec}`` (the adapted ones)."""
     shared = config.expert_layout == "shared"
-    experts = module.weight1.shape[0]
+    fused = config.expert_gate_up == "fused" and module.gated
+    experts, halves, ffn = module.weight1.shape[:3]
     kw = dict(dtype=module.weight1.dtype, device=module.weight1.device)
-    for pname, shape in _shapes(module, config.rank, config.targets).items():
+    gname = _LOCAL_EXPERT.sub("", global_name(core, name))
+    specs = {}
+    for proj in ("linear_fc1", "linear_fc2"):
+        if proj not in config.targets:
+            continue
+        rank, alpha = config.rank_alpha(f"{gname}.{proj}")
+        fc1 = proj == "linear_fc1"
+        specs["fc1" if fc1 else "fc2"] = AdapterSpec(
+            role="stacked",
+            rank=rank,
+            parts=((halves * ffn,) if fused else (ffn,) * halves) if fc1 else (module.weight2.shape[1],),
+            groups=1,
+            scaling=config.scaling_for(rank, alpha),
+            dropout=float(config.dropout),
+            gated=module.gated and fc1,
+            shared=shared,
+        )
+    for pname, shape in _shapes(module, {k: v.rank for k, v in specs.items()}, fused).items():
         p = nn.Parameter(torch.zeros(shape if shared else (experts, *shape), **kw))
         p.fnppo_lora_adapter = True
         p.allreduce = True if shared else module.weight1.allreduce
@@ -75,16 +103,7 @@ def add_stacked_adapters(core: nn.Module, name: str, module: nn.Module, config) 
         p.partition_dim = 0
         p.partition_stride = 1
         module.register_parameter(pname, p)
-    module.fnppo_lora = AdapterSpec(
-        role="stacked",
-        rank=config.rank,
-        parts=(module.weight1.shape[2],) * module.weight1.shape[1],
-        groups=1,
-        scaling=config.scaling,
-        dropout=float(config.dropout),
-        gated=module.gated,
-        shared=shared,
-    )
+    module.fnppo_lora = specs
     prefix = f"{name}."  # expert parallelism enters through global_name (global expert indices)
     with torch.no_grad():
         for vname, view in named_weights(core, adapters=True):
@@ -99,10 +118,11 @@ def add_stacked_adapters(core: nn.Module, name: str, module: nn.Module, config) 
 def stacked_merged_delta(module: nn.Module, proj: str, expert: int) -> torch.Tensor:
     """``s * B_e A_e`` of local expert ``expert``'s ``proj`` (``"linear_fc1"``: ``[parts * ffn,
     hidden]``, gate rows then up rows; ``"linear_fc2"``: ``[hidden, ffn]``), in fp32; zeros for a
-    projection without an adapter."""
+    projection without an adapter. A split gated fc1: each part's rows from its own ``r`` columns of
+    ``A``; a fused one: ``B A`` over all rows."""
     key = "fc1" if proj == "linear_fc1" else "fc2"
-    spec: AdapterSpec = module.fnppo_lora
-    if not hasattr(module, f"{key}_lora_A"):
+    spec: AdapterSpec | None = module.fnppo_lora.get(key)
+    if spec is None:
         return torch.zeros(())
     a, b = getattr(module, f"{key}_lora_A").detach().float(), getattr(module, f"{key}_lora_B").detach().float()
     if not spec.shared:
@@ -110,3 +130,8 @@ def stacked_merged_delta(module: nn.Module, proj: str, expert: int) -> torch.Ten
     parts = a.shape[0] // spec.rank
     blocks = [bp @ ap for bp, ap in zip(b.chunk(parts, 0), a.chunk(parts, 0), strict=True)]
     return torch.cat(blocks, dim=0) * spec.scaling
+
+
+def stacked_shared(module: nn.Module) -> bool:
+    """Whether the adapted stacked experts ``module`` hold one adapter for all their experts."""
+    return any(spec.shared for spec in getattr(module, "fnppo_lora", {}).values())

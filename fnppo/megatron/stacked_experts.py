@@ -28,7 +28,9 @@ LoRA (:mod:`fnppo.megatron.lora_experts` puts the adapters on): the batched prod
 batched low-rank update, per expert ``A`` and ``B`` stacked like the weights (``fc1_lora_A``
 ``[experts, parts * r, hidden]``, ``fc1_lora_B`` ``[experts, parts * ffn, r]``, ``fc2_lora_A``
 ``[experts, r, ffn]``, ``fc2_lora_B`` ``[experts, hidden, r]``; a gated fc1's gate and up each
-have their own rank-``r`` adapter, as Megatron's ``SequentialMLP`` path and PEFT give them), each
+have their own rank-``r`` adapter, as Megatron's ``SequentialMLP`` path and PEFT give them; or,
+``LoRAConfig(expert_gate_up="fused")``, one rank-``r`` adapter over both, ``fc1_lora_A``
+``[experts, r, hidden]``, as PEFT's ``target_parameters`` adapter of ``gate_up_proj``), each
 one more grouped GEMM; or one adapter shared by all experts of the layer (the same shapes without
 the expert axis, plain matrix products over all the layer's tokens).
 
@@ -141,9 +143,10 @@ class StackedExperts(MegatronModule):
         """The adapter term ``s * dropout(x) A_e^T B_e^T`` of projection ``proj`` for each row's expert
         ``e`` (shared layout: the one ``A``, ``B`` for every row); a gated fc1's gate and up parts each
         multiply their own ``r`` columns of ``x A^T`` (output ``[gate rows; up rows]``), here as one
-        product with the block-diagonal ``B`` (:func:`_block_diagonal_parts`). The scale ``s`` multiplies
+        product with the block-diagonal ``B`` (:func:`_block_diagonal_parts`); a fused fc1 adapter
+        (``LoRAConfig(expert_gate_up="fused")``) is one rank-``r`` ``A`` and ``B`` over all rows. The scale ``s`` multiplies
         the ``r``-wide ``x A^T`` rather than the output (the same product up to rounding)."""
-        spec = self.fnppo_lora
+        spec = self.fnppo_lora[proj]
         a, b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
         if spec.dropout and self.training:
             x = F.dropout(x, p=spec.dropout, training=True)
@@ -179,7 +182,7 @@ class StackedExperts(MegatronModule):
             if not hasattr(self, name):
                 continue
             param = getattr(self, name)
-            if getattr(self.fnppo_lora, "shared", False):  # replicated like a dense weight
+            if _shared(self):  # replicated like a dense weight
                 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
                 out.update(make_sharded_tensors_for_checkpoint({name: param}, prefix, {}, sharded_offsets))
@@ -203,6 +206,11 @@ def _block_diagonal_parts(b: Tensor, parts: int) -> Tensor:
     rows = b.chunk(parts, dim=-2)
     r = b.shape[-1]
     return torch.cat([F.pad(bp, (p * r, (parts - 1 - p) * r)) for p, bp in enumerate(rows)], dim=-2)
+
+
+def _shared(module: nn.Module) -> bool:
+    """Whether adapted stacked experts hold one adapter for all experts (``fnppo_lora``: projection -> spec)."""
+    return any(spec.shared for spec in getattr(module, "fnppo_lora", {}).values())
 
 
 def is_stacked(module: nn.Module) -> bool:
@@ -243,7 +251,7 @@ def named_weights(core: nn.Module, *, adapters: bool = False) -> Iterator[tuple[
             continue
         if leaf in ADAPTER_PARAMS:
             proj, ab = ADAPTER_PARAMS[leaf]
-            if getattr(core.get_submodule(owner).fnppo_lora, "shared", False):
+            if _shared(core.get_submodule(owner)):
                 yield f"{owner}.{proj}.{ab}", param
             else:
                 for i in range(param.shape[0]):  # expert tensor parallelism 1 (adapters refuse more)

@@ -42,7 +42,10 @@ The modules, one job each (each imports only the ones above it)::
     snapshot    tensor digests (SHA-256), WeightSnapshot and the records of a delta stream
     delta       stream_hf_deltas (the sending side)
     apply       apply_hf_deltas (the receiving side)
-    peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter, lora_config_from_peft
+    peft_rules  PEFT's rules for which module or parameter a config names, and with what rank and alpha
+    peft_experts  MoE expert adapters in PEFT's target_parameters form (fused and split)
+    peft_config adapter_config.json and the safetensors header read and checked; lora_config_from_peft
+    peft        LoRA adapters in PEFT's format: save_peft_adapter, load_peft_adapter
     peft_stream stream_peft_adapter: a LoRA run's adapters to an engine, per step, in PEFT's layout
 
 Nothing here touches the network: ``config_or_path`` and ``path`` are local files.

@@ -9,217 +9,122 @@ for Qwen2-MoE, Qwen3-MoE and Mixtral alike. PEFT (``LoraConfig(target_parameters
 * ``lora_B.weight`` ``[out, R * E]``: expert ``e``'s ``B`` is columns ``e, e + E, e + 2E, ...``
   (``view(out, R, E)[:, :, e]``),
 
-with scaling ``alpha / R`` (``rank_pattern`` / ``alpha_pattern`` override ``r`` / ``lora_alpha`` for
-one parameter). Both parameters of one module are adapted by nested wrappers: with both targeted,
-``gate_up_proj``'s tensors are ``mlp.experts.base_layer.lora_*`` and ``down_proj``'s
-``mlp.experts.lora_*``; with one targeted, it is ``mlp.experts.lora_*``.
+with scaling ``alpha / R`` (``alpha / sqrt(R)`` with ``use_rslora``). Both parameters of one
+layer's experts are adapted by nested wrappers: with both targeted in that layer, ``gate_up_proj``'s
+tensors are ``mlp.experts.base_layer.lora_*`` and ``down_proj``'s ``mlp.experts.lora_*``; with one
+targeted, it is ``mlp.experts.lora_*`` (:func:`tensor_key`).
 
-fnppo's expert fc1 adapter gives the gate and the up projection a rank-``r`` adapter each (as PEFT
-does for separate ``gate_proj`` / ``up_proj`` modules, :mod:`fnppo.megatron.lora_linear`); on the
-fused parameter that is the rank-``2r`` adapter ``A = [A_gate; A_up]``, ``B = diag(B_gate, B_up)``
-with ``alpha`` doubled, which is what PEFT's own conversion of per-projection expert adapters writes
-(``rank_pattern`` and ``alpha_pattern`` ``{".*\\.gate_up_proj": 2r / 2 alpha}``). An adapter of the
-fused parameter whose ``B`` mixes gate and up (non-zero off-diagonal blocks) is refused by name.
+Two forms of the ``gate_up_proj`` adapter (``LoRAConfig.expert_gate_up``):
+
+* ``"fused"``: what PEFT trains, one rank-``R`` adapter over the fused rows (one ``A`` shared by gate
+  and up, one ``B`` over both); fnppo's expert fc1 adapter of rank ``R``, the same tensors per expert;
+* ``"split"``: fnppo's gate and up adapters of rank ``r`` each (as for separate ``gate_proj`` /
+  ``up_proj`` modules) are PEFT's rank-``2r`` adapter ``A = [A_gate; A_up]``,
+  ``B = diag(B_gate, B_up)``, the same scaling (``alpha`` doubled; ``sqrt(2)`` times with
+  rsLoRA); an adapter whose ``B`` mixes gate and up is refused for this form, by name.
+
+An adapter may be written zero-padded to a larger rank (extra ``A`` rows and ``B`` columns zero,
+the same scaling) so that PEFT needs no ``rank_pattern`` key that matches parameters only
+(:func:`fnppo.io.hf.peft_rules.write_patterns`); fnppo's file records the true rank.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
 from fnppo.core.errors import input_error
 from fnppo.core.typing import Tensor
 
-__all__ = ["PARAMS", "expert_targets", "to_peft_experts", "from_peft_experts", "pattern_of"]
+__all__ = ["PARAMS", "param_key", "tensor_key", "to_peft_expert", "from_peft_expert", "EXPERT_NAME"]
 
-PREFIX = "base_model.model.model.layers."
+PREFIX = "base_model.model."
 #: fnppo's expert projection -> PEFT's fused parameter
 PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
-_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(?:local_experts\.(\d+)\.)?(linear_fc[12])\.lora_([AB])$")
+#: a full (1-rank) expert adapter name: layer, expert (None: shared), projection, A or B
+EXPERT_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.experts\.(?:local_experts\.(\d+)\.)?(linear_fc[12])\.lora_([AB])$"
+)
 
 
-def expert_targets(names: Any) -> list[str]:
-    """The PEFT ``target_parameters`` of full adapter names (sorted, as PEFT writes them)."""
-    found = {PARAMS[m.group(3)] for n in names if (m := _NAME.match(n))}
-    return sorted(found)
+def param_key(layer: int, param: str) -> str:
+    """PEFT's name of a layer's fused expert parameter (``model.layers.1.mlp.experts.gate_up_proj``)."""
+    return f"model.layers.{layer}.mlp.experts.{param}"
 
 
-def _key(layer: int, param: str, targeted: list[str], ab: str) -> str:
-    inner = ".base_layer" if param == "gate_up_proj" and len(targeted) == 2 else ""
-    return f"{PREFIX}{layer}.mlp.experts{inner}.lora_{ab}.weight"
+def tensor_key(layer: int, param: str, both: bool, ab: str) -> str:
+    """PEFT's tensor of the ``A`` or ``B`` of ``param``'s adapter in ``layer`` (``both``: both of the
+    layer's fused parameters adapted: ``gate_up_proj``'s wrapper is the inner one, ``base_layer``)."""
+    inner = ".base_layer" if param == "gate_up_proj" and both else ""
+    return f"{PREFIX}model.layers.{layer}.mlp.experts{inner}.lora_{ab}.weight"
 
 
-def pattern_of(cfg: dict[str, Any], key: str, param: str, default: float) -> float:
-    """The ``rank_pattern`` / ``alpha_pattern`` value (``key``) for ``param``, else ``default``."""
-    for pat, value in (cfg.get(key) or {}).items():
-        if pat.endswith(param) or pat.endswith(re.escape(param)):
-            return value
-    return default
+def to_peft_expert(a_s: list[Tensor], b_s: list[Tensor], rank: int, padded: int) -> tuple[Tensor, Tensor]:
+    """PEFT's ``(lora_A, lora_B)`` of one layer's projection from fnppo's per-expert ``A`` ``[parts *
+    rank, in]`` and ``B`` ``[out, rank]`` (``parts`` 2: a split gated fc1, written block-diagonally),
+    zero-padded to rank ``padded`` (``>= parts * rank``)."""
+    experts, parts = len(a_s), a_s[0].shape[0] // rank
+    out_rows, rows = b_s[0].shape[0], b_s[0].shape[0] // parts
+    a = torch.zeros(experts, padded, a_s[0].shape[1], dtype=a_s[0].dtype)
+    b = torch.zeros(out_rows, padded, experts, dtype=b_s[0].dtype)
+    for e in range(experts):
+        a[e, : parts * rank] = a_s[e]
+        for p in range(parts):
+            b[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank, e] = b_s[e][p * rows : (p + 1) * rows]
+    return a.reshape(experts * padded, -1).contiguous(), b.reshape(out_rows, padded * experts).contiguous()
 
 
-def _per_expert(full: dict[str, Tensor], experts: int) -> dict[tuple[int, str, str], list[Tensor]]:
-    """``(layer, projection, A/B)`` -> the ``experts`` per-expert tensors (a shared adapter repeated)."""
-    out: dict[tuple[int, str, str], list[Tensor | None]] = {}
-    for name, t in full.items():
-        m = _NAME.match(name)
-        if not m:
-            continue
-        layer, e, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        slots = out.setdefault((layer, proj, ab), [None] * experts)
-        for j in range(experts) if e is None else (int(e),):
-            slots[j] = t
-    return out  # type: ignore[return-value]
-
-
-def to_peft_experts(full: dict[str, Tensor], experts: int, rank: int) -> dict[str, Tensor]:
-    """PEFT's ``target_parameters`` tensors of fnppo's full expert adapters (``full``: full names of
-    :func:`fnppo.megatron.weights.gather_full_weights` with ``adapters=True``)."""
-    targeted = expert_targets(full)
-    stacks = _per_expert(full, experts)
-    out: dict[str, Tensor] = {}
-    for (layer, proj, ab), ts in sorted(stacks.items()):
-        if ab == "B":
-            continue
-        a_s, b_s = ts, stacks[(layer, proj, "B")]
-        parts = a_s[0].shape[0] // rank
-        big = parts * rank
-        rows = b_s[0].shape[0] // parts
-        b = torch.zeros(b_s[0].shape[0], big, experts)
-        for e in range(experts):
-            for p in range(parts):
-                b[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank, e] = b_s[e][p * rows : (p + 1) * rows]
-        param = PARAMS[proj]
-        out[_key(layer, param, targeted, "A")] = torch.cat(a_s, dim=0).contiguous()
-        out[_key(layer, param, targeted, "B")] = b.reshape(b.shape[0], big * experts).contiguous()
-    return out
-
-
-def from_peft_experts(
+def from_peft_expert(
     fn: str,
-    cfg: dict[str, Any],
-    peft: dict[str, Tensor],
-    wanted: dict[str, tuple[int, ...]],
+    keys: tuple[str, str],
+    tensors: tuple[Tensor, Tensor],
     experts: int,
-    rank: int,
-    scaling: float,
-    *,
-    strict: bool = True,
-) -> tuple[dict[str, Tensor], set[str]]:
-    """fnppo's full expert adapters (the names and full shapes in ``wanted``) from PEFT's tensors, and
-    the PEFT keys used. A shared adapter (no expert index) takes PEFT's only if all experts' are equal.
-
-    ``strict``: a fused parameter named in ``target_parameters`` must have its tensors in every MoE
-    layer of the model.
+    shapes: tuple[tuple[int, int], tuple[int, int]],
+    parts: int,
+    stored: int,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """fnppo's per-expert ``A`` ``[parts * r, in]`` and ``B`` ``[out, r]`` (``shapes``: their shapes)
+    of PEFT's rank-``stored`` ``lora_A`` / ``lora_B`` (``keys``: their names).
 
     Raises:
-        InputError: a targeted parameter's tensors missing from a layer (``strict``), a ``rank_pattern`` other than ``parts * r`` for a fused parameter, a ``gate_up_proj``
-            ``B`` that mixes gate and up, a shared adapter from differing per-expert adapters, tensors
-            of other shapes.
+        InputError: tensors of other shapes; components beyond ``parts * r`` that are not zero (a
+            file written zero-padded); a ``B`` that mixes the parts (``parts`` 2: gate and up).
     """
-    targeted = sorted(cfg.get("target_parameters") or [])
-    out: dict[str, Tensor] = {}
-    used: set[str] = set()
-    cache: dict[tuple[int, str], tuple[list[Tensor], list[Tensor]] | None] = {}
-    for name, shape in wanted.items():
-        m = _NAME.match(name)
-        if not m:
-            continue
-        layer, e, proj, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        key = (layer, proj)
-        if key not in cache:
-            cache[key] = _read(fn, cfg, peft, targeted, layer, proj, experts, rank, scaling, wanted, used)
-            if cache[key] is None and strict and PARAMS[proj] in targeted:
-                missing = _key(layer, PARAMS[proj], targeted, ab)
-                raise input_error(
-                    fn, "path", f"the tensor {missing} (target_parameters names {PARAMS[proj]!r})", "none"
-                )
-        pair = cache[key]
-        if pair is None:
-            continue
-        ts = pair[0] if ab == "A" else pair[1]
-        if e is None:
-            if any(not torch.equal(t, ts[0]) for t in ts[1:]):
-                raise input_error(
-                    fn,
-                    "path",
-                    "per-expert adapters that are all equal for LoRAConfig(expert_layout='shared')",
-                    f"different adapters of the experts of layer {layer} ({PARAMS[proj]})",
-                )
-            out[name] = ts[0]
-        else:
-            out[name] = ts[int(e)]
-        if tuple(out[name].shape) != tuple(shape):
-            raise input_error(fn, "path", f"{name} of shape {tuple(shape)}", f"shape {tuple(out[name].shape)}")
-    return out, used
-
-
-def _read(
-    fn: str,
-    cfg: dict[str, Any],
-    peft: dict[str, Tensor],
-    targeted: list[str],
-    layer: int,
-    proj: str,
-    experts: int,
-    rank: int,
-    scaling: float,
-    wanted: dict[str, tuple[int, ...]],
-    used: set[str],
-) -> tuple[list[Tensor], list[Tensor]] | None:
-    """Per-expert fnppo ``A`` and ``B`` of one layer's projection, or None where PEFT has none."""
-    param = PARAMS[proj]
-    if param not in targeted:
-        return None
-    ka, kb = _key(layer, param, targeted, "A"), _key(layer, param, targeted, "B")
-    if (ka in peft) != (kb in peft):
-        raise input_error(fn, "path", f"both {ka} and {kb}", f"only {ka if ka in peft else kb}")
-    if ka not in peft:
-        return None
-    probe = next(s for n, s in wanted.items() if re.search(rf"\.{layer}\.mlp\.experts\..*{proj}\.lora_A$", n))
-    parts = probe[0] // rank
-    big = int(pattern_of(cfg, "rank_pattern", param, cfg["r"]))
-    alpha = float(pattern_of(cfg, "alpha_pattern", param, cfg["lora_alpha"]))
-    if big != parts * rank:
+    (ka, kb), (a, b) = keys, tensors
+    (a_rows, inputs), (outputs, rank) = shapes
+    for key, got, want in ((ka, a, (experts * stored, inputs)), (kb, b, (outputs, stored * experts))):
+        if tuple(got.shape) != want:
+            raise input_error(
+                fn,
+                f"PEFT tensor {key}",
+                f"shape {want} (the model's: {experts} experts x rank {stored}, as the config's rank_pattern gives it)",
+                str(tuple(got.shape)),
+            )
+    true = parts * rank
+    av, bv = a.float().view(experts, stored, inputs), b.float().view(outputs, stored, experts)
+    if bool(av[:, true:].ne(0).any()) or bool(bv[:, true:].ne(0).any()):
         raise input_error(
             fn,
-            f"adapter_config.json['rank_pattern'] for {param}",
-            f"{parts * rank} ({parts} x the model's rank {rank}: one rank-{rank} adapter per fused projection)",
-            repr(big),
+            f"PEFT tensors {ka} / {kb}",
+            f"zeros beyond rank {true} (the file's record of the true rank)",
+            "non-zeros",
         )
-    a, b = peft[ka].float(), peft[kb].float()
-    if a.shape[0] != experts * big or b.shape[1] != experts * big:
-        raise input_error(
-            fn, f"PEFT tensor {ka}", f"{experts * big} rows ({experts} experts x rank {big})", str(tuple(a.shape))
-        )
-    inputs, outputs = (
-        probe[1],
-        next(s for n, s in wanted.items() if re.search(rf"\.{layer}\.mlp\.experts\..*{proj}\.lora_B$", n))[0],
-    )
-    for key, got, shape in ((ka, a, (experts * big, inputs)), (kb, b, (outputs, experts * big))):
-        if tuple(got.shape) != shape:
-            raise input_error(fn, f"PEFT tensor {key}", f"shape {shape} (the model's)", str(tuple(got.shape)))
-    used.update((ka, kb))
-    rows = b.shape[0] // parts
-    bs = b.view(b.shape[0], big, experts)
-    factor = (alpha / big) / scaling
+    rows = outputs // parts
+    mask = torch.zeros(outputs, true, dtype=torch.bool)
+    for p in range(parts):
+        mask[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank] = True
     a_out, b_out = [], []
     for e in range(experts):
-        be = bs[:, :, e]
-        mask = torch.zeros_like(be, dtype=torch.bool)
-        for p in range(parts):
-            mask[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank] = True
+        be = bv[:, :true, e]
         if bool(be.masked_select(~mask).ne(0).any()):
             raise input_error(
                 fn,
                 f"PEFT tensor {kb}",
-                f"a block-diagonal B over the {parts} fused projections (one rank-{rank} adapter each, "
-                "as PEFT converts per-projection expert adapters)",
+                f"a block-diagonal B over the {parts} fused projections (LoRAConfig(expert_gate_up='split'): one "
+                f"rank-{rank} adapter each; an adapter trained on the fused parameter loads with expert_gate_up='fused')",
                 f"non-zero gate/up cross terms in expert {e}",
             )
-        b_out.append(
-            torch.cat([be[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank] for p in range(parts)]) * factor
-        )
-        a_out.append(a[e * big : (e + 1) * big])
+        b_out.append(torch.cat([be[p * rows : (p + 1) * rows, p * rank : (p + 1) * rank] for p in range(parts)]))
+        a_out.append(av[e, :true].clone())
     return a_out, b_out
