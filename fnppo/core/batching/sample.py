@@ -270,9 +270,9 @@ class Sample:
                 t = torch.as_tensor(v)
             except (TypeError, ValueError, RuntimeError):
                 return v
-            if not _is_integer(t):
+            if not _is_integer(t) and t.numel():
                 return t
-            t = t.to(torch.int64)
+            t = t.to(torch.int64)  # (an empty list is float32 to torch)
             return t.expand(r.shape[0]).clone() if t.ndim == 0 else t
 
         return cls(
