@@ -14,12 +14,17 @@ import pytest
 import torch
 
 import fnppo
+from fnppo.batching import pad_microbatch, unpack_per_sample
 from fnppo.core.batching.context_parallel import shard_microbatch, shard_tokens, unshard_tokens
 from fnppo.core.losses import LossConfig, Staleness, loglinear_decoupled, ppo_loss
 from fnppo.core.metrics import finalize_metrics
-from fnppo.batching import pad_microbatch, unpack_per_sample
-from tests.loss_helpers import float64_default  # noqa: F401 - float64 default dtype for this module
-from tests.loss_helpers import grad_of, leaf, random_batch, unchanged_check
+from tests.loss_helpers import (
+    float64_default,  # noqa: F401 - float64 default dtype for this module
+    grad_of,
+    leaf,
+    random_batch,
+    unchanged_check,
+)
 from tests.messages import raises_message
 
 EXACT = {"rtol": 1e-12, "atol": 1e-12}
