@@ -111,6 +111,10 @@ class PolicyLoss(Protocol):
             return -x.advantages * x.logprobs, {}
         my_reinforce.uses_ratio = False
         config = LossConfig(policy=my_reinforce)
+
+    Optional attribute ``uses_staleness: bool`` (default False when absent): whether the loss's
+    formula depends on each token's age (``x.staleness``, partial rollouts); ``train_step`` then
+    refuses samples that carry per-token versions but no ages (``Staleness.prepare`` gives them).
     """
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]: ...
