@@ -15,7 +15,8 @@ runs already there, ``--report`` only reads the file): the final reward (mean of
 first step at which the 5-step mean reaches 0.9, the mean behaviour/current KL per token (k3) and the
 mean token age over the run (``offpolicy/token_staleness_mean``; K for the per-sample run after its first
 K steps). The markdown table (``--markdown``) has one row per K: both modes' mean and minimum final
-reward, their difference and whether it is within ``--target`` (0.02).
+reward, their difference and whether it is within ``--target`` (0.02), the mean step at which the
+5-step mean reached 0.9, the mean token age and the mean KL.
 
     python benchmarks/partial_rollouts.py --staleness 2 4 --seeds 0-2 --jobs 2     # the table of docs/async.md
     python benchmarks/partial_rollouts.py --staleness 2 --seeds 0 --steps 10       # a tiny grid
@@ -49,38 +50,41 @@ def run_mode(mode: str, k: int, seed: int, threads: int, steps: int, out_root: P
     return {**row, "mode": mode, "token_age": sum(ages) / len(ages) if ages else 0.0}
 
 
+def _summary(runs: list[dict]) -> dict[str, str]:
+    """The cells of one mode over its runs: final reward mean (min), steps to 0.9, token age, KL."""
+    finals = [r["final"] for r in runs]
+    reached = [r["reach"] for r in runs if r["reach"] is not None]
+    never = len(runs) - len(reached)
+    kls = [r["kl"] for r in runs if r["kl"] is not None]
+    return {
+        "final": f"{sum(finals) / len(finals):.3f} ({min(finals):.3f})",
+        "reach": (f"{sum(reached) / len(reached):.0f}" if reached else "-") + (f" ({never} never)" if never else ""),
+        "age": f"{sum(r['token_age'] for r in runs) / len(runs):.2f}",
+        "kl": f"{sum(kls) / len(kls):.2e}" if kls else "-",
+    }
+
+
 def table(rows: list[dict], ks: list[int], target: float) -> str:
-    """Markdown: one row per K, both modes side by side over their seeds."""
+    """Markdown: one row per K, both modes side by side over the seeds both have."""
     lines = [
         "| K | seeds | per-sample final reward, mean (min) | partial final reward, mean (min) | partial - per-sample "
-        f"| within {target:g} | mean token age: per-sample, partial | KL(behaviour, current): per-sample, partial |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| within {target:g} | steps to 0.9, mean: per-sample, partial | mean token age: per-sample, partial "
+        "| KL(behaviour, current): per-sample, partial |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for k in ks:
-        group = {
-            m: sorted((r for r in rows if r["staleness"] == k and r["mode"] == m), key=lambda r: r["seed"])
-            for m in MODES
-        }
-        seeds = sorted({r["seed"] for r in group["per-sample"]} & {r["seed"] for r in group["partial"]})
+        runs = {m: [r for r in rows if r["staleness"] == k and r["mode"] == m] for m in MODES}
+        seeds = sorted({r["seed"] for r in runs["per-sample"]} & {r["seed"] for r in runs["partial"]})
         if not seeds:
             continue
-        cells, mean = {}, {}
-        for m in MODES:
-            runs = [r for r in group[m] if r["seed"] in seeds]
-            finals = [r["final"] for r in runs]
-            mean[m] = sum(finals) / len(finals)
-            age = sum(r["token_age"] for r in runs) / len(runs)
-            kls = [r["kl"] for r in runs if r["kl"] is not None]
-            cells[m] = (
-                f"{mean[m]:.3f} ({min(finals):.3f})",
-                f"{age:.2f}",
-                f"{sum(kls) / len(kls):.2e}" if kls else "-",
-            )
+        runs = {m: [r for r in group if r["seed"] in seeds] for m, group in runs.items()}
+        mean = {m: sum(r["final"] for r in group) / len(group) for m, group in runs.items()}
+        a, b = _summary(runs["per-sample"]), _summary(runs["partial"])
         diff = mean["partial"] - mean["per-sample"]
         lines.append(
-            f"| {k} | {', '.join(map(str, seeds))} | {cells['per-sample'][0]} | {cells['partial'][0]} | {diff:+.3f} "
-            f"| {'yes' if abs(diff) <= target else 'no'} | {cells['per-sample'][1]}, {cells['partial'][1]} "
-            f"| {cells['per-sample'][2]}, {cells['partial'][2]} |"
+            f"| {k} | {', '.join(map(str, seeds))} | {a['final']} | {b['final']} | {diff:+.3f} "
+            f"| {'yes' if abs(diff) <= target else 'no'} | {a['reach']}, {b['reach']} | {a['age']}, {b['age']} "
+            f"| {a['kl']}, {b['kl']} |"
         )
     return "\n".join(lines) + "\n"
 

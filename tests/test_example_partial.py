@@ -17,6 +17,9 @@ from toy.errors import ArgumentError  # noqa: E402
 from toy.partial import version_schedule  # noqa: E402
 from toy.task import RESPONSE_LEN  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from partial_rollouts import table  # noqa: E402
+
 
 def test_version_schedule_starts_with_the_oldest_weights_and_only_moves_on():
     index = version_schedule(0, 7, 512, 5)
@@ -80,3 +83,28 @@ def test_partial_rollouts_train_each_token_at_its_own_age(tmp_path):
     )
     per_sample = _rows(tmp_path / "per-sample" / "metrics.jsonl")
     assert 0.0 < rows[1]["offpolicy/kl_behaviour_k3"] < 0.8 * per_sample[1]["offpolicy/kl_behaviour_k3"]
+
+
+def test_benchmark_table_compares_the_modes_over_the_seeds_both_have():
+    def row(mode, k, seed, final, reach, age, kl):
+        return {"mode": mode, "staleness": k, "seed": seed, "final": final, "reach": reach, "token_age": age, "kl": kl}
+
+    rows = [
+        row("per-sample", 2, 0, 0.90, 50, 2.0, 0.1),
+        row("per-sample", 2, 1, 0.94, None, 2.0, 0.3),
+        row("partial", 2, 0, 0.93, 40, 1.0, 0.05),
+        row("partial", 2, 1, 0.96, 44, 1.5, 0.05),
+        row("partial", 2, 2, 0.10, None, 1.0, 0.05),  # no per-sample run of seed 2: left out
+        row("per-sample", 4, 0, 0.97, 60, 4.0, 0.2),
+        row("partial", 4, 0, 0.98, 30, 3.0, 0.1),
+    ]
+    lines = table(rows, [2, 4, 8], 0.02).splitlines()
+    assert len(lines) == 4  # header, separator, K = 2 and 4 (no run of K = 8)
+    assert (
+        lines[2]
+        == "| 2 | 0, 1 | 0.920 (0.900) | 0.945 (0.930) | +0.025 | no | 50 (1 never), 42 | 2.00, 1.25 | 2.00e-01, 5.00e-02 |"
+    )
+    assert (
+        lines[3]
+        == "| 4 | 0 | 0.970 (0.970) | 0.980 (0.980) | +0.010 | yes | 60, 30 | 4.00, 3.00 | 2.00e-01, 1.00e-01 |"
+    )
