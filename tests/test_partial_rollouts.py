@@ -200,7 +200,7 @@ def test_loglinear_decoupled_with_per_token_ages_matches_float64_loop():
         seen.add(k)
         alpha = (k - 1) / k if k > 1 else 0.0
         a, behav = float(adv[p]), float(rollout[p])
-        prox = behav + alpha * (float(lp64[p]) - behav)
+        prox = behav + alpha * (float(lp64[p].detach()) - behav)
         w = min(math.exp(prox - behav), 1.05)
         r = torch.exp(lp64[p] - prox)
         pg = torch.maximum(-a * r, -a * torch.clamp(r, 0.8, 1.2))
