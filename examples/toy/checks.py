@@ -159,6 +159,11 @@ def _check_meaningful(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--tis-cap: --policy-loss {args.policy_loss} takes no cap ({row.help}{why})")
     if args.staleness < 0:
         raise ArgumentError(f"--staleness must be >= 0, got {args.staleness}")
+    if args.partial_rollouts and args.staleness < 1:
+        raise ArgumentError(
+            "--partial-rollouts continues responses across weight updates: it needs --staleness K >= 1 "
+            f"(the oldest weights a response starts with), got --staleness {args.staleness}"
+        )
     if args.sampler_dtype == "bf16" and args.dtype == "bf16":
         raise ArgumentError("--sampler-dtype bf16: the trainer already runs in bf16 (--dtype bf16); nothing differs")
     if args.batch_invariant and (args.staleness or args.sampler_dtype != "same"):

@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"--policy-loss defaults to {STALE_POLICY_LOSS}",
     )
     p.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        help="with --staleness K: responses continued across weight updates; each response's first token is "
+        "sampled by the weights K updates old and, before each later token, the sampler moves on to the next "
+        "newer weights with probability 1/2 (never past the current ones); the samples carry each token's "
+        "version, fnppo.losses.Staleness.prepare gives each token its age, and --policy-loss decoupled "
+        "reads it per token",
+    )
+    p.add_argument(
         "--sampler-dtype",
         choices=["same", "bf16"],
         default="same",

@@ -17,6 +17,7 @@ from toy.cli import resume_command
 from toy.collectives import agreed_lock, agreed_run_dir, agreed_sinks
 from toy.errors import ArgumentError, Interrupted
 from toy.model import build, critic_config, kl_controller, seed_everything, set_lr, step_config
+from toy.partial import token_metrics
 from toy.plot import write_plot
 from toy.profiling import profiled
 from toy.progress import make_progress, open_logging
@@ -110,6 +111,10 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
     if engine is not None:
         engine, _ = sync(engine, state.model, args.sync, start_step, out_dir, layout)
     sync_total = {"sync/bytes": 0.0, "sync/seconds": 0.0}
+    # --partial-rollouts: the tokens' ages for the version being trained (the step count), checked
+    contract = fnppo.losses.Staleness(
+        max_staleness=args.staleness, proximal="behaviour" if cfg.loss.bypass_old_logprobs else "old"
+    )
     while step < args.steps:
         t_step = time.perf_counter()
         if args.exit_after is not None and step - start_step >= args.exit_after:
@@ -121,6 +126,8 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
         with profiled(profiling, args, out_dir, device, rank0) as phase:
             with phase("rollout"):
                 behaviour = policies[0] if args.staleness else None  # K updates old (fewer in the first K steps)
+                # the versions of the snapshots: the oldest is step + 1 - len(policies) (the current one is step)
+                partial = (policies, step + 1 - len(policies)) if args.partial_rollouts else None
                 samples, mean_reward, offpolicy = rollout(
                     state,
                     ref_params,
@@ -132,7 +139,11 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
                     phase=phase,
                     behaviour=behaviour,
                     sampler=None if engine is None else engine.model,
+                    versions=partial,
                 )
+                if partial is not None:
+                    samples, _ = contract.prepare(samples, current_version=step)
+                    offpolicy.update(token_metrics(samples, layout, device))
             set_lr(state.optimizer, learning_rate(args, step, policy_lr(args)))
             step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
             with phase("train_step"):

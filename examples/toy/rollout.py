@@ -11,11 +11,24 @@ import torch.distributed as dist
 
 import fnppo
 from toy.model import critic_config, step_config
+from toy.partial import version_schedule
 from toy.sampling import sample_responses
 from toy.task import RESPONSE_LEN, make_prompts, reward, token_rewards
 
 
-def rollout(state, ref_params, args, layout, device, step: int, critic=None, phase=None, behaviour=None, sampler=None):
+def rollout(
+    state,
+    ref_params,
+    args,
+    layout,
+    device,
+    step: int,
+    critic=None,
+    phase=None,
+    behaviour=None,
+    sampler=None,
+    versions=None,
+):
     """Prompts -> responses -> rewards -> advantages -> old/ref log-probs: this DP rank's samples.
 
     With a ``critic`` (``--algo ppo``): per-token rewards, the critic's values (``compute_values``)
@@ -23,6 +36,9 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     ``phase``: optional ``phase(name)`` context factory timing the parts (``--profile-step``).
     ``behaviour``: the sampler's weights (``--staleness``: an older snapshot), None: the current ones.
     ``sampler``: the model that samples (``--sync``: the engine's, with the weights streamed to it).
+    ``versions``: ``--partial-rollouts``: the weights of consecutive versions, oldest first, and the
+    version of the first (``(weights, first_version)``); every response is continued across them
+    (:func:`toy.partial.version_schedule`) and the samples carry each token's version.
 
     Returns this rank's samples, the global mean reward and the off-policy metrics of the batch
     (:func:`offpolicy_metrics`).
@@ -35,6 +51,12 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
     per = n_prompts * args.group_size
     uniforms = uniforms[layout.dp_rank * per : (layout.dp_rank + 1) * per]
     phase = phase or (lambda name: contextlib.nullcontext())
+    schedule, token_versions = None, None
+    if versions is not None:
+        weights, first_version = versions
+        index = version_schedule(args.seed, step, args.prompts * args.group_size, len(weights))
+        index = index[layout.dp_rank * per : (layout.dp_rank + 1) * per]
+        schedule, token_versions = (weights, index), first_version + index
     with phase("sampling"):
         responses, rollout_lp = sample_responses(
             state.model if sampler is None else sampler,
@@ -46,10 +68,13 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
             invariant=args.batch_invariant,
             params=behaviour,
             bf16=args.sampler_dtype == "bf16",
+            schedule=schedule,
         )
     rewards = torch.tensor([reward(p, r) for p, r in zip(prompts, responses, strict=True)])
     if critic is not None:
         samples = ppo_samples(critic, prompts, responses, rollout_lp, args)
+        if token_versions is not None:
+            samples = [dataclasses.replace(s, versions=v) for s, v in zip(samples, token_versions, strict=True)]
     else:
         grouped = rewards.view(-1, args.group_size)
         if args.advantage == "rloo":
@@ -62,6 +87,7 @@ def rollout(state, ref_params, args, layout, device, step: int, critic=None, pha
                 response_ids=responses[i],
                 advantages=torch.full((RESPONSE_LEN,), float(adv[i])),
                 rollout_logprobs=rollout_lp[i],
+                versions=None if token_versions is None else token_versions[i],
             )
             for i in range(prompts.shape[0])
         ]

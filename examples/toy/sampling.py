@@ -24,6 +24,7 @@ def sample_responses(
     invariant: bool = False,
     params=None,
     bf16: bool = False,
+    schedule=None,
 ):
     """Autoregressive sampling by inverse CDF with given uniforms ``[n, RESPONSE_LEN]``.
 
@@ -34,15 +35,46 @@ def sample_responses(
     ``compute_logprobs``. ``params`` (one dict per model chunk, e.g. ``fnppo.models.snapshot_params``
     of an older policy): sample with these weights instead of the chunks' own (``--staleness``).
     ``bf16``: the forward runs under bf16 autocast, an inference engine's other numerics
-    (``--sampler-dtype bf16``).
+    (``--sampler-dtype bf16``). ``schedule``: ``(weights, index)`` for partial rollouts
+    (``--partial-rollouts``): token ``t`` of response ``i`` is sampled with ``weights[index[i, t]]``
+    (one list of per-chunk dicts per version; ``params`` is then unused).
     """
     n = prompts.shape[0]
     seqs = prompts.clone()
     logps = torch.zeros(n, RESPONSE_LEN)
     for t in range(RESPONSE_LEN):
-        samples = [fnppo.Sample(prompt_ids=seqs[i], response_ids=seqs.new_zeros(0)) for i in range(n)]
-        mb = fnppo.collate_microbatch(samples, layout="padded", pad_to_multiple_of=1)
-        mb = to_device(mb, device)
+        logits = next_token_logits(
+            chunks, seqs, t, layout=layout, device=device, params=params, bf16=bf16, schedule=schedule
+        )
+        pick = torch.zeros(2, n)
+        if logits is not None:
+            logp = torch.log_softmax(logits.cpu().double() / temperature, dim=-1)
+            cdf = logp.exp().cumsum(-1)
+            tok = (cdf < uniforms[:, t : t + 1].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1)
+            pick[0] = tok.float()
+            pick[1] = logp.gather(1, tok[:, None]).squeeze(1).float()
+            if invariant:  # the inference engine's log-probs computed as the trainer computes them
+                pick[1] = invariant_logprobs(logits, tok, temperature, layout).cpu()
+        pick = from_last_stage(pick, layout, device)
+        seqs = torch.cat([seqs, pick[0].long()[:, None]], dim=1)
+        logps[:, t] = pick[1]
+    return seqs[:, PROMPT_LEN:], logps
+
+
+def next_token_logits(chunks, seqs, t: int, *, layout, device, params, bf16: bool, schedule):
+    """The logits ``[n, VOCAB]`` of the token after ``seqs`` (None off the last pipeline stage): one
+    forward with ``params``, or with a ``schedule`` one forward per version that samples token ``t``
+    of some response, over those responses only."""
+    if schedule is None:
+        groups = [(params, None)]
+    else:
+        weights, index = schedule
+        groups = [(weights[j], (index[:, t] == j).nonzero().squeeze(1)) for j in index[:, t].unique().tolist()]
+    full = None
+    for weights_j, rows in groups:
+        part = seqs if rows is None else seqs[rows]
+        samples = [fnppo.Sample(prompt_ids=part[i], response_ids=part.new_zeros(0)) for i in range(part.shape[0])]
+        mb = to_device(fnppo.collate_microbatch(samples, layout="padded", pad_to_multiple_of=1), device)
 
         def last_logits(logits, mb):
             return gather_vocab(logits[:, -1, :].float(), layout)[:, :VOCAB]
@@ -50,20 +82,15 @@ def sample_responses(
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), warnings.catch_warnings():
             # bf16 activations meet the fp32 norm weights: torch's unfused layer norm, as intended here
             warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-            out = fnppo.forward_only(chunks, [mb], last_logits, params=params)
-        pick = torch.zeros(2, n)
-        if out is not None:
-            logp = torch.log_softmax(out[0].cpu().double() / temperature, dim=-1)
-            cdf = logp.exp().cumsum(-1)
-            tok = (cdf < uniforms[:, t : t + 1].double() * cdf[:, -1:]).sum(-1).clamp_max(VOCAB - 1)
-            pick[0] = tok.float()
-            pick[1] = logp.gather(1, tok[:, None]).squeeze(1).float()
-            if invariant:  # the inference engine's log-probs computed as the trainer computes them
-                pick[1] = invariant_logprobs(out[0], tok, temperature, layout).cpu()
-        pick = from_last_stage(pick, layout, device)
-        seqs = torch.cat([seqs, pick[0].long()[:, None]], dim=1)
-        logps[:, t] = pick[1]
-    return seqs[:, PROMPT_LEN:], logps
+            out = fnppo.forward_only(chunks, [mb], last_logits, params=weights_j)
+        if out is None:
+            continue
+        if rows is None:
+            return out[0]
+        if full is None:
+            full = out[0].new_zeros(seqs.shape[0], out[0].shape[-1])
+        full = full.index_copy(0, rows.to(full.device), out[0])
+    return full
 
 
 def invariant_logprobs(logits, tokens, temperature: float, layout):

@@ -47,6 +47,7 @@ RUN_DEFINING = (
     "staleness",
     "sampler_dtype",
     "sync",
+    "partial_rollouts",
 )
 
 
@@ -69,6 +70,7 @@ SETTING_DEFAULTS = {
     "staleness": 0,
     "sampler_dtype": "same",
     "sync": "off",
+    "partial_rollouts": False,
 }  # what a checkpoint without the key was written with
 
 

@@ -160,7 +160,9 @@ class LossFn(Protocol):
     Default :func:`~fnppo.core.losses.ppo.ppo_loss`; ``metrics`` are ``[2]`` pairs (:mod:`fnppo.core.metrics`).
     In bypass mode (``config.bypass_old_logprobs``) ``old_logprobs`` are the rollout log-probs; the
     keyword ``tis_mean`` (the global mean TIS weight) is passed only when the rollout correction
-    normalizes its weights over the batch (``config.correction.batch_normalize``).
+    normalizes its weights over the batch (``config.correction.batch_normalize``), ``m2_cutoff`` only
+    with M2PO's mask, and ``staleness`` (each token's age, ``[batch, seq]``) only when the samples
+    carry per-token ages (partial rollouts, ``Staleness.prepare``).
     """
 
     def __call__(

@@ -272,6 +272,8 @@ def policy_forward_step(
             # the entropy is always computed: it is reported as a metric whatever its coefficient
             lp, ent = token_logprobs("train_step", logits, weight, mb, config, plan, True)
             old = mb.rollout_logprobs if loss_cfg.bypass_old_logprobs else mb.old_logprobs  # bypass mode
+            # partial rollouts: each token's age, only when the samples carry them (Staleness.prepare)
+            ages = {} if mb.staleness is None else {"staleness": mb.staleness}
             loss, metrics = fns.loss(
                 lp,
                 old,
@@ -284,6 +286,7 @@ def policy_forward_step(
                 normalizer=normalizer,
                 seq_ids=mb.seq_ids,
                 **extra,
+                **ages,
             )
             return loss * loss_scale, {"metrics": metrics, "onpolicy": onpolicy_gaps(lp, old, mb.loss_mask)}
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from fnppo.core.batching.sample import Microbatch, Sample
 from fnppo.core.batching.split import SplitPlan
+from fnppo.core.losses.token_staleness import check_ages_given
 from fnppo.core.metrics import finalize_metrics, merge_metrics, reduce_metrics
 from fnppo.megatron.grads import FinalizeNotCalledError
 from fnppo.megatron.moe import router_derived_metrics
@@ -232,7 +233,10 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             correction outside bypass mode: compute them with :func:`~fnppo.steps.infer.compute_logprobs`,
             or set ``bypass_old_logprobs=True``), no ``rollout_logprobs`` in bypass mode or with
             rollout correction, a ``config`` that is not a ``StepConfig``, routed experts that do
-            not fit the model (:func:`~fnppo.core.batching.checks.check_routed_experts`); under a virtual pipeline
+            not fit the model (:func:`~fnppo.core.batching.checks.check_routed_experts`); per-token
+            ``versions`` or ``staleness`` on some samples only, or samples with per-token versions but
+            no ages for a policy loss that depends on the age
+            (:func:`~fnppo.core.losses.token_staleness.check_ages_given`); under a virtual pipeline
             (``vpp``), a ``num_microbatches`` (default one) that is not a multiple of ``pp`` or the
             padded layout (:func:`~fnppo.steps.checks.check_interleaved`). Before the first update, on every rank: too
             few samples for the micro-batch count agreed over data parallelism. Inside the
@@ -262,6 +266,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
             loss=config.loss,
         )
         check_rollout_logprobs("train_step", samples, config.loss)
+        check_ages_given("train_step", samples, config.loss.policy)
         return plan
 
     plan = agree_on_refusal(entry, layout)

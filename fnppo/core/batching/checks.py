@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fnppo.core.batching.sample import ALL_OR_NONE, PER_TOKEN_FLOAT, Sample
+from fnppo.core.batching.sample import ALL_OR_NONE, PER_TOKEN_FLOAT, PER_TOKEN_INT, Sample
 from fnppo.core.errors import check_finite, check_mask01, check_range, describe, input_error
 from fnppo.core.typing import Tensor
 
@@ -54,7 +54,7 @@ def check_lengths(fn: str, samples: Sequence[Sample], limit: int, expected: str,
 
 
 def check_same_fields(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -> dict[str, bool]:
-    """``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` /
+    """``old_logprobs`` / ``ref_logprobs`` / ``rollout_logprobs`` / ``values`` / ``returns`` / ``versions`` / ``staleness`` /
     ``routed_experts`` are given for all samples or for none.
 
     Returns:
@@ -191,7 +191,7 @@ def check_devices(fn: str, samples: Sequence[Sample], *, arg: str = "samples") -
     """
     device = samples[0].prompt_ids.device
     for i, s in enumerate(samples):
-        for name in ("prompt_ids", "response_ids", *PER_TOKEN_FLOAT, "response_mask", "routed_experts"):
+        for name in ("prompt_ids", "response_ids", *PER_TOKEN_FLOAT, "response_mask", "routed_experts", *PER_TOKEN_INT):
             t = getattr(s, name)
             if t is not None and t.device != device:
                 raise input_error(

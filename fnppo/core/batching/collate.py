@@ -73,8 +73,8 @@ def collate_microbatch(
     Raises:
         InputError: empty ``samples``, unknown ``layout``, a sample longer than ``max_seq_len``,
             token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob,
-            advantage, value or return, old/ref/rollout log-probs, values or returns given for some
-            samples only, mismatched multi-modal items, samples on different devices, routed
+            advantage, value or return, old/ref/rollout log-probs, values, returns, per-token versions
+            or staleness given for some samples only, mismatched multi-modal items, samples on different devices, routed
             experts that are not one row per token (or one fewer) or hold invalid indices.
     """
     fn = "collate_microbatch"
@@ -197,6 +197,7 @@ def _collate_fields(
                 for s in samples
             ]
         )
+    out["staleness"] = place([s.staleness.to(f32) for s in samples]) if present["staleness"] else None
     return {k: (None if v is None else v.view(rows, width)) for k, v in out.items()}
 
 
@@ -346,6 +347,7 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         rollout_logprobs=pad(mb.rollout_logprobs, 0.0),
         values=pad(mb.values, 0.0),
         returns=pad(mb.returns, 0.0),
+        staleness=pad(mb.staleness, 0.0),
         seq_ids=pad(mb.seq_ids, -1),
         attention_mask=pad(mb.attention_mask, False),
     )

@@ -78,6 +78,7 @@ _PER_TOKEN = (
     "values",
     "returns",
     "routed_experts",
+    "staleness",
 )
 
 

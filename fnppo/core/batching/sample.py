@@ -10,8 +10,8 @@ registered with optree, so ``optree.tree_map`` walks into them. :func:`padding_m
 Alignment (both layouts). Position ``t`` holds the input token ``input_ids[b, t]`` and predicts
 ``labels[b, t] = input_ids[b, t + 1]`` of the same sample (0 where there is none). Response token
 ``j`` of a sample with prompt length ``P`` is the label at position ``P - 1 + j``; ``loss_mask``,
-``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs``, ``values`` and ``returns``
-carry that token's value at that position and 0 everywhere else. ``position_ids`` restart at 0 for
+``old_logprobs``, ``advantages``, ``ref_logprobs``, ``rollout_logprobs``, ``values``, ``returns`` and
+``staleness`` carry that token's value at that position and 0 everywhere else. ``position_ids`` restart at 0 for
 every sample and are 0 on padding; ``seq_ids`` is the sample's index within the micro-batch, -1 on
 padding.
 
@@ -31,7 +31,16 @@ from optree.registry import __GLOBAL_NAMESPACE as _OPTREE_GLOBAL  # noqa: PLC270
 from fnppo.core.errors import check_positive_int, describe, input_error
 from fnppo.core.typing import Bool, Float, Int, Int32, Integer, Shaped, Tensor
 
-__all__ = ["Sample", "Microbatch", "padding_multiple", "LAYOUTS", "PER_TOKEN_FLOAT", "ALL_OR_NONE", "round_up"]
+__all__ = [
+    "Sample",
+    "Microbatch",
+    "padding_multiple",
+    "LAYOUTS",
+    "PER_TOKEN_FLOAT",
+    "PER_TOKEN_INT",
+    "ALL_OR_NONE",
+    "round_up",
+]
 
 
 LAYOUTS = ("packed", "padded")
@@ -78,7 +87,9 @@ def _register(cls: type[_C], leaves: tuple[str, ...], static: tuple[str, ...]) -
 # ---------------------------------------------------------------------------------------------
 PER_TOKEN_FLOAT = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns")
 """The optional floating per-response-token fields of a :class:`Sample`."""
-ALL_OR_NONE = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns")
+PER_TOKEN_INT = ("versions", "staleness")
+"""The optional integer per-response-token fields of a :class:`Sample` (partial rollouts)."""
+ALL_OR_NONE = ("old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns", *PER_TOKEN_INT)
 """Optional per-token fields that one micro-batch holds for every sample or for none."""
 
 
@@ -117,7 +128,15 @@ class Sample:
       items may carry the rows of the sequence the model runs, where an item takes several
       positions (an image placeholder expanded by :class:`fnppo.megatron.vlm_collate.VLMCollate`, which checks the
       exact count): construction then asks for at least ``len(sample) - 1`` rows, and
-      :func:`~fnppo.core.batching.collate.collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates.
+      :func:`~fnppo.core.batching.collate.collate_microbatch` for ``len`` or ``len - 1`` rows of the sequence it collates;
+    * ``versions``: ``Integer[Tensor, "r"]`` or None: the policy version that sampled each response
+      token (partial rollouts: a response generated across weight updates carries several; e.g. the
+      optimizer step the engine's weights were taken at), integers ``>= 0``;
+    * ``staleness``: ``Integer[Tensor, "r"]`` or None: each response token's age in versions,
+      ``current_version - versions[j] >= 0``, as :meth:`fnppo.losses.Staleness.prepare` computes it
+      from ``versions`` for the version being trained; the losses whose formula depends on the age
+      (``loglinear_decoupled``) read it per token. Like ``ref_logprobs``, each of the two is given for
+      all samples of a batch or for none.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen where samples enter a computation: :func:`~fnppo.core.batching.collate.collate_microbatch`, and the training step's
@@ -136,6 +155,8 @@ class Sample:
     values: Float[Tensor, " r"] | None = None
     returns: Float[Tensor, " r"] | None = None
     routed_experts: Integer[Tensor, "tokens layers topk"] | None = None
+    versions: Integer[Tensor, " r"] | None = None
+    staleness: Integer[Tensor, " r"] | None = None
 
     def __post_init__(self) -> None:
         fn = "Sample"
@@ -165,6 +186,8 @@ class Sample:
                 raise input_error(fn, f"multi_modal[{key!r}]", "a tensor with dim 0 indexing items", _describe_any(t))
         object.__setattr__(self, "multi_modal", dict(self.multi_modal))
         self._check_routed_experts(fn)
+        for name in PER_TOKEN_INT:
+            _check_token_counts(fn, name, getattr(self, name), r)
 
     def _check_routed_experts(self, fn: str) -> None:
         """``routed_experts``: None or an integer ``[tokens, layers, topk]`` with ``len`` or ``len - 1``
@@ -224,12 +247,14 @@ class Sample:
         values: Sequence[float] | Tensor | None = None,
         returns: Sequence[float] | Tensor | None = None,
         routed_experts: Sequence[Sequence[Sequence[int]]] | Tensor | None = None,
+        versions: int | Sequence[int] | Tensor | None = None,
+        staleness: int | Sequence[int] | Tensor | None = None,
     ) -> Sample:
-        """Build a :class:`Sample` from lists: ids become int64, values float32, the mask float32,
-        routed experts int32 (an integer tensor keeps its dtype).
+        """Build a :class:`Sample` from lists: ids, versions and staleness become int64, values
+        float32, the mask float32, routed experts int32 (an integer tensor keeps its dtype).
 
         A scalar ``advantages`` (one advantage per sequence, as in GRPO) is broadcast to every
-        response token.
+        response token, and so is a scalar ``versions`` or ``staleness`` (one version per sample).
         """
         p = torch.as_tensor(prompt_ids, dtype=torch.int64)
         r = torch.as_tensor(response_ids, dtype=torch.int64)
@@ -241,6 +266,21 @@ class Sample:
         if adv is not None and adv.ndim == 0:
             adv = adv.expand(r.shape[0]).clone()
         mm = {k: torch.as_tensor(v) for k, v in (multi_modal or {}).items()}
+
+        def counts(v: Any) -> Any:
+            """Python integers as int64 (a scalar broadcast); anything else as given, refused by name
+            when it is not integer (a float 1.5 is never truncated to a version)."""
+            if v is None or isinstance(v, (Tensor, str)):
+                return v
+            try:
+                t = torch.as_tensor(v)
+            except (TypeError, ValueError, RuntimeError):
+                return v
+            if not _is_integer(t) and t.numel():
+                return t
+            t = t.to(torch.int64)  # (an empty list is float32 to torch)
+            return t.expand(r.shape[0]).clone() if t.ndim == 0 else t
+
         return cls(
             prompt_ids=p,
             response_ids=r,
@@ -255,14 +295,38 @@ class Sample:
             routed_experts=routed_experts
             if routed_experts is None or isinstance(routed_experts, Tensor)
             else torch.as_tensor(routed_experts, dtype=torch.int32),
+            versions=counts(versions),
+            staleness=counts(staleness),
         )
 
 
 _register(
     Sample,
-    leaves=("prompt_ids", "response_ids", *PER_TOKEN_FLOAT, "response_mask", "multi_modal", "routed_experts"),
+    leaves=(
+        "prompt_ids",
+        "response_ids",
+        *PER_TOKEN_FLOAT,
+        "response_mask",
+        "multi_modal",
+        "routed_experts",
+        *PER_TOKEN_INT,
+    ),
     static=(),
 )
+
+
+def _check_token_counts(fn: str, name: str, t: Any, r: int) -> None:
+    """``versions`` / ``staleness``: None or a 1-D integer tensor of length ``r`` with values ``>= 0``
+    (one host sync for a device tensor)."""
+    if t is None:
+        return
+    what = "the policy version of each response token" if name == "versions" else "the age of each response token"
+    if not isinstance(t, torch.Tensor) or t.ndim != 1 or not _is_integer(t):
+        raise input_error(fn, name, f"None or a 1-D integer tensor of length {r} ({what})", _describe_any(t))
+    if t.shape[0] != r:
+        raise input_error(fn, name, f"length {r} (the response length)", describe(t))
+    if r and int(t.min()) < 0:
+        raise input_error(fn, name, f"integers >= 0 ({what})", f"{describe(t)} with minimum {int(t.min())}")
 
 
 def _is_integer(t: Tensor) -> bool:
@@ -325,6 +389,7 @@ class Microbatch:
     values: Float[Tensor, "batch seq"] | None = None
     returns: Float[Tensor, "batch seq"] | None = None
     routed_experts: Int[Tensor, "batch seq layers topk"] | None = None
+    staleness: Float[Tensor, "batch seq"] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -365,6 +430,7 @@ _MB_LEAVES = (
     "values",
     "returns",
     "routed_experts",
+    "staleness",
 )
 _MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)

@@ -270,13 +270,16 @@ class loglinear_decoupled(Builtin):
     ``prox_logp_method="loglinear"``): no old-log-prob forward. For bypass mode, where
     ``x.old_logprobs`` are the behaviour (rollout engine's) log-probs.
 
-    The behaviour policy is ``staleness = K`` versions behind the current one and the proximal policy
-    one version behind, so ``alpha = (K - 1) / K`` (0 for ``K <= 1``) and
+    The behaviour policy is ``K`` versions behind the current one and the proximal policy one
+    version behind, so ``alpha = (K - 1) / K`` (0 for ``K <= 1``) and
     ``logp_prox = logp_behav + alpha (sg(logp) - logp_behav)``. The loss is
     ``w inner(logp, logp_prox)`` with the behaviour weight ``w = sg(exp(logp_prox - logp_behav))``
     (``min(w, weight_cap)`` when set): ``inner`` (default PPO's clip) anchors its trust region on the
-    proximal policy, ``w`` corrects the sampling. One ``K`` for the batch (AReaL reads one version per
-    token); :class:`~fnppo.core.losses.staleness.Staleness` refuses older samples.
+    proximal policy, ``w`` corrects the sampling. ``K`` is each token's own age where the inputs carry
+    per-token ages (``PolicyInputs.staleness``: partial rollouts, from
+    :meth:`~fnppo.core.losses.staleness.Staleness.prepare`, as AReaL reads one version per token),
+    else ``staleness`` for every token; :class:`~fnppo.core.losses.staleness.Staleness` refuses
+    older samples and tokens.
 
     Reference: AReaL ``_compute_approx_prox_logp`` / ``ppo_actor_loss_fn`` (decoupled PPO,
     arXiv:2505.24298).
@@ -284,6 +287,7 @@ class loglinear_decoupled(Builtin):
 
     rule = staticmethod(check_decoupled)
     bypass_only: ClassVar[bool] = True
+    uses_staleness: ClassVar[bool] = True
 
     staleness: int = 1
     inner: Any = ppo_clip()
@@ -299,8 +303,14 @@ class loglinear_decoupled(Builtin):
         """As its inner loss (the weight ``w`` is per token)."""
         return bool(getattr(self.inner, "per_sequence", False))
 
+    def alpha(self, x: PolicyInputs) -> Tensor:
+        """``(K - 1) / K`` per token (0 where ``K <= 1``): ``K`` the token's age, or ``staleness``."""
+        k = x.staleness if x.staleness is not None else torch.full_like(x.old_logprobs, float(self.staleness))
+        k = k.to(x.old_logprobs.dtype)
+        return torch.where(k > 1, (k - 1) / torch.clamp(k, min=1), torch.zeros_like(k))
+
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        alpha = (self.staleness - 1) / self.staleness if self.staleness > 1 else 0.0
+        alpha = self.alpha(x)
         behav = x.old_logprobs
         prox = behav + alpha * (x.logprobs.detach() - behav)
         log_w = torch.clamp(prox - behav, -x.log_ratio_clamp, x.log_ratio_clamp)

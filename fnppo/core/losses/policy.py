@@ -59,6 +59,9 @@ class PolicyInputs:
         segments: token -> sequence grouping (``segments.sum``, ``segments.gather``).
         log_ratio_clamp: the bound of :meth:`log_ratio` (``LossConfig.log_ratio_clamp``).
         generator: optional ``torch.Generator`` for randomized losses (Clip-Cov).
+        staleness: optional per-token age of the behaviour policy in versions (whole numbers
+            ``>= 0``, detached, 0 off the mask; partial rollouts, ``Sample.staleness``); None: the
+            batch carries none, and a loss whose formula depends on the age uses its own scalar.
     """
 
     logprobs: Tensor
@@ -68,6 +71,7 @@ class PolicyInputs:
     segments: Segments
     log_ratio_clamp: float = 20.0
     generator: torch.Generator | None = None
+    staleness: Tensor | None = None
 
     def log_ratio(self) -> Tensor:
         """``clamp(logprobs - old_logprobs, -c, c)`` with ``c = log_ratio_clamp``."""
@@ -113,6 +117,10 @@ class PolicyLoss(Protocol):
             return -x.advantages * x.logprobs, {}
         my_reinforce.uses_ratio = False
         config = LossConfig(policy=my_reinforce)
+
+    Optional attribute ``uses_staleness: bool`` (default False when absent): whether the loss's
+    formula depends on each token's age (``x.staleness``, partial rollouts); ``train_step`` then
+    refuses samples that carry per-token versions but no ages (``Staleness.prepare`` gives them).
     """
 
     def __call__(self, x: PolicyInputs) -> tuple[Tensor, dict[str, Tensor]]: ...

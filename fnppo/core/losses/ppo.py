@@ -42,6 +42,7 @@ from fnppo.core.losses.m2po import check_m2_cutoff
 from fnppo.core.losses.policy import PolicyInputs, loss_name, reads_probabilities
 from fnppo.core.losses.rollout_correction import Rules
 from fnppo.core.losses.rollout_weights import correction
+from fnppo.core.losses.token_staleness import check_ages
 from fnppo.core.metrics import pair_metric, weighted_metric
 from fnppo.core.typing import (
     Integer,
@@ -232,6 +233,7 @@ def ppo_loss(
     generator: torch.Generator | None = None,
     tis_mean: float | int | Shaped[Tensor, ""] | None = None,
     m2_cutoff: float | Shaped[Tensor, ""] | None = None,
+    staleness: PaddedFloat | None = None,
 ) -> tuple[Scalar, dict[str, Tensor]]:
     """Policy loss + entropy bonus + KL penalty, aggregated with ``config.agg``.
 
@@ -283,6 +285,12 @@ def ppo_loss(
         m2_cutoff: with ``correction.m2_threshold``: the M2PO cutoff of the whole mini-batch
             (:func:`~fnppo.core.losses.m2po.m2po_cutoff` of every valid token's squared log-ratio, as
             :func:`fnppo.train_step` computes it before the schedule); None: this call's own.
+        staleness: partial rollouts: each token's age in versions (whole numbers >= 0 where
+            ``loss_mask`` is 1; ``Microbatch.staleness``, from
+            :meth:`~fnppo.core.losses.staleness.Staleness.prepare`), handed to the policy loss as
+            ``PolicyInputs.staleness``; a loss whose formula depends on the age
+            (``loglinear_decoupled``) uses each token's own. When given, ``token_staleness`` (its mean
+            over valid tokens) is reported. None: the policy loss's own scalar, if any.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and ``dict[str, Tensor]`` of detached ``[2]`` metrics
@@ -316,18 +324,22 @@ def ppo_loss(
                 "old_logprobs": None if bypass else old_logprobs,
                 "ref_logprobs": ref_logprobs,
                 "rollout_logprobs": rollout_logprobs,
+                "staleness": staleness,
             },
             normalizer,
             seq_ids,
             tis_mean=tis_mean,
         )
         _check_probabilities(fn, config, rollout_logprobs if bypass else old_logprobs, loss_mask)
+        if staleness is not None:
+            check_ages(fn, "staleness", staleness, loss_mask)
     tok = Tokens.of(logprobs, loss_mask, seq_ids)
     lp = tok.clean(logprobs, detach=False)
     given = rollout_logprobs if bypass else old_logprobs  # None only for a loss that reads none
     old = lp.detach() if given is None else tok.clean(given, detach=True)
+    ages = None if staleness is None else tok.clean(staleness, detach=True)
     inputs = PolicyInputs(
-        lp, old, tok.clean(advantages, detach=True), tok.mf, tok.seg, config.log_ratio_clamp, generator
+        lp, old, tok.clean(advantages, detach=True), tok.mf, tok.seg, config.log_ratio_clamp, generator, ages
     )
     pg_tok, extra = _policy_term(fn, config, inputs, tok)
     metrics: dict[str, Tensor] = {}
@@ -343,6 +355,8 @@ def ppo_loss(
     metrics["loss"] = pair_metric(total_num, local_den)
     if given is not None:
         metrics["ppo_kl"] = weighted_metric(old - lp, tok.mf)
+    if ages is not None:
+        metrics["token_staleness"] = weighted_metric(ages, tok.mf)
     for key, value in extra.items():
         metrics[key] = value.detach().float()
     return loss, metrics

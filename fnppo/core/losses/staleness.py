@@ -12,7 +12,12 @@ for the loss, in one place:
   corrected by ``LossConfig.correction``: decoupled PPO), or ``"behaviour"``, the rollout engine's
   log-probs themselves (bypass mode: no old-log-prob forward; IPO's contract);
 * :meth:`Staleness.loss_config`: the ``LossConfig`` with that contract applied (``bypass_old_logprobs``);
-* :meth:`Staleness.metrics`: the staleness of a batch, for the step's metrics.
+* :meth:`Staleness.metrics`: the staleness of a batch, for the step's metrics;
+* :meth:`Staleness.prepare`: partial rollouts, a version per token (``Sample.versions``): each
+  token's age for the version being trained, carried in the samples (``Sample.staleness``) for the
+  losses that depend on it (``loglinear_decoupled``); a token older than ``max_staleness`` refused
+  or, with ``expire="tokens"``, masked out of the loss and counted
+  (:mod:`fnppo.core.losses.token_staleness`).
 
 The behaviour/proximal/current KL estimates and masked fractions of every step are the loss's own
 metrics: ``rollout_kl`` (``mean(logp_rollout - logp_old)``, behaviour vs proximal), ``ppo_kl``
@@ -26,11 +31,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fnppo.core.batching.sample import Sample
 from fnppo.core.errors import input_error
 from fnppo.core.losses.config import LossConfig
 from fnppo.core.losses.policy import bypass_only, loss_name
+from fnppo.core.losses.token_staleness import EXPIRE, prepare_batch
 
-__all__ = ["Staleness", "PROXIMAL"]
+__all__ = ["Staleness", "PROXIMAL", "EXPIRE"]
 
 PROXIMAL = ("old", "behaviour")
 """What ``Staleness.proximal`` can be."""
@@ -46,13 +53,18 @@ class Staleness:
         proximal: ``"old"`` (recomputed old log-probs anchor the clip; the engine's are the behaviour
             policy) or ``"behaviour"`` (the engine's log-probs anchor it: bypass mode, no
             old-log-prob forward).
+        expire: what :meth:`prepare` does with a token older than ``max_staleness`` (partial
+            rollouts): ``"refuse"`` (the default: the batch is refused, naming the token) or
+            ``"tokens"`` (the token is masked out of the loss and counted in
+            ``offpolicy/expired_token_frac``; the rest of its response trains).
 
     Raises:
-        InputError: ``fnppo.losses.Staleness: argument 'max_staleness' / 'proximal' ...``.
+        InputError: ``fnppo.losses.Staleness: argument 'max_staleness' / 'proximal' / 'expire' ...``.
     """
 
     max_staleness: int = 0
     proximal: str = "old"
+    expire: str = "refuse"
 
     def __post_init__(self) -> None:
         fn = "fnppo.losses.Staleness"
@@ -62,6 +74,8 @@ class Staleness:
             raise input_error(fn, "max_staleness", "an int >= 0", repr(self.max_staleness))
         if not isinstance(self.proximal, str) or self.proximal not in PROXIMAL:
             raise input_error(fn, "proximal", f"one of {list(PROXIMAL)}", repr(self.proximal))
+        if not isinstance(self.expire, str) or self.expire not in EXPIRE:
+            raise input_error(fn, "expire", f"one of {list(EXPIRE)}", repr(self.expire))
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -156,3 +170,32 @@ class Staleness:
             "offpolicy/staleness_max": float(max(ages, default=0)),
             "offpolicy/old_logprob_forward": float(self.needs_old_logprobs),
         }
+
+    def prepare(
+        self, batch: Sequence[Sample], current_version: int, *, versions: Sequence[int] | None = None
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """Partial rollouts: every token's age for the version being trained, checked, and the batch's metrics.
+
+        ``current_version - v`` for each token's version ``v`` (``Sample.versions``, or ``versions``:
+        one per sample for samples without per-token versions) becomes the returned samples'
+        ``staleness``, which ``train_step`` hands to the losses whose formula depends on the age
+        (``loglinear_decoupled``: ``alpha = (K - 1) / K`` with each token's own ``K``). A token newer
+        than ``current_version`` is refused; one older than ``max_staleness`` is refused or, with
+        ``expire="tokens"``, expired: 0 in the returned sample's ``response_mask``. Pure: the samples
+        given are not changed (:func:`~fnppo.core.losses.token_staleness.prepare_batch`).
+
+        Returns:
+            ``(samples, metrics)``: the new samples and ``offpolicy/token_staleness_mean``,
+            ``offpolicy/token_staleness_max``, ``offpolicy/expired_token_frac`` (over the tokens
+            in the loss before expiry) and ``offpolicy/old_logprob_forward``.
+
+        Raises:
+            InputError: ``fnppo.losses.Staleness.prepare: argument 'batch[i].versions' expected
+                versions in [low, current] ...``, naming the first refused token; and see
+                :func:`~fnppo.core.losses.token_staleness.prepare_batch`.
+        """
+        out, metrics = prepare_batch(
+            batch, current_version, max_staleness=self.max_staleness, expire=self.expire, versions=versions
+        )
+        metrics["offpolicy/old_logprob_forward"] = float(self.needs_old_logprobs)
+        return out, metrics
