@@ -78,6 +78,9 @@ _PER_TOKEN = (
     "values",
     "returns",
     "routed_experts",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "ce_mask",
 )
 
 
