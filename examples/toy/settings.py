@@ -46,6 +46,9 @@ RUN_DEFINING = (
     "policy_loss",
     "staleness",
     "sampler_dtype",
+    "distill_from",
+    "distill_coef",
+    "distill_only",
 )
 
 
@@ -67,6 +70,9 @@ SETTING_DEFAULTS = {
     "policy_loss": "ppo",
     "staleness": 0,
     "sampler_dtype": "same",
+    "distill_from": None,
+    "distill_coef": 1.0,
+    "distill_only": False,
 }  # what a checkpoint without the key was written with
 
 
