@@ -216,6 +216,12 @@ def _refusals() -> dict:
             ),
         ),
         "ref": step([dataclasses.replace(s, ref_logprobs=None) for s in plain], LossConfig(ref_kl=RefKL(0.1))),
+        "chunks": step(plain, LossConfig(distill=ReverseKL(teacher=fnppo.TeacherModel(_build(_teacher_cfg(), 5) * 2)))),
+        "value": step(
+            plain,
+            LossConfig(distill=ReverseKL(teacher=fnppo.TeacherModel(fnppo.build_gpt(_teacher_cfg(), head="value")))),
+        ),
+        "empty": lambda: fnppo.TeacherModel([]),
     }
     got = messages_of(calls)
     got["unchanged"] = all(torch.equal(before[k], v) for k, v in fnppo.models.gather_full_weights(state.model).items())
@@ -236,6 +242,9 @@ def test_bad_teachers_and_signals_are_refused_before_anything_changes():
     assert got["ids"].startswith(f"{t}'batch[0].teacher_topk_ids' expected token ids in [0, 61)"), got
     assert got["logprob"].startswith(f"{t}'config.fns.logprob' expected the default with a distillation term"), got
     assert got["ref"].startswith(f"{t}'batch[0].ref_logprobs' expected a tensor since config.loss.ref_kl.coef=0.1"), got
+    assert got["chunks"].startswith(f"{t}'config.loss.distill.teacher' expected 1 model chunks"), got
+    assert "config.loss.distill.teacher" in got["value"] and "value" in got["value"], got
+    assert got["empty"].startswith("fnppo.steps.TeacherModel: argument 'chunks' expected a non-empty list"), got
     assert got["unchanged"] and got["step"] == 0
 
 
