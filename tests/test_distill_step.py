@@ -164,6 +164,8 @@ def test_objectives_match_the_float64_reference_in_one_process_over_micro_batche
     got = run_ranks(_train_step_grads, 1, ALL, {"num_microbatches": 3})[0]
     _compare(reference, got, "1proc-3mb")
     assert {"distill_loss", "ce_loss", "ref_kl_loss", "pg_loss"} <= set(got["mixed"]["metrics"])
+    padded = run_ranks(_train_step_grads, 1, ["mixed", "topk"], {"num_microbatches": 2, "layout": "padded"})[0]
+    _compare({c: reference[c] for c in ("mixed", "topk")}, padded, "1proc-2mb-padded")
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,13 @@ def student_outputs(
     :func:`~fnppo.core.ops.divergence.logprob_entropy_and_topk` for the samples' top-k). On the fused
     path the head's ``with_divergence`` / ``with_topk`` methods are used when it has them (a fused
     kernel that never materializes the logits); otherwise the logits are formed (``hidden @ weight.T``)
-    and the same functions run on them.
+    and the same functions run on them. The methods' signatures (``hidden`` ``[batch, seq, hidden]``)::
+
+        head.with_divergence(hidden, weight, labels, teacher_hidden, teacher_weight, *, kind,
+                             logprob_floor, tp_group, temperature, with_entropy, vocab_size)
+            -> (logprobs, entropy, divergence)          # as logprob_entropy_and_divergence
+        head.with_topk(hidden, weight, labels, topk_ids, *, tp_group, temperature, with_entropy,
+                       vocab_size) -> (logprobs, entropy, topk_logprobs)   # as logprob_entropy_and_topk
     """
     distill = config.loss.distill
     if distill is None:
