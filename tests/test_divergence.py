@@ -96,7 +96,7 @@ def test_backward_creates_one_logits_sized_buffer():
     """The forward creates no [tokens, vocab] tensor beyond fp32 chunks of 1/8 of the logits; the
     backward one gradient of the logits' size plus chunk temporaries."""
     g = torch.Generator().manual_seed(4)
-    n, v = 512, 300
+    n, v = 4096, 320  # 5 MiB of fp32 logits; the chunks (1/8 of them, at least 1 MiB) stay well below
     x = torch.randn(n, v, generator=g).requires_grad_()
     u = torch.randn(n, v, generator=g)
     labels = torch.randint(0, v, (n,), generator=g)

@@ -18,6 +18,7 @@ from fnppo.core.typing import Tensor
 __all__ = ["Teacher", "chunk_rows", "shard_stats", "divergence_sums", "student_grad"]
 
 _MIN_CHUNK_ROWS = 16
+_MIN_CHUNK_BYTES = 1 << 20
 
 
 class Teacher(NamedTuple):
@@ -40,11 +41,13 @@ class Teacher(NamedTuple):
 
 def chunk_rows(n: int, v: int, elem: int, chunk_tokens: int | None, temporaries: int) -> int:
     """Rows per chunk: ``chunk_tokens``, else ``temporaries`` fp32 ``[rows, v]`` tensors within 1/8 of
-    the logits (``n x v`` elements of ``elem`` bytes), at least 16 rows."""
+    the logits (``n x v`` elements of ``elem`` bytes) or within 1 MiB, whichever allows more rows (a
+    small problem runs in few chunks), at least 16 rows."""
     if chunk_tokens is not None:
         return max(1, chunk_tokens)
-    budget = (n * v * elem) // 8
-    return max(_MIN_CHUNK_ROWS, budget // max(1, 4 * temporaries * v))
+    per_row = max(1, 4 * temporaries * v)
+    budget = max((n * v * elem) // 8, _MIN_CHUNK_BYTES)
+    return max(_MIN_CHUNK_ROWS, budget // per_row)
 
 
 def _row_max(z: Tensor) -> tuple[Tensor, Tensor]:
