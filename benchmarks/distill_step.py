@@ -15,7 +15,13 @@ The rows:
 * with ``--fused``, the same with ``StepFns.fused()`` (the fused output path: the head's own
   divergence kernel when it has one, else the logits formed from the hidden states).
 
-Prints a markdown table (median step time, tokens/s, peak memory, peak above the state) and writes
+Before the steps, the divergence on its own at the same size (``--tokens`` x the vocabulary, bf16
+student logits, forward + backward): the peers' way (both log-softmaxes materialized in fp32,
+autograd), fnppo's function with the teacher's logits materialized, fnppo's function from the
+teacher's hidden states and output weight (its logits one chunk at a time), and
+``logprob_and_entropy`` alone (the baseline); time and peak memory above the inputs, in logits copies.
+
+Prints markdown tables (median step time, tokens/s, peak memory, peak above the state) and writes
 ``$OUT/distill_step.json`` when ``OUT`` is set. On an H100 / H200::
 
     python benchmarks/distill_step.py --device cuda
@@ -39,6 +45,9 @@ import torch
 import fnppo
 from fnppo import losses
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import peak_extra_bytes, time_ms  # noqa: E402
+
 STUDENT = dict(hidden=1536, heads=12, groups=2, ffn=8960, layers=12)
 TEACHER = dict(hidden=3584, heads=28, groups=4, ffn=18944, layers=12)
 TINY_STUDENT = dict(hidden=64, heads=4, groups=2, ffn=128, layers=2)
@@ -58,9 +67,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=20)
     p.add_argument("--steps", type=int, default=5, help="timed steps per row (after one warm-up step)")
     p.add_argument("--fused", action="store_true", help="also the rows of the fused output path")
+    p.add_argument("--no-op", action="store_true", help="skip the divergence on its own")
     args = p.parse_args(argv)
     if args.tiny:
-        args.device, args.vocab, args.tokens, args.seq, args.steps = "cpu", 512, 512, 128, 2
+        args.device, args.vocab, args.tokens, args.seq, args.steps = "cpu", 512, 512, 128, 1
         args.student_layers, args.teacher_layers = TINY_STUDENT["layers"], TINY_TEACHER["layers"]
     return args
 
@@ -140,10 +150,71 @@ def run_row(name: str, state, samples, cfg, args, device) -> dict:
     }
 
 
+def op_rows(args, device, teacher_hidden: int) -> list[dict]:
+    """The divergence alone at ``--tokens`` x ``--vocab``: ms (forward + backward) and peak memory above the
+    inputs in logits copies (CUDA), for the peers' way and fnppo's; ``logprob_and_entropy`` as the baseline."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    n, v = args.tokens, args.vocab
+    x = (torch.randn(n, v, generator=g, device=device) * 2).to(dtype).requires_grad_()
+    hidden = torch.randn(n, teacher_hidden, generator=g, device=device).to(dtype)
+    weight = (torch.randn(v, teacher_hidden, generator=g, device=device) / teacher_hidden**0.5).to(dtype)
+    teacher_logits = (hidden @ weight.T).detach()
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+
+    def peers():  # both log-softmaxes materialized (fp32), KL(student || teacher), autograd
+        lp = torch.log_softmax(x.float(), -1)
+        lq = torch.log_softmax(teacher_logits.float(), -1)
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        return kl.sum() + lp.gather(-1, labels[:, None]).sum()
+
+    def ours_logits():
+        lp, ent, kl = fnppo.ops.logprob_entropy_and_divergence(x, labels, teacher_logits=teacher_logits)
+        return kl.sum() + lp.sum() + ent.sum()
+
+    def ours_hidden():
+        lp, ent, kl = fnppo.ops.logprob_entropy_and_divergence(x, labels, teacher_hidden=hidden, teacher_weight=weight)
+        return kl.sum() + lp.sum() + ent.sum()
+
+    def baseline():
+        lp, ent = fnppo.logprob_and_entropy(x, labels)
+        return lp.sum() + ent.sum()
+
+    copy = n * v * x.element_size()
+    rows = []
+    for name, fn in (
+        ("logprob_and_entropy alone", baseline),
+        ("peers: log-softmaxes materialized, autograd", peers),
+        ("fnppo: teacher logits given", ours_logits),
+        ("fnppo: teacher hidden + output weight", ours_hidden),
+    ):
+
+        def step(fn=fn):
+            x.grad = None
+            fn().backward()
+
+        try:
+            ms = time_ms(step, device, reps=max(1, args.steps), warmup=1)
+            peak = peak_extra_bytes(step, device, [x])
+        except torch.OutOfMemoryError:  # the peers' way at full size may not fit: a row that says so
+            x.grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append({"row": name, "ms": None, "extra_logits_copies": None, "oom": True})
+            print(f"{name}: out of memory", flush=True)
+            continue
+        rows.append({"row": name, "ms": ms, "extra_logits_copies": None if peak is None else peak / copy})
+        print(f"{name}: {ms:.1f} ms", flush=True)
+    del x, hidden, weight, teacher_logits
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
     fnppo.init_parallel(tp=1, pp=1, device=args.device)
+    teacher_hidden = (TINY_TEACHER if args.tiny else TEACHER)["hidden"]
+    ops = [] if args.no_op else op_rows(args, device, teacher_hidden)
     student_shape = TINY_STUDENT if args.tiny else STUDENT
     teacher_shape = TINY_TEACHER if args.tiny else TEACHER
     chunks = fnppo.wrap_ddp(
@@ -167,17 +238,27 @@ def main(argv=None) -> int:
             cfg = fnppo.StepConfig(split=split, loss=loss, fns=fns)
             label = f"{name} (fused)" if fused else name
             results.append(run_row(label, state, samples, cfg, args, device))
-    report(results, args, device)
+    report(results, ops, args, device)
     return 0
 
 
-def report(results: list[dict], args, device) -> None:
+def report(results: list[dict], ops: list[dict], args, device) -> None:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
         f"\n{gpu}; student {args.student_layers} layers of hidden {STUDENT['hidden'] if not args.tiny else TINY_STUDENT['hidden']}, "
         f"teacher {args.teacher_layers} layers of hidden {TEACHER['hidden'] if not args.tiny else TINY_TEACHER['hidden']}, "
         f"vocab {args.vocab}, {args.microbatches} micro-batch(es) of {args.tokens} tokens, top-k {args.topk}\n"
     )
+    if ops:
+        print(f"| the divergence alone ({args.tokens} x {args.vocab}, forward + backward) | ms | extra logits copies |")
+        print("|---|---|---|")
+        for r in ops:
+            if r.get("oom"):
+                print(f"| {r['row']} | out of memory | - |")
+                continue
+            copies = "-" if r["extra_logits_copies"] is None else f"{r['extra_logits_copies']:.2f}"
+            print(f"| {r['row']} | {r['ms']:.2f} ({r['ms'] / ops[0]['ms']:.2f}x) | {copies} |")
+        print()
     print("| row | step (ms) | tokens/s | peak (GiB) | peak above the state (GiB) |")
     print("|---|---|---|---|---|")
     base = results[0]["step_ms"]
@@ -191,7 +272,7 @@ def report(results: list[dict], args, device) -> None:
     if out:
         path = Path(out) / "distill_step.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": gpu, "args": vars(args), "rows": results}, indent=1))
+        path.write_text(json.dumps({"device": gpu, "args": vars(args), "rows": results, "op": ops}, indent=1))
         print(f"wrote {path}")
 
 

@@ -340,3 +340,6 @@ def test_distill_step_tiny_runs_every_row_and_writes_its_table(tmp_path, monkeyp
         assert rows[name]["distill_loss"] > 0 and rows[name]["tokens_per_s"] > 0, rows[name]
     # the fused rows compute the same objective from the hidden states
     assert abs(rows["rl+teacher (fused)"]["distill_loss"] - rows["rl+teacher"]["distill_loss"]) < 1e-2
+    ops = json.loads((tmp_path / "distill_step.json").read_text())["op"]
+    assert [r["row"] for r in ops][0] == "logprob_and_entropy alone" and all(r["ms"] > 0 for r in ops)
+    assert "| fnppo: teacher hidden + output weight |" in done.stdout

@@ -1,5 +1,5 @@
-"""examples/ppo_toy.py --distill-from: a teacher run trains two steps and saves, a smaller student
-distills from it for two steps (its loss is the GRPO loss plus the reverse-KL term, reported as
+"""examples/ppo_toy.py --distill-from: a teacher run trains one step and saves, a smaller student
+distills from it for one step (its loss is the GRPO loss plus the reverse-KL term, reported as
 ``distill_loss``); the flags' refusals (one line, exit 2, before torch is imported)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from toy import checks, cli  # noqa: E402
 from toy.errors import ArgumentError  # noqa: E402
 
-SMALL = ["--prompts", "4", "--group-size", "4", "--no-progress", "--no-plot", "--target-reward", "0", "--steps", "2"]
+SMALL = ["--prompts", "4", "--group-size", "4", "--no-progress", "--no-plot", "--target-reward", "0", "--steps", "1"]
 
 
 def _run(args: list[str], cwd: Path):
@@ -34,20 +34,20 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Path:
-    """A wider toy run of two steps that saved its checkpoint."""
+    """A wider toy run of one step that saved its checkpoint."""
     d = tmp_path_factory.mktemp("teacher")
-    _run([*SMALL, "--hidden", "96", "--save-every", "2", "--out-dir", str(d / "run")], d)
+    _run([*SMALL, "--hidden", "96", "--save-every", "1", "--out-dir", str(d / "run")], d)
     return d / "run"
 
 
 def test_a_student_distills_from_a_teacher_run(teacher, tmp_path):
     out = _run([*SMALL, "--hidden", "32", "--distill-from", str(teacher), "--out-dir", str(tmp_path / "s")], tmp_path)
     rows = _rows(tmp_path / "s" / "metrics.jsonl")
-    assert len(rows) == 2 and all(r["distill_loss"] > 0 for r in rows)
+    assert len(rows) == 1 and all(r["distill_loss"] > 0 for r in rows)
     assert all(abs(r["loss"] - (r["pg_loss"] + 0.001 * r["kl_loss"] + r["distill_loss"])) < 1e-4 for r in rows)
     assert f"distilled from {teacher} (coef 1); teacher's final reward" in out
     alone = _run(
-        [*SMALL, "--hidden", "32", "--distill-from", str(teacher / "checkpoints" / "step000002"), "--distill-only"]
+        [*SMALL, "--hidden", "32", "--distill-from", str(teacher / "checkpoints" / "step000001"), "--distill-only"]
         + ["--distill-coef", "0.5", "--out-dir", str(tmp_path / "a")],
         tmp_path,
     )
