@@ -90,8 +90,11 @@ class RefKL:
         c.need(self.estimator in KL_ESTIMATORS, "estimator", f"one of {list(KL_ESTIMATORS)}")
 
 
-_TYPES = {"distill": (Distill, "a ReverseKL or ForwardKL part or None"), "ce": (CrossEntropy, "a CrossEntropy or None")}
-_TYPES["ref_kl"] = (RefKL, "a RefKL or None")
+_TYPES = {
+    "distill": (Distill, "a ReverseKL or ForwardKL part or None"),
+    "ce": (CrossEntropy, "a CrossEntropy or None"),
+    "ref_kl": (RefKL, "a RefKL or None"),
+}
 
 
 def terms_of(config: Any) -> dict[str, Any]:

@@ -113,8 +113,7 @@ def logprob_entropy_and_divergence(
     the temporaries are fp32 chunks of about 1/8 of the logits; the backward creates the gradient
     (one logits-sized tensor in the logits' dtype), nothing else of that size.
 
-    Precision: statistics and sums in fp32 (fp64 for fp64 inputs would need the fp64 path of
-    :func:`fnppo.logprob_and_entropy`; here fp64 inputs are accumulated in fp32); the divergence
+    Precision: statistics and sums are fp32 for every input dtype (fp64 inputs too); the divergence
     agrees with an fp64 reference to fp32 rounding of the log-probs (absolute ~1e-7 times the
     logits' range).
 
