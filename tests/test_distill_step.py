@@ -26,7 +26,7 @@ from tests.step_helpers import finalized_grads
 
 VOCAB = 61  # padded to 62 (make_vocab_size_divisible_by=2): one padding column
 N_SAMPLES = 8
-TOL = 2e-5
+TOL = 1e-5
 FLOOR = -100.0
 
 
