@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference read; at run time 
         CriticFns,
         StepConfig,
         StepFns,
+        TeacherModel,
         TrainState,
         compute_logprobs,
         compute_values,
@@ -96,6 +97,7 @@ __all__ = [
     "CriticConfig",
     "CriticFns",
     "LossConfig",
+    "TeacherModel",
     "ModelConfig",
     "TrainState",
     # model and parallel layout

@@ -4,6 +4,8 @@ Triton on CUDA). Implementation: :mod:`fnppo.core.ops.logprob`, :mod:`fnppo.core
 
 from __future__ import annotations
 
+from fnppo.core.ops.divergence import logprob_entropy_and_divergence as logprob_entropy_and_divergence
+from fnppo.core.ops.divergence import logprob_entropy_and_topk as logprob_entropy_and_topk
 from fnppo.core.ops.grouped_matmul import grouped_matmul as grouped_matmul
 from fnppo.core.ops.linear_distill import linear_logprob_entropy_and_divergence as linear_logprob_entropy_and_divergence
 from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy as linear_logprob_and_entropy
@@ -16,6 +18,8 @@ __all__ = [
     "logprob_and_entropy",
     "linear_logprob_and_entropy",
     "linear_logprob_entropy_and_divergence",
+    "logprob_entropy_and_divergence",
+    "logprob_entropy_and_topk",
     "BackwardGraphs",
     "apply_rotary",
     "thd_positions",

@@ -359,3 +359,24 @@ def test_stream_delta_benchmark_tiny_on_cpu(tmp_path, monkeypatch):
         assert 0.5 * full < by["fp8"]["bytes"] < 0.7 * full  # codes 1 byte, embeddings and norms bf16
         assert 0 < by["fp8-delta"]["bytes"] <= by["fp8"]["bytes"]
         assert 0 < by["delta-elements"]["elements_changed"] <= 1
+
+
+def test_distill_step_tiny_runs_every_row_and_writes_its_table(tmp_path, monkeypatch):
+    """benchmarks/distill_step.py --tiny: RL alone, RL + the teacher model, top-k distillation and the fused
+    rows each step on the CPU; the JSON under $OUT has one row each, with a distillation loss where one is
+    trained."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    done = _run_benchmark(["benchmarks/distill_step.py", "--tiny", "--fused"], timeout=600)
+    assert "| rl+teacher |" in done.stdout and "| topk (fused) |" in done.stdout
+    rows = {r["row"]: r for r in json.loads((tmp_path / "distill_step.json").read_text())["rows"]}
+    assert set(rows) == {"rl", "rl+teacher", "topk", "rl (fused)", "rl+teacher (fused)", "topk (fused)"}
+    assert rows["rl"]["distill_loss"] is None
+    for name in ("rl+teacher", "topk", "rl+teacher (fused)", "topk (fused)"):
+        assert rows[name]["distill_loss"] > 0 and rows[name]["tokens_per_s"] > 0, rows[name]
+    # the fused rows compute the same objective from the hidden states
+    assert abs(rows["rl+teacher (fused)"]["distill_loss"] - rows["rl+teacher"]["distill_loss"]) < 1e-2
+    ops = json.loads((tmp_path / "distill_step.json").read_text())["op"]
+    assert [r["row"] for r in ops][0] == "logprob_and_entropy alone" and all(r["ms"] > 0 for r in ops)
+    assert "| fnppo: teacher hidden + output weight |" in done.stdout

@@ -45,6 +45,7 @@ GUIDES = [
     "vlm",
     "fused-output",
     "batch-invariance",
+    "distillation",
     "huggingface",
     "lora",
     "checkpoints",

@@ -10,6 +10,7 @@
 - :mod:`toy.model`: train states, step configs, the KL controller
 - :mod:`toy.sampling`, :mod:`toy.collectives`: the sampler through Megatron's forward-only schedule
 - :mod:`toy.rollout`: prompts -> responses -> rewards -> advantages -> old/reference log-probs
+- :mod:`toy.distill`: ``--distill-from``: the teacher run, its model in the step, the distillation term
 - :mod:`toy.loop`: the training loop, checkpoints, resume, the final report
 - :mod:`toy.plot`, :mod:`toy.progress`, :mod:`toy.profiling`: the plot, sinks and progress, ``--profile-step``
 """

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from toy.cli import LOG_SINKS
+from toy.distill import teacher_source
 from toy.errors import ArgumentError
 from toy.losses import POLICY_LOSSES
 from toy.rundir import check_run_paths, choose_run_dir, read_settings
@@ -129,7 +130,35 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     for flag, path in (("--hf-checkpoint", args.hf_checkpoint), ("--critic-checkpoint", args.critic_checkpoint)):
         if path is not None:
             check_hf_directory(flag, path)
+    _check_distill(args)
     check_run_paths(args)
+
+
+def _check_distill(args: argparse.Namespace) -> None:
+    """``--distill-from``: a teacher toy run (:func:`toy.distill.teacher_source`), a student of the toy's
+    own model (no --hf-checkpoint, --moe or --lora-rank); ``--distill-coef`` a finite number >= 0, given
+    with --distill-from; ``--distill-only`` with --distill-from, --algo grpo and no KL or entropy settings."""
+    given = set(getattr(args, "given_flags", ()))
+    if args.distill_from is None:
+        extra = [f"--{f.replace('_', '-')}" for f in ("distill_coef", "distill_only") if f in given]
+        if extra:
+            raise ArgumentError(f"{', '.join(extra)}: needs --distill-from (a teacher run)")
+        return
+    if not (math.isfinite(args.distill_coef) and args.distill_coef >= 0):
+        raise ArgumentError(f"--distill-coef must be a finite number >= 0, got {args.distill_coef}")
+    if args.hf_checkpoint or args.moe or args.lora_rank:
+        raise ArgumentError(
+            "--distill-from: the student is the toy's own model (no --hf-checkpoint, --moe or --lora-rank)"
+        )
+    if args.distill_only:
+        if args.algo != "grpo":
+            raise ArgumentError("--distill-only: the distillation term alone has no use for a critic (--algo ppo)")
+        unused = [
+            f"--{f.replace('_', '-')}" for f in ("kl_coef", "kl_target", "entropy_coeff", "tis_cap") if f in given
+        ]
+        if unused:
+            raise ArgumentError(f"{', '.join(unused)}: --distill-only trains the distillation term alone")
+    teacher_source(args.distill_from)
 
 
 def _check_meaningful(args: argparse.Namespace) -> None:

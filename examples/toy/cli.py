@@ -166,6 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="std of the random model's initial matrices (default: Megatron's 0.02)",
     )
+    p.add_argument(
+        "--distill-from",
+        type=str,
+        default=None,
+        help="on-policy distillation: a teacher toy run (its directory, or one of its checkpoints) whose "
+        "next-token distribution every response token is pulled toward (reverse KL over the vocabulary, "
+        "beside the GRPO loss)",
+    )
+    p.add_argument(
+        "--distill-coef",
+        type=float,
+        default=1.0,
+        help="--distill-from: the reverse-KL term's weight (default: %(default)s)",
+    )
+    p.add_argument(
+        "--distill-only",
+        action="store_true",
+        help="--distill-from: the reverse-KL term alone (no policy loss, no KL penalty to the reference)",
+    )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--moe", action="store_true", help="Mixture-of-Experts MLPs (--moe-experts, top --moe-topk)")

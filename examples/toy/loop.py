@@ -15,6 +15,7 @@ import fnppo
 from toy import rundir
 from toy.cli import resume_command
 from toy.collectives import agreed_lock, agreed_run_dir, agreed_sinks
+from toy.distill import distill_loss, load_teacher, teacher_final_reward
 from toy.errors import ArgumentError, Interrupted
 from toy.model import build, critic_config, kl_controller, seed_everything, set_lr, step_config
 from toy.partial import token_metrics
@@ -69,9 +70,11 @@ def run(args: argparse.Namespace, layout) -> int:
     cfg = step_config(args)  # the configs first: nothing is created for a run that cannot start
     ccfg = critic_config(args) if args.algo == "ppo" else None
     agreed_sinks(args, layout)  # the --log sinks' packages import, before the lock and any file
+    teacher = load_teacher(args) if args.distill_from else None  # its weights, before the student's
     out_dir, lock, state, critic, ref_params, kl_state = setup_run(args, layout)
     try:
-        return train_loop(args, layout, device, (cfg, ccfg), out_dir, (state, critic, ref_params, kl_state))
+        states = (state, critic, ref_params, kl_state)
+        return train_loop(args, layout, device, (cfg, ccfg), out_dir, states, teacher=teacher)
     except KeyboardInterrupt:  # Ctrl-C: checkpoints are written atomically, so the newest complete one is whole
         raise Interrupted(how_to_resume(args, out_dir, layout.world_size)) from None
     finally:
@@ -89,8 +92,9 @@ def how_to_resume(args: argparse.Namespace, out_dir: Path, world_size: int = 1) 
     return f"resume with: {resume_command(args, out_dir, world_size)} (from {latest.name}, optimizer step {step})"
 
 
-def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path, states) -> int:
-    """The steps from the (restored) states to ``--steps``: metrics, sinks, progress, checkpoints, the report."""
+def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path, states, teacher=None) -> int:
+    """The steps from the (restored) states to ``--steps``: metrics, sinks, progress, checkpoints, the report;
+    with a ``teacher`` (``--distill-from``, a ``fnppo.TeacherModel``) the loss has its distillation term."""
     cfg, ccfg = configs
     state, critic, ref_params, kl_state = states
     _, kl_update = kl_controller(args)
@@ -146,6 +150,8 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
                     offpolicy.update(token_metrics(samples, layout, device))
             set_lr(state.optimizer, learning_rate(args, step, policy_lr(args)))
             step_cfg = dataclasses.replace(cfg, loss=fnppo.kl.with_kl_coef(cfg.loss, kl_state))
+            if teacher is not None:
+                step_cfg = dataclasses.replace(step_cfg, loss=distill_loss(step_cfg.loss, args, teacher))
             with phase("train_step"):
                 state, metrics = fnppo.train_step(state, samples, step_cfg)
             critic_metrics = {}
@@ -176,7 +182,7 @@ def train_loop(args: argparse.Namespace, layout, device, configs, out_dir: Path,
             row["onpolicy/rollout_vs_old_max_abs_diff"] = max(
                 float((s.rollout_logprobs - s.old_logprobs).abs().max()) for s in samples
             )
-        kl_state = kl_update(kl_state, metrics["kl_loss"], n_steps=args.prompts * args.group_size)
+        kl_state = kl_update(kl_state, metrics.get("kl_loss", 0.0), n_steps=args.prompts * args.group_size)
         if args.layout_check and step == 1 and rank0:
             critic_part = (
                 ""
@@ -244,6 +250,12 @@ def report(
         later = sorted(durations[3:])
         print(f"median step after the first 3: {later[len(later) // 2]:.3f} s")
     print(f"metrics: {metrics_path}")
+    if args.distill_from:
+        teacher_reward = teacher_final_reward(args.distill_from)
+        shown = "unknown" if teacher_reward is None else f"{teacher_reward:.3f}"
+        print(
+            f"distilled from {args.distill_from} (coef {args.distill_coef:g}{', alone' if args.distill_only else ''}); teacher's final reward {shown}"
+        )
     verdict = "PASS" if ok else "FAIL"
     if not args.no_plot and rows:
         plot = out_dir / "ppo_toy.png"  # in the run directory, also when --metrics-out puts the metrics elsewhere

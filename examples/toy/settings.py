@@ -48,6 +48,9 @@ RUN_DEFINING = (
     "sampler_dtype",
     "sync",
     "partial_rollouts",
+    "distill_from",
+    "distill_coef",
+    "distill_only",
 )
 
 
@@ -71,6 +74,9 @@ SETTING_DEFAULTS = {
     "sampler_dtype": "same",
     "sync": "off",
     "partial_rollouts": False,
+    "distill_from": None,
+    "distill_coef": 1.0,
+    "distill_only": False,
 }  # what a checkpoint without the key was written with
 
 

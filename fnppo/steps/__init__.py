@@ -25,6 +25,7 @@ from fnppo.steps.protocols import LogprobFn as LogprobFn
 from fnppo.steps.protocols import LossFn as LossFn
 from fnppo.steps.protocols import StepFns as StepFns
 from fnppo.steps.protocols import ValueLossFn as ValueLossFn
+from fnppo.steps.teacher import TeacherModel as TeacherModel
 from fnppo.steps.train import critic_step as critic_step
 from fnppo.steps.train import train_step as train_step
 
@@ -46,6 +47,7 @@ __all__ = [
     "LossFn",
     "StepFns",
     "ValueLossFn",
+    "TeacherModel",
     "critic_step",
     "train_step",
 ]

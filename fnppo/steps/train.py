@@ -41,6 +41,7 @@ from fnppo.steps.checks import (
     checked_plan,
 )
 from fnppo.steps.config import Batching, CriticConfig, StepConfig, TrainState
+from fnppo.steps.objective import check_objective, objective_stages, uses_terms
 from fnppo.steps.plan import Plan, microbatches, model_facts, split_plan, with_cp_in_dp, without_routes
 from fnppo.steps.protocols import CollateFn
 from fnppo.steps.schedule import (
@@ -267,6 +268,7 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
         )
         check_rollout_logprobs("train_step", samples, config.loss)
         check_ages_given("train_step", samples, config.loss.policy)
+        check_objective("train_step", samples, config, plan)
         return plan
 
     plan = agree_on_refusal(entry, layout)
@@ -277,6 +279,8 @@ def train_step(state: TrainState, batch: Sequence[Sample], config: StepConfig) -
     def forward_step(s: tuple[Any, ...], scale: float) -> Callable:
         return policy_forward_step(config, plan, normalizer=s[0], loss_scale=scale, tis_mean=s[1], m2_cutoff=s[2])
 
+    if uses_terms(config.loss):  # distillation, cross-entropy or KL terms: fnppo.steps.objective
+        sums, forward_step = objective_stages(config, plan)
     return _train(
         state, samples, _Objective("train_step", config.fns.collate, sums, forward_step, "loss"), config, plan
     )

@@ -32,6 +32,7 @@ from fnppo.core.batching.checks import (
     check_token_ids,
 )
 from fnppo.core.batching.sample import LAYOUTS, PER_TOKEN_FLOAT, Microbatch, Sample, round_up
+from fnppo.core.batching.teacher import check_teacher_values, collate_teacher
 from fnppo.core.errors import ShapeError, check_positive_int, describe, input_error
 from fnppo.core.typing import Shaped, Tensor, typechecked
 
@@ -75,7 +76,9 @@ def collate_microbatch(
             token ids outside ``[0, vocab_size)``, a mask that is not 0/1, NaN/inf in a log-prob,
             advantage, value or return, old/ref/rollout log-probs, values, returns, per-token versions
             or staleness given for some samples only, mismatched multi-modal items, samples on different devices, routed
-            experts that are not one row per token (or one fewer) or hold invalid indices.
+            experts that are not one row per token (or one fewer) or hold invalid indices, a teacher's
+            top-k or cross-entropy mask that :func:`~fnppo.core.batching.teacher.check_teacher_values`
+            refuses.
     """
     fn = "collate_microbatch"
     samples = list(samples)
@@ -89,6 +92,7 @@ def collate_microbatch(
     routes = _collate_routing(samples, seg_lens, layout) if present["routed_experts"] else None
     return Microbatch(
         **per_token,  # type: ignore[arg-type]
+        **collate_teacher(samples, seg_lens, layout),
         **_layout_fields(layout, per_token["seq_ids"], seg_lens, device),
         sample_index=torch.tensor(list(index), dtype=torch.int64, device=device),
         multi_modal=mm,
@@ -131,6 +135,7 @@ def _check_collate_inputs(
     present = check_same_fields(fn, samples)
     check_routed_experts(fn, samples)
     check_routing_rows(fn, samples)
+    check_teacher_values(fn, samples, vocab_size)
     return sample_index, present
 
 
@@ -350,7 +355,12 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         staleness=pad(mb.staleness, 0.0),
         seq_ids=pad(mb.seq_ids, -1),
         attention_mask=pad(mb.attention_mask, False),
+        ce_mask=pad(mb.ce_mask, 0.0),
     )
+    for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+        t = getattr(mb, name)
+        if t is not None:
+            changes[name] = torch.cat([t, t.new_zeros((rows, extra, t.shape[2]))], dim=1)
     if mb.routed_experts is not None:
         _, _, layers, topk = mb.routed_experts.shape
         fill = routing_fill(rows * extra, layers, topk, device=mb.routed_experts.device)

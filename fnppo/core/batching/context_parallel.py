@@ -79,6 +79,9 @@ _PER_TOKEN = (
     "returns",
     "routed_experts",
     "staleness",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "ce_mask",
 )
 
 

@@ -28,6 +28,7 @@ import optree
 import torch
 from optree.registry import __GLOBAL_NAMESPACE as _OPTREE_GLOBAL  # noqa: PLC2701 - see _register
 
+from fnppo.core.batching.teacher import check_teacher_shapes
 from fnppo.core.errors import check_positive_int, describe, input_error
 from fnppo.core.typing import Bool, Float, Int, Int32, Integer, Shaped, Tensor
 
@@ -136,7 +137,14 @@ class Sample:
       ``current_version - versions[j] >= 0``, as :meth:`fnppo.losses.Staleness.prepare` computes it
       from ``versions`` for the version being trained; the losses whose formula depends on the age
       (``loglinear_decoupled``) read it per token. Like ``ref_logprobs``, each of the two is given for
-      all samples of a batch or for none.
+      all samples of a batch or for none;
+    * ``teacher_topk_ids``: ``Integer[Tensor, "r k"]``, ``teacher_topk_logprobs``: ``Float[Tensor, "r k"]``
+      or None (both or neither): a teacher's ``k`` most likely tokens at each response token and their
+      log-probs, sorted by descending log-prob, for a distillation term
+      (:class:`fnppo.core.losses.distill.TopK`); in one batch either every sample has them or none;
+    * ``ce_mask``: a 0/1 tensor ``[r]`` or None: the tokens of the cross-entropy term
+      (:class:`fnppo.core.losses.terms.CrossEntropy`; None: the response mask). See
+      :mod:`fnppo.core.batching.teacher`.
 
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen where samples enter a computation: :func:`~fnppo.core.batching.collate.collate_microbatch`, and the training step's
@@ -157,6 +165,9 @@ class Sample:
     routed_experts: Integer[Tensor, "tokens layers topk"] | None = None
     versions: Integer[Tensor, " r"] | None = None
     staleness: Integer[Tensor, " r"] | None = None
+    teacher_topk_ids: Integer[Tensor, "r k"] | None = None
+    teacher_topk_logprobs: Float[Tensor, "r k"] | None = None
+    ce_mask: Shaped[Tensor, " r"] | None = None
 
     def __post_init__(self) -> None:
         fn = "Sample"
@@ -188,6 +199,7 @@ class Sample:
         self._check_routed_experts(fn)
         for name in PER_TOKEN_INT:
             _check_token_counts(fn, name, getattr(self, name), r)
+        check_teacher_shapes(fn, self)
 
     def _check_routed_experts(self, fn: str) -> None:
         """``routed_experts``: None or an integer ``[tokens, layers, topk]`` with ``len`` or ``len - 1``
@@ -249,6 +261,9 @@ class Sample:
         routed_experts: Sequence[Sequence[Sequence[int]]] | Tensor | None = None,
         versions: int | Sequence[int] | Tensor | None = None,
         staleness: int | Sequence[int] | Tensor | None = None,
+        teacher_topk_ids: Sequence[Sequence[int]] | Tensor | None = None,
+        teacher_topk_logprobs: Sequence[Sequence[float]] | Tensor | None = None,
+        ce_mask: Sequence[float] | Tensor | None = None,
     ) -> Sample:
         """Build a :class:`Sample` from lists: ids, versions and staleness become int64, values
         float32, the mask float32, routed experts int32 (an integer tensor keeps its dtype).
@@ -297,6 +312,11 @@ class Sample:
             else torch.as_tensor(routed_experts, dtype=torch.int32),
             versions=counts(versions),
             staleness=counts(staleness),
+            teacher_topk_ids=teacher_topk_ids
+            if teacher_topk_ids is None or isinstance(teacher_topk_ids, Tensor)
+            else torch.as_tensor(teacher_topk_ids, dtype=torch.int64),
+            teacher_topk_logprobs=floats(teacher_topk_logprobs),
+            ce_mask=floats(ce_mask),
         )
 
 
@@ -310,6 +330,9 @@ _register(
         "multi_modal",
         "routed_experts",
         *PER_TOKEN_INT,
+        "teacher_topk_ids",
+        "teacher_topk_logprobs",
+        "ce_mask",
     ),
     static=(),
 )
@@ -361,7 +384,9 @@ class Microbatch:
     samples concatenated on dim 0 in sample order) and ``multi_modal_counts`` (dict: per key, int64
     ``[n]`` items per sample), ``routed_experts`` (int32 ``[batch, seq, layers, topk]`` or None: the
     experts routing replay forces for the token at each position, see :class:`Sample`; ``-1`` on
-    padding and missing rows: the router chooses there).
+    padding and missing rows: the router chooses there), ``teacher_topk_ids`` (int64) /
+    ``teacher_topk_logprobs`` (float32) ``[batch, seq, k]`` and ``ce_mask`` (float32 ``[batch, seq]``), or
+    None (:func:`fnppo.core.batching.teacher.collate_teacher`).
 
     Static (treedef metadata): ``layout``, ``max_seqlen`` (longest padded segment, packed layout;
     None when padded), ``prompt_lens``, ``response_lens`` and ``pad_to_multiple_of``.
@@ -390,6 +415,9 @@ class Microbatch:
     returns: Float[Tensor, "batch seq"] | None = None
     routed_experts: Int[Tensor, "batch seq layers topk"] | None = None
     staleness: Float[Tensor, "batch seq"] | None = None
+    teacher_topk_ids: Int[Tensor, "batch seq k"] | None = None
+    teacher_topk_logprobs: Float[Tensor, "batch seq k"] | None = None
+    ce_mask: Float[Tensor, "batch seq"] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -431,6 +459,9 @@ _MB_LEAVES = (
     "returns",
     "routed_experts",
     "staleness",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "ce_mask",
 )
 _MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)

@@ -23,6 +23,9 @@ The modules, each with one job:
 * :mod:`~fnppo.core.losses.ppo` -- :func:`ppo_loss`.
 * :mod:`~fnppo.core.losses.value` -- :func:`value_loss` and :class:`ValueLossConfig` (the critic).
 * :mod:`~fnppo.core.losses.flat` -- :func:`from_flat`: flat (verl-style) settings -> parts.
+* :mod:`~fnppo.core.losses.distill` -- the distillation terms (:class:`ReverseKL`, :class:`ForwardKL`), the
+  teacher signal :class:`TopK` and :func:`topk_divergence`; :mod:`~fnppo.core.losses.terms` --
+  :class:`CrossEntropy` and :class:`RefKL`; :mod:`~fnppo.core.losses.objective` -- :func:`terms_loss`.
 
 The rollout correction part (:class:`RolloutCorrection`) lives in :mod:`fnppo.core.losses.rollout_correction`,
 its computation (:func:`compute_tis_weights`, :func:`tis_batch_stats`) in
@@ -35,11 +38,20 @@ from fnppo.core.losses.aggregate import Aggregation as Aggregation
 from fnppo.core.losses.aggregate import loss_normalizer as loss_normalizer
 from fnppo.core.losses.config import LossConfig as LossConfig
 from fnppo.core.losses.covariance import *  # noqa: F403 - its losses: covariance.__all__
+from fnppo.core.losses.distill import TOPK_TAILS as TOPK_TAILS
+from fnppo.core.losses.distill import Distill as Distill
+from fnppo.core.losses.distill import ForwardKL as ForwardKL
+from fnppo.core.losses.distill import ReverseKL as ReverseKL
+from fnppo.core.losses.distill import TeacherSignal as TeacherSignal
+from fnppo.core.losses.distill import TopK as TopK
+from fnppo.core.losses.distill import topk_divergence as topk_divergence
 from fnppo.core.losses.flat import POLICY_LOSSES as POLICY_LOSSES
 from fnppo.core.losses.flat import from_flat as from_flat
 from fnppo.core.losses.kl import KL_ESTIMATORS as KL_ESTIMATORS
 from fnppo.core.losses.kl import KLPenalty as KLPenalty
 from fnppo.core.losses.kl import kl_penalty as kl_penalty
+from fnppo.core.losses.objective import local_normalizers as local_normalizers
+from fnppo.core.losses.objective import terms_loss as terms_loss
 from fnppo.core.losses.offpolicy import *  # noqa: F403 - its losses: offpolicy.__all__
 from fnppo.core.losses.policy import *  # noqa: F403 - its losses: policy.__all__
 from fnppo.core.losses.policy import PolicyInputs as PolicyInputs
@@ -51,6 +63,8 @@ from fnppo.core.losses.rollout_weights import TISWeights as TISWeights
 from fnppo.core.losses.rollout_weights import compute_tis_weights as compute_tis_weights
 from fnppo.core.losses.rollout_weights import tis_batch_stats as tis_batch_stats
 from fnppo.core.losses.staleness import Staleness as Staleness
+from fnppo.core.losses.terms import CrossEntropy as CrossEntropy
+from fnppo.core.losses.terms import RefKL as RefKL
 from fnppo.core.losses.value import ValueLossConfig as ValueLossConfig
 from fnppo.core.losses.value import value_loss as value_loss
 
@@ -79,4 +93,7 @@ __all__ = [
     *policy.__all__,
     *covariance.__all__,
     *offpolicy.__all__,
+    # the terms beside the policy loss (distillation, cross-entropy, KL to the reference)
+    *("Distill", "ReverseKL", "ForwardKL", "TeacherSignal", "TopK", "TOPK_TAILS", "topk_divergence"),
+    *("CrossEntropy", "RefKL", "terms_loss", "local_normalizers"),
 ]

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from fnppo.core.errors import check_bool_fields, input_error
 from fnppo.core.losses.aggregate import Aggregation
 from fnppo.core.losses.checks import Checker
+from fnppo.core.losses.distill import Distill
 from fnppo.core.losses.kl import KLPenalty
 from fnppo.core.losses.policy import PolicyLoss, bypass_only, loss_name, ppo_clip, uses_ratio
 from fnppo.core.losses.rollout_correction import RolloutCorrection
+from fnppo.core.losses.terms import CrossEntropy, RefKL, check_terms
 
 __all__ = ["LossConfig", "check_cross"]
 
@@ -97,19 +99,29 @@ class LossConfig:
             (verl's ``bypass_mode``.)
         log_ratio_clamp: log-ratios (policy, KL and rollout correction) are clamped to
             ``[-log_ratio_clamp, log_ratio_clamp]`` before ``exp`` so that no inf/NaN appears.
+        distill, ce, ref_kl: terms of the objective beside the policy loss, each None (default) or
+            its part: a distillation term (:class:`~fnppo.core.losses.distill.ReverseKL`,
+            :class:`~fnppo.core.losses.distill.ForwardKL`), a cross-entropy on given tokens
+            (:class:`~fnppo.core.losses.terms.CrossEntropy`), a KL to the reference with its own
+            normalizer (:class:`~fnppo.core.losses.terms.RefKL`). ``policy=None`` with a term is an
+            objective without a policy loss (pure distillation or SFT: no advantages or old
+            log-probs needed). :mod:`fnppo.core.losses.terms` states the rules.
 
     Raises:
         InputError: ``fnppo.losses.LossConfig: argument '<field>' ...``: a part of the wrong type, a
             bad number or bool, or parts that do not combine (see :func:`check_cross`).
     """
 
-    policy: PolicyLoss = ppo_clip()
+    policy: PolicyLoss | None = ppo_clip()
     agg: Aggregation = Aggregation()
     entropy_coef: float = 0.0
     kl: KLPenalty | None = None
     correction: RolloutCorrection | None = None
     bypass_old_logprobs: bool = False
     log_ratio_clamp: float = 20.0
+    distill: Distill | None = None
+    ce: CrossEntropy | None = None
+    ref_kl: RefKL | None = None
 
     def __post_init__(self) -> None:
         fn = "fnppo.losses.LossConfig"
@@ -123,7 +135,7 @@ class LossConfig:
                 "(a class is callable, but calling it builds a loss, it computes none)",
                 f"the class {self.policy.__module__}.{self.policy.__qualname__}",
             )
-        if not callable(self.policy):
+        if self.policy is not None and not callable(self.policy):
             raise input_error(
                 fn,
                 "policy",
@@ -144,6 +156,7 @@ class LossConfig:
             "a RolloutCorrection or None",
         )
         c.number("log_ratio_clamp", 0, strict=True, expected="a number > 0")
+        check_terms(c)
         corr = self.correction
         check_cross(
             Checker(
