@@ -147,8 +147,8 @@ def check_interleaved(fn: str, config: Batching, plan: Plan) -> None:
             "per step, and padded micro-batches differ in their number of rows",
             repr(config.layout),
         )
-    count = plan.split.n
-    if plan.split.explicit and count % group:
+    count = plan.split.fixed_count
+    if count is not None and count % group:
         given = config.split is not None or config.num_microbatches is not None
         raise input_error(
             fn,
@@ -201,6 +201,7 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
         parts=num_minibatches,
         arg="batch",
         count_arg=f"config.{plan.split_arg}",
+        layout=plan.layout,
     )
     check_devices(fn, samples, arg="batch")
     check_same_fields(fn, samples, arg="batch")

@@ -2,21 +2,22 @@
 
 Plain torch (``torch.distributed`` for the agreement); nothing here imports Megatron.
 
-* :func:`split_batch` decides which samples go into which micro-batch (a fixed number, a fixed size,
-  or a hard token budget), agrees on the number of micro-batches over the data-parallel group and
-  returns a :class:`SplitPlan`;
+* :func:`split_batch` decides which samples go into which micro-batch by a split rule
+  (:class:`~fnppo.core.batching.splits.base.Split`: ``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``
+  or your own), agrees on the number of micro-batches over the data-parallel group and returns a
+  :class:`SplitPlan`;
 * :class:`SplitPlan` groups samples by micro-batch (:meth:`SplitPlan.apply`) and puts per-sample
   results back in the original order (:meth:`SplitPlan.restore`, the one way fnppo restores sample
   order);
 * :func:`build_microbatches` is the one call the training step makes: plan, collate
   (:func:`fnppo.core.batching.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
-* :data:`Split` is the split as one value, passed down as it is: :class:`ByCount` (a fixed number
-  of micro-batches), :class:`BySize` (a fixed number of samples each) or :class:`ByTokens` (a hard
-  token budget each). Each says how many micro-batches it makes and what only the data can refuse
-  (no dispatch on names anywhere below). The flat keywords ``num_microbatches`` /
-  ``microbatch_size`` / ``max_tokens_per_microbatch`` are sugar that builds one (:func:`split_mode`,
-  the one check of them, shared with :class:`fnppo.StepConfig`).
+
+The planner asks the rule and nothing else (no rule is known by name here): the rule's checks
+(``refusal``), its count, the agreement over ranks, its groups at the agreed count. The flat
+keywords ``num_microbatches`` / ``microbatch_size`` / ``max_tokens_per_microbatch`` are sugar for
+the three built-in rules (:func:`split_mode`, the one home of that sugar, shared with
+:class:`fnppo.StepConfig`).
 """
 
 from __future__ import annotations
@@ -32,25 +33,16 @@ from fnppo.core.batching.checks import check_lengths
 from fnppo.core.batching.collate import pad_microbatch, to_device
 from fnppo.core.batching.context_parallel import shard_microbatch
 from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, round_up
-from fnppo.core.batching.splits import (
-    SPLIT_MODES,
-    ByCount,
-    BySize,
-    ByTokens,
-    Split,
-    _cost_fn,
-    as_split,
-    split_mode,
-)
+from fnppo.core.batching.splits.base import Item, Split
+from fnppo.core.batching.splits.count import ByCount
+from fnppo.core.batching.splits.size import BySize
+from fnppo.core.batching.splits.tokens import ByTokens
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import typechecked
 
 __all__ = [
     "Split",
-    "ByCount",
-    "BySize",
-    "ByTokens",
-    "as_split",
+    "Item",
     "SplitPlan",
     "split_batch",
     "split_mode",
@@ -59,6 +51,36 @@ __all__ = [
     "build_microbatches",
     "SPLIT_MODES",
 ]
+
+_FLAT = (ByCount, BySize, ByTokens)  # the rules the flat keywords build, in keyword order
+SPLIT_MODES = tuple(rule.flat for rule in _FLAT)
+"""The three flat keywords of a split (``num_microbatches``, ``microbatch_size``,
+``max_tokens_per_microbatch``); at most one is used."""
+
+
+def split_mode(
+    num_microbatches: Any, microbatch_size: Any, max_tokens_per_microbatch: Any, *, fn: str, required: bool
+) -> Split | None:
+    """The rule the flat keywords build (``ByCount`` / ``BySize`` / ``ByTokens`` of the one given),
+    checked, or None when none is given and not ``required``.
+
+    The one home of the flat sugar, used by :func:`split_batch` (exactly one mode) and
+    :class:`fnppo.StepConfig` (at most one; none means one micro-batch).
+
+    Raises:
+        InputError: two or more keywords (or none when ``required``); a size that is not an int >= 1.
+    """
+    values = (num_microbatches, microbatch_size, max_tokens_per_microbatch)
+    given = [(rule, v) for rule, v in zip(_FLAT, values) if v is not None]
+    if len(given) > 1 or (required and not given):
+        names = [rule.flat for rule, _ in given]
+        expected = "exactly one of them" if required else "at most one of them"
+        raise input_error(fn, "/".join(SPLIT_MODES), expected, f"{names or 'none'}")
+    if not given:
+        return None
+    rule, value = given[0]
+    check_positive_int(fn, rule.flat, value)
+    return rule(value)
 
 
 _T = TypeVar("_T")
@@ -138,51 +160,6 @@ class SplitPlan:
         return [flat[j] for j in self.inverse]
 
 
-def _balanced(lengths: list[int], k: int, budget: int, layout: str) -> list[list[int]] | None:
-    """Longest-processing-time-first onto exactly ``k`` groups under the cap (Graham 1969).
-
-    Each sample (longest first) goes to the group whose collated token count after adding it is
-    smallest among those that stay within ``budget``. Returns None if some sample fits nowhere.
-    """
-    cost = _cost_fn(layout)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = [[] for _ in range(k)]
-    stats = [[0, 0, 0] for _ in range(k)]
-    for i in order:
-        ln = lengths[i]
-        best, best_cost = -1, None
-        for b, (c, t, mx) in enumerate(stats):
-            new = cost(c + 1, t + ln, max(mx, ln))
-            if new <= budget and (best_cost is None or new < best_cost):
-                best, best_cost = b, new
-        if best < 0:
-            return None
-        bins[best].append(i)
-        c, t, mx = stats[best]
-        stats[best] = [c + 1, t + ln, max(mx, ln)]
-    return bins
-
-
-def _split_to(bins: list[list[int]], k: int) -> list[list[int]]:
-    """Grow to ``k`` groups by moving the shortest sample of the fullest group into a new group."""
-    bins = [list(b) for b in bins]
-    while len(bins) < k:
-        b = max(range(len(bins)), key=lambda j: (len(bins[j]), -j))
-        bins.append([bins[b].pop()])  # groups are longest-first: pop() is the shortest sample
-    return bins
-
-
-def _contiguous(n: int, k: int) -> list[list[int]]:
-    """``range(n)`` in ``k`` contiguous groups whose sizes differ by at most one (the first are larger)."""
-    q, rem = divmod(n, k)
-    groups, start = [], 0
-    for j in range(k):
-        size = q + (1 if j < rem else 0)
-        groups.append(list(range(start, start + size)))
-        start += size
-    return groups
-
-
 def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
     """All-reduce ``(k, -n)`` with MAX over ``dp_group``: the group's largest count, smallest batch."""
     if dp_group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
@@ -209,21 +186,17 @@ def split_batch(
 ) -> SplitPlan:
     """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
 
-    Exactly one mode: ``split`` (a :data:`Split`), or one of the flat keywords that build it:
+    Exactly one mode: ``split`` (a split rule, :class:`~fnppo.core.batching.splits.base.Split`), or
+    one of the flat keywords that build the built-in ones:
 
-    * ``num_microbatches=k``: ``k`` contiguous groups, sizes differing by at most one;
-    * ``microbatch_size=b``: ``ceil(n / b)`` contiguous groups of at most ``b`` samples (sizes
-      differing by at most one);
-    * ``max_tokens_per_microbatch=B``: a hard cap on the collated token count of every micro-batch.
-      A sample counts ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens; a
-      micro-batch counts the sum of those (``layout="packed"``) or ``count * max`` of them
-      (``layout="padded"``), i.e. exactly ``mb.input_ids.numel()`` of :func:`collate_microbatch` with
-      the same ``layout`` and ``pad_to_multiple_of``. The number of micro-batches is the one of
-      first-fit decreasing (Johnson 1973, at most ``11/9 OPT + 6/9``); the samples are then spread
-      over that many micro-batches longest-first, each onto the micro-batch with the smallest
-      collated token count after adding it (Graham's LPT, 1969), which balances the token count
-      (linear cost: MLP, logits and loss dominate at RL lengths) under the cap. Where LPT cannot
-      respect the cap, the first-fit-decreasing groups are used as they are.
+    * ``num_microbatches=k`` (:class:`~fnppo.core.batching.splits.count.ByCount`): ``k`` contiguous
+      groups, sizes differing by at most one;
+    * ``microbatch_size=b`` (:class:`~fnppo.core.batching.splits.size.BySize`): ``ceil(n / b)``
+      contiguous groups of at most ``b`` samples (sizes differing by at most one);
+    * ``max_tokens_per_microbatch=B`` (:class:`~fnppo.core.batching.splits.tokens.ByTokens`): a hard
+      cap on the collated token count of every micro-batch, exactly ``mb.input_ids.numel()`` of
+      :func:`collate_microbatch` with the same ``layout`` and ``pad_to_multiple_of`` (a sample counts
+      ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens), balanced under the cap.
 
     With ``dp_group`` (a ``torch.distributed`` group, e.g. Megatron's data-parallel group) the
     number of micro-batches is all-reduced with MAX, so every rank runs the same count; ranks that
@@ -236,7 +209,7 @@ def split_batch(
 
     Args:
         samples: the batch.
-        split: the :data:`Split` (``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``).
+        split: the split rule (``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``, or your own).
         num_microbatches, microbatch_size, max_tokens_per_microbatch: sugar for ``split`` (exactly one
             of the four).
         dp_group: the data-parallel group to agree with, or None.
@@ -270,6 +243,20 @@ def split_batch(
     return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout)
 
 
+def sample_items(
+    samples: Sequence[Sample], pad_to_multiple_of: int, length: Callable[[Sample], int] = len
+) -> list[Item]:
+    """One :class:`~fnppo.core.batching.splits.base.Item` per sample: its collated tokens
+    ``round_up(length(sample), pad_to_multiple_of)``, their causal attention pairs, its description."""
+    items = []
+    for i, s in enumerate(samples):
+        n = round_up(length(s), pad_to_multiple_of)
+        padded = f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"
+        what = f"{n} tokens (prompt {s.prompt_len} + response {s.response_len}{padded}"
+        items.append(Item(samples=(i,), tokens=n, pairs=n * (n + 1) // 2, what=what))
+    return items
+
+
 def _plan(
     samples: Sequence[Sample],
     mode: Split,
@@ -280,27 +267,28 @@ def _plan(
     length: Callable[[Sample], int] = len,
     count_multiple: int = 1,
 ) -> SplitPlan:
-    """:func:`split_batch` on checked arguments (the step's path): count, agree over DP, group.
+    """:func:`split_batch` on checked arguments (the step's path): the rule's checks, its count,
+    the agreement over DP, its groups at the agreed count.
 
     ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
-    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how much). A count the
-    split decides (``microbatch_size``, ``max_tokens_per_microbatch``) is rounded up to a multiple
-    of ``count_multiple`` after the agreement; an explicit ``num_microbatches`` is taken as given.
+    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how
+    much). A count the rule decides (``fixed_count`` None) is rounded up to a multiple of
+    ``count_multiple`` after the agreement; a fixed one is taken as given.
 
     Raises:
-        InputError: the checks only the data can answer: ``num_microbatches`` above the batch
-            size, a sample longer than the token budget, too few samples for the agreed count.
+        InputError: the checks only the data can answer: a fixed count above the batch size, an
+            item the rule refuses on its own (a sample longer than the token budget), too few
+            samples for the agreed count.
     """
     fn = "split_batch"
     n = len(samples)
-    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length)
-    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-    k, local = mode.groups(lengths, layout)
+    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length, layout=layout)
+    items = sample_items(samples, pad_to_multiple_of, length)
+    k = mode.count(items, layout)
     agreed, smallest = _agree(k, n, dp_group)
     rounded = ""
-    if not mode.explicit and agreed % count_multiple != 0:
+    if mode.fixed_count is None and agreed % count_multiple != 0:
         rounded = f", {agreed} rounded up to a multiple of {count_multiple}"
-    if rounded:
         agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
         raise input_error(
@@ -310,13 +298,8 @@ def _plan(
             f"micro-batches{rounded}; empty micro-batches are not supported)",
             f"{smallest} samples on some rank ({n} here)",
         )
-    if local is None:
-        groups = _contiguous(n, agreed)
-    else:
-        assert isinstance(mode, ByTokens)
-        groups = _balanced(lengths, agreed, mode.n, layout) or _split_to(local, agreed)
-    groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
-    return SplitPlan.from_groups(groups)
+    groups = [sorted(s for j in g for s in items[j].samples) for g in mode.group(items, agreed, layout)]
+    return SplitPlan.from_groups(sorted(groups, key=lambda g: g[0]))
 
 
 def check_split(
@@ -329,10 +312,11 @@ def check_split(
     parts: int = 1,
     arg: str = "samples",
     count_arg: str = "num_microbatches",
+    layout: str = "packed",
 ) -> None:
-    """The checks of a split that only the data can answer, before any agreement over ranks: an
-    explicit micro-batch count of at most the (mini-)batch size, and every (padded) sample within
-    the token budget on its own.
+    """The checks of a split that only the data can answer, before any agreement over ranks: a
+    fixed micro-batch count of at most the (mini-)batch size, and every item accepted by the rule
+    on its own (``refusal``: e.g. a sample within the token budget).
 
     The one home of both checks: :func:`split_batch` runs it on its samples; the training step runs
     it on the caller's whole batch, cut into ``parts`` equal mini-batches (``num_minibatches``), before
@@ -341,21 +325,33 @@ def check_split(
     Args:
         fn, arg, count_arg: the function, the samples' argument and the count's argument named in errors.
         samples: the samples (``len(samples)`` divisible by ``parts``).
-        mode: the :data:`Split`.
+        mode: the split rule.
         pad_to_multiple_of, length: a sample counts ``round_up(length(sample), pad_to_multiple_of)`` tokens.
         parts: the number of equal mini-batches the samples are split into.
+        layout: the micro-batch layout (``"packed"`` or ``"padded"``).
 
     Raises:
         InputError: naming ``count_arg`` (more micro-batches than samples per mini-batch) or
-            ``<arg>[i]`` (a sample longer than ``max_tokens_per_microbatch``).
+            ``<arg>[i]`` (a sample the rule refuses on its own).
     """
-    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-    mode.check(fn, samples, lengths, parts, arg, count_arg, pad_to_multiple_of)
+    per_part = len(samples) // parts
+    fixed = mode.fixed_count
+    if fixed is not None and fixed > per_part:
+        where = (
+            f"the batch size {per_part} ("
+            if parts == 1
+            else f"the mini-batch size {per_part} ({len(samples)} samples / num_minibatches={parts}; "
+        )
+        raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(fixed))
+    for item in sample_items(samples, pad_to_multiple_of, length):
+        expected = mode.refusal(item, layout)
+        if expected is not None:
+            raise input_error(fn, f"{arg}[{item.samples[0]}]", expected, item.what)
 
 
 def plan_microbatches(
     samples: Sequence[Sample],
-    mode: Split | tuple[str, int],
+    mode: Split,
     *,
     layout: str,
     pad_to_multiple_of: int,
@@ -369,7 +365,7 @@ def plan_microbatches(
     length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
     return _plan(
         samples,
-        as_split(mode),
+        mode,
         dp_group=dp_group,
         pad_to_multiple_of=pad_to_multiple_of,
         layout=layout,
@@ -380,7 +376,7 @@ def plan_microbatches(
 
 def build_microbatches(
     samples: Sequence[Sample],
-    mode: Split | tuple[str, int],
+    mode: Split,
     *,
     layout: str,
     pad_to_multiple_of: int,
@@ -401,7 +397,7 @@ def build_microbatches(
 
     Args:
         samples: the (mini-)batch.
-        mode: the :data:`Split` (a former ``(flat name, size)`` pair is accepted).
+        mode: the split rule.
         layout, pad_to_multiple_of: as in :func:`split_batch` / :func:`collate_microbatch`.
         collate: the collate stage, called as ``collate(group, layout=, pad_to_multiple_of=,
             sample_index=)``; its ``collated_length(sample)``, when it has one, is the token count
