@@ -16,6 +16,7 @@ from fnppo.core.batching.split import split_batch as split_batch
 from fnppo.core.batching.splits.base import Item as Item
 from fnppo.core.batching.splits.base import Split as Split
 from fnppo.core.batching.splits.count import ByCount as ByCount
+from fnppo.core.batching.splits.flops import ByFlops as ByFlops
 from fnppo.core.batching.splits.size import BySize as BySize
 from fnppo.core.batching.splits.tokens import ByTokens as ByTokens
 
@@ -29,6 +30,7 @@ __all__ = [
     "ByCount",
     "BySize",
     "ByTokens",
+    "ByFlops",
     "SplitPlan",
     "split_batch",
     "collate_microbatch",
