@@ -7,6 +7,7 @@ from fnppo.core.batching.collate import collate_microbatch as collate_microbatch
 from fnppo.core.batching.collate import pad_microbatch as pad_microbatch
 from fnppo.core.batching.collate import to_device as to_device
 from fnppo.core.batching.collate import unpack_per_sample as unpack_per_sample
+from fnppo.core.batching.prefix import SharedPrefix as SharedPrefix
 from fnppo.core.batching.sample import LAYOUTS as LAYOUTS
 from fnppo.core.batching.sample import Microbatch as Microbatch
 from fnppo.core.batching.sample import Sample as Sample
@@ -31,6 +32,7 @@ __all__ = [
     "BySize",
     "ByTokens",
     "ByFlops",
+    "SharedPrefix",
     "SplitPlan",
     "split_batch",
     "collate_microbatch",

@@ -49,6 +49,7 @@ from fnppo.core.errors import describe, input_error
 from fnppo.core.kernels.invariant import sequence_attention
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
 from fnppo.megatron.packed_attention import FLEX_BLOCK, check_cu_seqlens, packed_causal_attention
+from fnppo.megatron.shared_prefix import SharedPackedSeqParams, shared_core_attention
 
 __all__ = ["PackedDotProductAttention", "thd_packed_seq_params"]
 
@@ -112,6 +113,10 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
+        if isinstance(packed_seq_params, SharedPackedSeqParams):  # shared prefixes (fnppo.megatron.shared_prefix)
+            return shared_core_attention(
+                self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         if getattr(self.config, "batch_invariant_mode", False):
             return self._forward_invariant(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
         if packed_seq_params is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fnppo.core.batching.prefix import SharedPrefix
 from fnppo.core.batching.sample import LAYOUTS
 from fnppo.core.batching.split import Split, split_mode
 from fnppo.core.batching.splits.count import ByCount
@@ -35,6 +36,11 @@ class Batching:
     parallelism, :func:`~fnppo.core.batching.sample.padding_multiple`). ``max_seq_len`` caps the length
     (prompt + response) of every sample; when None, the model's ``max_sequence_length`` is the cap.
     A longer sample is refused (:class:`~fnppo.core.errors.InputError`), never truncated.
+    ``packing``: :class:`~fnppo.core.batching.prefix.SharedPrefix` packs every prompt group of a
+    micro-batch with its prompt once (GRPO's G samples of a prompt: the prompt's activations and
+    their gradient computed once, every sample's numbers those of the unshared step up to rounding;
+    packed layout, local layer spec, no context parallelism, not in the batch-invariant mode; refused
+    by name elsewhere); None packs every sample on its own.
 
     Raises:
         InputError: naming the class (``StepConfig``, ``CriticConfig``): a bool field holding
@@ -50,6 +56,7 @@ class Batching:
     max_seq_len: int | None = None
     num_minibatches: int = 1
     ppo_epochs: int = 1
+    packing: SharedPrefix | None = None
 
     def __post_init__(self) -> None:
         fn = type(self).__name__
@@ -68,6 +75,12 @@ class Batching:
                 raise input_error(fn, flat.flat, "None when split is given (one way in)", repr(flat.n))
         for n in ("num_minibatches", "ppo_epochs"):
             check_positive_int(fn, n, getattr(self, n))
+        if self.packing is not None and not isinstance(self.packing, SharedPrefix):
+            raise input_error(fn, "packing", "None or a fnppo.batching.SharedPrefix", repr(self.packing))
+        if self.packing is not None and self.layout != "packed":
+            raise input_error(
+                fn, "layout", "'packed' with shared-prefix packing (one document per prompt group)", repr(self.layout)
+            )
         for n in ("pad_to_multiple_of", "max_seq_len"):
             check_positive_int(fn, n, getattr(self, n), allow_none=True)
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from fnppo.core.batching.checks import check_lengths
 from fnppo.core.batching.collate import pad_microbatch, to_device
 from fnppo.core.batching.context_parallel import shard_microbatch
+from fnppo.core.batching.prefix import SharedPrefix, check_prompt_groups, group_items, split_groups_to
 from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, round_up
 from fnppo.core.batching.splits.base import Item, Split
 from fnppo.core.batching.splits.count import ByCount
@@ -183,6 +184,7 @@ def split_batch(
     max_seq_len: int | None = None,
     pad_to_multiple_of: int = 1,
     layout: str = "packed",
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
     """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
 
@@ -215,6 +217,9 @@ def split_batch(
         dp_group: the data-parallel group to agree with, or None.
         max_seq_len: refuse samples longer than this (None: no limit).
         pad_to_multiple_of, layout: as in :func:`fnppo.core.batching.collate.collate_microbatch` (token counts).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` (packed layout only): the rule
+            places prompt groups (tokens counted as computed, the prompt once per group or
+            sub-group), not samples; None: one item per sample.
 
     Returns:
         The :class:`SplitPlan`.
@@ -239,8 +244,16 @@ def split_batch(
         raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
     if max_seq_len is not None:
         check_lengths(fn, samples, max_seq_len, f"at most max_seq_len={max_seq_len} tokens")
+    if packing is not None:
+        if layout != "packed":
+            raise input_error(
+                fn, "layout", "'packed' with shared-prefix packing (one document per group)", repr(layout)
+            )
+        check_prompt_groups(fn, samples)
     assert mode is not None
-    return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout)
+    return _plan(
+        samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, packing=packing
+    )
 
 
 def sample_items(
@@ -257,6 +270,36 @@ def sample_items(
     return items
 
 
+def _items(
+    fn: str,
+    samples: Sequence[Sample],
+    mode: Split,
+    packing: SharedPrefix | None,
+    *,
+    layout: str,
+    pad_to_multiple_of: int,
+    length: Callable[[Sample], int],
+    arg: str = "samples",
+    index: Callable[[int], int] = lambda i: i,
+) -> list[Item]:
+    """The items the rule places: one per sample, or (shared-prefix packing) one per prompt group,
+    split into sub-groups where the rule refuses a group whole; each accepted by the rule.
+
+    Raises:
+        InputError: an item the rule refuses on its own, naming ``<arg>[index(i)]``.
+    """
+    if packing is not None:
+        return group_items(
+            fn, samples, mode, packing, layout=layout, pad_to_multiple_of=pad_to_multiple_of, arg=arg, index=index
+        )
+    items = sample_items(samples, pad_to_multiple_of, length)
+    for item in items:
+        expected = mode.refusal(item, layout)
+        if expected is not None:
+            raise input_error(fn, f"{arg}[{index(item.samples[0])}]", expected, item.what)
+    return items
+
+
 def _plan(
     samples: Sequence[Sample],
     mode: Split,
@@ -266,6 +309,7 @@ def _plan(
     layout: str,
     length: Callable[[Sample], int] = len,
     count_multiple: int = 1,
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
     """:func:`split_batch` on checked arguments (the step's path): the rule's checks, its count,
     the agreement over DP, its groups at the agreed count.
@@ -273,31 +317,37 @@ def _plan(
     ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
     stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how
     much). A count the rule decides (``fixed_count`` None) is rounded up to a multiple of
-    ``count_multiple`` after the agreement; a fixed one is taken as given.
+    ``count_multiple`` after the agreement; a fixed one is taken as given. With ``packing``
+    (:class:`~fnppo.core.batching.prefix.SharedPrefix`) the items are prompt groups, cut in halves
+    with the prompt repeated where the agreed count needs more items (not with ``split_groups=False``:
+    then the groups are what the agreement counts).
 
     Raises:
         InputError: the checks only the data can answer: a fixed count above the batch size, an
             item the rule refuses on its own (a sample longer than the token budget), too few
-            samples for the agreed count.
+            samples (or whole groups) for the agreed count.
     """
     fn = "split_batch"
-    n = len(samples)
-    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length, layout=layout)
-    items = sample_items(samples, pad_to_multiple_of, length)
-    k = mode.count(items, layout)
-    agreed, smallest = _agree(k, n, dp_group)
+    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length, layout=layout, packing=packing)
+    items = _items(fn, samples, mode, packing, layout=layout, pad_to_multiple_of=pad_to_multiple_of, length=length)
+    whole = packing is not None and not packing.split_groups
+    n = len(items) if whole else len(samples)
+    agreed, smallest = _agree(mode.count(items, layout), n, dp_group)
     rounded = ""
     if mode.fixed_count is None and agreed % count_multiple != 0:
         rounded = f", {agreed} rounded up to a multiple of {count_multiple}"
         agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
+        what = "prompt groups (kept whole: SharedPrefix(split_groups=False))" if whole else "samples"
         raise input_error(
             fn,
             "samples",
-            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of "
+            f"at least {agreed} {what} on every data-parallel rank (the group's agreed number of "
             f"micro-batches{rounded}; empty micro-batches are not supported)",
-            f"{smallest} samples on some rank ({n} here)",
+            f"{smallest} {what.split(' (')[0]} on some rank ({n} here)",
         )
+    if packing is not None:
+        items = split_groups_to(samples, items, agreed, pad_to_multiple_of)
     groups = [sorted(s for j in g for s in items[j].samples) for g in mode.group(items, agreed, layout)]
     return SplitPlan.from_groups(sorted(groups, key=lambda g: g[0]))
 
@@ -313,14 +363,17 @@ def check_split(
     arg: str = "samples",
     count_arg: str = "num_microbatches",
     layout: str = "packed",
+    packing: SharedPrefix | None = None,
 ) -> None:
     """The checks of a split that only the data can answer, before any agreement over ranks: a
     fixed micro-batch count of at most the (mini-)batch size, and every item accepted by the rule
-    on its own (``refusal``: e.g. a sample within the token budget).
+    on its own (``refusal``: e.g. a sample within the token budget; with ``packing``, a prompt group
+    or its sub-groups).
 
     The one home of both checks: :func:`split_batch` runs it on its samples; the training step runs
-    it on the caller's whole batch, cut into ``parts`` equal mini-batches (``num_minibatches``), before
-    anything runs, with ``arg="batch"`` and ``count_arg="config.num_microbatches"``.
+    it on the caller's whole batch, cut into ``parts`` mini-batches (``num_minibatches``; mini-batch
+    ``k`` holds samples ``k, k + parts, ...``), before anything runs, with ``arg="batch"`` and
+    ``count_arg="config.num_microbatches"``.
 
     Args:
         fn, arg, count_arg: the function, the samples' argument and the count's argument named in errors.
@@ -329,10 +382,11 @@ def check_split(
         pad_to_multiple_of, length: a sample counts ``round_up(length(sample), pad_to_multiple_of)`` tokens.
         parts: the number of equal mini-batches the samples are split into.
         layout: the micro-batch layout (``"packed"`` or ``"padded"``).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` or None.
 
     Raises:
         InputError: naming ``count_arg`` (more micro-batches than samples per mini-batch) or
-            ``<arg>[i]`` (a sample the rule refuses on its own).
+            ``<arg>[i]`` (a sample, or a group kept whole, that the rule refuses on its own).
     """
     per_part = len(samples) // parts
     fixed = mode.fixed_count
@@ -343,10 +397,12 @@ def check_split(
             else f"the mini-batch size {per_part} ({len(samples)} samples / num_minibatches={parts}; "
         )
         raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(fixed))
-    for item in sample_items(samples, pad_to_multiple_of, length):
-        expected = mode.refusal(item, layout)
-        if expected is not None:
-            raise input_error(fn, f"{arg}[{item.samples[0]}]", expected, item.what)
+    kw: dict[str, Any] = dict(layout=layout, pad_to_multiple_of=pad_to_multiple_of, length=length, arg=arg)
+    if packing is None:
+        _items(fn, samples, mode, None, **kw)
+        return
+    for k in range(parts):
+        _items(fn, list(samples)[k::parts], mode, packing, index=lambda i, k=k: k + i * parts, **kw)
 
 
 def plan_microbatches(
@@ -358,6 +414,7 @@ def plan_microbatches(
     collate: Callable[..., Microbatch],
     dp_group: Any = None,
     count_multiple: int = 1,
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
     """The plan of :func:`build_microbatches` (the same arguments), without collating: the training
     step plans every mini-batch before its first update, so that a refusal of the plan (too few
@@ -371,6 +428,7 @@ def plan_microbatches(
         layout=layout,
         length=length,
         count_multiple=count_multiple,
+        packing=packing,
     )
 
 
@@ -387,6 +445,7 @@ def build_microbatches(
     context_parallel: tuple[int, int] = (1, 0),
     count_multiple: int = 1,
     plan: SplitPlan | None = None,
+    packing: SharedPrefix | None = None,
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
@@ -414,6 +473,8 @@ def build_microbatches(
             stay within the size or token cap. An explicit ``num_microbatches`` is not changed.
         plan: the plan of these samples from :func:`plan_microbatches` with the same arguments (None:
             planned here).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` (each prompt group of a
+            micro-batch packed with its prompt once: ``collate(..., share_prefix=True)``) or None.
 
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
@@ -427,9 +488,14 @@ def build_microbatches(
             collate=collate,
             dp_group=dp_group,
             count_multiple=count_multiple,
+            packing=packing,
         )
+    shared: dict[str, Any] = {} if packing is None else {"share_prefix": True}
     mbs = [
-        to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
+        to_device(
+            collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices, **shared),
+            device,
+        )
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
     ]
     if same_length:
