@@ -29,9 +29,10 @@ from fnppo.core.batching.collate import collate_microbatch, pad_microbatch, unpa
 from fnppo.core.batching.prefix import prompt_groups
 from fnppo.core.batching.sample import Sample
 from fnppo.core.batching.split import split_batch
+from fnppo.core.errors import InputError
 from fnppo.megatron.packed_attention import shared_prefix_attention
 from fnppo.testing import run_ranks, tiny_model_config
-from tests.messages import raises_message
+from tests.messages import check_message, raises_message
 from tests.step_helpers import rel_err
 
 F64 = torch.float64
@@ -216,6 +217,12 @@ def test_groups_are_kept_whole_and_a_budget_counts_computed_tokens():
         "a group of 4 samples",
     ):
         split_batch(samples, ByTokens(small), packing=SharedPrefix(split_groups=False))
+    # more micro-batches agreed over data-parallel ranks than whole groups: refused on every rank
+    with mock.patch.object(S, "_agree", lambda k, n, g: (max(k, 4), n)):
+        with raises_message(
+            "split_batch", "samples", "at least 4 prompt groups (kept whole", "3 prompt groups on some rank"
+        ):
+            split_batch(samples, ByCount(3), packing=SharedPrefix(split_groups=False), dp_group=object())
     # more micro-batches than groups: groups halved, the prompt repeated; BySize counts samples
     assert split_batch(samples, ByCount(6), packing=SharedPrefix()).num_microbatches == 6
     assert all(len(g) <= 3 for g in split_batch(samples, BySize(3), packing=SharedPrefix()).microbatches)
@@ -483,3 +490,74 @@ def test_shared_equals_unshared_and_a_float64_gpt_in_one_process():
 def test_shared_equals_unshared_on_two_ranks(moe, layout):
     for rank, out in enumerate(run_ranks(_parallel_worker, 2, moe, **layout)):
         _assert_same(out["plain"], out["shared"], f"rank {rank}")
+
+
+def _model_refusals() -> dict:
+    """compute_logprobs / train_step with shared-prefix packing where it is not exact, and the
+    same calls without it (they run)."""
+    from unittest import mock as umock
+
+    from tests.messages import messages_of
+
+    layout = fnppo.parallel.current_layout()
+    samples = fnppo.shard_for_data_parallel(grouped((2, 2)), layout)
+    shared = fnppo.StepConfig(packing=SharedPrefix())
+    calls = {}
+    if layout.cp > 1:
+        state = _state(tiny_model_config())
+        calls["cp"] = lambda: fnppo.train_step(state, samples, shared)
+        calls["cp-unshared"] = lambda: fnppo.compute_logprobs(state.model, samples)
+        return messages_of(calls)
+    from fnppo.megatron.vlm_model import build_vlm
+    from tests.test_vlm import _lm_cfg, _vision
+
+    vlm = build_vlm(_lm_cfg(), _vision())
+    calls["vlm"] = lambda: fnppo.compute_logprobs(vlm, samples, config=shared)
+    invariant = fnppo.build_gpt(tiny_model_config(batch_invariant=True))
+    plain = fnppo.build_gpt(tiny_model_config())
+    calls["invariant"] = lambda: fnppo.compute_logprobs(invariant, samples, config=shared)
+    calls["invariant-unshared"] = lambda: fnppo.compute_logprobs(invariant, samples)
+    with umock.patch("fnppo.steps.checks.uses_transformer_engine", lambda core: True):
+        calls["te"] = messages_of({"te": lambda: fnppo.compute_logprobs(plain, samples, config=shared)})["te"]
+
+    def own_collate(group, **kw):
+        return fnppo.collate_microbatch(group, **kw)
+
+    own = dataclasses.replace(shared, fns=fnppo.StepFns(collate=own_collate))
+    calls["collate"] = lambda: fnppo.compute_logprobs(plain, samples, config=own)
+    calls["collate-unshared"] = lambda: fnppo.compute_logprobs(
+        plain, samples, config=dataclasses.replace(own, packing=None)
+    )
+    te = calls.pop("te")
+    out = messages_of(calls)
+    out["te"] = te
+    return out
+
+
+def test_shared_prefix_is_refused_where_it_is_not_exact():
+    got = run_ranks(_model_refusals, 1)[0]
+    expected = {
+        "invariant": ("None with the batch-invariant mode", "SharedPrefix(split_groups=True)"),
+        "te": ("None with Transformer Engine's layer spec", "SharedPrefix("),
+        "vlm": ("None with a vision-language model", "SharedPrefix("),
+    }
+    for case, (want, received) in expected.items():
+        check_message(InputError(got[case]), InputError, "compute_logprobs", "config.packing", want, received)
+    check_message(
+        InputError(got["collate"]),
+        InputError,
+        "compute_logprobs",
+        "config.fns.collate",
+        "collate_microbatch with shared-prefix packing",
+        "own_collate",
+    )
+    assert got["invariant-unshared"] == "no error" and got["collate-unshared"] == "no error"
+    (cp,) = {m for m in (r["cp"] for r in run_ranks(_model_refusals, 2, cp=2))}
+    check_message(
+        InputError(cp),
+        InputError,
+        "train_step",
+        "config.packing",
+        "None with context parallelism (cp=2)",
+        "SharedPrefix(",
+    )

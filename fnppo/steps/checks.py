@@ -61,10 +61,12 @@ def checked_plan(
 ) -> Plan:
     """:func:`~fnppo.steps.plan.make_plan`, after the checks every entry point makes before anything
     runs: :func:`check_context_parallel` (of the loss ``loss``; None: no loss is computed),
-    :func:`check_interleaved`, :func:`check_batch` and :func:`check_collate_inputs`, in that order."""
+    :func:`check_interleaved`, :func:`check_packing`, :func:`check_batch` and
+    :func:`check_collate_inputs`, in that order."""
     plan = make_plan(config, model)
     check_context_parallel(fn, config, plan, loss)
     check_interleaved(fn, config, plan)
+    check_packing(fn, config, plan)
     check_batch(fn, samples, plan, config.fns.collate, num_minibatches)
     check_collate_inputs(fn, config.fns.collate, samples, model)
     return plan
