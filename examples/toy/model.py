@@ -113,8 +113,18 @@ def policy_loss_config(args: argparse.Namespace):
     return loss
 
 
+def packing(args: argparse.Namespace):
+    """``--shared-prefix``: a GRPO group's prompt forwarded once (``fnppo.batching.SharedPrefix``), or None.
+    ``auto`` shares where it is exact: fnppo's local layer spec (``--spec local``, or the default
+    without Transformer Engine), not ``--batch-invariant``."""
+    local = args.spec == "local" or (args.spec == "default" and not fnppo.models.te_available())
+    on = args.shared_prefix == "on" or (args.shared_prefix == "auto" and local and not args.batch_invariant)
+    return fnppo.batching.SharedPrefix() if on else None
+
+
 def step_config(args: argparse.Namespace):
-    """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget), mini-batches."""
+    """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget),
+    mini-batches, ``--shared-prefix``."""
     loss = policy_loss_config(args)
     split = {}
     if args.max_tokens_per_microbatch:
@@ -122,7 +132,12 @@ def step_config(args: argparse.Namespace):
     else:
         split["num_microbatches"] = args.num_microbatches or 2
     return fnppo.StepConfig(
-        loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split
+        loss=loss,
+        layout="packed",
+        temperature=args.temperature,
+        num_minibatches=args.minibatches,
+        packing=packing(args),
+        **split,
     )
 
 
@@ -136,6 +151,7 @@ def critic_config(args: argparse.Namespace):
         loss=fnppo.losses.ValueLossConfig(clip_range=args.value_clip),
         layout="packed",
         num_minibatches=args.minibatches,
+        packing=cfg.packing,
         **split,
     )
 

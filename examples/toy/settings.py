@@ -46,6 +46,7 @@ RUN_DEFINING = (
     "policy_loss",
     "staleness",
     "sampler_dtype",
+    "shared_prefix",
 )
 
 
@@ -67,6 +68,7 @@ SETTING_DEFAULTS = {
     "policy_loss": "ppo",
     "staleness": 0,
     "sampler_dtype": "same",
+    "shared_prefix": "off",
 }  # what a checkpoint without the key was written with
 
 
