@@ -322,3 +322,18 @@ def test_lora_benchmark_smoke_on_cpu(tmp_path, extra, fraction):
         assert r["same_logprobs"] and r["reference_copy_gib"] * 2**30 >= full["params"] * 4
         assert r["reference_adapters_off_gib"] * 2**30 < 1024, r
     assert lora[0]["trainable_params"] * 2 == lora[1]["trainable_params"]
+
+
+def test_shared_prefix_benchmark_runs_tiny(tmp_path):
+    """benchmarks/shared_prefix.py --tiny: both packings train and score the same groups on the CPU,
+    the table has a row per prompt length and call, the JSON lands in --out ($OUT by default), and
+    the two packings' log-probs agree (fp32 on the CPU)."""
+    import json
+
+    done = _run_benchmark(["benchmarks/shared_prefix.py", "--tiny", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "shared_prefix.json").read_text())["rows"]
+    assert [(r["prompt"], r["call"]) for r in rows] == [
+        (p, c) for p in (24, 8) for c in ("train_step", "compute_logprobs")
+    ]
+    assert all(r["speedup"] > 0 and r["max_abs_logprob_diff"] <= 1e-5 for r in rows)
+    assert "| 24 | train_step |" in done.stdout
