@@ -244,14 +244,20 @@ def test_shared_prefix_trains_the_groups_with_the_same_rewards(tmp_path):
         _run([*SMALL, "--steps", "3", "--shared-prefix", mode, "--out-dir", str(out)])
         rows[mode] = _rows(out / "metrics.jsonl")
     assert [r["reward"] for r in rows["on"]] == [r["reward"] for r in rows["off"]]
-    # the flag reaches the step's config (auto: on with the local spec, off with --batch-invariant)
+    # the flag reaches the step's config (auto: on with the local spec, off with --batch-invariant or a router loss)
     sys.path.insert(0, str(ROOT / "examples"))
     from toy.cli import parse_args
     from toy.model import critic_config, step_config
 
     import fnppo
 
-    for flags, shared in (([], True), (["--shared-prefix", "off"], False), (["--batch-invariant"], False)):
+    for flags, shared in (
+        ([], True),
+        (["--shared-prefix", "off"], False),
+        (["--batch-invariant"], False),
+        (["--moe"], False),  # its router z-loss counts the tokens the routers compute
+        (["--moe", "--moe-z-coeff", "0"], True),
+    ):
         args = parse_args([*flags, "--spec", "local"])
         assert isinstance(step_config(args).packing, fnppo.batching.SharedPrefix) is shared, flags
         assert isinstance(critic_config(args).packing, fnppo.batching.SharedPrefix) is shared, flags

@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="pack each prompt's group with the prompt forwarded once (fnppo.batching.SharedPrefix; the same "
         "numbers as off up to float rounding): auto = on where that is exact (fnppo's local layer spec, "
-        "not --batch-invariant)",
+        "not --batch-invariant, no MoE router loss)",
     )
     p.add_argument(
         "--batch-invariant",

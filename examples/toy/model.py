@@ -115,10 +115,14 @@ def policy_loss_config(args: argparse.Namespace):
 
 def packing(args: argparse.Namespace):
     """``--shared-prefix``: a GRPO group's prompt forwarded once (``fnppo.batching.SharedPrefix``), or None.
-    ``auto`` shares where it is exact: fnppo's local layer spec (``--spec local``, or the default
-    without Transformer Engine), not ``--batch-invariant``."""
+    ``auto`` shares where the step's numbers are the unshared step's up to rounding: fnppo's local
+    layer spec (``--spec local``, or the default without Transformer Engine), not ``--batch-invariant``,
+    and no MoE router loss (its balance and z-losses are statistics of the tokens the routers compute:
+    a shared prompt counts once)."""
     local = args.spec == "local" or (args.spec == "default" and not fnppo.models.te_available())
-    on = args.shared_prefix == "on" or (args.shared_prefix == "auto" and local and not args.batch_invariant)
+    router_loss = args.moe and (args.moe_aux_coeff > 0 or args.moe_z_coeff > 0)
+    exact = local and not args.batch_invariant and not router_loss
+    on = args.shared_prefix == "on" or (args.shared_prefix == "auto" and exact)
     return fnppo.batching.SharedPrefix() if on else None
 
 

@@ -411,14 +411,15 @@ def shared_prefix_attention(
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     gqa = groups != heads
     if use_flex:
+        # the mask and the runs once per micro-batch (every layer passes the same tensors; one host sync)
         cached = _SHARED_MASKS.get(branch_ids)
         if cached is None or cached[0] is not root_ids:
-            cached = (root_ids, _shared_block_mask(branch_ids, root_ids))
+            cached = (root_ids, _shared_block_mask(branch_ids, root_ids), _runs(branch_ids))
             _SHARED_MASKS[branch_ids] = cached
         out = _flex_fn(query.device.type, False)(
             q, k, _finite_values(v), block_mask=cached[1], scale=scale, enable_gqa=gqa
         )
-        out = _restore_nonfinite_shared(out, value, branch_ids, root_ids, heads)
+        out = _restore_nonfinite_shared(out, value, branch_ids, root_ids, heads, cached[2])
     else:
         out = _shared_rows_sdpa(q, k, v, branch_ids, root_ids, dropout_p, scale, gqa)
     return out.squeeze(0).transpose(0, 1)
@@ -462,14 +463,17 @@ def _shared_rows_sdpa(
     return out[:, torch.argsort(order)].unsqueeze(0)
 
 
-def _restore_nonfinite_shared(out: Tensor, value: Tensor, branch: Tensor, root: Tensor, heads: int) -> Tensor:
+def _restore_nonfinite_shared(
+    out: Tensor, value: Tensor, branch: Tensor, root: Tensor, heads: int, runs: tuple[Tensor, Tensor]
+) -> Tensor:
     """NaN at the outputs whose visible keys (its run up to it, its document's prefix) hold a
-    non-finite value of the head's group (the shared-prefix form of :func:`_restore_nonfinite`)."""
+    non-finite value of the head's group (the shared-prefix form of :func:`_restore_nonfinite`);
+    ``runs``: :func:`_runs` of ``branch``."""
     bad = (~torch.isfinite(value)).any(dim=-1)  # [T, groups]
     count = torch.cumsum(bad.t().to(torch.int32).contiguous(), dim=1, dtype=torch.int32).t()  # [T, groups]
     zero = torch.zeros_like(count[:1])
     padded = torch.cat([zero, count])  # padded[i] = bad keys before token i
-    starts, lengths = _runs(branch)
+    starts, lengths = runs
     own_start = starts[branch]
     own = count - padded[own_start]
     r_start, r_len = starts[root], lengths[root]
