@@ -355,9 +355,10 @@ def _restore_nonfinite(out: Tensor, value: Tensor, cu_seqlens: Tensor, heads: in
 # ---------------------------------------------------------------------------------------------
 def _runs(branch: Tensor) -> tuple[Tensor, Tensor]:
     """``(start, length)`` of every run id ``0 .. max`` of ``branch_ids`` (runs are contiguous and
-    numbered in order; an id without tokens has length 0)."""
-    lengths = torch.bincount(branch, minlength=int(branch.max()) + 1 if branch.numel() else 0)
-    return lengths.cumsum(0) - lengths, lengths
+    numbered in order; an id without tokens has length 0), on ``branch``'s device. Counted on the
+    host (one copy; CUDA's ``bincount`` adds with atomics, which the deterministic mode warns about)."""
+    lengths = torch.bincount(branch.cpu())
+    return (lengths.cumsum(0) - lengths).to(branch.device), lengths.to(branch.device)
 
 
 def _shared_block_mask(branch: Tensor, root: Tensor) -> Any:
