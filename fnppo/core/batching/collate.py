@@ -99,18 +99,7 @@ def collate_microbatch(
             raise input_error(fn, "layout", "'packed' with share_prefix=True (one document per group)", repr(layout))
         check_prompt_groups(fn, samples)
     device = samples[0].prompt_ids.device
-    if layout == "packed":
-        pack = pack_layout(samples, pad_to_multiple_of, share_prefix)
-    else:
-        width = max(round_up(len(s), pad_to_multiple_of) for s in samples)
-        pack = Pack(
-            [i * width for i in range(len(samples))],
-            [0] * len(samples),
-            [True] * len(samples),
-            [width] * len(samples),
-            (),
-            None,
-        )
+    pack = _pack(samples, layout, pad_to_multiple_of, share_prefix)
     per_token = _collate_fields(samples, pack, layout, pad_token_id, present)
     mm, counts = _collate_multi_modal(fn, samples, device)
     routes = _collate_routing(samples, pack, layout) if present["routed_experts"] else None
@@ -131,6 +120,16 @@ def collate_microbatch(
         pad_to_multiple_of=pad_to_multiple_of,
         routed_experts=routes,
     )
+
+
+def _pack(samples: list[Sample], layout: str, pad_to_multiple_of: int, share_prefix: bool) -> Pack:
+    """Where each sample's tokens go: :func:`~fnppo.core.batching.prefix.pack_layout` (packed), or
+    row ``i`` of ``[n, round_up(max len, m)]`` (padded)."""
+    if layout == "packed":
+        return pack_layout(samples, pad_to_multiple_of, share_prefix)
+    n = len(samples)
+    width = max(round_up(len(s), pad_to_multiple_of) for s in samples)
+    return Pack([i * width for i in range(n)], [0] * n, [True] * n, [width] * n, (), None)
 
 
 def _check_collate_inputs(

@@ -13,11 +13,9 @@ Plain torch (``torch.distributed`` for the agreement); nothing here imports Mega
   (:func:`fnppo.core.batching.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
 
-The planner asks the rule and nothing else (no rule is known by name here): the rule's checks
-(``refusal``), its count, the agreement over ranks, its groups at the agreed count. The flat
-keywords ``num_microbatches`` / ``microbatch_size`` / ``max_tokens_per_microbatch`` are sugar for
-the three built-in rules (:func:`split_mode`, the one home of that sugar, shared with
-:class:`fnppo.StepConfig`).
+The planner asks the rule and nothing else (no rule is known by name): its checks, its count, the
+agreement over ranks, its groups at the agreed count. The flat keywords are sugar for the three
+built-in rules (:func:`split_mode`, their one home, shared with :class:`fnppo.StepConfig`).
 """
 
 from __future__ import annotations
@@ -200,14 +198,11 @@ def split_batch(
       :func:`collate_microbatch` with the same ``layout`` and ``pad_to_multiple_of`` (a sample counts
       ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens), balanced under the cap.
 
-    With ``dp_group`` (a ``torch.distributed`` group, e.g. Megatron's data-parallel group) the
-    number of micro-batches is all-reduced with MAX, so every rank runs the same count; ranks that
-    needed fewer split further (still under the cap). A rank with fewer samples than the agreed
-    count cannot do that: then *every* rank raises (the group's smallest batch size is reduced
-    along), so no rank is left waiting in a collective. Empty micro-batches are not produced.
-
-    Within a micro-batch indices are ascending; micro-batches are ordered by their first index. The
-    plan is deterministic (ties are broken by index).
+    With ``dp_group`` the number of micro-batches is all-reduced with MAX (every rank runs the same
+    count; ranks that needed fewer split further, under the cap); a rank with fewer samples than the
+    agreed count makes *every* rank raise (the smallest batch size is reduced along), so none waits
+    in a collective. No micro-batch is empty; indices ascend within one, micro-batches are ordered by
+    their first index; ties are broken by index (deterministic).
 
     Args:
         samples: the batch.
@@ -449,10 +444,8 @@ def build_microbatches(
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
-    The arguments are trusted (the step checked them where they entered: :class:`fnppo.StepConfig`
-    and the batch check of :func:`fnppo.train_step`, which runs :func:`check_split` and the value
-    checks on the whole batch before anything runs). The plan's own checks (:func:`_plan`) and
-    those of ``collate`` still run for other callers; the step does not rely on them to refuse.
+    The arguments are trusted (the step checked them where they entered, the whole batch before
+    anything runs); the plan's and ``collate``'s own checks still run for other callers.
 
     Args:
         samples: the (mini-)batch.
@@ -467,10 +460,8 @@ def build_microbatches(
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
         context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
             rank's tokens (:func:`fnppo.core.batching.context_parallel.shard_microbatch`) after collation and padding.
-        count_multiple: round the number of micro-batches that ``microbatch_size`` or
-            ``max_tokens_per_microbatch`` decides up to a multiple of this (after the DP agreement;
-            the interleaved pipeline schedule runs micro-batches in groups of ``pp``); the groups
-            stay within the size or token cap. An explicit ``num_microbatches`` is not changed.
+        count_multiple: round a count the rule decides (``fixed_count`` None) up to a multiple of
+            this after the DP agreement (the interleaved schedule's group of ``pp``), within its cap.
         plan: the plan of these samples from :func:`plan_microbatches` with the same arguments (None:
             planned here).
         packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` (each prompt group of a
