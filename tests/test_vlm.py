@@ -309,11 +309,12 @@ def test_collate_checks_the_expanded_length():
 
 def test_token_budget_counts_expanded_lengths():
     from fnppo.core.batching.split import build_microbatches
+    from fnppo.core.batching.splits.tokens import ByTokens
 
     budget = 16
     plan, mbs = build_microbatches(
         _batch(),
-        ("max_tokens_per_microbatch", budget),
+        ByTokens(budget),
         layout="packed",
         pad_to_multiple_of=1,
         collate=_collate(),
