@@ -1,5 +1,5 @@
 """Samples and micro-batches: the split plan, the collate stage and its inverse.
-Implementation: :mod:`fnppo.core.batching.sample`, :mod:`fnppo.core.batching.split`, :mod:`fnppo.core.batching.collate`."""
+Implementation: :mod:`fnppo.core.batching.sample`, :mod:`fnppo.core.batching.split`, :mod:`fnppo.core.batching.splits`, :mod:`fnppo.core.batching.collate`."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ from fnppo.core.batching.collate import collate_microbatch as collate_microbatch
 from fnppo.core.batching.collate import pad_microbatch as pad_microbatch
 from fnppo.core.batching.collate import to_device as to_device
 from fnppo.core.batching.collate import unpack_per_sample as unpack_per_sample
+from fnppo.core.batching.prefix import SharedPrefix as SharedPrefix
 from fnppo.core.batching.sample import LAYOUTS as LAYOUTS
 from fnppo.core.batching.sample import Microbatch as Microbatch
 from fnppo.core.batching.sample import Sample as Sample
 from fnppo.core.batching.sample import padding_multiple as padding_multiple
-from fnppo.core.batching.split import ByCount as ByCount
-from fnppo.core.batching.split import BySize as BySize
-from fnppo.core.batching.split import ByTokens as ByTokens
-from fnppo.core.batching.split import Split as Split
 from fnppo.core.batching.split import SplitPlan as SplitPlan
 from fnppo.core.batching.split import split_batch as split_batch
+from fnppo.core.batching.splits.base import Item as Item
+from fnppo.core.batching.splits.base import Split as Split
+from fnppo.core.batching.splits.count import ByCount as ByCount
+from fnppo.core.batching.splits.flops import ByFlops as ByFlops
+from fnppo.core.batching.splits.size import BySize as BySize
+from fnppo.core.batching.splits.tokens import ByTokens as ByTokens
 
 __all__ = [
     "Sample",
@@ -24,9 +27,12 @@ __all__ = [
     "padding_multiple",
     "LAYOUTS",
     "Split",
+    "Item",
     "ByCount",
     "BySize",
     "ByTokens",
+    "ByFlops",
+    "SharedPrefix",
     "SplitPlan",
     "split_batch",
     "collate_microbatch",

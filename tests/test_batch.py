@@ -16,6 +16,10 @@ from fnppo.core.batching import split as S
 from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
 from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import SplitPlan, split_batch
+from fnppo.core.batching.splits import base as splits_base
+from fnppo.core.batching.splits.count import ByCount
+from fnppo.core.batching.splits.size import BySize
+from fnppo.core.batching.splits.tokens import ByTokens
 from fnppo.core.errors import InputError, ShapeError
 from tests.messages import raises_message
 
@@ -736,8 +740,8 @@ def test_split_token_budget_under_agreed_count(case, extra):
 
 
 def test_split_to_moves_shortest_of_fullest_group():
-    assert S._split_to([[0, 1, 2], [3]], 3) == [[0, 1], [3], [2]]
-    assert S._split_to([[0, 1], [2, 3]], 4) == [[0], [2], [1], [3]]
+    assert splits_base.split_to([[0, 1, 2], [3]], 3) == [[0, 1], [3], [2]]
+    assert splits_base.split_to([[0, 1], [2, 3]], 4) == [[0], [2], [1], [3]]
 
 
 def test_split_agreed_count_above_batch_size_is_an_error_on_every_rank():
@@ -892,25 +896,27 @@ def test_split_agrees_over_dp_group():
 
 def test_split_as_one_value_is_the_flat_keywords():
     """``split_batch(samples, ByTokens(10))`` is ``split_batch(samples, max_tokens_per_microbatch=10)``
-    (and likewise ByCount / BySize); the step configs take the value and refuse it beside a flat keyword."""
+    (and likewise ByCount / BySize); the step configs take the value and refuse it beside a flat
+    keyword, and refuse anything that is not a split rule (the former ``(name, size)`` pair included)."""
     from fnppo.steps.config import CriticConfig, StepConfig
 
     samples = _lens(5, 5, 5, 5, 4, 4, 4, 4, 3)
     for value, flat in (
-        (S.ByCount(3), "num_microbatches"),
-        (S.BySize(4), "microbatch_size"),
-        (S.ByTokens(10), "max_tokens_per_microbatch"),
+        (ByCount(3), "num_microbatches"),
+        (BySize(4), "microbatch_size"),
+        (ByTokens(10), "max_tokens_per_microbatch"),
     ):
         assert value.flat == flat
         assert split_batch(samples, value) == split_batch(samples, **{flat: value.n})
         assert StepConfig(split=value).splitting == StepConfig(**{flat: value.n}).splitting == value
-        assert S.as_split((flat, value.n)) == value
+        assert StepConfig(**{flat: value.n}).split_arg == flat and StepConfig(split=value).split_arg == "split"
         with raises_message("StepConfig", flat, "None when split is given", str(value.n)):
             StepConfig(split=value, **{flat: value.n})
-    assert CriticConfig().splitting == S.ByCount(1)
+    assert CriticConfig().splitting == ByCount(1) and CriticConfig().split_arg == "num_microbatches"
     with raises_message("split_batch", "num_microbatches", "None when split is given", "2"):
-        split_batch(samples, S.BySize(2), num_microbatches=2)
+        split_batch(samples, BySize(2), num_microbatches=2)
     with raises_message("fnppo.ByTokens", "n", "an int >= 1", "0"):
-        S.ByTokens(0)
-    with raises_message("CriticConfig", "split", "a ByCount, BySize or ByTokens", "('num_microbatches', 2)"):
+        ByTokens(0)
+    with raises_message("CriticConfig", "split", "a split rule (ByCount, BySize, ByTokens", "('num_microbatches', 2)"):
         CriticConfig(split=("num_microbatches", 2))
+    assert not hasattr(S, "as_split")  # one way to say a split: the rule itself

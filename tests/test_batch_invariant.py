@@ -233,17 +233,17 @@ def _compositions() -> dict[str, dict]:
         "alone": {"num_microbatches": N},
         "shuffled": {"order": order, "num_microbatches": 2},
         "padded3": {"layout": "padded", "num_microbatches": 3},
-        "fused": {"fused_output": True},
-        "fused_budget": {"fused_output": True, "max_tokens_per_microbatch": 24},
+        "fused": {"fused": True},
+        "fused_budget": {"fused": True, "max_tokens_per_microbatch": 24},
     }
 
 
 def _logprobs(chunks, samples, comp: dict):
     comp = dict(comp)
     order = comp.pop("order", None)
-    fused = comp.pop("fused_output", False)
+    fused = comp.pop("fused", False)
     batch = samples if order is None else [samples[i] for i in order]
-    cfg = fnppo.StepConfig(fused_output=fused)
+    cfg = fnppo.StepConfig(fns=fnppo.StepFns.fused() if fused else fnppo.StepFns())
     lp, ent = fnppo.compute_logprobs(chunks, batch, with_entropy=True, config=cfg, **comp)
     if order is not None:
         back = sorted(zip(order, lp, ent), key=lambda t: t[0])

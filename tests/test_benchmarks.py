@@ -380,3 +380,18 @@ def test_distill_step_tiny_runs_every_row_and_writes_its_table(tmp_path, monkeyp
     ops = json.loads((tmp_path / "distill_step.json").read_text())["op"]
     assert [r["row"] for r in ops][0] == "logprob_and_entropy alone" and all(r["ms"] > 0 for r in ops)
     assert "| fnppo: teacher hidden + output weight |" in done.stdout
+
+
+def test_shared_prefix_benchmark_runs_tiny(tmp_path):
+    """benchmarks/shared_prefix.py --tiny: both packings train and score the same groups on the CPU,
+    the table has a row per prompt length and call, the JSON lands in --out ($OUT by default), and
+    the two packings' log-probs agree (fp32 on the CPU)."""
+    import json
+
+    done = _run_benchmark(["benchmarks/shared_prefix.py", "--tiny", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "shared_prefix.json").read_text())["rows"]
+    assert [(r["prompt"], r["call"]) for r in rows] == [
+        (p, c) for p in (24, 8) for c in ("train_step", "compute_logprobs")
+    ]
+    assert all(r["speedup"] > 0 and r["max_abs_logprob_diff"] <= 1e-5 for r in rows)
+    assert "| 24 | train_step |" in done.stdout

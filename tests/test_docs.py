@@ -44,6 +44,7 @@ GUIDES = [
     "long-context",
     "vlm",
     "fused-output",
+    "shared-prefix",
     "batch-invariance",
     "distillation",
     "huggingface",

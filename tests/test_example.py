@@ -234,6 +234,38 @@ def test_first_step_agrees_across_layouts(layout, nproc):
     assert abs(norm - ref_norm) <= 1e-4 * abs(ref_norm), (norm, ref_norm)
 
 
+def test_shared_prefix_trains_the_groups_with_the_same_rewards(tmp_path):
+    """--shared-prefix on (every GRPO group's prompt forwarded once) against off, the same seed: the
+    same reward at every step (sampling from weights equal up to float rounding), the loss and the
+    grad norm within float rounding of each other."""
+    rows = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        _run([*SMALL, "--steps", "3", "--shared-prefix", mode, "--out-dir", str(out)])
+        rows[mode] = _rows(out / "metrics.jsonl")
+    assert [r["reward"] for r in rows["on"]] == [r["reward"] for r in rows["off"]]
+    # the flag reaches the step's config (auto: on with the local spec, off with --batch-invariant or a router loss)
+    sys.path.insert(0, str(ROOT / "examples"))
+    from toy.cli import parse_args
+    from toy.model import critic_config, step_config
+
+    import fnppo
+
+    for flags, shared in (
+        ([], True),
+        (["--shared-prefix", "off"], False),
+        (["--batch-invariant"], False),
+        (["--moe"], False),  # its router z-loss counts the tokens the routers compute
+        (["--moe", "--moe-z-coeff", "0"], True),
+    ):
+        args = parse_args([*flags, "--spec", "local"])
+        assert isinstance(step_config(args).packing, fnppo.batching.SharedPrefix) is shared, flags
+        assert isinstance(critic_config(args).packing, fnppo.batching.SharedPrefix) is shared, flags
+    for a, b in zip(rows["on"], rows["off"], strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(abs(b[key]), 1e-3), (a["step"], key, a[key], b[key])
+
+
 def test_ppo_first_step_agrees_between_one_process_and_pp2():
     """--algo ppo under torchrun --pp 2: the actor's and the critic's first step equal one process's."""
     ref = _first_step_ppo([], 1)
@@ -350,6 +382,7 @@ def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
         (["--hf-checkpoint", "/nonexistent"], "--hf-checkpoint /nonexistent: does not exist"),
         (["--algo", "ppo", "--critic-checkpoint", "/nonexistent"], "--critic-checkpoint /nonexistent: does not exist"),
         (["--batch-invariant", "--tp", "2"], "--batch-invariant runs with --tp 1"),
+        (["--shared-prefix", "on", "--batch-invariant"], "--shared-prefix on needs fnppo's local layer spec"),
     ],
     ids=[
         "negative-steps",
@@ -372,6 +405,7 @@ def test_ppo_critic_starts_from_a_value_checkpoint(tmp_path):
         "hf-checkpoint-missing",
         "critic-checkpoint-missing",
         "batch-invariant-with-tp",
+        "shared-prefix-with-batch-invariant",
     ],
 )
 def test_invalid_arguments_print_one_line_and_exit_2(args, message, tmp_path):

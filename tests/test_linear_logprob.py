@@ -1,5 +1,5 @@
 """Tests of fnppo.linear_logprob_and_entropy against an fp64 reference and materialized logits,
-and of the step's fused output path (``StepConfig(fused_output=True)``) against the unfused one."""
+and of the step's fused output path (``StepConfig(fns=StepFns.fused())``) against the unfused one."""
 
 from __future__ import annotations
 
@@ -394,7 +394,6 @@ def test_backward_graphs_keep_at_most_max_weights_and_clear():
 
 
 def test_backward_graphs_refuse_bad_arguments():
-    import fnppo
 
     for name in ("row_multiple", "max_graphs", "max_weights"):
         for bad in (0, -1, 2.0, True):
@@ -411,21 +410,6 @@ def test_backward_graphs_refuse_bad_arguments():
         "graphs",
         "a fnppo.ops.BackwardGraphs or None",
         "'yes'",
-    )
-    with pytest.raises(InputError) as info:
-        fnppo.StepConfig(fused_output_graphs=BackwardGraphs())
-    check_message(
-        info.value, InputError, "StepConfig", "fused_output_graphs", "None unless fused_output=True", "BackwardGraphs("
-    )
-    with pytest.raises(InputError) as info:
-        fnppo.StepConfig(fused_output=True, fused_output_graphs=object())
-    check_message(
-        info.value,
-        InputError,
-        "StepConfig",
-        "fused_output_graphs",
-        "a fnppo.ops.BackwardGraphs or None",
-        "<object object",
     )
 
 
@@ -599,7 +583,7 @@ def test_tensor_parallel_equals_tp1():
 
 
 # ---------------------------------------------------------------------------------------------
-# The step: StepConfig(fused_output=True) equals the unfused path
+# The step: StepConfig(fns=StepFns.fused()) equals the unfused path
 # ---------------------------------------------------------------------------------------------
 def _step_model_cfg(tied: bool):
     from fnppo.testing import tiny_model_config
@@ -612,14 +596,9 @@ def step_worker(
     build: dict | None = None,
     chunk_vocab: int | None = None,
     graphs: bool = False,
-    legacy: bool = False,
 ) -> dict:
-    """train_step + compute_logprobs (current and reference weights), unfused then fused, from the same weights.
-
-    Fused: ``StepConfig(fns=StepFns.fused(...))``; with ``legacy`` the deprecated
-    ``StepConfig(fused_output=True, ...)`` flags (their DeprecationWarnings are recorded)."""
-    import warnings
-
+    """train_step + compute_logprobs (current and reference weights), unfused then fused
+    (``StepConfig(fns=StepFns.fused(...))``), from the same weights."""
     import fnppo
     import fnppo.steps.protocols as step_mod
     from fnppo.testing import synthetic_samples
@@ -651,23 +630,8 @@ def step_worker(
             frozen = fnppo.models.snapshot_params(state.model)
             samples = fnppo.shard_for_data_parallel(synthetic_samples(8, seed=7), layout)
             cache = fnppo.ops.BackwardGraphs(row_multiple=8) if graphs and fused else None
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always", DeprecationWarning)
-                if legacy:
-                    cfg = fnppo.StepConfig(
-                        loss=loss,
-                        num_microbatches=2,
-                        temperature=0.9,
-                        fused_output=fused,
-                        fused_output_chunk_vocab=chunk_vocab if fused else None,
-                        fused_output_graphs=cache,
-                    )
-                else:
-                    fns = fnppo.StepFns.fused(chunk_vocab=chunk_vocab, graphs=cache) if fused else fnppo.StepFns()
-                    cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fns=fns)
-            out.setdefault("deprecations", {})[fused] = [
-                str(w.message) for w in seen if issubclass(w.category, DeprecationWarning)
-            ]
+            fns = fnppo.StepFns.fused(chunk_vocab=chunk_vocab, graphs=cache) if fused else fnppo.StepFns()
+            cfg = fnppo.StepConfig(loss=loss, num_microbatches=2, temperature=0.9, fns=fns)
             lp, ent = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
             state, metrics = fnppo.train_step(state, samples, cfg)
             lp_ref, _ = fnppo.compute_logprobs(state.model, samples, params=frozen, config=cfg)
@@ -712,22 +676,17 @@ def test_step_fused_output_equals_unfused_one_process():
 
 
 def test_step_fused_output_chunk_vocab_reaches_the_function_and_changes_no_number():
-    """Through the deprecated flags (``StepConfig(fused_output=True, fused_output_chunk_vocab=7)``):
-    the same numbers, the chunk reaches the function, one DeprecationWarning naming what to write."""
+    """``StepFns.fused(chunk_vocab=7)``: the same numbers, the chunk reaches the function; a chunk
+    that is not an int >= 1 is refused by name."""
     from fnppo.testing import run_ranks
 
-    out = run_ranks(step_worker, 1, True, None, 7, False, True)[0]  # 7 of 64 rows per block: 10 blocks
-    _compare_fused(out, "fused_output_chunk_vocab=7")
+    out = run_ranks(step_worker, 1, True, None, 7)[0]  # 7 of 64 rows per block: 10 blocks
+    _compare_fused(out, "chunk_vocab=7")
     assert out["calls"][True] > 0 and out["chunk_vocab"][True] == {7}
-    assert out["deprecations"][False] == []
-    (message,) = out["deprecations"][True]
-    assert "is deprecated" in message and "StepConfig(fns=StepFns.fused(chunk_vocab=7, graphs=None))" in message
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InputError) as info:
-            fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=bad)
-        check_message(
-            info.value, InputError, "StepConfig", "fused_output_chunk_vocab", "an int >= 1 or None", repr(bad)
-        )
+            fnppo.StepFns.fused(chunk_vocab=bad)
+        check_message(info.value, InputError, "fnppo.FusedHead", "chunk_vocab", "an int >= 1 or None", repr(bad))
 
 
 def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
@@ -736,7 +695,7 @@ def test_step_fused_output_graphs_reach_the_function_and_change_no_number():
     from fnppo.testing import run_ranks
 
     out = run_ranks(step_worker, 1, True, None, None, True)[0]
-    _compare_fused(out, "fused_output_graphs")
+    _compare_fused(out, "graphs")
     cache_id, eager_calls, nbytes = out["graph_calls"][True]
     assert out["graphs"][True] == {cache_id} and eager_calls == 2 and nbytes > 0  # two micro-batches, one backward each
 
@@ -773,20 +732,10 @@ def test_step_fused_output_equals_unfused_parallel(tp, pp):
     assert last["calls"][True] > 0 and last["output_layer_calls"][True] == 0
 
 
-def test_fused_output_refuses_replaced_stages():
-    import fnppo
-
-    with pytest.raises(
-        InputError, match="argument 'fused_output' expected False when fns.forward or fns.logprob is replaced"
-    ):
-        fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns(logprob=lambda *a, **k: None))
-
-
-def test_fused_stage_values_and_deprecated_flags():
-    """``StepFns.fused`` builds the head stage (the forward stops before the output layer); the old
-    flags become it, with a DeprecationWarning that says what to write, and survive ``replace``."""
+def test_fused_stage_values():
+    """``StepFns.fused`` builds the head stage (the forward stops before the output layer), which
+    survives ``replace``; a head with the wrong forward or logprob stage is refused by name."""
     import dataclasses
-    import warnings
 
     import fnppo
     from fnppo.megatron.forward import forward_hidden, forward_logits
@@ -796,13 +745,10 @@ def test_fused_stage_values_and_deprecated_flags():
     fns = fnppo.StepFns.fused(chunk_vocab=5, graphs=cache)
     assert fns.forward is forward_hidden and fns.head == FusedHead(chunk_vocab=5, graphs=cache)
     assert fns.head.graphs is cache  # the caller's object, not a copy
-    with pytest.warns(DeprecationWarning, match=r"write StepConfig\(fns=StepFns.fused\(chunk_vocab=5, graphs=Backward"):
-        cfg = fnppo.StepConfig(fused_output=True, fused_output_chunk_vocab=5, fused_output_graphs=cache)
-    assert cfg.fns.head == fns.head and cfg.fns.forward is forward_hidden
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dataclasses.replace(cfg, temperature=2.0).fns.head.graphs is cache  # translated once, no warning
-        assert fnppo.StepConfig().fns.head is None and fnppo.StepConfig().fns.forward is forward_logits
+    cfg = fnppo.StepConfig(fns=fns)
+    assert dataclasses.replace(cfg, temperature=2.0).fns.head.graphs is cache
+    assert fnppo.StepConfig().fns.head is None and fnppo.StepConfig().fns.forward is forward_logits
+    assert not hasattr(cfg, "fused_output")  # one way to ask for the fused head: the stage value
     with pytest.raises(InputError) as info:
         fnppo.StepFns(head=FusedHead())
     check_message(info.value, InputError, "StepFns", "forward", "forward_hidden when head is set", "forward_logits")
@@ -812,9 +758,6 @@ def test_fused_stage_values_and_deprecated_flags():
     with pytest.raises(InputError) as info:
         fnppo.StepFns.fused(chunk_vocab=3, head=FusedHead())
     check_message(info.value, InputError, "StepFns.fused", "head", "None when chunk_vocab or graphs is given", "")
-    with pytest.raises(InputError) as info:
-        fnppo.StepConfig(fused_output=True, fns=fnppo.StepFns.fused(chunk_vocab=3))
-    check_message(info.value, InputError, "StepConfig", "fused_output", "False when fns.head is set", "True")
     for bad, name in ((0, "chunk_vocab"), ("yes", "graphs")):
         with pytest.raises(InputError) as info:
             FusedHead(**{name: bad})

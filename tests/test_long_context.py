@@ -55,7 +55,7 @@ def _update(splits: tuple[str, ...], sequence_parallel: bool = False) -> dict:
         state = fnppo.TrainState(model=ddp, optimizer=opt)
         samples = fnppo.shard_for_data_parallel(_samples(), layout)
         loss = LossConfig(policy=ppo_clip(), agg=Aggregation("token-mean"), entropy_coef=0.01, kl=KLPenalty(0.05, "k3"))
-        extra = {"2mb": {"num_microbatches": 2}, "fused": {"fused_output": True}}.get(split, {})
+        extra = {"2mb": {"num_microbatches": 2}, "fused": {"fns": fnppo.StepFns.fused()}}.get(split, {})
         cfg = fnppo.StepConfig(loss=loss, **extra)
         logprobs, entropy = fnppo.compute_logprobs(state.model, samples, with_entropy=True, config=cfg)
         if layout.cp > 1:

@@ -60,6 +60,15 @@ def _with(samples: list, i: int, **fields) -> list:
     return [dataclasses.replace(s, **fields) if j == i else s for j, s in enumerate(samples)]
 
 
+def _grouped(samples: list, *members: int) -> list:
+    """``samples`` with ``members`` one declared group sharing the first member's prompt."""
+    first = samples[members[0]]
+    out = list(samples)
+    for i in members:
+        out[i] = dataclasses.replace(samples[i], prompt_ids=first.prompt_ids.clone(), group=1)
+    return out
+
+
 def _nan_at(samples: list, i: int, field: str = "advantages") -> list:
     t = getattr(samples[i], field).clone()
     t[-1] = math.nan
@@ -103,6 +112,22 @@ def _one_process_refusals() -> dict:
         "compute_logprobs-mask": {
             "msg": _message(lambda: fnppo.compute_logprobs(state.model, mask_of_2, config=microbatches))
         },
+        # shared-prefix packing: samples 5 and 7 (mini-batch 1) one declared group; kept whole it
+        # exceeds the budget that each fits alone; declared with another prompt it is no group
+        "shared-group-over-budget": _refusal(
+            state,
+            fnppo.train_step,
+            _grouped(good, 5, 7),
+            dataclasses.replace(
+                minibatches, packing=fnppo.batching.SharedPrefix(split_groups=False), max_tokens_per_microbatch=13
+            ),
+        ),
+        "shared-prompts-differ": _refusal(
+            state,
+            fnppo.train_step,
+            _with(_grouped(good, 5, 7), 7, prompt_ids=good[7].prompt_ids.flip(0) + 1),
+            dataclasses.replace(minibatches, packing=fnppo.batching.SharedPrefix()),
+        ),
     }
     before = _optimizer_state(state)
     state, metrics = fnppo.train_step(state, good, minibatches)
@@ -164,6 +189,19 @@ REFUSALS = {  # case -> (function, argument, expected, received)
         "tokens (prompt 24 + response",
     ),
     "critic-last-minibatch": ("critic_step", "batch[7].returns", "finite values", "with 1 NaN/inf entries"),
+    "shared-group-over-budget": (
+        "train_step",
+        "batch[5]",
+        "at most max_tokens_per_microbatch=13 tokens (a single sample longer than the token budget cannot be split); "
+        "shared-prefix packing keeps the group (batch[5], batch[7]) whole with split_groups=False",
+        "tokens as computed (a group of 2 samples",
+    ),
+    "shared-prompts-differ": (
+        "train_step",
+        "batch[7].prompt_ids",
+        "the prompt of batch[5] (both declare group=1",
+        "tokens) (vs",
+    ),
 }
 
 

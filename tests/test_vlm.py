@@ -309,11 +309,12 @@ def test_collate_checks_the_expanded_length():
 
 def test_token_budget_counts_expanded_lengths():
     from fnppo.core.batching.split import build_microbatches
+    from fnppo.core.batching.splits.tokens import ByTokens
 
     budget = 16
     plan, mbs = build_microbatches(
         _batch(),
-        ("max_tokens_per_microbatch", budget),
+        ByTokens(budget),
         layout="packed",
         pad_to_multiple_of=1,
         collate=_collate(),
@@ -724,7 +725,7 @@ def _moe_layout_worker(reference_routes: list, reference_lp: list) -> dict:
 
 def _fused_worker() -> dict:
     """compute_logprobs (current weights, and a snapshot as ``params``) and a train_step of the VLM,
-    unfused then with ``StepConfig(fused_output=True)``, from the same weights; the updates."""
+    unfused then with ``StepConfig(fns=StepFns.fused(collate=...))``, from the same weights; the updates."""
     from fnppo.megatron.vlm_collate import VLMCollate
     from fnppo.megatron.vlm_model import build_vlm
 
@@ -735,10 +736,9 @@ def _fused_worker() -> dict:
         col = VLMCollate.from_config(_vision(), max_seq_len=64)
         step = fnppo.StepConfig(
             loss=_loss_cfg(),
-            fns=fnppo.StepFns(collate=col),
+            fns=fnppo.StepFns.fused(collate=col) if fused else fnppo.StepFns(collate=col),
             num_microbatches=2,
             pad_to_multiple_of=4,
-            fused_output=fused,
             temperature=0.9,
         )
         batch = _batch()
@@ -905,7 +905,7 @@ def test_build_vlm_refuses_layouts_it_cannot_train(moe, kw, expected, received):
 
 @pytest.mark.parametrize("world,pp", [(1, 1), (2, 2)], ids=["1-process", "pp2"])
 def test_fused_output_layer_equals_the_unfused_step(world, pp):
-    """StepConfig(fused_output=True) on a VLM (whose GPTModel sits under ``language_model``): the
+    """StepFns.fused() on a VLM (whose GPTModel sits under ``language_model``): the
     log-probs, entropies, a snapshot's log-probs (``params``), the step's metrics and every weight's
     update equal the unfused path's."""
     for r in run_ranks(_fused_worker, world, pp=pp):

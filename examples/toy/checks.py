@@ -67,6 +67,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda_available: boo
     _check_floats(args)
     if args.spec != "default" and args.hf_checkpoint:
         raise ArgumentError("--spec applies to the random model; --hf-checkpoint builds its own")
+    if args.shared_prefix == "on" and (args.batch_invariant or args.spec == "te"):
+        raise ArgumentError(
+            "--shared-prefix on needs fnppo's local layer spec without --batch-invariant (use auto or off)"
+        )
     if args.batch_invariant and (args.tp > 1 or args.hf_checkpoint):
         raise ArgumentError(
             "--batch-invariant runs with --tp 1 (the sampler compares full-vocabulary log-probs) and without --hf-checkpoint"

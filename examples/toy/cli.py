@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="layer spec: build_gpt's default (Transformer Engine's when installed, else fnppo's local spec), local or te",
     )
     p.add_argument(
+        "--shared-prefix",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="pack each prompt's group with the prompt forwarded once (fnppo.batching.SharedPrefix; the same "
+        "numbers as off up to float rounding): auto = on where that is exact (fnppo's local layer spec, "
+        "not --batch-invariant, no MoE router loss)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="batch-invariant numerics (ModelConfig(batch_invariant=True)): rollout log-probs equal compute_logprobs' "

@@ -113,8 +113,22 @@ def policy_loss_config(args: argparse.Namespace):
     return loss
 
 
+def packing(args: argparse.Namespace):
+    """``--shared-prefix``: a GRPO group's prompt forwarded once (``fnppo.batching.SharedPrefix``), or None.
+    ``auto`` shares where the step's numbers are the unshared step's up to rounding: fnppo's local
+    layer spec (``--spec local``, or the default without Transformer Engine), not ``--batch-invariant``,
+    and no MoE router loss (its balance and z-losses are statistics of the tokens the routers compute:
+    a shared prompt counts once)."""
+    local = args.spec == "local" or (args.spec == "default" and not fnppo.models.te_available())
+    router_loss = args.moe and (args.moe_aux_coeff > 0 or args.moe_z_coeff > 0)
+    exact = local and not args.batch_invariant and not router_loss
+    on = args.shared_prefix == "on" or (args.shared_prefix == "auto" and exact)
+    return fnppo.batching.SharedPrefix() if on else None
+
+
 def step_config(args: argparse.Namespace):
-    """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget), mini-batches."""
+    """The actor's ``StepConfig``: ``--policy-loss``, the split (2 micro-batches or a token budget),
+    mini-batches, ``--shared-prefix``."""
     loss = policy_loss_config(args)
     split = {}
     if args.max_tokens_per_microbatch:
@@ -122,7 +136,12 @@ def step_config(args: argparse.Namespace):
     else:
         split["num_microbatches"] = args.num_microbatches or 2
     return fnppo.StepConfig(
-        loss=loss, layout="packed", temperature=args.temperature, num_minibatches=args.minibatches, **split
+        loss=loss,
+        layout="packed",
+        temperature=args.temperature,
+        num_minibatches=args.minibatches,
+        packing=packing(args),
+        **split,
     )
 
 
@@ -136,6 +155,7 @@ def critic_config(args: argparse.Namespace):
         loss=fnppo.losses.ValueLossConfig(clip_range=args.value_clip),
         layout="packed",
         num_minibatches=args.minibatches,
+        packing=cfg.packing,
         **split,
     )
 

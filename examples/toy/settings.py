@@ -51,6 +51,7 @@ RUN_DEFINING = (
     "distill_from",
     "distill_coef",
     "distill_only",
+    "shared_prefix",
 )
 
 
@@ -77,6 +78,7 @@ SETTING_DEFAULTS = {
     "distill_from": None,
     "distill_coef": 1.0,
     "distill_only": False,
+    "shared_prefix": "off",
 }  # what a checkpoint without the key was written with
 
 

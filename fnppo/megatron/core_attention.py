@@ -50,6 +50,7 @@ from fnppo.core.kernels.invariant import sequence_attention
 from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
 from fnppo.megatron.packed_attention import FLEX_BLOCK, check_cu_seqlens, packed_causal_attention
+from fnppo.megatron.shared_prefix import SharedPackedSeqParams, shared_core_attention
 
 __all__ = ["PackedDotProductAttention", "thd_packed_seq_params"]
 
@@ -113,6 +114,10 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
+        if isinstance(packed_seq_params, SharedPackedSeqParams):  # shared prefixes (fnppo.megatron.shared_prefix)
+            return shared_core_attention(
+                self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
         kernels = kernels_of(self.config)
         if kernels is not None:
             return self._forward_invariant(

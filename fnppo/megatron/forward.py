@@ -31,6 +31,7 @@ from fnppo.core.errors import input_error
 from fnppo.core.ops.batch_invariant import batch_invariant
 from fnppo.core.ops.invariant_kernels import InvariantKernels
 from fnppo.core.typing import Float, Tensor, typechecked
+from fnppo.megatron.shared_prefix import shared_packed_seq_params, shared_rope
 from fnppo.megatron.unwrap import check_head, unwrap_model
 
 __all__ = [
@@ -164,7 +165,10 @@ def _call_target(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def packed_seq_params(mb: Microbatch):
-    """Megatron ``PackedSeqParams`` (THD) for a packed micro-batch, ``None`` for a padded one."""
+    """Megatron ``PackedSeqParams`` (THD) for a packed micro-batch, ``None`` for a padded one; a
+    micro-batch with shared prefixes gets :class:`~fnppo.megatron.shared_prefix.SharedPackedSeqParams`."""
+    if mb.is_shared:
+        return shared_packed_seq_params(mb)
     if mb.cu_seqlens is None:
         return None
     cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.int32)
@@ -231,16 +235,18 @@ def _forward(model: nn.Module, microbatch: Microbatch, params: Mapping[str, Tens
     """One chunk on one micro-batch (the body of :func:`forward_logits` / :func:`forward_values`)."""
     target, prefix = _call_target(model)
     args = (microbatch.input_ids, microbatch.position_ids, None)
-    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(microbatch)}
+    params_thd = packed_seq_params(microbatch)
+    kwargs: dict[str, Any] = {"packed_seq_params": params_thd}
     if getattr(unwrap_model(target), "takes_multi_modal", False):  # e.g. fnppo.megatron.vlm_model.VisionLanguageGPT
         kwargs["multi_modal"] = microbatch.multi_modal
         kwargs["multi_modal_counts"] = microbatch.multi_modal_counts
     if isinstance(target, Float16Module):
         kwargs["fp32_output"] = False
-    if params is None:
-        return target(*args, **kwargs)
-    named = {prefix + k: v for k, v in params.items()}
-    return torch.func.functional_call(target, named, args, kwargs, strict=False)
+    with shared_rope(target, params_thd):  # a shared micro-batch's tokens rotated by their own positions
+        if params is None:
+            return target(*args, **kwargs)
+        named = {prefix + k: v for k, v in params.items()}
+        return torch.func.functional_call(target, named, args, kwargs, strict=False)
 
 
 @typechecked

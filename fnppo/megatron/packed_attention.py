@@ -61,7 +61,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fnppo.core.errors import describe, input_error
-from fnppo.core.typing import Bool, CuSeqlens, Float, Int32, Tensor, typechecked, typechecking_enabled
+from fnppo.core.typing import Bool, CuSeqlens, Float, Int, Int32, Tensor, typechecked, typechecking_enabled
 
 __all__ = [
     "packed_causal_attention",
@@ -70,6 +70,7 @@ __all__ = [
     "flex_bucket_length",
     "flex_compile_count",
     "check_cu_seqlens",
+    "shared_prefix_attention",
     "FLEX_BLOCK",
 ]
 
@@ -350,4 +351,138 @@ def _restore_nonfinite(out: Tensor, value: Tensor, cu_seqlens: Tensor, heads: in
     before = torch.where(starts[:, None] > 0, count[(starts - 1).clamp_min(0)], torch.zeros_like(count))
     seen = (count - before) > 0  # [T, groups]
     seen = seen.repeat_interleave(heads // bad.shape[1], dim=1).transpose(0, 1)[None, :, :, None]  # [1, H, T, 1]
+    return torch.where(seen, torch.full_like(out, float("nan")), out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-prefix packing: a document's prefix seen by each of its segments
+# ---------------------------------------------------------------------------------------------
+def _runs(branch: Tensor) -> tuple[Tensor, Tensor]:
+    """``(start, length)`` of every run id ``0 .. max`` of ``branch_ids`` (runs are contiguous and
+    numbered in order; an id without tokens has length 0), on ``branch``'s device. Counted on the
+    host (one copy; CUDA's ``bincount`` adds with atomics, which the deterministic mode warns about)."""
+    lengths = torch.bincount(branch.cpu())
+    return (lengths.cumsum(0) - lengths).to(branch.device), lengths.to(branch.device)
+
+
+def _shared_block_mask(branch: Tensor, root: Tensor) -> Any:
+    def prefix_tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & ((branch[kv_idx] == branch[q_idx]) | (branch[kv_idx] == root[q_idx]))
+
+    total = branch.numel()
+    return create_block_mask(prefix_tree, None, None, total, total, device=branch.device, _compile=branch.is_cuda)
+
+
+_SHARED_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@typechecked
+def shared_prefix_attention(
+    query: Float[Tensor, "tokens heads head_dim"],
+    key: Float[Tensor, "tokens groups head_dim"],
+    value: Float[Tensor, "tokens groups v_dim"],
+    branch_ids: Int[Tensor, " tokens"],
+    root_ids: Int[Tensor, " tokens"],
+    *,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: Backend = "auto",
+) -> Float[Tensor, "tokens heads v_dim"]:
+    """Attention of a pack with shared prefixes (:mod:`fnppo.core.batching.prefix`).
+
+    ``out_i = sum_j softmax_j(scale * q_i . k_j + M_ij) v_j`` with ``M_ij = 0`` iff ``j <= i`` and
+    ``branch(j)`` is ``branch(i)`` or ``root(i)``, else ``-inf``: a document's prefix is causal
+    among itself, a segment sees its document's whole prefix (which precedes it) and itself
+    causally, nothing else. With one segment per document this is :func:`packed_causal_attention`.
+
+    Kernels: ``"flex"`` (CUDA, no dropout: a ``BlockMask`` of that rule, so a segment's queries skip
+    the other segments' key blocks; non-finite values isolated as in :func:`packed_causal_attention`);
+    ``"sdpa"`` (CPU, dropout): every run one row of a padded batch, a segment's row its prefix
+    followed by itself (the sample as it would be packed alone) with a causal mask, the prefix's
+    outputs kept from its own row: no score crosses the rule and the work is that of the rows.
+    ``"auto"``: flex on CUDA without dropout, sdpa otherwise.
+    """
+    fn = "fnppo.megatron.packed_attention.shared_prefix_attention"
+    heads, groups = query.shape[1], key.shape[1]
+    if groups == 0 or heads % groups != 0:
+        raise input_error(fn, "key", f"a number of key/value groups dividing the {heads} query heads", describe(key))
+    if backend == "flex" and dropout_p > 0:
+        raise input_error(fn, "backend", "'sdpa' or 'auto' when dropout_p > 0 (flex has no dropout)", "'flex'")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    total = query.shape[0]
+    if total == 0:
+        return query.new_zeros(0, heads, value.shape[-1])
+    use_flex = backend == "flex" or (backend == "auto" and query.is_cuda and dropout_p == 0.0)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    gqa = groups != heads
+    if use_flex:
+        # the mask and the runs once per micro-batch (every layer passes the same tensors; one host sync)
+        cached = _SHARED_MASKS.get(branch_ids)
+        if cached is None or cached[0] is not root_ids:
+            cached = (root_ids, _shared_block_mask(branch_ids, root_ids), _runs(branch_ids))
+            _SHARED_MASKS[branch_ids] = cached
+        out = _flex_fn(query.device.type, False)(
+            q, k, _finite_values(v), block_mask=cached[1], scale=scale, enable_gqa=gqa
+        )
+        out = _restore_nonfinite_shared(out, value, branch_ids, root_ids, heads, cached[2])
+    else:
+        out = _shared_rows_sdpa(q, k, v, branch_ids, root_ids, dropout_p, scale, gqa)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _shared_rows_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, branch: Tensor, root: Tensor, dropout_p: float, scale: float, gqa: bool
+) -> Tensor:
+    """Causal SDPA over rows (``[1, H, T, D]`` views): every run alone, a segment after its prefix;
+    each token's output is taken from the row of its own run (one host sync)."""
+    total = q.shape[2]
+    starts, lengths = (t.tolist() for t in _runs(branch.cpu()))
+    roots = root.cpu()
+    rows: list[tuple[int, int, int, int]] = []  # (prefix start, prefix length, run start, run length)
+    for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        if n == 0:
+            continue
+        r = int(roots[s])
+        p_start, p_len = (starts[r], lengths[r]) if r != b else (s, 0)
+        rows.append((p_start, p_len, s, n))
+    zero = torch.zeros(1, 1, 1, 1, dtype=q.dtype, device=q.device)
+    qz, kz, vz = (torch.cat([t, zero.expand(1, t.shape[1], 1, t.shape[3])], dim=2)[0] for t in (q, k, v))
+    outs, positions = [], []
+    for width in sorted({_row_length(p + n) for _, p, _, n in rows}):
+        members = [row for row in rows if _row_length(row[1] + row[3]) == width]
+        index = torch.full((len(members), width), total, dtype=torch.int64)
+        keep = torch.zeros(len(members), width, dtype=torch.bool)
+        for j, (ps, pl, s, n) in enumerate(members):
+            index[j, :pl] = torch.arange(ps, ps + pl)
+            index[j, pl : pl + n] = torch.arange(s, s + n)
+            keep[j, pl : pl + n] = True
+        index, keep = index.to(q.device), keep.to(q.device)
+        qb, kb, vb = (t[:, index].transpose(0, 1) for t in (qz, kz, vz))  # [n, H, width, D]
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
+        outs.append(ob.transpose(0, 1)[:, keep])
+        positions.append(index[keep])
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    order = torch.cat(positions) if len(positions) > 1 else positions[0]
+    return out[:, torch.argsort(order)].unsqueeze(0)
+
+
+def _restore_nonfinite_shared(
+    out: Tensor, value: Tensor, branch: Tensor, root: Tensor, heads: int, runs: tuple[Tensor, Tensor]
+) -> Tensor:
+    """NaN at the outputs whose visible keys (its run up to it, its document's prefix) hold a
+    non-finite value of the head's group (the shared-prefix form of :func:`_restore_nonfinite`);
+    ``runs``: :func:`_runs` of ``branch``."""
+    bad = (~torch.isfinite(value)).any(dim=-1)  # [T, groups]
+    count = torch.cumsum(bad.t().to(torch.int32).contiguous(), dim=1, dtype=torch.int32).t()  # [T, groups]
+    zero = torch.zeros_like(count[:1])
+    padded = torch.cat([zero, count])  # padded[i] = bad keys before token i
+    starts, lengths = runs
+    own_start = starts[branch]
+    own = count - padded[own_start]
+    r_start, r_len = starts[root], lengths[root]
+    prefix = torch.where((root != branch)[:, None], padded[r_start + r_len] - padded[r_start], torch.zeros_like(count))
+    seen = (own + prefix) > 0
+    seen = seen.repeat_interleave(heads // bad.shape[1], dim=1).transpose(0, 1)[None, :, :, None]
     return torch.where(seen, torch.full_like(out, float("nan")), out)

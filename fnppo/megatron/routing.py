@@ -212,15 +212,15 @@ class RoutingRecorder:
             layers = self.by_mb.get(id(mb), {})
             keys = sorted(layers)
             stacked = torch.stack([layers[k] for k in keys], dim=2) if keys else None  # [batch, seq, L_stage, k]
-            rows, offset = [], 0
-            for i, (length, seg) in enumerate(zip(mb.seq_lens, mb.segment_lens, strict=True)):
+            rows = []
+            for i, ((start, seg), p, length) in enumerate(
+                zip(mb.token_spans, mb.prompt_lens, mb.seq_lens, strict=True)
+            ):
                 if stacked is None:
                     rows.append(None)
-                elif mb.is_packed:
-                    rows.append(stacked[0, offset : offset + length])
-                else:
-                    rows.append(stacked[i, :length])
-                offset += seg
+                    continue
+                row = stacked[0 if mb.is_packed else i]  # a shared prefix's rows, then the sample's segment
+                rows.append(torch.cat([row[start : start + p - 1], row[seg : seg + length - p + 1]]))
             groups.append([(keys, r) for r in rows])
         local = plan.restore(groups)
         if pp_group is not None and dist.get_world_size(pp_group) > 1:

@@ -26,6 +26,7 @@ from fnppo.core.batching.checks import (
     check_token_ids,
 )
 from fnppo.core.batching.collate import collate_microbatch
+from fnppo.core.batching.prefix import check_prompt_groups
 from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import check_split
 from fnppo.core.errors import describe, input_error
@@ -35,11 +36,12 @@ from fnppo.core.typing import typechecking_enabled
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder
 from fnppo.steps.config import Batching
-from fnppo.steps.plan import ModelFacts, Plan, make_plan
+from fnppo.steps.plan import ModelFacts, Plan, make_plan, uses_transformer_engine
 from fnppo.steps.protocols import CollateFn
 
 __all__ = [
     "checked_plan",
+    "check_packing",
     "check_context_parallel",
     "check_interleaved",
     "check_batch",
@@ -63,10 +65,12 @@ def checked_plan(
 ) -> Plan:
     """:func:`~fnppo.steps.plan.make_plan`, after the checks every entry point makes before anything
     runs: :func:`check_context_parallel` (of the loss ``loss``; None: no loss is computed),
-    :func:`check_interleaved`, :func:`check_batch` and :func:`check_collate_inputs`, in that order."""
+    :func:`check_interleaved`, :func:`check_packing`, :func:`check_batch` and
+    :func:`check_collate_inputs`, in that order."""
     plan = make_plan(config, model)
     check_context_parallel(fn, config, plan, loss)
     check_interleaved(fn, config, plan)
+    check_packing(fn, config, plan)
     check_batch(fn, samples, plan, config.fns.collate, num_minibatches)
     check_collate_inputs(fn, config.fns.collate, samples, model)
     return plan
@@ -132,6 +136,42 @@ def check_context_parallel(fn: str, config: Batching, plan: Plan, loss: Any) -> 
         )
 
 
+def check_packing(fn: str, config: Batching, plan: Plan) -> None:
+    """What shared-prefix packing (``config.packing``) needs of the model and the stages, where it
+    is exact: fnppo's packed attention of the local layer spec (Transformer Engine's THD attention
+    has no mask for a prefix that several segments see), no context parallelism (a CP rank's
+    shard of a document would need the prefix rule in the all-gathered attention), not the
+    batch-invariant mode (its kernels fix a sample's bits by running it alone; a shared document
+    runs the prefix once for several samples, in other tiles), the default collate stage (a stage
+    of its own, e.g. :class:`~fnppo.megatron.vlm_collate.VLMCollate`, packs by itself) and a text
+    model.
+
+    Raises:
+        InputError: naming ``config.packing`` (the model or layout) or ``config.fns.collate``.
+    """
+    if plan.packing is None:
+        return
+    model = plan.model
+    why = None
+    if model.layout.cp > 1:
+        why = f"context parallelism (cp={model.layout.cp}): the shards' attention has no shared-prefix rule"
+    elif uses_transformer_engine(model.core):
+        why = "Transformer Engine's layer spec: its THD attention cannot express a prefix shared by segments"
+    elif getattr(model.config, "batch_invariant_mode", False):
+        why = "the batch-invariant mode: its bits come from running every sample alone, not a shared prefix"
+    elif getattr(model.core, "takes_multi_modal", False):
+        why = "a vision-language model: its images expand inside each sample"
+    if why is not None:
+        raise input_error(fn, "config.packing", f"None with {why}", repr(plan.packing))
+    if config.fns.collate is not collate_microbatch:
+        raise input_error(
+            fn,
+            "config.fns.collate",
+            "collate_microbatch with shared-prefix packing (a collate stage of its own packs by itself)",
+            getattr(config.fns.collate, "__name__", type(config.fns.collate).__name__),
+        )
+
+
 def interleaved_where(layout: ParallelLayout) -> str:
     return f"the interleaved pipeline schedule (pp={layout.pp}, vpp={layout.vpp})"
 
@@ -161,8 +201,8 @@ def check_interleaved(fn: str, config: Batching, plan: Plan) -> None:
             "per step, and padded micro-batches differ in their number of rows",
             repr(config.layout),
         )
-    count = plan.split.n
-    if plan.split.explicit and count % group:
+    count = plan.split.fixed_count
+    if count is not None and count % group:
         given = config.split is not None or config.num_microbatches is not None
         raise input_error(
             fn,
@@ -215,6 +255,8 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
         parts=num_minibatches,
         arg="batch",
         count_arg=f"config.{plan.split_arg}",
+        layout=plan.layout,
+        packing=plan.packing,
     )
     check_devices(fn, samples, arg="batch")
     check_same_fields(fn, samples, arg="batch")
@@ -232,6 +274,8 @@ def check_batch(fn: str, samples: Sequence[Any], plan: Plan, collate: CollateFn,
         )
         if collate is collate_microbatch:  # a stage that expands multi-modal items (VLMCollate) checks its own rows
             check_routing_rows(fn, samples, arg="batch")
+    if plan.packing is not None:  # a declared group's prompts, multi-modal items, a group's prompt routes
+        check_prompt_groups(fn, samples, arg="batch")
 
 
 def check_collate_inputs(fn: str, collate: CollateFn, samples: Sequence[Sample], model: ModelFacts) -> None:

@@ -121,9 +121,7 @@ def _logprob_config(config: StepConfig | None, **given: Any) -> StepConfig:
     base = StepConfig() if config is None else config
     given = {k: v for k, v in given.items() if v is not None}
     if any(k in given for k in (*SPLIT_MODES, "split")):
-        base = dataclasses.replace(
-            base, split=None, num_microbatches=None, microbatch_size=None, max_tokens_per_microbatch=None
-        )
+        base = dataclasses.replace(base, split=None, **dict.fromkeys(SPLIT_MODES))
     return dataclasses.replace(base, **given) if given else base
 
 

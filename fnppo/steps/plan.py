@@ -19,6 +19,7 @@ from torch import nn
 
 from fnppo.core.batching.collate import pad_microbatch, unpack_per_sample
 from fnppo.core.batching.context_parallel import gather_per_sample
+from fnppo.core.batching.prefix import SharedPrefix
 from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import Split, SplitPlan, build_microbatches, plan_microbatches
 from fnppo.core.errors import input_error
@@ -108,6 +109,7 @@ class Plan:
     count_multiple: int  # the interleaved schedule's micro-batch group (1 otherwise): counts are multiples of it
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
     min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (InvariantKernels.min_rows)
+    packing: SharedPrefix | None = None  # prompt groups packed with their prompt once (Batching.packing)
 
 
 def _default_multiple(model: ModelFacts) -> int:
@@ -156,6 +158,7 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         context_parallel=(layout.cp, layout.cp_rank),
         # no micro-batch has fewer tokens than the record's kernels need to keep a row's bits
         min_tokens=None if kernels is None else kernels.min_rows,
+        packing=config.packing,
     )
 
 
@@ -201,6 +204,7 @@ def split_plan(samples: Sequence[Sample], plan: Plan, collate: CollateFn) -> Spl
         collate=collate,
         dp_group=plan.dp_group,
         count_multiple=plan.count_multiple,
+        packing=plan.packing,
     )
 
 
@@ -221,6 +225,7 @@ def microbatches(
         context_parallel=plan.context_parallel,
         count_multiple=plan.count_multiple,
         plan=split,
+        packing=plan.packing,
     )
     if plan.min_tokens is not None:
         mbs = [min_tokens(mb, plan.min_tokens, plan.pad_to_multiple_of) for mb in mbs]

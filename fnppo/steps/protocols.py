@@ -255,7 +255,7 @@ class StepFns:
         ``chunk_vocab`` and ``graphs`` are :class:`FusedHead`'s (``graphs``: a
         :class:`~fnppo.core.ops.linear_logprob_graphs.BackwardGraphs` the caller creates and keeps);
         ``stages``: other fields of :class:`StepFns` (``collate``, ``loss``, or ``head`` for a head
-        of one's own). ``StepFns.fused()`` replaces ``StepConfig(fused_output=True)``.
+        of one's own).
         """
         if "head" in stages and (chunk_vocab is not None or graphs is not None):
             raise input_error(

@@ -31,6 +31,7 @@ from fnppo.core.batching.checks import (
     check_sample_values,
     check_token_ids,
 )
+from fnppo.core.batching.prefix import Pack, branch_tensors, check_prompt_groups, pack_layout
 from fnppo.core.batching.sample import LAYOUTS, PER_TOKEN_FLOAT, Microbatch, Sample, round_up
 from fnppo.core.batching.teacher import check_teacher_values, collate_teacher
 from fnppo.core.errors import ShapeError, check_positive_int, describe, input_error
@@ -49,6 +50,7 @@ def collate_microbatch(
     max_seq_len: int | None = None,
     vocab_size: int | None = None,
     sample_index: Sequence[int] | None = None,
+    share_prefix: bool = False,
 ) -> Microbatch:
     """Collate samples into one :class:`Microbatch` (padded ``[n, S]`` or packed THD ``[1, T]``).
 
@@ -65,6 +67,14 @@ def collate_microbatch(
     Padding has token ``pad_token_id``, label 0, position 0, ``seq_ids`` -1 and every value 0.
     Packing without cross-contamination: Krell et al., arXiv 2107.02027.
 
+    ``share_prefix`` (packed layout, no multi-modal items): each prompt group of the samples (equal
+    ``prompt_ids`` or one declared ``Sample.group``) is one document ``[x[:-1] | x[-1] y_1 | ... |
+    x[-1] y_G]``, padded to a multiple of ``m`` at its end (:mod:`fnppo.core.batching.prefix`): the
+    tokens of sample ``g`` keep their labels, positions and response values, its segment placed
+    after the prefix and the segments before it; ``seq_ids`` is -1 on a prefix shared by several
+    samples; ``branch_ids``, ``root_ids`` and ``spans`` describe the runs for the attention and
+    :func:`unpack_per_sample`. A group of one is collated exactly as without sharing.
+
     Multi-modal keys are the union over the samples; per key, the items of the samples that have it
     are concatenated on dim 0 in sample order and ``multi_modal_counts[key][i]`` is sample ``i``'s
     item count (0 where it has none). ``sample_index`` (default ``0..n-1``) records where the samples
@@ -78,22 +88,32 @@ def collate_microbatch(
             or staleness given for some samples only, mismatched multi-modal items, samples on different devices, routed
             experts that are not one row per token (or one fewer) or hold invalid indices, a teacher's
             top-k or cross-entropy mask that :func:`~fnppo.core.batching.teacher.check_teacher_values`
-            refuses.
+            refuses; with ``share_prefix``: the padded layout, multi-modal items, a declared group whose
+            prompts differ, a group whose routed experts differ on its shared prompt.
     """
     fn = "collate_microbatch"
     samples = list(samples)
     index, present = _check_collate_inputs(
         fn, samples, layout, pad_to_multiple_of, max_seq_len, vocab_size, sample_index
     )
+    if share_prefix:
+        if layout != "packed":
+            raise input_error(fn, "layout", "'packed' with share_prefix=True (one document per group)", repr(layout))
+        check_prompt_groups(fn, samples)
     device = samples[0].prompt_ids.device
-    seg_lens = [round_up(len(s), pad_to_multiple_of) for s in samples]
-    per_token = _collate_fields(samples, seg_lens, layout, pad_token_id, present)
+    pack = _pack(samples, layout, pad_to_multiple_of, share_prefix)
+    per_token = _collate_fields(samples, pack, layout, pad_token_id, present)
     mm, counts = _collate_multi_modal(fn, samples, device)
-    routes = _collate_routing(samples, seg_lens, layout) if present["routed_experts"] else None
+    routes = _collate_routing(samples, pack, layout) if present["routed_experts"] else None
+    shared: dict[str, Any] = {}
+    if pack.branches is not None:
+        branch, root = branch_tensors(pack.branches, device)
+        shared = {"branch_ids": branch, "root_ids": root, "spans": pack.spans}
     return Microbatch(
         **per_token,  # type: ignore[arg-type]
-        **collate_teacher(samples, seg_lens, layout),
-        **_layout_fields(layout, per_token["seq_ids"], seg_lens, device),
+        **_collate_teacher_fields(samples, pack, layout),
+        **_layout_fields(layout, per_token["seq_ids"], pack.doc_lens, device),
+        **shared,
         sample_index=torch.tensor(list(index), dtype=torch.int64, device=device),
         multi_modal=mm,
         multi_modal_counts=counts,
@@ -103,6 +123,16 @@ def collate_microbatch(
         pad_to_multiple_of=pad_to_multiple_of,
         routed_experts=routes,
     )
+
+
+def _pack(samples: list[Sample], layout: str, pad_to_multiple_of: int, share_prefix: bool) -> Pack:
+    """Where each sample's tokens go: :func:`~fnppo.core.batching.prefix.pack_layout` (packed), or
+    row ``i`` of ``[n, round_up(max len, m)]`` (padded)."""
+    if layout == "packed":
+        return pack_layout(samples, pad_to_multiple_of, share_prefix)
+    n = len(samples)
+    width = max(round_up(len(s), pad_to_multiple_of) for s in samples)
+    return Pack([i * width for i in range(n)], [0] * n, [True] * n, [width] * n, (), None)
 
 
 def _check_collate_inputs(
@@ -140,27 +170,28 @@ def _check_collate_inputs(
 
 
 def _collate_fields(
-    samples: list[Sample], seg_lens: list[int], layout: str, pad_token_id: int, present: dict[str, bool]
+    samples: list[Sample], pack: Pack, layout: str, pad_token_id: int, present: dict[str, bool]
 ) -> dict[str, Tensor | None]:
     """Every per-token field of the micro-batch, built for all samples at once.
 
-    Sample ``i`` occupies ``seg_lens[i]`` positions from ``start_i`` of the flat output (packed:
-    ``cumsum`` of the segment lengths; padded: row ``i`` of ``[n, max seg_lens]``); its tokens go to
-    ``start_i + t`` and its response values to ``start_i + P_i - 1 + j`` (see the alignment in
-    :func:`collate_microbatch`), by one scatter per field. Absent optional fields are None.
+    Sample ``i`` places its tokens from ``pack.firsts[i]`` on at ``pack.starts[i]`` onwards in the
+    flat output (packed: one row of the documents; padded: row ``i`` of ``[n, width]``): token
+    ``t`` at ``start_i + t - first_i``, its response values at ``start_i + P_i - 1 - first_i + j``
+    (see the alignment in :func:`collate_microbatch`), by one scatter per field. Absent optional
+    fields are None.
     """
     device = samples[0].prompt_ids.device
     i64, f32 = torch.int64, torch.float32
     n = len(samples)
     plen = torch.tensor([s.prompt_len for s in samples], dtype=i64)
     rlen = torch.tensor([s.response_len for s in samples], dtype=i64)
+    first = torch.tensor(pack.firsts, dtype=i64)
+    starts = torch.tensor(pack.starts, dtype=i64)
     tlen = plen + rlen
-    width = max(seg_lens) if layout == "padded" else sum(seg_lens)
-    rows = n if layout == "padded" else 1
     if layout == "padded":
-        starts = torch.arange(n, dtype=i64) * width
+        rows, width = n, pack.doc_lens[0]
     else:
-        starts = torch.tensor([0, *seg_lens[:-1]], dtype=i64).cumsum(0)
+        rows, width = 1, sum(pack.doc_lens)
 
     def runs(lengths: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
         """For each sample's run of ``lengths[i]`` items: flat destinations ``offsets[i] + j`` and ``j``."""
@@ -168,18 +199,26 @@ def _collate_fields(
         within = torch.arange(total, dtype=i64) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         return offsets.repeat_interleave(lengths) + within, within
 
-    dest, within = runs(tlen, starts)
-    rdest, _ = runs(rlen, starts + plen - 1)
+    placed = tlen - first  # tokens each sample places
+    dest, within = runs(placed, starts)
+    tok = within + first.repeat_interleave(placed)  # the token's index in its sample
+    rdest, _ = runs(rlen, starts + plen - 1 - first)
     dest_d, rdest_d = dest.to(device), rdest.to(device)
-    z = torch.cat([t.to(i64) for s in samples for t in (s.prompt_ids, s.response_ids)])
+    z_all = [torch.cat([s.prompt_ids.to(i64), s.response_ids.to(i64)]) for s in samples]
+    z = torch.cat([zi[f:] for zi, f in zip(z_all, pack.firsts, strict=True)])
     size = rows * width
     out: dict[str, Tensor | None] = {}
     out["input_ids"] = torch.full((size,), pad_token_id, dtype=i64, device=device).index_put_((dest_d,), z)
-    not_last = (within < (tlen - 1).repeat_interleave(tlen)).nonzero().squeeze(1)
+    last = (tlen - 1).repeat_interleave(placed)
+    not_last = (tok < last).nonzero().squeeze(1)
     labels = torch.zeros(size, dtype=i64, device=device)
     out["labels"] = labels.index_put_((dest[not_last].to(device),), z[(not_last + 1).to(device)])
-    out["position_ids"] = torch.zeros(size, dtype=i64, device=device).index_put_((dest_d,), within.to(device))
-    seq = torch.arange(n, dtype=i64).repeat_interleave(tlen).to(device)
+    out["position_ids"] = torch.zeros(size, dtype=i64, device=device).index_put_((dest_d,), tok.to(device))
+    seq = torch.arange(n, dtype=i64).repeat_interleave(placed)
+    shared_prefix = (~torch.tensor(pack.own_prefix)).repeat_interleave(placed) & (
+        tok < (plen - 1).repeat_interleave(placed)
+    )
+    seq = torch.where(shared_prefix, torch.full_like(seq, -1), seq).to(device)
     out["seq_ids"] = torch.full((size,), -1, dtype=i64, device=device).index_put_((dest_d,), seq)
 
     def place(values: list[Tensor]) -> Tensor:
@@ -206,30 +245,43 @@ def _collate_fields(
     return {k: (None if v is None else v.view(rows, width)) for k, v in out.items()}
 
 
+def _collate_teacher_fields(samples: list[Sample], pack: Pack, layout: str) -> dict[str, Tensor | None]:
+    """The teacher signals and the cross-entropy mask (:func:`~fnppo.core.batching.teacher.collate_teacher`),
+    each response token where ``pack`` puts it."""
+    rows, width = (len(samples), pack.doc_lens[0]) if layout == "padded" else (1, sum(pack.doc_lens))
+    starts = [st + s.prompt_len - 1 - f for s, st, f in zip(samples, pack.starts, pack.firsts, strict=True)]
+    return collate_teacher(samples, starts, rows, width)
+
+
 def routing_fill(rows: int, layers: int, topk: int, *, device: Any = None) -> Tensor:
     """The route of a position without one (padding, a missing last token): ``-1``, int32
     ``[rows, layers, topk]``; routing replay lets the router choose there (:mod:`fnppo.megatron.routing`)."""
     return torch.full((rows, layers, topk), -1, dtype=torch.int32, device=device)
 
 
-def _collate_routing(samples: list[Sample], seg_lens: list[int], layout: str) -> Tensor:
+def _collate_routing(samples: list[Sample], pack: Pack, layout: str) -> Tensor:
     """``routed_experts`` per position, int32: packed ``[1, T, L, k]``, padded ``[n, S, L, k]``.
 
-    Sample ``i``'s rows fill positions ``0 .. len(rows) - 1`` of its segment (the token at each
-    position); the rest of the segment (a missing last row, padding) gets :func:`routing_fill` (-1).
+    Sample ``i``'s rows from ``pack.firsts[i]`` on fill the positions of the tokens it places (the
+    token at each position; a shared prefix takes the rows of the group's first sample); the other
+    positions (a missing last row, padding) get :func:`routing_fill` (-1).
     """
     _, layers, topk = samples[0].routed_experts.shape
-    width = max(seg_lens) if layout == "padded" else 0
-    rows = []
-    for s, seg in zip(samples, seg_lens, strict=True):
-        own = s.routed_experts.to(torch.int32)
-        size = max(seg, width)
-        rows.append(torch.cat([own, routing_fill(size - own.shape[0], layers, topk, device=own.device)]))
-    return torch.cat(rows).unsqueeze(0) if layout == "packed" else torch.stack(rows)
+    rows_n = len(samples) if layout == "padded" else 1
+    width = pack.doc_lens[0] if layout == "padded" else sum(pack.doc_lens)
+    device = samples[0].routed_experts.device
+    out = routing_fill(rows_n * width, layers, topk, device=device)
+    dests, parts = [], []
+    for s, start, f in zip(samples, pack.starts, pack.firsts, strict=True):
+        own = s.routed_experts.to(torch.int32)[f:]
+        dests.append(torch.arange(start, start + own.shape[0], dtype=torch.int64))
+        parts.append(own)
+    out = out.index_put_((torch.cat(dests).to(device),), torch.cat(parts))
+    return out.view(rows_n, width, layers, topk)
 
 
 def _layout_fields(layout: str, seq_ids: Tensor, seg_lens: list[int], device: torch.device) -> dict[str, Any]:
-    """``attention_mask`` (padded), ``cu_seqlens`` and ``max_seqlen`` (packed) of a micro-batch."""
+    """``attention_mask`` (padded), ``cu_seqlens`` and ``max_seqlen`` (packed: over the documents) of a micro-batch."""
     if layout == "packed":
         cu = torch.tensor([0, *seg_lens], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
         return {"attention_mask": None, "cu_seqlens": cu, "max_seqlen": max(seg_lens)}
@@ -277,8 +329,10 @@ def _collate_multi_modal(
 def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> list[Tensor]:
     """Per-response-token values of every sample: the inverse of :func:`collate_microbatch`'s placement.
 
-    ``out[i] = values[row_i, off_i + P_i - 1 : off_i + P_i - 1 + R_i]`` (length ``R_i``), where
-    padded: ``row_i = i, off_i = 0``; packed: ``row_i = 0, off_i = cu_seqlens[i]``. Slices are views
+    ``out[i] = values[row_i, s_i : s_i + R_i]`` (length ``R_i``), ``s_i`` the start of sample ``i``'s
+    segment (:attr:`~fnppo.core.batching.sample.Microbatch.token_spans`: ``off_i + P_i - 1``), where
+    padded: ``row_i = i, off_i = 0``; packed: ``row_i = 0, off_i = cu_seqlens[i]`` (shared-prefix
+    packing: the segment after its document's prefix and the segments before it). Slices are views
     (autograd flows through them). Uses only the static lengths of ``mb`` (no device sync).
 
     Args:
@@ -297,13 +351,8 @@ def unpack_per_sample(values: Shaped[Tensor, "batch seq"], mb: Microbatch) -> li
             f"(that of mb.input_ids), received {describe(values)}"
         )
     out: list[Tensor] = []
-    offset = 0
-    for i, (p, r, seg) in enumerate(zip(mb.prompt_lens, mb.response_lens, mb.segment_lens, strict=True)):
-        if mb.is_packed:
-            out.append(values[0, offset + p - 1 : offset + p - 1 + r])
-            offset += seg
-        else:
-            out.append(values[i, p - 1 : p - 1 + r])
+    for i, ((_, seg), r) in enumerate(zip(mb.token_spans, mb.response_lens, strict=True)):
+        out.append(values[0 if mb.is_packed else i, seg : seg + r])
     return out
 
 
@@ -366,6 +415,10 @@ def pad_microbatch(mb: Microbatch, length: int, *, pad_token_id: int = 0) -> Mic
         fill = routing_fill(rows * extra, layers, topk, device=mb.routed_experts.device)
         fill = fill.reshape(rows, extra, layers, topk)
         changes["routed_experts"] = torch.cat([mb.routed_experts, fill], dim=1)
+    if mb.branch_ids is not None and mb.root_ids is not None:  # the padding: a run of its own
+        new = int(mb.branch_ids.max()) + 1 if mb.branch_ids.numel() else 0
+        changes["branch_ids"] = pad(mb.branch_ids, new)
+        changes["root_ids"] = pad(mb.root_ids, new)
     if mb.cu_seqlens is not None:
         tail = mb.cu_seqlens.new_full((1,), length)
         changes["cu_seqlens"] = torch.cat([mb.cu_seqlens, tail])

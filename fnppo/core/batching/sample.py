@@ -146,6 +146,11 @@ class Sample:
       (:class:`fnppo.core.losses.terms.CrossEntropy`; None: the response mask). See
       :mod:`fnppo.core.batching.teacher`.
 
+    * ``group``: an int >= 0 or None: a declared group for shared-prefix packing
+      (:class:`fnppo.core.batching.prefix.SharedPrefix`): samples of one group share their prompt,
+      which is forwarded once (their ``prompt_ids`` must be equal; refused otherwise). None: samples
+      are grouped by equal ``prompt_ids``. Ignored without shared-prefix packing.
+
     Construction checks types, ranks and lengths; value checks (0/1 mask, finite values, token range)
     happen where samples enter a computation: :func:`~fnppo.core.batching.collate.collate_microbatch`, and the training step's
     entry check of the whole batch (:func:`~fnppo.core.batching.checks.check_sample_values`). :meth:`from_lists` builds one
@@ -168,9 +173,14 @@ class Sample:
     teacher_topk_ids: Integer[Tensor, "r k"] | None = None
     teacher_topk_logprobs: Float[Tensor, "r k"] | None = None
     ce_mask: Shaped[Tensor, " r"] | None = None
+    group: int | None = None
 
     def __post_init__(self) -> None:
         fn = "Sample"
+        if self.group is not None and (
+            isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0
+        ):
+            raise input_error(fn, "group", "None or an int >= 0 (a declared prompt group)", _describe_any(self.group))
         for name in ("prompt_ids", "response_ids"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.ndim != 1 or not _is_integer(t):
@@ -264,6 +274,7 @@ class Sample:
         teacher_topk_ids: Sequence[Sequence[int]] | Tensor | None = None,
         teacher_topk_logprobs: Sequence[Sequence[float]] | Tensor | None = None,
         ce_mask: Sequence[float] | Tensor | None = None,
+        group: int | None = None,
     ) -> Sample:
         """Build a :class:`Sample` from lists: ids, versions and staleness become int64, values
         float32, the mask float32, routed experts int32 (an integer tensor keeps its dtype).
@@ -317,6 +328,7 @@ class Sample:
             else torch.as_tensor(teacher_topk_ids, dtype=torch.int64),
             teacher_topk_logprobs=floats(teacher_topk_logprobs),
             ce_mask=floats(ce_mask),
+            group=group,
         )
 
 
@@ -334,7 +346,7 @@ _register(
         "teacher_topk_logprobs",
         "ce_mask",
     ),
-    static=(),
+    static=("group",),
 )
 
 
@@ -390,6 +402,16 @@ class Microbatch:
 
     Static (treedef metadata): ``layout``, ``max_seqlen`` (longest padded segment, packed layout;
     None when padded), ``prompt_lens``, ``response_lens`` and ``pad_to_multiple_of``.
+
+    Shared-prefix packing (:func:`~fnppo.core.batching.collate.collate_microbatch` with
+    ``share_prefix=True``; None otherwise): the samples of a prompt group form one packed document
+    ``[prompt[:-1] | prompt[-1] r_1 | prompt[-1] r_2 | ...]`` (``cu_seqlens`` bounds the documents).
+    ``branch_ids`` (int64 leaf) numbers the runs of the pack (a document's prefix, each segment),
+    ``root_ids`` gives each token the run whose keys it sees besides its own (its document's
+    prefix; the prefix itself for a prefix token): query ``i`` attends to key ``j`` iff ``j <= i``
+    and ``branch(j)`` is ``branch(i)`` or ``root(i)``. ``spans`` (static) holds per sample
+    ``(prefix start, segment start)`` in the pack: its tokens are the ``P - 1`` from the first and
+    the ``R + 1`` from the second, its response values at ``segment start + j``.
     """
 
     input_ids: Int[Tensor, "batch seq"]
@@ -418,6 +440,9 @@ class Microbatch:
     teacher_topk_ids: Int[Tensor, "batch seq k"] | None = None
     teacher_topk_logprobs: Float[Tensor, "batch seq k"] | None = None
     ce_mask: Float[Tensor, "batch seq"] | None = None
+    branch_ids: Int[Tensor, "batch seq"] | None = None
+    root_ids: Int[Tensor, "batch seq"] | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -438,6 +463,26 @@ class Microbatch:
     def is_packed(self) -> bool:
         """Whether the layout is packed (THD, ``[1, total]``)."""
         return self.layout == "packed"
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the micro-batch is packed with shared prefixes (``spans`` set)."""
+        return self.spans is not None
+
+    @property
+    def token_spans(self) -> tuple[tuple[int, int], ...]:
+        """Per sample ``(prefix start, segment start)`` in its row: its ``P - 1`` prompt tokens but
+        the last from the first, the last prompt token and its ``R`` response tokens from the second
+        (``spans`` when shared; else consecutive: ``(start, start + P - 1)``, the start being 0 in a
+        padded row and the packed segment's offset)."""
+        if self.spans is not None:
+            return self.spans
+        out, offset = [], 0
+        for p, seg in zip(self.prompt_lens, self.segment_lens, strict=True):
+            start = offset if self.is_packed else 0
+            out.append((start, start + p - 1))
+            offset += seg
+        return tuple(out)
 
 
 _MB_LEAVES = (
@@ -462,8 +507,10 @@ _MB_LEAVES = (
     "teacher_topk_ids",
     "teacher_topk_logprobs",
     "ce_mask",
+    "branch_ids",
+    "root_ids",
 )
-_MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of")
+_MB_STATIC = ("layout", "max_seqlen", "prompt_lens", "response_lens", "pad_to_multiple_of", "spans")
 _register(Microbatch, leaves=_MB_LEAVES, static=_MB_STATIC)
 
 

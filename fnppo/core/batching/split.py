@@ -2,21 +2,20 @@
 
 Plain torch (``torch.distributed`` for the agreement); nothing here imports Megatron.
 
-* :func:`split_batch` decides which samples go into which micro-batch (a fixed number, a fixed size,
-  or a hard token budget), agrees on the number of micro-batches over the data-parallel group and
-  returns a :class:`SplitPlan`;
+* :func:`split_batch` decides which samples go into which micro-batch by a split rule
+  (:class:`~fnppo.core.batching.splits.base.Split`: ``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``
+  or your own), agrees on the number of micro-batches over the data-parallel group and returns a
+  :class:`SplitPlan`;
 * :class:`SplitPlan` groups samples by micro-batch (:meth:`SplitPlan.apply`) and puts per-sample
   results back in the original order (:meth:`SplitPlan.restore`, the one way fnppo restores sample
   order);
 * :func:`build_microbatches` is the one call the training step makes: plan, collate
   (:func:`fnppo.core.batching.collate.collate_microbatch` or a user stage), move to the device, and optionally pad
   every micro-batch to one length.
-* :data:`Split` is the split as one value, passed down as it is: :class:`ByCount` (a fixed number
-  of micro-batches), :class:`BySize` (a fixed number of samples each) or :class:`ByTokens` (a hard
-  token budget each). Each says how many micro-batches it makes and what only the data can refuse
-  (no dispatch on names anywhere below). The flat keywords ``num_microbatches`` /
-  ``microbatch_size`` / ``max_tokens_per_microbatch`` are sugar that builds one (:func:`split_mode`,
-  the one check of them, shared with :class:`fnppo.StepConfig`).
+
+The planner asks the rule and nothing else (no rule is known by name): its checks, its count, the
+agreement over ranks, its groups at the agreed count. The flat keywords are sugar for the three
+built-in rules (:func:`split_mode`, their one home, shared with :class:`fnppo.StepConfig`).
 """
 
 from __future__ import annotations
@@ -31,26 +30,18 @@ import torch.distributed as dist
 from fnppo.core.batching.checks import check_lengths
 from fnppo.core.batching.collate import pad_microbatch, to_device
 from fnppo.core.batching.context_parallel import shard_microbatch
+from fnppo.core.batching.prefix import SharedPrefix, check_prompt_groups, group_items, split_groups_to
 from fnppo.core.batching.sample import LAYOUTS, Microbatch, Sample, round_up
-from fnppo.core.batching.splits import (
-    SPLIT_MODES,
-    ByCount,
-    BySize,
-    ByTokens,
-    Split,
-    _cost_fn,
-    as_split,
-    split_mode,
-)
+from fnppo.core.batching.splits.base import Item, Split
+from fnppo.core.batching.splits.count import ByCount
+from fnppo.core.batching.splits.size import BySize
+from fnppo.core.batching.splits.tokens import ByTokens
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.typing import typechecked
 
 __all__ = [
     "Split",
-    "ByCount",
-    "BySize",
-    "ByTokens",
-    "as_split",
+    "Item",
     "SplitPlan",
     "split_batch",
     "split_mode",
@@ -59,6 +50,36 @@ __all__ = [
     "build_microbatches",
     "SPLIT_MODES",
 ]
+
+_FLAT = (ByCount, BySize, ByTokens)  # the rules the flat keywords build, in keyword order
+SPLIT_MODES = tuple(rule.flat for rule in _FLAT)
+"""The three flat keywords of a split (``num_microbatches``, ``microbatch_size``,
+``max_tokens_per_microbatch``); at most one is used."""
+
+
+def split_mode(
+    num_microbatches: Any, microbatch_size: Any, max_tokens_per_microbatch: Any, *, fn: str, required: bool
+) -> Split | None:
+    """The rule the flat keywords build (``ByCount`` / ``BySize`` / ``ByTokens`` of the one given),
+    checked, or None when none is given and not ``required``.
+
+    The one home of the flat sugar, used by :func:`split_batch` (exactly one mode) and
+    :class:`fnppo.StepConfig` (at most one; none means one micro-batch).
+
+    Raises:
+        InputError: two or more keywords (or none when ``required``); a size that is not an int >= 1.
+    """
+    values = (num_microbatches, microbatch_size, max_tokens_per_microbatch)
+    given = [(rule, v) for rule, v in zip(_FLAT, values) if v is not None]
+    if len(given) > 1 or (required and not given):
+        names = [rule.flat for rule, _ in given]
+        expected = "exactly one of them" if required else "at most one of them"
+        raise input_error(fn, "/".join(SPLIT_MODES), expected, f"{names or 'none'}")
+    if not given:
+        return None
+    rule, value = given[0]
+    check_positive_int(fn, rule.flat, value)
+    return rule(value)
 
 
 _T = TypeVar("_T")
@@ -138,51 +159,6 @@ class SplitPlan:
         return [flat[j] for j in self.inverse]
 
 
-def _balanced(lengths: list[int], k: int, budget: int, layout: str) -> list[list[int]] | None:
-    """Longest-processing-time-first onto exactly ``k`` groups under the cap (Graham 1969).
-
-    Each sample (longest first) goes to the group whose collated token count after adding it is
-    smallest among those that stay within ``budget``. Returns None if some sample fits nowhere.
-    """
-    cost = _cost_fn(layout)
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = [[] for _ in range(k)]
-    stats = [[0, 0, 0] for _ in range(k)]
-    for i in order:
-        ln = lengths[i]
-        best, best_cost = -1, None
-        for b, (c, t, mx) in enumerate(stats):
-            new = cost(c + 1, t + ln, max(mx, ln))
-            if new <= budget and (best_cost is None or new < best_cost):
-                best, best_cost = b, new
-        if best < 0:
-            return None
-        bins[best].append(i)
-        c, t, mx = stats[best]
-        stats[best] = [c + 1, t + ln, max(mx, ln)]
-    return bins
-
-
-def _split_to(bins: list[list[int]], k: int) -> list[list[int]]:
-    """Grow to ``k`` groups by moving the shortest sample of the fullest group into a new group."""
-    bins = [list(b) for b in bins]
-    while len(bins) < k:
-        b = max(range(len(bins)), key=lambda j: (len(bins[j]), -j))
-        bins.append([bins[b].pop()])  # groups are longest-first: pop() is the shortest sample
-    return bins
-
-
-def _contiguous(n: int, k: int) -> list[list[int]]:
-    """``range(n)`` in ``k`` contiguous groups whose sizes differ by at most one (the first are larger)."""
-    q, rem = divmod(n, k)
-    groups, start = [], 0
-    for j in range(k):
-        size = q + (1 if j < rem else 0)
-        groups.append(list(range(start, start + size)))
-        start += size
-    return groups
-
-
 def _agree(k: int, n: int, dp_group: Any) -> tuple[int, int]:
     """All-reduce ``(k, -n)`` with MAX over ``dp_group``: the group's largest count, smallest batch."""
     if dp_group is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
@@ -206,42 +182,39 @@ def split_batch(
     max_seq_len: int | None = None,
     pad_to_multiple_of: int = 1,
     layout: str = "packed",
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
     """Split a batch into micro-batches; returns a :class:`SplitPlan` (groups + inverse permutation).
 
-    Exactly one mode: ``split`` (a :data:`Split`), or one of the flat keywords that build it:
+    Exactly one mode: ``split`` (a split rule, :class:`~fnppo.core.batching.splits.base.Split`), or
+    one of the flat keywords that build the built-in ones:
 
-    * ``num_microbatches=k``: ``k`` contiguous groups, sizes differing by at most one;
-    * ``microbatch_size=b``: ``ceil(n / b)`` contiguous groups of at most ``b`` samples (sizes
-      differing by at most one);
-    * ``max_tokens_per_microbatch=B``: a hard cap on the collated token count of every micro-batch.
-      A sample counts ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens; a
-      micro-batch counts the sum of those (``layout="packed"``) or ``count * max`` of them
-      (``layout="padded"``), i.e. exactly ``mb.input_ids.numel()`` of :func:`collate_microbatch` with
-      the same ``layout`` and ``pad_to_multiple_of``. The number of micro-batches is the one of
-      first-fit decreasing (Johnson 1973, at most ``11/9 OPT + 6/9``); the samples are then spread
-      over that many micro-batches longest-first, each onto the micro-batch with the smallest
-      collated token count after adding it (Graham's LPT, 1969), which balances the token count
-      (linear cost: MLP, logits and loss dominate at RL lengths) under the cap. Where LPT cannot
-      respect the cap, the first-fit-decreasing groups are used as they are.
+    * ``num_microbatches=k`` (:class:`~fnppo.core.batching.splits.count.ByCount`): ``k`` contiguous
+      groups, sizes differing by at most one;
+    * ``microbatch_size=b`` (:class:`~fnppo.core.batching.splits.size.BySize`): ``ceil(n / b)``
+      contiguous groups of at most ``b`` samples (sizes differing by at most one);
+    * ``max_tokens_per_microbatch=B`` (:class:`~fnppo.core.batching.splits.tokens.ByTokens`): a hard
+      cap on the collated token count of every micro-batch, exactly ``mb.input_ids.numel()`` of
+      :func:`collate_microbatch` with the same ``layout`` and ``pad_to_multiple_of`` (a sample counts
+      ``round_up(len(prompt) + len(response), pad_to_multiple_of)`` tokens), balanced under the cap.
 
-    With ``dp_group`` (a ``torch.distributed`` group, e.g. Megatron's data-parallel group) the
-    number of micro-batches is all-reduced with MAX, so every rank runs the same count; ranks that
-    needed fewer split further (still under the cap). A rank with fewer samples than the agreed
-    count cannot do that: then *every* rank raises (the group's smallest batch size is reduced
-    along), so no rank is left waiting in a collective. Empty micro-batches are not produced.
-
-    Within a micro-batch indices are ascending; micro-batches are ordered by their first index. The
-    plan is deterministic (ties are broken by index).
+    With ``dp_group`` the number of micro-batches is all-reduced with MAX (every rank runs the same
+    count; ranks that needed fewer split further, under the cap); a rank with fewer samples than the
+    agreed count makes *every* rank raise (the smallest batch size is reduced along), so none waits
+    in a collective. No micro-batch is empty; indices ascend within one, micro-batches are ordered by
+    their first index; ties are broken by index (deterministic).
 
     Args:
         samples: the batch.
-        split: the :data:`Split` (``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``).
+        split: the split rule (``ByCount(k)``, ``BySize(b)``, ``ByTokens(B)``, or your own).
         num_microbatches, microbatch_size, max_tokens_per_microbatch: sugar for ``split`` (exactly one
             of the four).
         dp_group: the data-parallel group to agree with, or None.
         max_seq_len: refuse samples longer than this (None: no limit).
         pad_to_multiple_of, layout: as in :func:`fnppo.core.batching.collate.collate_microbatch` (token counts).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` (packed layout only): the rule
+            places prompt groups (tokens counted as computed, the prompt once per group or
+            sub-group), not samples; None: one item per sample.
 
     Returns:
         The :class:`SplitPlan`.
@@ -266,8 +239,60 @@ def split_batch(
         raise input_error(fn, "layout", f"one of {LAYOUTS}", repr(layout))
     if max_seq_len is not None:
         check_lengths(fn, samples, max_seq_len, f"at most max_seq_len={max_seq_len} tokens")
+    if packing is not None:
+        if layout != "packed":
+            raise input_error(
+                fn, "layout", "'packed' with shared-prefix packing (one document per group)", repr(layout)
+            )
+        check_prompt_groups(fn, samples)
     assert mode is not None
-    return _plan(samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout)
+    return _plan(
+        samples, mode, dp_group=dp_group, pad_to_multiple_of=pad_to_multiple_of, layout=layout, packing=packing
+    )
+
+
+def sample_items(
+    samples: Sequence[Sample], pad_to_multiple_of: int, length: Callable[[Sample], int] = len
+) -> list[Item]:
+    """One :class:`~fnppo.core.batching.splits.base.Item` per sample: its collated tokens
+    ``round_up(length(sample), pad_to_multiple_of)``, their causal attention pairs, its description."""
+    items = []
+    for i, s in enumerate(samples):
+        n = round_up(length(s), pad_to_multiple_of)
+        padded = f", padded to a multiple of {pad_to_multiple_of})" if pad_to_multiple_of > 1 else ")"
+        what = f"{n} tokens (prompt {s.prompt_len} + response {s.response_len}{padded}"
+        items.append(Item(samples=(i,), tokens=n, pairs=n * (n + 1) // 2, what=what))
+    return items
+
+
+def _items(
+    fn: str,
+    samples: Sequence[Sample],
+    mode: Split,
+    packing: SharedPrefix | None,
+    *,
+    layout: str,
+    pad_to_multiple_of: int,
+    length: Callable[[Sample], int],
+    arg: str = "samples",
+    index: Callable[[int], int] = lambda i: i,
+) -> list[Item]:
+    """The items the rule places: one per sample, or (shared-prefix packing) one per prompt group,
+    split into sub-groups where the rule refuses a group whole; each accepted by the rule.
+
+    Raises:
+        InputError: an item the rule refuses on its own, naming ``<arg>[index(i)]``.
+    """
+    if packing is not None:
+        return group_items(
+            fn, samples, mode, packing, layout=layout, pad_to_multiple_of=pad_to_multiple_of, arg=arg, index=index
+        )
+    items = sample_items(samples, pad_to_multiple_of, length)
+    for item in items:
+        expected = mode.refusal(item, layout)
+        if expected is not None:
+            raise input_error(fn, f"{arg}[{index(item.samples[0])}]", expected, item.what)
+    return items
 
 
 def _plan(
@@ -279,44 +304,47 @@ def _plan(
     layout: str,
     length: Callable[[Sample], int] = len,
     count_multiple: int = 1,
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
-    """:func:`split_batch` on checked arguments (the step's path): count, agree over DP, group.
+    """:func:`split_batch` on checked arguments (the step's path): the rule's checks, its count,
+    the agreement over DP, its groups at the agreed count.
 
     ``length`` is a sample's collated token count (default ``len``: prompt + response; a collate
-    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how much). A count the
-    split decides (``microbatch_size``, ``max_tokens_per_microbatch``) is rounded up to a multiple
-    of ``count_multiple`` after the agreement; an explicit ``num_microbatches`` is taken as given.
+    stage that expands a sample, e.g. :class:`fnppo.megatron.vlm_collate.VLMCollate`, says how
+    much). A count the rule decides (``fixed_count`` None) is rounded up to a multiple of
+    ``count_multiple`` after the agreement; a fixed one is taken as given. With ``packing``
+    (:class:`~fnppo.core.batching.prefix.SharedPrefix`) the items are prompt groups, cut in halves
+    with the prompt repeated where the agreed count needs more items (not with ``split_groups=False``:
+    then the groups are what the agreement counts).
 
     Raises:
-        InputError: the checks only the data can answer: ``num_microbatches`` above the batch
-            size, a sample longer than the token budget, too few samples for the agreed count.
+        InputError: the checks only the data can answer: a fixed count above the batch size, an
+            item the rule refuses on its own (a sample longer than the token budget), too few
+            samples (or whole groups) for the agreed count.
     """
     fn = "split_batch"
-    n = len(samples)
-    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length)
-    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-    k, local = mode.groups(lengths, layout)
-    agreed, smallest = _agree(k, n, dp_group)
+    check_split(fn, samples, mode, pad_to_multiple_of=pad_to_multiple_of, length=length, layout=layout, packing=packing)
+    items = _items(fn, samples, mode, packing, layout=layout, pad_to_multiple_of=pad_to_multiple_of, length=length)
+    whole = packing is not None and not packing.split_groups
+    n = len(items) if whole else len(samples)
+    agreed, smallest = _agree(mode.count(items, layout), n, dp_group)
     rounded = ""
-    if not mode.explicit and agreed % count_multiple != 0:
+    if mode.fixed_count is None and agreed % count_multiple != 0:
         rounded = f", {agreed} rounded up to a multiple of {count_multiple}"
-    if rounded:
         agreed = -(-agreed // count_multiple) * count_multiple
     if agreed > smallest:
+        what = "prompt groups (kept whole: SharedPrefix(split_groups=False))" if whole else "samples"
         raise input_error(
             fn,
             "samples",
-            f"at least {agreed} samples on every data-parallel rank (the group's agreed number of "
+            f"at least {agreed} {what} on every data-parallel rank (the group's agreed number of "
             f"micro-batches{rounded}; empty micro-batches are not supported)",
-            f"{smallest} samples on some rank ({n} here)",
+            f"{smallest} {what.split(' (')[0]} on some rank ({n} here)",
         )
-    if local is None:
-        groups = _contiguous(n, agreed)
-    else:
-        assert isinstance(mode, ByTokens)
-        groups = _balanced(lengths, agreed, mode.n, layout) or _split_to(local, agreed)
-    groups = sorted((sorted(g) for g in groups), key=lambda g: g[0])
-    return SplitPlan.from_groups(groups)
+    if packing is not None:
+        items = split_groups_to(samples, items, agreed, pad_to_multiple_of)
+    groups = [sorted(s for j in g for s in items[j].samples) for g in mode.group(items, agreed, layout)]
+    return SplitPlan.from_groups(sorted(groups, key=lambda g: g[0]))
 
 
 def check_split(
@@ -329,39 +357,59 @@ def check_split(
     parts: int = 1,
     arg: str = "samples",
     count_arg: str = "num_microbatches",
+    layout: str = "packed",
+    packing: SharedPrefix | None = None,
 ) -> None:
-    """The checks of a split that only the data can answer, before any agreement over ranks: an
-    explicit micro-batch count of at most the (mini-)batch size, and every (padded) sample within
-    the token budget on its own.
+    """The checks of a split that only the data can answer, before any agreement over ranks: a
+    fixed micro-batch count of at most the (mini-)batch size, and every item accepted by the rule
+    on its own (``refusal``: e.g. a sample within the token budget; with ``packing``, a prompt group
+    or its sub-groups).
 
     The one home of both checks: :func:`split_batch` runs it on its samples; the training step runs
-    it on the caller's whole batch, cut into ``parts`` equal mini-batches (``num_minibatches``), before
-    anything runs, with ``arg="batch"`` and ``count_arg="config.num_microbatches"``.
+    it on the caller's whole batch, cut into ``parts`` mini-batches (``num_minibatches``; mini-batch
+    ``k`` holds samples ``k, k + parts, ...``), before anything runs, with ``arg="batch"`` and
+    ``count_arg="config.num_microbatches"``.
 
     Args:
         fn, arg, count_arg: the function, the samples' argument and the count's argument named in errors.
         samples: the samples (``len(samples)`` divisible by ``parts``).
-        mode: the :data:`Split`.
+        mode: the split rule.
         pad_to_multiple_of, length: a sample counts ``round_up(length(sample), pad_to_multiple_of)`` tokens.
         parts: the number of equal mini-batches the samples are split into.
+        layout: the micro-batch layout (``"packed"`` or ``"padded"``).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` or None.
 
     Raises:
         InputError: naming ``count_arg`` (more micro-batches than samples per mini-batch) or
-            ``<arg>[i]`` (a sample longer than ``max_tokens_per_microbatch``).
+            ``<arg>[i]`` (a sample, or a group kept whole, that the rule refuses on its own).
     """
-    lengths = [round_up(length(s), pad_to_multiple_of) for s in samples]
-    mode.check(fn, samples, lengths, parts, arg, count_arg, pad_to_multiple_of)
+    per_part = len(samples) // parts
+    fixed = mode.fixed_count
+    if fixed is not None and fixed > per_part:
+        where = (
+            f"the batch size {per_part} ("
+            if parts == 1
+            else f"the mini-batch size {per_part} ({len(samples)} samples / num_minibatches={parts}; "
+        )
+        raise input_error(fn, count_arg, f"at most {where}no empty micro-batches)", str(fixed))
+    kw: dict[str, Any] = dict(layout=layout, pad_to_multiple_of=pad_to_multiple_of, length=length, arg=arg)
+    if packing is None:
+        _items(fn, samples, mode, None, **kw)
+        return
+    for k in range(parts):
+        _items(fn, list(samples)[k::parts], mode, packing, index=lambda i, k=k: k + i * parts, **kw)
 
 
 def plan_microbatches(
     samples: Sequence[Sample],
-    mode: Split | tuple[str, int],
+    mode: Split,
     *,
     layout: str,
     pad_to_multiple_of: int,
     collate: Callable[..., Microbatch],
     dp_group: Any = None,
     count_multiple: int = 1,
+    packing: SharedPrefix | None = None,
 ) -> SplitPlan:
     """The plan of :func:`build_microbatches` (the same arguments), without collating: the training
     step plans every mini-batch before its first update, so that a refusal of the plan (too few
@@ -369,18 +417,19 @@ def plan_microbatches(
     length = getattr(collate, "collated_length", len)  # a collate stage that expands samples counts them expanded
     return _plan(
         samples,
-        as_split(mode),
+        mode,
         dp_group=dp_group,
         pad_to_multiple_of=pad_to_multiple_of,
         layout=layout,
         length=length,
         count_multiple=count_multiple,
+        packing=packing,
     )
 
 
 def build_microbatches(
     samples: Sequence[Sample],
-    mode: Split | tuple[str, int],
+    mode: Split,
     *,
     layout: str,
     pad_to_multiple_of: int,
@@ -391,17 +440,16 @@ def build_microbatches(
     context_parallel: tuple[int, int] = (1, 0),
     count_multiple: int = 1,
     plan: SplitPlan | None = None,
+    packing: SharedPrefix | None = None,
 ) -> tuple[SplitPlan, list[Microbatch]]:
     """Plan, collate and move to ``device``: the one call the training step makes into batching.
 
-    The arguments are trusted (the step checked them where they entered: :class:`fnppo.StepConfig`
-    and the batch check of :func:`fnppo.train_step`, which runs :func:`check_split` and the value
-    checks on the whole batch before anything runs). The plan's own checks (:func:`_plan`) and
-    those of ``collate`` still run for other callers; the step does not rely on them to refuse.
+    The arguments are trusted (the step checked them where they entered, the whole batch before
+    anything runs); the plan's and ``collate``'s own checks still run for other callers.
 
     Args:
         samples: the (mini-)batch.
-        mode: the :data:`Split` (a former ``(flat name, size)`` pair is accepted).
+        mode: the split rule.
         layout, pad_to_multiple_of: as in :func:`split_batch` / :func:`collate_microbatch`.
         collate: the collate stage, called as ``collate(group, layout=, pad_to_multiple_of=,
             sample_index=)``; its ``collated_length(sample)``, when it has one, is the token count
@@ -412,12 +460,12 @@ def build_microbatches(
             the interleaved pipeline schedule needs one shape for all micro-batches of a step).
         context_parallel: ``(cp, cp_rank)``; with ``cp > 1`` every micro-batch is cut to this CP
             rank's tokens (:func:`fnppo.core.batching.context_parallel.shard_microbatch`) after collation and padding.
-        count_multiple: round the number of micro-batches that ``microbatch_size`` or
-            ``max_tokens_per_microbatch`` decides up to a multiple of this (after the DP agreement;
-            the interleaved pipeline schedule runs micro-batches in groups of ``pp``); the groups
-            stay within the size or token cap. An explicit ``num_microbatches`` is not changed.
+        count_multiple: round a count the rule decides (``fixed_count`` None) up to a multiple of
+            this after the DP agreement (the interleaved schedule's group of ``pp``), within its cap.
         plan: the plan of these samples from :func:`plan_microbatches` with the same arguments (None:
             planned here).
+        packing: :class:`~fnppo.core.batching.prefix.SharedPrefix` (each prompt group of a
+            micro-batch packed with its prompt once: ``collate(..., share_prefix=True)``) or None.
 
     Returns:
         ``(plan, microbatches)``, micro-batch ``k`` holding the samples ``plan.microbatches[k]``.
@@ -431,9 +479,14 @@ def build_microbatches(
             collate=collate,
             dp_group=dp_group,
             count_multiple=count_multiple,
+            packing=packing,
         )
+    shared: dict[str, Any] = {} if packing is None else {"share_prefix": True}
     mbs = [
-        to_device(collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices), device)
+        to_device(
+            collate(group, layout=layout, pad_to_multiple_of=pad_to_multiple_of, sample_index=indices, **shared),
+            device,
+        )
         for indices, group in zip(plan.microbatches, plan.apply(list(samples)))
     ]
     if same_length:

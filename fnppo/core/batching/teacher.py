@@ -16,6 +16,7 @@ token ``j`` of a sample with prompt length ``P`` at position ``P - 1 + j``; zero
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,20 +154,21 @@ def _name_first(fn: str, where: str, ids: Tensor, lps: Tensor, high: int, vocab_
     )
 
 
-def collate_teacher(samples: Sequence[Any], seg_lens: Sequence[int], layout: str) -> dict[str, Tensor | None]:
+def collate_teacher(
+    samples: Sequence[Any], response_starts: Sequence[int], rows: int, width: int
+) -> dict[str, Tensor | None]:
     """The micro-batch fields: ``teacher_topk_ids`` (int64) and ``teacher_topk_logprobs`` (fp32)
     ``[rows, width, k]`` (None without top-k), ``ce_mask`` (fp32 ``[rows, width]``; None when no sample
-    has one, else a sample without it contributes its response mask), each response token ``j`` at
-    position ``P - 1 + j`` of its sample's segment, zeros elsewhere (packed: ``rows = 1``, the segments
-    concatenated; padded: one row per sample of width ``max(seg_lens)``)."""
+    has one, else a sample without it contributes its response mask), sample ``i``'s response token
+    ``j`` at flat position ``response_starts[i] + j`` of the ``rows x width`` micro-batch (where
+    :func:`~fnppo.core.batching.collate.collate_microbatch` places its other per-token values: the
+    packed, padded and shared-prefix layouts alike), zeros elsewhere."""
     out: dict[str, Tensor | None] = {name: None for name in TEACHER_FIELDS}
-    width = max(seg_lens)
     if samples[0].teacher_topk_ids is not None:
         k = samples[0].teacher_topk_ids.shape[1]
-        out["teacher_topk_ids"] = _place(samples, seg_lens, layout, width, lambda s: s.teacher_topk_ids, torch.int64, k)
-        out["teacher_topk_logprobs"] = _place(
-            samples, seg_lens, layout, width, lambda s: s.teacher_topk_logprobs, torch.float32, k
-        )
+        place = functools.partial(_place, samples, response_starts, rows, width)
+        out["teacher_topk_ids"] = place(lambda s: s.teacher_topk_ids, torch.int64, k)
+        out["teacher_topk_logprobs"] = place(lambda s: s.teacher_topk_logprobs, torch.float32, k)
     if any(s.ce_mask is not None for s in samples):
 
         def mask_of(s: Any) -> Tensor:
@@ -176,23 +178,19 @@ def collate_teacher(samples: Sequence[Any], seg_lens: Sequence[int], layout: str
                 return s.response_mask
             return torch.ones(s.response_len, device=s.prompt_ids.device)
 
-        out["ce_mask"] = _place(samples, seg_lens, layout, width, mask_of, torch.float32, None)
+        out["ce_mask"] = _place(samples, response_starts, rows, width, mask_of, torch.float32, None)
     return out
 
 
 def _place(
-    samples: Sequence[Any], seg_lens: Sequence[int], layout: str, width: int, get, dtype, k: int | None
+    samples: Sequence[Any], response_starts: Sequence[int], rows: int, width: int, get, dtype, k: int | None
 ) -> Tensor:
-    """Each sample's ``get(s)`` rows at positions ``P - 1 .. P - 2 + R`` of its segment, zeros elsewhere."""
+    """Each sample's ``get(s)`` rows at flat positions ``response_starts[i] ...``, zeros elsewhere."""
     tail = () if k is None else (k,)
-    parts = []
-    for s, seg in zip(samples, seg_lens, strict=True):
-        size = width if layout == "padded" else seg
-        own = get(s).to(dtype)
-        p, r = s.prompt_len, s.response_len
-        before = torch.zeros((p - 1, *tail), dtype=dtype, device=own.device)
-        after = torch.zeros((size - (p - 1) - r, *tail), dtype=dtype, device=own.device)
-        parts.append(torch.cat([before, own, after]))
-    if layout == "packed":
-        return torch.cat(parts).unsqueeze(0)
-    return torch.stack(parts)
+    device = samples[0].prompt_ids.device
+    dest = torch.cat(
+        [torch.arange(a, a + s.response_len, dtype=torch.int64) for s, a in zip(samples, response_starts, strict=True)]
+    )
+    values = torch.cat([get(s).to(dtype=dtype, device=device) for s in samples])
+    flat = torch.zeros((rows * width, *tail), dtype=dtype, device=device)
+    return flat.index_put_((dest.to(device),), values).view(rows, width, *tail)

@@ -38,7 +38,7 @@ class BackwardGraphs:
     gradients, then its two products ``dh += dz @ w_block`` and ``dw_block = dz.T @ h``): 96 launches
     for 8,192 tokens x 151,936 columns at hidden 896, about 5 ms of host time per call on an H200
     host. Where the host binds the step (small models), that time is added to it. Passed as
-    ``graphs=`` (or ``StepConfig(fused_output_graphs=...)``), this cache makes the backward
+    ``graphs=`` (or ``StepFns.fused(graphs=...)``), this cache makes the backward
 
     1. copy its per-call inputs (hidden states, labels, the upstream gradients, the entropy and the
        log-sum-exp) into static buffers of ``rows = ceil(tokens / row_multiple) * row_multiple``
