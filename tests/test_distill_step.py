@@ -119,10 +119,16 @@ def _plain_reference(cases: list) -> dict:
     return out
 
 
-def _train_step_grads(cases: list, split: dict) -> dict:
-    """case -> train_step's metrics and finalized full gradients (rank 0)."""
+def _train_step_grads(cases: list, split: dict, fused: bool = False) -> dict:
+    """case -> train_step's metrics and finalized full gradients (rank 0); ``fused``: the fused output path."""
     layout = fnppo.parallel.current_layout()
     out = {}
+    calls = []
+    if fused:  # count the fused op's calls (the head must take it, not form logits and hand them on)
+        from fnppo.steps import protocols
+
+        op = protocols.linear_logprob_entropy_and_divergence
+        protocols.linear_logprob_entropy_and_divergence = lambda *a, **k: (calls.append(1), op(*a, **k))[1]
     with finalized_grads() as captured:
         for case in cases:
             chunks = _build(_student_cfg(), 3)
@@ -130,13 +136,15 @@ def _train_step_grads(cases: list, split: dict) -> dict:
             ddp = fnppo.wrap_ddp(chunks, use_distributed_optimizer=False)
             state = fnppo.TrainState(model=ddp, optimizer=fnppo.build_optimizer(ddp, lr=1e-3, clip_grad=0.0))
             samples = fnppo.shard_for_data_parallel(_samples(topk=5 if case == "topk" else 0), layout)
-            cfg = fnppo.StepConfig(loss=_loss(case, teacher), **split)
+            fns = fnppo.StepFns.fused(chunk_vocab=16) if fused else fnppo.StepFns()
+            cfg = fnppo.StepConfig(loss=_loss(case, teacher), fns=fns, **split)
             state, metrics = fnppo.train_step(state, samples, cfg)
             with torch.no_grad():
                 for c, grads in zip(state.model, captured.pop("grads"), strict=True):
                     for p, g in zip(fnppo.megatron.unwrap.unwrap_model(c).parameters(), grads, strict=True):
                         p.copy_(g)
             out[case] = {"metrics": metrics, "grads": fnppo.models.gather_full_weights(state.model)}
+            out[case]["fused_calls"] = len(calls)
     return out if layout.rank == 0 else {}
 
 
@@ -166,6 +174,17 @@ def test_objectives_match_the_float64_reference_in_one_process_over_micro_batche
     assert {"distill_loss", "ce_loss", "ref_kl_loss", "pg_loss"} <= set(got["mixed"]["metrics"])
     padded = run_ranks(_train_step_grads, 1, ["mixed", "topk"], {"num_microbatches": 2, "layout": "padded"})[0]
     _compare({c: reference[c] for c in ("mixed", "topk")}, padded, "1proc-2mb-padded")
+
+
+def test_the_fused_head_computes_the_divergence_from_hidden_states_exactly(reference, monkeypatch):
+    """StepFns.fused(): the teacher model's reverse and forward KL through FusedHead.with_divergence (both
+    models' hidden states and output weights, chunked over the vocabulary, no logits) equal the float64
+    reference (the floor of -100 binds nowhere here), over micro-batches and under TP=2."""
+    got = run_ranks(_train_step_grads, 1, ["model", "mixed"], {"num_microbatches": 3}, True)[0]
+    _compare({c: reference[c] for c in ("model", "mixed")}, got, "fused-1proc-3mb")
+    assert got["model"]["fused_calls"] == 3, got["model"]["fused_calls"]  # one per micro-batch
+    tp = run_ranks(_train_step_grads, 2, ["model"], {"max_tokens_per_microbatch": 24}, True, timeout_s=120, tp=2)[0]
+    _compare({"model": reference["model"]}, tp, "fused-tp2")
 
 
 @pytest.mark.parametrize(

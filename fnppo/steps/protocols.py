@@ -21,6 +21,7 @@ from fnppo.core.batching.collate import collate_microbatch
 from fnppo.core.batching.sample import Microbatch, Sample
 from fnppo.core.errors import check_positive_int, input_error
 from fnppo.core.losses import LossConfig, ppo_loss, value_loss
+from fnppo.core.ops.linear_distill import linear_logprob_entropy_and_divergence
 from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
 from fnppo.core.ops.linear_logprob_graphs import BackwardGraphs
 from fnppo.core.ops.logprob import logprob_and_entropy
@@ -151,6 +152,46 @@ class FusedHead:
             vocab_size=vocab_size,
             chunk_vocab=self.chunk_vocab,
             graphs=self.graphs,
+        )
+
+    def with_divergence(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        teacher_hidden: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        *,
+        kind: str,
+        logprob_floor: float,
+        tp_group: Any,
+        temperature: float,
+        with_entropy: bool,
+        vocab_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The distillation step's head (:func:`fnppo.steps.objective.student_outputs`): log-probs, entropy
+        and the divergence to the teacher from both models' hidden states and output-weight shards in one
+        chunked pass (:func:`~fnppo.core.ops.linear_distill.linear_logprob_entropy_and_divergence`): no
+        ``[tokens, vocab]`` tensor of either model.
+
+        The teacher's log-probs here are exact (only non-finite or extremely small scaled teacher logits
+        are raised to ``-1e4``): ``logprob_floor`` (the reverse KL's floor of the teacher's log-probs on
+        the unfused paths, applied to the whole log-ratio) is not applied, since one pass over the
+        vocabulary knows the teacher's normalizer only at its end. The two paths agree wherever the
+        teacher gives every token a log-prob above the floor (``tests/test_distill_step.py``)."""
+        del logprob_floor  # see above: the one-pass head computes the exact divergence
+        return linear_logprob_entropy_and_divergence(
+            hidden,
+            weight,
+            labels,
+            teacher_hidden,
+            teacher_weight,
+            kind=kind,
+            tp_group=tp_group,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            vocab_size=vocab_size,
+            chunk_vocab=self.chunk_vocab,
         )
 
 
