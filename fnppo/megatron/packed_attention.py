@@ -57,11 +57,12 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fnppo.core.errors import describe, input_error
 from fnppo.core.typing import Bool, CuSeqlens, Float, Int, Int32, Tensor, typechecked, typechecking_enabled
+from fnppo.megatron.block_mask import document_causal_block_mask, prefix_tree_block_mask
 
 __all__ = [
     "packed_causal_attention",
@@ -128,14 +129,6 @@ def _dense_mask(seg: Tensor) -> Tensor:
     return (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
 
 
-def _block_mask(seg: Tensor) -> Any:
-    def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (seg[q_idx] == seg[kv_idx]) & (q_idx >= kv_idx)
-
-    total = seg.numel()
-    return create_block_mask(document_causal, None, None, total, total, device=seg.device, _compile=seg.is_cuda)
-
-
 # Memoized masks, keyed weakly on the cu_seqlens tensor itself: all layers of one forward pass use
 # the same tensor, so the mask is built (and cu_seqlens validated, one host sync) once per
 # micro-batch. An entry disappears with its tensor; a tensor modified in place is rebuilt.
@@ -154,7 +147,7 @@ def _cached_mask(fn: str, arg: str, cu_seqlens: Tensor, total: int, kind: str, p
     seg = _segment_ids(cu_seqlens, total)
     if padded is not None and padded > total:
         seg = torch.cat([seg, seg.new_full((padded - total,), cu_seqlens.numel())])
-    mask = _block_mask(seg) if kind == "flex" else _dense_mask(seg)
+    mask = document_causal_block_mask(seg) if kind == "flex" else _dense_mask(seg)
     _MASKS[cu_seqlens] = {key: mask}
     return mask
 
@@ -365,14 +358,6 @@ def _runs(branch: Tensor) -> tuple[Tensor, Tensor]:
     return (lengths.cumsum(0) - lengths).to(branch.device), lengths.to(branch.device)
 
 
-def _shared_block_mask(branch: Tensor, root: Tensor) -> Any:
-    def prefix_tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (q_idx >= kv_idx) & ((branch[kv_idx] == branch[q_idx]) | (branch[kv_idx] == root[q_idx]))
-
-    total = branch.numel()
-    return create_block_mask(prefix_tree, None, None, total, total, device=branch.device, _compile=branch.is_cuda)
-
-
 _SHARED_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -419,7 +404,7 @@ def shared_prefix_attention(
         # the mask and the runs once per micro-batch (every layer passes the same tensors; one host sync)
         cached = _SHARED_MASKS.get(branch_ids)
         if cached is None or cached[0] is not root_ids:
-            cached = (root_ids, _shared_block_mask(branch_ids, root_ids), _runs(branch_ids))
+            cached = (root_ids, prefix_tree_block_mask(branch_ids, root_ids), _runs(branch_ids))
             _SHARED_MASKS[branch_ids] = cached
         out = _flex_fn(query.device.type, False)(
             q, k, _finite_values(v), block_mask=cached[1], scale=scale, enable_gqa=gqa
