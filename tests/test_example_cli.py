@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ppo_toy.py"
 sys.path.insert(0, str(ROOT / "examples"))
@@ -120,9 +122,9 @@ def test_a_library_refusal_is_one_line_and_exit_2(nproc, tmp_path):
     (InputError): one line from rank 0, exit 2, no Python traceback from any rank (torchrun adds its own
     summary of the failed ranks, which the example cannot suppress)."""
     args = [str(EXAMPLE), "--hidden", "30", "--no-progress", "--out-dir", str(tmp_path / "r")]
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
+    if nproc == 1:  # as python would run it, forked from the preloaded server (tests/scripts.py)
+        out = run_script(EXAMPLE, args[1:], cwd=tmp_path, timeout=300)
+    else:  # torchrun itself: its summary of the failed ranks is part of what a user sees
         from fnppo.megatron.parallel import free_port
 
         cmd = [
@@ -133,7 +135,7 @@ def test_a_library_refusal_is_one_line_and_exit_2(nproc, tmp_path):
             f"--master-port={free_port()}",
             *args,
         ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
     both = out.stdout + out.stderr
     line = "ppo_toy.py: error: ModelConfig: argument 'hidden_size' expected a multiple of num_attention_heads=4"
     assert out.returncode != 0 and both.count(line) == 1, both[-3000:]

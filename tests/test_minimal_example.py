@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.scripts import run_script
@@ -38,8 +35,5 @@ def test_minimal_grpo_reward_rises_with_finite_metrics():
 
 
 def test_minimal_grpo_command_line_refuses_zero_steps():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "0"], capture_output=True, text=True, env=env, timeout=120
-    )
+    out = run_script(EXAMPLE, ["--steps", "0"], cwd=ROOT, timeout=120)  # as python would run it, forked
     assert out.returncode == 2 and out.stderr.strip().endswith("--steps must be >= 1, got 0"), out.stderr
