@@ -170,6 +170,10 @@ def _worker_main(rank: int, world_size: int, tasks: Any, results: Any) -> None:
             return
         call_id, port, fn, args, kwargs, layout, seed, timeout_s = task
         ok, payload, clean = _run_rank(rank, world_size, port, fn, args, kwargs, layout, seed, timeout_s)
+        # what survives a call (modules imported, caches) is not garbage: frozen out of the collector's
+        # scans, so the next call's collections (its own, Megatron's around checkpoints) scan only the
+        # next call's objects (half a million objects after torch and Megatron: 0.26 s per full scan)
+        gc.freeze()
         clean = clean and _thread_count() <= _MAX_WORKER_THREADS
         results.put((call_id, rank, ok, payload, clean))
         if not clean:

@@ -12,6 +12,7 @@ is about the imports themselves (what a refusal imports before it exits) launche
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import runpy
@@ -37,6 +38,7 @@ def script_env() -> dict:
 def _forked_main(path: str, code: str | None, args: list, cwd: str, env: dict, out: str) -> None:
     """In a fork of the server: what ``python path *args`` (``python -c code *args``) in ``cwd`` would
     do, its output to the files ``out.stdout`` and ``out.stderr``."""
+    gc.freeze()  # the server's preloaded objects: out of the collector's scans (Megatron collects around checkpoints)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
