@@ -419,38 +419,52 @@ def _shared_rows_sdpa(
     q: Tensor, k: Tensor, v: Tensor, branch: Tensor, root: Tensor, dropout_p: float, scale: float, gqa: bool
 ) -> Tensor:
     """Causal SDPA over rows (``[1, H, T, D]`` views): every run alone, a segment after its prefix;
-    each token's output is taken from the row of its own run (one host sync)."""
-    total = q.shape[2]
-    starts, lengths = (t.tolist() for t in _runs(branch.cpu()))
-    roots = root.cpu()
-    rows: list[tuple[int, int, int, int]] = []  # (prefix start, prefix length, run start, run length)
-    for b, (s, n) in enumerate(zip(starts, lengths, strict=True)):
-        if n == 0:
-            continue
-        r = int(roots[s])
-        p_start, p_len = (starts[r], lengths[r]) if r != b else (s, 0)
-        rows.append((p_start, p_len, s, n))
+    each token's output is taken from the row of its own run (:func:`_rows_plan`, once per micro-batch)."""
+    cached = _SHARED_ROWS.get(branch)
+    if cached is None or cached[0] is not root:
+        cached = (root, _rows_plan(branch, root))
+        _SHARED_ROWS[branch] = cached
+    groups, order = cached[1]
     zero = torch.zeros(1, 1, 1, 1, dtype=q.dtype, device=q.device)
     qz, kz, vz = (torch.cat([t, zero.expand(1, t.shape[1], 1, t.shape[3])], dim=2)[0] for t in (q, k, v))
-    outs, positions = [], []
-    for width in sorted({_row_length(p + n) for _, p, _, n in rows}):
-        members = [row for row in rows if _row_length(row[1] + row[3]) == width]
-        index = torch.full((len(members), width), total, dtype=torch.int64)
-        keep = torch.zeros(len(members), width, dtype=torch.bool)
-        for j, (ps, pl, s, n) in enumerate(members):
-            index[j, :pl] = torch.arange(ps, ps + pl)
-            index[j, pl : pl + n] = torch.arange(s, s + n)
-            keep[j, pl : pl + n] = True
-        index, keep = index.to(q.device), keep.to(q.device)
-        qb, kb, vb = (t[:, index].transpose(0, 1) for t in (qz, kz, vz))  # [n, H, width, D]
+    outs = []
+    for index, keep in groups:
+        qb, kb, vb = (t[:, index].transpose(0, 1) for t in (qz, kz, vz))  # [rows, H, width, D]
         ob = F.scaled_dot_product_attention(
             qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
         )
         outs.append(ob.transpose(0, 1)[:, keep])
-        positions.append(index[keep])
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    order = torch.cat(positions) if len(positions) > 1 else positions[0]
-    return out[:, torch.argsort(order)].unsqueeze(0)
+    return out[:, order].unsqueeze(0)
+
+
+_SHARED_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _rows_plan(branch: Tensor, root: Tensor) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    """The rows of :func:`_shared_rows_sdpa`: per padded row width, ``(index, keep)`` -- each row's
+    token positions (its document's prefix, then its run; ``total`` pads) and which of them are the
+    row's own run -- and the order that puts the kept outputs back in pack order (one host sync)."""
+    total = branch.numel()
+    starts, lengths = (t.cpu() for t in _runs(branch.cpu()))
+    runs = torch.nonzero(lengths).flatten()  # runs with tokens
+    s, n = starts[runs], lengths[runs]
+    r = root.cpu()[s]  # each run's document prefix (itself for a prefix run)
+    own = r == runs
+    ps = torch.where(own, s, starts[r])
+    pl = torch.where(own, torch.zeros_like(n), lengths[r])
+    widths = torch.tensor([_row_length(int(x)) for x in (pl + n).tolist()], dtype=torch.int64)
+    groups, positions = [], []
+    for width in sorted(set(widths.tolist())):
+        m = widths == width
+        gps, gpl, gs, gn = (t[m][:, None] for t in (ps, pl, s, n))
+        c = torch.arange(width)[None, :]
+        index = torch.where(c < gpl, gps + c, torch.where(c < gpl + gn, gs + c - gpl, torch.full_like(c, total)))
+        keep = (c >= gpl) & (c < gpl + gn)
+        groups.append((index.to(branch.device), keep.to(branch.device)))
+        positions.append(index[keep])
+    order = torch.argsort(torch.cat(positions)).to(branch.device)
+    return groups, order
 
 
 def _restore_nonfinite_shared(
