@@ -5,11 +5,13 @@ grid is the reference), and flex attention through it equals a dense masked soft
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from fnppo.core.errors import InputError, ShapeError
 from fnppo.megatron import block_mask as bm
 
 
@@ -86,6 +88,21 @@ def test_flex_attention_through_the_mask_equals_a_dense_masked_softmax():
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_total_must_be_positive():
-    with pytest.raises(ValueError, match="total must be positive, got 0"):
-        bm.block_mask(lambda b, h, q, kv: q >= kv, 0, torch.device("cpu"))
+@pytest.mark.parametrize("total", [0, -3, 2.0, True, "128"])
+def test_total_must_be_a_positive_int(total):
+    with pytest.raises(
+        InputError,
+        match=rf"block_mask: argument 'total' expected an int >= 1 \(tokens\), received {re.escape(repr(total))}",
+    ):
+        bm.block_mask(lambda b, h, q, kv: q >= kv, total, torch.device("cpu"))
+
+
+def test_bad_segment_ids_are_refused_by_name():
+    with pytest.raises(InputError, match="argument 'seg' expected at least one token"):
+        bm.document_causal_block_mask(torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(InputError, match="argument 'branch' expected at least one token"):
+        bm.prefix_tree_block_mask(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    with pytest.raises(ShapeError, match="argument 'seg' has the wrong dtype"):  # float ids: the annotation's check
+        bm.document_causal_block_mask(torch.zeros(4))
+    with pytest.raises(ShapeError, match="root"):  # another length than branch
+        bm.prefix_tree_block_mask(torch.zeros(4, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))

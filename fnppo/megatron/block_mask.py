@@ -21,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+
+from fnppo.core.errors import describe, input_error
+from fnppo.core.typing import Int, Tensor, typechecked
 
 __all__ = ["BLOCK", "CHUNK_ELEMENTS", "block_mask", "document_causal_block_mask", "prefix_tree_block_mask"]
 
@@ -43,8 +45,8 @@ def block_mask(mask_mod: MaskMod, total: int, device: torch.device) -> BlockMask
     ``create_block_mask``. Each row's partial and full key blocks are listed in ascending order.
     ``mask_mod`` is called with ``b = h = None`` on index tensors clamped to ``[0, total)``.
     """
-    if total <= 0:
-        raise ValueError(f"block_mask: total must be positive, got {total}")
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise input_error("fnppo.megatron.block_mask.block_mask", "total", "an int >= 1 (tokens)", repr(total))
     blocks = -(-total // BLOCK)
     span = blocks * BLOCK
     kv = torch.arange(span, device=device)
@@ -76,21 +78,31 @@ def _ordered(present: Tensor) -> tuple[Tensor, Tensor]:
     return num.contiguous(), idx.contiguous()
 
 
-def document_causal_block_mask(seg: Tensor) -> BlockMask:
+@typechecked
+def document_causal_block_mask(seg: Int[Tensor, " tokens"]) -> BlockMask:
     """``allowed[i, j] = seg(i) == seg(j) and j <= i``: causal attention inside each packed
     sequence of segment ids ``seg`` (arXiv:2107.02027)."""
 
     def document_causal(b: Any, h: Any, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (seg[q_idx] == seg[kv_idx]) & (q_idx >= kv_idx)
 
+    if seg.numel() == 0:
+        raise input_error(
+            "fnppo.megatron.block_mask.document_causal_block_mask", "seg", "at least one token", describe(seg)
+        )
     return block_mask(document_causal, seg.numel(), seg.device)
 
 
-def prefix_tree_block_mask(branch: Tensor, root: Tensor) -> BlockMask:
+@typechecked
+def prefix_tree_block_mask(branch: Int[Tensor, " tokens"], root: Int[Tensor, " tokens"]) -> BlockMask:
     """``allowed[i, j] = j <= i and branch(j) in {branch(i), root(i)}``: a segment sees its
     document's prefix and itself, causally (:mod:`fnppo.core.batching.prefix`)."""
 
     def prefix_tree(b: Any, h: Any, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx >= kv_idx) & ((branch[kv_idx] == branch[q_idx]) | (branch[kv_idx] == root[q_idx]))
 
+    if branch.numel() == 0:
+        raise input_error(
+            "fnppo.megatron.block_mask.prefix_tree_block_mask", "branch", "at least one token", describe(branch)
+        )
     return block_mask(prefix_tree, branch.numel(), branch.device)
