@@ -25,14 +25,14 @@ reward, their difference and whether it is within ``--target`` (0.02), the mean 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from staleness import run_one  # noqa: E402
-from toy_robustness import parse_seeds, read_rows  # noqa: E402
+from toy_robustness import parse_seeds, read_rows, run_and_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS = "decoupled"
@@ -113,20 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report and todo:
         args.rows.parent.mkdir(parents=True, exist_ok=True)
         print(f"{len(todo)} runs, {args.jobs} at a time ({len(have)} already in {args.rows})", flush=True)
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [
-                pool.submit(run_mode, m, k, s, args.threads, args.steps, args.rows.parent / "runs") for m, k, s in todo
-            ]
-            for future in as_completed(futures):
-                row = future.result()
-                done.append(row)
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(
-                    f"{row['mode']} K={row['staleness']} seed {row['seed']}: final {row['final']:.3f}, 0.9 at "
-                    f"{row['reach']}, token age {row['token_age']:.2f} ({row['wall_s']:.0f} s)",
-                    flush=True,
-                )
+        calls = [
+            functools.partial(run_mode, m, k, s, args.threads, args.steps, args.rows.parent / "runs")
+            for m, k, s in todo
+        ]
+        done += run_and_record(
+            calls,
+            args.jobs,
+            args.rows,
+            lambda row: (
+                f"{row['mode']} K={row['staleness']} seed {row['seed']}: final {row['final']:.3f}, 0.9 at "
+                f"{row['reach']}, token age {row['token_age']:.2f} ({row['wall_s']:.0f} s)"
+            ),
+        )
     rows = [r for r in done if r["staleness"] in args.staleness and r["seed"] in seeds]
     text = table(rows, args.staleness, args.target)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)

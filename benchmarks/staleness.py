@@ -23,18 +23,18 @@ per loss, one line per K) to ``--plot``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from toy.losses import POLICY_LOSSES  # noqa: E402
-from toy_robustness import first_reaching, parse_seeds, read_rows  # noqa: E402
+from toy_robustness import first_reaching, parse_seeds, read_rows, run_and_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.9
@@ -177,21 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report and todo:
         args.rows.parent.mkdir(parents=True, exist_ok=True)
         print(f"{len(todo)} runs, {args.jobs} at a time ({len(have)} already in {args.rows})", flush=True)
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [
-                pool.submit(run_one, k, loss, s, t, args.steps, args.extra, args.rows.parent / "runs")
-                for k, loss, s, t in todo
-            ]
-            for future in as_completed(futures):
-                row = future.result()
-                done.append(row)
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(
-                    f"{row['loss']} K={row['staleness']} seed {row['seed']} omp {row['threads']}: final "
-                    f"{row['final']:.3f}, 0.9 at {row['reach']}, KL {row['kl']} ({row['wall_s']:.0f} s)",
-                    flush=True,
-                )
+        calls = [
+            functools.partial(run_one, k, loss, s, t, args.steps, args.extra, args.rows.parent / "runs")
+            for k, loss, s, t in todo
+        ]
+        done += run_and_record(
+            calls,
+            args.jobs,
+            args.rows,
+            lambda row: (
+                f"{row['loss']} K={row['staleness']} seed {row['seed']} omp {row['threads']}: final "
+                f"{row['final']:.3f}, 0.9 at {row['reach']}, KL {row['kl']} ({row['wall_s']:.0f} s)"
+            ),
+        )
     rows = [r for r in done if r["staleness"] in args.staleness and r["loss"] in args.losses and r["seed"] in seeds]
     rows = [r for r in rows if r["threads"] in args.threads]
     text = table(rows, args.staleness, args.losses)

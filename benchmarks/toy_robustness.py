@@ -26,6 +26,7 @@ seed with each thread count's final reward and step at 0.9 side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -112,6 +113,29 @@ def first_reaching(rewards: list[float], target: float = TARGET, window: int = 5
     return None
 
 
+def run_and_record(calls: list, jobs: int, rows_path: Path, describe) -> list[dict]:
+    """Run the thunks ``calls``, ``jobs`` at a time; append each row to ``rows_path`` (JSON lines) as it
+    comes (an interrupted study keeps what it finished), print ``describe(row)``; the rows in the order
+    they finished."""
+    rows = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in as_completed([pool.submit(call) for call in calls]):
+            row = future.result()
+            with open(rows_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(describe(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _describe(row: dict) -> str:
+    return (
+        f"{row['algo']} seed {row['seed']} OMP_NUM_THREADS={row['threads']}: final reward {row['reward']:.3f}, "
+        f"5-step mean >= 0.9 from step {row['reach']}, wall {row['wall_s']:.1f} s, exit {row['exit']}, "
+        f"load {row['load']:.1f}"
+    )
+
+
 def read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -191,19 +215,10 @@ def main() -> int:
             flush=True,
         )
     args.rows.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, s, t, args.extra, Path(tmp), a) for a, s, t in todo]
-        for future in as_completed(futures):
-            row = future.result()
-            with args.rows.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        calls = [functools.partial(run_one, s, t, args.extra, Path(tmp), a) for a, s, t in todo]
+        for row in run_and_record(calls, args.jobs, args.rows, _describe):
             done[(row["algo"], row["seed"], row["threads"])] = row
-            print(
-                f"{row['algo']} seed {row['seed']} OMP_NUM_THREADS={row['threads']}: final reward {row['reward']:.3f}, "
-                f"5-step mean >= 0.9 from step {row['reach']}, wall {row['wall_s']:.1f} s, exit {row['exit']}, "
-                f"load {row['load']:.1f}",
-                flush=True,
-            )
     rows = {a: [done[k] for k in wanted if k in done and k[0] == a] for a in args.algos}
     for algo in args.algos:
         if not rows[algo]:

@@ -395,3 +395,21 @@ def test_shared_prefix_benchmark_runs_tiny(tmp_path):
     ]
     assert all(r["speedup"] > 0 and r["max_abs_logprob_diff"] <= 1e-5 for r in rows)
     assert "| 24 | train_step |" in done.stdout
+
+
+def test_study_runner_records_every_row_as_it_finishes(tmp_path, capsys):
+    """benchmarks/toy_robustness.run_and_record (the studies' runner: toy_robustness, staleness,
+    partial_rollouts): each finished run's row is appended to the rows file and described once."""
+    import functools
+    import json
+
+    from toy_robustness import run_and_record
+
+    rows_path = tmp_path / "rows.jsonl"
+    rows_path.write_text(json.dumps({"seed": -1}) + "\n")  # an earlier study's row stays
+    calls = [functools.partial(dict, seed=s) for s in range(5)]
+    got = run_and_record(calls, 2, rows_path, lambda row: f"seed {row['seed']} done")
+    assert sorted(r["seed"] for r in got) == list(range(5))
+    kept = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert kept[0] == {"seed": -1} and sorted(r["seed"] for r in kept[1:]) == list(range(5))
+    assert sorted(capsys.readouterr().out.splitlines()) == [f"seed {s} done" for s in range(5)]

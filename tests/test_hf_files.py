@@ -63,42 +63,44 @@ def _damaged(src: Path, root: Path, name: str, file: str, damage) -> str:
     return str(d)
 
 
+def _json_readers() -> dict:
+    """Per JSON file: (its name, a good body, the public reader, the reader's message prefix)."""
+    adapter = {"peft_type": "LORA", "r": RANK, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    return {
+        "config": (
+            "config.json",
+            _config(),
+            lambda d: fnppo.hf.model_config_from_hf(d).num_layers == 2,
+            fnppo.hf.model_config_from_hf,
+            "fnppo.io.hf.model_config_from_hf: argument 'config_or_path' expected a JSON object in config.json",
+        ),
+        "adapter": (
+            "adapter_config.json",
+            adapter,
+            lambda d: read_config("fn", d)["r"] == RANK,  # the reader lora_config_from_peft starts with
+            fnppo.lora.lora_config_from_peft,
+            "fnppo.lora.lora_config_from_peft: argument 'path' expected a JSON object in adapter_config.json",
+        ),
+    }
+
+
+@pytest.mark.parametrize("which", ["config", "adapter"])
 @pytest.mark.parametrize("case", list(DAMAGE))
-def test_a_damaged_config_json_is_a_checkpoint_error(tmp_path, case):
+def test_a_damaged_json_file_is_a_checkpoint_error(tmp_path, case, which):
     """``model_config_from_hf`` / ``build_gpt_from_hf`` (and ``export_hf_weights(hf_config=path)``) read a
-    ``config.json`` path through one reader: a damaged file names itself and the cause."""
+    ``config.json`` path, ``lora_config_from_peft`` an ``adapter_config.json``, through one reader: a
+    damaged file names itself and the cause."""
+    name, body, reads_good, reader, prefix = _json_readers()[which]
     good = tmp_path / "good"
     good.mkdir()
-    (good / "config.json").write_text(json.dumps(_config()))
-    assert fnppo.hf.model_config_from_hf(good).num_layers == 2
+    (good / name).write_text(json.dumps(body))
+    assert reads_good(good)
     damage, says = DAMAGE[case]
-    d = Path(_damaged(good, tmp_path, case, "config.json", damage))
+    d = Path(_damaged(good, tmp_path, case, name, damage))
     with pytest.raises(fnppo.checkpoint.CheckpointError) as err:
-        fnppo.hf.model_config_from_hf(d)
+        reader(d)
     msg = str(err.value)
-    assert msg.startswith(
-        "fnppo.io.hf.model_config_from_hf: argument 'config_or_path' expected a JSON object in config.json, "
-        f"received '{d / 'config.json'}', which "
-    ), msg
-    assert (says or "not valid JSON (an empty file)") in msg, msg
-
-
-@pytest.mark.parametrize("case", list(DAMAGE))
-def test_a_damaged_adapter_config_json_is_a_checkpoint_error(tmp_path, case):
-    good = tmp_path / "good"
-    good.mkdir()
-    cfg = {"peft_type": "LORA", "r": RANK, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-    (good / "adapter_config.json").write_text(json.dumps(cfg))
-    assert read_config("fn", good)["r"] == RANK  # the reader lora_config_from_peft starts with
-    damage, says = DAMAGE[case]
-    d = Path(_damaged(good, tmp_path, case, "adapter_config.json", damage))
-    with pytest.raises(fnppo.checkpoint.CheckpointError) as err:
-        fnppo.lora.lora_config_from_peft(d)
-    msg = str(err.value)
-    assert msg.startswith(
-        "fnppo.lora.lora_config_from_peft: argument 'path' expected a JSON object in adapter_config.json, "
-        f"received '{d / 'adapter_config.json'}', which "
-    ), msg
+    assert msg.startswith(f"{prefix}, received '{d / name}', which "), msg
     assert (says or "not valid JSON (an empty file)") in msg, msg
 
 
