@@ -1,8 +1,10 @@
-"""Samples and micro-batches: the split plan, the collate stage and its inverse.
+"""Samples and micro-batches: the split plan, the split rules (every rule of
+:mod:`fnppo.core.batching.splits`, found in its folder), the collate stage and its inverse.
 Implementation: :mod:`fnppo.core.batching.sample`, :mod:`fnppo.core.batching.split`, :mod:`fnppo.core.batching.splits`, :mod:`fnppo.core.batching.collate`."""
 
 from __future__ import annotations
 
+from fnppo.core.batching import splits as _splits
 from fnppo.core.batching.collate import collate_microbatch as collate_microbatch
 from fnppo.core.batching.collate import pad_microbatch as pad_microbatch
 from fnppo.core.batching.collate import to_device as to_device
@@ -14,12 +16,9 @@ from fnppo.core.batching.sample import Sample as Sample
 from fnppo.core.batching.sample import padding_multiple as padding_multiple
 from fnppo.core.batching.split import SplitPlan as SplitPlan
 from fnppo.core.batching.split import split_batch as split_batch
+from fnppo.core.batching.splits import *  # noqa: F403 - the split rules: fnppo.core.batching.splits.__all__
 from fnppo.core.batching.splits.base import Item as Item
 from fnppo.core.batching.splits.base import Split as Split
-from fnppo.core.batching.splits.count import ByCount as ByCount
-from fnppo.core.batching.splits.flops import ByFlops as ByFlops
-from fnppo.core.batching.splits.size import BySize as BySize
-from fnppo.core.batching.splits.tokens import ByTokens as ByTokens
 
 __all__ = [
     "Sample",
@@ -28,10 +27,7 @@ __all__ = [
     "LAYOUTS",
     "Split",
     "Item",
-    "ByCount",
-    "BySize",
-    "ByTokens",
-    "ByFlops",
+    *_splits.__all__,
     "SharedPrefix",
     "SplitPlan",
     "split_batch",

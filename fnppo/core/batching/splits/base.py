@@ -56,9 +56,8 @@ class Item:
 class Split(Protocol):
     """A split rule: how a batch's items become micro-batches (see the module docstring).
 
-    Implementations: :class:`~fnppo.core.batching.splits.count.ByCount`,
-    :class:`~fnppo.core.batching.splits.size.BySize`,
-    :class:`~fnppo.core.batching.splits.tokens.ByTokens`; CONTRIBUTING.md, "Add a split rule".
+    Implementations: every rule of :mod:`fnppo.core.batching.splits` (one module each, all exported
+    by ``fnppo.batching``); CONTRIBUTING.md, "Add a split rule".
     """
 
     @property

@@ -18,6 +18,10 @@ class ByCount:
 
     The count is the user's: never rounded up (the interleaved schedule refuses one that is not a
     multiple of its group) and refused above the (mini-)batch size before anything runs.
+
+    Raises:
+        InputError: ``fnppo.ByCount: argument 'n' expected an int >= 1``; from the planner
+            (:func:`~fnppo.core.batching.split.split_batch`), ``n`` above the (mini-)batch size.
     """
 
     n: int

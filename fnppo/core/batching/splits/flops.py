@@ -31,6 +31,11 @@ class ByFlops:
     longest-first by cost onto the micro-batch with the least cost after adding it, among those
     that stay within ``n`` collated tokens (Graham's LPT, 1969); where that cannot respect the cap,
     the first-fit-decreasing groups are split further.
+
+    Raises:
+        InputError: ``fnppo.ByFlops: argument 'n' expected an int >= 1``; ``c`` not a finite number
+            > 0; from the planner (:func:`~fnppo.core.batching.split.split_batch`), an item (a sample,
+            or a prompt group packed together) of more than ``n`` collated tokens.
     """
 
     n: int

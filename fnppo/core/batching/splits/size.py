@@ -16,7 +16,13 @@ __all__ = ["BySize"]
 class BySize:
     """Contiguous micro-batches of at most ``n`` samples each, as few as that allows (flat:
     ``microbatch_size=n``): ``ceil(batch / n)`` of sizes differing by at most one when every item
-    is one sample."""
+    is one sample.
+
+    Raises:
+        InputError: ``fnppo.BySize: argument 'n' expected an int >= 1``; from the planner
+            (:func:`~fnppo.core.batching.split.split_batch`), an item of more than ``n`` samples (a
+            prompt group kept whole by :class:`~fnppo.core.batching.prefix.SharedPrefix`).
+    """
 
     n: int
     flat: ClassVar[str] = "microbatch_size"

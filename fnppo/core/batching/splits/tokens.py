@@ -9,7 +9,7 @@ from typing import ClassVar
 from fnppo.core.batching.splits.base import Item, split_to
 from fnppo.core.errors import check_positive_int
 
-__all__ = ["ByTokens", "collated_tokens", "first_fit_decreasing", "longest_first"]
+__all__ = ["ByTokens"]  # the rule; its token accounting and bin packing are imported by name (flops.py)
 
 
 def collated_tokens(layout: str) -> Callable[[int, int, int], int]:
@@ -82,6 +82,11 @@ class ByTokens:
     after adding it (Graham's LPT, 1969), which balances the token count (linear cost: MLP, logits
     and loss dominate at RL lengths) under the cap. Where LPT cannot respect the cap, the
     first-fit-decreasing groups are split further (:func:`~fnppo.core.batching.splits.base.split_to`).
+
+    Raises:
+        InputError: ``fnppo.ByTokens: argument 'n' expected an int >= 1``; from the planner
+            (:func:`~fnppo.core.batching.split.split_batch`), an item (a sample, or a prompt group
+            packed together) of more than ``n`` collated tokens.
     """
 
     n: int
