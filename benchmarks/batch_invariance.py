@@ -44,8 +44,7 @@ from pathlib import Path
 import torch
 
 import fnppo
-from fnppo.core.ops.invariant_kernels import kernels_named, resolve_kernels
-from fnppo.megatron.forward import megatron_invariant_kernels
+from fnppo.megatron.numerics import kernels_named, megatron_invariant_kernels, resolve_kernels
 
 MODELS = {
     "qwen2.5-0.5b": dict(
@@ -230,10 +229,10 @@ def probe_products(name: str) -> dict:
 def probe_moe(name: str, trials: int = 12) -> dict:
     """An MoE model's two other products, on CUDA: the router's (fp32, as few columns as experts), as
     row counts at which ``torch.mm`` gives a row other bits than in a 16,384-row product, ordinary and
-    in fixed tiles (:func:`fnppo.megatron.moe.invariant_router_logits`); and the experts' grouped GEMM
+    in fixed tiles (:func:`fnppo.core.kernels.invariant.invariant_router_logits`); and the experts' grouped GEMM
     (:func:`fnppo.ops.grouped_matmul`, bf16): the bits of 64 fixed rows of one expert, placed at random
     offsets among random group sizes of 2,048 to 40,000 rows in all, against their first placement."""
-    from fnppo.megatron.moe import invariant_router_logits
+    from fnppo.core.kernels.invariant import invariant_router_logits
 
     f = MODELS[name]
     h, e, ffn = f["hidden_size"], f["num_experts"], f["moe_ffn_hidden_size"]

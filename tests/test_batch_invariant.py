@@ -179,18 +179,18 @@ def test_the_cuda_product_kernels_are_registered_for_mm_and_addmm():
     registered from fnppo for each, removed again on exit."""
     import types
 
-    from fnppo.megatron import forward
+    from fnppo.megatron import numerics
 
     kernels = types.SimpleNamespace(mm_batch_invariant=lambda a, b: a, addmm_batch_invariant=lambda c, a, b, **k: c)
-    table = forward.triton_product_registrations(kernels)
+    table = numerics.triton_product_registrations(kernels)
     assert {(op, key) for op, _, key in table} >= {("aten::mm", "CUDA"), ("aten::addmm", "CUDA")}
     for op, kernel, _ in table:
         assert kernel is getattr(kernels, f"{op.split('::')[1]}_batch_invariant"), op
     before = {op: _cuda_kernels(op) for op in ("aten::mm", "aten::addmm")}
-    with forward._aten_triton_products(kernels):  # noqa: SLF001
+    with numerics._aten_triton_products(kernels):  # noqa: SLF001
         for op in ("aten::mm", "aten::addmm"):
             added = [line for line in _cuda_kernels(op) if line not in before[op]]
-            assert any("fnppo/megatron/forward.py" in line for line in added), (op, _cuda_kernels(op))
+            assert any("fnppo/megatron/numerics.py" in line for line in added), (op, _cuda_kernels(op))
     assert {op: _cuda_kernels(op) for op in before} == before
 
 
@@ -296,9 +296,9 @@ def _shaped_run(samples) -> dict:
     """The behaviours FAST takes on CUDA, asked of CPU kernels by a record: micro-batches padded to the
     record's ``min_rows`` (seen by a recording forward stage), MoE routers through the fixed-tile router
     logits (calls counted); the bits stay those of one micro-batch."""
-    from fnppo.core.ops.invariant_kernels import InvariantKernels
-    from fnppo.megatron import patches
+    from fnppo.megatron import numerics
     from fnppo.megatron.forward import forward_logits
+    from fnppo.megatron.numerics import InvariantKernels
 
     shaped = InvariantKernels(name="cpu-shaped", tiles=True, min_rows=96, router_tiles=True)
     seen: list[int] = []
@@ -308,8 +308,8 @@ def _shaped_run(samples) -> dict:
         return forward_logits(model, mb, **kw)
 
     calls = []
-    tiled = patches.invariant_router_logits
-    patches.invariant_router_logits = lambda *a: (calls.append(1), tiled(*a))[1]
+    tiled = numerics.invariant_router_logits
+    numerics.invariant_router_logits = lambda *a: (calls.append(1), tiled(*a))[1]
     out = {}
     for name, extra in (("dense", {}), ("moe", MOE)):
         chunks = fnppo.build_gpt(_cfg(batch_invariant=shaped, **extra))
@@ -425,9 +425,9 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(m
     CUDA choice is made here without a GPU, by the layout check the config reads); Megatron's products
     are refused on a CPU model; the record is stored as given and read back by ``kernels_of``."""
     from fnppo.core.errors import InputError
-    from fnppo.core.ops.invariant_kernels import InvariantKernels, kernels_of
     from fnppo.megatron import megatron_config as config_module
     from fnppo.megatron.megatron_config import transformer_config
+    from fnppo.megatron.numerics import InvariantKernels, kernels_of
     from tests.messages import check_message
 
     with pytest.raises(InputError) as err:

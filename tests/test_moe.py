@@ -558,7 +558,7 @@ def test_ep_checkpoint_resumes_bit_for_bit_and_loads_under_ep1(reference, tmp_pa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_invariant_router_logits_match_float64_and_keep_a_tokens_bits_in_any_batch(dtype):
-    from fnppo.megatron.moe import invariant_router_logits
+    from fnppo.core.kernels.invariant import invariant_router_logits
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(300, 256, generator=g).to(torch.bfloat16)

@@ -16,9 +16,7 @@ from megatron.core import utils as mutils
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
-from megatron.core.transformer.moe.router import TopKRouter
 
-from fnppo.core.ops.invariant_kernels import InvariantKernels
 from fnppo.megatron import patches
 from fnppo.megatron.fused_rope import fused_rope_bshd, fused_rope_thd
 
@@ -35,12 +33,11 @@ def _patch(name: str) -> patches.Patch:
 
 def test_patches_are_named_once_and_each_has_a_patch_function():
     names = [p.name for p in patches.PATCHES]
-    assert len(set(names)) == len(names) == 5
+    assert len(set(names)) == len(names) == 4
     assert {p.apply for p in patches.PATCHES} == {
         patches.patch_fused_rope,
         patches.patch_moe_router_gemm,
         patches.patch_moe_dispatch_numpy,
-        patches.patch_moe_router_invariant,
         patches.patch_grad_clip_l2_norm,
     }
 
@@ -92,41 +89,6 @@ def test_moe_dispatch_numpy(monkeypatch):
     got = first(sizes, as_numpy=True)
     assert isinstance(got, np.ndarray) and got.tolist() == [3, 1, 2]
     assert first(sizes) is original(sizes)  # without as_numpy: Megatron's own function
-
-
-def test_moe_router_invariant(monkeypatch):
-    from types import SimpleNamespace
-
-    from fnppo.megatron.moe import invariant_router_logits
-
-    calls = []
-
-    def megatrons(self, input):  # stands in for Megatron's gating (which moves CPU weights to CUDA)
-        calls.append(self)
-        return input.sum()
-
-    monkeypatch.setattr(TopKRouter, "gating", megatrons)
-    assert "moe_router_invariant" not in patches.applied_patches()
-    patches.patch_moe_router_invariant()
-    first = TopKRouter.gating
-    patches.patch_moe_router_invariant()
-    assert TopKRouter.gating is first and "moe_router_invariant" in patches.applied_patches()
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 5, 16, generator=g, dtype=torch.bfloat16)
-    w = torch.randn(4, 16, generator=g, dtype=torch.bfloat16)
-    fast = SimpleNamespace(
-        config=SimpleNamespace(fnppo_invariant_kernels=InvariantKernels.FAST, moe_router_dtype="fp32"),
-        weight=w,
-        bias=None,
-    )
-    got = TopKRouter.gating(fast, x)
-    assert got.dtype == torch.float32 and torch.equal(got, invariant_router_logits(x, w, None, torch.float32))
-    assert not calls
-    for kernels in (None, InvariantKernels.TORCH, InvariantKernels.MEGATRON, "fast"):  # others: Megatron's gating
-        other = SimpleNamespace(config=SimpleNamespace(fnppo_invariant_kernels=kernels, moe_router_dtype="fp32"))
-        TopKRouter.gating(other, x)
-        assert calls[-1] is other
-    assert len(calls) == 4
 
 
 def test_grad_clip_l2_norm(monkeypatch):

@@ -69,24 +69,17 @@ def test_block_diagonal_parts_is_one_product_for_every_part(parts):
 
 
 def test_default_experts_module_follows_fp8_the_mode_and_the_device():
-    from fnppo.core.ops.invariant_kernels import InvariantKernels
     from fnppo.megatron.layer_specs import default_experts
+    from fnppo.megatron.numerics import InvariantKernels, invariant_experts
 
-    records = (None, InvariantKernels.FAST, InvariantKernels.TORCH, InvariantKernels.MEGATRON)
-    got = {
-        (fp8, cuda, kernels): default_experts(fp8=fp8, cuda=cuda, kernels=kernels)
-        for fp8 in (False, True)
-        for cuda in (False, True)
-        for kernels in records
-    }
-    for (fp8, cuda, kernels), experts in got.items():
-        if fp8:
-            want = "te_grouped"
-        elif kernels is None:  # outside the batch-invariant mode
-            want = "stacked" if cuda else "sequential"
-        else:  # in the mode: the grouped GEMM only with the fast kernels
-            want = "stacked" if kernels is InvariantKernels.FAST else "sequential"
-        assert experts == want, (fp8, cuda, kernels, experts)
+    for fp8 in (False, True):
+        for cuda in (False, True):
+            want = "te_grouped" if fp8 else "stacked" if cuda else "sequential"
+            assert default_experts(fp8=fp8, cuda=cuda) == want, (fp8, cuda)
+    # in the mode: the grouped GEMM only with the fast kernels
+    for kernels in (InvariantKernels.FAST, InvariantKernels.TORCH, InvariantKernels.MEGATRON):
+        want = "stacked" if kernels is InvariantKernels.FAST else "sequential"
+        assert invariant_experts(kernels) == want, kernels.name
 
 
 def test_grouped_matmul_refuses_mixed_dtypes():

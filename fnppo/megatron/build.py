@@ -28,19 +28,17 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 from torch import nn
 
 from fnppo.core.errors import input_error
-from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import Tensor
 from fnppo.megatron.config import ModelConfig
-from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.layer_specs import choose_layer_spec
 from fnppo.megatron.megatron_config import moe_experts_choice, transformer_config
 from fnppo.megatron.norms import SequenceParallelNorm
+from fnppo.megatron.numerics import invariant_layer_spec, prepare_model
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.patches import (
     patch_grad_clip_l2_norm,
     patch_moe_dispatch_numpy,
     patch_moe_router_gemm,
-    patch_moe_router_invariant,
 )
 from fnppo.megatron.routing import replay_slot
 from fnppo.megatron.unwrap import HEADS, unwrap_model
@@ -97,9 +95,6 @@ def build_gpt(
     if cfg.num_experts is not None:
         patch_moe_router_gemm()
         patch_moe_dispatch_numpy()
-        kernels = kernels_of(tcfg)
-        if kernels is not None and kernels.router_tiles:
-            patch_moe_router_invariant()
         spec = (
             layer_spec
             if layer_spec is not None
@@ -109,6 +104,9 @@ def build_gpt(
             dense_spec = choose_layer_spec(dataclasses.replace(cfg, num_experts=None), layout)
     else:
         spec = layer_spec if layer_spec is not None else choose_layer_spec(cfg, layout)
+    # the batch-invariant mode's attention (and its checks of a given spec): fnppo.megatron.numerics
+    spec = invariant_layer_spec(spec, tcfg)
+    dense_spec = None if dense_spec is None else invariant_layer_spec(dense_spec, tcfg)
     chunks: list[nn.Module] = []
     stages = range(layout.vpp) if layout.vpp else [None]
     for vp in stages:
@@ -129,8 +127,7 @@ def build_gpt(
             rope_scaling_factor=cfg.rope_scaling_factor,
             vp_stage=vp,
         )
-        if kernels_of(tcfg) is not None and layout.cp > 1:
-            _check_invariant_cp_attention(model)
+        prepare_model(model)  # the mode's MoE routers
         model.fnppo_config = cfg  # what it was built for: real vocabulary (fnppo.steps.plan), rope (fnppo.io.hf)
         _own_replay_slots(model)
         if post and head == "lm":
@@ -143,22 +140,6 @@ def build_gpt(
             model = model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
-
-
-def _check_invariant_cp_attention(model: nn.Module) -> None:
-    """Batch-invariant mode under context parallelism: only fnppo's packed attention computes a CP
-    rank's rows with the bits of one process (Transformer Engine's CP attention merges partial
-    softmax results of the ranks)."""
-    for m in model.modules():
-        core = getattr(m, "core_attention", None)
-        if core is not None and not isinstance(core, PackedDotProductAttention):
-            raise input_error(
-                "fnppo.build_gpt",
-                "layer_spec",
-                "a spec whose core attention is fnppo's PackedDotProductAttention (fnppo.models.local_layer_spec) "
-                "with batch_invariant=True and context parallelism",
-                f"{type(core).__module__}.{type(core).__qualname__}",
-            )
 
 
 class _RowMajorGrad(torch.autograd.Function):

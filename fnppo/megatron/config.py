@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fnppo.core.errors import check_bool_fields, check_float, check_number, check_positive_int, input_error
-from fnppo.core.ops.invariant_kernels import InvariantKernels, resolve_kernels
+from fnppo.megatron.numerics import InvariantKernels, resolve_kernels
 
 __all__ = ["ModelConfig", "MOE_EXPERTS", "FP8_FORMATS", "FP8_RECIPES"]
 
@@ -93,14 +93,14 @@ class ModelConfig:
     otherwise).
 
     ``batch_invariant``: exactly on-policy numerics (``docs/batch-invariance.md``): ``True`` (the
-    platform's kernels: :data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.FAST` on a model built for
-    CUDA, :data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.TORCH` elsewhere) or an
-    :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels` record, chosen once when Megatron's config is
-    built and stored on it (:func:`~fnppo.core.ops.invariant_kernels.kernels_of` reads it back). A sample's
+    platform's kernels: :data:`~fnppo.megatron.numerics.InvariantKernels.FAST` on a model built for
+    CUDA, :data:`~fnppo.megatron.numerics.InvariantKernels.TORCH` elsewhere) or an
+    :class:`~fnppo.megatron.numerics.InvariantKernels` record, chosen once when Megatron's config is
+    built and stored on it; :mod:`fnppo.megatron.numerics` holds everything it changes. A sample's
     per-token log-probs and entropies then have the same bits whatever its micro-batch companions,
     position in the pack, token budget, number of micro-batches or layout (packed or padded), in
     ``compute_logprobs`` and inside ``train_step`` (with or without recomputation). The record says how:
-    fnppo's fixed-tile kernels around the schedule (:func:`fnppo.megatron.forward.batch_invariant_numerics`)
+    fnppo's fixed-tile kernels around the schedule (:func:`fnppo.megatron.numerics.batch_invariant_numerics`)
     and the attention one sequence at a time (:func:`fnppo.core.kernels.invariant.sequence_attention`), or
     the library's own kernels on micro-batches the steps shape; an MoE model's schedules run under torch's
     deterministic algorithms whatever ``deterministic`` says (the routing's ``index_put`` and the

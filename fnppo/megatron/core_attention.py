@@ -26,9 +26,8 @@ explicit ``attention_mask`` (segments come from ``cu_seqlens``), ``softmax_type`
 ``"vanilla"``, sliding-window attention, mask types other than causal, and different query and
 key/value segmentations. Context parallelism (``context_parallel_size > 1``, packed micro-batches
 sharded by :func:`fnppo.core.batching.context_parallel.shard_microbatch`): exact attention over the CP group by
-an all-gather of K/V (:func:`fnppo.core.batching.context_parallel.context_parallel_attention`); in the
-batch-invariant mode with the bits of one process
-(:func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`).
+an all-gather of K/V (:func:`fnppo.core.batching.context_parallel.context_parallel_attention`). The
+batch-invariant mode's attention is a subclass (:class:`fnppo.megatron.numerics.InvariantAttention`).
 
 Reference: packed sequences without cross-contamination, arXiv:2107.02027 (Krell et al.).
 """
@@ -44,12 +43,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from fnppo.core.batching.context_parallel import context_parallel_attention, context_parallel_sequence_attention
+from fnppo.core.batching.context_parallel import context_parallel_attention
 from fnppo.core.errors import describe, input_error
-from fnppo.core.kernels.invariant import sequence_attention
-from fnppo.core.ops.invariant_kernels import kernels_of
-from fnppo.core.typing import CuSeqlens, Tensor, typechecked, typechecking_enabled
-from fnppo.megatron.packed_attention import FLEX_BLOCK, check_cu_seqlens, packed_causal_attention
+from fnppo.core.typing import CuSeqlens, Tensor, typechecked
+from fnppo.megatron.packed_attention import check_cu_seqlens, packed_causal_attention
 from fnppo.megatron.shared_prefix import SharedPackedSeqParams, shared_core_attention
 
 __all__ = ["PackedDotProductAttention", "thd_packed_seq_params"]
@@ -118,11 +115,6 @@ class PackedDotProductAttention(DotProductAttention):
             return shared_core_attention(
                 self, query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
             )
-        kernels = kernels_of(self.config)
-        if kernels is not None:
-            return self._forward_invariant(
-                query, key, value, attention_mask, attn_mask_type, packed_seq_params, kernels.flex_attention
-            )
         if packed_seq_params is None:
             return super().forward(
                 query,
@@ -134,56 +126,6 @@ class PackedDotProductAttention(DotProductAttention):
                 packed_seq_params=None,
             )
         return self._forward_thd(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
-
-    def _forward_invariant(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        attention_mask: Tensor | None,
-        attn_mask_type: AttnMaskType | None,
-        params: PackedSeqParams | None,
-        flex: bool,
-    ) -> Tensor:
-        """Batch-invariant attention (the model's :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels`):
-        with ``flex`` (the record's ``flex_attention``) and CUDA tensors one flex-attention launch over
-        block-aligned sequences; otherwise every sequence alone
-        (:func:`fnppo.core.kernels.invariant.sequence_attention`), packed (THD) or padded (each row
-        of ``[s, b, heads, dim]`` one causal sequence; its right padding is never attended to by its
-        real tokens); under context parallelism (packed only) this rank's rows with the bits of one
-        process (:func:`fnppo.core.batching.context_parallel.context_parallel_sequence_attention`)."""
-        fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal) or attention_mask is not None:
-            raise input_error(
-                fn,
-                "attention_mask",
-                "None with a causal mask type in batch-invariant mode",
-                f"{describe(attention_mask)} with {mask_type}",
-            )
-        if self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None:
-            raise input_error(fn, "config", "vanilla softmax without a window in batch-invariant mode", "other")
-        coeff = self.scale_mask_softmax.scale
-        scale = self.softmax_scale * (coeff if coeff is not None else 1.0)
-        if query.is_cuda and flex:
-            return _aligned_flex_attention(query, key, value, params, scale)
-        if params is not None:
-            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-            squeeze = query.dim() == 4
-            q, k, v = (t[:, 0] for t in (query, key, value)) if squeeze else (query, key, value)
-            if getattr(self.config, "context_parallel_size", 1) > 1:  # this rank's rows, the bits of cp = 1
-                out = context_parallel_sequence_attention(q, k, v, cu, self.pg_collection.cp, softmax_scale=scale)
-            else:
-                out = sequence_attention(q, k, v, [int(x) for x in cu.tolist()], softmax_scale=scale)
-            total = out.shape[0]
-            return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
-        if getattr(self.config, "context_parallel_size", 1) > 1:
-            raise input_error(fn, "packed_seq_params", "THD parameters with context parallelism", "None")
-        seq, batch = query.shape[0], query.shape[1]
-        rows = [
-            sequence_attention(query[:, b], key[:, b], value[:, b], [0, seq], softmax_scale=scale) for b in range(batch)
-        ]
-        return torch.stack(rows, dim=1).reshape(seq, batch, -1)
 
     def _forward_thd(
         self,
@@ -258,51 +200,3 @@ class PackedDotProductAttention(DotProductAttention):
             out = packed_causal_attention(query, key, value, cu_q, softmax_scale=scale, dropout_p=dropout_p)
         total = out.shape[0]
         return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
-
-
-def _aligned_flex_attention(
-    query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams | None, scale: float
-) -> Tensor:
-    """Batch-invariant attention in one flex-attention launch (CUDA, kernels with ``flex_attention``).
-
-    Flex attention walks a query block's keys in blocks of :data:`FLEX_BLOCK` tokens from the start
-    of the pack; when every sequence starts at a multiple of that block (the steps align packed
-    sequences to it, and a padded row ``[s, b]`` becomes ``b`` sequences of ``s`` tokens, ``s`` a
-    multiple of it) a token's keys fall into the same blocks, in the same order, whatever precedes
-    its sequence in the pack, so its output has the same bits in any composition. (Measured on one
-    H200: 24 sequences of 20-3,000 tokens in 5 packings gave 0 differing outputs aligned, and
-    differed in every packing but the first unaligned.)
-    """
-    fn = "fnppo.megatron.core_attention.PackedDotProductAttention.forward"
-    if params is not None:
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        squeeze = query.dim() == 4
-        q, k, v = (t[:, 0] for t in (query, key, value)) if squeeze else (query, key, value)
-        _check_aligned(fn, cu)
-        out = packed_causal_attention(q, k, v, cu, softmax_scale=scale, backend="flex", dynamic=True)
-        total = out.shape[0]
-        return out.reshape(total, 1, -1) if squeeze else out.reshape(total, -1)
-    seq, batch = query.shape[0], query.shape[1]
-    if seq % FLEX_BLOCK:
-        raise input_error(
-            fn,
-            "query",
-            f"a padded length that is a multiple of {FLEX_BLOCK} in batch-invariant mode (pad_to_multiple_of)",
-            f"{seq} tokens",
-        )
-    q, k, v = (t.transpose(0, 1).reshape(batch * seq, *t.shape[2:]) for t in (query, key, value))
-    cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=query.device)
-    out = packed_causal_attention(q, k, v, cu, softmax_scale=scale, backend="flex", dynamic=True)
-    return out.reshape(batch, seq, -1).transpose(0, 1)
-
-
-def _check_aligned(fn: str, cu: Tensor) -> None:
-    """Packed sequences must start at multiples of :data:`FLEX_BLOCK` (one host sync, skipped with
-    call-time checks off)."""
-    if typechecking_enabled() and bool((cu % FLEX_BLOCK).any()):
-        raise input_error(
-            fn,
-            "packed_seq_params.cu_seqlens_q",
-            f"sequence starts at multiples of {FLEX_BLOCK} in batch-invariant mode (pad_to_multiple_of)",
-            str(cu.tolist()),
-        )

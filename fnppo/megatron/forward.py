@@ -4,15 +4,13 @@ The stage between collation (:mod:`fnppo.core.batching.collate`) and the log-pro
 :class:`~fnppo.core.batching.sample.Microbatch` goes through one chunk (Megatron's ``PackedSeqParams`` for
 packed micro-batches, :func:`packed_seq_params`), optionally with another parameter set
 (``params``, ``torch.func.functional_call``; :func:`snapshot_params` makes one).
-:func:`deterministic_algorithms` is the numerics switch the steps run a schedule under.
+:func:`deterministic_algorithms` is torch's determinism switch (the steps enter it through
+:func:`fnppo.megatron.numerics.running`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
-import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,9 +25,6 @@ from megatron.core.transformer.module import Float16Module
 from torch import nn
 
 from fnppo.core.batching.sample import Microbatch
-from fnppo.core.errors import input_error
-from fnppo.core.ops.batch_invariant import batch_invariant
-from fnppo.core.ops.invariant_kernels import InvariantKernels
 from fnppo.core.typing import Float, Tensor, typechecked
 from fnppo.megatron.shared_prefix import shared_packed_seq_params, shared_rope
 from fnppo.megatron.unwrap import check_head, unwrap_model
@@ -41,8 +36,6 @@ __all__ = [
     "packed_seq_params",
     "snapshot_params",
     "deterministic_algorithms",
-    "batch_invariant_numerics",
-    "megatron_invariant_kernels",
 ]
 
 
@@ -76,80 +69,6 @@ def deterministic_algorithms(enabled: bool, *, fill_uninitialized_memory: bool =
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = fill_before
-
-
-@functools.cache
-def megatron_invariant_kernels() -> Any:
-    """Megatron-core's batch-invariant Triton kernels module
-    (``megatron.core.transformer.custom_layers.batch_invariant_kernels``: a persistent matmul,
-    log-softmax, mean, and a Transformer Engine GEMM/RMSNorm patch), or None where it cannot be
-    imported (no Triton) or there is no CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return importlib.import_module("megatron.core.transformer.custom_layers.batch_invariant_kernels")
-    except Exception:  # noqa: BLE001 - no Triton (or an incompatible one)
-        return None
-
-
-@contextlib.contextmanager
-def batch_invariant_numerics(kernels: InvariantKernels | None) -> Iterator[None]:
-    """Run the block with the numerics of the batch-invariant ``kernels`` (the record of a model built with
-    ``ModelConfig(batch_invariant=...)``, :func:`~fnppo.core.ops.invariant_kernels.kernels_of` its config;
-    None: nothing changes).
-
-    A record without ``tiles`` (:data:`~fnppo.core.ops.invariant_kernels.InvariantKernels.FAST`) swaps
-    nothing: the steps' micro-batch shaping (its ``min_rows``, sequences aligned to the attention block,
-    :mod:`fnppo.steps.plan`) is what makes a token's forward values independent of its micro-batch, and
-    forward and backward run the ordinary kernels. With ``tiles``: fnppo's fixed-tile torch kernels
-    (:func:`fnppo.core.ops.batch_invariant.batch_invariant`: products, norms, softmaxes and row reductions
-    in fixed row tiles, invariant element-wise compositions); with ``megatron_products`` too,
-    Megatron-core's ``set_batch_invariant_mode(True)`` (its ``aten`` overrides and Transformer Engine GEMM
-    / RMSNorm patches, forward and backward) takes the products. Everything is restored on exit, also on
-    an exception.
-
-    Raises:
-        InputError: ``kernels`` neither None nor an :class:`~fnppo.core.ops.invariant_kernels.InvariantKernels`.
-    """
-    if kernels is not None and not isinstance(kernels, InvariantKernels):
-        raise input_error(
-            "fnppo.megatron.forward.batch_invariant_numerics", "kernels", "an InvariantKernels or None", repr(kernels)
-        )
-    if kernels is None or not kernels.tiles:
-        yield
-        return
-    megatron = megatron_invariant_kernels() if kernels.megatron_products else None
-    with contextlib.ExitStack() as stack:
-        if megatron is not None:
-            if importlib.util.find_spec("transformer_engine") is not None:
-                stack.enter_context(megatron.set_batch_invariant_mode(True))
-            else:  # Megatron's switch also patches Transformer Engine and fails without it
-                stack.enter_context(_aten_triton_products(megatron))
-        stack.enter_context(batch_invariant(True, products=megatron is None))
-        yield
-
-
-@contextlib.contextmanager
-def _aten_triton_products(kernels: Any) -> Iterator[None]:
-    """Megatron's persistent Triton matmul for ``aten::mm`` / ``aten::addmm`` on CUDA for the
-    duration of the block (the part of Megatron's batch-invariant switch that needs no Transformer
-    Engine); the registrations are removed on exit, also on an exception."""
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        for op, kernel, key in triton_product_registrations(kernels):
-            lib.impl(op, kernel, key)
-        yield
-    finally:
-        lib._destroy()
-
-
-def triton_product_registrations(kernels: Any) -> tuple[tuple[str, Any, str], ...]:
-    """What :func:`_aten_triton_products` registers: ``(aten op, Megatron's kernel, dispatch key)``
-    for ``aten::mm`` and ``aten::addmm`` (``nn.Linear`` with a bias lowers to ``addmm``) on CUDA."""
-    return (
-        ("aten::mm", kernels.mm_batch_invariant, "CUDA"),
-        ("aten::addmm", kernels.addmm_batch_invariant, "CUDA"),
-    )
 
 
 def _call_target(model: nn.Module) -> tuple[nn.Module, str]:

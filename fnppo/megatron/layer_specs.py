@@ -19,7 +19,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from fnppo.core.errors import input_error
-from fnppo.core.ops.invariant_kernels import InvariantKernels, kernels_of, resolve_kernels
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.norms import SequenceParallelNorm
 from fnppo.megatron.parallel import ParallelLayout
@@ -45,16 +44,12 @@ _SPEC_DEFAULTS: dict[str, Any] = {
 MoEExperts = Literal["stacked", "te_grouped", "sequential"]
 
 
-def default_experts(*, fp8: bool, cuda: bool, kernels: InvariantKernels | None) -> str:
-    """The experts module when none is asked for: ``"te_grouped"`` with FP8; in the batch-invariant
-    mode (``kernels``, its record; None outside it) ``"stacked"`` where the record says
-    ``stacked_experts`` (a token's row of the grouped GEMM has the same bits whatever the group sizes)
-    and ``"sequential"`` otherwise (fnppo's fixed tiles or Megatron's Triton matmul take its products);
-    outside the mode ``"stacked"`` on CUDA and ``"sequential"`` on CPU."""
+def default_experts(*, fp8: bool, cuda: bool) -> str:
+    """The experts module when none is asked for: ``"te_grouped"`` with FP8, else ``"stacked"`` on CUDA and
+    ``"sequential"`` on CPU (a model in the batch-invariant mode takes its record's:
+    :func:`fnppo.megatron.numerics.invariant_experts`)."""
     if fp8:
         return "te_grouped"
-    if kernels is not None:
-        return "stacked" if kernels.stacked_experts else "sequential"
     return "stacked" if cuda else "sequential"
 
 
@@ -65,10 +60,7 @@ def _experts(config: Any, given: str | None) -> str:
     if given is None and getattr(config, "moe_grouped_gemm", None) is True:
         given = "te_grouped"
     if given is None:
-        cuda = torch.cuda.is_available()
-        # a Megatron config carries its record; an fnppo ModelConfig its batch_invariant value
-        kernels = kernels_of(config) or resolve_kernels(getattr(config, "batch_invariant", False), cuda=cuda)
-        given = default_experts(fp8=bool(getattr(config, "fp8", None)), cuda=cuda, kernels=kernels)
+        given = default_experts(fp8=bool(getattr(config, "fp8", None)), cuda=torch.cuda.is_available())
     if given not in ("stacked", "te_grouped", "sequential"):
         raise input_error(
             "fnppo.models.default_layer_spec", "moe_experts", "'stacked', 'te_grouped' or 'sequential'", repr(given)

@@ -16,9 +16,9 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from fnppo.core.errors import input_error
-from fnppo.core.ops.invariant_kernels import KERNELS_ATTRIBUTE, InvariantKernels, resolve_kernels
 from fnppo.megatron.config import ModelConfig
 from fnppo.megatron.layer_specs import default_experts, te_available
+from fnppo.megatron.numerics import choose_kernels, fusions_default, invariant_experts, mark_config
 from fnppo.megatron.parallel import ParallelLayout, current_layout
 from fnppo.megatron.patches import patch_fused_rope
 
@@ -39,10 +39,7 @@ def fusion_fields(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, bool]:
     (the output layer, a ``ColumnParallelLinear``, needs Apex's ``fused_weight_gradient_mlp_cuda``
     for it).
     """
-    # batch-invariant mode with the tiles: the plain torch element-wise ops, which its torch-function
-    # mode sees (a record with ``fusions`` keeps the fused ones: one kernel per op)
-    kernels = _kernels(cfg, layout)
-    default = _on_cuda(layout) and (kernels is None or kernels.fusions)
+    default = fusions_default(_kernels(cfg, layout), cuda=_on_cuda(layout))
     on = cfg.fusions if cfg.fusions is not None else default
     return dict(
         bias_activation_fusion=bool(on and (cfg.swiglu or cfg.add_bias_linear)),
@@ -112,15 +109,9 @@ def transformer_config(cfg: ModelConfig, layout: ParallelLayout | None = None, *
     _check_recompute_modules(kwargs)
     if kwargs.get("apply_rope_fusion"):
         patch_fused_rope()  # Megatron checks for a fused RoPE when the config is built
-    # the mode's kernels, chosen once here and read back by kernels_of (the steps, attention, experts, router)
-    kernels = _kernels(cfg, layout)
-    if kernels is not None:
-        _check_batch_invariant_layout(layout, kernels)
+    kernels = _kernels(cfg, layout)  # the batch-invariant mode's record, chosen once (fnppo.megatron.numerics)
     tc = TransformerConfig(**kwargs)
-    # Set after construction: Megatron's own check asks for its FlashAttention backend, which fnppo's
-    # local spec does not use (its attention is fnppo's per-sequence kernel in this mode).
-    tc.batch_invariant_mode = kernels is not None
-    setattr(tc, KERNELS_ATTRIBUTE, kernels)
+    mark_config(tc, kernels)
     return tc
 
 
@@ -151,33 +142,6 @@ def _check_divisible(cfg: ModelConfig, layout: ParallelLayout) -> None:
             "num_layers",
             f"a multiple of pp*vpp={layout.pp}*{layout.vpp or 1}",
             repr(cfg.num_layers),
-        )
-
-
-def _check_batch_invariant_layout(layout: ParallelLayout, kernels: InvariantKernels) -> None:
-    """Refuse the parallel layouts and devices under which batch invariance cannot hold with ``kernels``."""
-    if layout.tp > 2:
-        raise input_error(
-            "transformer_config",
-            "ModelConfig.batch_invariant",
-            "False with tp > 2 (partial sums of more than two tensor-parallel ranks are added in a "
-            "position-dependent order)",
-            f"True with tp={layout.tp}",
-        )
-    if layout.cp > 1 and not kernels.context_parallel:
-        raise input_error(
-            "transformer_config",
-            "ModelConfig.batch_invariant",
-            f"kernels with context_parallel=True under context parallelism (the {kernels.name!r} kernels' flex "
-            "attention sees one rank's shard; InvariantKernels.TORCH runs fnppo's per-sequence attention, CP included)",
-            f"{kernels.name!r} kernels with cp={layout.cp}",
-        )
-    if kernels.megatron_products and not _on_cuda(layout):
-        raise input_error(
-            "transformer_config",
-            "ModelConfig.batch_invariant",
-            "kernels without megatron_products on a model built for the CPU (Megatron's Triton matmul is CUDA only)",
-            f"{kernels.name!r} kernels",
         )
 
 
@@ -267,19 +231,20 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "transformer_config", "moe_experts", "'te_grouped' (or None) with fp8 set", repr(cfg.moe_experts)
             )
         return cfg.moe_experts
-    return default_experts(fp8=cfg.fp8 is not None, cuda=_on_cuda(layout), kernels=_kernels(cfg, layout))
+    invariant = _invariant_experts(cfg, layout)
+    return invariant or default_experts(fp8=cfg.fp8 is not None, cuda=_on_cuda(layout))
 
 
-def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> InvariantKernels | None:
-    """The batch-invariant mode's kernels for ``cfg`` on ``layout``; None outside the mode."""
-    return resolve_kernels(cfg.batch_invariant, cuda=_on_cuda(layout))
+def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> Any:
+    """The batch-invariant mode's record for ``cfg`` on ``layout`` (None outside the mode), the layouts it
+    cannot hold on refused (:func:`fnppo.megatron.numerics.choose_kernels`)."""
+    return choose_kernels(cfg.batch_invariant, layout, cuda=_on_cuda(layout))
 
 
 def _invariant_experts(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
-    """The only experts module of a batch-invariant model (:func:`default_experts` in the mode); None
-    for a model outside the mode."""
+    """The only experts module of a batch-invariant model; None for a model outside the mode."""
     kernels = _kernels(cfg, layout)
-    return None if kernels is None else default_experts(fp8=False, cuda=_on_cuda(layout), kernels=kernels)
+    return None if kernels is None else invariant_experts(kernels)
 
 
 def _on_cuda(layout: ParallelLayout) -> bool:

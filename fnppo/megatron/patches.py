@@ -15,10 +15,6 @@ registry of its own. The patches:
 * ``moe_dispatch_numpy``: ``token_dispatcher.maybe_move_tensor_to_cpu`` wrapped so that CPU split
   sizes asked for ``as_numpy`` become numpy arrays too (``all_to_all_single`` refuses CPU tensors
   there); applied by MoE builds.
-* ``moe_router_invariant``: ``TopKRouter.gating`` wrapped so that a router whose config is in the
-  batch-invariant mode whose kernels tile the router (``InvariantKernels.router_tiles``)
-  computes its logits with :func:`fnppo.megatron.moe.invariant_router_logits`; every other router
-  runs Megatron's gating unchanged. Applied by builds of such MoE models.
 * ``grad_clip_l2_norm``: ``clip_grads.l2_norm_impl`` pointed at :func:`l2_norm_without_syncs` where
   it is Megatron's local fallback (one host sync per tensor); applied by ``build_optimizer`` on NCCL.
 
@@ -37,12 +33,9 @@ from megatron.core import utils as mutils
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
-from megatron.core.transformer.moe.router import TopKRouter
 
-from fnppo.core.ops.invariant_kernels import kernels_of
 from fnppo.core.typing import Tensor
 from fnppo.megatron.fused_rope import fused_rope_bshd, fused_rope_thd
-from fnppo.megatron.moe import invariant_router_logits
 
 __all__ = [
     "Patch",
@@ -51,7 +44,6 @@ __all__ = [
     "patch_fused_rope",
     "patch_moe_router_gemm",
     "patch_moe_dispatch_numpy",
-    "patch_moe_router_invariant",
     "patch_grad_clip_l2_norm",
     "l2_norm_without_syncs",
 ]
@@ -116,33 +108,6 @@ def _moe_dispatch_numpy_applied() -> bool:
     return bool(getattr(token_dispatcher.maybe_move_tensor_to_cpu, "_fnppo", False))
 
 
-_ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def patch_moe_router_invariant() -> None:
-    """Wrap ``TopKRouter.gating``: a router of a model in the batch-invariant mode whose kernels tile
-    the router (:func:`~fnppo.core.ops.invariant_kernels.kernels_of` its config, ``router_tiles``) computes its logits with
-    :func:`fnppo.megatron.moe.invariant_router_logits` (in the router dtype, as Megatron's gating);
-    the others call Megatron's gating. The wrapper is marked, so it is never wrapped twice."""
-    original = TopKRouter.gating
-    if getattr(original, "_fnppo", False):
-        return
-
-    def gating(self: Any, input: Tensor) -> Tensor:  # noqa: A002 - Megatron's argument name
-        kernels = kernels_of(self.config)
-        if kernels is None or not kernels.router_tiles:
-            return original(self, input)
-        dtype = _ROUTER_DTYPES.get(self.config.moe_router_dtype, input.dtype)
-        return invariant_router_logits(input, self.weight, self.bias, dtype)
-
-    gating._fnppo = True  # type: ignore[attr-defined]
-    TopKRouter.gating = gating
-
-
-def _moe_router_invariant_applied() -> bool:
-    return bool(getattr(TopKRouter.gating, "_fnppo", False))
-
-
 def l2_norm_without_syncs(
     chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]], per_tensor: bool, *args: Any
 ) -> tuple[Tensor, None]:
@@ -171,7 +136,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch("fused_rope", patch_fused_rope, _fused_rope_applied),
     Patch("moe_router_gemm", patch_moe_router_gemm, _moe_router_gemm_applied),
     Patch("moe_dispatch_numpy", patch_moe_dispatch_numpy, _moe_dispatch_numpy_applied),
-    Patch("moe_router_invariant", patch_moe_router_invariant, _moe_router_invariant_applied),
     Patch("grad_clip_l2_norm", patch_grad_clip_l2_norm, _grad_clip_l2_norm_applied),
 )
 """Every process-wide patch fnppo makes to megatron-core, in a fixed order."""

@@ -126,10 +126,8 @@ def shared_core_attention(
         raise input_error(fn, "attn_mask_type", "causal with shared-prefix packing", str(mask_type))
     if module.softmax_offset is not None or module.scale_mask_softmax.window_size is not None:
         raise input_error(fn, "config", "vanilla softmax without a window with shared-prefix packing", "other")
-    if getattr(config, "context_parallel_size", 1) > 1 or getattr(config, "batch_invariant_mode", False):
-        raise input_error(
-            fn, "packed_seq_params", "no shared prefixes with context parallelism or the batch-invariant mode", "shared"
-        )
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise input_error(fn, "packed_seq_params", "no shared prefixes with context parallelism", "shared")
     squeeze = query.dim() == 4
     q, k, v = (t[:, 0] for t in (query, key, value)) if squeeze else (query, key, value)
     coeff = module.scale_mask_softmax.scale

@@ -140,9 +140,9 @@ def check_packing(fn: str, config: Batching, plan: Plan) -> None:
     """What shared-prefix packing (``config.packing``) needs of the model and the stages, where it
     is exact: fnppo's packed attention of the local layer spec (Transformer Engine's THD attention
     has no mask for a prefix that several segments see), no context parallelism (a CP rank's
-    shard of a document would need the prefix rule in the all-gathered attention), not the
-    batch-invariant mode (its kernels fix a sample's bits by running it alone; a shared document
-    runs the prefix once for several samples, in other tiles), the default collate stage (a stage
+    shard of a document would need the prefix rule in the all-gathered attention), no module that
+    says why it cannot share one (its ``no_shared_prefix``: e.g. an attention that fixes a sample's bits
+    by running it alone), the default collate stage (a stage
     of its own, e.g. :class:`~fnppo.megatron.vlm_collate.VLMCollate`, packs by itself) and a text
     model.
 
@@ -157,8 +157,8 @@ def check_packing(fn: str, config: Batching, plan: Plan) -> None:
         why = f"context parallelism (cp={model.layout.cp}): the shards' attention has no shared-prefix rule"
     elif uses_transformer_engine(model.core):
         why = "Transformer Engine's layer spec: its THD attention cannot express a prefix shared by segments"
-    elif getattr(model.config, "batch_invariant_mode", False):
-        why = "the batch-invariant mode: its bits come from running every sample alone, not a shared prefix"
+    elif refusals := sorted({r for m in model.core.modules() if (r := getattr(m, "no_shared_prefix", None))}):
+        why = refusals[0]  # a module of the model that says why it cannot share a prefix
     elif getattr(model.core, "takes_multi_modal", False):
         why = "a vision-language model: its images expand inside each sample"
     if why is not None:

@@ -28,7 +28,7 @@ from fnppo.megatron.routing import RoutingRecorder
 from fnppo.megatron.unwrap import check_head
 from fnppo.steps.checks import check_forward_only_microbatches, check_values, checked_plan, per_chunk, routing_recorder
 from fnppo.steps.config import CriticConfig, StepConfig
-from fnppo.steps.plan import Plan, microbatches, model_facts, shape_for_invariance, unpacker, without_routes
+from fnppo.steps.plan import Plan, microbatches, model_facts, shape_microbatches, unpacker, without_routes
 from fnppo.steps.protocols import ForwardFn, StepFns
 from fnppo.steps.schedule import run_forward_only, token_logprobs
 
@@ -101,7 +101,7 @@ def forward_only(
     """
     model = model_facts(list(model_chunks), current_layout())
     check_forward_only_microbatches("forward_only", microbatches, model)
-    microbatches = shape_for_invariance(model, microbatches)
+    microbatches = shape_microbatches(model, microbatches)
     return run_forward_only(model, microbatches, output_fn, params=params, forward=forward, recorder=recorder)
 
 

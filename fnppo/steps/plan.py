@@ -22,9 +22,7 @@ from fnppo.core.batching.context_parallel import gather_per_sample
 from fnppo.core.batching.prefix import SharedPrefix
 from fnppo.core.batching.sample import Microbatch, Sample, padding_multiple
 from fnppo.core.batching.split import Split, SplitPlan, build_microbatches, plan_microbatches
-from fnppo.core.errors import input_error
-from fnppo.core.ops.invariant_kernels import kernels_of
-from fnppo.megatron.packed_attention import FLEX_BLOCK
+from fnppo.megatron.numerics import microbatch_shape
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import routing_spec
 from fnppo.megatron.unwrap import unwrap_model
@@ -108,18 +106,8 @@ class Plan:
     same_length: bool  # the interleaved schedule needs one shape for every micro-batch
     count_multiple: int  # the interleaved schedule's micro-batch group (1 otherwise): counts are multiples of it
     context_parallel: tuple[int, int] = (1, 0)  # (cp, cp_rank): micro-batches are cut to this CP rank's tokens
-    min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (InvariantKernels.min_rows)
+    min_tokens: int | None = None  # micro-batches are padded to at least this many tokens (the model's MicrobatchShape)
     packing: SharedPrefix | None = None  # prompt groups packed with their prompt once (Batching.packing)
-
-
-def _default_multiple(model: ModelFacts) -> int:
-    """Megatron's padding multiple for the layout (:func:`fnppo.core.batching.sample.padding_multiple`); with
-    FP8 GEMMs (Transformer Engine needs token counts divisible by 16) its least common multiple with 16."""
-    layout = model.layout
-    multiple = padding_multiple(layout.tp, layout.cp)
-    if getattr(model.core.config, "fp8", None):
-        multiple = math.lcm(multiple, 16)
-    return multiple
 
 
 def make_plan(config: Batching, model: ModelFacts) -> Plan:
@@ -129,19 +117,11 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         limit, source = config.max_seq_len, f"{type(config).__name__}.max_seq_len"
     else:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
-    multiple = config.pad_to_multiple_of or _default_multiple(model)
-    kernels = kernels_of(model.config)
-    if kernels is not None and kernels.flex_attention:
-        # every sequence starts at a multiple of the flex attention's key block
-        multiple = math.lcm(multiple, FLEX_BLOCK)
-    if kernels is not None and config.layout == "padded" and uses_transformer_engine(model.core):
-        raise input_error(
-            type(config).__name__,
-            "layout",
-            "'packed' for a batch-invariant model of Transformer Engine's spec (its padded attention "
-            "is another kernel: other bits than the packed layout)",
-            repr(config.layout),
-        )
+    # what the model asks of its micro-batches (FP8 GEMMs, the batch-invariant mode): fnppo.megatron.numerics
+    shape = microbatch_shape(
+        model.config, layout=config.layout, te_spec=uses_transformer_engine(model.core), owner=type(config).__name__
+    )
+    multiple = math.lcm(config.pad_to_multiple_of or padding_multiple(layout.tp, layout.cp), shape.multiple)
     return Plan(
         model=model,
         split=config.splitting,
@@ -156,8 +136,7 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         same_length=layout.vpp is not None,
         count_multiple=model.interleaved_group or 1,
         context_parallel=(layout.cp, layout.cp_rank),
-        # no micro-batch has fewer tokens than the record's kernels need to keep a row's bits
-        min_tokens=None if kernels is None else kernels.min_rows,
+        min_tokens=shape.min_tokens,
         packing=config.packing,
     )
 
@@ -177,13 +156,13 @@ def min_tokens(mb: Microbatch, tokens: int, multiple: int) -> Microbatch:
     return pad_microbatch(mb, -(-need // multiple) * multiple)
 
 
-def shape_for_invariance(model: ModelFacts, mbs: Sequence[Microbatch]) -> list[Microbatch]:
-    """Micro-batches made by the caller (``forward_only``) padded as the steps pad theirs in the
-    batch-invariant mode (the record's ``min_rows`` tokens at least), else as given."""
-    kernels = kernels_of(model.config)
-    if kernels is None or kernels.min_rows is None:
+def shape_microbatches(model: ModelFacts, mbs: Sequence[Microbatch]) -> list[Microbatch]:
+    """Micro-batches made by the caller (``forward_only``) padded to the fewest tokens the model asks for
+    (:func:`fnppo.megatron.numerics.microbatch_shape`: the batch-invariant mode's), else as given."""
+    shape = microbatch_shape(model.config)
+    if shape.min_tokens is None:
         return list(mbs)
-    return [min_tokens(mb, kernels.min_rows, FLEX_BLOCK if kernels.flex_attention else 1) for mb in mbs]
+    return [min_tokens(mb, shape.min_tokens, shape.multiple) for mb in mbs]
 
 
 def with_cp_in_dp(layout: ParallelLayout) -> ParallelLayout:

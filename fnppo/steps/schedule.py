@@ -23,10 +23,9 @@ from torch import nn
 from fnppo.core.batching.sample import Microbatch
 from fnppo.core.losses import Aggregation, LossConfig, loss_normalizer, tis_batch_stats
 from fnppo.core.losses.m2po import m2_values, m2po_cutoff
-from fnppo.core.ops.invariant_kernels import kernels_of
-from fnppo.megatron.forward import batch_invariant_numerics, deterministic_algorithms
 from fnppo.megatron.grads import GradStats, finalize_grads
 from fnppo.megatron.moe import router_step
+from fnppo.megatron.numerics import running
 from fnppo.megatron.parallel import ParallelLayout
 from fnppo.megatron.routing import RoutingRecorder, routed
 from fnppo.steps.checks import check_logits, check_values, per_chunk
@@ -108,14 +107,9 @@ def run_schedule(
     (/ tp with sequence parallelism), micro_batch_size, hidden]`` that the callers give every
     micro-batch (:func:`~fnppo.steps.checks.check_interleaved`, the ``same_length`` padding of the split).
 
-    A model built with ``ModelConfig(deterministic=True)`` (Megatron's ``deterministic_mode``) runs
-    under torch's deterministic algorithms (:func:`fnppo.megatron.forward.deterministic_algorithms`);
-    one built with ``ModelConfig(batch_invariant=True)`` (Megatron's ``batch_invariant_mode`` set on
-    its config) with batch-invariant kernels (:func:`fnppo.megatron.forward.batch_invariant_numerics`),
-    and, for an MoE model, under torch's deterministic algorithms too: Megatron's routing map and its
-    un-permutation's token sum take their repeatable ``index_put`` / ``index_add`` paths only then
-    (``moe_utils``, megatron-core 0.16.1), while Megatron's ``deterministic_mode`` (and with it
-    Transformer Engine's deterministic attention backward) stays the user's choice.
+    The schedule runs in the context the model's numerics ask for (:func:`fnppo.megatron.numerics.running`:
+    torch's deterministic algorithms with ``ModelConfig(deterministic=True)``, the batch-invariant
+    kernels with ``ModelConfig(batch_invariant=...)``).
     """
     fb = pipeline_parallel.get_forward_backward_func()
     layout = model.layout
@@ -127,17 +121,7 @@ def run_schedule(
     saved = config.variable_seq_lengths
     config.variable_seq_lengths = saved and not interleaved
     try:
-        kernels = kernels_of(config)
-        # Megatron's MoE routing and un-permutation take their repeatable (index_put / index_add) paths
-        # only under torch's deterministic switch: the mode needs them for MoE models
-        moe = getattr(config, "num_moe_experts", None) is not None
-        # (for the mode alone without torch's NaN fill of new tensors: it adds a kernel per allocation)
-        determinism = bool(config.deterministic_mode) or (kernels is not None and moe)
-        fill = bool(config.deterministic_mode)
-        with (
-            deterministic_algorithms(determinism, fill_uninitialized_memory=fill),
-            batch_invariant_numerics(kernels),
-        ):
+        with running(config):  # determinism and the batch-invariant kernels: fnppo.megatron.numerics
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=data if interleaved else data[0],

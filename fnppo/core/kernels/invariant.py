@@ -58,6 +58,8 @@ __all__ = [
     "invariant_softplus",
     "sequence_attention",
     "sequence_attention_rows",
+    "invariant_router_logits",
+    "ROUTER_TILE_ROWS",
 ]
 
 DEFAULT_TILE_ROWS = {"cpu": 64, "cuda": 128}
@@ -363,3 +365,57 @@ def sequence_attention_rows(
     if not pieces:
         return query.new_zeros(0, query.shape[1], value.shape[-1])
     return torch.cat(pieces).index_select(0, where.to(query.device)).to(query.dtype)
+
+
+ROUTER_TILE_ROWS = 4096
+"""Rows per product of :func:`invariant_router_logits`."""
+
+
+class _FixedTileGating(torch.autograd.Function):
+    """Forward: the router product in fixed row tiles; backward: the ordinary products (the gradient
+    need not be batch-invariant), saving the inputs in their own dtype as Megatron's gating does."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, dtype, tile):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(inp, weight, bias)
+        ctx.dtype = dtype
+        w = weight.to(dtype).t()
+        out = row_tiled(lambda t: torch.mm(t.to(dtype), w), inp.reshape(-1, inp.shape[-1]), tile)
+        if bias is not None:
+            out = out + bias.to(dtype)
+        return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        inp, weight, bias = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(ctx.dtype)
+        x = inp.reshape(-1, inp.shape[-1])
+        grad_inp = (g @ weight.to(ctx.dtype)).to(inp.dtype).reshape(inp.shape) if ctx.needs_input_grad[0] else None
+        grad_w = (g.t() @ x.to(ctx.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_inp, grad_w, grad_b, None, None
+
+
+@typechecked
+def invariant_router_logits(
+    inp: Float[Tensor, "*tokens hidden"],
+    weight: Float[Tensor, "experts hidden"],
+    bias: Float[Tensor, " experts"] | None,
+    dtype: torch.dtype,
+    *,
+    tile: int = ROUTER_TILE_ROWS,
+) -> Float[Tensor, "*tokens experts"]:
+    """The router's logits ``z = x W^T (+ b)`` in ``dtype``, each token's bits independent of the other tokens.
+
+    ``z[t, e] = sum_h x[t, h] W[e, h] + b[e]``, computed as products of exactly ``tile`` rows
+    (:func:`row_tiled`; the last tile zero-padded): a library GEMM
+    with as few columns as a router has experts picks its reduction split from the number of rows,
+    so the ordinary product gives a token other bits in another micro-batch. The backward runs the
+    ordinary products (only the forward values must be batch-invariant). The gating of Megatron's
+    ``TopKRouter`` (``router_gating_linear``) in fnppo's batch-invariant mode
+    (:func:`fnppo.megatron.numerics.prepare_model`). Reference: H. He and Thinking
+    Machines Lab, "Defeating Nondeterminism in LLM Inference" (2025).
+    """
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise input_error("fnppo.core.kernels.invariant.invariant_router_logits", "tile", "an int >= 1", repr(tile))
+    return _FixedTileGating.apply(inp, weight, bias, dtype, tile)
