@@ -104,9 +104,9 @@ def test_microbatch_shape_is_what_fp8_and_the_record_ask():
     own = InvariantKernels(name="own", tiles=True, min_rows=96)
     assert microbatch_shape(_config(own)) == MicrobatchShape(1, 96)
     # a padded layout of Transformer Engine's spec in the mode: refused, naming the owner's field
-    assert microbatch_shape(_config(), layout="padded", te_spec=True) == MicrobatchShape(1, None)
+    assert microbatch_shape(_config(), padded=True, te_spec=True) == MicrobatchShape(1, None)
     with pytest.raises(fnppo.InputError, match=r"StepConfig: argument 'layout' expected 'packed'"):
-        microbatch_shape(_config(InvariantKernels.TORCH), layout="padded", te_spec=True)
+        microbatch_shape(_config(InvariantKernels.TORCH), padded=True, te_spec=True)
 
 
 @pytest.mark.parametrize(
@@ -138,3 +138,31 @@ def test_the_mode_is_read_from_the_record_alone():
     config.fnppo_invariant_kernels = fake
     assert numerics.kernels_of(config) is None
     assert microbatch_shape(config) == MicrobatchShape(1, None)
+
+
+@pytest.mark.parametrize(
+    "call, arg",
+    [
+        (lambda: microbatch_shape(_config(), padded="yes"), "padded"),
+        (lambda: microbatch_shape(_config(), te_spec=1), "te_spec"),
+        (lambda: microbatch_shape(_config(), owner=""), "owner"),
+        (lambda: MicrobatchShape(0), "multiple"),
+        (lambda: MicrobatchShape(1, -5), "min_tokens"),
+        (lambda: MicrobatchShape(1.5), "multiple"),
+        (lambda: prepare_model("chunk"), "model"),
+        (lambda: numerics.batch_invariant_numerics("fast").__enter__(), "kernels"),
+        (lambda: numerics.choose_kernels("yes", SimpleNamespace(tp=1, cp=1), cuda=False), "batch_invariant"),
+        (lambda: numerics.choose_kernels(True, SimpleNamespace(tp=4, cp=1), cuda=False), "ModelConfig.batch_invariant"),
+        (
+            lambda: numerics.choose_kernels(InvariantKernels.MEGATRON, SimpleNamespace(tp=1, cp=1), cuda=False),
+            "ModelConfig.batch_invariant",
+        ),
+        (
+            lambda: numerics.choose_kernels(InvariantKernels.FAST, SimpleNamespace(tp=1, cp=2), cuda=True),
+            "ModelConfig.batch_invariant",
+        ),
+    ],
+)
+def test_bad_inputs_are_refused_by_name(call, arg):
+    with pytest.raises(fnppo.InputError, match=f"argument '{arg}'"):
+        call()

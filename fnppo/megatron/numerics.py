@@ -294,6 +294,8 @@ def prepare_model(model: nn.Module) -> nn.Module:
     """``model`` (one built chunk) as the mode asks: with ``router_tiles`` every MoE router's gating computes
     its logits in fixed row tiles (:func:`fnppo.core.kernels.invariant.invariant_router_logits`, in the router
     dtype as Megatron's gating), set on the router itself (no class is patched); else unchanged."""
+    if not isinstance(model, nn.Module):
+        raise input_error("fnppo.megatron.numerics.prepare_model", "model", "a torch.nn.Module", type(model).__name__)
     for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
         kernels = kernels_of(router.config)
         if kernels is not None and kernels.router_tiles:
@@ -427,29 +429,39 @@ class MicrobatchShape:
     multiple: int = 1
     min_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        check_positive_int("fnppo.megatron.numerics.MicrobatchShape", "multiple", self.multiple)
+        check_positive_int("fnppo.megatron.numerics.MicrobatchShape", "min_tokens", self.min_tokens, allow_none=True)
+
 
 def microbatch_shape(
-    config: Any, *, layout: str = "packed", te_spec: bool = False, owner: str = "StepConfig"
+    config: Any, *, padded: bool = False, te_spec: bool = False, owner: str = "StepConfig"
 ) -> MicrobatchShape:
     """The :class:`MicrobatchShape` of a model of Megatron config ``config``: FP8 GEMMs need token counts
     divisible by 16 (Transformer Engine); in the mode, the record's ``min_rows`` and, with
     ``flex_attention``, sequences aligned to the attention's key block (:data:`FLEX_BLOCK`).
 
     Raises:
-        InputError: naming ``{owner}.layout``: ``"padded"`` for a model in the mode built from Transformer
-            Engine's spec (``te_spec``: its padded attention is another kernel, other bits than packed).
+        InputError: naming ``{owner}.layout``: ``padded`` micro-batches for a model in the mode built from
+            Transformer Engine's spec (``te_spec``: its padded attention is another kernel, other bits than packed).
     """
+    fn = "fnppo.megatron.numerics.microbatch_shape"
+    for name, value in (("padded", padded), ("te_spec", te_spec)):
+        if not isinstance(value, bool):
+            raise input_error(fn, name, "a bool", repr(value))
+    if not isinstance(owner, str) or not owner:
+        raise input_error(fn, "owner", "a non-empty str (the config class errors name)", repr(owner))
     multiple = 16 if getattr(config, "fp8", None) else 1
     kernels = kernels_of(config)
     if kernels is None:
         return MicrobatchShape(multiple)
-    if layout == "padded" and te_spec:
+    if padded and te_spec:
         raise input_error(
             owner,
             "layout",
             "'packed' for a batch-invariant model of Transformer Engine's spec (its padded attention "
             "is another kernel: other bits than the packed layout)",
-            repr(layout),
+            "'padded'",
         )
     if kernels.flex_attention:
         multiple = math.lcm(multiple, FLEX_BLOCK)

@@ -119,7 +119,10 @@ def make_plan(config: Batching, model: ModelFacts) -> Plan:
         limit, source = model.max_sequence_length, "the model's max_sequence_length"
     # what the model asks of its micro-batches (FP8 GEMMs, the batch-invariant mode): fnppo.megatron.numerics
     shape = microbatch_shape(
-        model.config, layout=config.layout, te_spec=uses_transformer_engine(model.core), owner=type(config).__name__
+        model.config,
+        padded=config.layout == "padded",
+        te_spec=uses_transformer_engine(model.core),
+        owner=type(config).__name__,
     )
     multiple = math.lcm(config.pad_to_multiple_of or padding_multiple(layout.tp, layout.cp), shape.multiple)
     return Plan(
