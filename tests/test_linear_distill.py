@@ -452,6 +452,7 @@ def test_bad_inputs_under_call_time_checking():
 _INTERP_SCRIPT = textwrap.dedent(
     """
     import torch
+    from fnppo.core.kernels import distill_kernels
     from fnppo.core.ops import linear_distill as ld
     from tests.test_linear_distill import reference, run_ours
     g = torch.Generator().manual_seed(11)
@@ -493,7 +494,7 @@ _INTERP_SCRIPT = textwrap.dedent(
     labels = torch.randint(0, 100, (37,), generator=g)
     for reverse in (True, False):
         cfg = ld._Cfg(1 / 0.7, 1.2, -1e4, reverse, True, None, 2, 30, 30, 100, "triton", None, 7)
-        got = ld._kernels().forward_stats(h, w[30:60], labels, ht, wt[30:60], cfg)
+        got = distill_kernels().forward_stats(h, w[30:60], labels, ht, wt[30:60], cfg)
         want = ld._forward_stats_torch(h, w[30:60], labels, ht, wt[30:60], cfg)
         for x, y in zip(got, want):
             assert (x - y).abs().max() < 1e-5 * max(1, y.abs().max()), (x, y)
@@ -504,6 +505,9 @@ _INTERP_SCRIPT = textwrap.dedent(
 
 def test_triton_kernels_in_interpreter():
     pytest.importorskip("triton")
+    np = pytest.importorskip("numpy")
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip("Triton 3.6's interpreter needs numpy < 2.3 (its scalar conversions)")
     env = dict(
         os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )

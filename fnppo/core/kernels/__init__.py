@@ -16,7 +16,14 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["triton_available", "triton_interpreting", "logprob_kernels", "linear_logprob_kernels", "rope_kernels"]
+__all__ = [
+    "triton_available",
+    "triton_interpreting",
+    "logprob_kernels",
+    "linear_logprob_kernels",
+    "distill_kernels",
+    "rope_kernels",
+]
 
 
 def triton_interpreting() -> bool:
@@ -43,6 +50,12 @@ def logprob_kernels() -> ModuleType:
 def linear_logprob_kernels() -> ModuleType:
     """The Triton kernels of the fused output layer (imports Triton; raise ImportError where it is absent)."""
     return importlib.import_module("fnppo.core.kernels.linear_logprob_launch")
+
+
+def distill_kernels() -> ModuleType:
+    """The Triton kernels of the fused output layer with a divergence to a teacher (imports Triton; raise
+    ImportError where it is absent)."""
+    return importlib.import_module("fnppo.core.kernels.linear_distill_triton")
 
 
 def rope_kernels() -> ModuleType:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fnppo.core.kernels import triton_interpreting
-from fnppo.core.kernels.linear_logprob_launch import _accumulate, _num_splits
+from fnppo.core.kernels.linear_logprob_launch import _num_splits, grouped_backward
 from fnppo.core.kernels.linear_logprob_triton import LN2, LOG2E, _label_kernel, _tile_logits
 
 __all__ = ["forward_stats", "backward_grads"]
@@ -357,23 +357,10 @@ def backward_grads(h2, w_valid, labels, teacher, coef, cfg, need_h, dw, *, group
     acc_buf = torch.empty((dz_buf.shape[0], hid), dtype=torch.float32, device=h2.device) if need_h else None
     ptrs = (h2, w_valid, ht2, wt_valid, dz_buf)
     strides = (h2.stride(0), w_valid.stride(0), ht2.stride(0), wt_valid.stride(0), dz_buf.stride(0))
-    for g0 in range(0, n, group_tokens):
-        g1 = min(n, g0 + group_tokens)
-        hg = h2[g0:g1]
-        acc = None if acc_buf is None else acc_buf[: g1 - g0].zero_()
-        for c0 in range(0, n_valid, block_vocab):
-            c1 = min(n_valid, c0 + block_vocab)
-            block = (g0, g1 - g0, c0, c1 - c0)
-            _launch_dz(ptrs, labels, coef2, block, strides, cfg.vocab_start + c0, scales, cfg.reverse)
-            dz = dz_buf[: g1 - g0, : c1 - c0]
-            wb = w_valid[c0:c1]
-            if acc is not None:
-                _accumulate(acc, dz, wb)
-            if dw is not None:
-                if g0 == 0:
-                    torch.mm(dz.t(), hg, out=dw[c0:c1])
-                else:
-                    dw[c0:c1].addmm_(dz.t(), hg)
-        if dh is not None:
-            dh[g0:g1].copy_(acc)
-    return dh
+
+    def launch(block: tuple[int, int, int, int]) -> None:
+        _launch_dz(ptrs, labels, coef2, block, strides, cfg.vocab_start + block[2], scales, cfg.reverse)
+
+    return grouped_backward(
+        h2, w_valid, dz_buf, acc_buf, dh, dw, launch, group_tokens=group_tokens, block_vocab=block_vocab
+    )

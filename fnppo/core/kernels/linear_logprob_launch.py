@@ -275,19 +275,33 @@ def backward_grads(
     tma = _tma_wanted(h2.device) and _tma_ok(h2, w_valid, dz_buf)
     ptrs = (_desc(h2), _desc(w_valid), _desc(dz_buf)) if tma else (h2, w_valid, dz_buf)
     strides = (h2.stride(0), w_valid.stride(0), dz_buf.stride(0))
+
+    def launch(block: tuple[int, int, int, int]) -> None:
+        _launch_dz(ptrs, labels, coef2, block, strides, cfg.vocab_start + block[2], scale2, has_gh, tma)
+
+    return grouped_backward(
+        h2, w_valid, dz_buf, acc_buf, dh, dw, launch, group_tokens=group_tokens, block_vocab=block_vocab
+    )
+
+
+def grouped_backward(h2, w_valid, dz_buf, acc_buf, dh, dw, launch, *, group_tokens, block_vocab):  # noqa: ANN001, ANN201
+    """The backward loop the fused heads share (:mod:`fnppo.core.ops.linear_logprob`,
+    :mod:`fnppo.core.ops.linear_distill`): for each group of ``group_tokens`` rows of ``h2`` and each block
+    of ``block_vocab`` rows of ``w_valid``, ``launch((g0, n_tok, c0, n_cols))`` writes that block's logit
+    gradient into ``dz_buf[:n_tok, :n_cols]``; then ``dh[group] = sum_blocks dz @ w[block]`` (in the fp32
+    accumulator ``acc_buf``, one reused per group; ``dh`` None: not computed) and
+    ``dw[block] = sum_groups dz^T h[group]`` (``dw`` None: not computed). Returns ``dh``."""
+    n, n_valid = h2.shape[0], w_valid.shape[0]
     for g0 in range(0, n, group_tokens):
         g1 = min(n, g0 + group_tokens)
         hg = h2[g0:g1]
-        acc = None if acc_buf is None else acc_buf[: g1 - g0].zero_()  # one accumulator, reused per group
+        acc = None if acc_buf is None else acc_buf[: g1 - g0].zero_()
         for c0 in range(0, n_valid, block_vocab):
             c1 = min(n_valid, c0 + block_vocab)
-            _launch_dz(
-                ptrs, labels, coef2, (g0, g1 - g0, c0, c1 - c0), strides, cfg.vocab_start + c0, scale2, has_gh, tma
-            )
+            launch((g0, g1 - g0, c0, c1 - c0))
             dz = dz_buf[: g1 - g0, : c1 - c0]
-            wb = w_valid[c0:c1]
             if acc is not None:
-                _accumulate(acc, dz, wb)
+                _accumulate(acc, dz, w_valid[c0:c1])
             if dw is not None:
                 if g0 == 0:
                     torch.mm(dz.t(), hg, out=dw[c0:c1])

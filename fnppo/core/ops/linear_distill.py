@@ -16,15 +16,14 @@ path gives the same results.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fnppo.core.errors import describe, input_error
+from fnppo.core.kernels import distill_kernels, linear_logprob_kernels
 from fnppo.core.ops.linear_logprob import (
     _backward_chunks,
     _backward_torch,
@@ -196,10 +195,6 @@ class _Cfg:
     chunk_vocab: int | None = None
 
 
-def _kernels() -> ModuleType:
-    return importlib.import_module("fnppo.core.kernels.linear_distill_triton")
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation (the label, option and TP checks: fnppo.core.ops.logprob)
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +283,7 @@ class _LinearDistill(torch.autograd.Function):
         h2, ht2, lab = _rows(hidden), _rows(t_hidden), labels.reshape(-1)
         valid = (weight[: cfg.n_valid], t_weight[: cfg.n_valid])
         if cfg.impl == "triton":
-            stats = _kernels().forward_stats(h2, valid[0], lab, ht2, valid[1], cfg)
+            stats = distill_kernels().forward_stats(h2, valid[0], lab, ht2, valid[1], cfg)
         else:
             stats = _forward_stats_torch(h2, valid[0], lab, ht2, valid[1], cfg)
         logp, entropy, div, lse_s, teacher_norm = _combine(stats, lab, cfg)
@@ -321,7 +316,7 @@ class _LinearDistill(torch.autograd.Function):
             args = (h2, w_valid, lab, head, g_h is not None, cfg, need_h, dw_valid)
             if cfg.impl == "triton":
                 sizes = _backward_chunks(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), cfg)
-                dh = importlib.import_module("fnppo.core.kernels.linear_logprob_triton").backward_grads(*args, **sizes)
+                dh = linear_logprob_kernels().backward_grads(*args, **sizes)
             else:
                 dh = _backward_torch(*args)
         else:
@@ -329,7 +324,7 @@ class _LinearDistill(torch.autograd.Function):
             args = (h2, w_valid, lab, teacher, coef, cfg, need_h, dw_valid)
             if cfg.impl == "triton":
                 sizes = _backward_chunks(h2.shape[0], weight.shape[0], h2.shape[1], h2.element_size(), cfg)
-                dh = _kernels().backward_grads(*args, **sizes)
+                dh = distill_kernels().backward_grads(*args, **sizes)
             else:
                 dh = _backward_distill_torch(*args)
         return (None if dh is None else dh.view(hidden.shape)), dw, *nones
