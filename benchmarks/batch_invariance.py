@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 import fnppo
-from fnppo.megatron.numerics import kernels_named, megatron_invariant_kernels, resolve_kernels
+from fnppo.megatron.config import kernels_named, resolve_kernels
+from fnppo.megatron.numerics import megatron_invariant_kernels
 
 MODELS = {
     "qwen2.5-0.5b": dict(

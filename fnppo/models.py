@@ -8,6 +8,7 @@ from fnppo.core.ops.batch_invariant import batch_invariant as batch_invariant
 from fnppo.megatron.build import build_gpt as build_gpt
 from fnppo.megatron.build import build_optimizer as build_optimizer
 from fnppo.megatron.build import wrap_ddp as wrap_ddp
+from fnppo.megatron.config import InvariantKernels as InvariantKernels
 from fnppo.megatron.config import ModelConfig as ModelConfig
 from fnppo.megatron.core_attention import PackedDotProductAttention as PackedDotProductAttention
 from fnppo.megatron.forward import forward_hidden as forward_hidden
@@ -21,7 +22,6 @@ from fnppo.megatron.grads import grad_norm as grad_norm
 from fnppo.megatron.layer_specs import default_layer_spec as default_layer_spec
 from fnppo.megatron.layer_specs import local_layer_spec as local_layer_spec
 from fnppo.megatron.layer_specs import te_available as te_available
-from fnppo.megatron.numerics import InvariantKernels as InvariantKernels
 from fnppo.megatron.numerics import batch_invariant_numerics as batch_invariant_numerics
 from fnppo.megatron.packed_attention import flex_compile_count as flex_compile_count
 from fnppo.megatron.packed_attention import packed_causal_attention as packed_causal_attention

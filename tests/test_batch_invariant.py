@@ -297,8 +297,8 @@ def _shaped_run(samples) -> dict:
     record's ``min_rows`` (seen by a recording forward stage), MoE routers through the fixed-tile router
     logits (calls counted); the bits stay those of one micro-batch."""
     from fnppo.megatron import numerics
+    from fnppo.megatron.config import InvariantKernels
     from fnppo.megatron.forward import forward_logits
-    from fnppo.megatron.numerics import InvariantKernels
 
     shaped = InvariantKernels(name="cpu-shaped", tiles=True, min_rows=96, router_tiles=True)
     seen: list[int] = []
@@ -426,8 +426,9 @@ def test_batch_invariant_refuses_dropout_tp_above_2_and_cp_on_the_fast_kernels(m
     are refused on a CPU model; the record is stored as given and read back by ``kernels_of``."""
     from fnppo.core.errors import InputError
     from fnppo.megatron import megatron_config as config_module
+    from fnppo.megatron.config import InvariantKernels
     from fnppo.megatron.megatron_config import transformer_config
-    from fnppo.megatron.numerics import InvariantKernels, kernels_of
+    from fnppo.megatron.numerics import kernels_of
     from tests.messages import check_message
 
     with pytest.raises(InputError) as err:

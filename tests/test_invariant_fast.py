@@ -2,7 +2,7 @@
 
 The mode on CUDA keeps the library kernels and shapes their inputs instead (docs/batch-invariance.md):
 each packed sequence starts at a multiple of the flex-attention block and every micro-batch has at
-least :data:`~fnppo.megatron.numerics.CUDA_MIN_ROWS` tokens (:mod:`fnppo.steps.plan`), and the
+least :data:`~fnppo.megatron.config.CUDA_MIN_ROWS` tokens (:mod:`fnppo.steps.plan`), and the
 choice of kernels is made once per model. The bits on a GPU are measured by
 ``benchmarks/batch_invariance.py``; here: the micro-batch shaping keeps every sample's values where
 they were, and the kernel choice.
@@ -14,7 +14,7 @@ import torch
 
 import fnppo
 from fnppo.core.batching.collate import collate_microbatch, unpack_per_sample
-from fnppo.megatron.numerics import InvariantKernels, kernels_named, resolve_kernels
+from fnppo.megatron.config import InvariantKernels, kernels_named, resolve_kernels
 from fnppo.steps.plan import min_tokens
 
 

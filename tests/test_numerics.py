@@ -20,12 +20,11 @@ from torch import nn
 import fnppo
 from fnppo.core.kernels.invariant import invariant_router_logits
 from fnppo.megatron import numerics
+from fnppo.megatron.config import CUDA_MIN_ROWS, InvariantKernels
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.layer_specs import local_layer_spec
 from fnppo.megatron.numerics import (
-    CUDA_MIN_ROWS,
     InvariantAttention,
-    InvariantKernels,
     MicrobatchShape,
     invariant_layer_spec,
     microbatch_shape,

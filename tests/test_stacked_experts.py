@@ -69,8 +69,9 @@ def test_block_diagonal_parts_is_one_product_for_every_part(parts):
 
 
 def test_default_experts_module_follows_fp8_the_mode_and_the_device():
+    from fnppo.megatron.config import InvariantKernels
     from fnppo.megatron.layer_specs import default_experts
-    from fnppo.megatron.numerics import InvariantKernels, invariant_experts
+    from fnppo.megatron.numerics import invariant_experts
 
     for fp8 in (False, True):
         for cuda in (False, True):

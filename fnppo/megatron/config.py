@@ -1,4 +1,6 @@
-"""Model configuration: :class:`ModelConfig`, what a model is, checked when it is made.
+"""Model configuration: :class:`ModelConfig`, what a model is, checked when it is made, and the value its
+``batch_invariant`` field takes, :class:`InvariantKernels` (every behaviour the record changes:
+:mod:`fnppo.megatron.numerics`).
 
 Its translation into Megatron's ``TransformerConfig`` for a parallel layout is
 :func:`fnppo.megatron.megatron_config.transformer_config`.
@@ -8,18 +10,133 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from fnppo.core.errors import check_bool_fields, check_float, check_number, check_positive_int, input_error
-from fnppo.megatron.numerics import InvariantKernels, resolve_kernels
 
-__all__ = ["ModelConfig", "MOE_EXPERTS", "FP8_FORMATS", "FP8_RECIPES"]
+__all__ = [
+    "ModelConfig",
+    "MOE_EXPERTS",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
+    "InvariantKernels",
+    "CUDA_MIN_ROWS",
+    "resolve_kernels",
+    "kernels_named",
+]
 
 MOE_EXPERTS = ("stacked", "te_grouped", "sequential")
 FP8_FORMATS = (None, "e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+
+
+CUDA_MIN_ROWS = 2048
+"""The fewest tokens a micro-batch has with :data:`InvariantKernels.FAST` (fnppo's steps pad it). On one H200 (bf16,
+the Qwen2.5-1.5B widths and vocabulary), cuBLAS gave a row other bits than in a 16,384-row product only at 333
+rows or fewer (the ``fc2`` product, K = 8,960: split-K), and torch's row reductions over the vocabulary
+likewise; from 1,000 rows on every product and reduction gave the same bits (``benchmarks/batch_invariance.py
+--probe``)."""
+
+
+@dataclass(frozen=True)
+class InvariantKernels:
+    """Which kernels the batch-invariant mode runs: each field one behaviour, read in :mod:`fnppo.megatron.numerics`.
+
+    Attributes:
+        name: how messages and docs name the record.
+        tiles: the schedule runs inside fnppo's fixed-tile torch kernels (products, norms, softmaxes,
+            reductions: :func:`fnppo.core.ops.batch_invariant.batch_invariant`).
+        megatron_products: the products run in Megatron-core's persistent Triton matmul (with Transformer
+            Engine's GEMM / RMSNorm patches where installed) instead of the tiles; CUDA only.
+        min_rows: every micro-batch has at least this many tokens (None: as collated); the library kernels
+            keep a row's bits from this many rows on.
+        flex_attention: one flex-attention launch over sequences started at multiples of its key block
+            (CUDA; elsewhere :func:`fnppo.core.kernels.invariant.sequence_attention`, one sequence at a time).
+        stacked_experts: MoE experts as one grouped GEMM per projection (``"stacked"``; else
+            ``"sequential"``, whose products the tiles take).
+        router_tiles: an MoE router's logits in fixed row tiles
+            (:func:`fnppo.core.kernels.invariant.invariant_router_logits`).
+        fusions: Megatron's fused element-wise kernels stay on by default (off where the tiles' torch
+            function mode must see the plain ops).
+        context_parallel: context parallelism keeps the bits of one process; False: refused by name.
+    """
+
+    name: str
+    tiles: bool
+    megatron_products: bool = False
+    min_rows: int | None = None
+    flex_attention: bool = False
+    stacked_experts: bool = False
+    router_tiles: bool = False
+    fusions: bool = False
+    context_parallel: bool = True
+
+    FAST: ClassVar[InvariantKernels]
+    TORCH: ClassVar[InvariantKernels]
+    MEGATRON: ClassVar[InvariantKernels]
+
+    def __post_init__(self) -> None:
+        fn = "fnppo.models.InvariantKernels"
+        if not isinstance(self.name, str) or not self.name:
+            raise input_error(fn, "name", "a non-empty str", repr(self.name))
+        check_bool_fields(fn, self)
+        check_positive_int(fn, "min_rows", self.min_rows, allow_none=True)
+        if self.tiles and self.stacked_experts:  # the grouped GEMM is neither the tiles' nor Megatron's product
+            raise input_error(fn, "stacked_experts", "False with tiles=True (experts 'sequential')", "True")
+        if self.megatron_products and not self.tiles:
+            raise input_error(fn, "megatron_products", "False with tiles=False (the tiles take the rest)", "True")
+
+
+InvariantKernels.FAST = InvariantKernels(
+    name="fast",
+    tiles=False,
+    min_rows=CUDA_MIN_ROWS,
+    flex_attention=True,
+    stacked_experts=True,
+    router_tiles=True,
+    fusions=True,
+    context_parallel=False,
+)
+"""CUDA: the library's own kernels, forward and backward at full speed, on micro-batches the steps shape."""
+InvariantKernels.TORCH = InvariantKernels(name="torch", tiles=True)
+"""fnppo's fixed-tile torch kernels (any device; the CPU's only choice); context parallelism included."""
+InvariantKernels.MEGATRON = InvariantKernels(name="megatron", tiles=True, megatron_products=True)
+"""Megatron-core's Triton matmul (and Transformer Engine patches) for the products, the tiles for the rest (CUDA)."""
+
+
+def resolve_kernels(batch_invariant: Any, *, cuda: bool) -> InvariantKernels | None:
+    """The record a ``ModelConfig.batch_invariant`` value stands for on a model built for CUDA or not:
+    None for False, the platform's default for True (:data:`InvariantKernels.FAST` on CUDA,
+    :data:`InvariantKernels.TORCH` elsewhere), the record itself otherwise.
+
+    Raises:
+        InputError: anything but a bool or an :class:`InvariantKernels`.
+    """
+    if isinstance(batch_invariant, InvariantKernels):
+        return batch_invariant
+    if not isinstance(batch_invariant, bool):
+        raise input_error(
+            "ModelConfig", "batch_invariant", "a bool or an fnppo.models.InvariantKernels", repr(batch_invariant)
+        )
+    if not batch_invariant:
+        return None
+    return InvariantKernels.FAST if cuda else InvariantKernels.TORCH
+
+
+def kernels_named(name: str) -> InvariantKernels:
+    """The built-in record called ``name`` (``"fast"``, ``"torch"`` or ``"megatron"``): for scripts that take
+    the choice from a command line or an environment variable.
+
+    Raises:
+        InputError: another name.
+    """
+    records = (InvariantKernels.FAST, InvariantKernels.TORCH, InvariantKernels.MEGATRON)
+    for record in records:
+        if record.name == name:
+            return record
+    raise input_error("kernels_named", "name", f"one of {[r.name for r in records]}", repr(name))
 
 
 @dataclass(frozen=True)
@@ -93,9 +210,9 @@ class ModelConfig:
     otherwise).
 
     ``batch_invariant``: exactly on-policy numerics (``docs/batch-invariance.md``): ``True`` (the
-    platform's kernels: :data:`~fnppo.megatron.numerics.InvariantKernels.FAST` on a model built for
-    CUDA, :data:`~fnppo.megatron.numerics.InvariantKernels.TORCH` elsewhere) or an
-    :class:`~fnppo.megatron.numerics.InvariantKernels` record, chosen once when Megatron's config is
+    platform's kernels: :data:`~fnppo.megatron.config.InvariantKernels.FAST` on a model built for
+    CUDA, :data:`~fnppo.megatron.config.InvariantKernels.TORCH` elsewhere) or an
+    :class:`~fnppo.megatron.config.InvariantKernels` record, chosen once when Megatron's config is
     built and stored on it; :mod:`fnppo.megatron.numerics` holds everything it changes. A sample's
     per-token log-probs and entropies then have the same bits whatever its micro-batch companions,
     position in the pack, token budget, number of micro-batches or layout (packed or padded), in

@@ -10,7 +10,7 @@ layouts (:func:`choose_kernels`), ``fusions`` (:func:`fusions_default`), ``stack
 (:func:`microbatch_shape`), ``tiles`` and ``megatron_products`` (:func:`batch_invariant_numerics`).
 The builder calls :func:`invariant_layer_spec` and :func:`prepare_model`; the steps ask two questions
 every model answers, in the mode or not: :func:`microbatch_shape` and :func:`running`. No environment
-variable is read: a script turns a name into a record itself (:func:`kernels_named`). A new kernel path
+variable is read: a script turns a name into a record itself (:func:`~fnppo.megatron.config.kernels_named`). A new kernel path
 is a new record, or a new field read in one function here (CONTRIBUTING.md, "Add a kernel path").
 """
 
@@ -24,7 +24,7 @@ import importlib.util
 import math
 import types
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -34,10 +34,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 
 from fnppo.core.batching.context_parallel import context_parallel_sequence_attention
-from fnppo.core.errors import check_bool_fields, check_positive_int, describe, input_error
+from fnppo.core.errors import check_positive_int, describe, input_error
 from fnppo.core.kernels.invariant import invariant_router_logits, sequence_attention
 from fnppo.core.ops.batch_invariant import batch_invariant
 from fnppo.core.typing import Tensor, typechecking_enabled
+from fnppo.megatron.config import InvariantKernels, resolve_kernels
 from fnppo.megatron.core_attention import PackedDotProductAttention
 from fnppo.megatron.forward import deterministic_algorithms
 from fnppo.megatron.packed_attention import FLEX_BLOCK, packed_causal_attention
@@ -46,11 +47,7 @@ from fnppo.megatron.shared_prefix import SharedPackedSeqParams
 from fnppo.megatron.stacked_experts import StackedExperts
 
 __all__ = [
-    "InvariantKernels",
-    "CUDA_MIN_ROWS",
-    "resolve_kernels",
     "kernels_of",
-    "kernels_named",
     "choose_kernels",
     "mark_config",
     "fusions_default",
@@ -66,119 +63,13 @@ __all__ = [
     "triton_product_registrations",
 ]
 
-CUDA_MIN_ROWS = 2048
-"""The fewest tokens a micro-batch has with :data:`InvariantKernels.FAST` (fnppo's steps pad it). On one H200 (bf16,
-the Qwen2.5-1.5B widths and vocabulary), cuBLAS gave a row other bits than in a 16,384-row product only at 333
-rows or fewer (the ``fc2`` product, K = 8,960: split-K), and torch's row reductions over the vocabulary
-likewise; from 1,000 rows on every product and reduction gave the same bits (``benchmarks/batch_invariance.py
---probe``)."""
-
 _ATTRIBUTE = "fnppo_invariant_kernels"  # the TransformerConfig attribute holding the record (None outside the mode)
-
-
-@dataclasses.dataclass(frozen=True)
-class InvariantKernels:
-    """Which kernels the batch-invariant mode runs: each field one behaviour (the module docstring).
-
-    Attributes:
-        name: how messages and docs name the record.
-        tiles: the schedule runs inside fnppo's fixed-tile torch kernels (products, norms, softmaxes,
-            reductions: :func:`fnppo.core.ops.batch_invariant.batch_invariant`).
-        megatron_products: the products run in Megatron-core's persistent Triton matmul (with Transformer
-            Engine's GEMM / RMSNorm patches where installed) instead of the tiles; CUDA only.
-        min_rows: every micro-batch has at least this many tokens (None: as collated); the library kernels
-            keep a row's bits from this many rows on.
-        flex_attention: one flex-attention launch over sequences started at multiples of its key block
-            (CUDA; elsewhere :func:`fnppo.core.kernels.invariant.sequence_attention`, one sequence at a time).
-        stacked_experts: MoE experts as one grouped GEMM per projection (``"stacked"``; else
-            ``"sequential"``, whose products the tiles take).
-        router_tiles: an MoE router's logits in fixed row tiles
-            (:func:`fnppo.core.kernels.invariant.invariant_router_logits`).
-        fusions: Megatron's fused element-wise kernels stay on by default (off where the tiles' torch
-            function mode must see the plain ops).
-        context_parallel: context parallelism keeps the bits of one process; False: refused by name.
-    """
-
-    name: str
-    tiles: bool
-    megatron_products: bool = False
-    min_rows: int | None = None
-    flex_attention: bool = False
-    stacked_experts: bool = False
-    router_tiles: bool = False
-    fusions: bool = False
-    context_parallel: bool = True
-
-    FAST: ClassVar[InvariantKernels]
-    TORCH: ClassVar[InvariantKernels]
-    MEGATRON: ClassVar[InvariantKernels]
-
-    def __post_init__(self) -> None:
-        fn = "fnppo.models.InvariantKernels"
-        if not isinstance(self.name, str) or not self.name:
-            raise input_error(fn, "name", "a non-empty str", repr(self.name))
-        check_bool_fields(fn, self)
-        check_positive_int(fn, "min_rows", self.min_rows, allow_none=True)
-        if self.tiles and self.stacked_experts:  # the grouped GEMM is neither the tiles' nor Megatron's product
-            raise input_error(fn, "stacked_experts", "False with tiles=True (experts 'sequential')", "True")
-        if self.megatron_products and not self.tiles:
-            raise input_error(fn, "megatron_products", "False with tiles=False (the tiles take the rest)", "True")
-
-
-InvariantKernels.FAST = InvariantKernels(
-    name="fast",
-    tiles=False,
-    min_rows=CUDA_MIN_ROWS,
-    flex_attention=True,
-    stacked_experts=True,
-    router_tiles=True,
-    fusions=True,
-    context_parallel=False,
-)
-"""CUDA: the library's own kernels, forward and backward at full speed, on micro-batches the steps shape."""
-InvariantKernels.TORCH = InvariantKernels(name="torch", tiles=True)
-"""fnppo's fixed-tile torch kernels (any device; the CPU's only choice); context parallelism included."""
-InvariantKernels.MEGATRON = InvariantKernels(name="megatron", tiles=True, megatron_products=True)
-"""Megatron-core's Triton matmul (and Transformer Engine patches) for the products, the tiles for the rest (CUDA)."""
-
-
-def resolve_kernels(batch_invariant: Any, *, cuda: bool) -> InvariantKernels | None:
-    """The record a ``ModelConfig.batch_invariant`` value stands for on a model built for CUDA or not:
-    None for False, the platform's default for True (:data:`InvariantKernels.FAST` on CUDA,
-    :data:`InvariantKernels.TORCH` elsewhere), the record itself otherwise.
-
-    Raises:
-        InputError: anything but a bool or an :class:`InvariantKernels`.
-    """
-    if isinstance(batch_invariant, InvariantKernels):
-        return batch_invariant
-    if not isinstance(batch_invariant, bool):
-        raise input_error(
-            "ModelConfig", "batch_invariant", "a bool or an fnppo.models.InvariantKernels", repr(batch_invariant)
-        )
-    if not batch_invariant:
-        return None
-    return InvariantKernels.FAST if cuda else InvariantKernels.TORCH
 
 
 def kernels_of(config: Any) -> InvariantKernels | None:
     """The batch-invariant kernels recorded on a Megatron config (None outside the mode): the one reader."""
     kernels = getattr(config, _ATTRIBUTE, None)
     return kernels if isinstance(kernels, InvariantKernels) else None
-
-
-def kernels_named(name: str) -> InvariantKernels:
-    """The built-in record called ``name`` (``"fast"``, ``"torch"`` or ``"megatron"``): for scripts that take
-    the choice from a command line or an environment variable.
-
-    Raises:
-        InputError: another name.
-    """
-    records = (InvariantKernels.FAST, InvariantKernels.TORCH, InvariantKernels.MEGATRON)
-    for record in records:
-        if record.name == name:
-            return record
-    raise input_error("kernels_named", "name", f"one of {[r.name for r in records]}", repr(name))
 
 
 # -- building: Megatron's config, the spec, the model ---------------------------------------------------

@@ -23,11 +23,11 @@ Everything else passes through unchanged (indexing, element-wise arithmetic, ``e
 matrix products to another batch-invariant implementation (on CUDA, Megatron-core's persistent
 Triton matmul: :func:`fnppo.megatron.numerics.batch_invariant_numerics`).
 
-On CUDA the tiles are not needed (:data:`~fnppo.megatron.numerics.InvariantKernels.FAST`):
+On CUDA the tiles are not needed (:data:`~fnppo.megatron.config.InvariantKernels.FAST`):
 cuBLAS's GEMMs give a row the same bits whatever the number of rows once that number is large enough
 for the library not to split the reduction (split-K), and row-wise reductions and norms run one program
 per row at such sizes; so fnppo's steps give every micro-batch at least
-:data:`~fnppo.megatron.numerics.CUDA_MIN_ROWS` tokens and
+:data:`~fnppo.megatron.config.CUDA_MIN_ROWS` tokens and
 start every packed sequence at a multiple of the attention's key block
 (:func:`fnppo.megatron.numerics.microbatch_shape`),
 and the model runs its ordinary kernels, forward and backward.
