@@ -119,5 +119,46 @@ def test_train_step_on_one_sample_micro_batches(layout):
     assert metrics["skipped"] == 0.0 and torch.isfinite(torch.tensor(metrics["loss"])), metrics
 
 
+@pytest.mark.parametrize("kind", [None, "reverse_kl", "forward_kl"])
+@pytest.mark.parametrize("divergence_grad", [True, False])
+def test_fused_heads_run_their_triton_kernels_and_equal_float64(kind, divergence_grad):
+    """The fused log-prob head (``kind=None``) and its divergence to a teacher on the compiled Triton kernels
+    (several token groups and vocabulary blocks, a vocabulary cut by ``vocab_size``), values and gradients
+    against the float64 reference of tests/test_linear_distill.py; with ``divergence_grad`` False the
+    distillation op's backward takes the head's kernels (no divergence gradient)."""
+    if kind is None and not divergence_grad:
+        pytest.skip("the head has no divergence")
+    errors = fused_head_errors("cuda", "triton", kind, divergence_grad)
+    assert max(errors.values()) < 1e-4, (kind, divergence_grad, errors)
+
+
+def fused_head_errors(device: str, impl: str, kind: str | None, divergence_grad: bool) -> dict[str, float]:
+    """Max error relative to the largest float64 value, per output and gradient (also runs on the CPU with
+    ``impl="torch"``)."""
+    from fnppo.core.ops.linear_logprob import linear_logprob_and_entropy
+    from tests.test_linear_distill import problem, reference, run_ours
+
+    *tensors, grads = problem(lead=(3, 250), hidden=96, teacher_hidden=80, vocab=3000, seed=5)
+    h, w, labels, ht, wt = (t.to(device) for t in tensors)
+    labels = labels % 2990  # real tokens only
+    grads = tuple(g.to(device) for g in grads)
+    grads = grads if divergence_grad else (*grads[:2], None)
+    sizes = dict(chunk_tokens=256, chunk_vocab=1024, vocab_size=2990, temperature=0.9, impl=impl)
+    if kind is None:
+        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = linear_logprob_and_entropy(hg, wg, labels, **sizes)
+        ((lp * grads[0]).sum() + (ent * grads[1]).sum()).backward()
+        ref = reference(h, w, labels, ht, wt, "reverse_kl", t=0.9, vocab_size=2990, grads=(*grads[:2], None))
+        pairs = {"logprobs": (lp, ref[0]), "entropy": (ent, ref[1]), "dh": (hg.grad, ref[3]), "dw": (wg.grad, ref[4])}
+    else:
+        got = run_ours(h, w, labels, ht, wt, grads, kind=kind, **sizes)
+        ref = reference(h, w, labels, ht, wt, kind, t=0.9, vocab_size=2990, grads=grads)
+        pairs = dict(zip(("logprobs", "entropy", "divergence", "dh", "dw"), zip(got, ref, strict=True), strict=True))
+    return {
+        name: float((a.detach().double() - b).abs().max() / b.abs().max().clamp(min=1e-12))
+        for name, (a, b) in pairs.items()
+    }
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
