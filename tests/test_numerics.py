@@ -58,6 +58,23 @@ def test_the_spec_takes_the_modes_attention_and_refuses_what_cannot_hold():
     assert invariant_layer_spec(megatron, _config(InvariantKernels.TORCH)) is megatron
     with pytest.raises(fnppo.InputError, match="argument 'layer_spec' expected a spec whose core attention is fnppo"):
         invariant_layer_spec(megatron, _config(InvariantKernels.TORCH, context_parallel_size=2))
+    # a spec's own subclass is kept as given; under CP only the mode's attention (or a subclass of it) holds
+    own = type("OwnAttention", (PackedDotProductAttention,), {})
+    theirs = dataclasses.replace(
+        spec,
+        submodules=dataclasses.replace(
+            spec.submodules,
+            self_attention=dataclasses.replace(
+                spec.submodules.self_attention,
+                submodules=dataclasses.replace(spec.submodules.self_attention.submodules, core_attention=own),
+            ),
+        ),
+    )
+    assert _core_attention(invariant_layer_spec(theirs, _config(InvariantKernels.TORCH))) is own
+    with pytest.raises(fnppo.InputError, match="argument 'layer_spec'"):
+        invariant_layer_spec(theirs, _config(InvariantKernels.TORCH, context_parallel_size=2))
+    cp = invariant_layer_spec(spec, _config(InvariantKernels.TORCH, context_parallel_size=2))
+    assert _core_attention(cp) is InvariantAttention
     # stacked experts where the record says sequential (tiles): refused; with FAST taken
     moe = local_layer_spec(normalization="RMSNorm", num_experts=4, moe_experts="stacked")
     experts = moe.submodules.mlp.submodules.experts

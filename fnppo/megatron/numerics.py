@@ -137,12 +137,14 @@ def invariant_experts(kernels: InvariantKernels) -> str:
 
 def invariant_layer_spec(spec: Any, config: Any) -> Any:
     """``spec`` (a layer spec) for a model of Megatron config ``config``: in the mode, fnppo's
-    :class:`~fnppo.megatron.core_attention.PackedDotProductAttention` becomes :class:`InvariantAttention`;
-    outside it, ``spec`` itself. A new spec is built (the given one is not modified).
+    :class:`~fnppo.megatron.core_attention.PackedDotProductAttention` becomes :class:`InvariantAttention`
+    (another class, a subclass of either included, is kept as given); outside it, ``spec`` itself. A new
+    spec is built (the given one is not modified).
 
     Raises:
-        InputError: naming ``layer_spec``: under context parallelism a core attention other than fnppo's
-            (Transformer Engine's CP attention merges partial softmax results of the ranks); experts stacked
+        InputError: naming ``layer_spec``: under context parallelism a core attention other than fnppo's or an
+            :class:`InvariantAttention` (Transformer Engine's CP attention merges partial softmax results of the
+            ranks); experts stacked
             where the record says ``"sequential"``.
     """
     kernels = kernels_of(config)
@@ -153,11 +155,11 @@ def invariant_layer_spec(spec: Any, config: Any) -> Any:
     def walk(node: Any, field: str) -> Any:
         module = node.module if isinstance(node, ModuleSpec) else node
         if field == "core_attention" and isinstance(module, type):
-            if issubclass(module, PackedDotProductAttention):
+            if module is PackedDotProductAttention:  # fnppo's own: the mode's in its place
                 return (
                     dataclasses.replace(node, module=InvariantAttention) if node is not module else InvariantAttention
                 )
-            if cp > 1:
+            if cp > 1 and not issubclass(module, InvariantAttention):  # a spec's own class is kept as given
                 raise input_error(
                     "fnppo.build_gpt",
                     "layer_spec",
