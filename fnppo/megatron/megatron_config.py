@@ -209,6 +209,8 @@ def _moe_kwargs(cfg: ModelConfig, layout: ParallelLayout) -> dict[str, Any]:
 def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
     """The experts module of ``cfg`` on ``layout`` (``cfg.moe_experts``; None: ``"stacked"`` for a
     CUDA model without FP8, ``"te_grouped"`` with FP8, ``"sequential"`` on CPU)."""
+    kernels = _kernels(cfg, layout)
+    invariant = None if kernels is None else invariant_experts(kernels)
     if cfg.moe_experts is not None:
         if cfg.moe_experts == "te_grouped" and not te_available():
             raise input_error(
@@ -217,12 +219,11 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "'stacked' or 'sequential' (Transformer Engine is not installed)",
                 "'te_grouped'",
             )
-        invariant = _invariant_experts(cfg, layout)
         if invariant is not None and cfg.moe_experts != invariant:
             raise input_error(
                 "transformer_config",
                 "moe_experts",
-                f"{invariant!r} or None with batch_invariant and the {_kernels(cfg, layout).name!r} kernels "
+                f"{invariant!r} or None with batch_invariant and the {kernels.name!r} kernels "
                 "(the experts' products must give a token the same bits whatever the other tokens)",
                 repr(cfg.moe_experts),
             )
@@ -231,7 +232,6 @@ def moe_experts_choice(cfg: ModelConfig, layout: ParallelLayout) -> str:
                 "transformer_config", "moe_experts", "'te_grouped' (or None) with fp8 set", repr(cfg.moe_experts)
             )
         return cfg.moe_experts
-    invariant = _invariant_experts(cfg, layout)
     return invariant or default_experts(fp8=cfg.fp8 is not None, cuda=_on_cuda(layout))
 
 
@@ -239,12 +239,6 @@ def _kernels(cfg: ModelConfig, layout: ParallelLayout) -> Any:
     """The batch-invariant mode's record for ``cfg`` on ``layout`` (None outside the mode), the layouts it
     cannot hold on refused (:func:`fnppo.megatron.numerics.choose_kernels`)."""
     return choose_kernels(cfg.batch_invariant, layout, cuda=_on_cuda(layout))
-
-
-def _invariant_experts(cfg: ModelConfig, layout: ParallelLayout) -> str | None:
-    """The only experts module of a batch-invariant model; None for a model outside the mode."""
-    kernels = _kernels(cfg, layout)
-    return None if kernels is None else invariant_experts(kernels)
 
 
 def _on_cuda(layout: ParallelLayout) -> bool:

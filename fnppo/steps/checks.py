@@ -157,8 +157,8 @@ def check_packing(fn: str, config: Batching, plan: Plan) -> None:
         why = f"context parallelism (cp={model.layout.cp}): the shards' attention has no shared-prefix rule"
     elif uses_transformer_engine(model.core):
         why = "Transformer Engine's layer spec: its THD attention cannot express a prefix shared by segments"
-    elif refusals := sorted({r for m in model.core.modules() if (r := getattr(m, "no_shared_prefix", None))}):
-        why = refusals[0]  # a module of the model that says why it cannot share a prefix
+    elif refusal := next((r for m in model.core.modules() if (r := getattr(m, "no_shared_prefix", None))), None):
+        why = refusal  # a module of the model says why it cannot share a prefix
     elif getattr(model.core, "takes_multi_modal", False):
         why = "a vision-language model: its images expand inside each sample"
     if why is not None:
